@@ -1,0 +1,18 @@
+"""Analytic FLOPs of the transformer (Kaplan et al. 2020; PaLM appendix B)."""
+
+from __future__ import annotations
+
+
+def matmul_params(m) -> int:
+    """Parameters that take part in a matmul per token: every weight matrix except the embedding
+    lookup (the tied embedding counts once, as the output projection)."""
+    D, N, K, H, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
+    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F
+    return L * per_layer + D * V
+
+
+def train_flops_per_token(m, seq_len: int) -> float:
+    """6 N (forward 2N, backward 4N) plus attention's 12 L T N H (QK^T and AV, forward and
+    backward, counted without the causal halving as PaLM does). Remat is not counted: MFU
+    measures useful work."""
+    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * seq_len * m.n_heads * m.head_dim

@@ -1,0 +1,276 @@
+"""The base config: a default for every key, loading of config files, overrides, validation.
+
+Every experiment config starts from `base_config()` and changes what it needs; keys that the base
+does not have are errors (the ConfigDict is locked). docs/config.md documents every key.
+
+    config = load_config("configs/tiny.py:cpu", ["--config.train.steps=10"])
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import math
+import os
+from typing import Any, Sequence
+
+import ml_collections
+
+MESH_AXES = ("data", "pipe", "fsdp", "expert", "seq", "tensor")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the key and says what to do."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 256  # V
+    c.model.d_model = 128  # D
+    c.model.n_layers = 2  # L
+    c.model.n_heads = 4  # N
+    c.model.n_kv_heads = 2  # K
+    c.model.head_dim = 32  # H
+    c.model.d_ff = 512  # F
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.init_std = 0.02
+    c.model.param_dtype = "float32"
+    c.model.compute_dtype = "float32"
+    c.model.remat = "none"
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "stdlib"
+    c.data.path = ""
+    c.data.token_dtype = "uint16"
+    c.data.seq_len = 128  # T
+    c.data.eval_fraction = 0.01
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100
+    c.train.batch_size = 16  # B, global, in sequences
+    c.train.zero_stage = 0
+    c.train.log_every = 10
+    c.train.eval_every = 0  # 0: evaluate only at the end
+    c.train.eval_batches = 4
+    c.train.lr = 3e-3
+    c.train.schedule = "cosine"
+    c.train.warmup_steps = 10
+    c.train.decay_fraction = 0.2  # wsd: fraction of steps spent decaying
+    c.train.min_lr_ratio = 0.1
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0  # 0 disables clipping
+    c.train.progress = True
+
+    c.mesh = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.sequence_parallel = False  # Megatron SP in the norm/residual regions
+
+    # Logical axis -> mesh axis ("" = replicated). `params` is where parameters live at rest;
+    # `compute` is where they are used (FSDP is the difference: embed is gathered before use).
+    c.sharding = ml_collections.ConfigDict()
+    c.sharding.params = ml_collections.ConfigDict(
+        dict(layers="", embed="fsdp", vocab="tensor", heads="tensor", kv_heads="tensor",
+             head_dim="", mlp="tensor"))
+    c.sharding.compute = ml_collections.ConfigDict(
+        dict(layers="", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
+             head_dim="", mlp="tensor", batch="data,fsdp,expert", seq=""))
+
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator_address = ""  # "" = from the environment, or single process
+    c.distributed.num_processes = 0
+    c.distributed.process_id = -1
+
+    c.hardware = ml_collections.ConfigDict()
+    c.hardware.peak_flops = 0.0  # FLOP/s of the whole job for MFU; 0 = detect
+
+    return c
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """Load `path/to/config.py[:arg]`, apply `--config.key=value` overrides, validate."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist: pass --config configs/<name>.py")
+    module_spec = importlib.util.spec_from_file_location("jaxsys_user_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} has no get_config(arg=None) function")
+    config = module.get_config(arg or None)
+    check_keys(config)
+    apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def _flatten(config, prefix="") -> dict[str, Any]:
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _unknown_key_error(key: str, known: Sequence[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key 'config.{key}'.{hint} Every key is listed in docs/config.md.")
+
+
+def check_keys(config) -> None:
+    """Every key must exist in the base config (catches typos in config files)."""
+    known = _flatten(base_config())
+    for key in _flatten(config):
+        if key not in known:
+            raise _unknown_key_error(key, list(known))
+
+
+def _parse_value(key: str, text: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ConfigError(f"config.{key} expects true/false, got {text!r}")
+    if isinstance(default, str):
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"config.{key} expects a {type(default).__name__}, got {text!r}") from None
+    if isinstance(default, float) and isinstance(value, int):
+        value = float(value)
+    if not isinstance(value, type(default)):
+        raise ConfigError(f"config.{key} expects a {type(default).__name__}, got {text!r}")
+    return value
+
+
+def apply_overrides(config, overrides: Sequence[str]) -> None:
+    """Apply `--config.a.b=value` (or `config.a.b=value`) strings in place."""
+    known = _flatten(config)
+    for item in overrides:
+        body = item.lstrip("-")
+        if not body.startswith("config.") or "=" not in body:
+            raise ConfigError(f"override {item!r} must look like --config.train.steps=100")
+        key, _, text = body[len("config."):].partition("=")
+        if key not in known:
+            raise _unknown_key_error(key, list(known))
+        parent = config
+        *path, leaf = key.split(".")
+        for part in path:
+            parent = parent[part]
+        with parent.unlocked():
+            parent[leaf] = _parse_value(key, text, known[key])
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def axes_of(rule: str) -> tuple[str, ...]:
+    """'data,fsdp' -> ('data', 'fsdp'); '' -> ()."""
+    return tuple(a.strip() for a in rule.split(",") if a.strip())
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config, num_devices: int | None = None) -> None:
+    """Check everything that can be checked before any device work. `num_devices` is the
+    global device count when known (the mesh product must equal it)."""
+    check_keys(config)
+    m, mesh, t = config.model, config.mesh, config.train
+    for axis in MESH_AXES:
+        _require(isinstance(mesh[axis], int) and mesh[axis] >= 1,
+                 f"config.mesh.{axis} must be a positive integer, got {mesh[axis]!r}")
+    product = math.prod(mesh[a] for a in MESH_AXES)
+    if num_devices is not None:
+        sizes = " x ".join(f"{a}={mesh[a]}" for a in MESH_AXES if mesh[a] > 1) or "all 1"
+        _require(product == num_devices,
+                 f"config.mesh ({sizes}) has {product} devices but {num_devices} are available: "
+                 f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices}")
+    _require(mesh.pipe == 1, "config.mesh.pipe > 1: pipeline parallelism is not implemented yet; "
+             "set config.mesh.pipe=1")
+    _require(mesh.seq == 1, "config.mesh.seq > 1: context parallelism is not implemented yet; "
+             "set config.mesh.seq=1")
+
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+        _require(isinstance(m[key], int) and m[key] >= 1, f"config.model.{key} must be a positive integer")
+    _require(m.n_heads % m.n_kv_heads == 0,
+             f"config.model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.n_kv_heads}")
+    _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embeddings)")
+    _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
+    for key in ("param_dtype", "compute_dtype"):
+        _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
+
+    # Rules: which mesh axes may hold which logical axes.
+    param_allowed = {"embed": ("fsdp",), "layers": ()}
+    for logical in ("vocab", "heads", "kv_heads", "mlp"):
+        param_allowed[logical] = ("tensor",)
+    param_allowed["head_dim"] = ()
+    for table, allowed_extra in (("params", {}), ("compute", {"batch": ("data", "fsdp", "expert"), "seq": ()})):
+        rules = config.sharding[table]
+        for logical, rule in rules.items():
+            allowed = allowed_extra.get(logical, param_allowed.get(logical))
+            _require(allowed is not None, f"config.sharding.{table}.{logical}: unknown logical axis")
+            for axis in axes_of(rule):
+                _require(axis in allowed,
+                         f"config.sharding.{table}.{logical}={rule!r}: mesh axis {axis!r} is not "
+                         f"supported here; allowed: {allowed or 'none (leave it empty)'}")
+    for logical in ("vocab", "heads", "kv_heads", "mlp"):
+        _require(config.sharding.compute[logical] == config.sharding.params[logical],
+                 f"config.sharding.compute.{logical} must equal config.sharding.params.{logical} "
+                 "(tensor-parallel weights are used where they live)")
+    _require(config.sharding.compute.embed == "",
+             "config.sharding.compute.embed must be empty: weights are gathered over fsdp before use")
+
+    # Divisibility of the model by the mesh.
+    sizes = {a: mesh[a] for a in MESH_AXES}
+    dims = dict(vocab=m.vocab_size, heads=m.n_heads, kv_heads=m.n_kv_heads, mlp=m.d_ff,
+                embed=m.d_model, head_dim=m.head_dim, layers=m.n_layers)
+    names = dict(vocab="vocab_size", heads="n_heads", kv_heads="n_kv_heads", mlp="d_ff",
+                 embed="d_model", head_dim="head_dim", layers="n_layers")
+    for logical, rule in config.sharding.params.items():
+        shards = math.prod(sizes[a] for a in axes_of(rule))
+        if dims[logical] % shards:
+            raise ConfigError(
+                f"config.model.{names[logical]}={dims[logical]} is not divisible by the {shards} "
+                f"shards of mesh axis {rule!r} (config.sharding.params.{logical}); change the model "
+                f"size or config.mesh.{axes_of(rule)[0]}")
+    batch_shards = math.prod(sizes[a] for a in axes_of(config.sharding.compute.batch))
+    _require(t.batch_size % batch_shards == 0,
+             f"config.train.batch_size={t.batch_size} is not divisible by the {batch_shards} batch "
+             f"shards (mesh axes {config.sharding.compute.batch}); change the batch size or the mesh")
+    if config.parallel.sequence_parallel:
+        _require(config.data.seq_len % sizes["tensor"] == 0,
+                 f"config.data.seq_len={config.data.seq_len} must be divisible by config.mesh.tensor="
+                 f"{sizes['tensor']} for sequence parallelism")
+        for logical in ("vocab", "heads", "kv_heads", "mlp"):
+            _require(config.sharding.params[logical] == "tensor",
+                     "config.parallel.sequence_parallel needs heads, kv_heads, mlp and vocab on 'tensor'")
+    _require(t.zero_stage in (0, 1, 2),
+             f"config.train.zero_stage={t.zero_stage}: choose 0, 1 or 2 (stage 3 is config.mesh.fsdp)")
+    _require(t.schedule in SCHEDULES, f"config.train.schedule={t.schedule!r}: choose one of {SCHEDULES}")
+    _require(t.steps >= 1, "config.train.steps must be >= 1")
+    _require(t.log_every >= 1, "config.train.log_every must be >= 1")
+    _require(0 <= config.data.eval_fraction < 0.5, "config.data.eval_fraction must be in [0, 0.5)")

@@ -1,0 +1,48 @@
+"""Layer functions on local arrays. Shapes use B batch, T sequence, D model, N query heads,
+K key/value heads, H head dim, F MLP hidden. No communication happens here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x, scale, eps: float):
+    """x[..., D] / rms(x) * scale[D], computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta: float):
+    """Rotary embeddings on x[B, T, N, H] at positions[T], rotating the two halves of H
+    (the Llama/NeoX convention)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, H/2]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q, k, v, causal: bool = True):
+    """Grouped-query attention. q[B, T, N, H], k/v[B, S, K, H] with N a multiple of K; query head n
+    reads key/value head n // (N/K). Softmax in fp32. Returns [B, T, N, H]."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h ** -0.5)
+    if causal:
+        mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    """SwiGLU MLP: (silu(x W_gate) * x W_up) W_down, x[B, T, D], W_gate/W_up[D, F], W_down[F, D]."""
+    gate = jnp.einsum("btd,df->btf", x, w_gate)
+    up = jnp.einsum("btd,df->btf", x, w_up)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)

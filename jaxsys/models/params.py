@@ -1,0 +1,49 @@
+"""Parameter descriptions: shape, logical axes, initialiser. A model is a pytree of `ParamSpec`s;
+shardings, abstract shapes and initial values are all derived from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]  # one logical name per dimension
+    init: str = "normal"  # "normal" (std), "ones", "zeros"
+    std: float = 0.02
+    decay: bool = True  # AdamW weight decay applies
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def init_params(specs, key, dtype):
+    """Initial values of every leaf; leaf i draws from fold_in(key, i), so values do not depend on
+    how the arrays are sharded (jit this with out_shardings to create them in place)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    values = []
+    for i, spec in enumerate(leaves):
+        if spec.init == "ones":
+            values.append(jnp.ones(spec.shape, dtype))
+        elif spec.init == "zeros":
+            values.append(jnp.zeros(spec.shape, dtype))
+        else:
+            draw = jax.random.normal(jax.random.fold_in(key, i), spec.shape, jnp.float32)
+            values.append((draw * spec.std).astype(dtype))
+    return jax.tree.unflatten(treedef, values)
+
+
+def abstract_params(specs, dtype):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
+
+
+def count(specs) -> int:
+    return sum(int(jnp.prod(jnp.array(s.shape))) for s in jax.tree.leaves(specs, is_leaf=is_spec))

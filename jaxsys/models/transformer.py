@@ -1,0 +1,111 @@
+"""Decoder-only transformer (Llama-style): token embedding, RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU MLP, optional tied embeddings. Layers are stacked on a `layers`
+axis and run with `lax.scan`, so a pipeline can split the stack into stages without changing the
+model.
+
+The functions here run on one device's shards inside the training shard_map. Parameters at rest
+(`param_specs`), with the scaling-book sharding under the default rules:
+
+    embed    [V, D]          vocab, embed         -> [V_tensor, D_fsdp]
+    wq       [L, D, N, H]    layers, embed, heads, head_dim
+    wk, wv   [L, D, K, H]    layers, embed, kv_heads, head_dim
+    wo       [L, N, H, D]    layers, heads, head_dim, embed
+    w_gate, w_up [L, D, F]   layers, embed, mlp
+    w_down   [L, F, D]       layers, mlp, embed
+    unembed  [D, V]          embed, vocab (absent when embeddings are tied)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsys.models import layers
+from jaxsys.models.params import ParamSpec
+from jaxsys.parallel import fsdp, tensor
+from jaxsys.sharding import Layout
+
+
+def param_specs(m) -> dict:
+    """The parameter pytree of `config.model` as ParamSpecs."""
+    L, D, N, K, H, F, V = m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
+    std, out_std = m.init_std, m.init_std / (2 * L) ** 0.5  # GPT-2 scaling of residual outputs
+    norm = lambda *shape_axes: ParamSpec(*shape_axes, init="ones", decay=False)
+    specs = {
+        "embed": ParamSpec((V, D), ("vocab", "embed"), std=std),
+        "layers": {
+            "attn_norm": norm((L, D), ("layers", "embed")),
+            "wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), std=std),
+            "wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
+            "wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
+            "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), std=out_std),
+            "mlp_norm": norm((L, D), ("layers", "embed")),
+            "w_gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), std=std),
+            "w_up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), std=std),
+            "w_down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), std=out_std),
+        },
+        "final_norm": norm((D,), ("embed",)),
+    }
+    if not m.tie_embeddings:
+        specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), std=std)
+    return specs
+
+
+def _axes(specs):
+    return jax.tree.map(lambda s: s.axes, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+
+
+def remat_policy(name: str):
+    """`none` saves everything but the FSDP-gathered weights (always gathered again backward);
+    `dots` saves matmul outputs only; `full` saves nothing inside a layer."""
+    policies = jax.checkpoint_policies
+    if name == "full":
+        return policies.nothing_saveable
+    if name == "dots":
+        return policies.dots_saveable
+    return policies.save_anything_except_these_names(fsdp.GATHERED)
+
+
+def _block(x, w, positions, m, layout: Layout):
+    """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered."""
+    heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sequence_parallel
+    h = tensor.enter(layers.rms_norm(x, w["attn_norm"], m.norm_eps), heads, sp)
+    q = layers.rope(jnp.einsum("btd,dnh->btnh", h, w["wq"]), positions, m.rope_theta)
+    k = layers.rope(jnp.einsum("btd,dkh->btkh", h, w["wk"]), positions, m.rope_theta)
+    v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+    o = layers.attention(q, k, v, causal=True)
+    x = x + tensor.leave(jnp.einsum("btnh,nhd->btd", o, w["wo"]), heads, sp)
+    h = tensor.enter(layers.rms_norm(x, w["mlp_norm"], m.norm_eps), mlp, sp)
+    return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp)
+
+
+def token_losses(params, tokens, m, layout: Layout, specs=None):
+    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]."""
+    specs = specs if specs is not None else param_specs(m)
+    axes = _axes(specs)
+    compute = jnp.dtype(m.compute_dtype)
+    cast = lambda tree: jax.tree.map(lambda p: p.astype(compute), tree)
+    vocab, sp = layout.compute_axes("vocab"), layout.sequence_parallel
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = jnp.arange(inputs.shape[1])
+
+    embed = fsdp.gather(cast(params["embed"]), axes["embed"], layout)
+    x = tensor.embed_lookup(embed, inputs, vocab, sp)  # [B, T, D], or [B, T/tp, D] under SP
+
+    layer_axes = jax.tree.map(lambda a: a[1:], axes["layers"], is_leaf=lambda a: isinstance(a, tuple))
+
+    def body(x, layer_params):
+        w = fsdp.gather(cast(layer_params), layer_axes, layout)
+        return _block(x, w, positions, m, layout), None
+
+    body = jax.checkpoint(body, policy=remat_policy(m.remat), prevent_cse=False)
+    x, _ = jax.lax.scan(body, x, params["layers"])
+
+    final_norm = fsdp.gather(cast(params["final_norm"]), axes["final_norm"], layout)
+    x = tensor.enter(layers.rms_norm(x, final_norm, m.norm_eps), vocab, sp)
+    if m.tie_embeddings:
+        logits = jnp.einsum("btd,vd->btv", x, embed)
+    else:
+        unembed = fsdp.gather(cast(params["unembed"]), axes["unembed"], layout)
+        logits = jnp.einsum("btd,dv->btv", x, unembed)
+    return tensor.cross_entropy(logits, targets, vocab)

@@ -1,0 +1,3 @@
+"""The parallel strategies. Every collective of a training step is written in this package, under
+the name of the technique it belongs to: `tensor` (Megatron TP and SP), `fsdp` (ZeRO-3 weight
+gathering), `zero` (data-parallel gradient reduction and ZeRO stages 0-2)."""

@@ -1,0 +1,69 @@
+"""Megatron tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al.
+2022) over the `tensor` axis, plus the vocabulary-parallel embedding and cross-entropy.
+
+A tensor-parallel block is entered and left once:
+
+    h = enter(x, axes, sp)   # x[B, T, D]: f (identity; all-reduce of dx backward), or with SP an
+                             # all-gather of x[B, T/tp, D] over T (reduce-scatter backward)
+    ... column-parallel matmuls, local heads / hidden units, row-parallel matmul ...
+    y = leave(y, axes, sp)   # g (all-reduce of the partial sums; identity backward), or with SP a
+                             # reduce-scatter over T (all-gather backward)
+
+so each block costs one all-reduce forward and one backward (2 all-reduces = 2 reduce-scatters +
+2 all-gathers with SP, the same bytes, with activations between blocks 1/tp the size).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsys.parallel.collectives import (all_gather_fwd_reduce_scatter_bwd, axis_index,
+                                         copy_fwd_psum_bwd, psum_fwd_copy_bwd,
+                                         reduce_scatter_fwd_all_gather_bwd)
+
+SEQ_DIM = 1  # activations are [B, T, D]
+
+
+def enter(x, axes: tuple[str, ...], sequence_parallel: bool):
+    """Into a tensor-parallel region: every rank needs the full x[B, T, D]."""
+    if sequence_parallel:
+        return all_gather_fwd_reduce_scatter_bwd(x, axes, SEQ_DIM)
+    return copy_fwd_psum_bwd(x, axes)
+
+
+def leave(y, axes: tuple[str, ...], sequence_parallel: bool):
+    """Out of a tensor-parallel region: sum the partial y[B, T, D] of the ranks."""
+    if sequence_parallel:
+        return reduce_scatter_fwd_all_gather_bwd(y, axes, SEQ_DIM)
+    return psum_fwd_copy_bwd(y, axes)
+
+
+def embed_lookup(table, ids, axes: tuple[str, ...], sequence_parallel: bool):
+    """Vocabulary-parallel embedding: table[V/tp, D] holds rows [r*V/tp, (r+1)*V/tp); ids[B, T].
+
+    Each rank looks up the ids it owns (zeros elsewhere) and the rows are summed with `leave`,
+    so the full table is never gathered."""
+    rows = table.shape[0]
+    local = ids - axis_index(axes) * rows
+    owned = (local >= 0) & (local < rows)
+    x = jnp.take(table, jnp.where(owned, local, 0), axis=0) * owned[..., None].astype(table.dtype)
+    return leave(x, axes, sequence_parallel)
+
+
+def cross_entropy(logits, targets, axes: tuple[str, ...]):
+    """Vocabulary-parallel cross-entropy: logits[B, T, V/tp] (this rank's vocabulary slice),
+    targets[B, T] -> per-token loss[B, T] (fp32), equal on every rank. Never gathers the logits:
+    three [B, T] all-reduces (max, sum of exponentials, target logit)."""
+    logits = logits.astype(jnp.float32)
+    width = logits.shape[-1]
+    local_max = lax.stop_gradient(jnp.max(logits, axis=-1))
+    global_max = lax.pmax(local_max, axes) if axes else local_max
+    shifted = logits - global_max[..., None]
+    sum_exp = psum_fwd_copy_bwd(jnp.sum(jnp.exp(shifted), axis=-1), axes)
+    local = targets - axis_index(axes) * width
+    owned = (local >= 0) & (local < width)
+    picked = jnp.take_along_axis(shifted, jnp.where(owned, local, 0)[..., None], axis=-1)[..., 0]
+    target_logit = psum_fwd_copy_bwd(jnp.where(owned, picked, 0.0), axes)
+    return jnp.log(sum_exp) - target_logit

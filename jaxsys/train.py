@@ -1,0 +1,324 @@
+"""Training: the state, the step (one shard_map over the whole mesh), and the loop.
+
+    python -m jaxsys.train --config configs/tiny.py --workdir /tmp/tiny [--config.key=value ...]
+
+or, from a notebook, `jaxsys.train.main(config, workdir)`.
+
+The step runs inside `jax.shard_map` over every mesh axis. Per shard: forward and backward of the
+model (whose collectives are the Megatron and FSDP ones of `jaxsys.parallel`), the data-parallel
+gradient reduction and ZeRO update of `jaxsys.parallel.zero`, clipping by the global norm. The
+program therefore contains exactly the collectives jaxsys wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxsys import data as data_lib
+from jaxsys import optim
+from jaxsys.analysis import flops as flops_lib
+from jaxsys.analysis import hardware
+from jaxsys.config import ConfigError, load_config, validate
+from jaxsys.mesh import make_mesh, maybe_initialize_distributed
+from jaxsys.models import params as params_lib
+from jaxsys.models import transformer
+from jaxsys.parallel import zero
+from jaxsys.sharding import Layout
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any
+    opt_state: Any
+
+
+def _is_p(x) -> bool:
+    return isinstance(x, P)
+
+
+@dataclasses.dataclass
+class Program:
+    """Everything derived from (config, mesh): specs, shardings and the compiled functions."""
+
+    config: Any
+    mesh: jax.sharding.Mesh
+    layout: Layout
+    specs: Any  # ParamSpec pytree
+    param_pspecs: Any
+    plans: Any  # zero.LeafPlan per leaf
+    grad_pspecs: Any  # gradients as the update sees them (sliced over `data` at ZeRO >= 1)
+    optimizer: optax.GradientTransformation
+    state_pspecs: TrainState
+    batch_pspec: P
+
+    # -- shardings and shapes
+    def shardings(self, pspecs):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), pspecs, is_leaf=_is_p)
+
+    @property
+    def state_shardings(self) -> TrainState:
+        return self.shardings(self.state_pspecs)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.batch_pspec)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state without materialising it."""
+        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            shapes, self.state_shardings)
+
+    def _init(self, key) -> TrainState:
+        params = params_lib.init_params(self.specs, key, jnp.dtype(self.config.model.param_dtype))
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def init(self, seed: int | None = None) -> TrainState:
+        seed = self.config.seed if seed is None else seed
+        init = jax.jit(self._init, out_shardings=self.state_shardings)
+        return init(jax.random.fold_in(jax.random.key(seed), 0))
+
+    # -- per-shard functions
+    def _local_loss(self, params, tokens):
+        """This shard's share of the global mean token loss (sums to the mean over shards)."""
+        c = self.config
+        losses = transformer.token_losses(params, tokens, c.model, self.layout, self.specs)
+        return jnp.sum(losses) / (c.train.batch_size * c.data.seq_len)
+
+    def _local_grads(self, params, tokens):
+        loss, grads = jax.value_and_grad(self._local_loss)(params, tokens)
+        grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
+        return jax.lax.psum(loss, self.layout.batch_axes) if self.layout.batch_axes else loss, grads
+
+    def _local_step(self, state: TrainState, tokens):
+        loss, grads = self._local_grads(state.params, tokens)
+        if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
+            grads = jax.tree.map(zero.take_slice, grads, self.plans)
+        grad_norm = zero.global_norm(grads, self.grad_pspecs, self.layout)
+        clip = self.config.train.grad_clip
+        if clip > 0:
+            scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        param_slices = jax.tree.map(zero.take_slice, state.params, self.plans)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
+        params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
+        metrics = {"loss": loss, "grad_norm": grad_norm,
+                   "lr": optim.schedule(self.config.train)(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def _shard_map(self, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+    # -- jitted global functions
+    def train_step_fn(self):
+        """(state, tokens[B, T+1]) -> (state, metrics); the state is donated."""
+        step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_pspec),
+                               (self.state_pspecs, P()))
+        return jax.jit(step, donate_argnums=0)
+
+    def eval_loss_fn(self):
+        def local(params, tokens):
+            loss = self._local_loss(params, tokens)
+            return jax.lax.psum(loss, self.layout.batch_axes) if self.layout.batch_axes else loss
+
+        return jax.jit(self._shard_map(local, (self.param_pspecs, self.batch_pspec), P()))
+
+    def loss_and_grads_fn(self):
+        """(params, tokens) -> (loss, reduced gradients before clipping), for tests and analysis."""
+        out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
+        return jax.jit(self._shard_map(self._local_grads, (self.param_pspecs, self.batch_pspec),
+                                       (P(), out_pspecs)))
+
+
+def build(config, mesh) -> Program:
+    layout = Layout.from_config(config)
+    specs = transformer.param_specs(config.model)
+    is_spec = params_lib.is_spec
+    param_pspecs = jax.tree.map(lambda s: layout.param_spec(s.axes), specs, is_leaf=is_spec)
+    plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage),
+                         specs, is_leaf=is_spec)
+    grad_pspecs = jax.tree.map(lambda s, ps, pl: zero.state_spec(ps, pl, len(s.shape)),
+                               specs, param_pspecs, plans, is_leaf=is_spec)
+    optimizer = optim.make_optimizer(config.train, specs)
+    abstract = params_lib.abstract_params(specs, jnp.dtype(config.model.param_dtype))
+    opt_pspecs = optax.tree_map_params(
+        optimizer, lambda _, spec: spec, jax.eval_shape(optimizer.init, abstract), grad_pspecs,
+        transform_non_params=lambda _: P(), is_leaf=_is_p)
+    state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
+    batch_pspec = layout.compute_spec(("batch", None))
+    return Program(config, mesh, layout, specs, param_pspecs, plans, grad_pspecs, optimizer,
+                   state_pspecs, batch_pspec)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class MetricsWriter:
+    """metrics.jsonl plus TensorBoard events, written by process 0 only."""
+
+    def __init__(self, workdir: str, enabled: bool):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.tb.add_scalar(key, value, record["step"])
+        self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _scalar(x) -> float:
+    return float(np.asarray(x.addressable_data(0)))
+
+
+def _check_finite(loss: float, step: int, config) -> None:
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"loss is {loss} at step {step}: training stopped. Lower config.train.lr "
+            f"(now {config.train.lr}), keep config.train.grad_clip > 0, or use float32 "
+            "(config.model.compute_dtype) to find the cause.")
+
+
+def evaluate(program: Program, eval_fn, params, corpus) -> float:
+    c = program.config
+    losses = [eval_fn(params, data_lib.global_batch(corpus, program.batch_sharding, c.seed, i,
+                                                     c.train.batch_size, c.data.seq_len, "eval"))
+              for i in range(c.train.eval_batches)]
+    return float(np.mean([_scalar(l) for l in losses]))
+
+
+def main(config, workdir: str) -> list[dict]:
+    """Train `config`, writing metrics.jsonl, TensorBoard events and config.json to `workdir`.
+    Returns the logged records."""
+    maybe_initialize_distributed(config.distributed)
+    validate(config)
+    corpus = data_lib.load_corpus(config.data)
+    if corpus.vocab_needed > config.model.vocab_size:
+        raise ConfigError(f"the corpus has token ids up to {corpus.vocab_needed - 1} but "
+                          f"config.model.vocab_size={config.model.vocab_size}: raise the vocab size")
+    mesh = make_mesh(config)
+    lead = jax.process_index() == 0
+    if lead and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        raise FileExistsError(f"{workdir} already holds a run (metrics.jsonl): pass a new --workdir "
+                              "or remove the old one; nothing was overwritten")
+    os.makedirs(workdir, exist_ok=True)
+    if lead:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+
+    program = build(config, mesh)
+    t, m = config.train, config.model
+    tokens_per_step = t.batch_size * config.data.seq_len
+    flops_per_step = flops_lib.train_flops_per_token(m, config.data.seq_len) * tokens_per_step
+    peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
+
+    state = program.init()
+    batch = lambda step, split="train": data_lib.global_batch(
+        corpus, program.batch_sharding, config.seed, step, t.batch_size, config.data.seq_len, split)
+    start = time.perf_counter()
+    step_fn = program.train_step_fn().lower(state, batch(0)).compile()
+    eval_fn = program.eval_loss_fn() if corpus.has_eval else None
+    n_params = params_lib.count(program.specs)
+    if lead:
+        axes = " ".join(f"{a}={s}" for a, s in program.layout.mesh_sizes.items() if s > 1) or "1 device"
+        print(f"jaxsys: {n_params / 1e6:.2f}M params, mesh {axes}, {corpus.description}, "
+              f"compiled in {time.perf_counter() - start:.1f}s", flush=True)
+
+    writer = MetricsWriter(workdir, lead)
+    from tqdm import tqdm
+    bar = tqdm(total=t.steps, disable=not (lead and t.progress), dynamic_ncols=True)
+    records, pending = [], None
+    window_start, window_steps = time.perf_counter(), 0
+
+    def eval_due(step: int) -> bool:
+        return eval_fn is not None and (step == t.steps or bool(t.eval_every and step % t.eval_every == 0))
+
+    def finish(step: int, metrics, eval_loss) -> None:
+        """Read step `step`'s metrics (blocking), check them, log when due."""
+        nonlocal window_start, window_steps
+        loss = _scalar(metrics["loss"])
+        _check_finite(loss, step, config)
+        bar.update(1)
+        window_steps += 1
+        if step % t.log_every == 0 or step == 1 or step == t.steps or eval_loss is not None:
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = window_steps * tokens_per_step / elapsed
+            record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s,
+                      "mfu": flops_per_step * window_steps / elapsed / peak if peak else 0.0,
+                      "grad_norm": _scalar(metrics["grad_norm"]), "lr": _scalar(metrics["lr"])}
+            if eval_loss is not None:
+                record["eval_loss"] = eval_loss
+            records.append(record)
+            writer.write(record)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            window_start, window_steps = time.perf_counter(), 0
+
+    try:
+        for step in range(t.steps):
+            state, metrics = step_fn(state, batch(step))
+            eval_loss = None
+            if eval_due(step + 1):
+                eval_start = time.perf_counter()
+                eval_loss = evaluate(program, eval_fn, state.params, corpus)
+                window_start += time.perf_counter() - eval_start  # not training time
+            if pending is not None:  # read the previous step while this one runs
+                finish(*pending)
+            pending = (step + 1, metrics, eval_loss)
+        finish(*pending)
+    finally:
+        bar.close()
+        writer.close()
+    return records
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Train a jaxsys config.")
+    parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
+    parser.add_argument("--workdir", required=True, help="directory for metrics, events, config")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --config.train.steps=10")
+    return args, overrides
+
+
+def cli(argv=None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args.config, overrides)
+        main(config, args.workdir)
+    except (ConfigError, data_lib.DataError, FileExistsError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,1 @@
+"""Pallas kernels, one folder per op, each with a pure-JAX reference (installed as jaxsys.kernels)."""
