@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxsys.config import MESH_AXES, validate
+from jaxsys.config import MESH_AXES, ConfigError, validate
 
 _ENV_COORDINATOR = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
 
@@ -30,7 +30,7 @@ def maybe_initialize_distributed(dist_cfg) -> bool:
     num = dist_cfg.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0"))
     pid = dist_cfg.process_id if dist_cfg.process_id >= 0 else int(os.environ.get("JAX_PROCESS_ID", "-1"))
     if num < 1 or pid < 0:
-        raise ValueError(
+        raise ConfigError(
             f"coordinator address {address!r} is set but the process count ({num}) or id ({pid}) is "
             "not: set config.distributed.num_processes and .process_id (or JAX_NUM_PROCESSES and "
             "JAX_PROCESS_ID)")

@@ -225,7 +225,11 @@ def main(config, workdir: str) -> list[dict]:
                           f"config.model.vocab_size={config.model.vocab_size}: raise the vocab size")
     mesh = make_mesh(config)
     lead = jax.process_index() == 0
-    if lead and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    exists = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    if jax.process_count() > 1:  # process 0 decides for all, so that none is left waiting
+        from jax.experimental import multihost_utils
+        exists = bool(multihost_utils.broadcast_one_to_all(np.int32(exists)))
+    if exists:
         raise FileExistsError(f"{workdir} already holds a run (metrics.jsonl): pass a new --workdir "
                               "or remove the old one; nothing was overwritten")
     os.makedirs(workdir, exist_ok=True)

@@ -1,0 +1,53 @@
+"""Shared helpers for the tests: small configs and one-call runs on a chosen layout."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+import numpy as np
+
+from jaxsys import data, train
+from jaxsys.mesh import make_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_file(name: str, arg: str | None = None):
+    spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def small_config(mesh=None, **model):
+    """The tiny test model (D=64, L=2, N=8, T=32, B=8) with the given mesh and model overrides."""
+    c = config_file("tiny", "test")
+    for key, value in model.items():
+        c.model[key] = value
+    for axis, size in (mesh or {}).items():
+        c.mesh[axis] = size
+    return c
+
+
+def program_for(config):
+    n = int(np.prod([config.mesh[a] for a in config.mesh]))
+    return train.build(config, make_mesh(config, jax.devices()[:n]))
+
+
+def run(config, steps: int = 3):
+    """Step-0 loss and gradients (as numpy), and the losses of `steps` optimizer steps."""
+    program = program_for(config)
+    corpus = data.load_corpus(config.data)
+    batch = lambda s: data.global_batch(corpus, program.batch_sharding, config.seed, s,
+                                        config.train.batch_size, config.data.seq_len)
+    state = program.init()
+    loss0, grads = program.loss_and_grads_fn()(state.params, batch(0))
+    grads = jax.tree.map(np.asarray, grads)
+    step = program.train_step_fn()
+    losses = []
+    for s in range(steps):
+        state, metrics = step(state, batch(s))
+        losses.append(float(metrics["loss"]))
+    return float(loss0), grads, np.array(losses), state

@@ -1,0 +1,128 @@
+"""Several processes: 2 processes x 4 CPU devices on localhost train exactly like 1 process x 8.
+
+Each run is `python -m jaxsys.train` in a subprocess, so that every process starts JAX with its own
+device count and (for the 2-process run) calls `jax.distributed.initialize` through
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID before it touches a device.
+
+The layout is data=2, fsdp=2, tensor=2. `make_mesh` sorts devices by (process, id) and `data` is
+the outermost mesh axis, so with 4 + 4 devices the two `data` rows are the two processes: the
+data-parallel gradient reduction (and the ZeRO/FSDP collectives over `data`) cross the process
+boundary, while fsdp and tensor stay inside each process. Each process builds only its own rows of
+the global batch (`data.global_batch` uses make_array_from_callback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+ARGS = ["--config", "configs/tiny.py:test",
+        # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2.
+        "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+        "--config.model.n_kv_heads=2"]
+BANNER = "jaxsys: "  # printed by process 0 only
+_DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # replaces conftest's 8
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path) -> list[str]:
+    """Start one `jaxsys.train` process per env (all at once); wait for all to exit 0.
+    Returns their stdouts. On a failure or the timeout, kills the rest and fails with all logs."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    try:
+        for i, env in enumerate(envs):
+            out, err = open(logdir / f"p{i}.out", "w+"), open(logdir / f"p{i}.err", "w+")
+            logs.append((out, err))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxsys.train", *ARGS, "--workdir", str(workdir)],
+                cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(p.poll() is None for p in procs):
+            # A process that failed leaves the other one blocked in a collective: stop early.
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+        timed_out = time.monotonic() > deadline
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for out, err in logs:
+        out.seek(0), err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close(), err.close()
+    if codes != [0] * len(procs):
+        why = f"timed out after {TIMEOUT_S}s" if timed_out else "failed"
+        report = "\n".join(f"--- process {i}: exit {'killed' if c is None else c}\n"
+                           f"[stdout]\n{o}\n[stderr]\n{e}"
+                           for i, (c, (o, e)) in enumerate(zip(codes, texts)))
+        pytest.fail(f"jaxsys.train {why}:\n{report}")
+    return [o for o, _ in texts]
+
+
+def _records(workdir: Path) -> list[dict]:
+    with open(workdir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_two_processes_match_one_process(tmp_path):
+    # 1 process x 8 devices (runs first, so it also fills the stdlib-corpus cache if empty).
+    single = tmp_path / "single"
+    [out] = _run([_env(8)], single, tmp_path / "logs_single")
+    assert BANNER in out
+
+    # 2 processes x 4 devices, one shared workdir; process 0 writes metrics.jsonl.
+    multi = tmp_path / "multi"
+    address = f"127.0.0.1:{_free_port()}"
+    envs = [_env(4, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+            for i in range(2)]
+    out0, out1 = _run(envs, multi, tmp_path / "logs_multi")
+    # Each process has only 4 local devices, so the 8-device mesh validated only because
+    # jax.distributed joined them; the banner shows which process had process_index 0.
+    assert BANNER in out0 and "mesh data=2 fsdp=2 tensor=2" in out0, out0
+    assert BANNER not in out1, f"process 1 printed the process-0 banner:\n{out1}"
+
+    ref, got = _records(single), _records(multi)
+    steps = [r["step"] for r in ref]
+    assert steps == [1, 2, 3, 4]
+    # Same steps, each logged once: process 1 appended nothing to the shared metrics.jsonl.
+    assert [r["step"] for r in got] == steps
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-6), (a, b)
+    assert ("eval_loss" in ref[-1]) == ("eval_loss" in got[-1])
+    if "eval_loss" in ref[-1]:
+        assert got[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
+    assert ref[0]["loss"] > ref[-1]["loss"]  # it trained
+    # Process 1 wrote no files of its own into the shared workdir (only process 0's outputs).
+    assert sorted(p.name for p in multi.iterdir()) == sorted(p.name for p in single.iterdir())
