@@ -1,0 +1,143 @@
+"""Each layer function against a direct reference, and the whole model against an unstacked,
+loop-per-layer reference written from the formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxsys.config import base_config
+from jaxsys.models import layers, transformer
+from jaxsys.models.params import init_params
+from jaxsys.parallel import tensor
+from jaxsys.sharding import Layout
+
+RNG = np.random.default_rng(0)
+
+
+def normal(*shape):
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def test_rms_norm():
+    x, scale = normal(2, 5, 16), normal(16)
+    want = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-5) * scale
+    np.testing.assert_allclose(layers.rms_norm(x, scale, 1e-5), want, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_complex_rotation_of_half_pairs():
+    b, t, n, h = 2, 7, 3, 8
+    x, pos = normal(b, t, n, h), np.arange(t) + 3
+    freqs = 10000.0 ** (-np.arange(h // 2) / (h // 2))
+    z = (x[..., : h // 2] + 1j * x[..., h // 2:]) * np.exp(1j * pos[None, :, None, None] * freqs)
+    want = np.concatenate([z.real, z.imag], axis=-1)
+    np.testing.assert_allclose(layers.rope(x, jnp.asarray(pos), 10000.0), want, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q, k = normal(1, 1, 1, 16), normal(1, 1, 1, 16)
+    score = lambda m, n: float(jnp.sum(layers.rope(q, jnp.array([m]), 1e4) * layers.rope(k, jnp.array([n]), 1e4)))
+    assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_query_attention(causal):
+    b, t, n, kv, h = 2, 6, 8, 2, 4
+    q, k, v = normal(b, t, n, h), normal(b, t, kv, h), normal(b, t, kv, h)
+    want = np.zeros((b, t, n, h), np.float32)
+    for head in range(n):
+        g = head // (n // kv)  # query heads share key/value heads in contiguous groups
+        s = np.einsum("bth,bsh->bts", q[:, :, head], k[:, :, g]) / np.sqrt(h)
+        if causal:
+            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        want[:, :, head] = np.einsum("bts,bsh->bth", p, v[:, :, g])
+    np.testing.assert_allclose(layers.attention(q, k, v, causal), want, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu():
+    x, wg, wu, wd = normal(2, 3, 8), normal(8, 12), normal(8, 12), normal(12, 8)
+    g = x @ wg
+    want = (g / (1 + np.exp(-g)) * (x @ wu)) @ wd
+    np.testing.assert_allclose(layers.swiglu(x, wg, wu, wd), want, rtol=1e-4, atol=1e-4)
+
+
+def _tensor_mesh():
+    return jax.make_mesh((8,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def test_vocab_parallel_cross_entropy_and_gradient():
+    logits, targets = normal(2, 5, 64) * 3, RNG.integers(0, 64, (2, 5))
+    dense = lambda l: optax.softmax_cross_entropy_with_integer_labels(l, targets)
+    sharded = jax.shard_map(lambda l, t: tensor.cross_entropy(l, t, ("tensor",)), mesh=_tensor_mesh(),
+                            in_specs=(P(None, None, "tensor"), P()), out_specs=P(), check_vma=False)
+    np.testing.assert_allclose(sharded(logits, targets), dense(logits), rtol=1e-5, atol=1e-6)
+    # the gradient is taken per shard, inside the shard_map, as the train step does
+    local_grad = lambda l, t: jax.grad(lambda l: jnp.sum(tensor.cross_entropy(l, t, ("tensor",))))(l)
+    g_sharded = jax.shard_map(local_grad, mesh=_tensor_mesh(), in_specs=(P(None, None, "tensor"), P()),
+                              out_specs=P(None, None, "tensor"), check_vma=False)(logits, targets)
+    g_dense = jax.grad(lambda l: jnp.sum(dense(l)))(logits)
+    np.testing.assert_allclose(g_sharded, g_dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_vocab_parallel_embedding(sequence_parallel):
+    table, ids = normal(64, 8), RNG.integers(0, 64, (2, 16))
+    out_spec = P(None, "tensor") if sequence_parallel else P()
+    lookup = jax.shard_map(lambda w, i: tensor.embed_lookup(w, i, ("tensor",), sequence_parallel),
+                           mesh=_tensor_mesh(), in_specs=(P("tensor"), P()), out_specs=out_spec,
+                           check_vma=False)
+    np.testing.assert_allclose(lookup(table, ids), table[ids], rtol=1e-6)
+
+
+def _reference_token_losses(params, tokens, m):
+    """The transformer written out layer by layer, without scan, shard_map or jaxsys.parallel."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    pos = jnp.arange(inputs.shape[1])
+    x = params["embed"][inputs]
+    for i in range(m.n_layers):
+        w = jax.tree.map(lambda a: a[i], params["layers"])
+        h = layers.rms_norm(x, w["attn_norm"], m.norm_eps)
+        q = layers.rope(jnp.einsum("btd,dnh->btnh", h, w["wq"]), pos, m.rope_theta)
+        k = layers.rope(jnp.einsum("btd,dkh->btkh", h, w["wk"]), pos, m.rope_theta)
+        v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+        x = x + jnp.einsum("btnh,nhd->btd", layers.attention(q, k, v), w["wo"])
+        h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
+        x = x + layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+    x = layers.rms_norm(x, params["final_norm"], m.norm_eps)
+    unembed = params["embed"].T if m.tie_embeddings else params["unembed"]
+    return optax.softmax_cross_entropy_with_integer_labels(x @ unembed, targets)
+
+
+@pytest.mark.parametrize("tied,remat", [(False, "none"), (True, "none"), (False, "full"), (False, "dots")])
+def test_model_matches_unstacked_reference(tied, remat):
+    c = base_config()
+    c.model.tie_embeddings, c.model.remat = tied, remat
+    c.model.n_layers, c.model.d_model, c.model.d_ff = 3, 32, 64
+    layout = Layout.from_config(c)
+    specs = transformer.param_specs(c.model)
+    params = init_params(specs, jax.random.key(1), jnp.float32)
+    params["layers"]["attn_norm"] = params["layers"]["attn_norm"] * 1.5  # not all ones
+    tokens = jnp.asarray(RNG.integers(0, 256, (2, 17)))
+    loss = jax.jit(jax.value_and_grad(lambda p: jnp.mean(transformer.token_losses(p, tokens, c.model, layout))))
+    ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean(_reference_token_losses(p, tokens, c.model))))
+    (got_loss, got_grads), (want_loss, want_grads) = loss(params), ref(params)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    c = base_config()
+    layout = Layout.from_config(c)
+    params = init_params(transformer.param_specs(c.model), jax.random.key(2), jnp.float32)
+    tokens = jnp.asarray(RNG.integers(0, 256, (2, 33)))
+    mean_loss = lambda m: jax.jit(lambda p: jnp.mean(transformer.token_losses(p, tokens, m, layout)))(params)
+    f32 = mean_loss(c.model)
+    c.model.compute_dtype = "bfloat16"
+    bf16 = mean_loss(c.model)
+    assert bf16.dtype == jnp.float32  # the loss is always accumulated in fp32
+    np.testing.assert_allclose(bf16, f32, rtol=2e-2)  # bf16 has 8 mantissa bits
