@@ -241,6 +241,13 @@ def validate(config, num_devices: int | None = None) -> None:
         _require(config.sharding.compute[logical] == config.sharding.params[logical],
                  f"config.sharding.compute.{logical} must equal config.sharding.params.{logical} "
                  "(tensor-parallel weights are used where they live)")
+    _require(config.sharding.params.heads == config.sharding.params.kv_heads,
+             "config.sharding.params.heads and .kv_heads must be equal (query heads are grouped "
+             "with their key/value head on the same rank)")
+    for axis in ("data", "fsdp", "expert"):
+        _require(mesh[axis] == 1 or axis in axes_of(config.sharding.compute.batch),
+                 f"config.mesh.{axis}={mesh[axis]} but {axis!r} is not in config.sharding.compute.batch "
+                 f"({config.sharding.compute.batch!r}): add it, or set config.mesh.{axis}=1")
     _require(config.sharding.compute.embed == "",
              "config.sharding.compute.embed must be empty: weights are gathered over fsdp before use")
 

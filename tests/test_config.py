@@ -100,3 +100,17 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "config.mesh.tensr" in result.stderr and "mesh.tensor" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_batch_axis_must_split_the_batch():
+    c = small_config(dict(fsdp=8))
+    c.sharding.compute.batch = "data"
+    with pytest.raises(ConfigError, match=r"config.mesh.fsdp=8 but 'fsdp' is not in config.sharding.compute.batch"):
+        validate(c)
+
+
+def test_rule_naming_an_unsupported_axis():
+    c = small_config()
+    c.sharding.params.mlp = "fsdp"
+    with pytest.raises(ConfigError, match=r"config.sharding.params.mlp='fsdp'.*allowed"):
+        validate(c)
