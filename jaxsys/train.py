@@ -64,6 +64,7 @@ class Program:
     optimizer: optax.GradientTransformation
     state_pspecs: TrainState
     batch_pspec: P
+    unroll_layers: bool = False  # write the layer scan out (for counting collectives)
 
     # -- shardings and shapes
     def shardings(self, pspecs):
@@ -96,7 +97,8 @@ class Program:
     def _local_loss(self, params, tokens):
         """This shard's share of the global mean token loss (sums to the mean over shards)."""
         c = self.config
-        losses = transformer.token_losses(params, tokens, c.model, self.layout, self.specs)
+        losses = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
+                                          unroll=self.unroll_layers)
         return jnp.sum(losses) / (c.train.batch_size * c.data.seq_len)
 
     def _local_grads(self, params, tokens):
@@ -145,7 +147,7 @@ class Program:
                                        (P(), out_pspecs)))
 
 
-def build(config, mesh) -> Program:
+def build(config, mesh, unroll_layers: bool = False) -> Program:
     layout = Layout.from_config(config)
     specs = transformer.param_specs(config.model)
     is_spec = params_lib.is_spec
@@ -162,7 +164,7 @@ def build(config, mesh) -> Program:
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
     batch_pspec = layout.compute_spec(("batch", None))
     return Program(config, mesh, layout, specs, param_pspecs, plans, grad_pspecs, optimizer,
-                   state_pspecs, batch_pspec)
+                   state_pspecs, batch_pspec, unroll_layers)
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -79,8 +79,9 @@ def _block(x, w, positions, m, layout: Layout):
     return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp)
 
 
-def token_losses(params, tokens, m, layout: Layout, specs=None):
-    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]."""
+def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False):
+    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1].
+    `unroll` writes the layer loop out (the analysis counts every executed collective that way)."""
     specs = specs if specs is not None else param_specs(m)
     axes = _axes(specs)
     compute = jnp.dtype(m.compute_dtype)
@@ -99,7 +100,7 @@ def token_losses(params, tokens, m, layout: Layout, specs=None):
         return _block(x, w, positions, m, layout), None
 
     body = jax.checkpoint(body, policy=remat_policy(m.remat), prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x, _ = jax.lax.scan(body, x, params["layers"], unroll=m.n_layers if unroll else 1)
 
     final_norm = fsdp.gather(cast(params["final_norm"]), axes["final_norm"], layout)
     x = tensor.enter(layers.rms_norm(x, final_norm, m.norm_eps), vocab, sp)
