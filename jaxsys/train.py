@@ -253,9 +253,11 @@ def main(config, workdir: str) -> list[dict]:
     eval_fn = program.eval_loss_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
+        from jaxsys.analysis import report
         axes = " ".join(f"{a}={s}" for a, s in program.layout.mesh_sizes.items() if s > 1) or "1 device"
         print(f"jaxsys: {n_params / 1e6:.2f}M params, mesh {axes}, {corpus.description}, "
               f"compiled in {time.perf_counter() - start:.1f}s", flush=True)
+        print(report.startup_summary(program, step_fn), flush=True)
 
     writer = MetricsWriter(workdir, lead)
     from tqdm import tqdm

@@ -16,3 +16,8 @@ def train_flops_per_token(m, seq_len: int) -> float:
     backward, counted without the causal halving as PaLM does). Remat is not counted: MFU
     measures useful work."""
     return 6.0 * matmul_params(m) + 12.0 * m.n_layers * seq_len * m.n_heads * m.head_dim
+
+
+def forward_flops_per_token(m, seq_len: int) -> float:
+    """The forward pass alone: 2 N + 4 L T N H (what full remat recomputes)."""
+    return 2.0 * matmul_params(m) + 4.0 * m.n_layers * seq_len * m.n_heads * m.head_dim

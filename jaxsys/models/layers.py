@@ -8,10 +8,10 @@ import jax.numpy as jnp
 
 
 def rms_norm(x, scale, eps: float):
-    """x[..., D] / rms(x) * scale[D], computed in fp32, returned in x's dtype."""
+    """x[..., D] / rms(x) * scale[D]: normalised in fp32, scaled in x's dtype (as Llama does)."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    return normed.astype(x.dtype) * scale.astype(x.dtype)
 
 
 def rope(x, positions, theta: float):

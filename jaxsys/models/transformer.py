@@ -63,7 +63,7 @@ def remat_policy(name: str):
         return policies.nothing_saveable
     if name == "dots":
         return policies.dots_saveable
-    return policies.save_anything_except_these_names(fsdp.GATHERED)
+    return fsdp.remat_saveable
 
 
 def _block(x, w, positions, m, layout: Layout):

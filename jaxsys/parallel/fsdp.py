@@ -2,10 +2,11 @@
 parameters at rest but not in compute (`config.sharding.params` minus `.compute`, by default
 `embed -> fsdp`).
 
-`gather` all-gathers one layer's weights just before use; its backward reduce-scatters the
-gradient, so gradients leave the backward pass already sharded like the parameters. Inside the
-layer scan the gathered weights are tagged `fsdp_gathered` and never saved for the backward pass:
-they are gathered again there (torchtitan's reshard_after_forward).
+`gather` all-gathers one layer's weights just before use; its backward (the transpose of
+`lax.all_gather`) reduce-scatters the gradient, so gradients leave the backward pass already
+sharded like the parameters. Inside the layer scan the gathered weights are never saved for the
+backward pass (see `remat_saveable`): they are gathered again there (torchtitan's
+reshard_after_forward).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxsys.parallel.collectives import all_gather_fwd_reduce_scatter_bwd
+from jax import lax
+
 from jaxsys.sharding import Layout
 
 GATHERED = "fsdp_gathered"
@@ -33,7 +35,20 @@ def gather(weights, logical_axes, layout: Layout):
         for dim, name in enumerate(names):
             axes = gathered_axes(layout, name)
             if axes:
-                w = checkpoint_name(all_gather_fwd_reduce_scatter_bwd(w, axes, dim), GATHERED)
+                # a plain all_gather (not a custom_vjp) so that remat policies can see it
+                w = checkpoint_name(lax.all_gather(w, axes, axis=dim, tiled=True), GATHERED)
         return w
 
     return jax.tree.map(one, weights, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+_NEVER_SAVED = ("all_gather", "broadcast_in_dim")
+
+
+def remat_saveable(prim, *_, **params) -> bool:
+    """Remat policy "save everything except the FSDP-gathered weights". The all_gather, its name
+    and broadcasts are all refused: otherwise remat saves a gathered weight under another name (a
+    norm scale broadcast to [B, T, D], say). Broadcasts are free to recompute."""
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    return prim.name not in _NEVER_SAVED

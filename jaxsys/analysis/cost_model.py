@@ -1,0 +1,244 @@
+"""The papers' closed forms, evaluated for a config, to put beside what the compiled program does.
+
+Conventions: bytes are per device per training step. A collective's `bytes` is what one device
+sends over the wire under the ring algorithm (Patarasuk & Yuan 2009; the scaling book's
+"collectives" chapter), for a group of n devices and an operand of M bytes per device:
+
+    all-reduce      2 M (n-1)/n        (reduce-scatter + all-gather)
+    all-gather      M (n-1)            (M = the local shard; the result is n M)
+    reduce-scatter  M (n-1)/n          (M = the full local input)
+    all-to-all      M (n-1)/n
+    permute         M
+
+Formulas (Ψ = parameters held per device after tensor parallelism; b_p, b_c = bytes of the
+parameter and compute dtypes):
+
+    ZeRO (Rajbhandari et al. 2020), per device, N = data size (fsdp size for stage 3):
+        stage 0: b_p Ψ + b_p Ψ + K Ψ          stage 1: b_p Ψ + b_p Ψ + K Ψ / N
+        stage 2: b_p Ψ + b_p Ψ / N + K Ψ / N  stage 3: (b_p + b_p + K) Ψ / N
+      with K = 2 b_p for Adam's two moments (the paper's mixed-precision K = 12 also counts an fp32
+      master copy, which jaxsys does not keep: its parameters are the master copy).
+    Data parallelism: all-reduce of the gradient, 2 Ψ b_p (N-1)/N. ZeRO-2: reduce-scatter + all-gather,
+      the same bytes. ZeRO-1 as specified here (all-reduce, then all-gather of the updated slices):
+      3 Ψ b_p (N-1)/N.
+    FSDP: all-gather forward, all-gather again backward, reduce-scatter of the gradient:
+      3 Ψ_layers b_c (N-1)/N (+ 2 Ψ_rest for the embedding and norms gathered once outside the scan).
+    Megatron TP (Shoeybi et al. 2019): per layer 4 all-reduces of [B, T, D] (2 forward, 2 backward),
+      each 2 B T D b_c (t-1)/t; with sequence parallelism (Korthikanti et al. 2022) 4 all-gathers and
+      4 reduce-scatters of the same total bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jaxsys.analysis import flops as flops_lib
+from jaxsys.models import transformer
+from jaxsys.models.params import ParamSpec
+
+TP_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: dict  # compute dtype -> dense FLOP/s per device
+    hbm_bytes_per_s: float
+    hbm_bytes: float  # capacity per device
+    devices_per_node: int
+    intra_node_bytes_per_s: float  # per device, one direction (NVLink / ICI)
+    inter_node_bytes_per_s: float  # per device, one direction (InfiniBand / DCN)
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
+
+
+# Datasheet figures (dense, no sparsity). Link bandwidths are per device and direction:
+# NVLink 4 is 900 GB/s bidirectional; one 400 Gb/s NIC per GPU is 50 GB/s; TPU v5p ICI is
+# 4800 Gb/s per chip over 6 links. Approximate by nature: they set the scale, not the decimals.
+PROFILES = {
+    "h100": Hardware("NVIDIA H100 SXM", {"bfloat16": 989e12, "float32": 495e12}, 3.35e12, 80e9, 8,
+                     450e9, 50e9),
+    "h200": Hardware("NVIDIA H200 SXM", {"bfloat16": 989e12, "float32": 495e12}, 4.8e12, 141e9, 8,
+                     450e9, 50e9),
+    "tpu_v5p": Hardware("TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2}, 2.76e12, 95e9, 4,
+                        100e9, 100e9),
+    "cpu": Hardware("this CPU (simulated devices share it)", {}, 20e9, 24e9, 1 << 30, 10e9, 10e9),
+}
+
+
+def hardware(name: str) -> Hardware:
+    if name not in PROFILES:
+        raise ValueError(f"unknown hardware {name!r}: choose one of {sorted(PROFILES)}")
+    hw = PROFILES[name]
+    if name == "cpu":
+        from jaxsys.analysis.hardware import cpu_peak_flops
+        peak = cpu_peak_flops()
+        hw = dataclasses.replace(hw, peak_flops={"bfloat16": peak, "float32": peak})
+    return hw
+
+
+def axis_bandwidth(mesh_sizes: dict, hw: Hardware) -> dict:
+    """Bytes/s per device and direction for each mesh axis: the innermost axes whose product fits
+    in a node use the intra-node links, the rest the inter-node network."""
+    out, inner = {}, 1
+    for axis in reversed(list(mesh_sizes)):
+        inner *= mesh_sizes[axis]
+        out[axis] = hw.intra_node_bytes_per_s if inner <= hw.devices_per_node else hw.inter_node_bytes_per_s
+    return out
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def ring_bytes(kind: str, operand_bytes: float, n: int) -> float:
+    """Bytes one device sends for one collective over n devices (ring algorithm)."""
+    if n <= 1:
+        return 0.0
+    return {"all_reduce": 2 * operand_bytes * (n - 1) / n,
+            "all_gather": operand_bytes * (n - 1),
+            "reduce_scatter": operand_bytes * (n - 1) / n,
+            "all_to_all": operand_bytes * (n - 1) / n,
+            "collective_permute": operand_bytes}[kind]
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"float32": 4, "bfloat16": 2}[name]
+
+
+def params_per_device_after_tp(config) -> tuple[float, float, int, int]:
+    """(Ψ_layers, Ψ_rest, leaves_layers, leaves_rest): elements per device after tensor parallelism
+    (a leaf with a heads/kv_heads/mlp/vocab axis is split t ways)."""
+    t = config.mesh.tensor
+    specs = transformer.param_specs(config.model)
+    layers = rest = 0.0
+    n_layers = n_rest = 0
+    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec)):
+        numel = math.prod(spec.shape) / (t if any(a in TP_LOGICAL for a in spec.axes) else 1)
+        if "layers" in spec.axes:
+            layers, n_layers = layers + numel, n_layers + 1
+        else:
+            rest, n_rest = rest + numel, n_rest + 1
+    return layers, rest, n_layers, n_rest
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    technique: str
+    kind: str
+    axes: tuple[str, ...]
+    count: int
+    bytes: float  # ring bytes sent per device, all `count` collectives together
+
+
+def predicted_collectives(config) -> tuple[list[Row], list[str]]:
+    """Collectives per step by the papers' formulas for the layout of `config`, and the caveats
+    where a formula is not exact for this layout (the rows are then an estimate)."""
+    mesh, m = config.mesh, config.model
+    d, f, t, e = mesh.data, mesh.fsdp, mesh.tensor, mesh.expert
+    b_p, b_c = _dtype_bytes(m.param_dtype), _dtype_bytes(m.compute_dtype)
+    psi_l, psi_r, n_l, n_r = params_per_device_after_tp(config)
+    leaves = n_l + n_r
+    batch_shards = d * f * e
+    B_local, T, D, L = config.train.batch_size // batch_shards, config.data.seq_len, m.d_model, m.n_layers
+    sp = config.parallel.sequence_parallel and t > 1
+    stage = config.train.zero_stage
+    rows, caveats = [], []
+    if e > 1 or (d > 1 and (f > 1 or t > 1)) or (f > 1 and t > 1):
+        caveats.append("combined layouts: gradient sums over several axes run as one collective over "
+                       "those axes; the per-axis rows below are an estimate")
+    if m.remat != "none" and t > 1:
+        caveats.append(f"remat={m.remat}: the backward recomputes tensor-parallel forward collectives, "
+                       "which the Megatron count (no recomputation) leaves out")
+
+    if d > 1:  # data parallelism / ZeRO over `data`; FSDP leaves are already 1/f
+        grad_bytes = (psi_l + psi_r) / f * b_p
+        if stage == 2:
+            rows.append(Row("ZeRO-2 gradient reduce-scatter", "reduce_scatter", ("data",), leaves,
+                            ring_bytes("reduce_scatter", grad_bytes, d)))
+        else:
+            rows.append(Row("DP gradient all-reduce", "all_reduce", ("data",), leaves,
+                            ring_bytes("all_reduce", grad_bytes, d)))
+        if stage >= 1:
+            rows.append(Row(f"ZeRO-{stage} parameter all-gather", "all_gather", ("data",), leaves,
+                            ring_bytes("all_gather", grad_bytes / d, d)))
+    if f > 1:
+        gather_bytes = (2 * psi_l + psi_r) * b_c / f  # local shards in, twice for the layers
+        rows.append(Row("FSDP weight all-gather (forward + backward re-gather)", "all_gather", ("fsdp",),
+                        2 * n_l + n_r, ring_bytes("all_gather", gather_bytes, f)))
+        rows.append(Row("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), leaves,
+                        ring_bytes("reduce_scatter", (psi_l + psi_r) * b_c, f)))
+    if t > 1:
+        act = B_local * T * D * b_c
+        n_act = 4 * L + 2  # 4 per layer + embedding (forward) + final projection (backward)
+        if sp:
+            rows.append(Row("Megatron SP all-gather", "all_gather", ("tensor",), n_act,
+                            n_act * ring_bytes("all_gather", act / t, t)))
+            rows.append(Row("Megatron SP reduce-scatter", "reduce_scatter", ("tensor",), n_act,
+                            n_act * ring_bytes("reduce_scatter", act, t)))
+            norm_bytes = (2 * L * D + D) / f * b_p
+            rows.append(Row("SP norm-weight gradient all-reduce", "all_reduce", ("tensor",), 3,
+                            ring_bytes("all_reduce", norm_bytes, t)))
+        else:
+            rows.append(Row("Megatron TP activation all-reduce", "all_reduce", ("tensor",), n_act,
+                            n_act * ring_bytes("all_reduce", act, t)))
+        rows.append(Row("vocab-parallel cross-entropy (max, sum, target)", "all_reduce", ("tensor",), 3,
+                        3 * ring_bytes("all_reduce", B_local * T * 4, t)))
+    return rows, caveats
+
+
+def metric_collectives(config) -> int:
+    """Scalar all-reduces of the step: the loss (over the batch axes) and the gradient norm."""
+    mesh = config.mesh
+    return int(mesh.data * mesh.fsdp * mesh.expert > 1) + int(math.prod(mesh[a] for a in mesh) > 1)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def zero_memory(config) -> dict:
+    """Per-device bytes of parameters, gradients and optimizer state by the ZeRO formula
+    (stage from config.train.zero_stage over `data`; `fsdp` shards all three as stage 3)."""
+    b_p = _dtype_bytes(config.model.param_dtype)
+    psi_l, psi_r, _, _ = params_per_device_after_tp(config)
+    psi = (psi_l + psi_r) / config.mesh.fsdp
+    n, stage = config.mesh.data, config.train.zero_stage
+    k = 2 * b_p  # Adam: mu and nu in the parameter dtype
+    return {"params": b_p * psi,
+            "grads": b_p * psi / (n if stage >= 2 else 1),
+            "optimizer": k * psi / (n if stage >= 1 else 1)}
+
+
+def paper_zero_memory(psi: float, n: int, stage: int, k: int = 12) -> float:
+    """The ZeRO paper's per-device model-state bytes, mixed precision: (2 + 2 + K) Ψ split by stage."""
+    return {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+            3: (2 + 2 + k) * psi / n}[stage]
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: float,
+             collective_bytes: dict) -> dict:
+    """Step time and MFU by the roofline: compute at peak, memory at HBM bandwidth, and each mesh
+    axis's collectives at its link bandwidth; `serial` adds communication, `overlapped` hides it."""
+    peak = hw.peak(config.model.compute_dtype)
+    bandwidth = axis_bandwidth({a: config.mesh[a] for a in config.mesh}, hw)
+    compute_s = flops_per_device / peak
+    memory_s = bytes_accessed / hw.hbm_bytes_per_s
+    comm_s = sum(b / min(bandwidth[a] for a in axes) for axes, b in collective_bytes.items() if axes)
+    serial = max(compute_s, memory_s) + comm_s
+    overlapped = max(compute_s, memory_s, comm_s)
+    tokens = config.train.batch_size * config.data.seq_len
+    devices = math.prod(config.mesh[a] for a in config.mesh)
+    model_flops = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens
+    mfu = lambda s: model_flops / (s * peak * devices) if s > 0 else 0.0
+    return {"compute_s": compute_s, "memory_s": memory_s, "comm_s": comm_s,
+            "step_s_serial": serial, "step_s_overlapped": overlapped,
+            "mfu_serial": mfu(serial), "mfu_overlapped": mfu(overlapped)}
