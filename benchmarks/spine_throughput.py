@@ -211,6 +211,9 @@ def bench_layout(base, name, corpus, args) -> dict:
         "jaxsys_tokens_per_s": j_med,
         "plain_tokens_per_s": p_med,
         "ratio": j_med / p_med,
+        "ratio_best": max(j_tps) / max(p_tps),
+        # Each jaxsys run against the plain run right after it: robust to slow drift of the machine.
+        "ratio_paired_median": statistics.median(j / p for j, p in zip(j_tps, p_tps)),
         "jaxsys_tokens_per_s_runs": j_tps,
         "plain_tokens_per_s_runs": p_tps,
         "first_loss_jaxsys": j_losses[0],
@@ -280,7 +283,10 @@ def main(argv=None) -> int:
         r = bench_layout(base, name, corpus, args)
         results.append(r)
         print(f"{name}: jaxsys {r['jaxsys_tokens_per_s']:,.0f} tok/s, plain "
-              f"{r['plain_tokens_per_s']:,.0f} tok/s, ratio {r['ratio']:.2f}x, first loss "
+              f"{r['plain_tokens_per_s']:,.0f} tok/s (medians), ratio {r['ratio']:.2f}x "
+              f"(paired {r['ratio_paired_median']:.2f}x, best-of {r['ratio_best']:.2f}x); runs jaxsys "
+              f"{[round(x) for x in r['jaxsys_tokens_per_s_runs']]} plain "
+              f"{[round(x) for x in r['plain_tokens_per_s_runs']]}; first loss "
               f"{r['first_loss_jaxsys']:.6f} / {r['first_loss_plain']:.6f} "
               f"({'match' if r['first_loss_match'] else 'MISMATCH'}), loss after warm-up "
               f"{r['warmup_last_loss_jaxsys']:.6f} / {r['warmup_last_loss_plain']:.6f} "

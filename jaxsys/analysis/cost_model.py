@@ -171,8 +171,8 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
     if f > 1:
         gather_bytes = (2 * psi_l + psi_r) * b_c / f  # local shards in, twice for the layers
         rows.append(Row("FSDP weight all-gather (forward + backward re-gather)", "all_gather", ("fsdp",),
-                        2 * n_l + n_r, ring_bytes("all_gather", gather_bytes, f)))
-        rows.append(Row("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), leaves,
+                        2 * L * n_l + n_r, ring_bytes("all_gather", gather_bytes, f)))
+        rows.append(Row("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), L * n_l + n_r,
                         ring_bytes("reduce_scatter", (psi_l + psi_r) * b_c, f)))
     if t > 1:
         act = B_local * T * D * b_c

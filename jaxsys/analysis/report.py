@@ -39,14 +39,14 @@ def measured_collectives(found, mesh_sizes) -> list[dict]:
     """Group parsed collectives by (kind, axes, dtype): count, operand bytes, ring bytes."""
     groups = collections.OrderedDict()
     for c in found:
-        key = (c.kind, c.axes, c.dtype)
+        scalar = c.shape == ()  # the loss and the gradient norm, kept apart from the techniques
+        key = (c.kind, c.axes, c.dtype, scalar)
         n = math.prod(mesh_sizes[a] for a in c.axes)
         row = groups.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "dtype": c.dtype,
-                                      "count": 0, "operand_bytes": 0, "bytes": 0.0, "scalars": 0})
+                                      "scalar": scalar, "count": 0, "operand_bytes": 0, "bytes": 0.0})
         row["count"] += 1
         row["operand_bytes"] += c.operand_bytes
         row["bytes"] += cost_model.ring_bytes(c.kind, c.operand_bytes, n)
-        row["scalars"] += int(c.shape == ())
     return list(groups.values())
 
 
@@ -58,10 +58,15 @@ def memory_report(program, compiled) -> dict:
     state = program.abstract_state()
     params_b, opt_b = _shard_bytes(state.params), _shard_bytes(state.opt_state)
     itemsize = np.dtype(config.model.param_dtype).itemsize
+    # gradients after the reduction: full at stages 0-1, the 1/N slice after ZeRO-2's reduce-scatter
+    grad_pspecs = program.grad_pspecs if config.train.zero_stage == 2 else program.param_pspecs
     grads_b = sum(math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(s.shape)) * itemsize
                   for s, spec in zip(jax.tree.leaves(program.specs, is_leaf=params_lib.is_spec),
-                                     jax.tree.leaves(program.grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))))
-    peak = int(stats.peak_memory_in_bytes)
+                                     jax.tree.leaves(grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))))
+    # XLA:CPU's peak_memory_in_bytes leaves temporaries out; live arguments + outputs + temporaries
+    # (less what the outputs alias from the donated arguments) is the bound XLA's own tools report.
+    peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+               + stats.temp_size_in_bytes)
     batch_b = _shard_bytes(_batch(program))
     return {
         "peak_bytes_per_device": peak,
@@ -174,7 +179,7 @@ def format_report(r: dict) -> str:
             f"{'fits' if r['fits'] else 'DOES NOT FIT'} in the device memory", "",
             "collectives per step (measured)      count   operand bytes   ring bytes/device"]
     for row in r["collectives"]:
-        name = f"{row['kind']}[{','.join(row['axes'])}] {row['dtype']}"
+        name = f"{row['kind']}[{','.join(row['axes'])}] {row['dtype']}" + (" scalar" if row["scalar"] else "")
         out.append(f"  {name:<34} {row['count']:>5}   {_b(row['operand_bytes']):>13}   {_b(row['bytes']):>17}")
     out += ["", "collectives per step (formula)"]
     for row in r["collectives_formula"]:
