@@ -73,6 +73,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip = 1.0  # 0 disables clipping
     c.train.progress = True
 
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.enabled = True
+    c.checkpoint.every_steps = 1000  # 0: only by time and at the end
+    c.checkpoint.every_minutes = 0.0  # 0: not by time
+    c.checkpoint.keep = 3  # last N kept; 0 keeps all
+    c.checkpoint.keep_period = 0  # also keep every k-th step for good; 0: none
+    c.checkpoint.async_save = True
+
     c.mesh = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
 
     c.parallel = ml_collections.ConfigDict()
@@ -281,3 +289,6 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(t.steps >= 1, "config.train.steps must be >= 1")
     _require(t.log_every >= 1, "config.train.log_every must be >= 1")
     _require(0 <= config.data.eval_fraction < 0.5, "config.data.eval_fraction must be in [0, 0.5)")
+    ck = config.checkpoint
+    _require(ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
+             "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0")

@@ -28,10 +28,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
 from jaxsys import optim
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware
+from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, load_config, validate
 from jaxsys.mesh import make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
@@ -200,10 +202,10 @@ def _scalar(x) -> float:
     return float(np.asarray(x.addressable_data(0)))
 
 
-def _check_finite(loss: float, step: int, config) -> None:
-    if not math.isfinite(loss):
+def _check_finite(value: float, step: int, config, what: str = "loss") -> None:
+    if not math.isfinite(value):
         raise FloatingPointError(
-            f"loss is {loss} at step {step}: training stopped. Lower config.train.lr "
+            f"{what} is {value} at step {step}: training stopped. Lower config.train.lr "
             f"(now {config.train.lr}), keep config.train.grad_clip > 0, or use float32 "
             "(config.model.compute_dtype) to find the cause.")
 
@@ -227,13 +229,16 @@ def main(config, workdir: str) -> list[dict]:
                           f"config.model.vocab_size={config.model.vocab_size}: raise the vocab size")
     mesh = make_mesh(config)
     lead = jax.process_index() == 0
-    exists = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+    resume_step = checkpointer.latest_step() if checkpointer else None
+    exists = os.path.exists(os.path.join(workdir, "metrics.jsonl")) and resume_step is None
     if jax.process_count() > 1:  # process 0 decides for all, so that none is left waiting
         from jax.experimental import multihost_utils
         exists = bool(multihost_utils.broadcast_one_to_all(np.int32(exists)))
     if exists:
-        raise FileExistsError(f"{workdir} already holds a run (metrics.jsonl): pass a new --workdir "
-                              "or remove the old one; nothing was overwritten")
+        raise FileExistsError(f"{workdir} already holds a run (metrics.jsonl) with no checkpoint to "
+                              "resume from: pass a new --workdir or remove the old one; nothing was "
+                              "overwritten")
     os.makedirs(workdir, exist_ok=True)
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -245,7 +250,13 @@ def main(config, workdir: str) -> list[dict]:
     flops_per_step = flops_lib.train_flops_per_token(m, config.data.seq_len) * tokens_per_step
     peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
 
-    state = program.init()
+    if resume_step is not None:
+        state = checkpointer.restore(program.abstract_state())
+        if lead:
+            print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
+    else:
+        state = program.init()
+    start_step = int(resume_step or 0)
     batch = lambda step, split="train": data_lib.global_batch(
         corpus, program.batch_sharding, config.seed, step, t.batch_size, config.data.seq_len, split)
     start = time.perf_counter()
@@ -261,7 +272,7 @@ def main(config, workdir: str) -> list[dict]:
 
     writer = MetricsWriter(workdir, lead)
     from tqdm import tqdm
-    bar = tqdm(total=t.steps, disable=not (lead and t.progress), dynamic_ncols=True)
+    bar = tqdm(total=t.steps, initial=start_step, disable=not (lead and t.progress), dynamic_ncols=True)
     records, pending = [], None
     window_start, window_steps = time.perf_counter(), 0
 
@@ -273,6 +284,7 @@ def main(config, workdir: str) -> list[dict]:
         nonlocal window_start, window_steps
         loss = _scalar(metrics["loss"])
         _check_finite(loss, step, config)
+        _check_finite(_scalar(metrics["grad_norm"]), step, config, "gradient norm")
         bar.update(1)
         window_steps += 1
         if step % t.log_every == 0 or step == 1 or step == t.steps or eval_loss is not None:
@@ -289,20 +301,29 @@ def main(config, workdir: str) -> list[dict]:
             window_start, window_steps = time.perf_counter(), 0
 
     try:
-        for step in range(t.steps):
+        for step in range(start_step, t.steps):
             state, metrics = step_fn(state, batch(step))
             eval_loss = None
             if eval_due(step + 1):
-                eval_start = time.perf_counter()
+                paused = time.perf_counter()
                 eval_loss = evaluate(program, eval_fn, state.params, corpus)
-                window_start += time.perf_counter() - eval_start  # not training time
+                window_start += time.perf_counter() - paused  # not training time
             if pending is not None:  # read the previous step while this one runs
                 finish(*pending)
             pending = (step + 1, metrics, eval_loss)
-        finish(*pending)
+            if checkpointer and checkpointer.due(step + 1, final=step + 1 == t.steps):
+                finish(*pending)  # a state is saved only once its step's numbers are checked
+                pending = None
+                paused = time.perf_counter()
+                checkpointer.save(step + 1, state, config)
+                window_start += time.perf_counter() - paused  # not training time
+        if pending is not None:
+            finish(*pending)
     finally:
         bar.close()
         writer.close()
+        if checkpointer:
+            checkpointer.close()
     return records
 
 
@@ -322,7 +343,8 @@ def cli(argv=None) -> int:
     try:
         config = load_config(args.config, overrides)
         main(config, args.workdir)
-    except (ConfigError, data_lib.DataError, FileExistsError, FloatingPointError) as e:
+    except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError,
+            FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

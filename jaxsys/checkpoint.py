@@ -1,0 +1,99 @@
+"""Checkpoints on Orbax: asynchronous saves, atomic commits, restore onto any mesh.
+
+A checkpoint is `{workdir}/checkpoints/<step>/` with two items: `state` (the TrainState: step,
+parameters, optimizer state) and `meta` (the resolved config as JSON). The data position needs no
+saving: batches are a pure function of (seed, step). Orbax writes a step to a temporary directory
+and renames it when complete, so a step is either whole or ignored.
+
+Restore builds the abstract state of the *current* config and mesh (`Program.abstract_state()`)
+and reads the arrays straight into those shardings: resuming on another layout is the ordinary
+path, not a conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored: the message names the tensor or file and the fix."""
+
+
+def directory(workdir: str) -> str:
+    return os.path.abspath(os.path.join(workdir, "checkpoints"))
+
+
+class Checkpointer:
+    """Saves every `config.checkpoint.every_steps` steps and/or `every_minutes` minutes (and at the
+    end), keeps the last `keep` plus every `keep_period`-th step."""
+
+    def __init__(self, workdir: str, ckpt_cfg):
+        self.cfg = ckpt_cfg
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=ckpt_cfg.keep or None, keep_period=ckpt_cfg.keep_period or None,
+            enable_async_checkpointing=ckpt_cfg.async_save, create=True)
+        self.manager = ocp.CheckpointManager(
+            directory(workdir), options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        self._last_save_time = time.monotonic()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def due(self, step: int, final: bool) -> bool:
+        c = self.cfg
+        by_steps = c.every_steps > 0 and step % c.every_steps == 0
+        by_time = c.every_minutes > 0 and time.monotonic() - self._last_save_time >= 60 * c.every_minutes
+        return final or by_steps or by_time
+
+    def save(self, step: int, state, config) -> None:
+        """Start saving (returns once the arrays are copied off the training buffers)."""
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave({"config": json.loads(config.to_json_best_effort())})), force=True)
+        self._last_save_time = time.monotonic()
+
+    def restore(self, abstract_state, step: int | None = None):
+        """The state at `step` (default: latest complete) in the shardings of `abstract_state`."""
+        step = self.latest_step() if step is None else step
+        try:
+            check_shapes(self.manager.item_metadata(step)["state"], abstract_state, step)
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))
+        except CheckpointError:
+            raise
+        except (ValueError, OSError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.manager.directory} could not be "
+                                  f"read ({type(e).__name__}: {e}); nothing was deleted. Restore an "
+                                  "earlier step or move the damaged step directory aside.") from e
+        return restored["state"]
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _name(path) -> str:
+    """'opt_state/0/mu/embed': the same for a NamedTuple field and the dict Orbax stores it as."""
+    parts = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return "/".join(str(p) for p in parts)
+
+
+def check_shapes(saved_metadata, abstract_state, step: int) -> None:
+    """Every saved tensor must have the shape the config expects; name the first that does not."""
+    saved_by_path = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(saved_metadata)[0]}
+    for path, want in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        name = _name(path)
+        got = saved_by_path.get(name)
+        if got is None:
+            raise CheckpointError(f"checkpoint step {step} has no tensor {name}: it was saved from a "
+                                  "different model; use a new --workdir or the matching config")
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(f"checkpoint step {step}: tensor {name} has shape {tuple(got.shape)} "
+                                  f"but the config expects {tuple(want.shape)}; restore with the config "
+                                  "it was saved with (saved in the checkpoint's meta item)")

@@ -1,0 +1,84 @@
+"""Checkpoints: exact resume, restore onto another mesh, clear errors for mismatched checkpoints."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxsys import train
+from jaxsys.checkpoint import CheckpointError, Checkpointer
+from tests.helpers import program_for, small_config
+
+
+def _losses(workdir):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(workdir / "metrics.jsonl"))}
+
+
+def _config(mesh, steps, every):
+    c = small_config(mesh, n_kv_heads=4)  # K divides every tensor size used here
+    c.train.steps, c.checkpoint.every_steps, c.train.log_every = steps, every, 1
+    return c
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    mesh = dict(data=2, fsdp=2, tensor=2)
+    train.main(_config(mesh, 6, 3), str(tmp_path / "full"))
+
+    real_batch = train.data_lib.global_batch
+    def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
+        if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
+            raise Interrupted  # the run dies before its 5th step; step 3 was checkpointed
+        return real_batch(corpus, sharding, seed, step, *args, **kw)
+    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
+    with pytest.raises(Interrupted):
+        train.main(_config(mesh, 6, 3), str(tmp_path / "resumed"))
+    monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
+    records = train.main(_config(mesh, 6, 3), str(tmp_path / "resumed"))  # the same command again
+    assert [r["step"] for r in records] == [4, 5, 6]
+    full, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(1, 7))  # steps 1-3 before the crash, 4-6 after
+    for step in range(1, 7):
+        assert resumed[step] == full[step], step  # bitwise on CPU
+
+
+def test_restore_onto_other_meshes(tmp_path):
+    saved_on = dict(data=2, fsdp=2, tensor=2)
+    train.main(_config(saved_on, 2, 2), str(tmp_path))
+    states = {}
+    for name, mesh in {"saved": saved_on, "fsdp8": dict(fsdp=8), "tensor4_data2": dict(tensor=4, data=2),
+                       "one_device": {}}.items():
+        program = program_for(_config(mesh, 2, 2))
+        state = Checkpointer(str(tmp_path), _config(mesh, 2, 2).checkpoint).restore(program.abstract_state())
+        assert jax.tree.leaves(state.params)[0].sharding.mesh.shape == program.mesh.shape
+        states[name] = state
+    reference = jax.tree.map(np.asarray, states["saved"])
+    for name, state in states.items():
+        for want, got in zip(jax.tree.leaves(reference), jax.tree.leaves(state)):
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+
+
+def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
+    train.main(_config(dict(data=8), 1, 1), str(tmp_path))
+    other = _config(dict(data=8), 2, 1)
+    other.model.d_ff = 256
+    with pytest.raises(CheckpointError, match=r"tensor params/layers/w_down has shape \(2, 128, 64\) but the config expects \(2, 256, 64\)"):
+        train.main(other, str(tmp_path))
+
+
+def test_truncated_checkpoint_is_reported_and_kept(tmp_path):
+    train.main(_config(dict(data=8), 1, 1), str(tmp_path))
+    step_dir = tmp_path / "checkpoints" / "1" / "state"
+    for path in step_dir.rglob("*"):
+        if path.is_file() and path.stat().st_size > 1000:  # cut the largest array files in half
+            data = path.read_bytes()
+            path.write_bytes(data[: len(data) // 2])
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(CheckpointError, match="could not be read.*nothing was deleted"):
+        train.main(_config(dict(data=8), 2, 1), str(tmp_path))
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
