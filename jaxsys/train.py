@@ -305,6 +305,7 @@ def main(config, workdir: str) -> list[dict]:
             state, metrics = step_fn(state, batch(step))
             eval_loss = None
             if eval_due(step + 1):
+                jax.block_until_ready(state)  # the step's own compute is training time
                 paused = time.perf_counter()
                 eval_loss = evaluate(program, eval_fn, state.params, corpus)
                 window_start += time.perf_counter() - paused  # not training time
@@ -314,6 +315,7 @@ def main(config, workdir: str) -> list[dict]:
             if checkpointer and checkpointer.due(step + 1, final=step + 1 == t.steps):
                 finish(*pending)  # a state is saved only once its step's numbers are checked
                 pending = None
+                jax.block_until_ready(state)
                 paused = time.perf_counter()
                 checkpointer.save(step + 1, state, config)
                 window_start += time.perf_counter() - paused  # not training time
