@@ -190,14 +190,16 @@ def bench_layout(base, name, corpus, args) -> dict:
     first_match = bool(np.isclose(j_losses[0], p_losses[0], rtol=LOSS_RTOL, atol=0.0))
 
     timed = batches[:args.steps]
-    j_times, p_times = [], []
+    j_times, p_times, j_cpu, p_cpu = [], [], [], []
     for _ in range(args.repeats):  # ABAB...: machine drift hits both alike
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         j_state, _ = run_steps(j_step, j_state, timed, j_loss_of)
         j_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
+        j_cpu.append(time.process_time() - cpu)
+        start, cpu = time.perf_counter(), time.process_time()
         p_state, _ = run_steps(p_step, p_state, timed, p_loss_of)
         p_times.append(time.perf_counter() - start)
+        p_cpu.append(time.process_time() - cpu)
 
     j_tps = [args.steps * tokens_per_step / s for s in j_times]
     p_tps = [args.steps * tokens_per_step / s for s in p_times]
@@ -216,6 +218,10 @@ def bench_layout(base, name, corpus, args) -> dict:
         "ratio_paired_median": statistics.median(j / p for j, p in zip(j_tps, p_tps)),
         "jaxsys_tokens_per_s_runs": j_tps,
         "plain_tokens_per_s_runs": p_tps,
+        # CPU seconds of this process (all its threads) per step: less sensitive than wall time to
+        # other processes sharing the cores, though it counts time spent spinning in collectives.
+        "cpu_s_per_step_jaxsys": statistics.median(j_cpu) / args.steps,
+        "cpu_s_per_step_plain": statistics.median(p_cpu) / args.steps,
         "first_loss_jaxsys": j_losses[0],
         "first_loss_plain": p_losses[0],
         "first_loss_match": first_match,
@@ -286,7 +292,8 @@ def main(argv=None) -> int:
               f"{r['plain_tokens_per_s']:,.0f} tok/s (medians), ratio {r['ratio']:.2f}x "
               f"(paired {r['ratio_paired_median']:.2f}x, best-of {r['ratio_best']:.2f}x); runs jaxsys "
               f"{[round(x) for x in r['jaxsys_tokens_per_s_runs']]} plain "
-              f"{[round(x) for x in r['plain_tokens_per_s_runs']]}; first loss "
+              f"{[round(x) for x in r['plain_tokens_per_s_runs']]}; CPU s/step jaxsys "
+              f"{r['cpu_s_per_step_jaxsys']:.3f} plain {r['cpu_s_per_step_plain']:.3f}; first loss "
               f"{r['first_loss_jaxsys']:.6f} / {r['first_loss_plain']:.6f} "
               f"({'match' if r['first_loss_match'] else 'MISMATCH'}), loss after warm-up "
               f"{r['warmup_last_loss_jaxsys']:.6f} / {r['warmup_last_loss_plain']:.6f} "
