@@ -97,3 +97,59 @@ def check_shapes(saved_metadata, abstract_state, step: int) -> None:
             raise CheckpointError(f"checkpoint step {step}: tensor {name} has shape {tuple(got.shape)} "
                                   f"but the config expects {tuple(want.shape)}; restore with the config "
                                   "it was saved with (saved in the checkpoint's meta item)")
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def inspect(workdir_or_dir: str) -> dict:
+    """Steps present and, for the latest, every tensor's shape, dtype and saved sharding."""
+    path = workdir_or_dir
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        path = os.path.join(path, "checkpoints")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{workdir_or_dir} is not a checkpoint directory (no {path})")
+    manager = ocp.CheckpointManager(
+        os.path.abspath(path), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    steps = list(manager.all_steps())
+    if not steps:
+        raise CheckpointError(f"{path} holds no complete checkpoint step")
+    latest = max(steps)
+    tensors = []
+    for p, leaf in jax.tree_util.tree_flatten_with_path(manager.item_metadata(latest)["state"])[0]:
+        sharding = getattr(leaf, "sharding", None)
+        spec = getattr(sharding, "partition_spec", None)
+        mesh = dict(zip(getattr(sharding, "axis_names", ()), getattr(sharding, "shape", ())))
+        tensors.append({"name": _name(p), "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+                        "partition_spec": list(spec) if spec is not None else None,
+                        "mesh": {k: int(v) for k, v in mesh.items()}})
+    return {"directory": os.path.abspath(path), "steps": steps, "latest": latest, "tensors": tensors}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+    parser = argparse.ArgumentParser(description="Inspect jaxsys checkpoints.")
+    parser.add_argument("command", choices=["inspect"])
+    parser.add_argument("directory", help="a workdir or its checkpoints/ directory")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        info = inspect(args.directory)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{info['directory']}: steps {info['steps']} (latest {info['latest']})")
+    mesh = next((t["mesh"] for t in info["tensors"] if t["mesh"]), {})
+    print("saved on mesh " + " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1))
+    for t in info["tensors"]:
+        print(f"  {t['name']:<36} {str(tuple(t['shape'])):<18} {t['dtype']:<9} {t['partition_spec']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -82,3 +82,17 @@ def test_truncated_checkpoint_is_reported_and_kept(tmp_path):
     with pytest.raises(CheckpointError, match="could not be read.*nothing was deleted"):
         train.main(_config(dict(data=8), 2, 1), str(tmp_path))
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_inspect_lists_steps_shapes_and_saved_shardings(tmp_path, capsys):
+    from jaxsys import checkpoint
+    train.main(_config(dict(data=2, fsdp=2, tensor=2), 2, 1), str(tmp_path))
+    info = checkpoint.inspect(str(tmp_path))
+    assert info["steps"] == [1, 2] and info["latest"] == 2
+    embed = next(t for t in info["tensors"] if t["name"] == "params/embed")
+    assert embed["shape"] == [256, 64] and embed["dtype"] == "float32"
+    assert embed["partition_spec"] == ["tensor", "fsdp"]
+    assert embed["mesh"]["data"] == 2 and embed["mesh"]["tensor"] == 2
+    assert checkpoint.main(["inspect", str(tmp_path)]) == 0
+    assert "params/layers/w_down" in capsys.readouterr().out
+    assert checkpoint.main(["inspect", str(tmp_path / "nope")]) == 2
