@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         return 0
     print(f"{info['directory']}: steps {info['steps']} (latest {info['latest']})")
     mesh = next((t["mesh"] for t in info["tensors"] if t["mesh"]), {})
-    print("saved on mesh " + " x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1))
+    print("saved on mesh " + (" x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "of 1 device"))
     for t in info["tensors"]:
         print(f"  {t['name']:<36} {str(tuple(t['shape'])):<18} {t['dtype']:<9} {t['partition_spec']}")
     return 0
