@@ -51,3 +51,24 @@ def run(config, steps: int = 3):
         state, metrics = step(state, batch(s))
         losses.append(float(metrics["loss"]))
     return float(loss0), grads, np.array(losses), state
+
+
+_DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(devices: int, **extra: str) -> dict[str, str]:
+    """The environment of a `python -m jaxsys...` subprocess with `devices` simulated CPU devices
+    (no distributed settings inherited) and the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # replaces conftest's 8
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsys import train
+from jaxsys import data, train
 from jaxsys.checkpoint import CheckpointError, Checkpointer
 from tests.helpers import program_for, small_config
 
@@ -50,17 +50,30 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch):
 def test_restore_onto_other_meshes(tmp_path):
     saved_on = dict(data=2, fsdp=2, tensor=2)
     train.main(_config(saved_on, 2, 2), str(tmp_path))
-    states = {}
+    states, programs = {}, {}
     for name, mesh in {"saved": saved_on, "fsdp8": dict(fsdp=8), "tensor4_data2": dict(tensor=4, data=2),
                        "one_device": {}}.items():
         program = program_for(_config(mesh, 2, 2))
         state = Checkpointer(str(tmp_path), _config(mesh, 2, 2).checkpoint).restore(program.abstract_state())
         assert jax.tree.leaves(state.params)[0].sharding.mesh.shape == program.mesh.shape
-        states[name] = state
+        states[name], programs[name] = state, program
     reference = jax.tree.map(np.asarray, states["saved"])
     for name, state in states.items():
         for want, got in zip(jax.tree.leaves(reference), jax.tree.leaves(state)):
             np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+    # The next step from the restored state gives the same loss on every layout; the layouts sum
+    # in different orders, so fp32 rounding (~1e-6 relative here) is all that may differ.
+    next_losses = {name: _next_step_loss(programs[name], state) for name, state in states.items()}
+    for name, loss in next_losses.items():
+        np.testing.assert_allclose(loss, next_losses["saved"], rtol=1e-5, err_msg=name)
+
+
+def _next_step_loss(program, state) -> float:
+    c = program.config
+    batch = data.global_batch(data.load_corpus(c.data), program.batch_sharding, c.seed, int(state.step),
+                              c.train.batch_size, c.data.seq_len)
+    _, metrics = program.train_step_fn()(state, batch)
+    return float(metrics["loss"])
 
 
 def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
@@ -96,3 +109,23 @@ def test_inspect_lists_steps_shapes_and_saved_shardings(tmp_path, capsys):
     assert checkpoint.main(["inspect", str(tmp_path)]) == 0
     assert "params/layers/w_down" in capsys.readouterr().out
     assert checkpoint.main(["inspect", str(tmp_path / "nope")]) == 2
+
+
+def test_saves_are_due_by_steps_by_minutes_and_at_the_end(tmp_path, monkeypatch):
+    from jaxsys import checkpoint
+    now = [1000.0]
+    monkeypatch.setattr(checkpoint.time, "monotonic", lambda: now[0])
+    cfg = small_config().checkpoint
+    cfg.every_steps, cfg.every_minutes = 10, 0.5
+    ckpt = Checkpointer(str(tmp_path), cfg)
+    assert not ckpt.due(3, final=False)
+    assert ckpt.due(10, final=False)  # by steps
+    assert ckpt.due(3, final=True)  # the last step is always saved
+    now[0] += 29.0
+    assert not ckpt.due(4, final=False)
+    now[0] += 1.0
+    assert ckpt.due(4, final=False)  # 30 s = 0.5 minutes since the checkpointer started
+    cfg.every_steps = 0
+    ckpt = Checkpointer(str(tmp_path), cfg)
+    assert not ckpt.due(10, final=False)  # every_steps=0: by time only
+    ckpt.close()

@@ -1,4 +1,5 @@
-"""Several processes: 2 processes x 4 CPU devices on localhost train exactly like 1 process x 8.
+"""Several processes: 2 processes x 4 CPU devices on localhost train exactly like 1 process x 8,
+and their checkpoint restores in 1 process on another layout.
 
 Each run is `python -m jaxsys.train` in a subprocess, so that every process starts JAX with its own
 device count and (for the 2-process run) calls `jax.distributed.initialize` through
@@ -14,14 +15,14 @@ the global batch (`data.global_batch` uses make_array_from_callback).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +31,11 @@ TIMEOUT_S = 300
 ARGS = ["--config", "configs/tiny.py:test",
         # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2.
         "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-        "--config.model.n_kv_heads=2"]
+        "--config.model.n_kv_heads=2",
+        # constant after warmup, so that a 4-step run is the start of a 6-step one
+        "--config.train.schedule=constant"]
 BANNER = "jaxsys: "  # printed by process 0 only
-_DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # replaces conftest's 8
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(extra)
-    return env
-
-
-def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path) -> list[str]:
+def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path, extra_args=()) -> list[str]:
     """Start one `jaxsys.train` process per env (all at once); wait for all to exit 0.
     Returns their stdouts. On a failure or the timeout, kills the rest and fails with all logs."""
     logdir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +45,7 @@ def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path) -> list[str]:
             out, err = open(logdir / f"p{i}.out", "w+"), open(logdir / f"p{i}.err", "w+")
             logs.append((out, err))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxsys.train", *ARGS, "--workdir", str(workdir)],
+                [sys.executable, "-m", "jaxsys.train", *ARGS, *extra_args, "--workdir", str(workdir)],
                 cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs):
@@ -94,16 +79,17 @@ def _records(workdir: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_two_processes_match_one_process(tmp_path):
-    # 1 process x 8 devices (runs first, so it also fills the stdlib-corpus cache if empty).
+def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tmp_path):
+    # 1 process x 8 devices, 6 steps (runs first, so it also fills the stdlib-corpus cache if empty).
     single = tmp_path / "single"
-    [out] = _run([_env(8)], single, tmp_path / "logs_single")
+    [out] = _run([subprocess_env(8)], single, tmp_path / "logs_single", ["--config.train.steps=6"])
     assert BANNER in out
 
-    # 2 processes x 4 devices, one shared workdir; process 0 writes metrics.jsonl.
+    # 2 processes x 4 devices, one shared workdir, 4 steps; process 0 writes metrics.jsonl and
+    # both write their shards of the final checkpoint (step 4).
     multi = tmp_path / "multi"
-    address = f"127.0.0.1:{_free_port()}"
-    envs = [_env(4, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+    address = f"127.0.0.1:{free_port()}"
+    envs = [subprocess_env(4, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
             for i in range(2)]
     out0, out1 = _run(envs, multi, tmp_path / "logs_multi")
     # Each process has only 4 local devices, so the 8-device mesh validated only because
@@ -112,17 +98,24 @@ def test_two_processes_match_one_process(tmp_path):
     assert BANNER not in out1, f"process 1 printed the process-0 banner:\n{out1}"
 
     ref, got = _records(single), _records(multi)
-    steps = [r["step"] for r in ref]
-    assert steps == [1, 2, 3, 4]
+    assert [r["step"] for r in ref] == [1, 2, 3, 4, 5, 6]
     # Same steps, each logged once: process 1 appended nothing to the shared metrics.jsonl.
-    assert [r["step"] for r in got] == steps
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-6), (a, b)
-    assert ("eval_loss" in ref[-1]) == ("eval_loss" in got[-1])
-    if "eval_loss" in ref[-1]:
-        assert got[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-5)
-    assert ref[0]["loss"] > ref[-1]["loss"]  # it trained
+    assert ref[0]["loss"] > ref[3]["loss"]  # it trained
     # Process 1 wrote no files of its own into the shared workdir (only process 0's outputs).
     assert sorted(p.name for p in multi.iterdir()) == sorted(p.name for p in single.iterdir())
+
+    # The 2-process checkpoint restores in 1 process x 8 devices on another layout (fsdp=8) and
+    # training goes on as the single-process run did.
+    [out] = _run([subprocess_env(8)], multi, tmp_path / "logs_restore",
+                 ["--config.train.steps=6", "--config.mesh.data=1", "--config.mesh.tensor=1",
+                  "--config.mesh.fsdp=8"])
+    assert "resumed from step 4" in out and "mesh fsdp=8" in out, out
+    resumed = _records(multi)[4:]
+    assert [r["step"] for r in resumed] == [5, 6]
+    for a, b in zip(ref[4:], resumed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
