@@ -32,11 +32,14 @@ class Checkpointer:
     """Saves every `config.checkpoint.every_steps` steps and/or `every_minutes` minutes (and at the
     end), keeps the last `keep` plus every `keep_period`-th step."""
 
-    def __init__(self, workdir: str, ckpt_cfg):
+    def __init__(self, workdir: str, ckpt_cfg, read_only: bool = False):
         self.cfg = ckpt_cfg
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=ckpt_cfg.keep or None, keep_period=ckpt_cfg.keep_period or None,
-            enable_async_checkpointing=ckpt_cfg.async_save, create=True)
+        if read_only and not os.path.isdir(directory(workdir)):
+            raise CheckpointError(f"{workdir} has no checkpoints/ directory: pass the workdir of a run")
+        options = (ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+                   if read_only else ocp.CheckpointManagerOptions(
+                       max_to_keep=ckpt_cfg.keep or None, keep_period=ckpt_cfg.keep_period or None,
+                       enable_async_checkpointing=ckpt_cfg.async_save, create=True))
         self.manager = ocp.CheckpointManager(
             directory(workdir), options=options,
             item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
@@ -72,6 +75,16 @@ class Checkpointer:
                                   f"read ({type(e).__name__}: {e}); nothing was deleted. Restore an "
                                   "earlier step or move the damaged step directory aside.") from e
         return restored["state"]
+
+    def saved_config(self, step: int | None = None):
+        """The resolved config the checkpoint at `step` (default: latest) was saved with."""
+        from jaxsys.config import from_dict
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.manager.all_steps():
+            raise CheckpointError(f"{self.manager.directory} has no complete step "
+                                  f"{'' if step is None else step} (steps: {list(self.manager.all_steps())})")
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return from_dict(meta["config"], source=f"checkpoint step {step}")
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -111,10 +111,16 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
-    """Load `path/to/config.py[:arg]`, apply `--config.key=value` overrides, validate."""
+    """Load `path/to/config.py[:arg]` (or a resolved `config.json` that a run or `jaxsys.convert`
+    wrote), apply `--config.key=value` overrides, validate."""
     path, _, arg = spec.partition(":")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist: pass --config configs/<name>.py")
+    if path.endswith(".json"):
+        config = from_dict(_read_json(path), source=path)
+        apply_overrides(config, overrides)
+        validate(config)
+        return config
     module_spec = importlib.util.spec_from_file_location("jaxsys_user_config", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
@@ -124,6 +130,35 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     check_keys(config)
     apply_overrides(config, overrides)
     validate(config)
+    return config
+
+
+def _read_json(path: str) -> dict:
+    import json
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config file {path!r} is not readable JSON ({e})") from e
+
+
+def from_dict(values: dict, source: str = "a dict") -> ml_collections.ConfigDict:
+    """The base config with every key of a resolved config (nested dict) set from `values`;
+    a key the base does not know is an error naming it."""
+    config = base_config()
+    known = _flatten(config)
+    flat = _flatten(ml_collections.ConfigDict(values))
+    for key, value in flat.items():
+        if key not in known:
+            raise ConfigError(f"{source}: " + str(_unknown_key_error(key, list(known))))
+        parent = config
+        *path, leaf = key.split(".")
+        for part in path:
+            parent = parent[part]
+        if isinstance(known[key], float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        with parent.unlocked():
+            parent[leaf] = value
     return config
 
 

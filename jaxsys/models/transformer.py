@@ -79,15 +79,14 @@ def _block(x, w, positions, m, layout: Layout):
     return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp)
 
 
-def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False):
-    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1].
+def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False):
+    """Next-token logits [B, T, V] (this shard's V/tp columns under tensor parallelism) of inputs[B, T].
     `unroll` writes the layer loop out (the analysis counts every executed collective that way)."""
     specs = specs if specs is not None else param_specs(m)
     axes = _axes(specs)
     compute = jnp.dtype(m.compute_dtype)
     cast = lambda tree: jax.tree.map(lambda p: p.astype(compute), tree)
     vocab, sp = layout.compute_axes("vocab"), layout.sequence_parallel
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = jnp.arange(inputs.shape[1])
 
     embed = fsdp.gather(cast(params["embed"]), axes["embed"], layout)
@@ -105,8 +104,13 @@ def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = F
     final_norm = fsdp.gather(cast(params["final_norm"]), axes["final_norm"], layout)
     x = tensor.enter(layers.rms_norm(x, final_norm, m.norm_eps), vocab, sp)
     if m.tie_embeddings:
-        logits = jnp.einsum("btd,vd->btv", x, embed)
-    else:
-        unembed = fsdp.gather(cast(params["unembed"]), axes["unembed"], layout)
-        logits = jnp.einsum("btd,dv->btv", x, unembed)
-    return tensor.cross_entropy(logits, targets, vocab)
+        return jnp.einsum("btd,vd->btv", x, embed)
+    unembed = fsdp.gather(cast(params["unembed"]), axes["unembed"], layout)
+    return jnp.einsum("btd,dv->btv", x, unembed)
+
+
+def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False):
+    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    return tensor.cross_entropy(logits(params, inputs, m, layout, specs, unroll), targets,
+                                layout.compute_axes("vocab"))

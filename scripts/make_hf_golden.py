@@ -1,0 +1,242 @@
+"""Generate golden files of tiny, randomly initialised Hugging Face Llama models.
+
+The outputs let jaxsys tests compare its Llama implementation against
+``transformers`` without needing PyTorch on the test interpreter (Python 3.12).
+Nothing is downloaded: the models are built from ``LlamaConfig`` with
+``LlamaForCausalLM(config)`` and re-initialised from fixed torch seeds.
+
+Outputs, per model ``<name>`` in ``tests/golden/hf_llama/<name>/``:
+
+* ``config.json``        -- written by ``save_pretrained``
+* ``model.safetensors``  -- fp32 weights, HF parameter names
+* ``tokens.npy``         -- int32 [2, 24] input ids
+* ``logits.npy``         -- float32 [2, 24, 256] logits (causal mask, no padding,
+                            position_ids 0..T-1, eager attention, fp32)
+* ``versions.json``      -- torch / transformers / safetensors / numpy versions
+
+Models:
+
+* ``untied``: 2 layers, 4 query heads, 2 KV heads (GQA), rope_theta 5e5,
+  separate ``lm_head.weight``.
+* ``tied``:   3 layers, 4 query heads, 1 KV head (MQA), rope_theta 1e4,
+  ``tie_word_embeddings=True`` (lm_head shares ``model.embed_tokens.weight``).
+
+Environment (Python 3.11, outside the repo; torch is the local CPU wheel)::
+
+    python3 -m venv /tmp/hfvenv
+    /tmp/hfvenv/bin/pip install --no-deps /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+    /tmp/hfvenv/bin/pip install torch==2.13.0 transformers==5.23.0 safetensors==0.8.0 numpy==2.4.6
+
+(``pip install torch==2.13.0`` alone also resolves to the ``+cpu`` wheel via
+the configured ``find-links=/opt/wheels``; the explicit wheel path just makes it
+impossible to pull a CUDA build.)
+
+Run from the repository root::
+
+    /tmp/hfvenv/bin/python scripts/make_hf_golden.py
+
+The script also checks the HF logits against an independent pure-numpy Llama
+forward pass that reads the saved safetensors with ``safetensors.numpy``, so the
+conventions documented for consumers (half-split / rotate_half RoPE, scaling
+``head_dim ** -0.5``, fp32 RMSNorm ``w * (x * rsqrt(mean(x^2) + eps))``,
+``repeat_kv`` head grouping) are verified on every regeneration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OUT_ROOT = REPO_ROOT / "tests" / "golden" / "hf_llama"
+
+BATCH, SEQ = 2, 24
+WEIGHT_STD = 0.02
+QK_STD = 0.15
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_attention_heads=4,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    attention_bias=False,
+    mlp_bias=False,
+    hidden_act="silu",
+)
+
+MODELS = {
+    "untied": dict(
+        seed=0,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+    "tied": dict(
+        seed=1,
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def build_model(spec: dict) -> LlamaForCausalLM:
+    spec = dict(spec)
+    seed = spec.pop("seed")
+    rope_theta = spec.pop("rope_theta")
+    config = LlamaConfig(
+        **COMMON,
+        **spec,
+        # transformers>=5 stores rope_theta inside rope_parameters.
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        dtype="float32",
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model = model.to(torch.float32)
+    model.config._attn_implementation = "eager"
+
+    # Re-initialise every parameter so the golden logits depend on all of them:
+    # RMSNorm weights 1 + 0.1 * N(0, 1); every other weight 0.02 * N(0, 1),
+    # except q_proj / k_proj which use QK_STD.  With std 0.02 everywhere the
+    # attention scores have std ~0.03, attention is almost uniform and the
+    # logits barely depend on q/k or on the RoPE convention; QK_STD = 0.15
+    # gives scores of std ~1.4 so those errors show up clearly.
+    # named_parameters() de-duplicates tied tensors, so a tied lm_head is only
+    # touched once (through model.embed_tokens.weight).
+    gen = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.copy_(QK_STD * noise)
+            else:
+                p.copy_(WEIGHT_STD * noise)
+
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    else:
+        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert model.config._attn_implementation == "eager"
+    model.eval()
+    return model
+
+
+# --------------------------------------------------------------------------
+# Independent numpy reference (float64) used as a self-check.
+# --------------------------------------------------------------------------
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    n_h, n_kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    theta = cfg["rope_parameters"]["rope_theta"]
+    B, T = tokens.shape
+
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    freqs = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)  # [T, d]
+    cos, sin = np.cos(emb), np.sin(emb)
+    mask = np.triu(np.full((T, T), -np.inf), k=1)
+
+    x = w["model.embed_tokens.weight"][tokens]  # [B, T, D]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(B, T, n_h, d).transpose(0, 2, 1, 3)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # repeat_kv: query head j uses kv head j // (n_h // n_kv)
+        k = np.repeat(k, n_h // n_kv, axis=1)
+        v = np.repeat(v, n_h // n_kv, axis=1)
+        s = (q @ k.transpose(0, 1, 3, 2)) * d**-0.5 + mask
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s = s / s.sum(-1, keepdims=True)
+        a = (s @ v).transpose(0, 2, 1, 3).reshape(B, T, n_h * d)
+        x = x + a @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        g = h @ w[p + "mlp.gate_proj.weight"].T
+        u = h @ w[p + "mlp.up_proj.weight"].T
+        x = x + ((g / (1.0 + np.exp(-g))) * u) @ w[p + "mlp.down_proj.weight"].T
+    x = _rms(x, w["model.norm.weight"], eps)
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    return x @ head.T
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    versions = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+    }
+    for name, spec in MODELS.items():
+        out = OUT_ROOT / name
+        out.mkdir(parents=True, exist_ok=True)
+        model = build_model(spec)
+        model.save_pretrained(out, safe_serialization=True)
+        gen_cfg = out / "generation_config.json"
+        if gen_cfg.exists():
+            gen_cfg.unlink()
+
+        gen = torch.Generator().manual_seed(2000 + spec["seed"])
+        tokens = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ), generator=gen)
+        position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+        with torch.no_grad():
+            logits = model(
+                input_ids=tokens, position_ids=position_ids, use_cache=False
+            ).logits.to(torch.float32)
+        assert logits.shape == (BATCH, SEQ, COMMON["vocab_size"])
+
+        np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
+        np.save(out / "logits.npy", logits.numpy().astype(np.float32))
+        (out / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+
+        # Self-check: reload the saved artefacts torch-free and recompute.
+        cfg = json.loads((out / "config.json").read_text())
+        weights = safetensors.numpy.load_file(out / "model.safetensors")
+        ref = numpy_llama_logits(weights, cfg, np.load(out / "tokens.npy"))
+        err = float(np.max(np.abs(ref - np.load(out / "logits.npy"))))
+        scale = float(np.max(np.abs(ref)))
+        print(f"[{name}] saved to {out.relative_to(REPO_ROOT)}; "
+              f"numpy-reference max|diff|={err:.3e} (max|logit|={scale:.3e})")
+        assert err < 1e-4 * max(scale, 1.0), err
+        for f in sorted(os.listdir(out)):
+            print(f"    {f}: {(out / f).stat().st_size} bytes")
+    print(json.dumps(versions))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

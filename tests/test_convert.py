@@ -1,0 +1,127 @@
+"""Hugging Face Llama interop: `python -m jaxsys.convert --from-hf/--to-hf` against golden files.
+
+tests/golden/hf_llama/{untied,tied} hold tiny random Llamas saved by `transformers` (GQA with rope
+theta 5e5 and untied embeddings; MQA with tied embeddings), with the logits transformers computed on
+fixed tokens. scripts/make_hf_golden.py made them (PyTorch, Python 3.11); these tests need neither.
+"""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxsys import convert, data, train
+from jaxsys.checkpoint import Checkpointer
+from jaxsys.config import load_config
+from jaxsys.mesh import make_mesh
+from jaxsys.models import transformer
+from tests.helpers import ROOT
+
+GOLDEN = os.path.join(ROOT, "tests", "golden", "hf_llama")
+
+
+def _restored(workdir, devices=1):
+    ckpt = Checkpointer(str(workdir), None, read_only=True)
+    config = ckpt.saved_config()
+    for axis in config.mesh:
+        config.mesh[axis] = 1
+    program = train.build(config, make_mesh(config, jax.devices()[:devices]))
+    state = ckpt.restore(program.abstract_state())
+    ckpt.close()
+    return config, program, state
+
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
+    golden = os.path.join(GOLDEN, name)
+    workdir = tmp_path / "run"
+    assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
+    config, program, state = _restored(workdir)
+    hf = json.load(open(os.path.join(golden, "config.json")))
+    assert (config.model.n_kv_heads, config.model.tie_embeddings) == (hf["num_key_value_heads"], name == "tied")
+    assert config.model.rope_theta == hf["rope_parameters"]["rope_theta"]
+
+    tokens = np.load(os.path.join(golden, "tokens.npy"))
+    want = np.load(os.path.join(golden, "logits.npy"))
+    got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
+    # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+    out = tmp_path / "hf"
+    assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
+    original, written = load_file(os.path.join(golden, "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    for key in original:
+        assert written[key].dtype == original[key].dtype, key
+        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+    written_config = json.load(open(out / "config.json"))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "model_type"):
+        assert written_config[key] == hf[key], key
+    assert written_config["rope_parameters"] == hf["rope_parameters"]
+
+
+def test_converted_workdir_trains_on_another_mesh(tmp_path):
+    """Convert sharded over fsdp=8, then `jaxsys.train --config W/config.json` resumes from step 0 on
+    data=2 x fsdp=2 x tensor=2 (tensor=2 divides the 4 query and 2 key/value heads)."""
+    workdir = tmp_path / "run"
+    assert convert.main(["--from-hf", os.path.join(GOLDEN, "untied"), "--workdir", str(workdir),
+                         "--config", os.path.join(ROOT, "configs", "tiny.py:test"), "--config.mesh.fsdp=8"]) == 0
+    converted_config, one_device, state = _restored(workdir)
+    config = load_config(str(workdir / "config.json"), ["--config.mesh.fsdp=2", "--config.mesh.data=2",
+                                                        "--config.mesh.tensor=2", "--config.train.steps=2"])
+    assert config.model.d_ff == 160 and config.data.seq_len == 32  # HF model, tiny:test training
+    records = train.main(config, str(workdir))
+    assert [r["step"] for r in records] == [1, 2]
+    # Step 1's loss is the converted weights' loss on batch 0, computed here on one device.
+    batch = data.global_batch(data.load_corpus(config.data), one_device.batch_sharding, config.seed, 0,
+                              config.train.batch_size, config.data.seq_len)
+    loss_of = lambda params: float(one_device.eval_loss_fn()(params, batch))
+    assert records[0]["loss"] == pytest.approx(loss_of(state.params), rel=1e-5)
+    assert abs(loss_of(one_device.init().params) - records[0]["loss"]) > 1e-3  # not a fresh init
+    _, _, trained = _restored(workdir)
+    assert int(trained.step) == 2
+    assert not np.array_equal(np.asarray(trained.params["embed"]), np.asarray(state.params["embed"]))
+
+
+def _copy_golden(tmp_path, name="untied"):
+    target = tmp_path / f"hf_{name}"
+    shutil.copytree(os.path.join(GOLDEN, name), target)
+    return target
+
+
+def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(os.path.join(GOLDEN, "untied", "config.json"), pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(convert.ConversionError, match=r"no \*.safetensors.*pytorch_model.bin.*never read"):
+        convert.from_hf(str(pickled), str(tmp_path / "w1"))
+
+    scaled = _copy_golden(tmp_path)
+    hf = json.load(open(scaled / "config.json"))
+    hf["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}
+    json.dump(hf, open(scaled / "config.json", "w"))
+    with pytest.raises(convert.ConversionError, match="rope type 'llama3'"):
+        convert.from_hf(str(scaled), str(tmp_path / "w2"))
+
+    wrong = _copy_golden(tmp_path, "tied")
+    tensors = load_file(str(wrong / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:100]
+    save_file(tensors, str(wrong / "model.safetensors"))
+    with pytest.raises(convert.ConversionError,
+                       match=r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\) but config.json implies \(160, 64\)"):
+        convert.from_hf(str(wrong), str(tmp_path / "w3"))
+    assert not any((tmp_path / w).exists() for w in ("w1", "w2", "w3"))
+
+    done = tmp_path / "done"
+    assert convert.main(["--from-hf", os.path.join(GOLDEN, "tied"), "--workdir", str(done)]) == 0
+    before = sorted(p.relative_to(done) for p in done.rglob("*"))
+    assert convert.main(["--from-hf", os.path.join(GOLDEN, "untied"), "--workdir", str(done)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(p.relative_to(done) for p in done.rglob("*")) == before
