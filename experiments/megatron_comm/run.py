@@ -19,13 +19,13 @@ import collections
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-MARK = "@@RESULT@@"
+sys.path.insert(0, ROOT)
+from experiments.common import emit, run_worker  # noqa: E402
 CONFIG = "configs/tiny.py"
 SHORT = {"float32": "f32", "bfloat16": "bf16"}
 BYTES = {"float32": 4, "bfloat16": 2}
@@ -106,19 +106,7 @@ def worker(n: int, jobs: list[dict]) -> None:
                    memory=r["memory"], collectives=r["collectives"],
                    collectives_formula=r["collectives_formula"], formula_caveats=r["formula_caveats"],
                    metric_scalars_formula=r["metric_scalars_formula"], ops=ops)
-        print(MARK + json.dumps(out), flush=True)
-
-
-def run_worker(n: int, jobs: list[dict]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n)],
-                          input=json.dumps(jobs), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-5000:])
-        raise SystemExit(f"worker for t={n} failed (rc {proc.returncode})")
-    return [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
+        emit(out)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -398,7 +386,7 @@ def main() -> int:
     results = []
     for t, jobs in plan_jobs(args.quick).items():
         t0 = time.time()
-        results += run_worker(t, jobs)
+        results += run_worker(__file__, t, jobs, what="t")
         print(f"t={t}: {len(jobs)} analyses in {time.time() - t0:.0f} s", flush=True)
     finish(results, dict(quick=args.quick, seconds=time.time() - t_start))
     print(f"total {time.time() - t_start:.0f} s")

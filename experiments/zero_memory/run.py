@@ -19,13 +19,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-MARK = "@@RESULT@@"
+sys.path.insert(0, ROOT)
+from experiments.common import emit, run_worker  # noqa: E402
 
 SWEEPS = {
     # name: (config, hardware profile, device counts, quick device counts, extra overrides)
@@ -69,19 +69,7 @@ def worker(n: int, jobs: list[dict]) -> None:
         out = dict(job, seconds=seconds, params_count=r["params_count"], memory=r["memory"],
                    batch_bytes_per_device=batch_bytes, collectives=r["collectives"],
                    collectives_formula=r["collectives_formula"], fits=r["fits"])
-        print(MARK + json.dumps(out), flush=True)
-
-
-def run_worker(n: int, jobs: list[dict]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(n)],
-                          input=json.dumps(jobs), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1800)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-5000:])
-        raise SystemExit(f"worker for N={n} failed (rc {proc.returncode})")
-    return [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
+        emit(out)
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -279,7 +267,7 @@ def main() -> int:
             jobs = [dict(sweep=sweep, n=n, stage=s, config=config, hardware=hw,
                          overrides=stage_overrides(n, s, per_device_batch) + extra) for s in stages]
             t0 = time.time()
-            got = run_worker(n, jobs)
+            got = run_worker(__file__, n, jobs, what="N")
             if n == 1:  # report N = 1 under every stage label
                 got = [dict(got[0], stage=s) for s in range(4)]
             print(f"{sweep} N={n}: {len(jobs)} analyses in {time.time() - t0:.0f} s", flush=True)
