@@ -21,6 +21,8 @@ MESH_AXES = ("data", "pipe", "fsdp", "expert", "seq", "tensor")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "wsd", "constant")
+ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
+LAYER_TYPES = ("softmax", "linear")
 
 
 class ConfigError(ValueError):
@@ -46,6 +48,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.compute_dtype = "float32"
     c.model.remat = "none"
+    c.model.attention_impl = "reference"  # reference | pallas | cudnn (GPU)
+    c.model.layer_pattern = "softmax"  # comma-separated layer types repeated over the layers
+    c.model.attention_block = 128  # Pallas flash attention block (queries and keys)
+    c.model.linear_chunk = 64  # chunk of the linear-attention layers
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
@@ -263,6 +269,17 @@ def validate(config, num_devices: int | None = None) -> None:
              f"config.model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.n_kv_heads}")
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embeddings)")
     _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
+    _require(m.attention_impl in ATTENTION_IMPLS,
+             f"config.model.attention_impl={m.attention_impl!r}: choose one of {ATTENTION_IMPLS}")
+    pattern = tuple(p.strip() for p in m.layer_pattern.split(",") if p.strip())
+    _require(bool(pattern) and all(p in LAYER_TYPES for p in pattern),
+             f"config.model.layer_pattern={m.layer_pattern!r}: a comma-separated list of {LAYER_TYPES}")
+    _require(m.n_layers % len(pattern) == 0,
+             f"config.model.n_layers={m.n_layers} is not a multiple of the {len(pattern)} layers of "
+             f"config.model.layer_pattern={m.layer_pattern!r}")
+    _require(m.attention_block >= 8 and m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,
+             "config.model.attention_block must be >= 8 and config.model.linear_chunk a positive "
+             "multiple of 8")
     for key in ("param_dtype", "compute_dtype"):
         _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
 

@@ -150,6 +150,10 @@ class Program:
 
 
 def build(config, mesh, unroll_layers: bool = False) -> Program:
+    platform = mesh.devices.flat[0].platform
+    if config.model.attention_impl == "cudnn" and platform != "gpu":
+        raise ConfigError(f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
+                          f"{platform}: use 'pallas' or 'reference'")
     layout = Layout.from_config(config)
     specs = transformer.param_specs(config.model)
     is_spec = params_lib.is_spec

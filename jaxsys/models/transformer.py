@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsys.models import layers
+from jaxsys.models import attention, layers
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import fsdp, tensor
 from jaxsys.sharding import Layout
@@ -66,14 +66,19 @@ def remat_policy(name: str):
     return fsdp.remat_saveable
 
 
-def _block(x, w, positions, m, layout: Layout):
-    """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered."""
+def _block(x, w, positions, m, layout: Layout, kind: str = "softmax"):
+    """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
+    `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py)."""
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sequence_parallel
     h = tensor.enter(layers.rms_norm(x, w["attn_norm"], m.norm_eps), heads, sp)
-    q = layers.rope(jnp.einsum("btd,dnh->btnh", h, w["wq"]), positions, m.rope_theta)
-    k = layers.rope(jnp.einsum("btd,dkh->btkh", h, w["wk"]), positions, m.rope_theta)
+    q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
+    k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
     v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
-    o = layers.attention(q, k, v, causal=True)
+    if kind == "linear":
+        o = attention.linear_attention(q, k, v, m, heads)
+    else:
+        q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
+        o = attention.softmax_attention(q, k, v, m)
     x = x + tensor.leave(jnp.einsum("btnh,nhd->btd", o, w["wo"]), heads, sp)
     h = tensor.enter(layers.rms_norm(x, w["mlp_norm"], m.norm_eps), mlp, sp)
     return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp)
@@ -94,12 +99,23 @@ def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False):
 
     layer_axes = jax.tree.map(lambda a: a[1:], axes["layers"], is_leaf=lambda a: isinstance(a, tuple))
 
-    def body(x, layer_params):
+    def layer(x, layer_params, kind):
         w = fsdp.gather(cast(layer_params), layer_axes, layout)
-        return _block(x, w, positions, m, layout), None
+        return _block(x, w, positions, m, layout, kind)
 
-    body = jax.checkpoint(body, policy=remat_policy(m.remat), prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params["layers"], unroll=m.n_layers if unroll else 1)
+    # The layer pattern repeats with period p: scan over the L/p groups, p layers written out in each.
+    pattern = attention.pattern(m)
+    period = len(pattern)
+    remat = {kind: jax.checkpoint(lambda x, w, kind=kind: layer(x, w, kind), policy=remat_policy(m.remat),
+                                  prevent_cse=False) for kind in set(pattern)}
+    groups = jax.tree.map(lambda a: a.reshape(m.n_layers // period, period, *a.shape[1:]), params["layers"])
+
+    def body(x, group_params):
+        for i, kind in enumerate(pattern):
+            x = remat[kind](x, jax.tree.map(lambda a: a[i], group_params))
+        return x, None
+
+    x, _ = jax.lax.scan(body, x, groups, unroll=m.n_layers // period if unroll else 1)
 
     final_norm = fsdp.gather(cast(params["final_norm"]), axes["final_norm"], layout)
     x = tensor.enter(layers.rms_norm(x, final_norm, m.norm_eps), vocab, sp)

@@ -40,13 +40,19 @@ def leave(y, axes: tuple[str, ...], sequence_parallel: bool):
     return psum_fwd_copy_bwd(y, axes)
 
 
+def shard_offset(local_size: int, axes: tuple[str, ...]):
+    """Global index of this rank's first element of a dimension split evenly over `axes`
+    (e.g. the first vocabulary row or query head it owns)."""
+    return axis_index(axes) * local_size
+
+
 def embed_lookup(table, ids, axes: tuple[str, ...], sequence_parallel: bool):
     """Vocabulary-parallel embedding: table[V/tp, D] holds rows [r*V/tp, (r+1)*V/tp); ids[B, T].
 
     Each rank looks up the ids it owns (zeros elsewhere) and the rows are summed with `leave`,
     so the full table is never gathered."""
     rows = table.shape[0]
-    local = ids - axis_index(axes) * rows
+    local = ids - shard_offset(rows, axes)
     owned = (local >= 0) & (local < rows)
     x = jnp.take(table, jnp.where(owned, local, 0), axis=0) * owned[..., None].astype(table.dtype)
     return leave(x, axes, sequence_parallel)
@@ -62,7 +68,7 @@ def cross_entropy(logits, targets, axes: tuple[str, ...]):
     global_max = lax.pmax(local_max, axes) if axes else local_max
     shifted = logits - global_max[..., None]
     sum_exp = psum_fwd_copy_bwd(jnp.sum(jnp.exp(shifted), axis=-1), axes)
-    local = targets - axis_index(axes) * width
+    local = targets - shard_offset(width, axes)
     owned = (local >= 0) & (local < width)
     picked = jnp.take_along_axis(shifted, jnp.where(owned, local, 0)[..., None], axis=-1)[..., 0]
     target_logit = psum_fwd_copy_bwd(jnp.where(owned, picked, 0.0), axes)

@@ -1,0 +1,69 @@
+"""The attention of a layer: softmax attention by `config.model.attention_impl`, or causal linear
+attention, chosen per layer by `config.model.layer_pattern`.
+
+    attention_impl   softmax layers                              linear layers
+    reference        layers.attention (jnp, XLA)                 kernels.linear_attention.chunked (jnp)
+    pallas           kernels.flash_attention (Pallas)            kernels.linear_attention (Pallas)
+    cudnn            jax.nn.dot_product_attention(cudnn), GPU    kernels.linear_attention (Pallas)
+
+Shapes are per device: q[B, T, N, H], k/v[B, T, K, H] with this rank's N/tp query heads and K/tp
+key/value heads (heads split over `tensor`; a query head's key/value head is on the same rank).
+
+Linear layers (RetNet / Lightning Attention style): the same q, k, v projections without RoPE,
+key/value heads repeated to N, per-head decay gamma_n = 1 - 2^(-5 - n) over the *global* head index
+n (RetNet's), scale H^-0.5, and a parameter-free RMS norm of each head's output (the normalisation
+that keeps linear attention's unnormalised sums at unit scale, as RetNet's GroupNorm and
+TransNormer's NormAttention do).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsys.models import layers
+from jaxsys.parallel import tensor
+
+
+
+def pattern(m) -> tuple[str, ...]:
+    """`layer_pattern` is a comma-separated list of layer types repeated over the layers:
+    "softmax"; "linear"; "linear,linear,linear,softmax" (one softmax layer in 4)."""
+    return tuple(p.strip() for p in m.layer_pattern.split(",") if p.strip())
+
+
+def layer_types(m) -> tuple[str, ...]:
+    """The type of each of the n_layers layers."""
+    return pattern(m) * (m.n_layers // len(pattern(m)))
+
+
+def softmax_attention(q, k, v, m):
+    """Causal GQA softmax attention of one layer with `m.attention_impl`."""
+    if m.attention_impl == "pallas":
+        from jaxsys.kernels.flash_attention import flash_attention
+        return flash_attention(q, k, v, causal=True, block_q=m.attention_block, block_k=m.attention_block)
+    if m.attention_impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return layers.attention(q, k, v, causal=True)
+
+
+def head_log_decay(n_local: int, heads_axes: tuple[str, ...]):
+    """log gamma [n_local] of this rank's query heads; gamma_n = 1 - 2^(-5 - n), n the global index."""
+    n = tensor.shard_offset(n_local, heads_axes) + jnp.arange(n_local)
+    return jnp.log1p(-jnp.exp2(-5.0 - n.astype(jnp.float32)))
+
+
+def linear_attention(q, k, v, m, heads_axes: tuple[str, ...]):
+    """Causal linear attention of one layer: q[B, T, N, H], k/v[B, T, K, H] -> [B, T, N, H]."""
+    from jaxsys.kernels import linear_attention as lin
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    log_decay = head_log_decay(q.shape[2], heads_axes)
+    scale = q.shape[-1] ** -0.5
+    if m.attention_impl == "reference":
+        o, _ = lin.chunked(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay, scale=scale)
+    else:
+        o, _ = lin.linear_attention(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay, scale=scale)
+    o32 = o.astype(jnp.float32)
+    o32 = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + m.norm_eps)
+    return o32.astype(q.dtype)

@@ -1,0 +1,8 @@
+"""Flash attention: a Pallas kernel (forward + FlashAttention-2 backward, custom_vjp) and its pure-JAX
+reference. See docs/kernels_flash_attention.md."""
+
+from .kernel import flash_attention, flash_attention_backward, flash_attention_forward
+from .reference import attention as reference_attention
+
+__all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward",
+           "reference_attention"]

@@ -1,0 +1,200 @@
+"""Flash-attention throughput on one GPU: this Pallas kernel, cuDNN and the XLA reference.
+
+    python -m jaxsys.kernels.flash_attention.bench --out flash_attention_gpu.json
+
+Measures TFLOP/s of the forward and of forward+backward, causal and full, bf16, for sequence
+lengths 1K..32K and head dims 64 and 128, all in one run on the same device, for:
+
+  pallas  jaxsys.kernels.flash_attention.flash_attention (Triton lowering on GPU)
+  cudnn   jax.nn.dot_product_attention(..., implementation="cudnn")
+  xla     jaxsys.kernels.flash_attention.reference_attention (the materialised [B, N, T, S] scores;
+          skipped where those scores alone would pass --xla-max-gib)
+
+Shapes keep the work per step fixed, as the FlashAttention papers do: B = tokens / T (at least 1),
+N = hidden / H query heads, K = N / --group kv heads.
+
+FLOP convention: forward 4 * B * N * T * S * H (two matmuls of 2 * T * S * H per head), halved
+when causal; backward 2.5x the forward (five matmuls against two), so forward+backward counts
+3.5x the forward. Recomputation inside the backward is not counted: the figure is useful work.
+
+Timing: each function is jitted, compiled and run twice before timing; then each of --repeats
+samples runs the function enough times back to back to take >= --min-time seconds, ending with
+jax.block_until_ready, and the median time per call is reported.
+
+On a machine without a GPU the script says so and exits 0; with --interpret-smoke it instead runs
+one tiny shape in Pallas interpret mode (pallas and xla only) to check that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsys.kernels.flash_attention import flash_attention, reference_attention
+
+IMPLS = ("pallas", "cudnn", "xla")
+
+
+def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
+    """Useful FLOPs of attention by the convention in the module docstring."""
+    forward = 4.0 * b * n * t * s * h * (0.5 if causal else 1.0)
+    return forward * (3.5 if backward else 1.0)
+
+
+def attention_fn(impl: str, causal: bool, args):
+    """q, k, v -> o for one implementation."""
+    if impl == "pallas":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=args.block_q,
+                                               block_k=args.block_k, block_q_bwd=args.block_q_bwd,
+                                               block_k_bwd=args.block_k_bwd,
+                                               interpret=args.interpret_smoke or None)
+    if impl == "cudnn":
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                            implementation="cudnn")
+    if impl == "xla":
+        return lambda q, k, v: reference_attention(q, k, v, causal=causal)
+    raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+
+
+def median_seconds(fn, inputs, repeats: int, min_time: float) -> float:
+    """Median wall time of one call of the jitted fn, after compile and warm-up."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*inputs))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*inputs))
+    once = time.perf_counter() - start
+    calls = max(1, min(1000, int(min_time / max(once, 1e-6))))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*inputs)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def measure(impl, t, h, causal, args):
+    """One row: forward and forward+backward times and TFLOP/s (or the reason it was skipped)."""
+    b, n = max(1, args.tokens // t), args.hidden // h
+    kh = n // args.group
+    row = dict(impl=impl, T=t, S=t, H=h, B=b, N=n, K=kh, causal=causal, dtype=args.dtype)
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+        return row | dict(skipped="cuDNN needs a GPU")
+    scores_gib = 4.0 * b * n * t * t / 2**30
+    if impl == "xla" and scores_gib > args.xla_max_gib:
+        return row | dict(skipped=f"[B, N, T, S] fp32 scores would take {scores_gib:.0f} GiB")
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    k = jax.random.normal(keys[1], (b, t, kh, h), dtype)
+    v = jax.random.normal(keys[2], (b, t, kh, h), dtype)
+    do = jax.random.normal(keys[3], (b, t, n, h), dtype)
+    attn = attention_fn(impl, causal, args)
+    forward = jax.jit(attn)
+    forward_backward = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+    try:
+        fwd_s = median_seconds(forward, (q, k, v), args.repeats, args.min_time)
+        row |= dict(fwd_ms=fwd_s * 1e3,
+                    fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
+        if impl == "pallas" and "xla" in args.impls and scores_gib <= args.xla_max_gib:
+            want = jax.jit(attention_fn("xla", causal, args))(q, k, v)
+            got = forward(q, k, v)
+            row["max_abs_err_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32)
+                                                              - want.astype(jnp.float32))))
+        bwd_s = median_seconds(forward_backward, (q, k, v, do), args.repeats, args.min_time)
+        row |= dict(fwd_bwd_ms=bwd_s * 1e3,
+                    fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
+    except Exception as e:  # one failing configuration must not lose the others
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    return row
+
+
+def markdown(rows) -> str:
+    lines = ["| T | H | B | N | K | causal | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+             "| fwd+bwd TFLOP/s | note |",
+             "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|"]
+    fmt = lambda r, key, spec: format(r[key], spec) if key in r else "-"
+    for r in rows:
+        note = r.get("skipped") or r.get("error") or (
+            f"max err vs xla {r['max_abs_err_vs_xla']:.1e}" if "max_abs_err_vs_xla" in r else "")
+        lines.append(
+            f"| {r['T']} | {r['H']} | {r['B']} | {r['N']} | {r['K']} | {r['causal']} "
+            f"| {r['impl']} | {fmt(r, 'fwd_ms', '.3f')} | {fmt(r, 'fwd_tflops', '.1f')} "
+            f"| {fmt(r, 'fwd_bwd_ms', '.3f')} | {fmt(r, 'fwd_bwd_tflops', '.1f')} | {note} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", type=ints, default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--head-dims", type=ints, default=[64, 128])
+    p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--tokens", type=int, default=16384, help="B * T")
+    p.add_argument("--hidden", type=int, default=2048, help="N * H")
+    p.add_argument("--group", type=int, default=1, help="query heads per kv head, N / K")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-q", type=int, default=128)
+    p.add_argument("--block-k", type=int, default=128)
+    p.add_argument("--block-q-bwd", type=int, default=None)
+    p.add_argument("--block-k-bwd", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--min-time", type=float, default=0.05, help="seconds per timing sample")
+    p.add_argument("--xla-max-gib", type=float, default=8.0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--interpret-smoke", action="store_true",
+                   help="no GPU needed: one tiny shape in Pallas interpret mode")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = jax.default_backend()
+    if args.interpret_smoke:
+        args.seq_lens, args.head_dims, args.tokens, args.hidden = [64], [64], 64, 128
+        args.block_q = args.block_k = 32
+        args.repeats, args.min_time = 1, 0.0
+    elif backend != "gpu":
+        print(f"bench.py measures GPU kernels; the default JAX backend here is {backend!r}, so "
+              "nothing was measured. Run it on a GPU machine, or pass --interpret-smoke to check "
+              "the script in Pallas interpret mode.")
+        return 0
+    device = jax.devices()[0]
+    causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    rows = []
+    for h in args.head_dims:
+        for t in args.seq_lens:
+            for causal in causals:
+                for impl in args.impls:
+                    row = measure(impl, t, h, causal, args)
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+    table = markdown(rows)
+    print(f"\n{device.device_kind} ({backend}), jax {jax.__version__}, {args.dtype}; "
+          "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved\n")
+    print(table)
+    if args.out:
+        record = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            device=device.device_kind, backend=backend, jax=jax.__version__,
+            numpy=np.__version__, command=" ".join(sys.argv),
+            flop_convention="fwd 4*B*N*T*S*H (x0.5 causal); fwd+bwd 3.5x fwd",
+            interpret_smoke=args.interpret_smoke, args=vars(args), results=rows)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""FlashAttention-2 in Pallas: forward with online softmax, backward as two kernels (dq; dk/dv).
+
+Written against the generic Pallas API only (`pl.pallas_call`, a grid, `pl.BlockSpec`, ref
+indexing, `lax.fori_loop`), so one source runs in interpret mode on CPU and lowers through Triton on
+GPU. Shapes follow the reference: q[B, T, N, H], k/v[B, S, K, H], G = N / K query heads per kv head,
+o[B, T, N, H], lse[B, N, T] (fp32, natural log). Tiles are block_q x block_k (powers of two, >= 16).
+
+Forward, one program per (q block i, b, n): q_i[block_q, H] stays resident while a loop walks the
+kv blocks of kv head n // G, keeping the running row max m, row sum l and unnormalised output acc
+in fp32; at the end o = acc / l and lse = m + log l.
+
+Backward (FlashAttention-2's split, no atomics), with P = exp(s - lse), dP = dO V^T and
+Delta = rowsum(dO * O) - dlse (the lse cotangent folds in here: d lse_i / d s_ij = P_ij):
+- dq kernel, one program per (q block, b, n): loops over kv blocks, dQ = scale * sum dS K with
+  dS = P * (dP - Delta);
+- dk/dv kernel, one program per (kv block, b, kv head): loops over the G query heads of its group
+  and over the q blocks, dV = sum P^T dO, dK = scale * sum dS^T Q. Summing the group inside the
+  kernel means no per-query-head dk/dv is materialised and no repeat of K/V exists anywhere.
+
+Causal: kv blocks entirely above the diagonal are never visited (the loop bounds depend on the
+program id), which halves the FLOPs; blocks entirely below it skip the causal mask.
+
+Padding: T and S are padded up to a multiple of the block sizes; padded keys are masked by index,
+padded queries carry dO = 0 and are sliced off, so they add nothing to dk/dv.
+
+Empty rows (nothing visible, e.g. a query whose segment has no keys in this block) give o = 0 and
+lse = -inf and contribute nothing to the gradients; no NaN is produced on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
+
+__all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward"]
+
+# Finite stand-in for -inf inside the kernels: masked scores never win a row max, and
+# exp(MASK - m) is 0 or (for an all-masked block) exp(0), which the visibility mask then zeroes.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static (hashable) parameters of one call; the custom_vjp's non-differentiable argument."""
+    scale: float
+    causal: bool
+    block_q: int  # the tiles of the kernel being run; the backward runs with bwd_block_*
+    block_k: int
+    bwd_block_q: int
+    bwd_block_k: int
+    interpret: bool
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces of the kernels.
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    """2-D matmul contracting a's dim contract_a with b's dim contract_b, fp32 accumulation."""
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def _visible(q_start, k_start, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
+    """Boolean [block_q, block_k] mask of the (query, key) pairs that may attend, or None."""
+    mask = None
+    if causal:
+        rows = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+        cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        mask = rows >= cols
+    if kv_len is not None:  # keys past the true length are padding
+        cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        mask = cols < kv_len if mask is None else mask & (cols < kv_len)
+    if q_seg is not None:
+        seg = q_seg[:, None] == kv_seg[None, :]
+        mask = seg if mask is None else mask & seg
+    return mask
+
+
+def _causal_kv_range(i, block_q: int, block_k: int, num_kv_blocks: int):
+    """For q block i: (n_full, n_end). kv blocks [0, n_full) lie wholly on or below the diagonal
+    (no causal mask needed), [n_full, n_end) straddle it, and blocks >= n_end are all masked."""
+    n_end = jnp.minimum(lax.div((i + 1) * block_q + block_k - 1, block_k), num_kv_blocks)
+    n_full = jnp.minimum(lax.div(i * block_q + 1, block_k), n_end)
+    return n_full, n_end
+
+
+def _causal_q_range(j, block_q: int, block_k: int, num_q_blocks: int):
+    """For kv block j: (n_start, n_full). q blocks < n_start are all masked, [n_start, n_full)
+    straddle the diagonal, and [n_full, num_q_blocks) see the whole kv block."""
+    n_start = jnp.minimum(lax.div(j * block_k, block_q), num_q_blocks)
+    n_full = jnp.minimum(lax.div((j + 1) * block_k - 1 + block_q - 1, block_q), num_q_blocks)
+    return n_start, jnp.maximum(n_full, n_start)
+
+
+def _split_refs(refs, n_in: int, has_segments: bool):
+    """Split a kernel's refs into (inputs, q_seg_ref, kv_seg_ref, outputs)."""
+    ins = refs[:n_in]
+    if has_segments:
+        return ins, refs[n_in], refs[n_in + 1], refs[n_in + 2:]
+    return ins, None, None, refs[n_in:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernel: grid (q blocks, B, N).
+
+def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bool):
+    (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _split_refs(refs, 3, has_segments)
+    bq, bk = cfg.block_q, cfg.block_k
+    i = pl.program_id(0)
+    q = q_ref[...]
+    q_seg = None if qs_ref is None else qs_ref[...]
+    h = q.shape[-1]
+
+    def body(j, carry, *, causal_mask: bool):
+        acc, m, l = carry
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        s = _dot(q, k, 1, 1) * cfg.scale  # [bq, bk]
+        mask = _visible(i * bq, start, (bq, bk), causal=causal_mask, kv_len=kv_len, q_seg=q_seg,
+                        kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)])
+        if mask is not None:
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, 1, 0)
+        return acc, m_new, l
+
+    carry = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    if cfg.causal:
+        n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
+        carry = lax.fori_loop(0, n_full, functools.partial(body, causal_mask=False), carry)
+        carry = lax.fori_loop(n_full, n_end, functools.partial(body, causal_mask=True), carry)
+    else:
+        carry = lax.fori_loop(0, num_kv_blocks, functools.partial(body, causal_mask=False), carry)
+    acc, m, l = carry
+    nonempty = l > 0.0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward kernels.
+
+def _p_and_ds(q, k, v, do, lse, delta, mask, scale):
+    """P = exp(s - lse) (0 where masked) and dS = P * (dO V^T - Delta), both [bq, bk] fp32."""
+    s = _dot(q, k, 1, 1) * scale
+    p = jnp.exp(s - lse[:, None])
+    if mask is not None:  # also covers empty rows, whose lse is -inf and whose p would be inf
+        p = jnp.where(mask, p, 0.0)
+    dp = _dot(do, v, 1, 1)
+    return p, p * (dp - delta[:, None])
+
+
+def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bool):
+    """Grid (q blocks, B, N): dq for one q block of one query head."""
+    ins, qs_ref, ks_ref, (dq_ref,) = _split_refs(refs, 6, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+    bq, bk = cfg.block_q, cfg.block_k
+    i = pl.program_id(0)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_seg = None if qs_ref is None else qs_ref[...]
+
+    def body(j, dq, *, causal_mask: bool):
+        start = pl.multiple_of(j * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        mask = _visible(i * bq, start, (bq, bk), causal=causal_mask, kv_len=kv_len, q_seg=q_seg,
+                        kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)])
+        _, ds = _p_and_ds(q, k, v, do, lse, delta, mask, cfg.scale)
+        return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+    dq = jnp.zeros(q.shape, jnp.float32)
+    if cfg.causal:
+        n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
+        dq = lax.fori_loop(0, n_full, functools.partial(body, causal_mask=False), dq)
+        dq = lax.fori_loop(n_full, n_end, functools.partial(body, causal_mask=True), dq)
+    else:
+        dq = lax.fori_loop(0, num_kv_blocks, functools.partial(body, causal_mask=False), dq)
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int,
+                 has_segments: bool):
+    """Grid (kv blocks, B, K): dk, dv for one kv block of one kv head, summed over the G query
+    heads that read it (their q, dO, lse, Delta blocks span the group: [T, G, H] / [G, T])."""
+    ins, qs_ref, ks_ref, (dk_ref, dv_ref) = _split_refs(refs, 6, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
+    bq, bk = cfg.block_q, cfg.block_k
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    kv_seg = None if ks_ref is None else ks_ref[...]
+    k_start = j * bk
+
+    def body(i, carry, *, g, causal_mask: bool):
+        dk, dv = carry
+        start = pl.multiple_of(i * bq, bq)
+        rows = pl.ds(start, bq)
+        q = q_ref[rows, g, :]
+        do = do_ref[rows, g, :]
+        mask = _visible(start, k_start, (bq, bk), causal=causal_mask, kv_len=kv_len,
+                        q_seg=None if qs_ref is None else qs_ref[rows], kv_seg=kv_seg)
+        p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], mask, cfg.scale)
+        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
+        dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
+        return dk, dv
+
+    def group_body(g, carry):
+        if cfg.causal:
+            n_start, n_full = _causal_q_range(j, bq, bk, num_q_blocks)
+            carry = lax.fori_loop(n_start, n_full,
+                                  functools.partial(body, g=g, causal_mask=True), carry)
+            return lax.fori_loop(n_full, num_q_blocks,
+                                 functools.partial(body, g=g, causal_mask=False), carry)
+        return lax.fori_loop(0, num_q_blocks, functools.partial(body, g=g, causal_mask=False),
+                             carry)
+
+    carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(0, group, group_body, carry)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrappers (padded inputs in, padded outputs out).
+
+def _compiler_params(head_dim: int, interpret: bool):
+    """Triton launch parameters on GPU (JAX's own Triton attention uses the same for H <= 128;
+    one pipeline stage for H = 256 keeps the tiles within shared memory). Untuned: no GPU
+    figures exist yet. None (the backend's defaults) elsewhere."""
+    if interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8,
+                                    num_stages=2 if head_dim <= 128 else 1)
+
+
+def _segment_specs(q_seg, kv_seg, q_block: int, kv_block: int, *, grid_over_q: bool):
+    """(BlockSpecs, arrays) for the [B, Tp] / [B, Sp] segment ids, none without segments. Grid
+    axis 0 walks q blocks (grid_over_q) or kv blocks; that side is blocked, the other whole."""
+    if q_seg is None:
+        return [], []
+    if grid_over_q:  # q segment block i, all kv segment ids
+        specs = [pl.BlockSpec((None, q_block), lambda i, b, h: (b, i)),
+                 pl.BlockSpec((None, kv_block), lambda i, b, h: (b, 0))]
+    else:  # grid over kv blocks: all q segment ids, kv segment block j
+        specs = [pl.BlockSpec((None, q_block), lambda j, b, h: (b, 0)),
+                 pl.BlockSpec((None, kv_block), lambda j, b, h: (b, j))]
+    return specs, [q_seg, kv_seg]
+
+
+def _forward_padded(q, k, v, q_seg, kv_seg, cfg: _Config, kv_len):
+    b, tp, n, h = q.shape
+    sp, kh = k.shape[1], k.shape[2]
+    bq, bk, g = cfg.block_q, cfg.block_k, n // kh
+    seg_specs, seg_args = _segment_specs(q_seg, kv_seg, bq, sp, grid_over_q=True)
+    kernel = functools.partial(_fwd_kernel, cfg=cfg, kv_len=kv_len, num_kv_blocks=sp // bk,
+                               has_segments=q_seg is not None)
+    kv_spec = pl.BlockSpec((None, sp, None, h), lambda i, b_, n_: (b_, 0, lax.div(n_, g), 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(tp // bq, b, n),
+        in_specs=[pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0)),
+                  kv_spec, kv_spec, *seg_specs],
+        out_specs=[pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
+        compiler_params=_compiler_params(h, cfg.interpret),
+        interpret=cfg.interpret,
+        name="flash_attention_fwd",
+    )(q, k, v, *seg_args)
+
+
+def _backward_padded(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: _Config, kv_len):
+    b, tp, n, h = q.shape
+    sp, kh = k.shape[1], k.shape[2]
+    bq, bk, g = cfg.block_q, cfg.block_k, n // kh
+    has_segments = q_seg is not None
+    params = _compiler_params(h, cfg.interpret)
+
+    seg_specs, seg_args = _segment_specs(q_seg, kv_seg, bq, sp, grid_over_q=True)
+    q_blk = pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0))
+    kv_all = pl.BlockSpec((None, sp, None, h), lambda i, b_, n_: (b_, 0, lax.div(n_, g), 0))
+    row_blk = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, kv_len=kv_len, num_kv_blocks=sp // bk,
+                          has_segments=has_segments),
+        grid=(tp // bq, b, n),
+        in_specs=[q_blk, kv_all, kv_all, q_blk, row_blk, row_blk, *seg_specs],
+        out_specs=q_blk,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="flash_attention_bwd_dq",
+    )(q, k, v, do, lse, delta, *seg_args)
+
+    seg_specs, seg_args = _segment_specs(q_seg, kv_seg, tp, bk, grid_over_q=False)
+    q_group = pl.BlockSpec((None, tp, g, h), lambda j, b_, k_: (b_, 0, k_, 0))  # heads k_*G ...
+    kv_blk = pl.BlockSpec((None, bk, None, h), lambda j, b_, k_: (b_, j, k_, 0))
+    row_group = pl.BlockSpec((None, g, tp), lambda j, b_, k_: (b_, k_, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, cfg=cfg, kv_len=kv_len, num_q_blocks=tp // bq, group=g,
+                          has_segments=has_segments),
+        grid=(sp // bk, b, kh),
+        in_specs=[q_group, kv_blk, kv_blk, q_group, row_group, row_group, *seg_specs],
+        out_specs=[kv_blk, kv_blk],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="flash_attention_bwd_dkdv",
+    )(q, k, v, do, lse, delta, *seg_args)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation, padding and the custom_vjp.
+
+def _block_size(requested: int, length: int, name: str) -> int:
+    """The tile actually used: the requested power of two, shrunk for short sequences."""
+    if requested < 16 or requested & (requested - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (Triton tiles); got {name}={requested}")
+    return min(requested, max(16, pl.next_power_of_2(length)))
+
+
+def _pad_axis(x, axis: int, size: int):
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, block_q, block_k,
+             block_q_bwd, block_k_bwd, interpret):
+    """Validate, resolve defaults and build the static config."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if not interpret and jax.default_backend() == "tpu":
+        raise NotImplementedError(
+            "flash_attention has no TPU lowering yet: its [B, T, N, H] blocks squeeze the head axis "
+            "next to the minor one, which Mosaic TPU rejects (last two block dims must be "
+            "multiples of (8, 128)); use interpret=True or the reference (see "
+            "docs/kernels_flash_attention.md)")
+    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids,
+                 head_dims=INTERPRET_HEAD_DIMS if interpret else KERNEL_HEAD_DIMS)
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
+    t, s, h = q.shape[1], k.shape[1], q.shape[3]
+    block_q_bwd = block_q if block_q_bwd is None else block_q_bwd
+    block_k_bwd = block_k if block_k_bwd is None else block_k_bwd
+    cfg = _Config(scale=float(h ** -0.5 if softmax_scale is None else softmax_scale),
+                  causal=bool(causal), block_q=_block_size(block_q, t, "block_q"),
+                  block_k=_block_size(block_k, s, "block_k"),
+                  bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
+                  bwd_block_k=_block_size(block_k_bwd, s, "block_k_bwd"),
+                  interpret=bool(interpret))
+    if q_segment_ids is not None:
+        q_segment_ids = q_segment_ids.astype(jnp.int32)
+        kv_segment_ids = kv_segment_ids.astype(jnp.int32)
+    return cfg, q_segment_ids, kv_segment_ids
+
+
+def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+    """Unpadded in, unpadded out: (o[B, T, N, H], lse[B, N, T])."""
+    t, s = q.shape[1], k.shape[1]
+    tp, sp = -(-t // cfg.block_q) * cfg.block_q, -(-s // cfg.block_k) * cfg.block_k
+    o, lse = _forward_padded(_pad_axis(q, 1, tp), _pad_axis(k, 1, sp), _pad_axis(v, 1, sp),
+                             _pad_axis(q_seg, 1, tp), _pad_axis(kv_seg, 1, sp), cfg,
+                             kv_len=s if sp != s else None)
+    return o[:, :t], lse[:, :, :t]
+
+
+def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
+    """Unpadded in, unpadded out: (dq, dk, dv) in the dtypes of q, k, v."""
+    cfg = dataclasses.replace(cfg, block_q=cfg.bwd_block_q, block_k=cfg.bwd_block_k)
+    t, s = q.shape[1], k.shape[1]
+    tp, sp = -(-t // cfg.block_q) * cfg.block_q, -(-s // cfg.block_k) * cfg.block_k
+    # Delta_i = sum_h dO_ih O_ih - dlse_i (FlashAttention-2's preprocessing, plus the lse
+    # cotangent), a cheap elementwise-and-reduce that XLA fuses; [B, N, T] fp32.
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    # Padded query rows get dO = 0 and Delta = 0, so their dS = 0; lse = 0 keeps their P finite.
+    dq, dk, dv = _backward_padded(
+        _pad_axis(q, 1, tp), _pad_axis(k, 1, sp), _pad_axis(v, 1, sp),
+        _pad_axis(q_seg, 1, tp), _pad_axis(kv_seg, 1, sp), _pad_axis(do.astype(q.dtype), 1, tp),
+        _pad_axis(lse.astype(jnp.float32), 2, tp), _pad_axis(delta, 2, tp), cfg,
+        kv_len=s if sp != s else None)
+    return dq[:, :t], dk[:, :s], dv[:, :s]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, cfg: _Config):
+    return _forward(q, k, v, q_seg, kv_seg, cfg)
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
+    o, lse = _forward(q, k, v, q_seg, kv_seg, cfg)
+    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _flash_bwd(cfg: _Config, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, o, lse = residuals
+    do, dlse = cotangents  # dlse is zeros when the caller did not use lse
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+
+def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
+                    softmax_scale=None, return_lse=False, block_q=128, block_k=128,
+                    interpret=None, block_q_bwd=None, block_k_bwd=None):
+    """Attention over q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] (and lse[B, N, T] fp32 when
+    return_lse), differentiable (custom_vjp; the lse cotangent is honoured). Same semantics as
+    `reference.attention`.
+
+    block_q, block_k: forward tiles (powers of two >= 16; shrunk to the sequence for short ones).
+    block_q_bwd, block_k_bwd: backward tiles, default the forward ones. interpret=None runs the
+    kernels in interpret mode on the CPU backend and compiled (Triton) on GPU."""
+    cfg, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
+                                  softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
+                                  block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
+                                  interpret=interpret)
+    o, lse = _flash(q, k, v, q_seg, kv_seg, cfg)
+    return (o, lse) if return_lse else o
+
+
+def flash_attention_forward(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
+                            softmax_scale=None, block_q=128, block_k=128, interpret=None,
+                            block_q_bwd=None, block_k_bwd=None):
+    """(o, lse) for one block of attention; the building block of context parallelism.
+    Differentiable like flash_attention(..., return_lse=True)."""
+    return flash_attention(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
+                           kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale,
+                           return_lse=True, block_q=block_q, block_k=block_k, interpret=interpret,
+                           block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd)
+
+
+def flash_attention_backward(q, k, v, o, lse, do, dlse=None, *, causal=False, q_segment_ids=None,
+                             kv_segment_ids=None, softmax_scale=None, block_q=128, block_k=128,
+                             interpret=None):
+    """(dq, dk, dv) of attention given the output o[B, T, N, H], its lse[B, N, T] and the
+    cotangents do (and dlse, optional). Only P = exp(s - lse) is recomputed, so with the *final*
+    o and lse of a longer attention (e.g. merged over ring steps) and a block of its keys, the
+    results are that block's contributions to dq, dk, dv: summing them over the blocks gives the
+    gradients of the whole. Returned in the dtypes of q, k, v. block_q, block_k are the tiles of
+    the backward kernels here."""
+    cfg, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
+                                  softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
+                                  block_q_bwd=None, block_k_bwd=None, interpret=interpret)
+    b, t, n, _ = q.shape
+    if o.shape != q.shape or do.shape != q.shape:
+        raise ValueError(f"o and do must have q's shape {q.shape}; got o{o.shape}, do{do.shape}")
+    if lse.shape != (b, n, t) or (dlse is not None and dlse.shape != (b, n, t)):
+        raise ValueError(f"lse and dlse must have shape [B, N, T] = {(b, n, t)}; got "
+                         f"lse{lse.shape}, dlse{None if dlse is None else dlse.shape}")
+    return _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg)

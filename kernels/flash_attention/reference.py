@@ -1,0 +1,107 @@
+"""Pure-JAX attention: the reference the flash-attention kernel is tested against.
+
+Shapes: q[B, T, N, H], k/v[B, S, K, H] with N a multiple of K (grouped-query attention; K == 1 is
+multi-query). Query head n reads key/value head n // (N / K). The whole [B, N, T, S] score matrix is
+materialised, so this is for tests, small shapes and as the XLA baseline in bench.py.
+
+Conventions shared with kernel.py (tests hold both to them):
+- scores s = softmax_scale * q.k in fp32 (softmax_scale defaults to H ** -0.5);
+- causal: query i sees key j iff j <= i (top-left aligned), which needs T == S;
+- segment ids: query i sees key j iff q_segment_ids[b, i] == kv_segment_ids[b, j];
+- lse[B, N, T] = log(sum_j exp(s_ij)) over the visible keys, natural log, fp32;
+- a row with no visible key (fully masked) has output 0 and lse = -inf, with no NaN anywhere,
+  forward or backward. Merging blocks by their lse must then guard -inf (see the docs).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["attention", "check_inputs", "make_mask"]
+
+# Head dims the compiled kernel supports; in interpret mode smaller multiples of 16 are allowed too
+# (so that CPU tests are fast). The reference itself accepts any head dim.
+KERNEL_HEAD_DIMS = (64, 128, 256)
+INTERPRET_HEAD_DIMS = (16, 32, 48) + KERNEL_HEAD_DIMS
+
+
+def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=None):
+    """Raise ValueError, naming the constraint and the values, for inputs attention cannot take."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k, v must be rank 4 (q[B, T, N, H], k/v[B, S, K, H]); got shapes "
+            f"q{q.shape}, k{k.shape}, v{v.shape}")
+    b, t, n, h = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k{k.shape}, v{v.shape}")
+    bk, s, kh, hk = k.shape
+    if bk != b:
+        raise ValueError(f"batch sizes differ: q has B={b}, k/v have B={bk}")
+    if hk != h:
+        raise ValueError(f"head dims differ: q has H={h}, k/v have H={hk}")
+    if kh == 0 or n % kh != 0:
+        raise ValueError(
+            f"the number of query heads N must be a multiple of the number of kv heads K; "
+            f"got N={n}, K={kh}")
+    if causal and t != s:
+        raise ValueError(
+            f"causal attention is top-left aligned and needs T == S; got T={t}, S={s}")
+    if head_dims is not None and h not in head_dims:
+        raise ValueError(f"head dim H={h} is not supported; supported head dims: {head_dims}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None:
+        if q_segment_ids.shape != (b, t):
+            raise ValueError(
+                f"q_segment_ids must have shape [B, T] = {(b, t)}; got {q_segment_ids.shape}")
+        if kv_segment_ids.shape != (b, s):
+            raise ValueError(
+                f"kv_segment_ids must have shape [B, S] = {(b, s)}; got {kv_segment_ids.shape}")
+
+
+def make_mask(t, s, *, causal, q_segment_ids=None, kv_segment_ids=None):
+    """Boolean visibility mask broadcastable to [B, 1, T, S], or None when everything is visible."""
+    mask = None
+    if causal:
+        mask = (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None]
+    if q_segment_ids is not None:
+        seg = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
+        mask = seg if mask is None else mask & seg
+    return mask
+
+
+def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
+              softmax_scale=None, return_lse=False):
+    """softmax(scale * q k^T + mask) v for q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q.dtype,
+    and lse[B, N, T] in fp32 when return_lse. See the module docstring for the conventions."""
+    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
+                 kv_segment_ids=kv_segment_ids)
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    scale = h ** -0.5 if softmax_scale is None else softmax_scale
+    qg = q.reshape(b, t, kh, n // kh, h)  # query head n = kv head * G + g
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, n, t, s) * scale
+    mask = make_mask(t, s, causal=causal, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids)
+    if mask is None:
+        mask = jnp.ones((1, 1, t, s), dtype=bool)
+    # A masked entry contributes exp(-inf) = 0 and, being a constant branch of `where`, no gradient;
+    # the row max is taken over visible entries only and is 0 for an empty row, so no inf - inf.
+    m = jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True)
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.exp(jnp.where(mask, scores - m, -jnp.inf))
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    nonempty = l > 0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    probs = (p / l_safe).reshape(b, kh, n // kh, t, s)
+    o = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
+                   preferred_element_type=jnp.float32)
+    o = o.reshape(b, t, n, h).astype(q.dtype)
+    if not return_lse:
+        return o
+    lse = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+    return o, lse
