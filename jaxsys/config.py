@@ -22,6 +22,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "wsd", "constant")
 ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
+CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
 LAYER_TYPES = ("softmax", "linear")
 
 
@@ -52,6 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.layer_pattern = "softmax"  # comma-separated layer types repeated over the layers
     c.model.attention_block = 128  # Pallas flash attention block (queries and keys)
     c.model.linear_chunk = 64  # chunk of the linear-attention layers
+    c.model.context_parallel = "ring"  # ring | allgather | tokenring (softmax layers, mesh.seq > 1)
+    c.model.context_load_balance = True  # zigzag chunks so causal work is even over seq
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
@@ -100,7 +103,7 @@ def base_config() -> ml_collections.ConfigDict:
              head_dim="", mlp="tensor"))
     c.sharding.compute = ml_collections.ConfigDict(
         dict(layers="", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
-             head_dim="", mlp="tensor", batch="data,fsdp,expert", seq=""))
+             head_dim="", mlp="tensor", batch="data,fsdp,expert", seq="seq"))
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "" = from the environment, or single process
@@ -260,8 +263,6 @@ def validate(config, num_devices: int | None = None) -> None:
                  f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices}")
     _require(mesh.pipe == 1, "config.mesh.pipe > 1: pipeline parallelism is not implemented yet; "
              "set config.mesh.pipe=1")
-    _require(mesh.seq == 1, "config.mesh.seq > 1: context parallelism is not implemented yet; "
-             "set config.mesh.seq=1")
 
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
         _require(isinstance(m[key], int) and m[key] >= 1, f"config.model.{key} must be a positive integer")
@@ -288,7 +289,7 @@ def validate(config, num_devices: int | None = None) -> None:
     for logical in ("vocab", "heads", "kv_heads", "mlp"):
         param_allowed[logical] = ("tensor",)
     param_allowed["head_dim"] = ()
-    for table, allowed_extra in (("params", {}), ("compute", {"batch": ("data", "fsdp", "expert"), "seq": ()})):
+    for table, allowed_extra in (("params", {}), ("compute", {"batch": ("data", "fsdp", "expert"), "seq": ("seq",)})):
         rules = config.sharding[table]
         for logical, rule in rules.items():
             allowed = allowed_extra.get(logical, param_allowed.get(logical))
@@ -328,10 +329,22 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(t.batch_size % batch_shards == 0,
              f"config.train.batch_size={t.batch_size} is not divisible by the {batch_shards} batch "
              f"shards (mesh axes {config.sharding.compute.batch}); change the batch size or the mesh")
+    _require(m.context_parallel in CONTEXT_PARALLEL,
+             f"config.model.context_parallel={m.context_parallel!r}: choose one of {CONTEXT_PARALLEL}")
+    _require(mesh.seq == 1 or "seq" in axes_of(config.sharding.compute.seq),
+             f"config.mesh.seq={mesh.seq} but config.sharding.compute.seq is empty: set it to 'seq'")
+    cp_chunks = mesh.seq * (2 if m.context_load_balance else 1) if mesh.seq > 1 else 1
+    _require(config.data.seq_len % cp_chunks == 0,
+             f"config.data.seq_len={config.data.seq_len} is not divisible into the {cp_chunks} chunks of "
+             f"context parallelism (mesh.seq={mesh.seq}"
+             f"{', x2 for context_load_balance' if m.context_load_balance else ''}): change seq_len or mesh.seq")
+    _require(mesh.seq == 1 or m.attention_impl != "cudnn",
+             "config.model.attention_impl='cudnn' cannot run context parallelism (it returns no "
+             "log-sum-exp to merge blocks with): use 'pallas' or 'reference' with mesh.seq > 1")
     if config.parallel.sequence_parallel:
-        _require(config.data.seq_len % sizes["tensor"] == 0,
-                 f"config.data.seq_len={config.data.seq_len} must be divisible by config.mesh.tensor="
-                 f"{sizes['tensor']} for sequence parallelism")
+        _require(config.data.seq_len // mesh.seq % sizes["tensor"] == 0,
+                 f"config.data.seq_len={config.data.seq_len} / mesh.seq={mesh.seq} must be divisible by "
+                 f"config.mesh.tensor={sizes['tensor']} for sequence parallelism")
         for logical in ("vocab", "heads", "kv_heads", "mlp"):
             _require(config.sharding.params[logical] == "tensor",
                      "config.parallel.sequence_parallel needs heads, kv_heads, mlp and vocab on 'tensor'")

@@ -79,7 +79,7 @@ def worker(n: int, jobs: list[dict]) -> None:
     # keep the op-by-op list that report.analyze parses (it calls collectives_lib.parse once), to
     # tell the Megatron activation collectives ([B, T, D] or [B, T/t, D]) from the others
     parse, parsed = collectives_lib.parse, []
-    collectives_lib.parse = lambda text: parsed.append(parse(text)) or parsed[-1]
+    collectives_lib.parse = lambda *args: parsed.append(parse(*args)) or parsed[-1]
 
     for j in jobs:
         config = load_config(CONFIG, j["overrides"])

@@ -37,8 +37,31 @@ def _parse_tensor(text: str) -> tuple[tuple[int, ...], str]:
     return tuple(int(d) for d in dims), dtype
 
 
-def parse(stablehlo: str) -> list[Collective]:
-    """Every collective op of a StableHLO module, in textual order."""
+_PAIRS = re.compile(r"source_target_pairs = dense<(\[\[.*?\]\])>")
+
+
+def permute_axes(pairs, mesh_sizes) -> tuple[str, ...]:
+    """Mesh axes a collective_permute moves data along: those whose coordinate differs between a
+    source and its target (devices are numbered row-major over the mesh, as shard_map lowers them).
+    `mesh_sizes` is ordered like the mesh axes."""
+    names, sizes = list(mesh_sizes), [mesh_sizes[a] for a in mesh_sizes]
+
+    def coords(i):
+        out = []
+        for size in reversed(sizes):
+            out.append(i % size)
+            i //= size
+        return out[::-1]
+
+    moved = set()
+    for src, dst in pairs:
+        moved.update(a for a, x, y in zip(names, coords(src), coords(dst)) if x != y)
+    return tuple(a for a in names if a in moved)
+
+
+def parse(stablehlo: str, mesh_sizes=None) -> list[Collective]:
+    """Every collective op of a StableHLO module, in textual order. With `mesh_sizes` (ordered like
+    the mesh), a collective_permute, which names no mesh axes, gets the axes its pairs move along."""
     lines = stablehlo.splitlines()
     found = []
     for i, line in enumerate(lines):
@@ -53,7 +76,12 @@ def parse(stablehlo: str) -> list[Collective]:
                 signature = lines[j]
         operands = signature.split(" : (", 1)[1].split(") ->", 1)[0]
         shape, dtype = _parse_tensor(_TENSOR.search(operands).group(1))
-        found.append(Collective(match.group(1), tuple(_AXES.findall(line)), shape, dtype))
+        axes = tuple(_AXES.findall(line))
+        pairs = _PAIRS.search(line)
+        if match.group(1) == "collective_permute" and pairs and mesh_sizes:
+            import json
+            axes = permute_axes(json.loads(pairs.group(1)), mesh_sizes)
+        found.append(Collective(match.group(1), axes, shape, dtype))
     return found
 
 

@@ -149,14 +149,20 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
     B_local, T, D, L = config.train.batch_size // batch_shards, config.data.seq_len, m.d_model, m.n_layers
     sp = config.parallel.sequence_parallel and t > 1
     stage = config.train.zero_stage
+    cp = mesh.seq
+    T = T // cp  # tokens per device along the sequence
     rows, caveats = [], []
-    if e > 1 or (d > 1 and (f > 1 or t > 1)) or (f > 1 and t > 1):
+    if e > 1 or (d > 1 and (f > 1 or t > 1 or cp > 1)) or (f > 1 and (t > 1 or cp > 1)) or (t > 1 and cp > 1):
         caveats.append("combined layouts: gradient sums over several axes run as one collective over "
                        "those axes; the per-axis rows below are an estimate")
     if m.remat != "none" and t > 1:
         caveats.append(f"remat={m.remat}: the backward recomputes tensor-parallel forward collectives, "
                        "which the Megatron count (no recomputation) leaves out")
 
+    if cp > 1:  # every device saw T/cp of the tokens: gradients are summed over `seq` as over `data`
+        rows.append(Row("CP gradient all-reduce", "all_reduce", ("seq",), leaves,
+                        ring_bytes("all_reduce", (psi_l + psi_r) / f * b_p, cp)))
+        rows += context_parallel_rows(config)
     if d > 1:  # data parallelism / ZeRO over `data`; FSDP leaves are already 1/f
         grad_bytes = (psi_l + psi_r) / f * b_p
         if stage == 2:
@@ -191,6 +197,55 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
         rows.append(Row("vocab-parallel cross-entropy (max, sum, target)", "all_reduce", ("tensor",), 3,
                         3 * ring_bytes("all_reduce", B_local * T * 4, t)))
     return rows, caveats
+
+
+def context_parallel_rows(config) -> list[Row]:
+    """Attention's communication over `seq` per step (forward + backward), per device, for
+    P = mesh.seq; K, N are this device's key/value and query heads (after tensor parallelism).
+
+      ring       forward: P-1 hops of K and V; backward: P-1 hops of K, V, dK, dV and one more of
+                 dK, dV (home): (6(P-1) + 2) S_kv per layer, S_kv = B (T/P) K H bytes
+      allgather  2 all-gathers of [B, T/P, K, H] and 2 reduce-scatters of [B, T, K, H]: 4 (P-1) S_kv
+      tokenring  per hop, queries forward and the fp32 partial output and LSE back, and their
+                 transposes backward: 2 (P-1) (S_q + S_o + S_lse)
+      LASP-2     one all-gather of the c [B, N, H, H] fp32 chunk states per linear layer forward and
+                 its reduce-scatter backward: 2 (P-1) c B N H^2 4 bytes, independent of T
+    A remat policy other than `none` recomputes the forward's share in the backward."""
+    from jaxsys.models import attention
+    mesh, m = config.mesh, config.model
+    p, t = mesh.seq, mesh.tensor
+    b = config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    tl, h, bc = config.data.seq_len // p, m.head_dim, _dtype_bytes(m.compute_dtype)
+    n, k = m.n_heads // t, m.n_kv_heads // t
+    types = attention.layer_types(m)
+    softmax, linear = types.count("softmax"), types.count("linear")
+    forward_again = 1 if m.remat != "none" else 0
+    rows = []
+    if softmax:
+        s_kv = b * tl * k * h * bc
+        if m.context_parallel == "ring":
+            fwd, bwd = 2 * (p - 1), 4 * (p - 1) + 2
+            rows.append(Row("ring attention K/V (+dK/dV) permutes", "collective_permute", ("seq",),
+                            softmax * (fwd * (1 + forward_again) + bwd),
+                            softmax * (fwd * (1 + forward_again) + bwd) * s_kv))
+        elif m.context_parallel == "allgather":
+            rows.append(Row("all-gather CP: K, V all-gather", "all_gather", ("seq",),
+                            2 * softmax * (1 + forward_again), 2 * softmax * (1 + forward_again) * (p - 1) * s_kv))
+            rows.append(Row("all-gather CP: dK, dV reduce-scatter", "reduce_scatter", ("seq",),
+                            2 * softmax, 2 * softmax * (p - 1) * s_kv))
+        else:
+            per_hop = b * tl * n * h * bc + b * tl * n * h * 4 + b * n * tl * 4  # q; o, lse in fp32
+            hops = (p - 1) * (2 + forward_again)
+            rows.append(Row("TokenRing: queries forward, partial outputs back", "collective_permute",
+                            ("seq",), 3 * hops * softmax, hops * softmax * per_hop))
+    if linear:
+        c = 2 if m.context_load_balance else 1
+        states = c * b * n * h * h * 4
+        rows.append(Row("LASP-2 chunk-state all-gather", "all_gather", ("seq",), linear * (1 + forward_again),
+                        linear * (1 + forward_again) * ring_bytes("all_gather", states, p)))
+        rows.append(Row("LASP-2 chunk-state reduce-scatter (backward)", "reduce_scatter", ("seq",), linear,
+                        linear * ring_bytes("reduce_scatter", p * states, p)))
+    return rows
 
 
 def metric_collectives(config) -> int:

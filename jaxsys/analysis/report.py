@@ -104,7 +104,7 @@ def analyze(config, hardware: str = "cpu", devices=None, flops: bool = True) -> 
     compiled = program.train_step_fn().lower(program.abstract_state(), _batch(program)).compile()
     memory = memory_report(program, compiled)
     lowered = lower_unrolled(program)
-    measured = measured_collectives(collectives_lib.parse(lowered.as_text()), sizes)
+    measured = measured_collectives(collectives_lib.parse(lowered.as_text(), sizes), sizes)
     cost = lowered.compile().cost_analysis() if flops else {}
 
     tokens = config.train.batch_size * config.data.seq_len
@@ -145,7 +145,7 @@ def startup_summary(program, compiled) -> str:
     from the written-out step (tracing only, no second compile)."""
     memory = memory_report(program, compiled)
     sizes = dict(program.layout.mesh_sizes)
-    rows = measured_collectives(collectives_lib.parse(lower_unrolled(program).as_text()), sizes)
+    rows = measured_collectives(collectives_lib.parse(lower_unrolled(program).as_text(), sizes), sizes)
     comm = sum(row["bytes"] for row in rows)
     kinds = ", ".join(f"{row['count']} {row['kind']}[{','.join(row['axes'])}]" for row in rows) or "no collectives"
     return (f"analysis: peak {_b(memory['peak_bytes_per_device'])}/device (params "

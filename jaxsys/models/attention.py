@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.models import layers
-from jaxsys.parallel import tensor
+from jaxsys.parallel import context, tensor
 
 
 
@@ -37,8 +37,12 @@ def layer_types(m) -> tuple[str, ...]:
     return pattern(m) * (m.n_layers // len(pattern(m)))
 
 
-def softmax_attention(q, k, v, m):
-    """Causal GQA softmax attention of one layer with `m.attention_impl`."""
+def softmax_attention(q, k, v, m, seq: context.SeqLayout):
+    """Causal GQA softmax attention of one layer with `m.attention_impl`; over the sequence split on
+    `seq` by `m.context_parallel` when there is one."""
+    if seq.axes:
+        impl = "pallas" if m.attention_impl == "pallas" else "reference"
+        return context.attention(q, k, v, seq, context.BlockAttention(impl, m.attention_block))
     if m.attention_impl == "pallas":
         from jaxsys.kernels.flash_attention import flash_attention
         return flash_attention(q, k, v, causal=True, block_q=m.attention_block, block_k=m.attention_block)
@@ -53,17 +57,21 @@ def head_log_decay(n_local: int, heads_axes: tuple[str, ...]):
     return jnp.log1p(-jnp.exp2(-5.0 - n.astype(jnp.float32)))
 
 
-def linear_attention(q, k, v, m, heads_axes: tuple[str, ...]):
-    """Causal linear attention of one layer: q[B, T, N, H], k/v[B, T, K, H] -> [B, T, N, H]."""
+def linear_attention(q, k, v, m, heads_axes: tuple[str, ...], seq: context.SeqLayout):
+    """Causal linear attention of one layer: q[B, T, N, H], k/v[B, T, K, H] -> [B, T, N, H];
+    LASP-2 over the sequence split on `seq` when there is one."""
     from jaxsys.kernels import linear_attention as lin
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     log_decay = head_log_decay(q.shape[2], heads_axes)
     scale = q.shape[-1] ** -0.5
-    if m.attention_impl == "reference":
-        o, _ = lin.chunked(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay, scale=scale)
+    kernel = lin.chunked if m.attention_impl == "reference" else lin.linear_attention
+    chunk_attention = lambda q, k, v: kernel(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay,
+                                             scale=scale)
+    if seq.axes:
+        o = context.lasp2(q, k, v, log_decay, scale, seq, chunk_attention)
     else:
-        o, _ = lin.linear_attention(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay, scale=scale)
+        o, _ = chunk_attention(q, k, v)
     o32 = o.astype(jnp.float32)
     o32 = o32 * jax.lax.rsqrt(jnp.mean(jnp.square(o32), axis=-1, keepdims=True) + m.norm_eps)
     return o32.astype(q.dtype)

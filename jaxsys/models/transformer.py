@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxsys.models import attention, layers
 from jaxsys.models.params import ParamSpec
-from jaxsys.parallel import fsdp, tensor
+from jaxsys.parallel import context, fsdp, tensor
 from jaxsys.sharding import Layout
 
 
@@ -67,6 +67,7 @@ def remat_policy(name: str):
 
 
 def _block(x, w, positions, m, layout: Layout, kind: str = "softmax"):
+    seq = context.SeqLayout.of(layout, m)
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
     `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py)."""
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sequence_parallel
@@ -75,24 +76,25 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax"):
     k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
     v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
     if kind == "linear":
-        o = attention.linear_attention(q, k, v, m, heads)
+        o = attention.linear_attention(q, k, v, m, heads, seq)
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
-        o = attention.softmax_attention(q, k, v, m)
+        o = attention.softmax_attention(q, k, v, m, seq)
     x = x + tensor.leave(jnp.einsum("btnh,nhd->btd", o, w["wo"]), heads, sp)
     h = tensor.enter(layers.rms_norm(x, w["mlp_norm"], m.norm_eps), mlp, sp)
     return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp)
 
 
-def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False):
-    """Next-token logits [B, T, V] (this shard's V/tp columns under tensor parallelism) of inputs[B, T].
-    `unroll` writes the layer loop out (the analysis counts every executed collective that way)."""
+def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False, positions=None):
+    """Next-token logits [B, T, V] (this shard's V/tp columns under tensor parallelism) of inputs[B, T]
+    at `positions` [T] (default 0..T-1). `unroll` writes the layer loop out (the analysis counts
+    every executed collective that way)."""
     specs = specs if specs is not None else param_specs(m)
     axes = _axes(specs)
     compute = jnp.dtype(m.compute_dtype)
     cast = lambda tree: jax.tree.map(lambda p: p.astype(compute), tree)
     vocab, sp = layout.compute_axes("vocab"), layout.sequence_parallel
-    positions = jnp.arange(inputs.shape[1])
+    positions = jnp.arange(inputs.shape[1]) if positions is None else positions
 
     embed = fsdp.gather(cast(params["embed"]), axes["embed"], layout)
     x = tensor.embed_lookup(embed, inputs, vocab, sp)  # [B, T, D], or [B, T/tp, D] under SP
@@ -126,7 +128,11 @@ def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False):
 
 
 def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False):
-    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    return tensor.cross_entropy(logits(params, inputs, m, layout, specs, unroll), targets,
+    """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]
+    (under context parallelism: of this device's T/P positions of them)."""
+    seq = context.SeqLayout.of(layout, m)
+    inputs = context.shard_sequence(tokens[:, :-1], seq)
+    targets = context.shard_sequence(tokens[:, 1:], seq)
+    positions = context.positions(tokens.shape[1] - 1, seq)
+    return tensor.cross_entropy(logits(params, inputs, m, layout, specs, unroll, positions), targets,
                                 layout.compute_axes("vocab"))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention", "check_inputs", "make_mask"]
+__all__ = ["attention", "attention_backward", "check_inputs", "make_mask"]
 
 # Head dims the compiled kernel supports; in interpret mode smaller multiples of 16 are allowed too
 # (so that CPU tests are fast). The reference itself accepts any head dim.
@@ -105,3 +105,29 @@ def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
         return o
     lse = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)[..., 0]
     return o, lse
+
+
+def attention_backward(q, k, v, o, lse, do, *, causal=False, softmax_scale=None):
+    """(dq, dk, dv) given the output o and lse of a (possibly longer) attention and the cotangent do,
+    recomputing only P = exp(s - lse): the pure-JAX twin of `kernel.flash_attention_backward`
+    (ring attention sums it over key blocks with the final o and lse). fp32 math, inputs' dtypes out."""
+    check_inputs(q, k, v, causal=causal, q_segment_ids=None, kv_segment_ids=None)
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = n // kh
+    scale = h ** -0.5 if softmax_scale is None else softmax_scale
+    f32 = lambda x: x.astype(jnp.float32)
+    qg, dog, og = (f32(x).reshape(b, t, kh, g, h) for x in (q, do, o))
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, f32(k)) * scale
+    lse_g = lse.reshape(b, kh, g, t)[..., None]
+    visible = jnp.isfinite(lse_g)
+    if causal:
+        visible = visible & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])
+    p = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
+    dv = jnp.einsum("bkgts,btkgh->bskh", p, dog)
+    dp = jnp.einsum("btkgh,bskh->bkgts", dog, f32(v))
+    delta = jnp.einsum("btkgh,btkgh->bkgt", dog, og)[..., None]
+    ds = p * (dp - delta)
+    dq = jnp.einsum("bkgts,bskh->btkgh", ds, f32(k)).reshape(b, t, n, h) * scale
+    dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg) * scale
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
