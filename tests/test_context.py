@@ -138,3 +138,11 @@ def test_bad_context_parallel_settings_are_named():
         program_for(small_config(dict(seq=8), context_parallel="ulysses"))
     with pytest.raises(ConfigError, match="'cudnn' cannot run context parallelism"):
         program_for(small_config(dict(seq=8), attention_impl="cudnn"))
+
+
+@pytest.mark.slow
+def test_ring_with_the_pallas_kernel_matches_single_device():
+    """The ring's forward and custom backward through the flash kernel's block entry points
+    (interpret mode): seq=2, contiguous, so one causal and one full block per device."""
+    _assert_matches(small_config(dict(seq=2, data=4), context_parallel="ring", context_load_balance=False,
+                                 attention_impl="pallas", attention_block=16), "softmax")
