@@ -102,13 +102,15 @@ def _formula(config):
     return dict(by_kind)
 
 
-@pytest.mark.parametrize("variant,pattern,remat", [
-    ("ring", "softmax", "none"), ("ring", "softmax", "full"), ("allgather", "softmax", "none"),
-    ("tokenring", "softmax", "none"), ("allgather", "linear", "none"), ("allgather", "linear", "full"),
+@pytest.mark.parametrize("variant,pattern,remat,dtype", [
+    ("ring", "softmax", "none", "float32"), ("ring", "softmax", "full", "float32"),
+    ("ring", "softmax", "none", "bfloat16"), ("allgather", "softmax", "none", "bfloat16"),
+    ("tokenring", "softmax", "none", "bfloat16"), ("allgather", "linear", "none", "float32"),
+    ("allgather", "linear", "full", "float32"),
 ])
-def test_communication_equals_the_formula(variant, pattern, remat):
+def test_communication_equals_the_formula(variant, pattern, remat, dtype):
     config = small_config(dict(seq=8), context_parallel=variant, layer_pattern=pattern, remat=remat,
-                          linear_chunk=8)
+                          linear_chunk=8, compute_dtype=dtype)
     measured, _ = _measured(config)
     formula = _formula(config)
     assert set(measured) == set(formula), (measured, formula)

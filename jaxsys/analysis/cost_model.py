@@ -204,7 +204,8 @@ def context_parallel_rows(config) -> list[Row]:
     P = mesh.seq; K, N are this device's key/value and query heads (after tensor parallelism).
 
       ring       forward: P-1 hops of K and V; backward: P-1 hops of K, V, dK, dV and one more of
-                 dK, dV (home): (6(P-1) + 2) S_kv per layer, S_kv = B (T/P) K H bytes
+                 dK, dV (home): 4(P-1) S_kv + (2(P-1) + 2) S_kv32 per layer, S_kv = B (T/P) K H
+                 bytes of the compute dtype, S_kv32 the same in fp32 (the accumulators)
       allgather  2 all-gathers of [B, T/P, K, H] and 2 reduce-scatters of [B, T, K, H]: 4 (P-1) S_kv
       tokenring  per hop, queries forward and the fp32 partial output and LSE back, and their
                  transposes backward: 2 (P-1) (S_q + S_o + S_lse)
@@ -224,10 +225,12 @@ def context_parallel_rows(config) -> list[Row]:
     if softmax:
         s_kv = b * tl * k * h * bc
         if m.context_parallel == "ring":
-            fwd, bwd = 2 * (p - 1), 4 * (p - 1) + 2
+            s_grad = b * tl * k * h * 4  # dK, dV accumulate (and travel) in fp32
+            fwd = 2 * (p - 1)
+            bwd_bytes = 2 * (p - 1) * s_kv + (2 * (p - 1) + 2) * s_grad
             rows.append(Row("ring attention K/V (+dK/dV) permutes", "collective_permute", ("seq",),
-                            softmax * (fwd * (1 + forward_again) + bwd),
-                            softmax * (fwd * (1 + forward_again) + bwd) * s_kv))
+                            softmax * (fwd * (1 + forward_again) + 4 * (p - 1) + 2),
+                            softmax * (fwd * (1 + forward_again) * s_kv + bwd_bytes)))
         elif m.context_parallel == "allgather":
             rows.append(Row("all-gather CP: K, V all-gather", "all_gather", ("seq",),
                             2 * softmax * (1 + forward_again), 2 * softmax * (1 + forward_again) * (p - 1) * s_kv))
