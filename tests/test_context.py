@@ -53,6 +53,7 @@ def test_softmax_context_parallel_matches_single_device(variant, balance, layout
 @pytest.mark.parametrize("layout,pattern,balance", [
     ("seq8", "linear", False),
     ("seq8", "linear", True),
+    ("seq2_tensor2_data2", "linear", False),
     # LASP-2H: the hybrid's softmax layers by all-gather CP, its linear layers by LASP-2
     ("seq2_tensor2_data2", "linear,softmax", True),
 ])
