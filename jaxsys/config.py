@@ -237,6 +237,11 @@ def apply_overrides(config, overrides: Sequence[str]) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
+def layer_pattern(model) -> tuple[str, ...]:
+    """`model.layer_pattern` "linear, linear,softmax" -> ("linear", "linear", "softmax")."""
+    return tuple(p.strip() for p in model.layer_pattern.split(",") if p.strip())
+
+
 def axes_of(rule: str) -> tuple[str, ...]:
     """'data,fsdp' -> ('data', 'fsdp'); '' -> ()."""
     return tuple(a.strip() for a in rule.split(",") if a.strip())
@@ -272,7 +277,7 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
     _require(m.attention_impl in ATTENTION_IMPLS,
              f"config.model.attention_impl={m.attention_impl!r}: choose one of {ATTENTION_IMPLS}")
-    pattern = tuple(p.strip() for p in m.layer_pattern.split(",") if p.strip())
+    pattern = layer_pattern(m)
     _require(bool(pattern) and all(p in LAYER_TYPES for p in pattern),
              f"config.model.layer_pattern={m.layer_pattern!r}: a comma-separated list of {LAYER_TYPES}")
     _require(m.n_layers % len(pattern) == 0,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsys.config import layer_pattern
 from jaxsys.models import layers
 from jaxsys.parallel import context, tensor
 
@@ -29,7 +30,7 @@ from jaxsys.parallel import context, tensor
 def pattern(m) -> tuple[str, ...]:
     """`layer_pattern` is a comma-separated list of layer types repeated over the layers:
     "softmax"; "linear"; "linear,linear,linear,softmax" (one softmax layer in 4)."""
-    return tuple(p.strip() for p in m.layer_pattern.split(",") if p.strip())
+    return layer_pattern(m)
 
 
 def layer_types(m) -> tuple[str, ...]:
