@@ -2,7 +2,6 @@
 formula is exact, per-device state bytes equal the ZeRO formula, and pod-size layouts compile on
 this machine without materialising anything."""
 
-import collections
 import json
 import math
 import os
@@ -39,16 +38,6 @@ def _analyze(config, **kw):
     return report.analyze(config, devices=jax.devices()[:n], **kw)
 
 
-def _by_kind_axes(rows, scalar=False):
-    out = collections.defaultdict(lambda: [0, 0.0])
-    for row in rows:
-        if row.get("scalar", False) == scalar:
-            key = (row["kind"], tuple(row["axes"]))
-            out[key][0] += row["count"]
-            out[key][1] += row["bytes"]
-    return dict(out)
-
-
 def _check_state_bytes(m):
     assert m["params_bytes"] == m["formula"]["params"]
     assert m["grads_bytes"] == m["formula"]["grads"]
@@ -61,7 +50,7 @@ def _check_state_bytes(m):
 def test_collectives_and_state_bytes_equal_formulas(name):
     mesh, stage, sp, model = EXACT_LAYOUTS[name]
     r = _analyze(_config(mesh, stage, sp, model), flops=False)
-    measured, formula = _by_kind_axes(r["collectives"]), _by_kind_axes(r["collectives_formula"])
+    measured, formula = report.by_kind_axes(r["collectives"]), report.by_kind_axes(r["collectives_formula"])
     assert set(measured) == set(formula), (measured, formula)
     for key in formula:
         assert measured[key][0] == formula[key][0], (key, measured[key], formula[key])

@@ -126,16 +126,6 @@ def activation_ops(r: dict) -> list[dict]:
             and (op["kind"], tuple(op["shape"])) in shapes]
 
 
-def by_kind_axes(rows: list[dict], scalar: bool = False) -> dict:
-    out = collections.defaultdict(lambda: [0, 0.0])
-    for row in rows:
-        if row.get("scalar", False) == scalar:
-            key = (row["kind"], tuple(row["axes"]))
-            out[key][0] += row["count"]
-            out[key][1] += row["bytes"]
-    return dict(out)
-
-
 def summarise(r: dict) -> dict:
     """Per-layer activation bytes measured vs formula, and the whole step's rows vs formula."""
     t, B, T, D, L, b_c = r["t"], r["B"], r["T"], r["D"], r["L"], BYTES[r["dtype"]]
@@ -147,6 +137,7 @@ def summarise(r: dict) -> dict:
     formula_rows = [row for row in r["collectives_formula"] if row["technique"].startswith("Megatron")]
     formula_units = formula_rows[0]["count"]  # 4L + 2
     formula_layer_from_rows = sum(row["bytes"] for row in formula_rows) * 4 / formula_units
+    from jaxsys.analysis.report import by_kind_axes
     measured, formula = by_kind_axes(r["collectives"]), by_kind_axes(r["collectives_formula"])
     step_exact = set(measured) == set(formula) and all(
         measured[k][0] == formula[k][0] and math.isclose(measured[k][1], formula[k][1], rel_tol=1e-12)

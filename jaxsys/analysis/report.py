@@ -50,6 +50,18 @@ def measured_collectives(found, mesh_sizes) -> list[dict]:
     return list(groups.values())
 
 
+def by_kind_axes(rows: list[dict], scalar: bool = False) -> dict:
+    """{(kind, axes): [count, bytes]} of collective rows (measured or formula), the scalar metric
+    all-reduces kept apart unless `scalar`."""
+    out = collections.defaultdict(lambda: [0, 0.0])
+    for row in rows:
+        if row.get("scalar", False) == scalar:
+            key = (row["kind"], tuple(row["axes"]))
+            out[key][0] += row["count"]
+            out[key][1] += row["bytes"]
+    return dict(out)
+
+
 def memory_report(program, compiled) -> dict:
     """Per-device memory of a compiled step: XLA's buffer assignment, with the state's shards
     (exact, from the shardings) broken out, beside the ZeRO formula."""
