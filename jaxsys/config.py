@@ -24,6 +24,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
 CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
 LAYER_TYPES = ("softmax", "linear")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0  # 0 disables clipping
     c.train.progress = True
+    c.train.microbatches = 1  # m: the local batch is split into m micro-batches (pipeline, or accumulation)
+    c.train.pipeline_schedule = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (mesh.pipe > 1)
+    c.train.virtual_stages = 1  # v: model chunks per pipe device (interleaved_1f1b)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.enabled = True
@@ -94,15 +98,16 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.sequence_parallel = False  # Megatron SP in the norm/residual regions
+    c.parallel.vocab_parallel = False  # embedding and output layer split over the pipe stages too
 
     # Logical axis -> mesh axis ("" = replicated). `params` is where parameters live at rest;
     # `compute` is where they are used (FSDP is the difference: embed is gathered before use).
     c.sharding = ml_collections.ConfigDict()
     c.sharding.params = ml_collections.ConfigDict(
-        dict(layers="", embed="fsdp", vocab="tensor", heads="tensor", kv_heads="tensor",
+        dict(layers="pipe", embed="fsdp", vocab="tensor", heads="tensor", kv_heads="tensor",
              head_dim="", mlp="tensor"))
     c.sharding.compute = ml_collections.ConfigDict(
-        dict(layers="", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
+        dict(layers="pipe", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
              head_dim="", mlp="tensor", batch="data,fsdp,expert", seq="seq"))
 
     c.distributed = ml_collections.ConfigDict()
@@ -266,8 +271,6 @@ def validate(config, num_devices: int | None = None) -> None:
         _require(product == num_devices,
                  f"config.mesh ({sizes}) has {product} devices but {num_devices} are available: "
                  f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices}")
-    _require(mesh.pipe == 1, "config.mesh.pipe > 1: pipeline parallelism is not implemented yet; "
-             "set config.mesh.pipe=1")
 
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
         _require(isinstance(m[key], int) and m[key] >= 1, f"config.model.{key} must be a positive integer")
@@ -290,7 +293,7 @@ def validate(config, num_devices: int | None = None) -> None:
         _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
 
     # Rules: which mesh axes may hold which logical axes.
-    param_allowed = {"embed": ("fsdp",), "layers": ()}
+    param_allowed = {"embed": ("fsdp",), "layers": ("pipe",)}
     for logical in ("vocab", "heads", "kv_heads", "mlp"):
         param_allowed[logical] = ("tensor",)
     param_allowed["head_dim"] = ()
@@ -316,6 +319,12 @@ def validate(config, num_devices: int | None = None) -> None:
                  f"({config.sharding.compute.batch!r}): add it, or set config.mesh.{axis}=1")
     _require(config.sharding.compute.embed == "",
              "config.sharding.compute.embed must be empty: weights are gathered over fsdp before use")
+    _require(config.sharding.compute.layers == config.sharding.params.layers,
+             "config.sharding.compute.layers must equal config.sharding.params.layers (pipeline "
+             "stages use the layers they hold)")
+    _require(mesh.pipe == 1 or config.sharding.params.layers == "pipe",
+             f"config.mesh.pipe={mesh.pipe} but config.sharding.params.layers="
+             f"{config.sharding.params.layers!r}: set it (and .compute.layers) to 'pipe'")
 
     # Divisibility of the model by the mesh.
     sizes = {a: mesh[a] for a in MESH_AXES}
@@ -324,6 +333,8 @@ def validate(config, num_devices: int | None = None) -> None:
     names = dict(vocab="vocab_size", heads="n_heads", kv_heads="n_kv_heads", mlp="d_ff",
                  embed="d_model", head_dim="head_dim", layers="n_layers")
     for logical, rule in config.sharding.params.items():
+        if logical == "layers":
+            continue  # the pipeline checks below say what to change
         shards = math.prod(sizes[a] for a in axes_of(rule))
         if dims[logical] % shards:
             raise ConfigError(
@@ -353,6 +364,7 @@ def validate(config, num_devices: int | None = None) -> None:
         for logical in ("vocab", "heads", "kv_heads", "mlp"):
             _require(config.sharding.params[logical] == "tensor",
                      "config.parallel.sequence_parallel needs heads, kv_heads, mlp and vocab on 'tensor'")
+    _validate_pipeline(config)
     _require(t.zero_stage in (0, 1, 2),
              f"config.train.zero_stage={t.zero_stage}: choose 0, 1 or 2 (stage 3 is config.mesh.fsdp)")
     _require(t.schedule in SCHEDULES, f"config.train.schedule={t.schedule!r}: choose one of {SCHEDULES}")
@@ -362,3 +374,48 @@ def validate(config, num_devices: int | None = None) -> None:
     ck = config.checkpoint
     _require(ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
              "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0")
+
+
+def _validate_pipeline(config) -> None:
+    """Micro-batches, schedule, virtual stages and vocabulary parallelism against the mesh."""
+    m, t, p = config.model, config.train, config.mesh.pipe
+    mb, v = t.microbatches, t.virtual_stages
+    _require(isinstance(mb, int) and mb >= 1, f"config.train.microbatches must be >= 1, got {mb!r}")
+    _require(isinstance(v, int) and v >= 1, f"config.train.virtual_stages must be >= 1, got {v!r}")
+    _require(t.pipeline_schedule in PIPELINE_SCHEDULES,
+             f"config.train.pipeline_schedule={t.pipeline_schedule!r}: choose one of {PIPELINE_SCHEDULES}")
+    batch_shards = math.prod(config.mesh[a] for a in axes_of(config.sharding.compute.batch))
+    _require(t.batch_size % (batch_shards * mb) == 0,
+             f"config.train.batch_size={t.batch_size} does not split into {batch_shards} batch shards x "
+             f"{mb} micro-batches (config.train.microbatches): make the batch size a multiple of "
+             f"{batch_shards * mb}")
+    if p == 1:
+        _require(v == 1, f"config.train.virtual_stages={v} needs a pipeline: set config.mesh.pipe > 1 "
+                 "or virtual_stages=1")
+        return
+    stages = p * v
+    _require(m.n_layers % stages == 0,
+             f"config.model.n_layers={m.n_layers} does not split into {stages} pipeline stages "
+             f"(config.mesh.pipe={p} x config.train.virtual_stages={v}): choose n_layers a multiple "
+             f"of {stages}")
+    period = len(layer_pattern(m))
+    _require((m.n_layers // stages) % period == 0,
+             f"each of the {stages} pipeline stages would hold {m.n_layers // stages} layers, not a "
+             f"whole number of periods of config.model.layer_pattern={m.layer_pattern!r} "
+             f"({period} layers): change n_layers, mesh.pipe or virtual_stages")
+    _require(mb >= p,
+             f"config.train.microbatches={mb} is fewer than the {p} pipeline stages "
+             f"(config.mesh.pipe): every stage would idle most of the step; use microbatches >= {p}")
+    if t.pipeline_schedule == "interleaved_1f1b":
+        _require(mb % p == 0,
+                 f"the interleaved schedule takes micro-batches in groups of config.mesh.pipe={p}: "
+                 f"config.train.microbatches={mb} must be a multiple of {p}")
+    else:
+        _require(v == 1, f"config.train.virtual_stages={v} needs config.train.pipeline_schedule="
+                 f"'interleaved_1f1b' (got {t.pipeline_schedule!r})")
+    if config.parallel.vocab_parallel:
+        shards = p * math.prod(config.mesh[a] for a in axes_of(config.sharding.params.vocab))
+        _require(m.vocab_size % shards == 0,
+                 f"config.model.vocab_size={m.vocab_size} does not split over the {shards} shards of "
+                 f"vocabulary parallelism (pipe x config.sharding.params.vocab): pad the vocabulary to "
+                 f"a multiple of {shards}")

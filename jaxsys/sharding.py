@@ -31,7 +31,13 @@ class Layout:
     @classmethod
     def from_config(cls, config) -> "Layout":
         sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
-        keep = lambda rules: {k: tuple(a for a in axes_of(v) if sizes[a] > 1) for k, v in rules.items()}
+
+        def keep(rules):
+            out = {k: tuple(a for a in axes_of(v) if sizes[a] > 1) for k, v in rules.items()}
+            if config.parallel.vocab_parallel and sizes["pipe"] > 1:  # vocabulary parallelism
+                out["vocab"] = ("pipe",) + out.get("vocab", ())
+            return out
+
         return cls(sizes, keep(config.sharding.params), keep(config.sharding.compute),
                    bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1)
 
@@ -54,6 +60,11 @@ class Layout:
     def tensor_axes(self) -> tuple[str, ...]:
         """The Megatron tensor-parallel axes (those holding the attention heads)."""
         return self.compute_axes("heads")
+
+    @property
+    def sp_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the sequence between tensor-parallel blocks (Megatron SP)."""
+        return self.tensor_axes if self.sequence_parallel else ()
 
     # -- PartitionSpecs
     def param_spec(self, logical: Logical) -> P:

@@ -38,7 +38,7 @@ from jaxsys.config import ConfigError, load_config, validate
 from jaxsys.mesh import make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
-from jaxsys.parallel import zero
+from jaxsys.parallel import pipeline, zero
 from jaxsys.sharding import Layout
 
 
@@ -67,6 +67,8 @@ class Program:
     state_pspecs: TrainState
     batch_pspec: P
     unroll_layers: bool = False  # write the layer scan out (for counting collectives)
+    pipeline_train: pipeline.Program | None = None  # the schedule in lockstep ticks (mesh.pipe > 1)
+    pipeline_eval: pipeline.Program | None = None  # its forwards only
 
     # -- shardings and shapes
     def shardings(self, pspecs):
@@ -99,12 +101,40 @@ class Program:
     def _local_loss(self, params, tokens):
         """This shard's share of the global mean token loss (sums to the mean over shards)."""
         c = self.config
+        if self.pipeline_eval is not None:
+            return self._pipeline(params, tokens, self.pipeline_eval)[0]
         losses = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
                                           unroll=self.unroll_layers)
         return jnp.sum(losses) / (c.train.batch_size * c.data.seq_len)
 
+    def _pipeline(self, params, tokens, program: pipeline.Program):
+        """Loss and gradients through the pipeline executor, tokens split into micro-batches."""
+        c, m, layout, specs = self.config, self.config.model, self.layout, self.specs
+        inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
+        split = lambda a: a.reshape(program.m, a.shape[0] // program.m, *a.shape[1:])
+        norm = c.train.batch_size * c.data.seq_len
+        fns = pipeline.StageFns(
+            embed=lambda sh, ids: transformer.embed(sh, ids, m, layout, specs),
+            stack=lambda w, x: transformer.layer_stack(w, x, positions, m, layout, specs,
+                                                       self.unroll_layers),
+            norm=lambda sh, y: transformer.final_norm(sh, y, m, layout, specs),
+            loss=lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm)
+        return pipeline.run(fns, params, split(inputs), split(targets), program)
+
     def _local_grads(self, params, tokens):
-        loss, grads = jax.value_and_grad(self._local_loss)(params, tokens)
+        mb = self.config.train.microbatches
+        if self.pipeline_train is not None:
+            loss, grads = self._pipeline(params, tokens, self.pipeline_train)
+        elif mb > 1:  # gradient accumulation over micro-batches
+            def accumulate(total, batch):
+                loss, grads = jax.value_and_grad(self._local_loss)(params, batch)
+                return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+            zero_total = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            batches = tokens.reshape(mb, tokens.shape[0] // mb, *tokens.shape[1:])
+            (loss, grads), _ = jax.lax.scan(accumulate, zero_total, batches)
+        else:
+            loss, grads = jax.value_and_grad(self._local_loss)(params, tokens)
         grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
         return jax.lax.psum(loss, self.layout.batch_axes) if self.layout.batch_axes else loss, grads
 
@@ -155,7 +185,8 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
         raise ConfigError(f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
                           f"{platform}: use 'pallas' or 'reference'")
     layout = Layout.from_config(config)
-    specs = transformer.param_specs(config.model)
+    t, p = config.train, config.mesh.pipe
+    specs = transformer.param_specs(config.model, chunks=t.virtual_stages if p > 1 else 1)
     is_spec = params_lib.is_spec
     param_pspecs = jax.tree.map(lambda s: layout.param_spec(s.axes), specs, is_leaf=is_spec)
     plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage),
@@ -169,8 +200,14 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
         transform_non_params=lambda _: P(), is_leaf=_is_p)
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
     batch_pspec = layout.compute_spec(("batch", None))
+    pipeline_train = pipeline_eval = None
+    if p > 1:
+        schedule = pipeline.make_schedule(t.pipeline_schedule, p, t.microbatches, t.virtual_stages)
+        vp = bool(config.parallel.vocab_parallel)
+        pipeline_train = pipeline.lockstep(schedule, backward=True, vocab_parallel=vp)
+        pipeline_eval = pipeline.lockstep(schedule, backward=False, vocab_parallel=vp)
     return Program(config, mesh, layout, specs, param_pspecs, plans, grad_pspecs, optimizer,
-                   state_pspecs, batch_pspec, unroll_layers)
+                   state_pspecs, batch_pspec, unroll_layers, pipeline_train, pipeline_eval)
 
 
 # ----------------------------------------------------------------------------- the loop

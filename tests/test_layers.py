@@ -87,7 +87,7 @@ def test_vocab_parallel_cross_entropy_and_gradient():
 def test_vocab_parallel_embedding(sequence_parallel):
     table, ids = normal(64, 8), RNG.integers(0, 64, (2, 16))
     out_spec = P(None, "tensor") if sequence_parallel else P()
-    lookup = jax.shard_map(lambda w, i: tensor.embed_lookup(w, i, ("tensor",), sequence_parallel),
+    lookup = jax.shard_map(lambda w, i: tensor.embed_lookup(w, i, ("tensor",), ("tensor",) if sequence_parallel else ()),
                            mesh=_tensor_mesh(), in_specs=(P("tensor"), P()), out_specs=out_spec,
                            check_vma=False)
     np.testing.assert_allclose(lookup(table, ids), table[ids], rtol=1e-6)

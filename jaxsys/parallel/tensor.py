@@ -11,6 +11,11 @@ A tensor-parallel block is entered and left once:
 
 so each block costs one all-reduce forward and one backward (2 all-reduces = 2 reduce-scatters +
 2 all-gathers with SP, the same bytes, with activations between blocks 1/tp the size).
+
+`sp` is the tuple of mesh axes that split T between blocks (`Layout.sp_axes`: the tensor axes under
+sequence parallelism, else empty). Of `axes`, those in `sp` are gathered / scattered over T and the
+others are plain f / g: the vocabulary-parallel embedding and output layer under pipeline
+vocabulary parallelism run over (pipe, tensor) while only `tensor` splits T.
 """
 
 from __future__ import annotations
@@ -26,18 +31,22 @@ from jaxsys.parallel.collectives import (all_gather_fwd_reduce_scatter_bwd, axis
 SEQ_DIM = 1  # activations are [B, T, D]
 
 
-def enter(x, axes: tuple[str, ...], sequence_parallel: bool):
+def _split(axes: tuple[str, ...], sp: tuple[str, ...]):
+    return tuple(a for a in axes if a in sp), tuple(a for a in axes if a not in sp)
+
+
+def enter(x, axes: tuple[str, ...], sp: tuple[str, ...] = ()):
     """Into a tensor-parallel region: every rank needs the full x[B, T, D]."""
-    if sequence_parallel:
-        return all_gather_fwd_reduce_scatter_bwd(x, axes, SEQ_DIM)
-    return copy_fwd_psum_bwd(x, axes)
+    gather, copy = _split(axes, sp)
+    x = all_gather_fwd_reduce_scatter_bwd(x, gather, SEQ_DIM) if gather else x
+    return copy_fwd_psum_bwd(x, copy)
 
 
-def leave(y, axes: tuple[str, ...], sequence_parallel: bool):
+def leave(y, axes: tuple[str, ...], sp: tuple[str, ...] = ()):
     """Out of a tensor-parallel region: sum the partial y[B, T, D] of the ranks."""
-    if sequence_parallel:
-        return reduce_scatter_fwd_all_gather_bwd(y, axes, SEQ_DIM)
-    return psum_fwd_copy_bwd(y, axes)
+    scatter, total = _split(axes, sp)
+    y = psum_fwd_copy_bwd(y, total)
+    return reduce_scatter_fwd_all_gather_bwd(y, scatter, SEQ_DIM) if scatter else y
 
 
 def shard_offset(local_size: int, axes: tuple[str, ...]):
@@ -46,7 +55,7 @@ def shard_offset(local_size: int, axes: tuple[str, ...]):
     return axis_index(axes) * local_size
 
 
-def embed_lookup(table, ids, axes: tuple[str, ...], sequence_parallel: bool):
+def embed_lookup(table, ids, axes: tuple[str, ...], sp: tuple[str, ...] = ()):
     """Vocabulary-parallel embedding: table[V/tp, D] holds rows [r*V/tp, (r+1)*V/tp); ids[B, T].
 
     Each rank looks up the ids it owns (zeros elsewhere) and the rows are summed with `leave`,
@@ -55,7 +64,7 @@ def embed_lookup(table, ids, axes: tuple[str, ...], sequence_parallel: bool):
     local = ids - shard_offset(rows, axes)
     owned = (local >= 0) & (local < rows)
     x = jnp.take(table, jnp.where(owned, local, 0), axis=0) * owned[..., None].astype(table.dtype)
-    return leave(x, axes, sequence_parallel)
+    return leave(x, axes, sp)
 
 
 def cross_entropy(logits, targets, axes: tuple[str, ...]):

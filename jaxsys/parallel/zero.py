@@ -51,6 +51,8 @@ def plan(layout: Layout, logical: Sequence[str | None], shape: Sequence[int], st
     sum_axes = [a for a in layout.batch_axes if a not in gathered and a not in param_axes]
     if layout.sequence_parallel:
         sum_axes += [a for a in layout.tensor_axes if a not in param_axes and a not in sum_axes]
+    if layout.mesh_sizes.get("pipe", 1) > 1 and "pipe" not in param_axes:
+        sum_axes.append("pipe")  # used by some pipeline stages only (embedding, final norm, output)
     zero_dim = None
     data = layout.mesh_sizes[ZERO_AXIS]
     if stage >= 1 and data > 1 and ZERO_AXIS in sum_axes:
