@@ -24,7 +24,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
 CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
 LAYER_TYPES = ("softmax", "linear")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
 
 
 class ConfigError(ValueError):
@@ -83,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_clip = 1.0  # 0 disables clipping
     c.train.progress = True
     c.train.microbatches = 1  # m: the local batch is split into m micro-batches (pipeline, or accumulation)
-    c.train.pipeline_schedule = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (mesh.pipe > 1)
+    c.train.pipeline_schedule = "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved_1f1b (mesh.pipe > 1)
     c.train.virtual_stages = 1  # v: model chunks per pipe device (interleaved_1f1b)
 
     c.checkpoint = ml_collections.ConfigDict()

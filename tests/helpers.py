@@ -36,6 +36,32 @@ def program_for(config):
     return train.build(config, make_mesh(config, jax.devices()[:n]))
 
 
+def pipeline_config(mesh=None, schedule="1f1b", microbatches=4, virtual_stages=1,
+                    vocab_parallel=False, **model):
+    """`small_config` with 8 layers and a pipeline schedule."""
+    c = small_config(mesh, **{"n_layers": 8, **model})
+    c.train.microbatches, c.train.pipeline_schedule = microbatches, schedule
+    c.train.virtual_stages, c.parallel.vocab_parallel = virtual_stages, vocab_parallel
+    return c
+
+
+def unchunked(params):
+    """Layer leaves [v, L/v, ...] of an interleaved pipeline back to [L, ...]."""
+    layers = jax.tree.map(lambda a: np.asarray(a).reshape(-1, *a.shape[2:]), params["layers"])
+    return {**params, "layers": layers}
+
+
+def loss_and_grads(config):
+    """Loss and reduced gradients (numpy, layers as [L, ...]) at the initial parameters on batch 0."""
+    program = program_for(config)
+    corpus = data.load_corpus(config.data)
+    batch = data.global_batch(corpus, program.batch_sharding, config.seed, 0,
+                              config.train.batch_size, config.data.seq_len)
+    loss, grads = program.loss_and_grads_fn()(program.init().params, batch)
+    grads = jax.tree.map(np.asarray, grads)
+    return float(loss), unchunked(grads) if config.train.virtual_stages > 1 else grads
+
+
 def run(config, steps: int = 3):
     """Step-0 loss and gradients (as numpy), and the losses of `steps` optimizer steps."""
     program = program_for(config)

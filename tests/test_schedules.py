@@ -24,7 +24,8 @@ def _ms_interleaved(p):
 def _all(p, backward_cost=2):
     out = []
     for m in _ms(p):
-        out += [S.gpipe(p, m, backward_cost), S.one_f_one_b(p, m, backward_cost)]
+        out += [S.gpipe(p, m, backward_cost), S.one_f_one_b(p, m, backward_cost),
+                S.eager_one_f_one_b(p, m, backward_cost)]
     for m in _ms_interleaved(p):
         out += [S.interleaved_one_f_one_b(p, m, v, backward_cost) for v in (2, 4)]
     return out
@@ -46,6 +47,7 @@ def test_bubble_fraction_equals_the_formulas(p, backward_cost):
     for m in _ms(p):
         assert S.bubble_fraction(S.gpipe(p, m, backward_cost)) == Fraction(p - 1, m + p - 1)
         assert S.bubble_fraction(S.one_f_one_b(p, m, backward_cost)) == Fraction(p - 1, m + p - 1)
+        assert S.bubble_fraction(S.eager_one_f_one_b(p, m, backward_cost)) == Fraction(p - 1, m + p - 1)
     for m in _ms_interleaved(p):
         for v in (2, 4):
             s = S.interleaved_one_f_one_b(p, m, v, backward_cost)
@@ -65,6 +67,8 @@ def test_in_flight_activations(p):
         assert S.peak_in_flight(S.gpipe(p, m)) == (m,) * p
         one = S.peak_in_flight(S.one_f_one_b(p, m))
         assert one == tuple(p - d for d in range(p)) and max(one) == p
+        # eager: its 2(p-d)-1 warm-up forwards plus the first steady one, never more than m
+        assert S.peak_in_flight(S.eager_one_f_one_b(p, m)) == tuple(min(m, 2 * (p - d)) for d in range(p))
     for m in _ms_interleaved(p):
         for v in (2, 4):
             got = S.peak_in_flight(S.interleaved_one_f_one_b(p, m, v))

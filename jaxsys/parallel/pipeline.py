@@ -62,9 +62,12 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> schedules.Schedule:
         return schedules.gpipe(p, m)
     if name == "1f1b":
         return schedules.one_f_one_b(p, m)
+    if name == "eager_1f1b":
+        return schedules.eager_one_f_one_b(p, m)
     if name == "interleaved_1f1b":
         return schedules.interleaved_one_f_one_b(p, m, v)
-    raise ValueError(f"unknown pipeline schedule {name!r}: choose gpipe, 1f1b or interleaved_1f1b")
+    raise ValueError(f"unknown pipeline schedule {name!r}: choose gpipe, 1f1b, eager_1f1b or "
+                     "interleaved_1f1b")
 
 
 # --------------------------------------------------------------------------- lockstep program

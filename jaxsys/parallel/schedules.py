@@ -187,15 +187,34 @@ def one_f_one_b(p: int, m: int, backward_cost: int = 2) -> Schedule:
     if m < p:
         raise ValueError(f"1F1B needs at least as many micro-batches as stages: m >= p "
                          f"(got m={m}, p={p}); use gpipe for m < p")
+    return simulate("1f1b", p, m, 1, _one_f_one_b_orders(p, m, lambda d: p - d - 1), backward_cost)
+
+
+def eager_one_f_one_b(p: int, m: int, backward_cost: int = 2) -> Schedule:
+    """1F1B with 2(p-d)-1 warm-up forwards on device d instead of p-d-1: the order for devices
+    that run in lockstep (one SPMD program, `pipeline.lockstep`). There a hop between stages costs
+    a whole tick, so a micro-batch's round trip from device d to the last stage and back takes
+    2(p-d)-1 ticks; by Little's law a device that starts one micro-batch per tick needs that many
+    in flight. With Megatron's p-d-1 it could start only one per two ticks. Still independent of m
+    (GPipe holds all m). Requires m >= p."""
+    _check_sizes(p, m, 1, backward_cost)
+    if m < p:
+        raise ValueError(f"1F1B needs at least as many micro-batches as stages: m >= p "
+                         f"(got m={m}, p={p}); use gpipe for m < p")
+    return simulate("eager_1f1b", p, m, 1, _one_f_one_b_orders(p, m, lambda d: 2 * (p - d) - 1),
+                    backward_cost)
+
+
+def _one_f_one_b_orders(p: int, m: int, warmup_of) -> list:
     orders = []
     for d in range(p):
-        warmup = p - d - 1
+        warmup = min(warmup_of(d), m)
         order = [("F", i, 0) for i in range(warmup)]
         for k in range(m - warmup):
             order += [("F", warmup + k, 0), ("B", k, 0)]
         order += [("B", i, 0) for i in range(m - warmup, m)]
         orders.append(order)
-    return simulate("1f1b", p, m, 1, orders, backward_cost)
+    return orders
 
 
 def _interleaved_unit(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
