@@ -68,9 +68,9 @@ def test_gradient_accumulation_without_pipeline_matches():
     (dict(mesh=dict(pipe=1), m=1, virtual_stages=2), "virtual_stages=2 needs a pipeline"),
     (dict(mesh=dict(pipe=2, data=2), m=3), "batch_size=8 does not split into 2 batch shards x 3"),
     (dict(mesh=dict(pipe=2), m=2, schedule="zero_bubble"), "pipeline_schedule='zero_bubble'"),
-    (dict(mesh=dict(pipe=2, tensor=4), m=2, vocab_parallel=True, vocab_size=260),
-     "vocab_size=260 does not split over the 8 shards of vocabulary parallelism"),
-    (dict(mesh=dict(pipe=2), m=2, layer_pattern="linear,linear,softmax", n_layers=6),
+    (dict(mesh=dict(pipe=2, tensor=2), m=2, vocab_parallel=True, vocab_size=258),
+     "vocab_size=258 does not split over the 4 shards of vocabulary parallelism"),
+    (dict(mesh=dict(pipe=2), m=2, layer_pattern="linear,softmax", n_layers=6),
      "not a whole number of periods"),
 ])
 def test_bad_pipeline_config_is_refused(change, message):
