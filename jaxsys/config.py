@@ -413,6 +413,11 @@ def _validate_pipeline(config) -> None:
     else:
         _require(v == 1, f"config.train.virtual_stages={v} needs config.train.pipeline_schedule="
                  f"'interleaved_1f1b' (got {t.pipeline_schedule!r})")
+    _require(config.mesh.seq == 1 or m.context_parallel == "allgather",
+             f"config.model.context_parallel={m.context_parallel!r} with config.mesh.pipe={p}: the "
+             "ring's collective-permutes would run inside the per-stage branches of the pipeline, "
+             "where XLA:CPU pairs them wrongly (the loss came out wrong); use 'allgather' with a "
+             "pipeline")
     if config.parallel.vocab_parallel:
         shards = p * math.prod(config.mesh[a] for a in axes_of(config.sharding.params.vocab))
         _require(m.vocab_size % shards == 0,

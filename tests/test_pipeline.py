@@ -70,6 +70,7 @@ def test_gradient_accumulation_without_pipeline_matches():
     (dict(mesh=dict(pipe=2), m=2, schedule="zero_bubble"), "pipeline_schedule='zero_bubble'"),
     (dict(mesh=dict(pipe=2, tensor=2), m=2, vocab_parallel=True, vocab_size=258),
      "vocab_size=258 does not split over the 4 shards of vocabulary parallelism"),
+    (dict(mesh=dict(pipe=2, seq=2), m=2, context_parallel="ring"), "use 'allgather' with a pipeline"),
     (dict(mesh=dict(pipe=2), m=2, layer_pattern="linear,softmax", n_layers=6),
      "not a whole number of periods"),
 ])
