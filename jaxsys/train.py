@@ -344,14 +344,14 @@ def main(config, workdir: str) -> list[dict]:
     try:
         for step in range(start_step, t.steps):
             state, metrics = step_fn(state, batch(step))
+            if pending is not None:  # read the previous step while this one runs
+                finish(*pending)
             eval_loss = None
-            if eval_due(step + 1):
+            if eval_due(step + 1):  # after `finish`, so that this step's window holds its compute
                 jax.block_until_ready(state)  # the step's own compute is training time
                 paused = time.perf_counter()
                 eval_loss = evaluate(program, eval_fn, state.params, corpus)
                 window_start += time.perf_counter() - paused  # not training time
-            if pending is not None:  # read the previous step while this one runs
-                finish(*pending)
             pending = (step + 1, metrics, eval_loss)
             if checkpointer and checkpointer.due(step + 1, final=step + 1 == t.steps):
                 finish(*pending)  # a state is saved only once its step's numbers are checked

@@ -19,6 +19,7 @@ def _losses(workdir):
 def _config(mesh, steps, every):
     c = small_config(mesh, n_kv_heads=4)  # K divides every tensor size used here
     c.train.steps, c.checkpoint.every_steps, c.train.log_every = steps, every, 1
+    c.train.microbatches = mesh.get("pipe", 1)
     return c
 
 
@@ -52,7 +53,7 @@ def test_restore_onto_other_meshes(tmp_path):
     train.main(_config(saved_on, 2, 2), str(tmp_path))
     states, programs = {}, {}
     for name, mesh in {"saved": saved_on, "fsdp8": dict(fsdp=8), "tensor4_data2": dict(tensor=4, data=2),
-                       "one_device": {}}.items():
+                       "pipe2_tensor2_data2": dict(pipe=2, tensor=2, data=2), "one_device": {}}.items():
         program = program_for(_config(mesh, 2, 2))
         state = Checkpointer(str(tmp_path), _config(mesh, 2, 2).checkpoint).restore(program.abstract_state())
         assert jax.tree.leaves(state.params)[0].sharding.mesh.shape == program.mesh.shape
