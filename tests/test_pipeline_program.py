@@ -127,23 +127,22 @@ def test_slots_are_the_most_live_inputs_and_1f1b_keeps_its_bound():
             assert prog.act_slots == min(m, 2 * p - 1)
 
 
-def lockstep_time(prog, backward_cost):
-    """Each tick lasts as long as its busiest device: forward 1, backward `backward_cost`."""
-    return sum(max((prog.forward[t][d] is not None) + backward_cost * (prog.backward[t][d] is not None)
-                   for d in range(prog.p)) for t in range(prog.ticks))
-
-
-@pytest.mark.parametrize("b", (2, 3))
+@pytest.mark.parametrize("b", (1, 2, 3))
 def test_lockstep_time(b):
     # GPipe and eager 1F1B both take (m + p - 1)(1 + b), the asynchronous makespan; Megatron's 1F1B
     # order, whose p-d-1 warm-up is too short for lockstep, takes longer once m > p.
     for p in (2, 4, 8):
         for m in (p, 2 * p, 4 * p):
-            gpipe = lockstep_time(PL.lockstep(S.gpipe(p, m)), b)
-            eager = lockstep_time(PL.lockstep(S.eager_one_f_one_b(p, m)), b)
-            megatron = lockstep_time(PL.lockstep(S.one_f_one_b(p, m)), b)
+            gpipe = PL.lockstep_time(PL.lockstep(S.gpipe(p, m)), b)
+            eager = PL.lockstep_time(PL.lockstep(S.eager_one_f_one_b(p, m)), b)
+            megatron = PL.lockstep_time(PL.lockstep(S.one_f_one_b(p, m)), b)
             assert gpipe == eager == (m + p - 1) * (1 + b)
             assert megatron >= gpipe and (m == p or megatron > gpipe)
+            # Megatron's interleaved warm-up keeps its table's bubble in lockstep too: the v m
+            # chunk-sized forwards and backwards plus (p-1) chunk-sized ticks of each
+            for v in (2, 3, 4):
+                interleaved = PL.lockstep_time(PL.lockstep(S.interleaved_one_f_one_b(p, m, v)), b)
+                assert interleaved == (v * m + p - 1) * (1 + b), (p, m, v)
 
 
 def test_render_shows_fused_ticks():

@@ -211,6 +211,14 @@ def lockstep(schedule: schedules.Schedule, backward: bool = True,
                    vocab_parallel, tables)
 
 
+def lockstep_time(program: Program, backward_cost: float = 2) -> float:
+    """Duration of the program when each tick lasts as long as its busiest device: a forward of a
+    chunk costs 1, a backward `backward_cost` (3 with the stage recomputation here). In units of
+    one chunk's forward (divide by v for a whole device's forward)."""
+    return sum(max((program.forward[t][d] is not None) + backward_cost * (program.backward[t][d] is not None)
+                   for d in range(program.p)) for t in range(program.ticks))
+
+
 def render(program: Program) -> str:
     """One row per device, one column per tick: the forward and/or backward run in that tick
     (`F3`, `B1`, `F3+B1`, `F3.1` for chunk 1 when v > 1), `.` when idle."""
