@@ -7,6 +7,8 @@ nats to about 2 nats in 300 steps (eval loss close behind). Arguments:
     :test   a few steps of a smaller model, for the tests
     :dp8    the same run data-parallel on 8 simulated devices (set
             XLA_FLAGS=--xla_force_host_platform_device_count=8 first); also :fsdp8, :tp8, :hybrid8
+    :pp8    2 pipeline stages x 2 data x 2 tensor, 4 micro-batches, 1F1B, vocabulary parallelism
+            (docs/pipeline.md)
 """
 
 from jaxsys.config import base_config
@@ -32,6 +34,11 @@ def get_config(arg=None):
                    "hybrid8": dict(data=2, fsdp=2, tensor=2)}
         for axis, size in layouts[arg].items():
             c.mesh[axis] = size
+    elif arg == "pp8":
+        c.mesh.pipe, c.mesh.data, c.mesh.tensor = 2, 2, 2
+        c.train.microbatches = 4
+        c.train.pipeline_schedule = "1f1b"
+        c.parallel.vocab_parallel = True
     elif arg == "test":
         c.model.d_model = 64
         c.model.n_layers = 2
@@ -45,5 +52,6 @@ def get_config(arg=None):
         c.train.eval_batches = 1
         c.train.progress = False
     elif arg is not None:
-        raise ValueError(f"configs/tiny.py: unknown argument {arg!r}; use test, dp8, fsdp8, tp8 or hybrid8")
+        raise ValueError(f"configs/tiny.py: unknown argument {arg!r}; use test, dp8, fsdp8, tp8, hybrid8 "
+                         "or pp8")
     return c
