@@ -264,64 +264,67 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     backward = program.has_backward
     d = lax.axis_index(PIPE)
     shared = {k: a for k, a in params.items() if k != "layers"}
-    chunks = params["layers"] if v > 1 else jax.tree.map(lambda a: a[None], params["layers"])
+    layers = params["layers"]  # leaves [v, L/(v p), ...], or [L/p, ...] when v = 1
     x_struct = jax.eval_shape(fns.embed, shared, inputs[0])
     zeros_x = lambda: jnp.zeros(x_struct.shape, x_struct.dtype)
     f32_zero = jnp.zeros((), jnp.float32)
 
     take = lambda buf, i: lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
     put = lambda buf, i, x: lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
-    chunk_of = lambda j: jax.tree.map(lambda a: take(a, j), chunks)
     add = lambda acc, g: jax.tree.map(jnp.add, acc, g)
+
+    def chunk_of(j):
+        return layers if v == 1 else jax.tree.map(lambda a: take(a, j), layers)
+
+    def add_to_chunk(acc, j, g):  # v = 1 without a chunk dimension: indexing it cost XLA copies
+        return add(acc, g) if v == 1 else jax.tree.map(lambda a, b: put(a, j, take(a, j) + b), acc, g)
 
     def embed_grad(g_shared, mb, dx0):
         _, pull = jax.vjp(lambda sh: fns.embed(sh, take(inputs, mb)), shared)
         return add(g_shared, pull(dx0)[0])
 
-    def forward_branch(kind):
-        def branch(act, x0, loss, row):
-            x = (x0 if vp else fns.embed(shared, take(inputs, row["f_mb"]))) if kind == FIRST \
-                else take(act, row["f_slot"])
-            y = fns.stack(chunk_of(row["f_chunk"]), x)
-            send = y
-            if kind == LAST:
-                h = fns.norm(shared, y)
-                if vp:
-                    send = h  # to the output pass
-                else:
-                    loss = loss + fns.loss(shared, h, take(targets, row["f_mb"]))
-                    send = zeros_x()
-            return send, (x if kind == FIRST else zeros_x()), loss
-        return branch
+    # One forward and one backward of the stage's layers per tick; only the embedding and the head
+    # differ by stage, in small conds around them (three stage-kind branches each holding the
+    # layers' VJP tripled XLA's temporaries and the compile time).
+    def forward(act, x0, loss, row):
+        first, last, mb = row["f_kind"] == FIRST, row["f_kind"] == LAST, row["f_mb"]
+        if vp:
+            x = jnp.where(first, x0, take(act, row["f_slot"]))
+        else:
+            x = lax.cond(first, lambda: fns.embed(shared, take(inputs, mb)),
+                         lambda: take(act, row["f_slot"]))
+        y = fns.stack(chunk_of(row["f_chunk"]), x)
 
-    def idle_forward(act, x0, loss, row):
-        return zeros_x(), zeros_x(), loss
+        def head(y, loss):
+            h = fns.norm(shared, y)
+            if vp:
+                return h, loss  # to the output pass
+            return zeros_x(), loss + fns.loss(shared, h, take(targets, mb))
 
-    def backward_branch(kind):
-        def branch(act, grad, g_chunks, g_shared, row):
-            j, mb = row["b_chunk"], row["b_mb"]
-            x = take(act, row["b_act"])
-            if kind == LAST and not vp:
-                tgt = take(targets, mb)
-                _, pull = jax.vjp(lambda w, sh, x: fns.loss(sh, fns.norm(sh, fns.stack(w, x)), tgt),
-                                  chunk_of(j), shared, x)
-                dw, dsh, dx = pull(jnp.ones((), jnp.float32))
-            elif kind == LAST:
-                _, pull = jax.vjp(lambda w, sh, x: fns.norm(sh, fns.stack(w, x)), chunk_of(j), shared, x)
-                dw, dsh, dx = pull(take(grad, row["b_grad"]))
+        send, loss = lax.cond(last, head, lambda y, loss: (y, loss), y, loss)
+        return send, x, loss  # x: stage 0's input, stashed for its backward
+
+    def backward_step(act, grad, g_chunks, g_shared, row):
+        j, mb, last = row["b_chunk"], row["b_mb"], row["b_kind"] == LAST
+        y, pull = jax.vjp(fns.stack, chunk_of(j), take(act, row["b_act"]))  # recompute
+
+        def head(y, g_shared):
+            if vp:
+                _, pull_head = jax.vjp(fns.norm, shared, y)
+                dsh, dy = pull_head(take(grad, row["b_grad"]))
             else:
-                _, pull = jax.vjp(fns.stack, chunk_of(j), x)
-                (dw, dx), dsh = pull(take(grad, row["b_grad"])), None
-            g_chunks = jax.tree.map(lambda a, g: put(a, j, take(a, j) + g), g_chunks, dw)
-            if dsh is not None:
-                g_shared = add(g_shared, dsh)
-            if kind == FIRST and not vp:
-                g_shared = embed_grad(g_shared, mb, dx)
-            return dx, g_chunks, g_shared
-        return branch
+                tgt = take(targets, mb)
+                _, pull_head = jax.vjp(lambda sh, y: fns.loss(sh, fns.norm(sh, y), tgt), shared, y)
+                dsh, dy = pull_head(jnp.ones((), jnp.float32))
+            return dy, add(g_shared, dsh)
 
-    def idle_backward(act, grad, g_chunks, g_shared, row):
-        return zeros_x(), g_chunks, g_shared
+        dy, g_shared = lax.cond(last, head, lambda y, g: (take(grad, row["b_grad"]), g), y, g_shared)
+        dw, dx = pull(dy)
+        g_chunks = add_to_chunk(g_chunks, j, dw)
+        if not vp:
+            g_shared = lax.cond(row["b_kind"] == FIRST, lambda g: embed_grad(g, mb, dx), lambda g: g,
+                                g_shared)
+        return dx, g_chunks, g_shared
 
     def uniform(flag, on, off, *args):
         """A branch every device takes at the same ticks (may hold `pipe` collectives)."""
@@ -337,13 +340,13 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         if vp:
             x0 = uniform(row["embed_mb"] >= 0, lambda mb: fns.embed(shared, take(inputs, mb)),
                          lambda mb: zeros_x(), jnp.maximum(row["embed_mb"], 0))
-        send_f, stash, loss = lax.switch(
-            row["f_kind"], [idle_forward] + [forward_branch(k) for k in (FIRST, MID, LAST)],
-            act, x0, loss, row)
+        send_f, stash, loss = lax.cond(row["f_kind"] != NONE, forward,
+                                       lambda act, x0, loss, row: (zeros_x(), zeros_x(), loss),
+                                       act, x0, loss, row)
         send_b = zeros_x()
         if backward:
-            send_b, g_chunks, g_shared = lax.switch(
-                row["b_kind"], [idle_backward] + [backward_branch(k) for k in (FIRST, MID, LAST)],
+            send_b, g_chunks, g_shared = lax.cond(
+                row["b_kind"] != NONE, backward_step, lambda act, grad, gc, gs, row: (zeros_x(), gc, gs),
                 act, grad, g_chunks, g_shared, row)
 
         recv_f = uniform(row["send_fwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, +1)),
@@ -377,15 +380,14 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
 
     act = jnp.zeros((program.act_slots + 1,) + x_struct.shape, x_struct.dtype)
     grad = jnp.zeros((program.grad_slots + 1,) + x_struct.shape, x_struct.dtype) if backward else act[:0]
-    g_chunks = jax.tree.map(jnp.zeros_like, chunks) if backward else None
+    g_chunks = jax.tree.map(jnp.zeros_like, layers) if backward else None
     g_shared = jax.tree.map(jnp.zeros_like, shared) if backward else None
     xs = {k: jnp.asarray(a) for k, a in program.tables.items()}
     (_, _, g_chunks, g_shared, loss), _ = lax.scan(tick, (act, grad, g_chunks, g_shared, f32_zero), xs)
     loss = lax.psum(loss, PIPE)
     if not backward:
         return loss, None
-    layers = g_chunks if v > 1 else jax.tree.map(lambda a: a[0], g_chunks)
-    return loss, {"layers": layers, **g_shared}
+    return loss, {"layers": g_chunks, **g_shared}
 
 
 def _ring(p: int, step: int) -> list[tuple[int, int]]:
