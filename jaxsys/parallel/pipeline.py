@@ -286,13 +286,12 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     # One forward and one backward of the stage's layers per tick; only the embedding and the head
     # differ by stage, in small conds around them (three stage-kind branches each holding the
     # layers' VJP tripled XLA's temporaries and the compile time).
-    def forward(act, x0, loss, row):
+    def forward(x_in, x0, loss, row):
         first, last, mb = row["f_kind"] == FIRST, row["f_kind"] == LAST, row["f_mb"]
         if vp:
-            x = jnp.where(first, x0, take(act, row["f_slot"]))
+            x = jnp.where(first, x0, x_in)
         else:
-            x = lax.cond(first, lambda: fns.embed(shared, take(inputs, mb)),
-                         lambda: take(act, row["f_slot"]))
+            x = lax.cond(first, lambda: fns.embed(shared, take(inputs, mb)), lambda: x_in)
         y = fns.stack(chunk_of(row["f_chunk"]), x)
 
         def head(y, loss):
@@ -304,21 +303,21 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         send, loss = lax.cond(last, head, lambda y, loss: (y, loss), y, loss)
         return send, x, loss  # x: stage 0's input, stashed for its backward
 
-    def backward_step(act, grad, g_chunks, g_shared, row):
+    def backward_step(x_in, dy_in, g_chunks, g_shared, row):
         j, mb, last = row["b_chunk"], row["b_mb"], row["b_kind"] == LAST
-        y, pull = jax.vjp(fns.stack, chunk_of(j), take(act, row["b_act"]))  # recompute
+        y, pull = jax.vjp(fns.stack, chunk_of(j), x_in)  # recompute
 
         def head(y, g_shared):
             if vp:
                 _, pull_head = jax.vjp(fns.norm, shared, y)
-                dsh, dy = pull_head(take(grad, row["b_grad"]))
+                dsh, dy = pull_head(dy_in)
             else:
                 tgt = take(targets, mb)
                 _, pull_head = jax.vjp(lambda sh, y: fns.loss(sh, fns.norm(sh, y), tgt), shared, y)
                 dsh, dy = pull_head(jnp.ones((), jnp.float32))
             return dy, add(g_shared, dsh)
 
-        dy, g_shared = lax.cond(last, head, lambda y, g: (take(grad, row["b_grad"]), g), y, g_shared)
+        dy, g_shared = lax.cond(last, head, lambda y, g: (dy_in, g), y, g_shared)
         dw, dx = pull(dy)
         g_chunks = add_to_chunk(g_chunks, j, dw)
         if not vp:
@@ -340,14 +339,16 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         if vp:
             x0 = uniform(row["embed_mb"] >= 0, lambda mb: fns.embed(shared, take(inputs, mb)),
                          lambda mb: zeros_x(), jnp.maximum(row["embed_mb"], 0))
+        # Slots are read here, outside the conds, so that XLA updates the buffers in place (as a
+        # cond operand the whole buffer was copied every tick: twice the stash).
         send_f, stash, loss = lax.cond(row["f_kind"] != NONE, forward,
-                                       lambda act, x0, loss, row: (zeros_x(), zeros_x(), loss),
-                                       act, x0, loss, row)
+                                       lambda x, x0, loss, row: (zeros_x(), zeros_x(), loss),
+                                       take(act, row["f_slot"]), x0, loss, row)
         send_b = zeros_x()
         if backward:
             send_b, g_chunks, g_shared = lax.cond(
-                row["b_kind"] != NONE, backward_step, lambda act, grad, gc, gs, row: (zeros_x(), gc, gs),
-                act, grad, g_chunks, g_shared, row)
+                row["b_kind"] != NONE, backward_step, lambda x, dy, gc, gs, row: (zeros_x(), gc, gs),
+                take(act, row["b_act"]), take(grad, row["b_grad"]), g_chunks, g_shared, row)
 
         recv_f = uniform(row["send_fwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, +1)),
                          jnp.zeros_like, send_f)
