@@ -9,9 +9,11 @@ Two parts:
             in-flight micro-batches, and how the lockstep executor packs the same order: its ticks,
             stashed stage inputs and lockstep time (each tick as long as its busiest device;
             backward = 3 forwards, since the stage forward is recomputed).
-  measured  (8 simulated CPU devices, pipe = 4 x data = 2, a 4.3M-parameter 8-layer model): XLA's
-            per-device peak memory of the compiled train step and the CPU step time per schedule,
-            m = 4, 8, 16 (--quick: m = 4, 8).
+  measured  (8 simulated CPU devices, pipe = 4 x data = 2): XLA's per-device temporary memory of
+            the compiled train step for an activation-heavy model (8 linear-attention layers,
+            D = 128, T = 2048: a stage input is 1 MiB, the stage weights 2 MiB), m = 4..32; and
+            the CPU step time for an 8.4M-parameter softmax model (D = 256, T = 256), m = 4, 8, 16
+            (--quick: m = 4, 8 for both).
 Writes results.json and pipeline_schedules.png next to this file and prints the README tables.
 """
 
@@ -33,9 +35,13 @@ from experiments.common import emit, run_worker  # noqa: E402
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
 BACKWARD_COST = 3  # the executor recomputes the stage forward in the backward: 1 + 2
 DEVICES, PIPE = 8, 4
-MODEL = ["--config.model.d_model=256", "--config.model.n_layers=8", "--config.model.n_heads=4",
-         "--config.model.n_kv_heads=4", "--config.model.head_dim=64", "--config.model.d_ff=1024",
-         "--config.data.seq_len=256", "--config.checkpoint.enabled=false"]
+TIME_MODEL = ["--config.model.d_model=256", "--config.model.n_layers=8", "--config.model.n_heads=4",
+              "--config.model.n_kv_heads=4", "--config.model.head_dim=64", "--config.model.d_ff=1024",
+              "--config.data.seq_len=256", "--config.checkpoint.enabled=false"]
+MEMORY_MODEL = ["--config.model.d_model=128", "--config.model.n_layers=8", "--config.model.n_heads=4",
+                "--config.model.n_kv_heads=4", "--config.model.head_dim=32", "--config.model.d_ff=512",
+                "--config.model.layer_pattern=linear", "--config.data.seq_len=2048",
+                "--config.checkpoint.enabled=false"]
 
 
 def label(name: str, v: int) -> str:
@@ -87,11 +93,11 @@ def worker(n: int, jobs: list[dict]) -> None:
         corpus = data.load_corpus(c.data)
         batch = lambda s: data.global_batch(corpus, program.batch_sharding, c.seed, s,
                                             c.train.batch_size, c.data.seq_len)
-        state = program.init()
         t0 = time.perf_counter()
-        step = program.train_step_fn().lower(state, batch(0)).compile()
+        step = program.train_step_fn().lower(program.abstract_state(), batch(0)).compile()
         compile_s = time.perf_counter() - t0
         mem = step.memory_analysis()
+        state = program.init() if job["steps"] else None
         times, losses = [], []
         for s in range(job["steps"]):
             t0 = time.perf_counter()
@@ -99,22 +105,27 @@ def worker(n: int, jobs: list[dict]) -> None:
             losses.append(float(metrics["loss"]))  # blocks: the step is done
             times.append(time.perf_counter() - t0)
         emit(dict(job, compile_s=compile_s, temp_bytes=mem.temp_size_in_bytes,
-                  argument_bytes=mem.argument_size_in_bytes, step_s=statistics.median(times[1:]),
+                  argument_bytes=mem.argument_size_in_bytes,
+                  step_s=statistics.median(times[1:]) if times else None,
                   losses=losses, act_slots=program.pipeline_train.act_slots,
-                  ticks=program.pipeline_train.ticks))
+                  stage_input_bytes=c.train.batch_size // c.mesh.data // c.train.microbatches
+                  * c.data.seq_len * c.model.d_model * 4, ticks=program.pipeline_train.ticks))
 
 
-def measured_jobs(ms: list[int]) -> list[dict]:
+def measured_jobs(part: str, ms: list[int]) -> list[dict]:
+    """part "memory": compile only; "time": also 4 steps."""
     jobs = []
     for m in ms:
         for name, v in SCHEDULES:
             if v > 2 or (name == "interleaved_1f1b" and m % PIPE):
                 continue  # 8 layers: at most 8 stages, so v <= 2 on pipe = 4
-            overrides = MODEL + [f"--config.mesh.pipe={PIPE}", f"--config.mesh.data={DEVICES // PIPE}",
+            model = MEMORY_MODEL if part == "memory" else TIME_MODEL
+            overrides = model + [f"--config.mesh.pipe={PIPE}", f"--config.mesh.data={DEVICES // PIPE}",
                                  f"--config.train.batch_size={2 * m}", f"--config.train.microbatches={m}",
                                  f"--config.train.pipeline_schedule={name}",
                                  f"--config.train.virtual_stages={v}"]
-            jobs.append(dict(schedule=name, v=v, m=m, overrides=overrides, steps=4))
+            jobs.append(dict(part=part, schedule=name, v=v, m=m, overrides=overrides,
+                             steps=4 if part == "time" else 0))
     return jobs
 
 
@@ -133,16 +144,29 @@ def tables(results: dict) -> str:
                        f"{r['bubble_formula']:.3f}{'' if r['bubble_exact'] else ' (differs!)'} | "
                        f"{r['in_flight']:g} | {r['ticks']} | {r['stashed']:g} | {r['lockstep_bubble']:.3f} |")
         out.append("")
-    rows = results["measured"]
-    if rows:
-        out += [f"### measured: pipe = {PIPE} x data = {DEVICES // PIPE} on {DEVICES} simulated CPU devices", "",
-                "| m | schedule | stashed inputs | XLA temp MiB/device | vs GPipe | CPU step s | vs GPipe | "
-                "loss step 1 |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for r in rows:
-            base = next(b for b in rows if b["m"] == r["m"] and b["schedule"] == "gpipe")
+    mem = [r for r in results["measured"] if r["part"] == "memory"]
+    if mem:
+        out += [f"### measured: XLA temporaries, pipe = {PIPE} x data = {DEVICES // PIPE}, 8 linear-attention "
+                "layers, D = 128, T = 2048 (one stage input = 1 MiB)", "",
+                "| m | schedule | stashed inputs (lockstep) | XLA temp MiB/device | vs GPipe | "
+                "temp − stashed inputs, MiB |", "|---:|---|---:|---:|---:|---:|"]
+        for r in mem:
+            base = next(b for b in mem if b["m"] == r["m"] and b["schedule"] == "gpipe")
+            stash = r["act_slots"] * r["stage_input_bytes"]
             out.append(f"| {r['m']} | {label(r['schedule'], r['v'])} | {r['act_slots'] / r['v']:g} | "
                        f"{r['temp_bytes'] / 2**20:.2f} | {r['temp_bytes'] / base['temp_bytes']:.2f} | "
-                       f"{r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | {r['losses'][0]:.6f} |")
+                       f"{(r['temp_bytes'] - stash) / 2**20:.2f} |")
+        out.append("")
+    rows = [r for r in results["measured"] if r["part"] == "time"]
+    if rows:
+        out += [f"### measured: CPU step time, pipe = {PIPE} x data = {DEVICES // PIPE}, 8.4M-parameter "
+                "softmax model (D = 256, T = 256)", "",
+                "| m | schedule | lockstep ticks | CPU step s | vs GPipe | loss step 1 |",
+                "|---:|---|---:|---:|---:|---:|"]
+        for r in rows:
+            base = next(b for b in rows if b["m"] == r["m"] and b["schedule"] == "gpipe")
+            out.append(f"| {r['m']} | {label(r['schedule'], r['v'])} | {r['ticks']} | {r['step_s']:.3f} | "
+                       f"{r['step_s'] / base['step_s']:.2f} | {r['losses'][0]:.6f} |")
         out.append("")
     return "\n".join(out)
 
@@ -163,13 +187,14 @@ def plot(results: dict, path: str) -> None:
         axes[0].plot(ms, [r["bubble"] for r in rows], "o-", color=colors[key], label=f"{key} (table)")
         axes[0].plot(ms, [r["lockstep_bubble"] for r in rows], "x--", color=colors[key], alpha=0.7)
         axes[1].plot(ms, [r["stashed"] for r in rows], "o-", color=colors[key], label=key)
-        meas = [r for r in results["measured"] if r["schedule"] == name and r["v"] == v]
+        meas = [r for r in results["measured"] if r["part"] == "memory" and r["schedule"] == name
+                and r["v"] == v]
         if meas:
             axes[2].plot([r["m"] for r in meas], [r["temp_bytes"] / 2**20 for r in meas], "s-",
                          color=colors[key], label=key)
     axes[0].set_title(f"bubble fraction, p = {p}: table (solid) and lockstep executor (dashed)")
     axes[1].set_title(f"stage inputs stashed per device (micro-batches), p = {p}, lockstep")
-    axes[2].set_title(f"XLA peak temp memory per device, pipe = {PIPE} (CPU)")
+    axes[2].set_title(f"XLA temporaries per device, pipe = {PIPE}, T = 2048 linear model")
     for ax, ylabel in zip(axes, ("bubble fraction", "micro-batches of activations", "MiB")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches m")
@@ -199,8 +224,9 @@ def main() -> int:
         if bad:
             raise SystemExit(f"schedule bubbles differ from Megatron's formula: {bad}")
         t0 = time.time()
-        results["measured"] = run_worker(__file__, DEVICES, measured_jobs([4, 8] if args.quick else [4, 8, 16]),
-                                         what="devices")
+        jobs = (measured_jobs("memory", [4, 8] if args.quick else [4, 8, 16, 32])
+                + measured_jobs("time", [4, 8] if args.quick else [4, 8, 16]))
+        results["measured"] = run_worker(__file__, DEVICES, jobs, timeout=3600, what="devices")
         results["seconds"] = time.time() - t0
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
