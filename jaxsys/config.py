@@ -24,6 +24,9 @@ SCHEDULES = ("cosine", "wsd", "constant")
 ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
 CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
 LAYER_TYPES = ("softmax", "linear")
+MLP_TYPES = ("dense", "moe")
+MOE_ROUTERS = ("softmax", "sigmoid")
+EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
 
 
@@ -56,6 +59,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.linear_chunk = 64  # chunk of the linear-attention layers
     c.model.context_parallel = "ring"  # ring | allgather | tokenring (softmax layers, mesh.seq > 1)
     c.model.context_load_balance = True  # zigzag chunks so causal work is even over seq
+    c.model.mlp_pattern = "dense"  # comma-separated MLP types (dense | moe) repeated over the layers
+
+    # Mixture of experts (the layers that mlp_pattern marks `moe`; docs/moe.md)
+    c.model.moe = ml_collections.ConfigDict()
+    c.model.moe.experts = 8  # E routed experts per MoE layer
+    c.model.moe.top_k = 2  # k experts per token
+    c.model.moe.d_ff = 256  # F_e, hidden units of one expert (SwiGLU)
+    c.model.moe.shared_experts = 0  # always-on experts of d_ff units each, run as one dense SwiGLU
+    c.model.moe.router = "softmax"  # softmax | sigmoid scores
+    c.model.moe.renormalize = True  # the k gates of a token sum to 1
+    c.model.moe.capacity_factor = 0.0  # 0: dropless (ragged_dot); > 0: C = ceil(cf k T / E) per sequence
+    c.model.moe.aux_loss_weight = 0.01  # load-balancing loss E sum_e f_e P_e (Switch)
+    c.model.moe.z_loss_weight = 0.001  # router z-loss mean(logsumexp(logits)^2) (ST-MoE)
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
@@ -99,16 +115,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict()
     c.parallel.sequence_parallel = False  # Megatron SP in the norm/residual regions
     c.parallel.vocab_parallel = False  # embedding and output layer split over the pipe stages too
+    c.parallel.expert_dispatch = "padded"  # padded | ragged (ragged_all_to_all; GPU/TPU only)
+    c.parallel.expert_rebalance_every = 0  # re-place experts on devices every N steps by their load; 0: never
+    c.parallel.expert_colocate = True  # rebalancing also co-locates experts consecutive layers route to together
 
     # Logical axis -> mesh axis ("" = replicated). `params` is where parameters live at rest;
     # `compute` is where they are used (FSDP is the difference: embed is gathered before use).
     c.sharding = ml_collections.ConfigDict()
     c.sharding.params = ml_collections.ConfigDict(
         dict(layers="pipe", embed="fsdp", vocab="tensor", heads="tensor", kv_heads="tensor",
-             head_dim="", mlp="tensor"))
+             head_dim="", mlp="tensor", experts="expert"))
     c.sharding.compute = ml_collections.ConfigDict(
         dict(layers="pipe", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
-             head_dim="", mlp="tensor", batch="data,fsdp,expert", seq="seq"))
+             head_dim="", mlp="tensor", experts="expert", batch="data,fsdp,expert", seq="seq"))
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "" = from the environment, or single process
@@ -247,6 +266,19 @@ def layer_pattern(model) -> tuple[str, ...]:
     return tuple(p.strip() for p in model.layer_pattern.split(",") if p.strip())
 
 
+def mlp_pattern(model) -> tuple[str, ...]:
+    """`model.mlp_pattern` "dense,moe" -> ("dense", "moe")."""
+    return tuple(p.strip() for p in model.mlp_pattern.split(",") if p.strip())
+
+
+def block_pattern(model) -> tuple[tuple[str, str], ...]:
+    """(attention type, MLP type) of each layer of one period of the model: the layer and MLP
+    patterns repeat together with period lcm(len(layer_pattern), len(mlp_pattern))."""
+    attn, mlp = layer_pattern(model), mlp_pattern(model)
+    period = math.lcm(len(attn), len(mlp))
+    return tuple((attn[i % len(attn)], mlp[i % len(mlp)]) for i in range(period))
+
+
 def axes_of(rule: str) -> tuple[str, ...]:
     """'data,fsdp' -> ('data', 'fsdp'); '' -> ()."""
     return tuple(a.strip() for a in rule.split(",") if a.strip())
@@ -286,6 +318,15 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(m.n_layers % len(pattern) == 0,
              f"config.model.n_layers={m.n_layers} is not a multiple of the {len(pattern)} layers of "
              f"config.model.layer_pattern={m.layer_pattern!r}")
+    mlps = mlp_pattern(m)
+    _require(bool(mlps) and all(p in MLP_TYPES for p in mlps),
+             f"config.model.mlp_pattern={m.mlp_pattern!r}: a comma-separated list of {MLP_TYPES}")
+    period = len(block_pattern(m))
+    _require(m.n_layers % period == 0,
+             f"config.model.n_layers={m.n_layers} is not a multiple of {period}, the period of "
+             f"config.model.layer_pattern={m.layer_pattern!r} with config.model.mlp_pattern="
+             f"{m.mlp_pattern!r}")
+    _validate_moe(config)
     _require(m.attention_block >= 8 and m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,
              "config.model.attention_block must be >= 8 and config.model.linear_chunk a positive "
              "multiple of 8")
@@ -293,7 +334,7 @@ def validate(config, num_devices: int | None = None) -> None:
         _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
 
     # Rules: which mesh axes may hold which logical axes.
-    param_allowed = {"embed": ("fsdp",), "layers": ("pipe",)}
+    param_allowed = {"embed": ("fsdp",), "layers": ("pipe",), "experts": ("expert",)}
     for logical in ("vocab", "heads", "kv_heads", "mlp"):
         param_allowed[logical] = ("tensor",)
     param_allowed["head_dim"] = ()
@@ -306,10 +347,10 @@ def validate(config, num_devices: int | None = None) -> None:
                 _require(axis in allowed,
                          f"config.sharding.{table}.{logical}={rule!r}: mesh axis {axis!r} is not "
                          f"supported here; allowed: {allowed or 'none (leave it empty)'}")
-    for logical in ("vocab", "heads", "kv_heads", "mlp"):
+    for logical in ("vocab", "heads", "kv_heads", "mlp", "experts"):
         _require(config.sharding.compute[logical] == config.sharding.params[logical],
                  f"config.sharding.compute.{logical} must equal config.sharding.params.{logical} "
-                 "(tensor-parallel weights are used where they live)")
+                 "(tensor- and expert-parallel weights are used where they live)")
     _require(config.sharding.params.heads == config.sharding.params.kv_heads,
              "config.sharding.params.heads and .kv_heads must be equal (query heads are grouped "
              "with their key/value head on the same rank)")
@@ -328,19 +369,21 @@ def validate(config, num_devices: int | None = None) -> None:
 
     # Divisibility of the model by the mesh.
     sizes = {a: mesh[a] for a in MESH_AXES}
-    dims = dict(vocab=m.vocab_size, heads=m.n_heads, kv_heads=m.n_kv_heads, mlp=m.d_ff,
-                embed=m.d_model, head_dim=m.head_dim, layers=m.n_layers)
-    names = dict(vocab="vocab_size", heads="n_heads", kv_heads="n_kv_heads", mlp="d_ff",
-                 embed="d_model", head_dim="head_dim", layers="n_layers")
-    for logical, rule in config.sharding.params.items():
-        if logical == "layers":
-            continue  # the pipeline checks below say what to change
+    # (logical axis, model key, size) of every dimension a rule may split; MoE keys only with MoE layers
+    moe = "moe" in mlp_pattern(m)
+    dims = [("vocab", "vocab_size", m.vocab_size), ("heads", "n_heads", m.n_heads),
+            ("kv_heads", "n_kv_heads", m.n_kv_heads), ("embed", "d_model", m.d_model),
+            ("head_dim", "head_dim", m.head_dim)]
+    dims += [("mlp", "d_ff", m.d_ff)] if "dense" in mlp_pattern(m) else []
+    dims += [("mlp", "moe.d_ff", m.moe.d_ff), ("experts", "moe.experts", m.moe.experts)] if moe else []
+    for logical, key, size in dims:
+        rule = config.sharding.params[logical]
         shards = math.prod(sizes[a] for a in axes_of(rule))
-        if dims[logical] % shards:
+        if size % shards:
             raise ConfigError(
-                f"config.model.{names[logical]}={dims[logical]} is not divisible by the {shards} "
-                f"shards of mesh axis {rule!r} (config.sharding.params.{logical}); change the model "
-                f"size or config.mesh.{axes_of(rule)[0]}")
+                f"config.model.{key}={size} is not divisible by the {shards} shards of mesh axis "
+                f"{rule!r} (config.sharding.params.{logical}); change config.model.{key} or "
+                f"config.mesh.{axes_of(rule)[0]}")
     batch_shards = math.prod(sizes[a] for a in axes_of(config.sharding.compute.batch))
     _require(t.batch_size % batch_shards == 0,
              f"config.train.batch_size={t.batch_size} is not divisible by the {batch_shards} batch "
@@ -376,6 +419,39 @@ def validate(config, num_devices: int | None = None) -> None:
              "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0")
 
 
+def _validate_moe(config) -> None:
+    """The MoE keys (checked only when mlp_pattern has MoE layers) and the expert-parallel ones."""
+    m, moe, par = config.model, config.model.moe, config.parallel
+    _require(par.expert_dispatch in EXPERT_DISPATCH,
+             f"config.parallel.expert_dispatch={par.expert_dispatch!r}: choose one of {EXPERT_DISPATCH}")
+    _require(isinstance(par.expert_rebalance_every, int) and par.expert_rebalance_every >= 0,
+             "config.parallel.expert_rebalance_every must be an integer >= 0 (0: never)")
+    if "moe" not in mlp_pattern(m):
+        _require(par.expert_rebalance_every == 0,
+                 "config.parallel.expert_rebalance_every needs MoE layers: set config.model.mlp_pattern "
+                 "(e.g. 'moe' or 'dense,moe')")
+        return
+    ep = math.prod(config.mesh[a] for a in axes_of(config.sharding.params.experts))
+    _require(par.expert_rebalance_every == 0 or ep > 1,
+             "config.parallel.expert_rebalance_every re-places experts on the devices that hold them, but "
+             "the experts are not split (config.mesh.expert=1 or config.sharding.params.experts=''): set "
+             "config.mesh.expert > 1 or expert_rebalance_every=0")
+    for key in ("experts", "top_k", "d_ff"):
+        _require(isinstance(moe[key], int) and moe[key] >= 1,
+                 f"config.model.moe.{key} must be a positive integer, got {moe[key]!r}")
+    _require(moe.top_k <= moe.experts,
+             f"config.model.moe.top_k={moe.top_k} is larger than config.model.moe.experts={moe.experts}: "
+             "a token cannot pick more distinct experts than there are; lower top_k or add experts")
+    _require(isinstance(moe.shared_experts, int) and moe.shared_experts >= 0,
+             "config.model.moe.shared_experts must be an integer >= 0")
+    _require(moe.router in MOE_ROUTERS, f"config.model.moe.router={moe.router!r}: choose one of {MOE_ROUTERS}")
+    _require(moe.router == "sigmoid" or moe.top_k > 1 or not moe.renormalize,
+             "config.model.moe.renormalize with a softmax router and top_k=1 makes every gate 1, so "
+             "the router gets no gradient from the loss: set renormalize=false (as Switch does)")
+    for key in ("capacity_factor", "aux_loss_weight", "z_loss_weight"):
+        _require(float(moe[key]) >= 0, f"config.model.moe.{key} must be >= 0, got {moe[key]!r}")
+
+
 def _validate_pipeline(config) -> None:
     """Micro-batches, schedule, virtual stages and vocabulary parallelism against the mesh."""
     m, t, p = config.model, config.train, config.mesh.pipe
@@ -398,11 +474,12 @@ def _validate_pipeline(config) -> None:
              f"config.model.n_layers={m.n_layers} does not split into {stages} pipeline stages "
              f"(config.mesh.pipe={p} x config.train.virtual_stages={v}): choose n_layers a multiple "
              f"of {stages}")
-    period = len(layer_pattern(m))
+    period = len(block_pattern(m))
     _require((m.n_layers // stages) % period == 0,
              f"each of the {stages} pipeline stages would hold {m.n_layers // stages} layers, not a "
-             f"whole number of periods of config.model.layer_pattern={m.layer_pattern!r} "
-             f"({period} layers): change n_layers, mesh.pipe or virtual_stages")
+             f"whole number of periods of config.model.layer_pattern={m.layer_pattern!r} and "
+             f"mlp_pattern={m.mlp_pattern!r} ({period} layers): change n_layers, mesh.pipe or "
+             "virtual_stages")
     _require(mb >= p,
              f"config.train.microbatches={mb} is fewer than the {p} pipeline stages "
              f"(config.mesh.pipe): every stage would idle most of the step; use microbatches >= {p}")

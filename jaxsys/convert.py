@@ -112,6 +112,16 @@ def model_config_from_hf(hf: dict, model) -> None:
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
 
 
+def _require_dense_llama(m) -> None:
+    """Llama's layout has a dense SwiGLU MLP and softmax attention in every layer."""
+    from jaxsys.config import layer_pattern, mlp_pattern
+    if set(mlp_pattern(m)) != {"dense"} or set(layer_pattern(m)) != {"softmax"}:
+        raise ConversionError(
+            f"jaxsys.convert reads and writes Llama checkpoints (dense MLPs, softmax attention), but this "
+            f"model has mlp_pattern={m.mlp_pattern!r} and layer_pattern={m.layer_pattern!r}; MoE and linear-"
+            "attention models have no Hugging Face Llama equivalent")
+
+
 def hf_config_from_model(m, dtype: str) -> dict:
     """A transformers LlamaConfig dict for `config.model` (both the transformers 5 `rope_parameters`
     and the older top-level `rope_theta`, so either version reads it)."""
@@ -208,6 +218,7 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     config = base_config() if config is None else config
     model_config_from_hf(_hf_config(hf_dir), config.model)
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
+    _require_dense_llama(config.model)
     validate(config)
     tensors = _read_safetensors(hf_dir)  # after every check on the config: reading is the slow part
     params = params_from_hf(tensors, config.model, jnp.dtype(config.model.param_dtype))
@@ -246,6 +257,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
     checkpointer = Checkpointer(workdir, base_config().checkpoint, read_only=True)
     step = checkpointer.latest_step() if step is None else step
     config = checkpointer.saved_config(step)
+    _require_dense_llama(config.model)
     for axis in config.mesh:  # read onto one device: the arrays are written from the host anyway
         config.mesh[axis] = 1
     program = train.build(config, make_mesh(config, jax.devices()[:1]))

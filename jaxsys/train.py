@@ -38,8 +38,15 @@ from jaxsys.config import ConfigError, load_config, validate
 from jaxsys.mesh import make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
-from jaxsys.parallel import pipeline, zero
+from jaxsys.parallel import expert, expert_placement, pipeline, zero
 from jaxsys.sharding import Layout
+
+
+def _moe_term(moe_stats, norm: int):
+    """What the MoE layers add to the objective: their load-balancing and z-loss sums, per token."""
+    if not moe_stats:
+        return jnp.zeros((), jnp.float32)
+    return (moe_stats["aux_loss"] + moe_stats["z_loss"]) / norm
 
 
 class TrainState(NamedTuple):
@@ -98,48 +105,78 @@ class Program:
         return init(jax.random.fold_in(jax.random.key(seed), 0))
 
     # -- per-shard functions
-    def _local_loss(self, params, tokens):
-        """This shard's share of the global mean token loss (sums to the mean over shards)."""
+    def _local_objective(self, params, tokens):
+        """This shard's share of the global mean objective (the shares sum to it over the shards):
+        token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats)."""
         c = self.config
+        norm = c.train.batch_size * c.data.seq_len
+        losses, moe_stats = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
+                                                     self.unroll_layers, c.parallel.expert_dispatch)
+        ce = jnp.sum(losses) / norm
+        return ce + _moe_term(moe_stats, norm), (ce, moe_stats)
+
+    def _local_loss(self, params, tokens):
+        """This shard's share of the global mean token cross-entropy (evaluation)."""
         if self.pipeline_eval is not None:
-            return self._pipeline(params, tokens, self.pipeline_eval)[0]
-        losses = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
-                                          unroll=self.unroll_layers)
-        return jnp.sum(losses) / (c.train.batch_size * c.data.seq_len)
+            return self._pipeline(params, tokens, self.pipeline_eval)[2][0]
+        return self._local_objective(params, tokens)[1][0]
+
+    def _metrics(self, ce, moe_stats):
+        """Step metrics from this shard's cross-entropy share and MoE stats: the loss terms summed
+        over the batch axes (one all-reduce), the routing statistics (already global) as they are."""
+        c, axes = self.config, self.layout.batch_axes
+        terms = {"loss": ce}
+        if moe_stats:
+            norm = c.train.batch_size * c.data.seq_len
+            terms.update(moe_aux_loss=moe_stats["aux_loss"] / norm, moe_z_loss=moe_stats["z_loss"] / norm)
+        metrics = jax.lax.psum(terms, axes) if axes else terms
+        if moe_stats:
+            metrics.update({f"moe_{k}": moe_stats[k] for k in ("load", "dropped", "pairs")})
+        return metrics
 
     def _pipeline(self, params, tokens, program: pipeline.Program):
-        """Loss and gradients through the pipeline executor, tokens split into micro-batches."""
+        """Through the pipeline executor, tokens split into micro-batches: (this shard's objective
+        share, gradients (None without backward), (its cross-entropy share, MoE stats))."""
         c, m, layout, specs = self.config, self.config.model, self.layout, self.specs
         inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
         split = lambda a: a.reshape(program.m, a.shape[0] // program.m, *a.shape[1:])
         norm = c.train.batch_size * c.data.seq_len
+
+        def stack(w, x):
+            y, moe_stats = transformer.layer_stack(w, x, positions, m, layout, specs, self.unroll_layers,
+                                                   c.parallel.expert_dispatch)
+            return y, _moe_term(moe_stats, norm), moe_stats
+
         fns = pipeline.StageFns(
             embed=lambda sh, ids: transformer.embed(sh, ids, m, layout, specs),
-            stack=lambda w, x: transformer.layer_stack(w, x, positions, m, layout, specs,
-                                                       self.unroll_layers),
+            stack=stack,
             norm=lambda sh, y: transformer.final_norm(sh, y, m, layout, specs),
             loss=lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm)
-        return pipeline.run(fns, params, split(inputs), split(targets), program)
+        ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program)
+        return ce + _moe_term(moe_stats, norm), grads, (ce, moe_stats)
 
     def _local_grads(self, params, tokens):
+        """(objective, reduced gradients, metrics) of this shard's tokens."""
         mb = self.config.train.microbatches
+        value_and_grad = jax.value_and_grad(self._local_objective, has_aux=True)
         if self.pipeline_train is not None:
-            loss, grads = self._pipeline(params, tokens, self.pipeline_train)
-        elif mb > 1:  # gradient accumulation over micro-batches
+            loss, grads, (ce, moe_stats) = self._pipeline(params, tokens, self.pipeline_train)
+        elif mb > 1:  # gradient accumulation over micro-batches (MoE balance per micro-batch)
             def accumulate(total, batch):
-                loss, grads = jax.value_and_grad(self._local_loss)(params, batch)
-                return jax.tree.map(jnp.add, total, (loss, grads)), None
+                return jax.tree.map(jnp.add, total, value_and_grad(params, batch)), None
 
-            zero_total = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             batches = tokens.reshape(mb, tokens.shape[0] // mb, *tokens.shape[1:])
-            (loss, grads), _ = jax.lax.scan(accumulate, zero_total, batches)
+            zero_total = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, batches[0]))
+            ((loss, (ce, moe_stats)), grads), _ = jax.lax.scan(accumulate, zero_total, batches)
         else:
-            loss, grads = jax.value_and_grad(self._local_loss)(params, tokens)
+            (loss, (ce, moe_stats)), grads = value_and_grad(params, tokens)
         grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
-        return jax.lax.psum(loss, self.layout.batch_axes) if self.layout.batch_axes else loss, grads
+        metrics = self._metrics(ce, moe_stats)
+        objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
+        return objective, grads, metrics
 
     def _local_step(self, state: TrainState, tokens):
-        loss, grads = self._local_grads(state.params, tokens)
+        _, grads, metrics = self._local_grads(state.params, tokens)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
         grad_norm = zero.global_norm(grads, self.grad_pspecs, self.layout)
@@ -150,8 +187,7 @@ class Program:
         param_slices = jax.tree.map(zero.take_slice, state.params, self.plans)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
         params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
-        metrics = {"loss": loss, "grad_norm": grad_norm,
-                   "lr": optim.schedule(self.config.train)(state.step)}
+        metrics.update(grad_norm=grad_norm, lr=optim.schedule(self.config.train)(state.step))
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _shard_map(self, f, in_specs, out_specs):
@@ -165,6 +201,27 @@ class Program:
                                (self.state_pspecs, P()))
         return jax.jit(step, donate_argnums=0)
 
+    @property
+    def expert_devices(self) -> int:
+        """ep, the devices the experts are split over (1 when they are not)."""
+        return self.layout.size(expert.expert_axes(self.layout))
+
+    def place_experts_fn(self):
+        """(state, perm[Lm, E]) -> the state with every MoE layer's experts, router columns and
+        their optimizer moments moved to the slots `perm` says (parallel/expert_placement.py); the
+        state is donated."""
+        specs = self.specs
+
+        def place(state, perm):
+            move = lambda leaf, spec: expert_placement.permute_leaf(leaf, spec, perm)
+            params = jax.tree.map(move, state.params, specs)
+            opt_state = optax.tree_map_params(self.optimizer, move, state.opt_state, specs,
+                                              transform_non_params=lambda x: x, is_leaf=params_lib.is_spec)
+            return TrainState(state.step, params, opt_state)
+
+        return jax.jit(place, in_shardings=(self.state_shardings, None), out_shardings=self.state_shardings,
+                       donate_argnums=0)
+
     def eval_loss_fn(self):
         def local(params, tokens):
             loss = self._local_loss(params, tokens)
@@ -172,11 +229,13 @@ class Program:
 
         return jax.jit(self._shard_map(local, (self.param_pspecs, self.batch_pspec), P()))
 
-    def loss_and_grads_fn(self):
-        """(params, tokens) -> (loss, reduced gradients before clipping), for tests and analysis."""
+    def loss_and_grads_fn(self, metrics: bool = False):
+        """(params, tokens) -> (objective, reduced gradients before clipping[, step metrics]), for
+        tests and analysis. The objective is the mean token cross-entropy plus the MoE losses."""
         out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
-        return jax.jit(self._shard_map(self._local_grads, (self.param_pspecs, self.batch_pspec),
-                                       (P(), out_pspecs)))
+        outputs = (lambda p, t: self._local_grads(p, t)) if metrics else (lambda p, t: self._local_grads(p, t)[:2])
+        return jax.jit(self._shard_map(outputs, (self.param_pspecs, self.batch_pspec),
+                                       (P(), out_pspecs, P())[:3 if metrics else 2]))
 
 
 def build(config, mesh, unroll_layers: bool = False) -> Program:
@@ -184,6 +243,9 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     if config.model.attention_impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
                           f"{platform}: use 'pallas' or 'reference'")
+    if config.parallel.expert_dispatch == "ragged" and platform not in ("gpu", "tpu"):
+        raise ConfigError(f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
+                          f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'")
     layout = Layout.from_config(config)
     t, p = config.train, config.mesh.pipe
     specs = transformer.param_specs(config.model, chunks=t.virtual_stages if p > 1 else 1)
@@ -239,8 +301,13 @@ class MetricsWriter:
             self.tb.close()
 
 
+def _array(x) -> np.ndarray:
+    """A replicated (P()) output of the step, on the host."""
+    return np.asarray(x.addressable_data(0))
+
+
 def _scalar(x) -> float:
-    return float(np.asarray(x.addressable_data(0)))
+    return float(_array(x))
 
 
 def _check_finite(value: float, step: int, config, what: str = "loss") -> None:
@@ -312,6 +379,10 @@ def main(config, workdir: str) -> list[dict]:
         print(report.startup_summary(program, step_fn), flush=True)
 
     writer = MetricsWriter(workdir, lead)
+    n_moe = expert_placement.n_moe_layers(program.specs)
+    routing = expert_placement.RoutingLog(n_moe, m.moe.experts, program.expert_devices) if n_moe else None
+    rebalance_every, placement_notes = config.parallel.expert_rebalance_every, {}
+    place_experts = program.place_experts_fn() if rebalance_every else None
     from tqdm import tqdm
     bar = tqdm(total=t.steps, initial=start_step, disable=not (lead and t.progress), dynamic_ncols=True)
     records, pending = [], None
@@ -328,6 +399,9 @@ def main(config, workdir: str) -> list[dict]:
         _check_finite(_scalar(metrics["grad_norm"]), step, config, "gradient norm")
         bar.update(1)
         window_steps += 1
+        if routing is not None:
+            load = _array(metrics["moe_load"])
+            routing.add(load, _array(metrics["moe_pairs"]))
         if step % t.log_every == 0 or step == 1 or step == t.steps or eval_loss is not None:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_steps * tokens_per_step / elapsed
@@ -336,6 +410,11 @@ def main(config, workdir: str) -> list[dict]:
                       "grad_norm": _scalar(metrics["grad_norm"]), "lr": _scalar(metrics["lr"])}
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
+            if routing is not None:
+                record.update(moe_aux_loss=_scalar(metrics["moe_aux_loss"]),
+                              moe_z_loss=_scalar(metrics["moe_z_loss"]),
+                              **routing.record(load, _array(metrics["moe_dropped"])), **placement_notes)
+                placement_notes.clear()
             records.append(record)
             writer.write(record)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
@@ -353,6 +432,16 @@ def main(config, workdir: str) -> list[dict]:
                 eval_loss = evaluate(program, eval_fn, state.params, corpus)
                 window_start += time.perf_counter() - paused  # not training time
             pending = (step + 1, metrics, eval_loss)
+            if rebalance_every and (step + 1) % rebalance_every == 0 and step + 1 < t.steps:
+                finish(*pending)  # the window holds this step
+                pending = None
+                paused = time.perf_counter()
+                perm, summary = routing.rebalance(config.parallel.expert_colocate)
+                state = jax.block_until_ready(place_experts(state, perm))
+                window_start += time.perf_counter() - paused  # not training time
+                placement_notes.update(summary)
+                if lead and not t.progress:
+                    print(f"jaxsys: experts re-placed after step {step + 1}: {summary}", flush=True)
             if checkpointer and checkpointer.due(step + 1, final=step + 1 == t.steps):
                 finish(*pending)  # a state is saved only once its step's numbers are checked
                 pending = None
@@ -362,6 +451,8 @@ def main(config, workdir: str) -> list[dict]:
                 window_start += time.perf_counter() - paused  # not training time
         if pending is not None:
             finish(*pending)
+        if routing is not None and lead:
+            routing.save(os.path.join(workdir, "moe_routing.npz"))
     finally:
         bar.close()
         writer.close()

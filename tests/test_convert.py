@@ -117,7 +117,10 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
     with pytest.raises(convert.ConversionError,
                        match=r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\) but config.json implies \(160, 64\)"):
         convert.from_hf(str(wrong), str(tmp_path / "w3"))
-    assert not any((tmp_path / w).exists() for w in ("w1", "w2", "w3"))
+    moe = load_config(os.path.join(ROOT, "configs", "moe.py"))  # a Llama has no MoE layers
+    with pytest.raises(convert.ConversionError, match=r"mlp_pattern='dense,moe'.*no Hugging Face Llama"):
+        convert.from_hf(os.path.join(GOLDEN, "tied"), str(tmp_path / "w4"), moe)
+    assert not any((tmp_path / w).exists() for w in ("w1", "w2", "w3", "w4"))
 
     done = tmp_path / "done"
     assert convert.main(["--from-hf", os.path.join(GOLDEN, "tied"), "--workdir", str(done)]) == 0

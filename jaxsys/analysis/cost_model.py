@@ -26,6 +26,7 @@ parameter and compute dtypes):
     Megatron TP (Shoeybi et al. 2019): per layer 4 all-reduces of [B, T, D] (2 forward, 2 backward),
       each 2 B T D b_c (t-1)/t; with sequence parallelism (Korthikanti et al. 2022) 4 all-gathers and
       4 reduce-scatters of the same total bytes.
+    Expert parallelism (GShard; docs/moe.md): see `expert_parallel_rows`.
 """
 
 from __future__ import annotations
@@ -112,20 +113,35 @@ def _dtype_bytes(name: str) -> int:
     return {"float32": 4, "bfloat16": 2}[name]
 
 
+def _specs(config) -> list[ParamSpec]:
+    return jax.tree.leaves(transformer.param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+
+
+def _local_numel(config, spec: ParamSpec) -> float:
+    """Elements of a leaf per device after tensor parallelism (a heads/kv_heads/mlp/vocab axis is
+    split t ways) and expert parallelism (an experts axis is split over `expert`)."""
+    numel = math.prod(spec.shape) / (config.mesh.tensor if any(a in TP_LOGICAL for a in spec.axes) else 1)
+    return numel / (config.mesh.expert if "experts" in spec.axes else 1)
+
+
 def params_per_device_after_tp(config) -> tuple[float, float, int, int]:
-    """(Ψ_layers, Ψ_rest, leaves_layers, leaves_rest): elements per device after tensor parallelism
-    (a leaf with a heads/kv_heads/mlp/vocab axis is split t ways)."""
-    t = config.mesh.tensor
-    specs = transformer.param_specs(config.model)
+    """(Ψ_layers, Ψ_rest, leaves_layers, leaves_rest): elements per device after tensor and expert
+    parallelism (`_local_numel`)."""
     layers = rest = 0.0
     n_layers = n_rest = 0
-    for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec)):
-        numel = math.prod(spec.shape) / (t if any(a in TP_LOGICAL for a in spec.axes) else 1)
+    for spec in _specs(config):
+        numel = _local_numel(config, spec)
         if "layers" in spec.axes:
             layers, n_layers = layers + numel, n_layers + 1
         else:
             rest, n_rest = rest + numel, n_rest + 1
     return layers, rest, n_layers, n_rest
+
+
+def layer_leaf_executions(config) -> int:
+    """Uses of a layer leaf per forward: the sum over the layer leaves of the layers each holds (L for
+    the attention leaves, the dense-MLP and the MoE layers for theirs)."""
+    return sum(spec.shape[0] for spec in _specs(config) if "layers" in spec.axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +168,7 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
     cp = mesh.seq
     T = T // cp  # tokens per device along the sequence
     rows, caveats = [], []
-    if e > 1 or (d > 1 and (f > 1 or t > 1 or cp > 1)) or (f > 1 and (t > 1 or cp > 1)) or (t > 1 and cp > 1):
+    if sum(a > 1 for a in (d, f, e, t, cp)) > 1:
         caveats.append("combined layouts: gradient sums over several axes run as one collective over "
                        "those axes; the per-axis rows below are an estimate")
     if m.remat != "none" and t > 1:
@@ -174,12 +190,19 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
         if stage >= 1:
             rows.append(Row(f"ZeRO-{stage} parameter all-gather", "all_gather", ("data",), leaves,
                             ring_bytes("all_gather", grad_bytes / d, d)))
+    if e > 1:  # the expert axis splits the batch: leaves not split over experts sum their gradient
+        shared = [s for s in _specs(config) if "experts" not in s.axes]
+        rows.append(Row("EP axis as DP: gradient all-reduce (leaves not split over experts)", "all_reduce",
+                        ("expert",), len(shared),
+                        ring_bytes("all_reduce", sum(_local_numel(config, s) for s in shared) / f * b_p, e)))
     if f > 1:
         gather_bytes = (2 * psi_l + psi_r) * b_c / f  # local shards in, twice for the layers
+        uses = layer_leaf_executions(config)
         rows.append(Row("FSDP weight all-gather (forward + backward re-gather)", "all_gather", ("fsdp",),
-                        2 * L * n_l + n_r, ring_bytes("all_gather", gather_bytes, f)))
-        rows.append(Row("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), L * n_l + n_r,
+                        2 * uses + n_r, ring_bytes("all_gather", gather_bytes, f)))
+        rows.append(Row("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), uses + n_r,
                         ring_bytes("reduce_scatter", (psi_l + psi_r) * b_c, f)))
+    rows += expert_parallel_rows(config)
     if t > 1:
         act = B_local * T * D * b_c
         n_act = 4 * L + 2  # 4 per layer + embedding (forward) + final projection (backward)
@@ -188,15 +211,91 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
                             n_act * ring_bytes("all_gather", act / t, t)))
             rows.append(Row("Megatron SP reduce-scatter", "reduce_scatter", ("tensor",), n_act,
                             n_act * ring_bytes("reduce_scatter", act, t)))
-            norm_bytes = (2 * L * D + D) / f * b_p
-            rows.append(Row("SP norm-weight gradient all-reduce", "all_reduce", ("tensor",), 3,
-                            ring_bytes("all_reduce", norm_bytes, t)))
+            replicated = [s for s in _specs(config) if not any(a in TP_LOGICAL for a in s.axes)]
+            rows.append(Row("SP replicated-weight (norms, routers) gradient all-reduce", "all_reduce",
+                            ("tensor",), len(replicated),
+                            ring_bytes("all_reduce", sum(math.prod(s.shape) for s in replicated) / f * b_p, t)))
         else:
             rows.append(Row("Megatron TP activation all-reduce", "all_reduce", ("tensor",), n_act,
                             n_act * ring_bytes("all_reduce", act, t)))
         rows.append(Row("vocab-parallel cross-entropy (max, sum, target)", "all_reduce", ("tensor",), 3,
                         3 * ring_bytes("all_reduce", B_local * T * 4, t)))
+        rows += moe_tensor_rows(config)
     return rows, caveats
+
+
+def _moe(config) -> tuple[int, int, int]:
+    """(Lm, E, k): MoE layers, experts and experts per token (Lm = 0 for a dense model)."""
+    m = config.model
+    return transformer.layer_counts(m)["moe"], m.moe.experts, m.moe.top_k
+
+
+def expert_parallel_rows(config) -> list[Row]:
+    """Expert parallelism's communication per step and device over the Lm MoE layers (models/moe.py,
+    parallel/expert.py), ep = mesh.expert, B and T this device's batch rows and positions,
+    M = B T k the token copies it routes:
+
+      capacity  the dispatch and combine all-to-alls of the [B, E, C, D] slot buffers (C = ceil(cf k T
+                / E)), forward and transposed backward: 4 per layer of B E C D b_c bytes each
+      dropless  (padded) the same 4 of the [ep, M, D] send buffers (every slice padded to M rows, ep x
+                what a ragged all-to-all sends), and per layer forward 4 int32 all-to-alls of sizes
+                and offsets (the [ep, E/ep] counts and three [ep] offset vectors)
+      routing   per layer an all-reduce over the token axes of the [E] loads and [E, E] co-routing
+                counts (and a scalar one of the dropped copies, with the metrics)
+    A remat policy other than `none` recomputes the forward's all-to-alls (data and int32) and the
+    load all-reduce in the backward."""
+    from jaxsys.models import moe
+    mesh, m = config.mesh, config.model
+    lm, experts, k = _moe(config)
+    if not lm:
+        return []
+    ep, again = mesh.expert, 1 if m.remat != "none" else 0
+    b = config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    tokens = config.data.seq_len // mesh.seq  # after Megatron SP's all-gather, the full local T
+    b_c, d = _dtype_bytes(m.compute_dtype), m.d_model
+    rows = []
+    if ep > 1:
+        if m.moe.capacity_factor > 0:
+            buffer = b * experts * moe.capacity(tokens, m.moe) * d * b_c
+            rows.append(Row("EP capacity dispatch + combine all-to-all (GShard)", "all_to_all", ("expert",),
+                            lm * (4 + 2 * again), lm * (4 + 2 * again) * ring_bytes("all_to_all", buffer, ep)))
+        else:
+            buffer = ep * b * tokens * k * d * b_c
+            rows.append(Row("EP dropless dispatch + combine all-to-all (padded to M rows per slice)",
+                            "all_to_all", ("expert",), lm * (4 + 2 * again),
+                            lm * (4 + 2 * again) * ring_bytes("all_to_all", buffer, ep)))
+            sizes = (ep * (experts // ep) + 3 * ep) * 4
+            rows.append(Row("EP dropless sizes and offsets all-to-all (int32)", "all_to_all", ("expert",),
+                            lm * 4 * (1 + again), lm * (1 + again) * ring_bytes("all_to_all", sizes, ep)))
+    token_axes = tuple(a for a in ("data", "fsdp", "expert", "seq") if mesh[a] > 1)
+    if token_axes:
+        n = math.prod(mesh[a] for a in token_axes)
+        rows.append(Row("MoE routing statistics all-reduce (loads, co-routing)", "all_reduce", token_axes,
+                        lm * (2 + again),
+                        lm * ring_bytes("all_reduce", (experts + experts * experts + again * experts) * 4, n)))
+    return rows
+
+
+def moe_tensor_rows(config) -> list[Row]:
+    """What MoE layers add to Megatron TP over `tensor` (t > 1): the router runs before the
+    tensor-parallel region, so its gates enter it like h. Without SP: the gates' Megatron `f`, an
+    all-reduce of [B, T, k] fp32 backward. With SP: an all-gather of the gates [B, T/t, k] fp32 and of
+    the chosen experts (int32) forward, a reduce-scatter of the gates' gradient backward; and the
+    per-position balance and z losses summed over the ranks (2 scalar all-reduces, with the metrics)."""
+    mesh = config.mesh
+    lm, _, k = _moe(config)
+    t = mesh.tensor
+    if not lm or t == 1:
+        return []
+    b = config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    gates = b * (config.data.seq_len // mesh.seq) * k * 4  # [B, T, k] fp32 (int32 experts alike)
+    if not (config.parallel.sequence_parallel and t > 1):
+        return [Row("MoE gates Megatron f (backward all-reduce)", "all_reduce", ("tensor",), lm,
+                    lm * ring_bytes("all_reduce", gates, t))]
+    return [Row("MoE gates and experts all-gather over T (SP)", "all_gather", ("tensor",), 2 * lm,
+                2 * lm * ring_bytes("all_gather", gates / t, t)),
+            Row("MoE gates gradient reduce-scatter over T (SP)", "reduce_scatter", ("tensor",), lm,
+                lm * ring_bytes("reduce_scatter", gates, t))]
 
 
 def context_parallel_rows(config) -> list[Row]:
@@ -252,9 +351,18 @@ def context_parallel_rows(config) -> list[Row]:
 
 
 def metric_collectives(config) -> int:
-    """Scalar all-reduces of the step: the loss (over the batch axes) and the gradient norm."""
+    """Scalar all-reduces of the step: the loss terms over the batch axes (cross-entropy, and with
+    MoE layers their balance and z losses), the gradient norm; per MoE layer the dropped copies over
+    the token axes (capacity path) and, under Megatron SP, the balance and z-loss sums over `tensor`."""
     mesh = config.mesh
-    return int(mesh.data * mesh.fsdp * mesh.expert > 1) + int(math.prod(mesh[a] for a in mesh) > 1)
+    lm = _moe(config)[0]
+    batch = mesh.data * mesh.fsdp * mesh.expert * mesh.seq > 1
+    count = (3 if lm else 1) * int(batch) + int(math.prod(mesh[a] for a in mesh) > 1)
+    if lm and batch and config.model.moe.capacity_factor > 0:
+        count += lm
+    if lm and config.parallel.sequence_parallel and mesh.tensor > 1:
+        count += 2 * lm
+    return count
 
 
 # ----------------------------------------------------------------------------- memory

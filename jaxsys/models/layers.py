@@ -46,3 +46,22 @@ def swiglu(x, w_gate, w_up, w_down):
     gate = jnp.einsum("btd,df->btf", x, w_gate)
     up = jnp.einsum("btd,df->btf", x, w_up)
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+
+
+def swiglu_experts(x, w_gate, w_up, w_down):
+    """SwiGLU of every expert on its own slots: x[G, E, C, D], W_gate/W_up[E, D, F], W_down[E, F, D]
+    -> [G, E, C, D] (the capacity path of a mixture of experts)."""
+    gate = jnp.einsum("gecd,edf->gecf", x, w_gate)
+    up = jnp.einsum("gecd,edf->gecf", x, w_up)
+    return jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, w_down)
+
+
+def swiglu_grouped(x, w_gate, w_up, w_down, group_sizes):
+    """SwiGLU of rows grouped by expert: x[M, D] whose first group_sizes[0] rows go to expert 0, the
+    next group_sizes[1] to expert 1, ...; W[E, ...] as in `swiglu_experts`. Rows past
+    sum(group_sizes) come out zero. A grouped matmul (`lax.ragged_dot`): no row is padded. On GPU and
+    TPU JAX emits XLA's ragged-dot instruction; on CPU it falls back to E masked dense matmuls
+    (E x the FLOPs and an [E, M, D] mask; docs/moe.md)."""
+    gate = jax.lax.ragged_dot(x, w_gate, group_sizes)
+    up = jax.lax.ragged_dot(x, w_up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)

@@ -10,9 +10,15 @@ The functions here run on one device's shards inside the training shard_map. Par
     wq       [L, D, N, H]    layers, embed, heads, head_dim
     wk, wv   [L, D, K, H]    layers, embed, kv_heads, head_dim
     wo       [L, N, H, D]    layers, heads, head_dim, embed
-    w_gate, w_up [L, D, F]   layers, embed, mlp
-    w_down   [L, F, D]       layers, mlp, embed
+    w_gate, w_up [Ld, D, F]  layers, embed, mlp        (Ld: the dense-MLP layers)
+    w_down   [Ld, F, D]      layers, mlp, embed
+    moe      {...}           the Lm MoE layers' router and experts (models/moe.py)
     unembed  [D, V]          embed, vocab (absent when embeddings are tied)
+
+`config.model.layer_pattern` and `.mlp_pattern` say which attention and MLP each layer has. The
+attention and norm leaves hold every layer; the dense-MLP leaves only the Ld dense layers and
+`moe` only the Lm MoE ones, in layer order, so every stack splits over pipeline stages that hold
+whole periods of the two patterns.
 """
 
 from __future__ import annotations
@@ -22,10 +28,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxsys.models import attention, layers
+from jaxsys.config import block_pattern
+from jaxsys.models import attention, layers, moe
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import context, fsdp, tensor
 from jaxsys.sharding import Layout
+
+
+DENSE_MLP = ("w_gate", "w_up", "w_down")  # leaves of the dense-MLP layers only
+
+
+def layer_counts(m) -> dict:
+    """Layers each kind of layer leaf holds: every layer, the dense-MLP ones, the MoE ones."""
+    pattern, periods = block_pattern(m), m.n_layers // len(block_pattern(m))
+    return {"all": m.n_layers, "dense": periods * sum(mlp == "dense" for _, mlp in pattern),
+            "moe": periods * sum(mlp == "moe" for _, mlp in pattern)}
 
 
 def param_specs(m, chunks: int = 1) -> dict:
@@ -35,27 +52,34 @@ def param_specs(m, chunks: int = 1) -> dict:
     L, D, N, K, H, F, V = m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
     std, out_std = m.init_std, m.init_std / (2 * L) ** 0.5  # GPT-2 scaling of residual outputs
     norm = lambda *shape_axes: ParamSpec(*shape_axes, init="ones", decay=False)
+    counts = layer_counts(m)
+    Ld = counts["dense"]
+    layer_specs = {
+        "attn_norm": norm((L, D), ("layers", "embed")),
+        "wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), std=std),
+        "wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
+        "wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
+        "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), std=out_std),
+        "mlp_norm": norm((L, D), ("layers", "embed")),
+    }
+    if Ld:
+        layer_specs["w_gate"] = ParamSpec((Ld, D, F), ("layers", "embed", "mlp"), std=std)
+        layer_specs["w_up"] = ParamSpec((Ld, D, F), ("layers", "embed", "mlp"), std=std)
+        layer_specs["w_down"] = ParamSpec((Ld, F, D), ("layers", "mlp", "embed"), std=out_std)
+    if counts["moe"]:
+        layer_specs["moe"] = moe.param_specs(m, counts["moe"])
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), std=std),
-        "layers": {
-            "attn_norm": norm((L, D), ("layers", "embed")),
-            "wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), std=std),
-            "wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
-            "wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
-            "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), std=out_std),
-            "mlp_norm": norm((L, D), ("layers", "embed")),
-            "w_gate": ParamSpec((L, D, F), ("layers", "embed", "mlp"), std=std),
-            "w_up": ParamSpec((L, D, F), ("layers", "embed", "mlp"), std=std),
-            "w_down": ParamSpec((L, F, D), ("layers", "mlp", "embed"), std=out_std),
-        },
+        "layers": layer_specs,
         "final_norm": norm((D,), ("embed",)),
     }
     if not m.tie_embeddings:
         specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), std=std)
     if chunks > 1:
-        specs["layers"] = {k: dataclasses.replace(s, shape=(chunks, L // chunks) + s.shape[1:],
-                                                  axes=("chunks",) + s.axes)
-                           for k, s in specs["layers"].items()}
+        specs["layers"] = jax.tree.map(
+            lambda s: dataclasses.replace(s, shape=(chunks, s.shape[0] // chunks) + s.shape[1:],
+                                          axes=("chunks",) + s.axes),
+            specs["layers"], is_leaf=lambda x: isinstance(x, ParamSpec))
     return specs
 
 
@@ -74,9 +98,12 @@ def remat_policy(name: str):
     return fsdp.remat_saveable
 
 
-def _block(x, w, positions, m, layout: Layout, kind: str = "softmax"):
+def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
+           previous=None, dispatch: str = "padded"):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
-    `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py)."""
+    `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py); `mlp_kind`
+    its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes `previous`, the experts the last
+    MoE layer chose). Returns (x, experts chosen here or `previous`, MoE stats or None)."""
     seq = context.SeqLayout.of(layout, m)
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sp_axes
     h = tensor.enter(layers.rms_norm(x, w["attn_norm"], m.norm_eps), heads, sp)
@@ -89,8 +116,12 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax"):
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
         o = attention.softmax_attention(q, k, v, m, seq)
     x = x + tensor.leave(jnp.einsum("btnh,nhd->btd", o, w["wo"]), heads, sp)
-    h = tensor.enter(layers.rms_norm(x, w["mlp_norm"], m.norm_eps), mlp, sp)
-    return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp)
+    h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
+    if mlp_kind == "moe":
+        y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
+        return x + y, experts, stats
+    h = tensor.enter(h, mlp, sp)
+    return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp), previous, None
 
 
 # The model in four pieces, so that a pipeline can run them on different stages:
@@ -109,31 +140,66 @@ def embed(params, inputs, m, layout: Layout, specs=None):
     return tensor.embed_lookup(table, inputs, layout.compute_axes("vocab"), layout.sp_axes)
 
 
-def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unroll: bool = False):
-    """Run the layers of `layer_params` (leaves [L', ...], this device's shards; L' a multiple of
-    the layer pattern's period, the pattern starting at its first layer) on x[B, T, D]."""
+def _leaf_kind(name: str) -> str:
+    return "moe" if name == "moe" else "dense" if name in DENSE_MLP else "all"
+
+
+def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unroll: bool = False,
+                dispatch: str = "padded"):
+    """Run the layers of `layer_params` (this device's shards of a run of whole periods of the
+    layer and MLP patterns, starting at the pattern's first layer) on x[B, T, D].
+
+    Returns (x, moe_stats): for a model with MoE layers, the sums `aux_loss` and `z_loss` of its
+    MoE layers' losses over this device's tokens, and per MoE layer here ([Lm', ...]) the global
+    routing statistics `load`, `dropped` and `pairs` (models/moe.py); {} for a dense model.
+    `dispatch` is the expert-parallel all-to-all (`config.parallel.expert_dispatch`)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     layer_axes = jax.tree.map(lambda a: a[a.index("layers") + 1:], axes["layers"],
                               is_leaf=lambda a: isinstance(a, tuple))
-    n_local = jax.tree.leaves(layer_params)[0].shape[0]
-
-    def layer(x, w, kind):
-        return _block(x, fsdp.gather(_cast(w, m), layer_axes, layout), positions, m, layout, kind)
-
-    # The layer pattern repeats with period p: scan over the L'/p groups, p layers written out in each.
-    pattern = attention.pattern(m)
+    pattern = block_pattern(m)
     period = len(pattern)
-    remat = {kind: jax.checkpoint(lambda x, w, kind=kind: layer(x, w, kind), policy=remat_policy(m.remat),
-                                  prevent_cse=False) for kind in set(pattern)}
-    groups = jax.tree.map(lambda a: a.reshape(n_local // period, period, *a.shape[1:]), layer_params)
+    n_groups = layer_params["attn_norm"].shape[0] // period
+    offsets = {"all": 0, "dense": 0, "moe": 0}
+    per_layer = []  # (attention, mlp, this layer's index among each kind of leaf of its period)
+    for kind, mlp_kind in pattern:
+        per_layer.append((kind, mlp_kind, dict(offsets)))
+        offsets["all"] += 1
+        offsets[mlp_kind] += 1
 
-    def body(x, group_params):
-        for i, kind in enumerate(pattern):
-            x = remat[kind](x, jax.tree.map(lambda a: a[i], group_params))
-        return x, None
+    def pick(group, mlp_kind, index):
+        """A layer's weights from its group's: the leaves of every layer and of its MLP kind."""
+        return {name: jax.tree.map(lambda a: a[index[_leaf_kind(name)]], leaf)
+                for name, leaf in group.items() if _leaf_kind(name) in ("all", mlp_kind)}
 
-    x, _ = jax.lax.scan(body, x, groups, unroll=n_local // period if unroll else 1)
-    return x
+    def layer(x, previous, group, kind, mlp_kind, index):
+        w = pick(group, mlp_kind, index)
+        gathered = fsdp.gather(_cast(w, m), {k: layer_axes[k] for k in w}, layout)
+        return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch)
+
+    remat = [jax.checkpoint(lambda x, prev, w, spec=spec: layer(x, prev, w, *spec),
+                            policy=remat_policy(m.remat), prevent_cse=False) for spec in per_layer]
+    # Each kind of leaf is [groups x (its layers per period), ...]: scan over the groups.
+    groups = {name: jax.tree.map(lambda a: a.reshape(n_groups, a.shape[0] // n_groups, *a.shape[1:]), leaf)
+              for name, leaf in layer_params.items()}
+    n_moe = offsets["moe"]
+    # experts of the previous MoE layer per token (none yet), over the full T under sequence parallelism
+    previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
+
+    def body(carry, group_params):
+        x, previous = carry
+        stats = []
+        for i in range(period):
+            x, previous, layer_stats = remat[i](x, previous, group_params)
+            if layer_stats is not None:
+                stats.append(layer_stats)
+        return (x, previous), (jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats else None)
+
+    (x, _), stats = jax.lax.scan(body, (x, previous), groups, unroll=n_groups if unroll else 1)
+    if not n_moe:
+        return x, {}
+    per_moe_layer = jax.tree.map(lambda a: a.reshape(n_groups * n_moe, *a.shape[2:]), stats)
+    return x, {"aux_loss": jnp.sum(per_moe_layer["aux_loss"]), "z_loss": jnp.sum(per_moe_layer["z_loss"]),
+               **{key: per_moe_layer[key] for key in ("load", "dropped", "pairs")}}
 
 
 def final_norm(params, x, m, layout: Layout, specs=None):
@@ -163,7 +229,7 @@ def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False, 
     every executed collective that way)."""
     positions = jnp.arange(inputs.shape[1]) if positions is None else positions
     x = embed(params, inputs, m, layout, specs)
-    x = layer_stack(params["layers"], x, positions, m, layout, specs, unroll)
+    x, _ = layer_stack(params["layers"], x, positions, m, layout, specs, unroll)
     return output_logits(params, final_norm(params, x, m, layout, specs), m, layout, specs)
 
 
@@ -176,10 +242,13 @@ def split_tokens(tokens, m, layout: Layout):
     return inputs, targets, context.positions(tokens.shape[1] - 1, seq)
 
 
-def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False):
+def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False,
+                 dispatch: str = "padded"):
     """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]
-    (under context parallelism: of this device's T/P positions of them)."""
+    (under context parallelism: of this device's T/P positions of them), and the MoE layers' loss
+    sums and routing statistics (`layer_stack`; {} for a dense model)."""
     inputs, targets, positions = split_tokens(tokens, m, layout)
-    h = final_norm(params, layer_stack(params["layers"], embed(params, inputs, m, layout, specs),
-                                       positions, m, layout, specs, unroll), m, layout, specs)
-    return output_loss(params, h, targets, m, layout, specs)
+    x, moe_stats = layer_stack(params["layers"], embed(params, inputs, m, layout, specs), positions, m,
+                               layout, specs, unroll, dispatch)
+    h = final_norm(params, x, m, layout, specs)
+    return output_loss(params, h, targets, m, layout, specs), moe_stats

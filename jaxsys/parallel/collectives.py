@@ -84,3 +84,28 @@ reduce_scatter_fwd_all_gather_bwd.defvjp(_rs_fwd, _rs_bwd)
 def axis_index(axes: tuple[str, ...]):
     """Linear index of this device along `axes` (major to minor), 0 when `axes` is empty."""
     return lax.axis_index(axes) if axes else 0
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def all_to_all(x, axes, split_axis, concat_axis):
+    """All-to-all over `axes`: `split_axis` is cut into one block per device, block i goes to device
+    i, and the blocks received are concatenated along `concat_axis` in device order. Backward: the
+    reverse all-to-all (split and concat swapped)."""
+    return lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True) if axes else x
+
+
+def _a2a_fwd(x, axes, split_axis, concat_axis):
+    return all_to_all(x, axes, split_axis, concat_axis), None
+
+
+def _a2a_bwd(axes, split_axis, concat_axis, _, g):
+    return (all_to_all(g, axes, concat_axis, split_axis),)
+
+
+all_to_all.defvjp(_a2a_fwd, _a2a_bwd)
+
+
+def exchange(x, axes):
+    """All-to-all of a small integer array x[n, ...] (n = devices on `axes`): row i goes to device i,
+    and row i of the result came from device i. For sizes and offsets; no gradient."""
+    return lax.all_to_all(x, axes, 0, 0, tiled=True) if axes else x

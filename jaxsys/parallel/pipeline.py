@@ -243,7 +243,10 @@ class StageFns(NamedTuple):
     """The model in the pieces the executor runs; all per shard, inside the shard_map.
 
     embed(shared, inputs[Bm, T]) -> x[Bm, T, D]
-    stack(layers, x) -> y           the layers of one stage (leaves [L/(v p), ...])
+    stack(layers, x) -> (y, term, stats)   the layers of one stage (leaves [L/(v p), ...]); `term`
+                                    a scalar the stage adds to the objective (the MoE losses,
+                                    normalised), `stats` what to report of its layers: scalars,
+                                    or arrays with a leading layer axis (MoE routing statistics)
     norm(shared, y) -> h            final norm (on the last stage)
     loss(shared, h, targets) -> ()  output layer + cross-entropy, summed and normalised
     `shared` is every parameter but "layers"."""
@@ -255,9 +258,12 @@ class StageFns(NamedTuple):
 
 
 def run(fns: StageFns, params, inputs, targets, program: Program):
-    """Loss (summed over micro-batches and `pipe`) and, if the program has backwards, the gradients
-    of this device's parameters (before any reduction over other axes; the shared parameters'
-    gradients still need a sum over `pipe` where they are replicated over it).
+    """(loss, gradients, stats): the cross-entropy loss (summed over micro-batches and `pipe`);
+    if the program has backwards, the gradients of this device's parameters of the objective, loss
+    plus the stages' `stack` terms (before any reduction over other axes; the shared parameters'
+    gradients still need a sum over `pipe` where they are replicated over it); and the stages'
+    `stack` stats summed over micro-batches, scalars summed over the stages and per-layer arrays
+    concatenated over them in layer order (on every device).
 
     inputs, targets: [m, Bm, T] this shard's micro-batches."""
     p, v, vp = program.p, program.v, program.vocab_parallel
@@ -268,6 +274,8 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     x_struct = jax.eval_shape(fns.embed, shared, inputs[0])
     zeros_x = lambda: jnp.zeros(x_struct.shape, x_struct.dtype)
     f32_zero = jnp.zeros((), jnp.float32)
+    one_chunk = layers if v == 1 else jax.tree.map(lambda a: a[0], layers)
+    stats_struct = jax.eval_shape(fns.stack, one_chunk, x_struct)[2]
 
     take = lambda buf, i: lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
     put = lambda buf, i, x: lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
@@ -286,13 +294,14 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     # One forward and one backward of the stage's layers per tick; only the embedding and the head
     # differ by stage, in small conds around them (three stage-kind branches each holding the
     # layers' VJP tripled XLA's temporaries and the compile time).
-    def forward(x_in, x0, loss, row):
+    def forward(x_in, x0, loss, stats, row):
         first, last, mb = row["f_kind"] == FIRST, row["f_kind"] == LAST, row["f_mb"]
         if vp:
             x = jnp.where(first, x0, x_in)
         else:
             x = lax.cond(first, lambda: fns.embed(shared, take(inputs, mb)), lambda: x_in)
-        y = fns.stack(chunk_of(row["f_chunk"]), x)
+        y, _, layer_stats = fns.stack(chunk_of(row["f_chunk"]), x)
+        stats = add_to_chunk(stats, row["f_chunk"], layer_stats)
 
         def head(y, loss):
             h = fns.norm(shared, y)
@@ -301,11 +310,16 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
             return zeros_x(), loss + fns.loss(shared, h, take(targets, mb))
 
         send, loss = lax.cond(last, head, lambda y, loss: (y, loss), y, loss)
-        return send, x, loss  # x: stage 0's input, stashed for its backward
+        return send, x, loss, stats  # x: stage 0's input, stashed for its backward
+
+    def stack_with_term(w, x):
+        y, term, layer_stats = fns.stack(w, x)
+        return (y, term), layer_stats
 
     def backward_step(x_in, dy_in, g_chunks, g_shared, row):
         j, mb, last = row["b_chunk"], row["b_mb"], row["b_kind"] == LAST
-        y, pull = jax.vjp(fns.stack, chunk_of(j), x_in)  # recompute
+        (y, term), pull_stack, _ = jax.vjp(stack_with_term, chunk_of(j), x_in, has_aux=True)  # recompute
+        pull = lambda dy: pull_stack((dy, jnp.ones_like(term)))  # the term enters the objective as is
 
         def head(y, g_shared):
             if vp:
@@ -333,7 +347,7 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         return lax.psum(jnp.where(d == device, x, jnp.zeros_like(x)), PIPE)
 
     def tick(carry, row_all):
-        act, grad, g_chunks, g_shared, loss = carry
+        act, grad, g_chunks, g_shared, loss, stats = carry
         row = {k: (a[d] if a.ndim == 1 else a) for k, a in row_all.items()}  # [p] -> this device
         x0 = zeros_x()
         if vp:
@@ -341,9 +355,9 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                          lambda mb: zeros_x(), jnp.maximum(row["embed_mb"], 0))
         # Slots are read here, outside the conds, so that XLA updates the buffers in place (as a
         # cond operand the whole buffer was copied every tick: twice the stash).
-        send_f, stash, loss = lax.cond(row["f_kind"] != NONE, forward,
-                                       lambda x, x0, loss, row: (zeros_x(), zeros_x(), loss),
-                                       take(act, row["f_slot"]), x0, loss, row)
+        send_f, stash, loss, stats = lax.cond(
+            row["f_kind"] != NONE, forward, lambda x, x0, loss, stats, row: (zeros_x(), zeros_x(), loss, stats),
+            take(act, row["f_slot"]), x0, loss, stats, row)
         send_b = zeros_x()
         if backward:
             send_b, g_chunks, g_shared = lax.cond(
@@ -377,18 +391,28 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                 g_shared = uniform(row["embed_bwd_mb"] >= 0,
                                    lambda g, mb: embed_grad(g, mb, broadcast_from(0, send_b)),
                                    lambda g, mb: g, g_shared, jnp.maximum(row["embed_bwd_mb"], 0))
-        return (act, grad, g_chunks, g_shared, loss), None
+        return (act, grad, g_chunks, g_shared, loss, stats), None
 
     act = jnp.zeros((program.act_slots + 1,) + x_struct.shape, x_struct.dtype)
     grad = jnp.zeros((program.grad_slots + 1,) + x_struct.shape, x_struct.dtype) if backward else act[:0]
     g_chunks = jax.tree.map(jnp.zeros_like, layers) if backward else None
     g_shared = jax.tree.map(jnp.zeros_like, shared) if backward else None
+    stats = jax.tree.map(lambda a: jnp.zeros(((v,) if v > 1 else ()) + a.shape, a.dtype), stats_struct)
     xs = {k: jnp.asarray(a) for k, a in program.tables.items()}
-    (_, _, g_chunks, g_shared, loss), _ = lax.scan(tick, (act, grad, g_chunks, g_shared, f32_zero), xs)
+    carry = (act, grad, g_chunks, g_shared, f32_zero, stats)
+    (_, _, g_chunks, g_shared, loss, stats), _ = lax.scan(tick, carry, xs)
     loss = lax.psum(loss, PIPE)
-    if not backward:
-        return loss, None
-    return loss, {"layers": g_chunks, **g_shared}
+    stats = jax.tree.map(lambda a: _over_stages(a, p, v), stats)
+    return loss, ({"layers": g_chunks, **g_shared} if backward else None), stats
+
+
+def _over_stages(x, p: int, v: int):
+    """A statistic of this device's stages ([v, ...] with v > 1) over all stages: a scalar summed, an
+    array with a leading layer axis concatenated in layer order (stage c p + d is device d's chunk c)."""
+    if x.ndim == (1 if v > 1 else 0):
+        return lax.psum(jnp.sum(x), PIPE)
+    gathered = lax.all_gather(x if v > 1 else x[None], PIPE)  # [p, v, L_stage, ...]
+    return jnp.swapaxes(gathered, 0, 1).reshape(-1, *x.shape[2 if v > 1 else 1:])
 
 
 def _ring(p: int, step: int) -> list[tuple[int, int]]:

@@ -49,6 +49,12 @@ def leave(y, axes: tuple[str, ...], sp: tuple[str, ...] = ()):
     return reduce_scatter_fwd_all_gather_bwd(y, scatter, SEQ_DIM) if scatter else y
 
 
+def gather_sequence(x, sp: tuple[str, ...] = ()):
+    """The full-T copy of a per-position array that takes no gradient (routing decisions x[B, T/tp,
+    ...] under sequence parallelism): an all-gather over T on the `sp` axes, as `enter` does for x."""
+    return lax.all_gather(x, sp, axis=SEQ_DIM, tiled=True) if sp else x
+
+
 def shard_offset(local_size: int, axes: tuple[str, ...]):
     """Global index of this rank's first element of a dimension split evenly over `axes`
     (e.g. the first vocabulary row or query head it owns)."""

@@ -1,0 +1,235 @@
+"""Mixture-of-Experts MLP (Shazeer et al. 2017; GShard; Switch; ST-MoE; Mixtral / DeepSeek routing),
+used in place of the dense MLP on the layers that `config.model.mlp_pattern` marks `moe`.
+
+Parameters of the n MoE layers, with the scaling-book sharding under the default rules:
+
+    router                 [n, D, E]    layers, embed, router_experts  -> [D_fsdp, E]
+    w_gate, w_up           [n, E, D, F] layers, experts, embed, mlp    -> [E_expert, D_fsdp, F_tensor]
+    w_down                 [n, E, F, D] layers, experts, mlp, embed
+    shared_gate, shared_up [n, D, Fs]   layers, embed, mlp   (Fs = shared_experts x F; a dense SwiGLU)
+    shared_down            [n, Fs, D]   layers, mlp, embed
+
+Per token t with router logits z_t = h_t W_r (fp32): scores s_t = softmax(z_t) or sigmoid(z_t); the
+k largest pick the experts and are the gates (renormalised to sum 1 by default);
+y_t = sum_{e in top-k} g_te SwiGLU_e(h_t) + SwiGLU_shared(h_t).
+
+Losses, per token like the LM loss and added to it:
+    load balance  a E sum_e f_e P_e  (Switch): f_e the fraction of the batch's token copies routed to
+                  e, P_e the mean router probability (sigmoid scores normalised to sum 1)
+    router z      b mean_t logsumexp(z_t)^2  (ST-MoE)
+f_e is counted over the whole (micro-)batch on every device (one all-reduce of E counts), so both
+losses equal the single-device ones on any layout: given f, the balance loss is linear in the
+per-token P, so each device adds the sum over its own tokens.
+
+Two compute paths:
+    dropless  (capacity_factor = 0) every copy is computed: copies sorted by expert, grouped
+              matmuls (`layers.swiglu_grouped`, lax.ragged_dot); with expert parallelism the sorted
+              rows go to their expert's device by a ragged all-to-all (parallel/expert.py).
+    capacity  (capacity_factor = cf > 0) each expert takes at most C = ceil(cf k T / E) copies per
+              sequence (T: this device's positions of it), admitted by choice rank first (every
+              first choice before any second), then position, as GShard does; the others are
+              dropped (they add nothing; the residual carries the token), counted and reported.
+              Groups are whole sequences, so drops do not depend on the data/fsdp/expert/tensor
+              layout, only on context parallelism (which splits sequences).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsys.models import layers
+from jaxsys.models.params import ParamSpec
+from jaxsys.parallel import expert, tensor
+from jaxsys.sharding import Layout
+
+STATS = ("aux_loss", "z_loss", "load", "dropped", "pairs")
+
+
+def param_specs(m, n: int) -> dict:
+    """ParamSpecs of `n` MoE layers of `config.model` (leading `layers` axis)."""
+    moe, D = m.moe, m.d_model
+    E, F = moe.experts, moe.d_ff
+    std, out_std = m.init_std, m.init_std / (2 * m.n_layers) ** 0.5
+    specs = {
+        "router": ParamSpec((n, D, E), ("layers", "embed", "router_experts"), std=std),
+        "w_gate": ParamSpec((n, E, D, F), ("layers", "experts", "embed", "mlp"), std=std),
+        "w_up": ParamSpec((n, E, D, F), ("layers", "experts", "embed", "mlp"), std=std),
+        "w_down": ParamSpec((n, E, F, D), ("layers", "experts", "mlp", "embed"), std=out_std),
+    }
+    if moe.shared_experts:
+        fs = moe.shared_experts * F
+        specs["shared_gate"] = ParamSpec((n, D, fs), ("layers", "embed", "mlp"), std=std)
+        specs["shared_up"] = ParamSpec((n, D, fs), ("layers", "embed", "mlp"), std=std)
+        specs["shared_down"] = ParamSpec((n, fs, D), ("layers", "mlp", "embed"), std=out_std)
+    return specs
+
+
+def active_matmul_params(m) -> int:
+    """Weights one token multiplies with in one MoE layer: router, k experts, shared experts."""
+    moe, D = m.moe, m.d_model
+    return D * moe.experts + 3 * D * moe.d_ff * (moe.top_k + moe.shared_experts)
+
+
+def capacity(tokens: int, moe) -> int:
+    """C, the slots of one expert per sequence of `tokens` positions: ceil(cf k T / E), at least 1."""
+    return max(1, math.ceil(moe.capacity_factor * moe.top_k * tokens / moe.experts))
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+class Routing(NamedTuple):
+    logits: jax.Array  # [B, T, E] fp32
+    probs: jax.Array  # [B, T, E] router probabilities (normalised scores) for the balance loss
+    experts: jax.Array  # [B, T, k] int32, best first
+    gates: jax.Array  # [B, T, k] fp32
+
+
+def route(h, w_router, moe) -> Routing:
+    """Top-k routing of h[B, T, D] by router weights [D, E], in fp32."""
+    logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), w_router.astype(jnp.float32))
+    scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
+    top, experts = lax.top_k(scores, moe.top_k)
+    gates = top / jnp.sum(top, axis=-1, keepdims=True) if moe.renormalize else top
+    probs = scores if moe.router == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return Routing(logits, probs, experts.astype(jnp.int32), gates)
+
+
+def expert_counts(experts, n_experts: int):
+    """[E] int32: token copies routed to each expert."""
+    return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+
+
+def co_routing(previous, experts, n_experts: int):
+    """[E, E] int32: pairs[i, j] counts, over tokens, the copies routed to expert i by the previous MoE
+    layer and to expert j by this one (k x k pairs per token; `previous` < 0: no previous layer)."""
+    e = n_experts
+    index = previous[..., :, None] * e + experts[..., None, :]
+    index = jnp.where((previous >= 0)[..., :, None], index, e * e)  # past the end: dropped
+    return jnp.zeros((e * e,), jnp.int32).at[index.reshape(-1)].add(1, mode="drop").reshape(e, e)
+
+
+def balance_loss_sums(r: Routing, load, moe):
+    """(a E sum_t sum_e f_e P_te, b sum_t logsumexp(z_t)^2) over this device's tokens, with the global
+    fractions f = load / sum(load); the trainer divides by the batch's token count."""
+    f = load.astype(jnp.float32) / jnp.maximum(jnp.sum(load), 1)
+    aux = moe.aux_loss_weight * moe.experts * jnp.sum(r.probs * f)
+    z = moe.z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
+    return aux, z
+
+
+# ----------------------------------------------------------------------------- compute paths
+
+
+def _rank_within_expert(ids, n_experts: int):
+    """ids[n] -> rank[n]: how many earlier entries have the same id (a stable sort, no [n, E] mask)."""
+    order = jnp.argsort(ids, stable=True)
+    counts = expert_counts(ids, n_experts)
+    starts = jnp.cumsum(counts) - counts
+    ranked = jnp.arange(ids.shape[0], dtype=jnp.int32) - starts[ids[order]]
+    return jnp.zeros_like(ids).at[order].set(ranked)
+
+
+def admit(experts, n_experts: int, slots: int):
+    """experts[B, T, k] -> slot[B, T, k] in [0, E C) of each copy, or E C when it is dropped. Within a
+    sequence, copies queue by (choice rank, position)."""
+    b, t, k = experts.shape
+    queue = experts.transpose(0, 2, 1).reshape(b, k * t)  # copy (r, t) at r T + t
+    rank = jax.vmap(lambda ids: _rank_within_expert(ids, n_experts))(queue)
+    slot = jnp.where(rank < slots, queue * slots + rank, n_experts * slots)
+    return slot.reshape(b, k, t).transpose(0, 2, 1)
+
+
+def _combine(gates, y_copies, dtype):
+    return jnp.einsum("btk,btkd->btd", gates, y_copies.astype(jnp.float32)).astype(dtype)
+
+
+def _capacity_mlp(x, experts, gates, w, moe, layout: Layout):
+    """Capacity path: x[B, T, D] -> (y[B, T, D], dropped copies on this device)."""
+    b, t, d = x.shape
+    e, c = moe.experts, capacity(t, moe)
+    slot = admit(experts, e, c)
+    dropped = jnp.sum(slot == e * c, dtype=jnp.int32)
+    batch_index = jnp.arange(b)[:, None, None]
+    position = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :, None], slot.shape)
+    filler = jnp.full((b, e * c), t, jnp.int32).at[batch_index, slot].set(position, mode="drop")
+    padded = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)  # row T: an empty slot
+    buffers = jax.vmap(lambda xb, ib: xb[ib])(padded, filler).reshape(b, e, c, d)
+    axes = expert.expert_axes(layout)
+    out = expert.capacity_dispatch(buffers, axes)
+    out = layers.swiglu_experts(out, w["w_gate"], w["w_up"], w["w_down"])
+    out = expert.capacity_combine(out, axes).reshape(b, e * c, d)
+    out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)  # row E C: dropped copies
+    y_copies = jax.vmap(lambda ob, sb: ob[sb])(out, slot.reshape(b, -1)).reshape(b, t, -1, d)
+    return _combine(gates, y_copies, x.dtype), dropped
+
+
+def _dropless_mlp(x, experts, gates, w, moe, layout: Layout, dispatch: str):
+    """Dropless path: x[B, T, D] -> y[B, T, D]; every copy is computed."""
+    b, t, d = x.shape
+    k, n = experts.shape[-1], experts.size
+    ids = experts.reshape(-1)  # copy (b, t, r) at (b T + t) k + r
+    order = jnp.argsort(ids, stable=True)
+    rows = x.reshape(b * t, d)[order // k]  # [M, D] sorted by expert
+    counts = expert_counts(ids, moe.experts)
+    mlp = lambda z, sizes: layers.swiglu_grouped(z, w["w_gate"], w["w_up"], w["w_down"], sizes)
+    axes = expert.expert_axes(layout)
+    if axes:
+        received, received_counts, route_ = expert.dropless_dispatch(rows, counts, axes, dispatch)
+        # Each source's rows are sorted by local expert; regroup all of them by local expert (rows
+        # past a source's count are padding: they sort last and come out zero).
+        bounds = jnp.cumsum(received_counts, axis=1)  # [ep, E_l]
+        local = jax.vmap(lambda bd: jnp.searchsorted(bd, jnp.arange(n), side="right"))(bounds)
+        regroup = jnp.argsort(local.reshape(-1), stable=True)
+        out = mlp(received[regroup], jnp.sum(received_counts, axis=0))
+        out = out[_inverse(regroup)]
+        out = expert.dropless_combine(out, route_, n, axes, dispatch)
+    else:
+        out = mlp(rows, counts)
+    y_copies = out[_inverse(order)].reshape(b, t, k, d)
+    return _combine(gates, y_copies, x.dtype)
+
+
+def _inverse(permutation):
+    return jnp.zeros_like(permutation).at[permutation].set(
+        jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
+    """One MoE MLP on the normed h[B, T', D] (T' = T/tp under sequence parallelism) with this
+    layer's (FSDP-gathered) weights `w`. `previous` [B, T, k]: the experts the previous MoE layer
+    chose for these tokens (-1 for none). Returns (y[B, T', D] to add to the residual,
+    experts[B, T, k] of this layer, stats) where stats has the loss sums `aux_loss` and `z_loss` of
+    this device's tokens and the global int32 `load` [E], `dropped` [] and `pairs` [E, E].
+
+    The router runs before the tensor-parallel region, on this rank's positions, so that its
+    weights and h get their gradients once; the gates enter the region like h (Megatron's f: their
+    gradient is summed over the ranks, each of which holds part of every expert's output)."""
+    moe = m.moe
+    r = route(h, w["router"], moe)
+    mlp_axes, sp = layout.compute_axes("mlp"), layout.sp_axes
+    x = tensor.enter(h, mlp_axes, sp)  # [B, T, D] on every tensor rank
+    gates = tensor.enter(r.gates, mlp_axes, sp)
+    experts = tensor.gather_sequence(r.experts, sp)
+    load = expert.global_sum(expert_counts(experts, moe.experts), layout)
+    aux, z = balance_loss_sums(r, load, moe)
+    if moe.capacity_factor > 0:
+        y, dropped = _capacity_mlp(x, experts, gates, w, moe, layout)
+    else:
+        y, dropped = _dropless_mlp(x, experts, gates, w, moe, layout, dispatch), jnp.zeros((), jnp.int32)
+    if moe.shared_experts:
+        y = y + layers.swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+    stats = {"aux_loss": expert.sum_over_sequence_shards(aux, layout),
+             "z_loss": expert.sum_over_sequence_shards(z, layout),
+             "load": load,
+             "dropped": expert.global_sum(dropped, layout) if moe.capacity_factor > 0 else dropped,
+             "pairs": expert.global_sum(co_routing(previous, experts, moe.experts), layout)}
+    return tensor.leave(y, mlp_axes, sp), experts, stats
