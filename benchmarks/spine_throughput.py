@@ -122,7 +122,7 @@ class Plain:
             params, opt_state = state
 
             def loss_fn(p):
-                return jnp.mean(transformer.token_losses(p, tokens, c.model, self.layout, specs))
+                return jnp.mean(transformer.token_losses(p, tokens, c.model, self.layout, specs)[0])
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             updates, opt_state = self.tx.update(grads, opt_state, params)

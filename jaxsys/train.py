@@ -36,6 +36,7 @@ from jaxsys.analysis import hardware
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, load_config, validate
 from jaxsys.mesh import make_mesh, maybe_initialize_distributed
+from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
 from jaxsys.parallel import expert, expert_placement, pipeline, zero
@@ -131,7 +132,7 @@ class Program:
             terms.update(moe_aux_loss=moe_stats["aux_loss"] / norm, moe_z_loss=moe_stats["z_loss"] / norm)
         metrics = jax.lax.psum(terms, axes) if axes else terms
         if moe_stats:
-            metrics.update({f"moe_{k}": moe_stats[k] for k in ("load", "dropped", "pairs")})
+            metrics.update({f"moe_{k}": moe_stats[k] for k in moe_lib.ROUTING_STATISTICS})
         return metrics
 
     def _pipeline(self, params, tokens, program: pipeline.Program):

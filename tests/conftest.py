@@ -1,8 +1,10 @@
-"""8 simulated CPU devices for every test (set before JAX starts)."""
+"""8 simulated CPU devices for every test, compiled fast (tests/xla_flags.py); set before JAX starts."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.xla_flags import xla_flags
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

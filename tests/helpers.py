@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxsys import data, train
 from jaxsys.mesh import make_mesh
+from tests.xla_flags import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,7 +94,7 @@ def subprocess_env(devices: int, **extra: str) -> dict[str, str]:
     """The environment of a `python -m jaxsys...` subprocess with `devices` simulated CPU devices
     (no distributed settings inherited) and the repository on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"  # replaces conftest's 8
+    env["XLA_FLAGS"] = xla_flags(devices)  # replaces conftest's 8
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra)

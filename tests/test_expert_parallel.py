@@ -102,7 +102,14 @@ def test_expert_parallel_layout_matches_single_device(name):
     assert_same(got, reference(config))
     if moe.get("capacity_factor"):
         assert got[2]["moe_dropped"].sum() > 0, "the capacity layouts should drop copies"
-    assert got[2]["moe_load"].sum() == config.train.batch_size * config.data.seq_len * 2 * 2  # L x B T k
+    copies = config.train.batch_size * config.data.seq_len * 2  # B T k per layer
+    assert got[2]["moe_load"].sum() == 2 * copies  # 2 MoE layers
+    # traffic[l, i, j]: copies the tokens of expert-axis device i send to device j's experts
+    ep = mesh.get("expert", 1)
+    traffic = got[2]["moe_traffic"]
+    assert traffic.shape == (2, ep, ep)
+    np.testing.assert_array_equal(traffic.sum(1), expert_placement.device_load(got[2]["moe_load"], ep))
+    assert np.all(traffic.sum(2) == copies // ep)  # every device routes its own tokens' copies
 
 
 def test_training_steps_match_single_device():

@@ -122,7 +122,7 @@ def test_model_matches_unstacked_reference(tied, remat):
     params = init_params(specs, jax.random.key(1), jnp.float32)
     params["layers"]["attn_norm"] = params["layers"]["attn_norm"] * 1.5  # not all ones
     tokens = jnp.asarray(RNG.integers(0, 256, (2, 17)))
-    loss = jax.jit(jax.value_and_grad(lambda p: jnp.mean(transformer.token_losses(p, tokens, c.model, layout))))
+    loss = jax.jit(jax.value_and_grad(lambda p: jnp.mean(transformer.token_losses(p, tokens, c.model, layout)[0])))
     ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean(_reference_token_losses(p, tokens, c.model))))
     (got_loss, got_grads), (want_loss, want_grads) = loss(params), ref(params)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
@@ -135,7 +135,7 @@ def test_bfloat16_compute_stays_close_to_float32():
     layout = Layout.from_config(c)
     params = init_params(transformer.param_specs(c.model), jax.random.key(2), jnp.float32)
     tokens = jnp.asarray(RNG.integers(0, 256, (2, 33)))
-    mean_loss = lambda m: jax.jit(lambda p: jnp.mean(transformer.token_losses(p, tokens, m, layout)))(params)
+    mean_loss = lambda m: jax.jit(lambda p: jnp.mean(transformer.token_losses(p, tokens, m, layout)[0]))(params)
     f32 = mean_loss(c.model)
     c.model.compute_dtype = "bfloat16"
     bf16 = mean_loss(c.model)

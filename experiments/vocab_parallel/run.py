@@ -242,7 +242,7 @@ def measure_flops(job: dict) -> dict:
     stage = jax.tree.map(lambda a: S((m.n_layers // p,) + a.shape[1:], a.dtype), params["layers"])
 
     def layers_train(w, x, dy):
-        y, pull = jax.vjp(lambda w, x: transformer.layer_stack(w, x, positions, m, layout, unroll=True), w, x)
+        y, pull = jax.vjp(lambda w, x: transformer.layer_stack(w, x, positions, m, layout, unroll=True)[0], w, x)
         return y, pull(dy)
 
     # (ii) output layer + cross-entropy over `cols` vocabulary columns

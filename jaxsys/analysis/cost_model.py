@@ -241,7 +241,9 @@ def expert_parallel_rows(config) -> list[Row]:
                 what a ragged all-to-all sends), and per layer forward 4 int32 all-to-alls of sizes
                 and offsets (the [ep, E/ep] counts and three [ep] offset vectors)
       routing   per layer an all-reduce over the token axes of the [E] loads and [E, E] co-routing
-                counts (and a scalar one of the dropped copies, with the metrics)
+                counts (and a scalar one of the dropped copies, with the metrics); with ep > 1 an
+                all-gather over `expert` of the [ep] copies each device sends each other (the
+                traffic matrix), summed over the other token axes
     A remat policy other than `none` recomputes the forward's all-to-alls (data and int32) and the
     load all-reduce in the backward."""
     from jaxsys.models import moe
@@ -268,6 +270,13 @@ def expert_parallel_rows(config) -> list[Row]:
             rows.append(Row("EP dropless sizes and offsets all-to-all (int32)", "all_to_all", ("expert",),
                             lm * 4 * (1 + again), lm * (1 + again) * ring_bytes("all_to_all", sizes, ep)))
     token_axes = tuple(a for a in ("data", "fsdp", "expert", "seq") if mesh[a] > 1)
+    if ep > 1:
+        rows.append(Row("MoE traffic matrix all-gather", "all_gather", ("expert",), lm,
+                        lm * ring_bytes("all_gather", ep * 4, ep)))
+        others = tuple(a for a in token_axes if a != "expert")
+        if others:
+            rows.append(Row("MoE traffic matrix all-reduce", "all_reduce", others, lm,
+                            lm * ring_bytes("all_reduce", ep * ep * 4, math.prod(mesh[a] for a in others))))
     if token_axes:
         n = math.prod(mesh[a] for a in token_axes)
         rows.append(Row("MoE routing statistics all-reduce (loads, co-routing)", "all_reduce", token_axes,

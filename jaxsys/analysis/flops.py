@@ -5,10 +5,15 @@ from __future__ import annotations
 
 def matmul_params(m) -> int:
     """Parameters that take part in a matmul per token: every weight matrix except the embedding
-    lookup (the tied embedding counts once, as the output projection)."""
+    lookup (the tied embedding counts once, as the output projection); of a MoE layer only the
+    router and the k experts (and shared experts) a token uses, its active parameters."""
+    from jaxsys.models import moe, transformer
+
     D, N, K, H, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
-    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F
-    return L * per_layer + D * V
+    counts = transformer.layer_counts(m)
+    attention = D * N * H * 2 + D * K * H * 2
+    mlps = counts["dense"] * 3 * D * F + (counts["moe"] * moe.active_matmul_params(m) if counts["moe"] else 0)
+    return L * attention + mlps + D * V
 
 
 def train_flops_per_token(m, seq_len: int) -> float:

@@ -47,7 +47,7 @@ from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import expert, tensor
 from jaxsys.sharding import Layout
 
-STATS = ("aux_loss", "z_loss", "load", "dropped", "pairs")
+ROUTING_STATISTICS = ("load", "dropped", "pairs", "traffic")  # per MoE layer, integer, global
 
 
 def param_specs(m, n: int) -> dict:
@@ -208,7 +208,8 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     layer's (FSDP-gathered) weights `w`. `previous` [B, T, k]: the experts the previous MoE layer
     chose for these tokens (-1 for none). Returns (y[B, T', D] to add to the residual,
     experts[B, T, k] of this layer, stats) where stats has the loss sums `aux_loss` and `z_loss` of
-    this device's tokens and the global int32 `load` [E], `dropped` [] and `pairs` [E, E].
+    this device's tokens and the global int32 `load` [E], `dropped` [], `pairs` [E, E] and
+    `traffic` [ep, ep] (`expert.traffic`).
 
     The router runs before the tensor-parallel region, on this rank's positions, so that its
     weights and h get their gradients once; the gates enter the region like h (Megatron's f: their
@@ -219,7 +220,8 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     x = tensor.enter(h, mlp_axes, sp)  # [B, T, D] on every tensor rank
     gates = tensor.enter(r.gates, mlp_axes, sp)
     experts = tensor.gather_sequence(r.experts, sp)
-    load = expert.global_sum(expert_counts(experts, moe.experts), layout)
+    counts = expert_counts(experts, moe.experts)
+    load = expert.global_sum(counts, layout)
     aux, z = balance_loss_sums(r, load, moe)
     if moe.capacity_factor > 0:
         y, dropped = _capacity_mlp(x, experts, gates, w, moe, layout)
@@ -231,5 +233,6 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
              "z_loss": expert.sum_over_sequence_shards(z, layout),
              "load": load,
              "dropped": expert.global_sum(dropped, layout) if moe.capacity_factor > 0 else dropped,
-             "pairs": expert.global_sum(co_routing(previous, experts, moe.experts), layout)}
+             "pairs": expert.global_sum(co_routing(previous, experts, moe.experts), layout),
+             "traffic": expert.traffic(counts, layout)}
     return tensor.leave(y, mlp_axes, sp), experts, stats

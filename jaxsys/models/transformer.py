@@ -151,7 +151,7 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
 
     Returns (x, moe_stats): for a model with MoE layers, the sums `aux_loss` and `z_loss` of its
     MoE layers' losses over this device's tokens, and per MoE layer here ([Lm', ...]) the global
-    routing statistics `load`, `dropped` and `pairs` (models/moe.py); {} for a dense model.
+    routing statistics `load`, `dropped`, `pairs` and `traffic` (models/moe.py); {} for a dense model.
     `dispatch` is the expert-parallel all-to-all (`config.parallel.expert_dispatch`)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     layer_axes = jax.tree.map(lambda a: a[a.index("layers") + 1:], axes["layers"],
@@ -199,7 +199,7 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         return x, {}
     per_moe_layer = jax.tree.map(lambda a: a.reshape(n_groups * n_moe, *a.shape[2:]), stats)
     return x, {"aux_loss": jnp.sum(per_moe_layer["aux_loss"]), "z_loss": jnp.sum(per_moe_layer["z_loss"]),
-               **{key: per_moe_layer[key] for key in ("load", "dropped", "pairs")}}
+               **{key: per_moe_layer[key] for key in moe.ROUTING_STATISTICS}}
 
 
 def final_norm(params, x, m, layout: Layout, specs=None):

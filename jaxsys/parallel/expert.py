@@ -57,6 +57,18 @@ def global_sum(x, layout: Layout):
     return lax.psum(x, axes) if axes else x
 
 
+def traffic(counts, layout: Layout):
+    """[ep, ep] int32: token copies that device i of the expert axis routes to the experts of device
+    j (counts[E]: this device's copies per expert), summed over the other token axes (the expert
+    groups of other data / fsdp / seq shards). Off the diagonal: what a ragged all-to-all sends."""
+    axes = expert_axes(layout)
+    ep = layout.size(axes)
+    to_device = counts.reshape(ep, -1).sum(-1)
+    matrix = lax.all_gather(to_device, axes) if axes else to_device[None]
+    others = tuple(a for a in token_axes(layout) if a not in axes)
+    return lax.psum(matrix, others) if others else matrix
+
+
 def sum_over_sequence_shards(x, layout: Layout):
     """A per-token loss summed by each tensor rank over its own T/tp positions (under Megatron SP
     the router runs before the all-gather) is totalled over those ranks; identity backward, since
