@@ -2,24 +2,30 @@
 by their routing statistics evens out the per-device token load and the all-to-all traffic, and
 (MoETuner) keeps the experts that consecutive layers route a token to on one device.
 
-    .venv/bin/python experiments/moe_placement/run.py [--steps 300] [--eval-batches 16] [--quick]
+    .venv/bin/python experiments/moe_placement/run.py [--steps 300] [--batches 16] [--quick]
 
 For each balance-loss weight (0.01, the default, and 0: no balancing, so the routers skew freely),
-in a process with 8 simulated CPU devices:
-  1. train a MoE LM (configs/moe.py with every MoE layer: 4 layers of 32 experts, top-2, dropless)
-     on the embedded corpus with expert parallelism over all 8 devices (4 experts each), through
-     jaxsys.train.main; the run leaves its routing statistics of the last steps in moe_routing.npz;
-  2. choose placements from them (jaxsys.parallel.expert_placement.balance): `balanced` (load only)
-     and `balanced+colocated` (MoETuner's locality as well);
-  3. apply each to the final state (Program.place_experts_fn) and run the training step's forward and
-     backward on batches the run never saw, reading what the step itself counts: the copies per
-     expert (device load), the traffic matrix (copies from each device to each other: what a
-     ragged all-to-all sends) and the co-routing pairs of consecutive layers; and the loss, which a
+in processes with 8 simulated CPU devices, a MoE LM (configs/moe.py with every layer MoE: 4 layers
+of 32 experts, top-2, dropless) is trained on the embedded corpus with expert parallelism over all 8
+devices (4 experts each), through jaxsys.train.main:
+
+  A. placement of the trained model. Placements are chosen (jaxsys.parallel.expert_placement.balance)
+     from the final model's routing on `batches` calibration batches: `balanced` (load only) and
+     `balanced+colocated` (MoETuner's locality as well); and, to show what stale statistics cost,
+     `balanced (run stats)` from what the run itself accumulated over all its steps
+     (moe_routing.npz). Each is applied to the final state (Program.place_experts_fn) and the
+     training step's forward and backward run on `batches` other held-out batches, reading what the
+     step counts: copies per expert (device load), the traffic matrix (copies from each device to
+     each other: what a ragged all-to-all sends), the co-routing pairs; and the loss, which a
      placement must not change.
+  B. placement during training: the same run with parallel.expert_rebalance_every = steps / 6,
+     against the run without; per-step device imbalance and loss from metrics.jsonl.
+
 All-to-all bytes per step and device: the padded dispatch (what runs here) sends a fixed
 [ep, M, D] buffer whatever the routing (jaxsys.analysis.cost_model, equal to the lowered program);
-a ragged all-to-all would send each remote copy's D values 4 times (dispatch and combine, forward
-and backward). Writes results.json and moe_placement.png next to this file; prints the README tables.
+a ragged all-to-all sends each remote copy's D values 4 times (dispatch and combine, forward and
+backward): max over devices of the received bytes is the straggler's. Writes results.json and
+moe_placement.png next to this file; prints the README tables.
 """
 
 from __future__ import annotations
@@ -36,19 +42,25 @@ sys.path.insert(0, ROOT)
 from experiments.common import emit, run_worker  # noqa: E402
 
 DEVICES = 8
-PLACEMENTS = ("default", "balanced", "balanced+colocated")
+PLACEMENTS = ("default", "balanced", "balanced+colocated", "balanced (run stats)")
 
 
-def experiment_config(aux_weight: float, steps: int):
+def experiment_config(aux_weight: float, steps: int, rebalance_every: int = 0):
     from jaxsys.config import load_config
     c = load_config(os.path.join(ROOT, "configs", "moe.py:ep8"))
     c.model.mlp_pattern = "moe"
     c.model.moe.experts, c.model.moe.d_ff = 32, 48
     c.model.moe.aux_loss_weight = aux_weight
-    c.train.steps, c.train.log_every, c.train.eval_every = steps, 50, 0
+    c.train.steps, c.train.log_every, c.train.eval_every = steps, 10, 0
     c.train.progress = False
     c.checkpoint.every_steps = 0  # the final state only
+    c.parallel.expert_rebalance_every = rebalance_every
     return c
+
+
+def _curve(records) -> dict:
+    return {"step": [r["step"] for r in records], "loss": [r["loss"] for r in records],
+            "imbalance_max": [r["moe_device_imbalance_max"] for r in records]}
 
 
 def worker(jobs: list[dict]) -> None:
@@ -62,88 +74,112 @@ def worker(jobs: list[dict]) -> None:
     from jaxsys.parallel import expert_placement as ep_lib
 
     for job in jobs:
-        config = experiment_config(job["aux_weight"], job["steps"])
+        config = experiment_config(job["aux_weight"], job["steps"], job["rebalance_every"])
         workdir = tempfile.mkdtemp(prefix="moe_placement_")
         records = train.main(config, workdir)
+        result = {"aux_weight": job["aux_weight"], "steps": job["steps"],
+                  "rebalance_every": job["rebalance_every"], "curve": _curve(records),
+                  "placement_notes": [{k: v for k, v in r.items() if k.startswith("moe_window")} | {"step": r["step"]}
+                                      for r in records if "moe_window_imbalance_after" in r]}
+        if job["rebalance_every"]:
+            emit(result)
+            continue
         routing = np.load(os.path.join(workdir, "moe_routing.npz"))
         program = train.build(config, make_mesh(config))
         checkpointer = Checkpointer(workdir, config.checkpoint, read_only=True)
         final = checkpointer.restore(program.abstract_state())
         checkpointer.close()
-
-        ep = program.expert_devices
-        window_load, window_pairs = routing["load"], routing["pairs"]
-        perms = {"default": np.tile(np.arange(config.model.moe.experts), (window_load.shape[0], 1)),
-                 "balanced": ep_lib.balance(window_load, ep, colocate=False),
-                 "balanced+colocated": ep_lib.balance(window_load, ep, window_pairs, colocate=True)}
+        ep, n = program.expert_devices, job["batches"]
         corpus = data.load_corpus(config.data)
-        batches = [data.global_batch(corpus, program.batch_sharding, config.seed, job["steps"] + i,
-                                     config.train.batch_size, config.data.seq_len)
-                   for i in range(job["eval_batches"])]
+        batch = lambda i: data.global_batch(corpus, program.batch_sharding, config.seed, job["steps"] + i,
+                                            config.train.batch_size, config.data.seq_len)
         grads_fn = program.loss_and_grads_fn(metrics=True)
+
+        def measure(state, batches):
+            totals, losses, per_batch = None, [], []
+            for b in batches:
+                loss, _, metrics = grads_fn(state.params, b)
+                metrics = {k: np.asarray(v) for k, v in metrics.items() if k in ("moe_load", "moe_pairs", "moe_traffic")}
+                totals = metrics if totals is None else {k: totals[k] + metrics[k] for k in totals}
+                losses.append(float(loss))
+                per_batch.append(ep_lib.imbalance(metrics["moe_load"], ep))
+            return totals, losses, per_batch
+
+        calibration, _, _ = measure(final, [batch(i) for i in range(n)])
+        held_out = [batch(n + i) for i in range(n)]
+        experts = config.model.moe.experts
+        perms = {"default": np.tile(np.arange(experts), (calibration["moe_load"].shape[0], 1)),
+                 "balanced": ep_lib.balance(calibration["moe_load"], ep, colocate=False),
+                 "balanced+colocated": ep_lib.balance(calibration["moe_load"], ep, calibration["moe_pairs"]),
+                 "balanced (run stats)": ep_lib.balance(routing["load"], ep, colocate=False)}
         place = program.place_experts_fn()
         d, bytes_c = config.model.d_model, 4  # fp32 compute
         padded = [r for r in cost_model.expert_parallel_rows(config) if "dispatch + combine" in r.technique][0]
-        result = {"aux_weight": job["aux_weight"], "steps": job["steps"], "ep": ep,
-                  "experts": config.model.moe.experts, "layers": int(window_load.shape[0]),
-                  "final_loss": records[-1]["loss"], "window_steps": int(routing["steps"]),
-                  "padded_bytes_per_step_device": padded.bytes, "placements": {}}
+        result.update(ep=ep, experts=experts, layers=int(calibration["moe_load"].shape[0]),
+                      final_loss=records[-1]["loss"], run_stats_steps=int(routing["steps"]),
+                      padded_bytes_per_step_device=padded.bytes, placements={},
+                      expert_load_max_over_mean=(calibration["moe_load"].max(1) / calibration["moe_load"].mean(1)).tolist(),
+                      calibration_imbalance={name: ep_lib.imbalance(ep_lib.permute_stats(calibration["moe_load"], None, perm)[0], ep).tolist()
+                                             for name, perm in perms.items()})
         for name, perm in perms.items():
-            state = place(jax.tree.map(lambda a: a.copy(), final), perm)
-            loads, pairs, traffic, losses, per_batch_imbalance = 0, 0, 0, [], []
-            for batch in batches:
-                loss, _, metrics = grads_fn(state.params, batch)
-                metrics = jax.tree.map(np.asarray, metrics)
-                losses.append(float(loss))
-                loads = loads + metrics["moe_load"]
-                pairs = pairs + metrics["moe_pairs"]
-                traffic = traffic + metrics["moe_traffic"]
-                per_batch_imbalance.append(ep_lib.imbalance(metrics["moe_load"], ep))
-            n = len(batches)
+            totals, losses, per_batch = measure(place(jax.tree.map(lambda a: a.copy(), final), perm), held_out)
+            traffic = totals["moe_traffic"]
             remote = traffic * (1 - np.eye(ep, dtype=traffic.dtype))  # [L, src, dst], off the diagonal
-            received, sent = remote.sum(1) / n, remote.sum(2) / n  # [L, device] per step
-            ragged = lambda rows: rows * d * bytes_c * 4  # dispatch + combine, forward + backward
+            received = remote.sum(1) / n  # [L, device] per step
+            ragged = lambda rows: float(rows * d * bytes_c * 4)  # dispatch + combine, forward + backward
             result["placements"][name] = {
                 "loss": float(np.mean(losses)),
-                "device_load": (ep_lib.device_load(loads, ep) / n).tolist(),
-                "imbalance": ep_lib.imbalance(loads, ep).tolist(),
-                "imbalance_per_batch": np.mean(per_batch_imbalance, axis=0).tolist(),
-                "colocation": ep_lib.colocation(pairs, ep),
-                "ragged_max_received_bytes": [float(ragged(x)) for x in received.max(1)],
-                "ragged_mean_received_bytes": [float(ragged(x)) for x in received.mean(1)],
-                "ragged_max_sent_bytes": [float(ragged(x)) for x in sent.max(1)],
+                "device_load": (ep_lib.device_load(totals["moe_load"], ep) / n).tolist(),
+                "imbalance": ep_lib.imbalance(totals["moe_load"], ep).tolist(),
+                "imbalance_per_batch": np.mean(per_batch, axis=0).tolist(),
+                "colocation": ep_lib.colocation(totals["moe_pairs"], ep),
+                "ragged_max_received_bytes": [ragged(x) for x in received.max(1)],
+                "ragged_mean_received_bytes": [ragged(x) for x in received.mean(1)],
                 "remote_fraction": float(remote.sum() / traffic.sum()),
             }
-        window_placed = {name: ep_lib.imbalance(ep_lib.permute_stats(window_load, None, perm)[0], ep).tolist()
-                         for name, perm in perms.items()}
-        result["window_imbalance"] = window_placed  # on the statistics the placement was chosen from
-        result["expert_load_max_over_mean"] = (window_load.max(1) / window_load.mean(1)).tolist()
         emit(result)
 
 
 def _table(results: list[dict]) -> str:
     out = []
-    for r in results:
+    for r in [r for r in results if not r["rebalance_every"]]:
         p = r["placements"]
-        out += [f"\n### balance-loss weight {r['aux_weight']}: {r['steps']} steps, final loss "
+        out += [f"\n### A. balance-loss weight {r['aux_weight']}: {r['steps']} steps, final loss "
                 f"{r['final_loss']:.3f}; {r['experts']} experts x {r['layers']} layers on ep = {r['ep']}\n",
-                "| MoE layer | expert load max/mean | device imbalance default | balanced | balanced+colocated "
-                "| ragged a2a max received / device, default | balanced | balanced+colocated |",
-                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "Device imbalance (max/mean copies per device) on the held-out batches, and the most any device "
+                "receives by a ragged all-to-all per step:\n",
+                "| MoE layer | expert load max/mean | " + " | ".join(f"imbalance {n}" for n in PLACEMENTS)
+                + " | " + " | ".join(f"ragged max received, {n}" for n in PLACEMENTS[:3]) + " |",
+                "| --- | ---: | " + " | ".join(["---:"] * (len(PLACEMENTS) + 3)) + " |"]
         for l in range(r["layers"]):
             mib = lambda name: p[name]["ragged_max_received_bytes"][l] / 2**20
-            out.append(f"| {l} | {r['expert_load_max_over_mean'][l]:.2f} | {p['default']['imbalance'][l]:.3f} | "
-                       f"{p['balanced']['imbalance'][l]:.3f} | {p['balanced+colocated']['imbalance'][l]:.3f} | "
-                       f"{mib('default'):.3f} MiB | {mib('balanced'):.3f} MiB | {mib('balanced+colocated'):.3f} MiB |")
+            out.append(f"| {l} | {r['expert_load_max_over_mean'][l]:.2f} | "
+                       + " | ".join(f"{p[n]['imbalance'][l]:.3f}" for n in PLACEMENTS) + " | "
+                       + " | ".join(f"{mib(n):.3f} MiB" for n in PLACEMENTS[:3]) + " |")
         mean_recv = sum(p["default"]["ragged_mean_received_bytes"]) / 2**20
         out += ["",
                 f"- padded all-to-all (what runs here): {r['padded_bytes_per_step_device'] / 2**20:.3f} MiB per step "
                 f"and device for all {r['layers']} layers, whatever the placement",
-                f"- ragged all-to-all, mean received per device and step (all layers): {mean_recv:.3f} MiB; "
-                f"remote share of the copies: " + ", ".join(f"{name} {p[name]['remote_fraction']:.3f}" for name in PLACEMENTS),
-                "- co-location of consecutive layers: " + ", ".join(
-                    f"{name} {p[name]['colocation']:.3f}" for name in PLACEMENTS),
-                "- loss on the held-out batches: " + ", ".join(f"{name} {p[name]['loss']:.6f}" for name in PLACEMENTS)]
+                f"- ragged all-to-all, mean received per device and step (all layers): {mean_recv:.3f} MiB, every "
+                "placement; remote share of the copies: "
+                + ", ".join(f"{n} {p[n]['remote_fraction']:.3f}" for n in PLACEMENTS[:3]),
+                "- co-location of consecutive layers: " + ", ".join(f"{n} {p[n]['colocation']:.3f}" for n in PLACEMENTS[:3]),
+                "- imbalance on the calibration batches the placements were chosen from: "
+                + "; ".join(f"{n} " + "/".join(f"{x:.3f}" for x in r["calibration_imbalance"][n]) for n in PLACEMENTS[:3]),
+                "- loss on the held-out batches: " + ", ".join(f"{n} {p[n]['loss']:.6f}" for n in PLACEMENTS)]
+    rebalanced = {r["aux_weight"]: r for r in results if r["rebalance_every"]}
+    plain = {r["aux_weight"]: r for r in results if not r["rebalance_every"]}
+    if rebalanced:
+        out += ["\n### B. re-placement during training (parallel.expert_rebalance_every)\n",
+                "| balance-loss weight | every | mean device imbalance (max over layers), logged steps after the "
+                "first re-placement: without | with | max loss difference |", "| ---: | ---: | ---: | ---: | ---: |"]
+        for w, r in rebalanced.items():
+            base = plain[w]["curve"]
+            first = r["placement_notes"][0]["step"] if r["placement_notes"] else 0
+            after = lambda c: [x for s, x in zip(c["step"], c["imbalance_max"]) if s >= first]
+            diff = max(abs(a - b) for a, b in zip(base["loss"], r["curve"]["loss"]))
+            out.append(f"| {w} | {r['rebalance_every']} | {sum(after(base)) / len(after(base)):.3f} | "
+                       f"{sum(after(r['curve'])) / len(after(r['curve'])):.3f} | {diff:.2e} |")
     return "\n".join(out)
 
 
@@ -153,27 +189,32 @@ def _plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 1 + len(results), figsize=(5 * (1 + len(results)), 4))
-    width = 0.27
-    for i, r in enumerate(results):
+    plain = [r for r in results if not r["rebalance_every"]]
+    rebalanced = {r["aux_weight"]: r for r in results if r["rebalance_every"]}
+    fig, axes = plt.subplots(1, len(plain) + 1, figsize=(5.5 * (len(plain) + 1), 4))
+    width = 0.2
+    for i, r in enumerate(plain):
         ax = axes[i]
         layers = np.arange(r["layers"])
         for j, name in enumerate(PLACEMENTS):
-            ax.bar(layers + (j - 1) * width, r["placements"][name]["imbalance"], width, label=name)
+            ax.bar(layers + (j - 1.5) * width, r["placements"][name]["imbalance"], width, label=name)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_title(f"device imbalance (max/mean), balance-loss weight {r['aux_weight']}")
+        ax.set_title(f"A. held-out device imbalance, balance loss {r['aux_weight']}", fontsize=9)
         ax.set_xlabel("MoE layer")
+        ax.set_ylabel("max / mean copies per device")
         ax.set_xticks(layers)
-        ax.legend(fontsize=8)
-    worst = max(results, key=lambda r: max(r["placements"]["default"]["imbalance"]))
-    layer = int(np.argmax(worst["placements"]["default"]["imbalance"]))
+        ax.legend(fontsize=7)
     ax = axes[-1]
-    devices = np.arange(worst["ep"])
-    for j, name in enumerate(("default", "balanced")):
-        ax.bar(devices + (j - 0.5) * 0.4, worst["placements"][name]["device_load"][layer], 0.4, label=name)
-    ax.set_title(f"copies per device and step, layer {layer} (weight {worst['aux_weight']})")
-    ax.set_xlabel("device of the expert axis")
-    ax.legend(fontsize=8)
+    for r in plain:
+        c = r["curve"]
+        ax.plot(c["step"], c["imbalance_max"], label=f"weight {r['aux_weight']}, fixed placement")
+        if r["aux_weight"] in rebalanced:
+            c2 = rebalanced[r["aux_weight"]]["curve"]
+            ax.plot(c2["step"], c2["imbalance_max"], "--",
+                    label=f"weight {r['aux_weight']}, re-placed every {rebalanced[r['aux_weight']]['rebalance_every']}")
+    ax.set_title("B. device imbalance during training (max over layers)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -182,16 +223,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", type=int)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--eval-batches", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="30 steps, 4 held-out batches")
+    parser.add_argument("--batches", type=int, default=16, help="calibration and held-out batches each")
+    parser.add_argument("--quick", action="store_true", help="30 steps, 4 batches")
     args = parser.parse_args()
     if args.worker:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.worker}"
         os.environ["JAX_PLATFORMS"] = "cpu"
         worker(json.load(sys.stdin))
         return
-    steps, evals = (30, 4) if args.quick else (args.steps, args.eval_batches)
-    jobs = [dict(aux_weight=w, steps=steps, eval_batches=evals) for w in (0.01, 0.0)]
+    steps, batches = (30, 4) if args.quick else (args.steps, args.batches)
+    jobs = [dict(aux_weight=w, steps=steps, batches=batches, rebalance_every=every)
+            for w in (0.01, 0.0) for every in (0, steps // 6)]
     results = []
     for job in jobs:  # one process each: a fresh 8-device runtime
         results += run_worker(__file__, DEVICES, [job], timeout=7200, what="aux_weight")
