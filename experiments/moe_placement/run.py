@@ -171,15 +171,21 @@ def _table(results: list[dict]) -> str:
     plain = {r["aux_weight"]: r for r in results if not r["rebalance_every"]}
     if rebalanced:
         out += ["\n### B. re-placement during training (parallel.expert_rebalance_every)\n",
-                "| balance-loss weight | every | mean device imbalance (max over layers), logged steps after the "
-                "first re-placement: without | with | max loss difference |", "| ---: | ---: | ---: | ---: | ---: |"]
+                "| balance-loss weight | re-placed after steps | mean device imbalance (max over layers) at the "
+                "logged steps after the first re-placement: fixed placement | re-placed | loss bitwise equal "
+                "through step | first loss difference | loss difference at the end |",
+                "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
         for w, r in rebalanced.items():
-            base = plain[w]["curve"]
-            first = r["placement_notes"][0]["step"] if r["placement_notes"] else 0
+            base, curve = plain[w]["curve"], r["curve"]
+            replaced = list(range(r["rebalance_every"], r["steps"], r["rebalance_every"]))  # train.main's rule
+            first = replaced[0] + 1 if replaced else 0
             after = lambda c: [x for s, x in zip(c["step"], c["imbalance_max"]) if s >= first]
-            diff = max(abs(a - b) for a, b in zip(base["loss"], r["curve"]["loss"]))
-            out.append(f"| {w} | {r['rebalance_every']} | {sum(after(base)) / len(after(base)):.3f} | "
-                       f"{sum(after(r['curve'])) / len(after(r['curve'])):.3f} | {diff:.2e} |")
+            diffs = [(s, abs(a - b)) for s, a, b in zip(base["step"], base["loss"], curve["loss"])]
+            differ = [(s, d) for s, d in diffs if d > 0]
+            equal_through = max((s for s, _ in diffs if all(d == 0 for s2, d in diffs if s2 <= s)), default=0)
+            out.append(f"| {w} | {', '.join(map(str, replaced))} | {sum(after(base)) / len(after(base)):.3f} | "
+                       f"{sum(after(curve)) / len(after(curve)):.3f} | {equal_through} | "
+                       + (f"{differ[0][1]:.1e} at step {differ[0][0]}" if differ else "none") + f" | {diffs[-1][1]:.1e} |")
     return "\n".join(out)
 
 

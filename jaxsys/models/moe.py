@@ -169,14 +169,13 @@ def _capacity_mlp(x, experts, gates, w, moe, layout: Layout):
     return _combine(gates, y_copies, x.dtype), dropped
 
 
-def _dropless_mlp(x, experts, gates, w, moe, layout: Layout, dispatch: str):
-    """Dropless path: x[B, T, D] -> y[B, T, D]; every copy is computed."""
+def _dropless_mlp(x, experts, counts, gates, w, layout: Layout, dispatch: str):
+    """Dropless path: x[B, T, D] -> y[B, T, D]; every copy is computed. counts[E]: copies per expert."""
     b, t, d = x.shape
     k, n = experts.shape[-1], experts.size
     ids = experts.reshape(-1)  # copy (b, t, r) at (b T + t) k + r
     order = jnp.argsort(ids, stable=True)
     rows = x.reshape(b * t, d)[order // k]  # [M, D] sorted by expert
-    counts = expert_counts(ids, moe.experts)
     mlp = lambda z, sizes: layers.swiglu_grouped(z, w["w_gate"], w["w_up"], w["w_down"], sizes)
     axes = expert.expert_axes(layout)
     if axes:
@@ -225,14 +224,15 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     aux, z = balance_loss_sums(r, load, moe)
     if moe.capacity_factor > 0:
         y, dropped = _capacity_mlp(x, experts, gates, w, moe, layout)
+        dropped = expert.global_sum(dropped, layout)
     else:
-        y, dropped = _dropless_mlp(x, experts, gates, w, moe, layout, dispatch), jnp.zeros((), jnp.int32)
+        y, dropped = _dropless_mlp(x, experts, counts, gates, w, layout, dispatch), jnp.zeros((), jnp.int32)
     if moe.shared_experts:
         y = y + layers.swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
     stats = {"aux_loss": expert.sum_over_sequence_shards(aux, layout),
              "z_loss": expert.sum_over_sequence_shards(z, layout),
              "load": load,
-             "dropped": expert.global_sum(dropped, layout) if moe.capacity_factor > 0 else dropped,
+             "dropped": dropped,
              "pairs": expert.global_sum(co_routing(previous, experts, moe.experts), layout),
              "traffic": expert.traffic(counts, layout)}
     return tensor.leave(y, mlp_axes, sp), experts, stats
