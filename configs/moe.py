@@ -5,7 +5,8 @@
 
 Hardware: a laptop CPU (2 cores: about 5 minutes; XLA:CPU runs the grouped matmuls as 8 masked dense
 ones). Expect the loss to fall from ln(256) = 5.55 nats to about 2 nats in 300 steps, as
-configs/tiny.py does, with the per-device imbalance and expert loads in metrics.jsonl. Arguments
+configs/tiny.py does (2026-11-23: 1.77 train, 1.98 eval, 4m49s), with the per-device imbalance and
+expert loads in metrics.jsonl. Arguments
 (set XLA_FLAGS=--xla_force_host_platform_device_count=8 first for the 8-device ones):
     :ep8          experts over 8 devices (expert parallelism; the expert axis splits the batch too)
     :ep4_dp2      4-way expert x 2-way data parallelism
