@@ -293,6 +293,17 @@ def test_colocation_never_costs_balance():
     assert expert_placement.colocation(both[1], ep) > expert_placement.colocation(alone[1], ep) + 0.1
 
 
+def test_re_placement_without_co_routing_pairs():
+    """A pipeline with one MoE layer per stage records no pairs (the choices stay on their stage):
+    the re-placement still balances, and reports no co-location rather than failing."""
+    log = expert_placement.RoutingLog(n_layers=2, n_experts=8, ep=4)
+    log.add(_zipf_load(2, 8, skew=1.2), np.zeros((2, 8, 8), np.int64))
+    perm, summary = log.rebalance(colocate=True)
+    assert all(sorted(row) == list(range(8)) for row in perm)
+    assert summary["moe_window_imbalance_after"] < summary["moe_window_imbalance_before"]
+    assert not any(key.startswith("moe_window_colocation") for key in summary)
+
+
 def test_training_run_logs_routing_and_re_places_experts(tmp_path):
     config = moe_config(dict(expert=4, data=2))
     config.train.steps, config.parallel.expert_rebalance_every = 4, 2

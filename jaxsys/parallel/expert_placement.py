@@ -255,7 +255,9 @@ class RoutingLog:
         summary = {"moe_rebalanced_after_steps": self.steps,
                    "moe_window_imbalance_before": round(float(imbalance(self.load, self.ep).max()), 4),
                    "moe_window_imbalance_after": round(float(imbalance(load, self.ep).max()), 4)}
-        if self.load.shape[0] > 1:  # co-location is between consecutive MoE layers
+        # co-location is between consecutive MoE layers; under a pipeline with one MoE layer per
+        # stage there are no pairs (choices are not sent between stages)
+        if self.pairs[1:].any():
             summary.update(moe_window_colocation_before=round(colocation(self.pairs, self.ep), 4),
                            moe_window_colocation_after=round(colocation(pairs, self.ep), 4))
         self.load[:], self.pairs[:], self.steps = 0, 0, 0
