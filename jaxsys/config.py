@@ -370,11 +370,11 @@ def validate(config, num_devices: int | None = None) -> None:
     # Divisibility of the model by the mesh.
     sizes = {a: mesh[a] for a in MESH_AXES}
     # (logical axis, model key, size) of every dimension a rule may split; MoE keys only with MoE layers
-    moe = "moe" in mlp_pattern(m)
+    moe = "moe" in mlps
     dims = [("vocab", "vocab_size", m.vocab_size), ("heads", "n_heads", m.n_heads),
             ("kv_heads", "n_kv_heads", m.n_kv_heads), ("embed", "d_model", m.d_model),
             ("head_dim", "head_dim", m.head_dim)]
-    dims += [("mlp", "d_ff", m.d_ff)] if "dense" in mlp_pattern(m) else []
+    dims += [("mlp", "d_ff", m.d_ff)] if "dense" in mlps else []
     dims += [("mlp", "moe.d_ff", m.moe.d_ff), ("experts", "moe.experts", m.moe.experts)] if moe else []
     for logical, key, size in dims:
         rule = config.sharding.params[logical]

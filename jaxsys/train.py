@@ -105,12 +105,16 @@ class Program:
         init = jax.jit(self._init, out_shardings=self.state_shardings)
         return init(jax.random.fold_in(jax.random.key(seed), 0))
 
+    @property
+    def tokens_per_step(self) -> int:
+        """B T: the tokens of a global batch, what every per-token loss is divided by."""
+        return self.config.train.batch_size * self.config.data.seq_len
+
     # -- per-shard functions
     def _local_objective(self, params, tokens):
         """This shard's share of the global mean objective (the shares sum to it over the shards):
         token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats)."""
-        c = self.config
-        norm = c.train.batch_size * c.data.seq_len
+        c, norm = self.config, self.tokens_per_step
         losses, moe_stats = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
                                                      self.unroll_layers, c.parallel.expert_dispatch)
         ce = jnp.sum(losses) / norm
@@ -125,10 +129,9 @@ class Program:
     def _metrics(self, ce, moe_stats):
         """Step metrics from this shard's cross-entropy share and MoE stats: the loss terms summed
         over the batch axes (one all-reduce), the routing statistics (already global) as they are."""
-        c, axes = self.config, self.layout.batch_axes
+        axes, norm = self.layout.batch_axes, self.tokens_per_step
         terms = {"loss": ce}
         if moe_stats:
-            norm = c.train.batch_size * c.data.seq_len
             terms.update(moe_aux_loss=moe_stats["aux_loss"] / norm, moe_z_loss=moe_stats["z_loss"] / norm)
         metrics = jax.lax.psum(terms, axes) if axes else terms
         if moe_stats:
@@ -141,7 +144,7 @@ class Program:
         c, m, layout, specs = self.config, self.config.model, self.layout, self.specs
         inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
         split = lambda a: a.reshape(program.m, a.shape[0] // program.m, *a.shape[1:])
-        norm = c.train.batch_size * c.data.seq_len
+        norm = self.tokens_per_step
 
         def stack(w, x):
             y, moe_stats = transformer.layer_stack(w, x, positions, m, layout, specs, self.unroll_layers,
@@ -234,7 +237,7 @@ class Program:
         """(params, tokens) -> (objective, reduced gradients before clipping[, step metrics]), for
         tests and analysis. The objective is the mean token cross-entropy plus the MoE losses."""
         out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
-        outputs = (lambda p, t: self._local_grads(p, t)) if metrics else (lambda p, t: self._local_grads(p, t)[:2])
+        outputs = self._local_grads if metrics else (lambda p, t: self._local_grads(p, t)[:2])
         return jax.jit(self._shard_map(outputs, (self.param_pspecs, self.batch_pspec),
                                        (P(), out_pspecs, P())[:3 if metrics else 2]))
 
@@ -355,7 +358,7 @@ def main(config, workdir: str) -> list[dict]:
 
     program = build(config, mesh)
     t, m = config.train, config.model
-    tokens_per_step = t.batch_size * config.data.seq_len
+    tokens_per_step = program.tokens_per_step
     flops_per_step = flops_lib.train_flops_per_token(m, config.data.seq_len) * tokens_per_step
     peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
 

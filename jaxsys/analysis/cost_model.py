@@ -138,6 +138,12 @@ def params_per_device_after_tp(config) -> tuple[float, float, int, int]:
     return layers, rest, n_layers, n_rest
 
 
+def local_batch(config) -> int:
+    """B per device: the global batch over the batch axes (data, fsdp, expert)."""
+    mesh = config.mesh
+    return config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+
+
 def layer_leaf_executions(config) -> int:
     """Uses of a layer leaf per forward: the sum over the layer leaves of the layers each holds (L for
     the attention leaves, the dense-MLP and the MoE layers for theirs)."""
@@ -161,8 +167,7 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
     b_p, b_c = _dtype_bytes(m.param_dtype), _dtype_bytes(m.compute_dtype)
     psi_l, psi_r, n_l, n_r = params_per_device_after_tp(config)
     leaves = n_l + n_r
-    batch_shards = d * f * e
-    B_local, T, D, L = config.train.batch_size // batch_shards, config.data.seq_len, m.d_model, m.n_layers
+    B_local, T, D, L = local_batch(config), config.data.seq_len, m.d_model, m.n_layers
     sp = config.parallel.sequence_parallel and t > 1
     stage = config.train.zero_stage
     cp = mesh.seq
@@ -252,7 +257,7 @@ def expert_parallel_rows(config) -> list[Row]:
     if not lm:
         return []
     ep, again = mesh.expert, 1 if m.remat != "none" else 0
-    b = config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    b = local_batch(config)
     tokens = config.data.seq_len // mesh.seq  # after Megatron SP's all-gather, the full local T
     b_c, d = _dtype_bytes(m.compute_dtype), m.d_model
     rows = []
@@ -296,7 +301,7 @@ def moe_tensor_rows(config) -> list[Row]:
     t = mesh.tensor
     if not lm or t == 1:
         return []
-    b = config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    b = local_batch(config)
     gates = b * (config.data.seq_len // mesh.seq) * k * 4  # [B, T, k] fp32 (int32 experts alike)
     if not (config.parallel.sequence_parallel and t > 1):
         return [Row("MoE gates Megatron f (backward all-reduce)", "all_reduce", ("tensor",), lm,
@@ -323,7 +328,7 @@ def context_parallel_rows(config) -> list[Row]:
     from jaxsys.models import attention
     mesh, m = config.mesh, config.model
     p, t = mesh.seq, mesh.tensor
-    b = config.train.batch_size // (mesh.data * mesh.fsdp * mesh.expert)
+    b = local_batch(config)
     tl, h, bc = config.data.seq_len // p, m.head_dim, _dtype_bytes(m.compute_dtype)
     n, k = m.n_heads // t, m.n_kv_heads // t
     types = attention.layer_types(m)

@@ -33,11 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsys.config import EXPERT_DISPATCH
 from jaxsys.parallel.collectives import all_to_all, axis_index, exchange, psum_fwd_copy_bwd
 from jaxsys.sharding import Layout
-
-DISPATCH = ("padded", "ragged")
-
 
 def expert_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes the experts are split over (empty: every device holds all experts)."""
@@ -104,7 +102,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                      recv_sizes, axis_name=axes)
     if impl != "padded":
-        raise ValueError(f"expert dispatch {impl!r}: choose one of {DISPATCH}")
+        raise ValueError(f"expert dispatch {impl!r}: choose one of {EXPERT_DISPATCH}")
     chunk = min(operand.shape[0], output.shape[0])
     rows = jnp.arange(chunk)
     valid = rows[None, :] < send_sizes[:, None]  # [ep, chunk]

@@ -77,11 +77,6 @@ def permute_stats(load, pairs, perm):
     return new_load, new_pairs
 
 
-def compose(first, second):
-    """The placement that applies `first`, then `second`."""
-    return np.take_along_axis(np.asarray(first), np.asarray(second), axis=1)
-
-
 # ----------------------------------------------------------------------------- choosing
 
 
