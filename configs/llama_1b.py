@@ -1,8 +1,10 @@
 """A Llama-3.2-1B-shaped model (1.24B parameters: D=2048, L=16, N=32, K=8, H=64, F=8192,
-V=128256, tied embeddings, rope theta 500000), bf16 compute, FSDP over one 8-GPU node.
+V=128256, tied embeddings, rope theta 500000), bf16 compute, FSDP over all devices
+(config.mesh.fsdp=-1: one 8-GPU node, or the 16 chips of a v5e-16).
 
     python -m jaxsys.train --config configs/llama_1b.py --workdir runs/llama_1b
     python -m jaxsys.train --config configs/llama_1b.py:cpu --workdir runs/llama_1b_cpu
+    python -m jaxsys.analyze --config configs/llama_1b.py --target v5e-16     # the TPU compiler
 
 Hardware: 8 GPUs of 80 GB (fsdp=8, batch 64 x 2048 tokens; remat `dots` keeps activations small).
 Data: `config.data.source=tokens` with a pre-tokenized file in the Llama 3 vocabulary
@@ -29,7 +31,7 @@ def get_config(arg=None):
     c.train.steps = 10000
     c.train.lr, c.train.warmup_steps, c.train.schedule = 3e-4, 500, "wsd"
     c.train.log_every, c.train.eval_every = 50, 1000
-    c.mesh.fsdp = 8
+    c.mesh.fsdp = -1  # all devices
     if arg == "cpu":
         m.vocab_size, m.d_model, m.n_layers = 256, 256, 4
         m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff = 8, 2, 32, 768

@@ -1,10 +1,11 @@
 """A Mixtral-8x7B-shaped MoE (46.7B parameters, 12.9B active per token: D=4096, L=32 all MoE with
-8 experts of F=14336 and top-2, N=32, K=8, H=128, V=32000, rope theta 1e6) laid out for 64 GPUs:
-expert parallelism 8 inside each node x FSDP over 8 nodes, bf16 compute, full remat, 256K tokens
-per step (docs/moe.md).
+8 experts of F=14336 and top-2, N=32, K=8, H=128, V=32000, rope theta 1e6): expert parallelism 8
+inside each node x FSDP over the rest (config.mesh.fsdp=-1: 8 nodes of 64 GPUs, or 4 on the 32
+chips of a v5p-64), bf16 compute, full remat, 256K tokens per step (docs/moe.md).
 
     python -m jaxsys.analyze --config configs/mixtral_8x7b.py --devices 64 --hardware h100
     python -m jaxsys.analyze --config configs/mixtral_8x7b.py:capacity --devices 64 --hardware h100
+    python -m jaxsys.analyze --config configs/mixtral_8x7b.py --target v5p-64    # the TPU compiler
 
 Meant for the analysis (what expert parallelism costs at this size, from a laptop) and a real
 cluster. The default is dropless with the padded all-to-all (ep x the bytes of a ragged one, what
@@ -33,7 +34,7 @@ def get_config(arg=None):
     c.train.steps = 20000
     c.train.lr, c.train.warmup_steps, c.train.schedule = 3e-4, 2000, "cosine"
     c.train.log_every, c.train.eval_every = 50, 1000
-    c.mesh.fsdp, c.mesh.expert = 8, 8
+    c.mesh.fsdp, c.mesh.expert = -1, 8  # fsdp: whatever the device count leaves
     for option in (arg or "").split(","):
         if option == "capacity":
             m.moe.capacity_factor = 1.25

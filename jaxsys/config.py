@@ -9,6 +9,7 @@ does not have are errors (the ConfigDict is locked). docs/config.md documents ev
 from __future__ import annotations
 
 import ast
+import copy
 import difflib
 import importlib.util
 import math
@@ -110,7 +111,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_period = 0  # also keep every k-th step for good; 0: none
     c.checkpoint.async_save = True
 
+    # Devices per mesh axis; one axis may be -1: whatever the device count leaves (so that one config
+    # runs on a laptop, a node and a pod, as MaxText's -1 parallelism does).
     c.mesh = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
+    # Of config.mesh.<axis>, the factor that spans TPU slices (multi-slice) or hosts (GPU clusters):
+    # those hops run over the data-centre network (DCN), the rest over ICI / NVLink. The product is
+    # the number of slices (or hosts); 1 everywhere is one slice.
+    c.dcn = ml_collections.ConfigDict({axis: 1 for axis in MESH_AXES})
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.sequence_parallel = False  # Megatron SP in the norm/residual regions
@@ -289,20 +296,57 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def fill_axis(config) -> str | None:
+    """The mesh axis set to -1 (sized by the device count), or None."""
+    filled = [a for a in MESH_AXES if config.mesh[a] == -1]
+    return filled[0] if filled else None
+
+
+def resolve_mesh(config, num_devices: int) -> None:
+    """Set the -1 mesh axis (if any) to the device count over the other axes, in place."""
+    axis = fill_axis(config)
+    if axis is None:
+        return
+    others = math.prod(config.mesh[a] for a in MESH_AXES if a != axis)
+    if num_devices % others:
+        sizes = " x ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES if a != axis and config.mesh[a] > 1)
+        raise ConfigError(f"config.mesh.{axis}=-1 fills the devices, but {num_devices} devices do not "
+                          f"divide by the other axes ({sizes} = {others}): change those axes or the "
+                          "device count")
+    config.mesh[axis] = num_devices // others
+
+
 def validate(config, num_devices: int | None = None) -> None:
     """Check everything that can be checked before any device work. `num_devices` is the
-    global device count when known (the mesh product must equal it)."""
+    global device count when known: a -1 mesh axis is resolved from it (in place) and the mesh
+    product must equal it."""
     check_keys(config)
     m, mesh, t = config.model, config.mesh, config.train
     for axis in MESH_AXES:
-        _require(isinstance(mesh[axis], int) and mesh[axis] >= 1,
-                 f"config.mesh.{axis} must be a positive integer, got {mesh[axis]!r}")
+        _require(isinstance(mesh[axis], int) and (mesh[axis] >= 1 or mesh[axis] == -1),
+                 f"config.mesh.{axis} must be a positive integer (or -1 for the devices the other axes "
+                 f"leave), got {mesh[axis]!r}")
+        _require(isinstance(config.dcn[axis], int) and config.dcn[axis] >= 1,
+                 f"config.dcn.{axis} must be a positive integer, got {config.dcn[axis]!r}")
+    filled = [a for a in MESH_AXES if mesh[a] == -1]
+    _require(len(filled) <= 1, f"config.mesh: only one axis may be -1, got {', '.join(filled)}")
+    if num_devices is not None:
+        resolve_mesh(config, num_devices)
+    for axis in MESH_AXES:
+        _require(mesh[axis] == -1 or mesh[axis] % config.dcn[axis] == 0,
+                 f"config.dcn.{axis}={config.dcn[axis]} does not divide config.mesh.{axis}={mesh[axis]}: "
+                 f"the DCN factor is part of the axis (slices x devices per slice along it)")
     product = math.prod(mesh[a] for a in MESH_AXES)
     if num_devices is not None:
         sizes = " x ".join(f"{a}={mesh[a]}" for a in MESH_AXES if mesh[a] > 1) or "all 1"
         _require(product == num_devices,
                  f"config.mesh ({sizes}) has {product} devices but {num_devices} are available: "
-                 f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices}")
+                 f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices} (or one "
+                 "axis to -1)")
+    if fill_axis(config) is not None:  # device count unknown yet: check the rest with that axis at 1
+        config = copy.deepcopy(config)
+        config.mesh[fill_axis(config)] = 1
+        m, mesh, t = config.model, config.mesh, config.train
 
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
         _require(isinstance(m[key], int) and m[key] >= 1, f"config.model.{key} must be a positive integer")

@@ -85,13 +85,15 @@ def hardware(name: str) -> Hardware:
     return hw
 
 
-def axis_bandwidth(mesh_sizes: dict, hw: Hardware) -> dict:
-    """Bytes/s per device and direction for each mesh axis: the innermost axes whose product fits
-    in a node use the intra-node links, the rest the inter-node network."""
+def axis_bandwidth(mesh_sizes: dict, hw: Hardware, dcn: dict | None = None) -> dict:
+    """Bytes/s per device and direction for each mesh axis: an axis with a DCN factor > 1
+    (`config.dcn`) crosses slices or hosts; otherwise the innermost axes whose product fits in a
+    node (or TPU slice) use the intra-node links, the rest the inter-node network."""
     out, inner = {}, 1
     for axis in reversed(list(mesh_sizes)):
         inner *= mesh_sizes[axis]
-        out[axis] = hw.intra_node_bytes_per_s if inner <= hw.devices_per_node else hw.inter_node_bytes_per_s
+        crosses = (dcn or {}).get(axis, 1) > 1 or inner > hw.devices_per_node
+        out[axis] = hw.inter_node_bytes_per_s if crosses else hw.intra_node_bytes_per_s
     return out
 
 
@@ -409,7 +411,7 @@ def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: floa
     """Step time and MFU by the roofline: compute at peak, memory at HBM bandwidth, and each mesh
     axis's collectives at its link bandwidth; `serial` adds communication, `overlapped` hides it."""
     peak = hw.peak(config.model.compute_dtype)
-    bandwidth = axis_bandwidth({a: config.mesh[a] for a in config.mesh}, hw)
+    bandwidth = axis_bandwidth({a: config.mesh[a] for a in config.mesh}, hw, dict(config.dcn))
     compute_s = flops_per_device / peak
     memory_s = bytes_accessed / hw.hbm_bytes_per_s
     comm_s = sum(b / min(bandwidth[a] for a in axes) for axes, b in collective_bytes.items() if axes)

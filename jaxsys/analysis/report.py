@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 import math
+import re
+import time
 
 import jax
 import numpy as np
@@ -102,12 +104,14 @@ def lower_unrolled(program):
     return unrolled.train_step_fn().lower(program.abstract_state(), _batch(unrolled))
 
 
-def analyze(config, hardware: str = "cpu", devices=None, flops: bool = True) -> dict:
+def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     """Compile `config`'s train step for the current devices (or `devices`) and report.
-    `flops=False` skips compiling the written-out step (FLOPs then come from the formula)."""
+    `hardware` is a profile name (cost_model.PROFILES) or a `cost_model.Hardware`.
+    `flops=False` skips compiling the written-out step (FLOPs then come from the formula).
+    A -1 mesh axis is resolved from the device count, in `config` itself."""
     from jaxsys import train  # the analysis is of train's program
 
-    hw = cost_model.hardware(hardware)
+    hw = hardware if isinstance(hardware, cost_model.Hardware) else cost_model.hardware(hardware)
     mesh = make_mesh(config, devices)
     sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
     n_devices = math.prod(sizes.values())
@@ -133,7 +137,8 @@ def analyze(config, hardware: str = "cpu", devices=None, flops: bool = True) -> 
     roofline = cost_model.roofline(config, hw, xla_flops or analytic,
                                    float(cost.get("bytes accessed", 0.0)), per_axes)
     return {
-        "config": {"mesh": sizes, "devices": n_devices, "hardware": hw.name,
+        "config": {"mesh": sizes, "dcn": {a: int(config.dcn[a]) for a in MESH_AXES}, "devices": n_devices,
+                   "hardware": hw.name,
                    "zero_stage": config.train.zero_stage,
                    "sequence_parallel": bool(config.parallel.sequence_parallel),
                    "remat": config.model.remat},
@@ -150,6 +155,190 @@ def analyze(config, hardware: str = "cpu", devices=None, flops: bool = True) -> 
         "roofline": roofline,
         "fits": memory["peak_bytes_per_device"] <= hw.hbm_bytes,
     }
+
+
+def _out_of_memory(message: str) -> dict:
+    """What the TPU compiler says when a program does not fit: the bytes it needed and had."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    sizes = [float(v) * units[u] for v, u in re.findall(r"(\d+(?:\.\d+)?)([KMGT])\b", message)]
+    out = {"fits": False, "error": message.strip().splitlines()[0][:500]}
+    if len(sizes) >= 2:
+        out["required_bytes"], out["available_bytes"] = sizes[0], sizes[1]
+        out["over_bytes"] = sizes[0] - sizes[1]
+    return out
+
+
+def collective_rows(found: list) -> list[dict]:
+    """Compiled-HLO collectives (hlo.Collective) grouped by (kind, axes, dtype, scalar): executions,
+    operand bytes and ring bytes per step, and how many executions were asynchronous and had
+    compute scheduled under them."""
+    groups = collections.OrderedDict()
+    for c in found:
+        scalar = c.operand_bytes <= 8  # the loss and gradient norm, kept apart from the techniques
+        key = (c.kind, c.axes, c.dtype, scalar)
+        row = groups.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "dtype": c.dtype, "scalar": scalar,
+                                      "count": 0, "operand_bytes": 0.0, "bytes": 0.0, "async": 0,
+                                      "overlapped": 0, "overlapped_flops": 0.0})
+        row["count"] += c.executions
+        row["operand_bytes"] += c.executions * c.operand_bytes
+        row["bytes"] += c.executions * _ring_bytes(c)
+        row["async"] += c.executions * int(c.is_async)
+        row["overlapped"] += c.executions * int(c.overlapped_ops > 0)
+        row["overlapped_flops"] += c.executions * c.overlapped_flops
+    return list(groups.values())
+
+
+def _ring_bytes(c) -> float:
+    kind = "all_to_all" if c.kind == "ragged_all_to_all" else c.kind
+    return cost_model.ring_bytes(kind, c.operand_bytes, c.group_size)
+
+
+def exposed_comm_s(found: list, config, hw: cost_model.Hardware) -> float:
+    """Communication time the compiled schedule leaves exposed: each collective's ring time on its
+    axes' links, less the matmul time of the compute scheduled between its start and done (all of
+    it for a synchronous one)."""
+    bandwidth = cost_model.axis_bandwidth({a: config.mesh[a] for a in MESH_AXES}, hw, dict(config.dcn))
+    peak = hw.peak(config.model.compute_dtype)
+    total = 0.0
+    for c in found:
+        if not c.axes:
+            continue
+        t = _ring_bytes(c) / min(bandwidth[a] for a in c.axes)
+        hidden = min(t, c.overlapped_flops / peak) if c.is_async else 0.0
+        total += c.executions * (t - hidden)
+    return total
+
+
+def _cost_analysis(compiled) -> dict:
+    """XLA's cost analysis of a compiled program (each loop body counted once). Deviceless GPU
+    executables return none; XLA's HloCostAnalysis run by the CPU client over the optimised module
+    stands in (a private API: {} when it is not there)."""
+    cost = compiled.cost_analysis()
+    if cost:
+        return cost[0] if isinstance(cost, list) else cost
+    try:
+        from jax._src.lib import _jax
+        module = compiled.runtime_executable().hlo_modules()[0]
+        return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+    except Exception:
+        return {}
+
+
+def target_analysis(config, target, devices=None) -> dict:
+    """Compile `config`'s train step with the target's own compiler (the TPU compiler for a TPU
+    slice, XLA:GPU for GPU nodes; `targets.Target`) and read what it made: memory per chip (device
+    and host), the collectives of the optimised HLO (with loop trip counts, async and overlap),
+    matmul FLOPs and HBM traffic, and a roofline on the chip. A program the TPU compiler refuses
+    for lack of HBM is reported, not raised."""
+    from jaxsys import train
+    from jaxsys.analysis import hlo, targets
+
+    devices = targets.devices(target) if devices is None else devices
+    hw = targets.hardware(target)
+    mesh = make_mesh(config, devices)
+    sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
+    program = train.build(config, mesh)
+    start = time.perf_counter()
+    info = _target_info(target, hw)
+    try:
+        with targets.quiet_libtpu():
+            compiled = program.train_step_fn().lower(program.abstract_state(), _batch(program)).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) or "HBM" not in str(e):
+            raise
+        return {**info, "compile_s": time.perf_counter() - start,
+                "memory": {**_out_of_memory(str(e)), "hbm_bytes": hw.hbm_bytes}}
+    compile_s = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    field = lambda name: int(getattr(stats, name, 0) or 0)
+    device_peak = (field("argument_size_in_bytes") + field("output_size_in_bytes") - field("alias_size_in_bytes")
+                   + field("temp_size_in_bytes"))
+    host_peak = (field("host_argument_size_in_bytes") + field("host_output_size_in_bytes")
+                 - field("host_alias_size_in_bytes") + field("host_temp_size_in_bytes"))
+    memory = {
+        "device": {"argument_bytes": field("argument_size_in_bytes"), "output_bytes": field("output_size_in_bytes"),
+                   "alias_bytes": field("alias_size_in_bytes"), "temp_bytes": field("temp_size_in_bytes"),
+                   "peak_bytes": device_peak},
+        "host": {"argument_bytes": field("host_argument_size_in_bytes"),
+                 "output_bytes": field("host_output_size_in_bytes"),
+                 "alias_bytes": field("host_alias_size_in_bytes"), "temp_bytes": field("host_temp_size_in_bytes"),
+                 "peak_bytes": host_peak},
+        "peak_bytes_per_chip": device_peak, "hbm_bytes": hw.hbm_bytes,
+        "fits": device_peak <= hw.hbm_bytes, "headroom_bytes": hw.hbm_bytes - device_peak,
+    }
+    module = hlo.parse(compiled.as_text())
+    found = module.collectives(sizes)
+    cost = _cost_analysis(compiled)
+    matmul = module.matmul_flops()
+    traffic = module.hbm_bytes()
+    per_axes = collections.defaultdict(float)
+    rows = collective_rows(found)
+    for row in rows:
+        per_axes[tuple(row["axes"])] += row["bytes"]
+    roofline = cost_model.roofline(config, hw, matmul, traffic, per_axes)
+    exposed = exposed_comm_s(found, config, hw)
+    roofline["comm_s_exposed"] = exposed
+    roofline["step_s_schedule"] = max(roofline["compute_s"], roofline["memory_s"]) + exposed
+    tokens = config.train.batch_size * config.data.seq_len
+    model_flops = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens
+    peak_job = hw.peak(config.model.compute_dtype) * math.prod(sizes.values())
+    step = roofline["step_s_schedule"]
+    roofline["mfu_schedule"] = model_flops / (step * peak_job) if step else 0.0
+    return {
+        **info,
+        "compile_s": compile_s,
+        "memory": memory,
+        "collectives": rows,
+        "flops": {"matmul_flops_per_chip": matmul,
+                  "cost_analysis_flops": float(cost.get("flops", 0.0)),
+                  "cost_analysis_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                  "hbm_bytes_per_chip": traffic,
+                  "unknown_trip_counts": module.unknown_trip_counts},
+        "roofline": roofline,
+    }
+
+
+def _target_info(target, hw) -> dict:
+    from jaxsys.analysis import targets
+    return {"name": target.name, "platform": target.platform, "topology": target.topology,
+            "slices": target.slices, "chips": target.chips, "chips_per_slice": target.chips_per_slice,
+            "generation": target.chip.generation, "hbm_bytes": hw.hbm_bytes, "profile": hw.name,
+            "compiler": targets.compiler_name(target)}
+
+
+def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict:
+    """The target compiler's analysis of `config` on `target` (key "target"), beside the fake-CPU
+    analysis on `cpu_devices` (as many as the target has chips; None skips it) and the formulas.
+    A -1 mesh axis is resolved from the target's chip count, in `config` itself."""
+    from jaxsys.analysis import targets
+    from jaxsys.config import validate
+    hw = targets.hardware(target)
+    validate(config, num_devices=target.chips)
+    compiled = target_analysis(config, target)
+    if cpu_devices is None:
+        predicted, caveats = cost_model.predicted_collectives(config)
+        out = {"config": {"mesh": {a: int(config.mesh[a]) for a in MESH_AXES},
+                          "dcn": {a: int(config.dcn[a]) for a in MESH_AXES},
+                          "devices": target.chips, "hardware": hw.name, "zero_stage": config.train.zero_stage,
+                          "sequence_parallel": bool(config.parallel.sequence_parallel), "remat": config.model.remat},
+               "params_count": params_lib.count(train_specs(config)),
+               "collectives_formula": [dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count,
+                                            bytes=r.bytes) for r in predicted],
+               "formula_caveats": caveats, "memory_formula": cost_model.zero_memory(config)}
+    else:
+        out = analyze(config, hw, cpu_devices, flops=flops)
+        out["memory_formula"] = out["memory"]["formula"]
+    tokens = config.train.batch_size * config.data.seq_len
+    out["model_flops_per_device"] = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens / target.chips
+    out["target"] = compiled
+    return out
+
+
+def train_specs(config):
+    """The parameter specs of `config`'s model (as train.build makes them)."""
+    from jaxsys.models import transformer
+    p = config.mesh.pipe
+    return transformer.param_specs(config.model, chunks=config.train.virtual_stages if p > 1 else 1)
 
 
 def startup_summary(program, compiled) -> str:
@@ -206,4 +395,72 @@ def format_report(r: dict) -> str:
             f"communication {rl['comm_s'] * 1e3:.2f} ms -> step {rl['step_s_overlapped'] * 1e3:.2f} ms "
             f"(overlapped) .. {rl['step_s_serial'] * 1e3:.2f} ms (serial); MFU "
             f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_serial']:.1%}"]
+    return "\n".join(out)
+
+
+def format_target_report(r: dict) -> str:
+    """The text report of `analyze_target`: the target compiler's figures beside fake CPU and formula."""
+    tgt, c = r["target"], r["config"]
+    layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
+    dcn = ", ".join(f"{a}={s}" for a, s in c.get("dcn", {}).items() if s > 1)
+    where = (f"{tgt['topology']}" + (f" x {tgt['slices']} slices" if tgt["slices"] > 1 else "")
+             if tgt["platform"] == "tpu" else f"{tgt['chips'] // tgt['chips_per_slice']} node(s) of "
+             f"{tgt['chips_per_slice']}")
+    chip = "chip" if tgt["platform"] == "tpu" else "GPU"
+    out = [f"{r['params_count'] / 1e6:,.1f}M parameters, {layout}{f' (across slices/nodes: {dcn})' if dcn else ''} "
+           f"on {tgt['name']} ({where}, {tgt['chips']} {chip}s, {_b(tgt['hbm_bytes'])} HBM each); "
+           f"{tgt['compiler']}: {tgt['compile_s']:.1f} s", ""]
+    m, cpu = tgt["memory"], r.get("memory")
+    f = r["memory_formula"]
+    if "device" not in m:
+        need = (f"needs {_b(m['required_bytes'])}, has {_b(m['available_bytes'])} (over by "
+                f"{_b(m['over_bytes'])})") if "required_bytes" in m else ""
+        out += [f"memory: DOES NOT FIT: the compiler refused the program: {need}", f"  {m['error']}"]
+    else:
+        d, h = m["device"], m["host"]
+        col = lambda key: _b(cpu[key]) if cpu else "-"
+        state = _b(cpu["params_bytes"] + cpu["optimizer_bytes"]) if cpu else "-"
+        out += [f"memory per {chip}                target compiler     fake CPU    formula (ZeRO)",
+                f"  parameters + optimizer     (in the arguments)  {state:>12}  {_b(f['params'] + f['optimizer']):>14}",
+                f"  arguments (device)       {_b(d['argument_bytes']):>14}  {col('argument_bytes'):>14}",
+                f"  temporaries (device)     {_b(d['temp_bytes']):>14}  {col('temp_bytes'):>14}",
+                f"  peak (device)            {_b(d['peak_bytes']):>14}  {col('peak_bytes_per_device'):>14}",
+                f"  host memory (pinned)     {_b(h['peak_bytes']):>14}   (arguments {_b(h['argument_bytes'])}, "
+                f"temporaries {_b(h['temp_bytes'])})",
+                f"  HBM {_b(m['hbm_bytes'])}: " + (f"fits, {_b(m['headroom_bytes'])} free" if m["fits"] else
+                                                   f"DOES NOT FIT by {_b(-m['headroom_bytes'])}")]
+    if "collectives" in tgt:
+        compiled_rows = by_kind_axes(tgt["collectives"])
+        cpu_rows = by_kind_axes(r["collectives"]) if "collectives" in r else {}
+        formula = by_kind_axes(r["collectives_formula"])
+        sync = collections.defaultdict(lambda: [0, 0])
+        for row in tgt["collectives"]:
+            if not row["scalar"]:
+                key = (row["kind"], tuple(row["axes"]))
+                sync[key][0] += row["async"]
+                sync[key][1] += row["overlapped"]
+        out += ["", f"collectives per step and {chip}   compiled: count  async  overlapped   ring bytes  |  "
+                    "fake CPU: count  ring bytes  |  formula: count  ring bytes"]
+        for key in sorted(set(compiled_rows) | set(cpu_rows) | set(formula)):
+            name = f"{key[0]}[{','.join(key[1])}]"
+            tc, tb = compiled_rows.get(key, (0, 0.0))
+            cc, cb = cpu_rows.get(key, (0, 0.0))
+            fc, fb = formula.get(key, (0, 0.0))
+            out.append(f"  {name:<30} {tc:>14} {sync[key][0]:>6} {sync[key][1]:>11} {_b(tb):>12}  |  "
+                       f"{cc:>15} {_b(cb):>11}  |  {fc:>14} {_b(fb):>11}")
+        scalars = sum(row["count"] for row in tgt["collectives"] if row["scalar"])
+        out.append(f"  (+ {scalars} scalar all-reduces: loss and gradient norm)")
+        out += [f"  caveat: {text}" for text in r.get("formula_caveats", [])]
+        fl, rl = tgt["flops"], tgt["roofline"]
+        cpu_flops = f"{r['flops_per_device']:.3e}" if r.get("flops_per_device") else "-"
+        out += ["", f"FLOPs per {chip} and step: compiled matmuls {fl['matmul_flops_per_chip']:.3e} (loop trip "
+                    f"counts applied) | compiler's cost analysis {fl['cost_analysis_flops']:.3e} (each loop body "
+                    f"once) | XLA:CPU {cpu_flops} | model {r['model_flops_per_device']:.3e}",
+                f"roofline on {tgt['profile']}: compute {rl['compute_s'] * 1e3:.1f} ms, HBM "
+                f"{rl['memory_s'] * 1e3:.1f} ms ({_b(fl['hbm_bytes_per_chip'])} moved, estimated), communication "
+                f"{rl['comm_s'] * 1e3:.1f} ms, of which the compiled schedule leaves exposed "
+                f"{rl['comm_s_exposed'] * 1e3:.1f} ms",
+                f"  step {rl['step_s_overlapped'] * 1e3:.1f} ms (all hidden) .. {rl['step_s_schedule'] * 1e3:.1f} ms "
+                f"(the compiler's overlap) .. {rl['step_s_serial'] * 1e3:.1f} ms (none hidden); MFU "
+                f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_schedule']:.1%} .. {rl['mfu_serial']:.1%}"]
     return "\n".join(out)

@@ -1,0 +1,545 @@
+"""Reading a compiled (optimised, scheduled) XLA HLO module: what the backend's compiler made of
+the program, as opposed to the StableHLO jaxsys wrote (`collectives.py`).
+
+    module = hlo.parse(compiled.as_text())
+    module.collectives(mesh_sizes)   # every collective, with how often it runs and what overlaps it
+    module.matmul_flops()            # FLOPs of every dot and convolution, loops included
+
+Two things a compiler's own summaries get wrong for a training step, and this module gets right:
+- XLA's cost analysis counts a while loop's body once; the layer scan runs it L times. Every
+  instruction here carries its execution count: the product of the trip counts of the loops
+  around it (read from each loop's condition, `i < N`).
+- A collective that the compiler made asynchronous (`*-start` ... `*-done`) runs while the
+  instructions scheduled between its start and done compute; those are listed, so the analysis can
+  say whether, and behind how many FLOPs, each collective hides.
+
+Conditionals (the pipeline's per-stage branches) count every branch once per execution of the
+conditional: an upper bound, as in the StableHLO count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+import numpy as np
+
+# Bytes per element; sub-byte types round up per element, which is wrong only for packed int4.
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+               "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
+               "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+               "c128": 16}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+_NAME_EQ = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
+_OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
+
+COLLECTIVE_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+                    "all-to-all": "all_to_all", "collective-permute": "collective_permute",
+                    "ragged-all-to-all": "ragged_all_to_all"}
+# Instructions that do work a collective can hide behind (fusions hold the matmuls on TPU).
+_COMPUTE = {"fusion", "convolution", "dot", "custom-call", "while", "call", "conditional", "sort",
+            "reduce", "scatter", "gather", "select-and-scatter", "reduce-window"}
+
+
+@dataclasses.dataclass
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+    memory_space: int = 0  # the layout's S(n): 0 is HBM; TPU puts small buffers in on-chip memory
+
+    @property
+    def bytes(self) -> float:
+        return math.prod(self.dims) * DTYPE_BYTES.get(self.dtype, 4)
+
+
+def arrays(shape_text: str) -> list[Array]:
+    """The arrays of a shape (one, or the elements of a tuple), with their memory space."""
+    out = []
+    for dtype, dims, layout in _ARRAY.findall(shape_text):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        out.append(Array(dtype, tuple(int(d) for d in dims.split(",") if d), int(space.group(1)) if space else 0))
+    return out
+
+
+def _matching(text: str, start: int) -> int:
+    """Index of the bracket closing the one at `start` (any of (), [], {})."""
+    depth = 0
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return len(text) - 1
+
+
+@dataclasses.dataclass
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    root: bool = False
+
+    def attr(self, key: str) -> str | None:
+        """The raw value of `key=...` (up to the next top-level comma)."""
+        m = re.search(r"(?:^|, )" + re.escape(key) + r"=", self.attrs)
+        if not m:
+            return None
+        i, depth = m.end(), 0
+        for j in range(i, len(self.attrs)):
+            c = self.attrs[j]
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            elif c == "," and depth == 0:
+                return self.attrs[i:j]
+        return self.attrs[i:]
+
+    def called(self) -> list[str]:
+        """Computations this instruction calls (fusion bodies, loop bodies, branches, ...)."""
+        out = []
+        for key in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation"):
+            value = self.attr(key)
+            if value:
+                out += [v.strip().lstrip("%") for v in value.strip("{}").split(",")]
+        branches = self.attr("branch_computations")
+        if branches:
+            out += [v.strip().lstrip("%") for v in branches.strip("{}").split(",")]
+        return out
+
+
+def _parse_instruction(line: str) -> Instruction | None:
+    m = _NAME_EQ.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # tuple shape
+        end = _matching(rest, 0)
+        shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = _OPCODE.match(rest)
+    if not op:
+        return None
+    open_at = op.end() - 1
+    close = _matching(rest, open_at)
+    listed = re.sub(r"/\*.*?\*/", "", rest[open_at + 1:close])  # /*index=5*/ markers
+    operands = [o.strip().split(" ")[-1].lstrip("%") for o in listed.split(",") if o.strip()]
+    attrs = rest[close + 1:].lstrip(", ")
+    return Instruction(m.group(2), shape, op.group(1), operands, attrs, root=bool(m.group(1)))
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, collective_permute, ...
+    axes: tuple[str, ...]
+    group_size: int
+    operand_bytes: float  # per execution, per device (all operands of a combined collective)
+    dtype: str
+    executions: int  # per step (loop trip counts multiplied)
+    is_async: bool
+    overlapped_ops: int  # compute instructions scheduled between start and done
+    overlapped_flops: float  # their matmul FLOPs, per execution
+    computation: str
+    name: str
+
+
+class Module:
+    """A parsed HLO module: computations (instructions in schedule order) and execution counts."""
+
+    def __init__(self, text: str):
+        self.computations: dict[str, list[Instruction]] = {}
+        self.entry = None
+        current = None
+        for line in text.splitlines():
+            header = _HEADER.match(line)
+            if header:
+                current = header.group(2)
+                self.computations[current] = []
+                if header.group(1):
+                    self.entry = current
+                continue
+            if line.startswith("}"):
+                current = None
+                continue
+            if current is not None:
+                inst = _parse_instruction(line)
+                if inst is not None:
+                    self.computations[current].append(inst)
+        self.by_name = {c: {i.name: i for i in insts} for c, insts in self.computations.items()}
+        self.unknown_trip_counts = 0
+        self.fused: set[str] = set()  # computations inlined into one kernel (fusion bodies, regions)
+        self.executions = self._executions()
+
+    # -- execution counts
+    def _constant(self, computation: str, name: str) -> int | None:
+        inst = self.by_name[computation].get(name)
+        if inst is None or inst.opcode != "constant" or len(inst.operands) != 1:
+            return None
+        try:
+            return int(inst.operands[0])
+        except ValueError:
+            return None
+
+    def trip_count(self, computation: str, loop: Instruction) -> int | None:
+        """Iterations of a while loop whose condition is `i < N` (i from a constant init, step 1),
+        or `known_trip_count` where the compiler wrote it."""
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', loop.attrs)
+        if known:
+            return int(known.group(1))
+        cond = (loop.attr("condition") or "").lstrip("%")
+        insts = self.by_name.get(cond, {})
+        root = next((i for i in self.computations.get(cond, []) if i.root), None)
+        if root is None or root.opcode != "compare" or len(root.operands) != 2:
+            return None
+        direction = root.attr("direction")
+        a, b = (insts.get(o) for o in root.operands)
+        if a is None or b is None:
+            return None
+        if a.opcode == "constant" and b.opcode == "get-tuple-element":
+            a, b = b, a
+            direction = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}.get(direction, direction)
+        if a.opcode != "get-tuple-element" or b.opcode != "constant":
+            return None
+        limit = self._constant(cond, b.name)
+        index = int(a.attr("index") or 0)
+        init = 0
+        tuple_init = self.by_name[computation].get(loop.operands[0]) if loop.operands else None
+        if tuple_init is not None and tuple_init.opcode == "tuple" and index < len(tuple_init.operands):
+            value = self._constant(computation, tuple_init.operands[index])
+            init = 0 if value is None else value
+        if limit is None:
+            return None
+        if direction == "LT":
+            return max(limit - init, 0)
+        if direction == "LE":
+            return max(limit - init + 1, 0)
+        return None
+
+    def _executions(self) -> dict[str, int]:
+        """Executions per step of each computation reachable from the entry."""
+        counts: dict[str, int] = {}
+
+        def visit(comp: str, times: int):
+            if comp not in self.computations:
+                return
+            counts[comp] = counts.get(comp, 0) + times
+            for inst in self.computations[comp]:
+                if inst.opcode == "while":
+                    trip = self.trip_count(comp, inst)
+                    if trip is None:
+                        self.unknown_trip_counts += 1
+                        trip = 1
+                    visit((inst.attr("body") or "").lstrip("%"), times * trip)
+                else:
+                    for callee in inst.called():
+                        if inst.opcode in ("all-reduce", "reduce-scatter", "reduce", "sort", "scatter",
+                                           "reduce-window", "select-and-scatter", "map"):
+                            self.fused.add(callee)
+                            continue  # reduction regions: scalar code, not program structure
+                        if inst.opcode == "fusion":
+                            self.fused.add(callee)
+                        visit(callee, times)
+
+        if self.entry:
+            visit(self.entry, 1)
+        return counts
+
+    # -- FLOPs
+    def instruction_flops(self, comp: str, inst: Instruction) -> float:
+        """Matmul FLOPs of one execution of `inst` (a dot, a convolution, a Pallas call with a cost
+        estimate); 0 for anything else."""
+        if inst.opcode == "dot":
+            out = arrays(inst.shape)[0]
+            lhs = self._operand_array(comp, inst, 0)
+            if lhs is None:
+                return 0.0
+            contracting = [int(d) for d in (inst.attr("lhs_contracting_dims") or "{}").strip("{}").split(",") if d]
+            return 2.0 * math.prod(out.dims) * math.prod(lhs.dims[d] for d in contracting)
+        if inst.opcode == "convolution":
+            return self._convolution_flops(comp, inst)
+        if inst.opcode == "custom-call":
+            m = re.search(r'"flops":\s*"?(\d+)', inst.attrs)
+            return float(m.group(1)) if m else 0.0
+        return 0.0
+
+    def _operand_array(self, comp: str, inst: Instruction, i: int) -> Array | None:
+        if i >= len(inst.operands):
+            return None
+        src = self.by_name[comp].get(inst.operands[i])
+        if src is None:
+            return None
+        found = arrays(src.shape)
+        return found[0] if found else None
+
+    def _convolution_flops(self, comp: str, inst: Instruction) -> float:
+        """2 x the multiply-adds that land on real (not padded, not dilated-hole) inputs, as XLA's
+        HloCostAnalysis counts them."""
+        lhs, rhs = self._operand_array(comp, inst, 0), self._operand_array(comp, inst, 1)
+        out = arrays(inst.shape)[0]
+        labels = inst.attr("dim_labels")
+        if lhs is None or rhs is None or not labels:
+            return 0.0
+        lhs_l, rest = labels.split("_", 1)
+        rhs_l, out_l = rest.split("->")
+        spatial = sorted(c for c in lhs_l if c.isdigit())
+        window = _window(inst.attr("window") or "", len(spatial))
+        counts = []
+        for s, w in zip(spatial, window):
+            counts.append(_valid_positions(lhs.dims[lhs_l.index(s)], rhs.dims[rhs_l.index(s)],
+                                           out.dims[out_l.index(s)], **w))
+        groups = int(inst.attr("feature_group_count") or 1)
+        batch_groups = int(inst.attr("batch_group_count") or 1)
+        fma = (lhs.dims[lhs_l.index("f")] // groups) * out.dims[out_l.index("f")] \
+            * (lhs.dims[lhs_l.index("b")] // batch_groups) * math.prod(counts)
+        return 2.0 * fma
+
+    def matmul_flops(self) -> float:
+        """Matmul FLOPs of one step: every dot and convolution (inside fusions too), times the
+        executions of its computation."""
+        total = 0.0
+        for comp, times in self.executions.items():
+            for inst in self.computations[comp]:
+                total += times * self.instruction_flops(comp, inst)
+        return total
+
+    def _flops_of(self, comp: str, inst: Instruction) -> float:
+        """Matmul FLOPs of one execution of `inst` including the computations it calls."""
+        total = self.instruction_flops(comp, inst)
+        if inst.opcode == "while":
+            return total  # a loop between a start and a done: counted without its trip count
+        for callee in inst.called():
+            for sub in self.computations.get(callee, []):
+                total += self._flops_of(callee, sub)
+        return total
+
+    # -- memory traffic
+    _NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+                   "conditional", "call", "after-all", "partition-id", "replica-id", "copy-done",
+                   "async-start", "async-done", "async-update", "opt-barrier"}
+    _SLICING = {"dynamic-slice", "slice", "gather"}
+
+    def _hbm(self, shape_text: str) -> float:
+        return sum(a.bytes for a in arrays(shape_text) if a.memory_space == 0)
+
+    def _kernel_traffic(self, comp: str, inst: Instruction) -> float:
+        """HBM bytes one execution of a kernel moves, as XLA's cost analysis counts them: its
+        results written and its operands read, except that an operand only sliced (dynamic-slice,
+        slice, gather) costs the slices, and a result updated in place (a dynamic-update-slice into
+        an operand: the layer scan's stacked buffers) costs the update, not the buffer."""
+        names = self.by_name[comp]
+        operands = [names.get(o) for o in inst.operands]
+        if inst.opcode == "dynamic-update-slice":
+            return 2 * self._hbm(operands[1].shape) if len(operands) > 1 and operands[1] is not None else 0.0
+        if inst.opcode in self._SLICING:
+            return 2 * self._hbm(inst.shape)
+        body = self.computations.get((inst.attr("calls") or "").lstrip("%"), []) if inst.opcode == "fusion" else []
+        if not body:
+            return self._hbm(inst.shape) + sum(self._hbm(o.shape) for o in operands if o is not None)
+        fused = {b.name: b for b in body}
+        through = lambda b: through(fused[b.operands[0]]) if b.opcode == "bitcast" and b.operands[0] in fused else b
+        root = next(b for b in body if b.root)
+        outputs = [fused[o] for o in root.operands if o in fused] if root.opcode == "tuple" else [root]
+        written, in_place = 0.0, set()
+        for out in outputs:
+            target = through(out)
+            if target.opcode == "dynamic-update-slice" and len(target.operands) > 1:
+                buffer = through(fused[target.operands[0]]) if target.operands[0] in fused else None
+                if buffer is not None and buffer.opcode == "parameter":
+                    in_place.add(buffer.name)
+                update = fused.get(target.operands[1])
+                if update is not None and self._hbm(out.shape):
+                    written += 2 * sum(a.bytes for a in arrays(update.shape))
+                continue
+            written += self._hbm(out.shape)
+        read = 0.0
+        for k, src in enumerate(operands):
+            param = next((b for b in body if b.opcode == "parameter" and b.operands == [str(k)]), None)
+            if src is None or (param is not None and param.name in in_place):
+                continue
+            read += self._operand_read(body, param, src)
+        return written + read
+
+    def _operand_read(self, body, param, src: Instruction) -> float:
+        """Bytes read of a kernel operand: the slices taken of it when the fusion only slices it."""
+        full = self._hbm(src.shape)
+        if param is None or full == 0:
+            return full
+        frontier, users = [param.name], []
+        while frontier:  # users, looking through bitcasts
+            name = frontier.pop()
+            for b in body:
+                if name in b.operands:
+                    if b.opcode == "bitcast":
+                        frontier.append(b.name)
+                    else:
+                        users.append((b, name))
+        if users and all(u.opcode in self._SLICING and u.operands[0] == name for u, name in users):
+            return min(full, sum(sum(a.bytes for a in arrays(u.shape)) for u, _ in users))
+        return full
+
+    def hbm_bytes(self) -> float:
+        """HBM traffic of one step, estimated as XLA's cost analysis does for a fused program:
+        every kernel (fusion, or an unfused instruction) reads its operands and writes its
+        result once (sliced operands and in-place updates at their real size, `_kernel_traffic`);
+        arrays the layout places in on-chip memory (S(n), n > 0) are not counted; asynchronous
+        copies count their HBM side; loop trip counts applied."""
+        total = 0.0
+        for comp, times in self.executions.items():
+            if comp in self.fused:
+                continue
+            names = self.by_name[comp]
+            for inst in self.computations[comp]:
+                if inst.opcode in self._NO_TRAFFIC or (inst.opcode.endswith("-done")):
+                    continue
+                if inst.opcode == "copy-start":  # a prefetch into (or eviction out of) on-chip memory
+                    src = names.get(inst.operands[0]) if inst.operands else None
+                    dst = arrays(inst.shape)[:1]
+                    total += times * ((self._hbm(src.shape) if src is not None else 0.0)
+                                      + sum(a.bytes for a in dst if a.memory_space == 0))
+                    continue
+                if inst.opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                   "collective-permute") or inst.opcode.endswith("-start"):
+                    continue  # the wire, not HBM bandwidth, bounds a collective
+                total += times * self._kernel_traffic(comp, inst)
+        return total
+
+    # -- collectives
+    def collectives(self, mesh_sizes: dict) -> list[Collective]:
+        """Every collective of the step: kind, mesh axes, bytes, executions, and for asynchronous
+        ones (`*-start`/`*-done`, `async-start` wrapping a collective) what is scheduled between."""
+        out = []
+        for comp, times in self.executions.items():
+            insts = self.computations[comp]
+            position = {inst.name: k for k, inst in enumerate(insts)}
+            for k, inst in enumerate(insts):
+                kind, body = self._collective_kind(inst)
+                if kind is None:
+                    continue
+                if kind == "all_reduce" and comp.startswith("all-reduce-scatter"):
+                    # XLA TPU's reduce-scatter emitter: all-reduce + dynamic-slice fused into one
+                    # kernel that moves a reduce-scatter's bytes
+                    kind = "reduce_scatter"
+                done = self._done_of(insts, k, inst)
+                between = insts[k + 1:position[done]] if done is not None else []
+                compute = [b for b in between if b.opcode in _COMPUTE]
+                source = body or inst
+                operand_bytes, dtype = self._operand_bytes(comp, inst)
+                axes, size = _group(source, mesh_sizes)
+                out.append(Collective(kind, axes, size, operand_bytes, dtype, times, done is not None,
+                                      len(compute), sum(self._flops_of(comp, b) for b in compute),
+                                      comp, inst.name))
+        return out
+
+    def _collective_kind(self, inst: Instruction):
+        op = inst.opcode
+        if op.endswith("-done"):
+            return None, None
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if base in COLLECTIVE_KINDS:
+            return COLLECTIVE_KINDS[base], None
+        if op == "async-start":
+            for callee in inst.called():
+                for sub in self.computations.get(callee, []):
+                    if sub.opcode in COLLECTIVE_KINDS:
+                        return COLLECTIVE_KINDS[sub.opcode], sub
+        return None, None
+
+    @staticmethod
+    def _done_of(insts, k, start):
+        if not (start.opcode.endswith("-start")):
+            return None
+        for later in insts[k + 1:]:
+            if later.opcode.endswith("-done") and start.name in later.operands:
+                return later.name
+        return None
+
+    def _operand_bytes(self, comp: str, inst: Instruction) -> tuple[float, str]:
+        total, dtype = 0.0, ""
+        for name in inst.operands:
+            src = self.by_name[comp].get(name)
+            if src is None:
+                continue
+            for a in arrays(src.shape):
+                total += a.bytes
+                dtype = dtype or a.dtype
+        return total, dtype
+
+
+def _window(text: str, n: int) -> list[dict]:
+    """Per spatial dimension: size, stride, padding, base (lhs) and window (rhs) dilation."""
+    fields = dict(re.findall(r"(\w+)=([^ ]+)", text.strip("{}")))
+
+    def split(key, default, cast=int):
+        if key not in fields:
+            return [default] * n
+        return [cast(v) for v in fields[key].split("x")]
+
+    pads = [tuple(int(p) for p in v.split("_")) for v in fields["pad"].split("x")] if "pad" in fields \
+        else [(0, 0)] * n
+    sizes = split("size", 1)
+    return [dict(stride=st, pad_low=p[0], base_dilation=bd, window_dilation=wd)
+            for _, st, p, bd, wd in zip(sizes, split("stride", 1), pads, split("lhs_dilate", 1),
+                                        split("rhs_dilate", 1))]
+
+
+def _valid_positions(n_in: int, n_kernel: int, n_out: int, *, stride: int, pad_low: int,
+                     base_dilation: int, window_dilation: int) -> int:
+    """(output, kernel) index pairs of one spatial dimension that read a real input element."""
+    o = np.arange(n_out, dtype=np.int64)[None, :]
+    k = np.arange(n_kernel, dtype=np.int64)[:, None]
+    undilated = o * stride - pad_low + k * window_dilation
+    ok = (undilated % base_dilation == 0) & (undilated >= 0) & (undilated // base_dilation < n_in)
+    return int(ok.sum())
+
+
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}\}")
+
+
+def _group(inst: Instruction, mesh_sizes: dict) -> tuple[tuple[str, ...], int]:
+    """(mesh axes, devices per group) of a collective, from `replica_groups=mesh[...] {axes}`, the
+    explicit `{{0,1},...}` / iota forms (axes from the devices' mesh coordinates), or a
+    collective-permute's source-target pairs (the axes its pairs move along; group size 2)."""
+    from jaxsys.analysis.collectives import permute_axes
+    names = list(mesh_sizes)
+    m = _MESH_GROUPS.search(inst.attrs)
+    if m:
+        axes = tuple(a.strip().strip("'") for a in m.group(2).split(",") if a.strip())
+        return tuple(a for a in names if a in axes), math.prod(mesh_sizes[a] for a in axes)
+    pairs = _PAIRS.search(inst.attrs)
+    if pairs:
+        found = [tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)", "{" + pairs.group(1) + "}}")]
+        return permute_axes(found, mesh_sizes), 2
+    groups = inst.attr("replica_groups")
+    if groups and groups.startswith("{{"):
+        members = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]+)\}", groups)]
+        if members:
+            pairs = [(g[0], x) for g in members for x in g[1:]]
+            return permute_axes(pairs, mesh_sizes), len(members[0])
+    iota = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", groups or "")
+    if iota:  # [groups, size]<=[dims]T(perm): iota over dims, transposed, split into groups
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+        members = ids.reshape(int(iota.group(1)), int(iota.group(2)))
+        pairs = [(int(g[0]), int(x)) for g in members for x in g[1:]]
+        return permute_axes(pairs, mesh_sizes), members.shape[1]
+    return (), math.prod(mesh_sizes.values())
+
+
+def parse(text: str) -> Module:
+    return Module(text)
+
+
+def dump_json(collectives: list[Collective]) -> str:
+    return json.dumps([dataclasses.asdict(c) for c in collectives])
