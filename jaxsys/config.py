@@ -371,9 +371,11 @@ def validate(config, num_devices: int | None = None) -> None:
              f"config.model.layer_pattern={m.layer_pattern!r} with config.model.mlp_pattern="
              f"{m.mlp_pattern!r}")
     _validate_moe(config)
-    _require(m.attention_block >= 8 and m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,
-             "config.model.attention_block must be >= 8 and config.model.linear_chunk a positive "
-             "multiple of 8")
+    _require(m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
+             f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
+             "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)")
+    _require(m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,
+             f"config.model.linear_chunk={m.linear_chunk} must be a positive multiple of 8")
     for key in ("param_dtype", "compute_dtype"):
         _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
 
@@ -534,11 +536,6 @@ def _validate_pipeline(config) -> None:
     else:
         _require(v == 1, f"config.train.virtual_stages={v} needs config.train.pipeline_schedule="
                  f"'interleaved_1f1b' (got {t.pipeline_schedule!r})")
-    _require(config.mesh.seq == 1 or m.context_parallel == "allgather",
-             f"config.model.context_parallel={m.context_parallel!r} with config.mesh.pipe={p}: the "
-             "ring's collective-permutes would run inside the per-stage branches of the pipeline, "
-             "where XLA:CPU pairs them wrongly (the loss came out wrong); use 'allgather' with a "
-             "pipeline")
     if config.parallel.vocab_parallel:
         shards = p * math.prod(config.mesh[a] for a in axes_of(config.sharding.params.vocab))
         _require(m.vocab_size % shards == 0,

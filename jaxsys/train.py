@@ -247,6 +247,13 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     if config.model.attention_impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
                           f"{platform}: use 'pallas' or 'reference'")
+    if (config.mesh.pipe > 1 and config.mesh.seq > 1 and config.model.context_parallel != "allgather"
+            and platform not in ("tpu", "gpu")):
+        raise ConfigError(
+            f"config.model.context_parallel={config.model.context_parallel!r} with config.mesh.pipe="
+            f"{config.mesh.pipe} on {platform}: the ring's collective-permutes run inside the per-stage "
+            "branches of the pipeline, where XLA:CPU pairs them wrongly (the loss came out wrong); use "
+            "'allgather' with a pipeline here (TPU and GPU compile it: docs/pipeline.md)")
     if config.parallel.expert_dispatch == "ragged" and platform not in ("gpu", "tpu"):
         raise ConfigError(f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
                           f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'")

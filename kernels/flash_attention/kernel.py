@@ -25,6 +25,12 @@ padded queries carry dO = 0 and are sliced off, so they add nothing to dk/dv.
 
 Empty rows (nothing visible, e.g. a query whose segment has no keys in this block) give o = 0 and
 lse = -inf and contribute nothing to the gradients; no NaN is produced on the way.
+
+Platforms. The kernels here are the "generic" variant (interpret mode on CPU, Triton on GPU); TPUs
+get kernel_tpu.py's Mosaic variant. The public functions choose per lowering platform with
+`lax.platform_dependent` (every branch is traced, only the one for the platform being lowered
+for is lowered), so a program jitted on a CPU host and lowered ahead of time for TPU devices gets
+the Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (see `_plan`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import kernel_tpu
 from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward"]
@@ -345,35 +352,73 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, block_q, block_k,
-             block_q_bwd, block_k_bwd, interpret):
-    """Validate, resolve defaults and build the static config."""
+BACKENDS = ("generic", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which kernel runs where: (platforms, variant, config) per branch of lax.platform_dependent;
+    platforms None is the default branch. Static, hashable: the custom_vjp's static argument."""
+    branches: tuple
+
+
+def _plan(backend, interpret, generic_cfg, tpu_cfg) -> _Plan:
+    """backend None (auto): interpret=None -> generic interpreted when lowered for CPU, Mosaic on
+    TPU, generic compiled (Triton) elsewhere; interpret=False -> Mosaic on TPU, Triton elsewhere;
+    interpret=True -> generic interpreted everywhere. backend "generic" / "tpu": that variant only,
+    interpreted on CPU when interpret=None."""
+    g = lambda interp: ("generic", dataclasses.replace(generic_cfg, interpret=interp))
+    t = lambda interp: ("tpu", dataclasses.replace(tpu_cfg, interpret=interp))
+    if backend is None:
+        if interpret is None:
+            return _Plan(((("cpu",), *g(True)), (("tpu",), *t(False)), (None, *g(False))))
+        if interpret:
+            return _Plan(((None, *g(True)),))
+        return _Plan(((("tpu",), *t(False)), (None, *g(False))))
+    make = g if backend == "generic" else t
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    if not interpret and jax.default_backend() == "tpu":
-        raise NotImplementedError(
-            "flash_attention has no TPU lowering yet: its [B, T, N, H] blocks squeeze the head axis "
-            "next to the minor one, which Mosaic TPU rejects (last two block dims must be "
-            "multiples of (8, 128)); use interpret=True or the reference (see "
-            "docs/kernels_flash_attention.md)")
+        return _Plan(((("cpu",), *make(True)), (None, *make(False))))
+    return _Plan(((None, *make(bool(interpret))),))
+
+
+def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, block_q, block_k,
+             block_q_bwd, block_k_bwd, interpret, backend):
+    """Validate, resolve defaults and build the static plan."""
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be None (chosen by platform) or one of {BACKENDS}; "
+                         f"got backend={backend!r}")
+    if interpret is None:
+        compiled_here = jax.default_backend() != "cpu"
+    else:
+        compiled_here = not interpret
     check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
                  kv_segment_ids=kv_segment_ids,
-                 head_dims=INTERPRET_HEAD_DIMS if interpret else KERNEL_HEAD_DIMS)
+                 head_dims=KERNEL_HEAD_DIMS if compiled_here else INTERPRET_HEAD_DIMS)
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
     t, s, h = q.shape[1], k.shape[1], q.shape[3]
     block_q_bwd = block_q if block_q_bwd is None else block_q_bwd
     block_k_bwd = block_k if block_k_bwd is None else block_k_bwd
-    cfg = _Config(scale=float(h ** -0.5 if softmax_scale is None else softmax_scale),
-                  causal=bool(causal), block_q=_block_size(block_q, t, "block_q"),
-                  block_k=_block_size(block_k, s, "block_k"),
-                  bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
-                  bwd_block_k=_block_size(block_k_bwd, s, "block_k_bwd"),
-                  interpret=bool(interpret))
+    scale = float(h ** -0.5 if softmax_scale is None else softmax_scale)
+    generic_cfg = tpu_cfg = None
+    if backend != "tpu":  # Triton's tile rules (powers of two >= 16)
+        generic_cfg = _Config(scale=scale, causal=bool(causal),
+                              block_q=_block_size(block_q, t, "block_q"),
+                              block_k=_block_size(block_k, s, "block_k"),
+                              bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
+                              bwd_block_k=_block_size(block_k_bwd, s, "block_k_bwd"),
+                              interpret=True)
+    if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused)
+        tpu_cfg = kernel_tpu.TpuConfig(scale=scale, causal=bool(causal),
+                                       block_q=kernel_tpu.tile(block_q, t, "block_q"),
+                                       block_k=kernel_tpu.tile(block_k, s, "block_k"),
+                                       bwd_block_q=kernel_tpu.tile(block_q_bwd, t, "block_q_bwd"),
+                                       bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
+                                       interpret=True)
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-    return cfg, q_segment_ids, kv_segment_ids
+    return _plan(backend, interpret, generic_cfg, tpu_cfg), q_segment_ids, kv_segment_ids
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
@@ -405,20 +450,35 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
+_VARIANTS = {"generic": (_forward, _backward), "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
+
+
+def _dispatch(plan: _Plan, which: int, *args):
+    """Run the forward (which=0) or backward (1) of the plan's variant for the platform lowered
+    for. Every branch is traced; only the lowering platform's branch is lowered."""
+    fns = [(platforms, functools.partial(_VARIANTS[variant][which], cfg=cfg))
+           for platforms, variant, cfg in plan.branches]
+    if len(fns) == 1:
+        return fns[0][1](*args)
+    per_platform = {p: fn for platforms, fn in fns if platforms for p in platforms}
+    default = next((fn for platforms, fn in fns if platforms is None), None)
+    return lax.platform_dependent(*args, default=default, **per_platform)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, cfg: _Config):
-    return _forward(q, k, v, q_seg, kv_seg, cfg)
+def _flash(q, k, v, q_seg, kv_seg, plan: _Plan):
+    return _dispatch(plan, 0, q, k, v, q_seg, kv_seg)
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
-    o, lse = _forward(q, k, v, q_seg, kv_seg, cfg)
+def _flash_fwd(q, k, v, q_seg, kv_seg, plan: _Plan):
+    o, lse = _dispatch(plan, 0, q, k, v, q_seg, kv_seg)
     return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
 
 
-def _flash_bwd(cfg: _Config, residuals, cotangents):
+def _flash_bwd(plan: _Plan, residuals, cotangents):
     q, k, v, q_seg, kv_seg, o, lse = residuals
     do, dlse = cotangents  # dlse is zeros when the caller did not use lse
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg)
+    dq, dk, dv = _dispatch(plan, 1, q, k, v, q_seg, kv_seg, o, lse, do, dlse)
     return dq, dk, dv, None, None
 
 
@@ -430,49 +490,54 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
                     softmax_scale=None, return_lse=False, block_q=128, block_k=128,
-                    interpret=None, block_q_bwd=None, block_k_bwd=None):
+                    interpret=None, block_q_bwd=None, block_k_bwd=None, backend=None):
     """Attention over q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] (and lse[B, N, T] fp32 when
     return_lse), differentiable (custom_vjp; the lse cotangent is honoured). Same semantics as
     `reference.attention`.
 
-    block_q, block_k: forward tiles (powers of two >= 16; shrunk to the sequence for short ones).
-    block_q_bwd, block_k_bwd: backward tiles, default the forward ones. interpret=None runs the
-    kernels in interpret mode on the CPU backend and compiled (Triton) on GPU."""
-    cfg, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
-                                  softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
-                                  block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
-                                  interpret=interpret)
-    o, lse = _flash(q, k, v, q_seg, kv_seg, cfg)
+    block_q, block_k: forward tiles; block_q_bwd, block_k_bwd: backward tiles, default the forward
+    ones. The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
+    the TPU kernel rounds them up to multiples of 128 (at most the padded sequence).
+    backend: None picks by the platform the program is lowered for (Mosaic kernels on TPU, the
+    generic kernels elsewhere), "tpu" or "generic" forces one. interpret: None interprets when
+    lowered for CPU and compiles elsewhere; True / False force it (True with backend None is the
+    generic kernel interpreted everywhere)."""
+    plan, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
+                                   softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
+                                   block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
+                                   interpret=interpret, backend=backend)
+    o, lse = _flash(q, k, v, q_seg, kv_seg, plan)
     return (o, lse) if return_lse else o
 
 
 def flash_attention_forward(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
                             softmax_scale=None, block_q=128, block_k=128, interpret=None,
-                            block_q_bwd=None, block_k_bwd=None):
+                            block_q_bwd=None, block_k_bwd=None, backend=None):
     """(o, lse) for one block of attention; the building block of context parallelism.
     Differentiable like flash_attention(..., return_lse=True)."""
     return flash_attention(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
                            kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale,
                            return_lse=True, block_q=block_q, block_k=block_k, interpret=interpret,
-                           block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd)
+                           block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd, backend=backend)
 
 
 def flash_attention_backward(q, k, v, o, lse, do, dlse=None, *, causal=False, q_segment_ids=None,
                              kv_segment_ids=None, softmax_scale=None, block_q=128, block_k=128,
-                             interpret=None):
+                             interpret=None, backend=None):
     """(dq, dk, dv) of attention given the output o[B, T, N, H], its lse[B, N, T] and the
     cotangents do (and dlse, optional). Only P = exp(s - lse) is recomputed, so with the *final*
     o and lse of a longer attention (e.g. merged over ring steps) and a block of its keys, the
     results are that block's contributions to dq, dk, dv: summing them over the blocks gives the
     gradients of the whole. Returned in the dtypes of q, k, v. block_q, block_k are the tiles of
-    the backward kernels here."""
-    cfg, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
-                                  softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
-                                  block_q_bwd=None, block_k_bwd=None, interpret=interpret)
+    the backward kernels here; backend and interpret as in flash_attention."""
+    plan, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
+                                   softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
+                                   block_q_bwd=None, block_k_bwd=None, interpret=interpret,
+                                   backend=backend)
     b, t, n, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape:
         raise ValueError(f"o and do must have q's shape {q.shape}; got o{o.shape}, do{do.shape}")
     if lse.shape != (b, n, t) or (dlse is not None and dlse.shape != (b, n, t)):
         raise ValueError(f"lse and dlse must have shape [B, N, T] = {(b, n, t)}; got "
                          f"lse{lse.shape}, dlse{None if dlse is None else dlse.shape}")
-    return _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg)
+    return _dispatch(plan, 1, q, k, v, q_seg, kv_seg, o, lse, do, dlse)
