@@ -151,8 +151,8 @@ def _known_text() -> str:
     sizes = {gen: ", ".join(str(c * (2 if chip.megacore else 1)) for c in chip.shapes)
              for gen, chip in CHIPS.items()}
     return ("; ".join(f"{gen}-N for N in {{{s}}}" for gen, s in sizes.items())
-            + "; or a topology such as v5p:4x4x8 or v6e:4x4; GPUs: " + ", ".join(GPUS)
-            + "-N for N GPUs (1, 2, 4, or a multiple of 8: N/8 nodes of 8)")
+            + "; or a topology such as v5p:4x4x8 or v6e:4x4; GPUs: "
+            + ", ".join(f"{g}-N" for g in GPUS) + " for N GPUs (1, 2, 4, or a multiple of 8: N/8 nodes of 8)")
 
 
 def parse(name: str, slices: int = 1) -> Target:
@@ -177,7 +177,7 @@ def parse(name: str, slices: int = 1) -> Target:
     gen_name = _ALIASES.get(gen_name, gen_name)
     chip = CHIPS.get(gen_name)
     if chip is None:
-        raise ConfigError(f"unknown TPU target {name!r}: known targets are {_known_text()}")
+        raise ConfigError(f"unknown target {name!r}: known targets are {_known_text()}")
     if topo:
         dims = topo.group(2).split("x")
         if len(dims) != chip.torus_dims:
@@ -301,8 +301,11 @@ def devices(target: Target) -> list:
     # chips; compile-only processes share none, and tests run several at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
+    dims = [int(d) for d in target.topology.split(":")[1].split("x")] + [1]
+    # hosts of 2x2x1 chips (Cloud's VM shapes); a smaller slice is one host
+    bounds = tuple(min(b, d) for b, d in zip((2, 2, 1), dims[:3]))
     kwargs = dict(chip_config_name="megacore" if target.chip.megacore else "default",
-                  chips_per_host_bounds=(2, 2, 1), num_slices=target.slices)
+                  chips_per_host_bounds=bounds, num_slices=target.slices)
     try:
         with quiet_libtpu():
             return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
