@@ -154,6 +154,19 @@ def _tpu_cluster():
     return None
 
 
+def cpu_unless_accelerator() -> None:
+    """Use the CPU backend when this machine has no TPU chip and no NVIDIA GPU, unless the user chose
+    platforms (JAX_PLATFORMS): with libtpu or the CUDA plugin installed for ahead-of-time analysis
+    (`pip install -e '.[tpu,gpu-aot]'`), JAX would otherwise spend seconds probing for a TPU and
+    print the plugins' start-up errors before falling back to the CPU. Call before any device work."""
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    from jax._src import hardware_utils
+    tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    if tpu_chips == 0 and not hardware_utils.has_visible_nvidia_gpu():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def make_mesh(config, devices=None) -> Mesh:
     """The mesh of `config.mesh`, over all devices of all processes, axis order MESH_AXES
     (slow outer links first, fast inner ones last). Validates the config against the device count

@@ -35,7 +35,7 @@ from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, load_config, validate
-from jaxsys.mesh import make_mesh, maybe_initialize_distributed
+from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
@@ -340,6 +340,7 @@ def evaluate(program: Program, eval_fn, params, corpus) -> float:
 def main(config, workdir: str) -> list[dict]:
     """Train `config`, writing metrics.jsonl, TensorBoard events and config.json to `workdir`.
     Returns the logged records."""
+    cpu_unless_accelerator()
     maybe_initialize_distributed(config.distributed)
     validate(config)
     corpus = data_lib.load_corpus(config.data)
