@@ -40,7 +40,8 @@ CASES = {  # name: (config, target, overrides)
                                       ["--slices=2", "--config.mesh.data=2", "--config.dcn.data=2"]),
     "mixtral_8x7b-ep8-fsdp4": ("configs/mixtral_8x7b.py", "v5p-64", []),
     "mixtral_8x7b-ep8-fsdp4-capacity": ("configs/mixtral_8x7b.py:capacity", "v5p-64", []),
-    "llama_1b-fsdp16": ("configs/llama_1b.py", "v5e-16", []),
+    "llama_1b-fsdp16": ("configs/llama_1b.py", "v5e-16", []),  # remat dots: does not fit 16 GiB
+    "llama_1b-fsdp16-remat-full": ("configs/llama_1b.py", "v5e-16", ["--config.model.remat=full"]),
 }
 
 

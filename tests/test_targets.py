@@ -336,3 +336,42 @@ def test_what_cpu_refuses_compiles_for_gpu(name):
     config = LAYOUTS[name]()
     text = compile_on_tpu(config, targets.devices(targets.parse("h100-8"))).as_text()
     assert ("ragged-all-to-all" if "ragged" in name else "collective-permute") in text
+
+
+def test_multi_slice_dcn_collectives_are_counted_over_the_dcn_axis():
+    """Across slices the TPU compiler hands the data-parallel all-reduce to the megascale runtime
+    (host-transfer sends over DCN), asynchronous and overlapped; its bytes are the formula's."""
+    config = _config(dict(data=2, fsdp=4))
+    config.dcn.data = 2
+    r = report.analyze_target(config, targets.parse("v5p:2x2x1", slices=2), jax.devices(), flops=False)
+    rows = [row for row in r["target"]["collectives"] if row["axes"] == ["data"] and not row["scalar"]]
+    assert rows and all(row["kind"] == "all_reduce" and row["async"] == row["count"] for row in rows)
+    formula = report.by_kind_axes(r["collectives_formula"])[("all_reduce", ("data",))][1]
+    assert sum(row["bytes"] for row in rows) == pytest.approx(formula, rel=1e-3)
+
+
+BRANCHES = """HloModule b
+
+%light (x: f32[8,16]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  ROOT %n = f32[8,16]{1,0} negate(%x)
+}
+
+%heavy (x: f32[8,16]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,16]{1,0} constant({...})
+  ROOT %d = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (i: s32[], x: f32[8,16]) -> f32[8,16] {
+  %i = s32[] parameter(0)
+  %x = f32[8,16]{1,0} parameter(1)
+  ROOT %c = f32[8,16]{1,0} conditional(%i, %x, %x), branch_computations={%light, %heavy}
+}
+"""
+
+
+def test_a_conditional_costs_its_heaviest_branch():
+    module = hlo.parse(BRANCHES)
+    assert module.conditionals == 1 and "light" not in module.executions
+    assert module.matmul_flops() == 2 * 8 * 16 * 16

@@ -13,8 +13,10 @@ Two things a compiler's own summaries get wrong for a training step, and this mo
   instructions scheduled between its start and done compute; those are listed, so the analysis can
   say whether, and behind how many FLOPs, each collective hides.
 
-Conditionals (the pipeline's per-stage branches) count every branch once per execution of the
-conditional: an upper bound, as in the StableHLO count.
+Conditionals (the pipeline's per-stage branches, ring attention's block cases) count their
+heaviest branch per execution (most matmul FLOPs, then most collective bytes): in a lockstep SPMD
+program every device waits for the device that takes it. The StableHLO count, by contrast, lists
+every branch once.
 """
 
 from __future__ import annotations
@@ -225,8 +227,11 @@ class Module:
         return None
 
     def _executions(self) -> dict[str, int]:
-        """Executions per step of each computation reachable from the entry."""
+        """Executions per step of each computation reachable from the entry: a loop body the trip
+        count times; of a conditional's branches only the heaviest (`branch_cost`), which every
+        device waits for in a lockstep SPMD program."""
         counts: dict[str, int] = {}
+        self.conditionals = 0
 
         def visit(comp: str, times: int):
             if comp not in self.computations:
@@ -239,6 +244,11 @@ class Module:
                         self.unknown_trip_counts += 1
                         trip = 1
                     visit((inst.attr("body") or "").lstrip("%"), times * trip)
+                elif inst.opcode == "conditional":
+                    branches = [c for c in inst.called() if c in self.computations]
+                    if branches:
+                        self.conditionals += 1
+                        visit(max(branches, key=self.branch_cost), times)
                 else:
                     for callee in inst.called():
                         if inst.opcode in ("all-reduce", "reduce-scatter", "reduce", "sort", "scatter",
@@ -252,6 +262,34 @@ class Module:
         if self.entry:
             visit(self.entry, 1)
         return counts
+
+    def branch_cost(self, comp: str) -> tuple[float, float]:
+        """(matmul FLOPs, collective operand bytes) of one execution of `comp` with everything it
+        calls (loops by their trip counts, nested conditionals by their heaviest branch)."""
+        cache = self.__dict__.setdefault("_branch_costs", {})
+        if comp in cache:
+            return cache[comp]
+        cache[comp] = (0.0, 0.0)  # a recursion guard; HLO has no recursion
+        flops = moved = 0.0
+        for inst in self.computations.get(comp, []):
+            flops += self.instruction_flops(comp, inst)
+            if self._collective_kind(inst)[0] is not None:
+                moved += self._operand_bytes(comp, inst)[0]
+            callees = [c for c in inst.called() if c in self.computations]
+            if inst.opcode == "while":
+                body = (inst.attr("body") or "").lstrip("%")
+                f, b = self.branch_cost(body)
+                trip = self.trip_count(comp, inst) or 1
+                flops, moved = flops + trip * f, moved + trip * b
+            elif inst.opcode == "conditional" and callees:
+                f, b = max(self.branch_cost(c) for c in callees)
+                flops, moved = flops + f, moved + b
+            elif inst.opcode in ("fusion", "call", "async-start", "custom-call"):
+                for c in callees:
+                    f, b = self.branch_cost(c)
+                    flops, moved = flops + f, moved + b
+        cache[comp] = (flops, moved)
+        return cache[comp]
 
     # -- FLOPs
     def instruction_flops(self, comp: str, inst: Instruction) -> float:
@@ -413,14 +451,30 @@ class Module:
         return total
 
     # -- collectives
-    def collectives(self, mesh_sizes: dict) -> list[Collective]:
+    def collectives(self, mesh_sizes: dict, dcn: dict | None = None) -> list[Collective]:
         """Every collective of the step: kind, mesh axes, bytes, executions, and for asynchronous
-        ones (`*-start`/`*-done`, `async-start` wrapping a collective) what is scheduled between."""
+        ones (`*-start`/`*-done`, `async-start` wrapping a collective) what is scheduled between.
+        Across TPU slices the compiler hands the DCN part of a collective to the megascale runtime
+        as a host-transfer `send` (frontend attribute `_xla_megascale_transfer_type`); it is
+        counted over the mesh axes with a `dcn` factor, among the slices."""
+        dcn_axes = tuple(a for a in mesh_sizes if (dcn or {}).get(a, 1) > 1)
+        slices = math.prod((dcn or {}).get(a, 1) for a in dcn_axes)
         out = []
         for comp, times in self.executions.items():
             insts = self.computations[comp]
             position = {inst.name: k for k, inst in enumerate(insts)}
             for k, inst in enumerate(insts):
+                megascale = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs)
+                if inst.opcode == "send" and megascale:
+                    done = next((later.name for later in insts[k + 1:]
+                                 if later.opcode == "send-done" and inst.name in later.operands), None)
+                    between = insts[k + 1:position[done]] if done is not None else []
+                    compute = [b for b in between if b.opcode in _COMPUTE]
+                    operand_bytes, dtype = self._operand_bytes(comp, inst, arrays_only=True)
+                    out.append(Collective(megascale.group(1).lower(), dcn_axes, slices, operand_bytes, dtype,
+                                          times, done is not None, len(compute),
+                                          sum(self._flops_of(comp, b) for b in compute), comp, inst.name))
+                    continue
                 kind, body = self._collective_kind(inst)
                 if kind is None:
                     continue
@@ -462,11 +516,11 @@ class Module:
                 return later.name
         return None
 
-    def _operand_bytes(self, comp: str, inst: Instruction) -> tuple[float, str]:
+    def _operand_bytes(self, comp: str, inst: Instruction, arrays_only: bool = False) -> tuple[float, str]:
         total, dtype = 0.0, ""
         for name in inst.operands:
             src = self.by_name[comp].get(name)
-            if src is None:
+            if src is None or (arrays_only and src.opcode == "after-all"):  # a send's token
                 continue
             for a in arrays(src.shape):
                 total += a.bytes

@@ -267,7 +267,7 @@ def target_analysis(config, target, devices=None) -> dict:
         "fits": device_peak <= hw.hbm_bytes, "headroom_bytes": hw.hbm_bytes - device_peak,
     }
     module = hlo.parse(compiled.as_text())
-    found = module.collectives(sizes)
+    found = module.collectives(sizes, {a: int(config.dcn[a]) for a in MESH_AXES})
     cost = _cost_analysis(compiled)
     matmul = module.matmul_flops()
     traffic = module.hbm_bytes()
@@ -293,7 +293,8 @@ def target_analysis(config, target, devices=None) -> dict:
                   "cost_analysis_flops": float(cost.get("flops", 0.0)),
                   "cost_analysis_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
                   "hbm_bytes_per_chip": traffic,
-                  "unknown_trip_counts": module.unknown_trip_counts},
+                  "unknown_trip_counts": module.unknown_trip_counts,
+                  "conditionals_heaviest_branch": module.conditionals},
         "roofline": roofline,
     }
 
