@@ -67,6 +67,12 @@ def _layouts():
                                                          attention_impl="pallas", attention_block=16)
     cases["pallas-seq8-ring"] = lambda: small_config(dict(seq=8), attention_impl="pallas", attention_block=16,
                                                      context_parallel="ring")
+    cases["pallas-hybrid-data2-tensor4"] = lambda: small_config(  # both kernels, as test_attention_impl
+        dict(data=2, tensor=4), layer_pattern="linear,softmax", n_kv_heads=4, attention_impl="pallas",
+        attention_block=16, linear_chunk=16)
+    cases["pallas-hybrid-seq2-tensor2-data2-lasp2"] = lambda: small_config(
+        dict(seq=2, tensor=2, data=2), layer_pattern="linear,softmax", linear_chunk=8,
+        context_parallel="allgather", attention_impl="pallas")
     cases["pipe2-seq2-tensor2-ring"] = _ring_under_pipeline("ring")
     cases["pipe2-seq2-tensor2-tokenring"] = _ring_under_pipeline("tokenring")
     return cases

@@ -30,7 +30,7 @@ Platforms. The kernels here are the "generic" variant (interpret mode on CPU, Tr
 get kernel_tpu.py's Mosaic variant. The public functions choose per lowering platform with
 `lax.platform_dependent` (every branch is traced, only the one for the platform being lowered
 for is lowered), so a program jitted on a CPU host and lowered ahead of time for TPU devices gets
-the Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (see `_plan`).
+the Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (kernels/platforms.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .. import platforms
 from . import kernel_tpu
 from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
 
@@ -352,41 +353,10 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-BACKENDS = ("generic", "tpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Which kernel runs where: (platforms, variant, config) per branch of lax.platform_dependent;
-    platforms None is the default branch. Static, hashable: the custom_vjp's static argument."""
-    branches: tuple
-
-
-def _plan(backend, interpret, generic_cfg, tpu_cfg) -> _Plan:
-    """backend None (auto): interpret=None -> generic interpreted when lowered for CPU, Mosaic on
-    TPU, generic compiled (Triton) elsewhere; interpret=False -> Mosaic on TPU, Triton elsewhere;
-    interpret=True -> generic interpreted everywhere. backend "generic" / "tpu": that variant only,
-    interpreted on CPU when interpret=None."""
-    g = lambda interp: ("generic", dataclasses.replace(generic_cfg, interpret=interp))
-    t = lambda interp: ("tpu", dataclasses.replace(tpu_cfg, interpret=interp))
-    if backend is None:
-        if interpret is None:
-            return _Plan(((("cpu",), *g(True)), (("tpu",), *t(False)), (None, *g(False))))
-        if interpret:
-            return _Plan(((None, *g(True)),))
-        return _Plan(((("tpu",), *t(False)), (None, *g(False))))
-    make = g if backend == "generic" else t
-    if interpret is None:
-        return _Plan(((("cpu",), *make(True)), (None, *make(False))))
-    return _Plan(((None, *make(bool(interpret))),))
-
-
 def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, block_q, block_k,
              block_q_bwd, block_k_bwd, interpret, backend):
     """Validate, resolve defaults and build the static plan."""
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be None (chosen by platform) or one of {BACKENDS}; "
-                         f"got backend={backend!r}")
+    platforms.check_backend(backend)
     if interpret is None:
         compiled_here = jax.default_backend() != "cpu"
     else:
@@ -418,7 +388,7 @@ def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, b
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-    return _plan(backend, interpret, generic_cfg, tpu_cfg), q_segment_ids, kv_segment_ids
+    return platforms.plan(backend, interpret, generic_cfg, tpu_cfg), q_segment_ids, kv_segment_ids
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
@@ -453,29 +423,21 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
 _VARIANTS = {"generic": (_forward, _backward), "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
 
 
-def _dispatch(plan: _Plan, which: int, *args):
-    """Run the forward (which=0) or backward (1) of the plan's variant for the platform lowered
-    for. Every branch is traced; only the lowering platform's branch is lowered."""
-    fns = [(platforms, functools.partial(_VARIANTS[variant][which], cfg=cfg))
-           for platforms, variant, cfg in plan.branches]
-    if len(fns) == 1:
-        return fns[0][1](*args)
-    per_platform = {p: fn for platforms, fn in fns if platforms for p in platforms}
-    default = next((fn for platforms, fn in fns if platforms is None), None)
-    return lax.platform_dependent(*args, default=default, **per_platform)
+def _dispatch(plan: platforms.Plan, which: int, *args):
+    return platforms.dispatch(plan, _VARIANTS, which, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, plan: _Plan):
+def _flash(q, k, v, q_seg, kv_seg, plan: platforms.Plan):
     return _dispatch(plan, 0, q, k, v, q_seg, kv_seg)
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, plan: _Plan):
+def _flash_fwd(q, k, v, q_seg, kv_seg, plan: platforms.Plan):
     o, lse = _dispatch(plan, 0, q, k, v, q_seg, kv_seg)
     return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
 
 
-def _flash_bwd(plan: _Plan, residuals, cotangents):
+def _flash_bwd(plan: platforms.Plan, residuals, cotangents):
     q, k, v, q_seg, kv_seg, o, lse = residuals
     do, dlse = cotangents  # dlse is zeros when the caller did not use lse
     dq, dk, dv = _dispatch(plan, 1, q, k, v, q_seg, kv_seg, o, lse, do, dlse)

@@ -1,6 +1,7 @@
 """Tokens/s of the Pallas linear-attention kernel vs the pure-JAX chunked form (XLA), bf16.
 
-On a GPU (one command, from the repository root):
+On a GPU or a TPU (one command, from the repository root; `linear_attention` picks the Triton
+kernel on a GPU and the Mosaic variant of kernel_tpu.py on a TPU):
 
     python -m jaxsys.kernels.linear_attention.bench --out /tmp/linear_attention_bench.json
 
@@ -114,10 +115,10 @@ def main(argv=None):
         configs = [dict(t=64, h=16)]
         args.heads, args.tokens, args.chunk_size = 2, 64, 16
         args.warmup, args.repeats = 1, 2
-    elif backend != "gpu":
-        print(f"bench.py measures the Pallas kernel on a GPU; the backend here is '{backend}', so "
-              "there is nothing to measure. Run it on a GPU, or pass --interpret-smoke to check "
-              "that the script works.")
+    elif backend not in ("gpu", "tpu"):
+        print(f"bench.py measures the Pallas kernel on a GPU or TPU; the backend here is "
+              f"'{backend}', so there is nothing to measure. Run it on a GPU or TPU, or pass "
+              "--interpret-smoke to check that the script works.")
         return 0
     else:
         configs = [dict(t=int(t), h=int(h)) for h in args.head_dims.split(",")

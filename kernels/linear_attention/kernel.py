@@ -4,7 +4,7 @@ Computes what `reference.recurrent` defines (see reference.py for the math):
 
     S_t = gamma * S_{t-1} + k_t^T v_t,   o_t = scale * q_t S_t,   gamma = exp(log_decay) per head.
 
-Design (one source for interpret mode on CPU, Triton on GPU, Mosaic on TPU; generic pallas_call):
+Design of the generic variant (interpret mode on CPU, Triton on GPU; generic pallas_call):
 
 * grid = (B, N, Hv // block_v), every axis parallel. Value columns of the state are independent
   (o[:, j] depends only on S[:, j] and v[:, j]), so splitting Hv into block_v tiles is exact in the
@@ -33,8 +33,18 @@ fp32 inputs get IEEE fp32 matmuls (Precision.HIGHEST). Padding of T to a multipl
 end with zeros and decay 1 (log-decay 0) on padded positions, so final_state is the state after the
 T real tokens (reference.chunked uses the same rule).
 
+Platforms. The kernels here are the "generic" variant; TPUs get kernel_tpu.py's Mosaic variant
+(heads-major blocks, chunks on an "arbitrary" grid axis with the state in VMEM scratch), because
+the generic blocks squeeze the head axis next to the minor dims, which Mosaic rejects, and hold
+the whole sequence in VMEM. `linear_attention` chooses per lowering platform with
+`lax.platform_dependent` (every branch is traced, only the one for the platform being lowered for
+is lowered), so a program jitted on a CPU host and lowered ahead of time for TPU devices gets the
+Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (kernels/platforms.py). Both
+variants return the same values and dtypes; the custom_vjp and the d log_decay identity here are
+shared.
+
 Differentiable: q, k, v, initial_state, log_decay (and the cotangent of final_state is accepted).
-Static (not differentiable): scale, chunk_size, block_v, interpret.
+Static (not differentiable): scale, chunk_size, block_v, block_t, interpret, backend.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
+from .. import platforms
+from . import kernel_tpu
 
 F32 = jnp.float32
 
@@ -271,33 +284,63 @@ def _pad_t(x, tp):
 
 
 # ----------------------------------------------------------------------------------------------
-# custom_vjp core: all array arguments present (s0 zeros / ld zeros when the caller gave None).
+# The generic variant on unpadded [B, T, N, *] arrays (kernel_tpu.forward / backward have the same
+# signatures and return the same shapes and dtypes).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _linear_attention(q, k, v, s0, ld, cfg: _Cfg):
-    out, _ = _la_fwd(q, k, v, s0, ld, cfg)
-    return out
-
-
-def _la_fwd(q, k, v, s0, ld, cfg: _Cfg):
+def _generic_forward(q, k, v, s0, ld, cfg: _Cfg):
+    """(o [B, T, N, Hv] in q's dtype, final_state [B, N, H, Hv] fp32)."""
     t = q.shape[1]
     tp = -(-t // cfg.chunk) * cfg.chunk
     o, st = _forward_call(_pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), s0, ld, cfg, t)
-    return (o[:, :t], st), (q, k, v, s0, ld, st)
+    return o[:, :t], st
 
 
-def _la_bwd(cfg: _Cfg, res, cts):
-    q, k, v, s0, ld, st = res
-    do, dst = cts
+def _generic_backward(q, k, v, s0, ld, do, dst, cfg: _Cfg):
+    """(dq, dk fp32 [B, T, N, H], dv [B, T, N, Hv] in v's dtype, d initial_state fp32)."""
     t = q.shape[1]
     tp = -(-t // cfg.chunk) * cfg.chunk
     dq_p, dk_p, dv, ds0 = _backward_call(
         _pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), s0, ld, _pad_t(do.astype(q.dtype), tp),
         dst.astype(F32), cfg, t)
-    dq32 = jnp.sum(dq_p, axis=0)[:, :t]
-    dk32 = jnp.sum(dk_p, axis=0)[:, :t]
-    if cfg.has_decay:
+    return jnp.sum(dq_p, axis=0)[:, :t], jnp.sum(dk_p, axis=0)[:, :t], dv[:, :t], ds0
+
+
+_VARIANTS = {"generic": (_generic_forward, _generic_backward),
+             "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The custom_vjp's static argument: the platform plan, and whether there is a decay."""
+    plan: platforms.Plan
+    has_decay: bool
+
+
+def _dispatch(static: _Static, which: int, *args):
+    return platforms.dispatch(static.plan, _VARIANTS, which, *args)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp core: all array arguments present (s0 zeros / ld zeros when the caller gave None).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _linear_attention(q, k, v, s0, ld, static: _Static):
+    return _dispatch(static, 0, q, k, v, s0, ld)
+
+
+def _la_fwd(q, k, v, s0, ld, static: _Static):
+    o, st = _dispatch(static, 0, q, k, v, s0, ld)
+    return (o, st), (q, k, v, s0, ld, st)
+
+
+def _la_bwd(static: _Static, res, cts):
+    q, k, v, s0, ld, st = res
+    do, dst = cts
+    t = q.shape[1]
+    dq32, dk32, dv, ds0 = _dispatch(static, 1, q, k, v, s0, ld, do, dst.astype(F32))
+    if static.has_decay:
         # dL/dlog_gamma = sum_t (t+1) (<q_t, dq_t> - <k_t, dk_t>) + T <dS_T, S_T>, summed over B.
         w = jnp.arange(1, t + 1, dtype=F32)[None, :, None]
         qdq = jnp.sum(q.astype(F32) * dq32, axis=-1)  # [B, T, N]
@@ -306,7 +349,7 @@ def _la_bwd(cfg: _Cfg, res, cts):
         dld = (jnp.sum(w * (qdq - kdk), axis=(0, 1)) + state_term).astype(ld.dtype)
     else:
         dld = jnp.zeros_like(ld)
-    return (dq32.astype(q.dtype), dk32.astype(k.dtype), dv[:, :t], ds0.astype(s0.dtype), dld)
+    return (dq32.astype(q.dtype), dk32.astype(k.dtype), dv, ds0.astype(s0.dtype), dld)
 
 
 _linear_attention.defvjp(_la_fwd, _la_bwd)
@@ -363,7 +406,7 @@ def _validate(q, k, v, log_decay, initial_state, scale, chunk_size, block_v):
 
 
 def linear_attention(q, k, v, *, log_decay=None, initial_state=None, scale=1.0, chunk_size=64,
-                     block_v=None, interpret=None):
+                     block_v=None, interpret=None, block_t=None, backend=None):
     """Causal linear attention, chunked Pallas kernel with a custom_vjp.
 
     o_t = scale * sum_{s<=t} gamma^(t-s) (q_t . k_s) v_s  (+ the initial-state term), that is
@@ -377,8 +420,14 @@ def linear_attention(q, k, v, *, log_decay=None, initial_state=None, scale=1.0, 
       scale: static real multiplying q (default 1.0; pass H ** -0.5 for the usual scaling).
       chunk_size: C, a positive multiple of 8; T need not be a multiple of it. On a GPU (Triton)
         C, H and block_v must also be powers of two >= 16.
-      block_v: value-dimension tile per program (default Hv if Hv <= 64 else 64); must divide Hv.
-      interpret: run the Pallas interpreter; None means True on the CPU backend.
+      block_v: value-dimension tile per program of the generic kernel (default Hv if Hv <= 64
+        else 64); must divide Hv. The TPU kernel keeps the whole Hv (no tiling).
+      interpret: None interprets when lowered for CPU and compiles elsewhere; True / False force
+        it (True with backend None is the generic kernel interpreted everywhere).
+      block_t: tokens per grid step of the TPU kernel, a multiple of chunk_size (default: the
+        chunks spread evenly over the fewest blocks of at most max(C, 512) tokens).
+      backend: None picks by the platform the program is lowered for (the Mosaic kernels of
+        kernel_tpu.py on TPU, the generic kernels elsewhere); "tpu" or "generic" forces one.
 
     Returns:
       (o [B, T, N, Hv] in q.dtype, final_state [B, N, H, Hv] fp32). final_state is the state after
@@ -386,23 +435,28 @@ def linear_attention(q, k, v, *, log_decay=None, initial_state=None, scale=1.0, 
       or LASP-2 sequence parallelism, which differentiates through it).
 
     Raises:
-      ValueError: on mismatched shapes or dtypes, a bad chunk_size / block_v / log_decay / scale.
+      ValueError: on mismatched shapes or dtypes, a bad chunk_size / block_v / block_t /
+        log_decay / scale / backend.
     """
+    platforms.check_backend(backend)
     hv = getattr(v, "shape", (None,))[-1]
     if block_v is None and isinstance(hv, int):
         block_v = hv if hv <= 64 or hv % 64 else 64
     _validate(q, k, v, log_decay, initial_state, scale, chunk_size, block_v)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    b, _, n, h = q.shape
-    if not interpret and jax.default_backend() == "gpu":
+    b, t, n, h = q.shape
+    if backend != "tpu" and interpret is not True and jax.default_backend() == "gpu":
         for name, val in (("chunk_size", chunk_size), ("H", h), ("block_v", block_v)):
             if not (_is_pow2(val) and val >= 16):
                 raise ValueError(f"the Triton kernel needs {name} to be a power of two >= 16, "
                                  f"got {name}={val}")
-    cfg = _Cfg(chunk=int(chunk_size), block_v=int(block_v), scale=float(scale),
-               has_decay=log_decay is not None, interpret=bool(interpret))
+    has_decay = log_decay is not None
+    # Every variant in the plan is traced, so its rules are checked here whatever runs.
+    generic_cfg = _Cfg(chunk=int(chunk_size), block_v=int(block_v), scale=float(scale),
+                       has_decay=has_decay, interpret=True)
+    tpu_cfg = kernel_tpu.tpu_config(chunk_size=chunk_size, block_t=block_t, scale=scale,
+                                    has_decay=has_decay, seq_len=t)
+    static = _Static(platforms.plan(backend, interpret, generic_cfg, tpu_cfg), has_decay)
     s0 = (jnp.zeros((b, n, h, hv), F32) if initial_state is None
           else jnp.asarray(initial_state).astype(F32))
     ld = jnp.zeros((n,), F32) if log_decay is None else jnp.asarray(log_decay)
-    return _linear_attention(q, k, v, s0, ld, cfg)
+    return _linear_attention(q, k, v, s0, ld, static)

@@ -1,0 +1,64 @@
+"""Choosing a kernel variant by the platform a program is lowered for.
+
+The Pallas kernels come in a generic variant (interpret mode on CPU, Triton on GPU) and a Mosaic
+variant for TPU. `jax.default_backend()` cannot choose between them: a program jitted on a CPU host
+and lowered ahead of time for TPU devices (`jaxsys.analyze --target`) has "cpu" as its default
+backend. `lax.platform_dependent` chooses at lowering instead: every branch is traced, only the one
+for the platform being lowered for is lowered. A `Plan` is the static choice (hashable: it is the
+custom_vjp's static argument of each kernel); `dispatch` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jax import lax
+
+BACKENDS = ("generic", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Which variant runs where: (platforms, variant, config) per branch of lax.platform_dependent;
+    platforms None is the default branch."""
+    branches: tuple
+
+
+def check_backend(backend) -> None:
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"backend must be None (chosen by platform) or one of {BACKENDS}; "
+                         f"got backend={backend!r}")
+
+
+def plan(backend, interpret, generic_cfg, tpu_cfg) -> Plan:
+    """backend None (auto): interpret=None -> the generic variant interpreted when lowered for CPU,
+    Mosaic on TPU, the generic variant compiled (Triton) elsewhere; interpret=False -> Mosaic on
+    TPU, Triton elsewhere; interpret=True -> the generic variant interpreted everywhere. backend
+    "generic" / "tpu": that variant only, interpreted on CPU when interpret=None. The configs are
+    dataclasses with an `interpret` field."""
+    check_backend(backend)
+    g = lambda interp: ("generic", dataclasses.replace(generic_cfg, interpret=interp))
+    t = lambda interp: ("tpu", dataclasses.replace(tpu_cfg, interpret=interp))
+    if backend is None:
+        if interpret is None:
+            return Plan(((("cpu",), *g(True)), (("tpu",), *t(False)), (None, *g(False))))
+        if interpret:
+            return Plan(((None, *g(True)),))
+        return Plan(((("tpu",), *t(False)), (None, *g(False))))
+    make = g if backend == "generic" else t
+    if interpret is None:
+        return Plan(((("cpu",), *make(True)), (None, *make(False))))
+    return Plan(((None, *make(bool(interpret))),))
+
+
+def dispatch(plan: Plan, variants: dict, which: int, *args):
+    """Run entry `which` of `variants[name]` (e.g. 0 forward, 1 backward; called as fn(*args,
+    cfg=cfg)) of the plan's variant for the platform the program is lowered for."""
+    fns = [(platforms, functools.partial(variants[variant][which], cfg=cfg))
+           for platforms, variant, cfg in plan.branches]
+    if len(fns) == 1:
+        return fns[0][1](*args)
+    per_platform = {p: fn for platforms, fn in fns if platforms for p in platforms}
+    default = next((fn for platforms, fn in fns if platforms is None), None)
+    return lax.platform_dependent(*args, default=default, **per_platform)
