@@ -2,8 +2,12 @@
 
 Tolerances: the layouts sum the same fp32 terms in other orders (all-reduce trees, split matmul
 contractions), which moves results by a few ulps of the largest partial sums: ~1e-6 relative was
-seen; 1e-5 relative with a 1e-7 absolute floor leaves margin while a wrong reduction (a missing
-or doubled gradient sum is off by a factor of 2..8) fails by orders of magnitude.
+seen. A gradient entry gets 1e-5 relative plus 1e-5 of its leaf's largest entry: entries built by
+cancellation carry the rounding of the large terms (the embedding row of the space character, the
+corpus's most frequent byte, moved 8e-5 relative on an Intel Xeon host, whose XLA:CPU vector code
+orders the sums differently from the AMD hosts the suite was written on; the worst excess over
+1e-5 relative was 6e-7 of the leaf's largest entry). A wrong reduction (a missing or doubled
+gradient sum is off by a factor of 2..8) fails by orders of magnitude.
 """
 
 import jax
@@ -58,7 +62,8 @@ def test_layout_matches_single_device(name):
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)
     for (path, want), got in zip(flat_ref, flat):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=jax.tree_util.keystr(path))
     # parameters after the steps agree too (the optimizer update is sharded differently per stage)
     for want, got in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)

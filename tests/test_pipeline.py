@@ -31,7 +31,9 @@ def assert_matches(got, want):
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)
     for (path, w), g in zip(flat_ref, flat):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-7, err_msg=jax.tree_util.keystr(path))
+        # plus 1e-5 of the leaf's largest entry for entries built by cancellation (tests/test_parity.py)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=max(2e-7, 1e-5 * np.abs(w).max()),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 CASES = {  # name: (pipe, schedule, micro-batches, virtual stages)
