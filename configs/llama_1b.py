@@ -4,7 +4,10 @@ V=128256, tied embeddings, rope theta 500000), bf16 compute, FSDP over all devic
 
     python -m jaxsys.train --config configs/llama_1b.py --workdir runs/llama_1b
     python -m jaxsys.train --config configs/llama_1b.py:cpu --workdir runs/llama_1b_cpu
-    python -m jaxsys.analyze --config configs/llama_1b.py --target v5e-16     # the TPU compiler
+    python -m jaxsys.analyze --config configs/llama_1b.py --target v5e-16 --config.model.remat=full
+
+On a v5e-16 (16 GiB chips) the default remat `dots` does not fit (the TPU compiler asks for 45 GiB of
+temporaries); `remat=full` fits at 8.4 GiB per chip (docs/benchmarks/tpu_aot.md).
 
 Hardware: 8 GPUs of 80 GB (fsdp=8, batch 64 x 2048 tokens; remat `dots` keeps activations small).
 Data: `config.data.source=tokens` with a pre-tokenized file in the Llama 3 vocabulary
