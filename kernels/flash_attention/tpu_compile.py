@@ -21,28 +21,16 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu serves only ahead-of-time compiles here
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import functools  # noqa: E402
-import importlib.metadata  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxsys.kernels.flash_attention import flash_attention  # noqa: E402
-
-CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'
-
-
-def tpu_mesh(target: str):
-    """A one-axis ("data") mesh over the compile-only devices of a TPU target such as v5p:2x2x1."""
-    from jaxsys.analysis import targets
-    devices = targets.devices(targets.parse(target))
-    return jax.sharding.Mesh(np.array(devices).reshape(-1), ("data",))
+from jaxsys.kernels.tpu_compile_grid import CUSTOM_CALL, add_grid_arguments, run_grid, tpu_mesh  # noqa: E402,F401
 
 
 def compile_case(mesh, t: int, h: int, dtype, *, backward: bool, heads: int = 8,
@@ -73,16 +61,9 @@ def compile_case(mesh, t: int, h: int, dtype, *, backward: bool, heads: int = 8,
     return jax.jit(fn).lower(*args).compile()
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--targets", type=lambda s: s.split(","), default=["v5p:2x2x1", "v6e:2x2"])
-    p.add_argument("--seq-lens", type=_ints, default=[1024, 2048, 4096, 8192, 16384, 32768])
-    p.add_argument("--head-dims", type=_ints, default=[64, 128, 256])
-    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    add_grid_arguments(p)
     p.add_argument("--heads", type=int, default=8, help="query heads N per device")
     p.add_argument("--kv-heads", type=int, default=2, help="kv heads K per device")
     p.add_argument("--batch", type=int, default=1, help="B per device")
@@ -91,55 +72,19 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="not causal")
     p.add_argument("--segments", action="store_true", help="pass segment ids")
     args = p.parse_args(argv)
-    from jaxsys.analysis import targets
 
-    passes = (("fwd", False), ("fwd+bwd", True))
-    cells, failures = {}, []
-    start = time.time()
-    for target in args.targets:
-        mesh = tpu_mesh(target)
-        for dtype in args.dtypes:
-            for pass_name, backward in passes:
-                for t in args.seq_lens:
-                    for h in args.head_dims:
-                        case = (target, dtype, pass_name, t, h)
-                        t0 = time.time()
-                        try:
-                            with targets.quiet_libtpu():
-                                compiled = compile_case(
-                                    mesh, t, h, jnp.dtype(dtype), backward=backward,
-                                    heads=args.heads, kv_heads=args.kv_heads, batch=args.batch,
-                                    causal=not args.full, segments=args.segments,
-                                    block_q=args.block_q, block_k=args.block_k)
-                            calls = compiled.as_text().count(CUSTOM_CALL)
-                            if calls != (3 if backward else 1):
-                                raise AssertionError(f"{calls} Mosaic custom calls in the HLO")
-                            cells[case] = f"{time.time() - t0:.1f} s"
-                        except Exception as e:  # report every case, then fail at the end
-                            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                            cells[case] = "FAIL"
-                            failures.append((case, f"{type(e).__name__}: {first[:300]}"))
-                        print(f"{' '.join(map(str, case))}: {cells[case]}", file=sys.stderr,
-                              flush=True)
+    def check(mesh, t, h, dtype, backward):
+        compiled = compile_case(mesh, t, h, dtype, backward=backward, heads=args.heads,
+                                kv_heads=args.kv_heads, batch=args.batch, causal=not args.full,
+                                segments=args.segments, block_q=args.block_q, block_k=args.block_k)
+        calls = compiled.as_text().count(CUSTOM_CALL)
+        if calls != (3 if backward else 1):
+            raise AssertionError(f"{calls} Mosaic custom calls in the HLO")
 
-    libtpu = importlib.metadata.version("libtpu")
-    print(f"TPU compile of flash_attention, {datetime.date.today()}, jax {jax.__version__}, "
-          f"libtpu {libtpu}; per device B={args.batch}, N={args.heads}, K={args.kv_heads}, "
-          f"{'full' if args.full else 'causal'}{', segment ids' if args.segments else ''}, "
-          f"block_q={args.block_q}, block_k={args.block_k}; "
-          f"compile seconds (lower + compile) per case\n")
-    print("| target | dtype | pass | T | " + " | ".join(f"H={h}" for h in args.head_dims) + " |")
-    print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in args.head_dims) + " |")
-    for target in args.targets:
-        for dtype in args.dtypes:
-            for pass_name, _ in passes:
-                for t in args.seq_lens:
-                    row = [cells[(target, dtype, pass_name, t, h)] for h in args.head_dims]
-                    print(f"| {target} | {dtype} | {pass_name} | {t} | " + " | ".join(row) + " |")
-    print(f"\n{len(cells)} cases, {len(failures)} failed, {time.time() - start:.0f} s in all")
-    for case, message in failures:
-        print(f"- FAIL {' '.join(map(str, case))}: {message}")
-    return 1 if failures else 0
+    title = (f"TPU compile of flash_attention; per device B={args.batch}, N={args.heads}, "
+             f"K={args.kv_heads}, {'full' if args.full else 'causal'}"
+             f"{', segment ids' if args.segments else ''}, block_q={args.block_q}, block_k={args.block_k}")
+    return run_grid(args, check, title)
 
 
 if __name__ == "__main__":
