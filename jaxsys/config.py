@@ -29,6 +29,10 @@ MLP_TYPES = ("dense", "moe")
 MOE_ROUTERS = ("softmax", "sigmoid")
 EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
+OPTIMIZERS = ("adamw", "galore", "zo")
+OPTIMIZER_UPDATE = ("device", "host")
+# checkpoint_name()s the model puts on activations, which config.offload.activations may offload
+ACTIVATION_NAMES = ("layer_input", "attention_output", "mlp_hidden")
 
 
 class ConfigError(ValueError):
@@ -102,6 +106,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.microbatches = 1  # m: the local batch is split into m micro-batches (pipeline, or accumulation)
     c.train.pipeline_schedule = "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved_1f1b (mesh.pipe > 1)
     c.train.virtual_stages = 1  # v: model chunks per pipe device (interleaved_1f1b)
+    c.train.optimizer = "adamw"  # adamw | galore (AdamW on low-rank projected gradients) | zo (MeZO)
+    # GaLore (Zhao et al. 2024): the 2-D weight gradients of the named leaves are projected to rank r
+    c.train.galore = ml_collections.ConfigDict()
+    c.train.galore.rank = 8  # r
+    c.train.galore.update_every = 200  # K: steps between refreshes of the projection (SVD)
+    c.train.galore.scale = 0.25  # alpha: the projected-back update is scaled by it
+    c.train.galore.leaves = "wq,wk,wv,wo,w_gate,w_up,w_down"  # comma-separated leaf names
+    # Zeroth-order SGD (MeZO, Malladi et al. 2023): two forwards at theta +- eps z, z from a seed
+    c.train.zo = ml_collections.ConfigDict()
+    c.train.zo.eps = 1e-3  # perturbation scale
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.enabled = True
@@ -110,6 +124,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep = 3  # last N kept; 0 keeps all
     c.checkpoint.keep_period = 0  # also keep every k-th step for good; 0: none
     c.checkpoint.async_save = True
+    c.checkpoint.init_from = ""  # a workdir (or checkpoints dir) whose latest parameters start a new run
+
+    # Host offloading (docs/offload.md): state in host memory (memory kind pinned_host)
+    c.offload = ml_collections.ConfigDict()
+    c.offload.optimizer = False  # optimizer state lives in host memory
+    c.offload.optimizer_update = "device"  # device: stream the state in and out | host: update on the host
+    c.offload.optimizer_fraction = 1.0  # share of the optimizer-state bytes offloaded, leaf by leaf
+    c.offload.params = False  # parameters (shards) live in host memory; each layer's moves in before use
+    c.offload.activations = ""  # comma-separated ACTIVATION_NAMES saved to host instead of recomputed
 
     # Devices per mesh axis; one axis may be -1: whatever the device count leaves (so that one config
     # runs on a laptop, a node and a pod, as MaxText's -1 parallelism does).
@@ -371,6 +394,7 @@ def validate(config, num_devices: int | None = None) -> None:
              f"config.model.layer_pattern={m.layer_pattern!r} with config.model.mlp_pattern="
              f"{m.mlp_pattern!r}")
     _validate_moe(config)
+    _validate_optimizer(config)
     _require(m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
              f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
              "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)")
@@ -463,6 +487,31 @@ def validate(config, num_devices: int | None = None) -> None:
     ck = config.checkpoint
     _require(ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
              "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0")
+
+
+def offloaded_activations(config) -> tuple[str, ...]:
+    return tuple(n.strip() for n in config.offload.activations.split(",") if n.strip())
+
+
+def _validate_optimizer(config) -> None:
+    t, o = config.train, config.offload
+    _require(t.optimizer in OPTIMIZERS, f"config.train.optimizer={t.optimizer!r}: choose one of {OPTIMIZERS}")
+    g = t.galore
+    _require(isinstance(g.rank, int) and g.rank >= 1, f"config.train.galore.rank={g.rank!r} must be a positive integer")
+    _require(isinstance(g.update_every, int) and g.update_every >= 1,
+             f"config.train.galore.update_every={g.update_every!r} must be a positive integer")
+    _require(t.zo.eps > 0, f"config.train.zo.eps={t.zo.eps!r} must be > 0")
+    _require(t.optimizer != "zo" or config.mesh.pipe == 1,
+             f"config.train.optimizer='zo' with config.mesh.pipe={config.mesh.pipe}: zeroth-order training "
+             "runs forwards only and has no pipeline schedule; use mesh.pipe=1 (fsdp or offload.params "
+             "hold a large model instead)")
+    _require(o.optimizer_update in OPTIMIZER_UPDATE,
+             f"config.offload.optimizer_update={o.optimizer_update!r}: choose one of {OPTIMIZER_UPDATE}")
+    _require(0.0 <= o.optimizer_fraction <= 1.0,
+             f"config.offload.optimizer_fraction={o.optimizer_fraction!r} must be in [0, 1]")
+    bad = [n for n in offloaded_activations(config) if n not in ACTIVATION_NAMES]
+    _require(not bad, f"config.offload.activations={o.activations!r}: unknown name(s) {bad}; the model "
+                      f"names {ACTIVATION_NAMES}")
 
 
 def _validate_moe(config) -> None:
