@@ -27,6 +27,8 @@ class Layout:
     param_rules: Mapping[str, tuple[str, ...]]
     compute_rules: Mapping[str, tuple[str, ...]]
     sequence_parallel: bool = False
+    params_on_host: bool = False  # config.offload.params: weights at rest in host memory
+    offload_activations: tuple[str, ...] = ()  # config.offload.activations: saved to host memory
 
     @classmethod
     def from_config(cls, config) -> "Layout":
@@ -38,8 +40,10 @@ class Layout:
                 out["vocab"] = ("pipe",) + out.get("vocab", ())
             return out
 
+        from jaxsys.config import offloaded_activations
         return cls(sizes, keep(config.sharding.params), keep(config.sharding.compute),
-                   bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1)
+                   bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1,
+                   bool(config.offload.params), offloaded_activations(config))
 
     # -- mesh axes of logical names
     def param_axes(self, logical: str | None) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_dist
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
-from jaxsys.parallel import expert, expert_placement, pipeline, zero
+from jaxsys.parallel import expert, expert_placement, offload, pipeline, zero
 from jaxsys.sharding import Layout
 
 
@@ -77,14 +77,23 @@ class Program:
     unroll_layers: bool = False  # write the layer scan out (for counting collectives)
     pipeline_train: pipeline.Program | None = None  # the schedule in lockstep ticks (mesh.pipe > 1)
     pipeline_eval: pipeline.Program | None = None  # its forwards only
+    offload: offload.Plan = offload.Plan()
+    state_kinds: TrainState | None = None  # memory kind of every state leaf (device | pinned_host)
 
     # -- shardings and shapes
-    def shardings(self, pspecs):
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), pspecs, is_leaf=_is_p)
+    def shardings(self, pspecs, kinds=None):
+        if kinds is None:
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), pspecs, is_leaf=_is_p)
+        return jax.tree.map(lambda s, k: NamedSharding(self.mesh, s, memory_kind=k), pspecs, kinds,
+                            is_leaf=_is_p)
 
     @property
     def state_shardings(self) -> TrainState:
-        return self.shardings(self.state_pspecs)
+        return self.shardings(self.state_pspecs, self.state_kinds)
+
+    @property
+    def param_shardings(self):
+        return self.shardings(self.param_pspecs, self.state_kinds.params if self.state_kinds else None)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -174,6 +183,8 @@ class Program:
             ((loss, (ce, moe_stats)), grads), _ = jax.lax.scan(accumulate, zero_total, batches)
         else:
             (loss, (ce, moe_stats)), grads = value_and_grad(params, tokens)
+        # weights read from host memory get their gradients there (the transpose of the move in)
+        grads = offload.fetch(grads, self.layout.params_on_host)
         grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
         metrics = self._metrics(ce, moe_stats)
         objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
@@ -189,8 +200,16 @@ class Program:
             scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         param_slices = jax.tree.map(zero.take_slice, state.params, self.plans)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
-        params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
+        if self.offload.optimizer or self.offload.params:
+            device = jax.tree.map(lambda _: offload.DEVICE, state.params)
+            param_slices, opt_state = offload.split_update(
+                self.optimizer, grads, state.opt_state, param_slices, self.state_kinds.opt_state, device,
+                self.offload.host_update)
+            params = offload.place(jax.tree.map(zero.gather_slices, param_slices, self.plans),
+                                   self.state_kinds.params)
+        else:
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
+            params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
         metrics.update(grad_norm=grad_norm, lr=optim.schedule(self.config.train)(state.step))
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -203,7 +222,10 @@ class Program:
         """(state, tokens[B, T+1]) -> (state, metrics); the state is donated."""
         step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_pspec),
                                (self.state_pspecs, P()))
-        return jax.jit(step, donate_argnums=0)
+        if self.state_kinds is None:
+            return jax.jit(step, donate_argnums=0)
+        return jax.jit(step, donate_argnums=0,
+                       out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())))
 
     @property
     def expert_devices(self) -> int:
@@ -272,6 +294,24 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
         optimizer, lambda _, spec: spec, jax.eval_shape(optimizer.init, abstract), grad_pspecs,
         transform_non_params=lambda _: P(), is_leaf=_is_p)
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
+    plan = offload.Plan.from_config(config)
+    state_kinds = None
+    if plan.any:
+        offload.require_host_memory(mesh.devices.flat, "config.offload")
+    if plan.optimizer or plan.params:
+        if plan.host_update and t.optimizer != "adamw":
+            raise ConfigError(f"config.offload.optimizer_update='host' runs AdamW's update leaf by leaf on "
+                              f"the host; config.train.optimizer={t.optimizer!r} is not supported there: "
+                              "use optimizer_update='device'")
+        # elements per device of one optimizer-state leaf of each parameter (as held for the update)
+        state_sizes = jax.tree.map(
+            lambda s, spec: math.prod(NamedSharding(mesh, spec).shard_shape(s.shape)), specs, grad_pspecs,
+            is_leaf=is_spec)
+        opt_kinds = offload.state_kinds(optimizer, abstract, state_sizes,
+                                        plan.fraction if plan.optimizer else 0.0)
+        param_kinds = jax.tree.map(lambda _: offload.HOST if plan.params else offload.DEVICE, param_pspecs,
+                                   is_leaf=_is_p)
+        state_kinds = TrainState(offload.DEVICE, param_kinds, opt_kinds)
     batch_pspec = layout.compute_spec(("batch", None))
     pipeline_train = pipeline_eval = None
     if p > 1:
@@ -280,7 +320,7 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
         pipeline_train = pipeline.lockstep(schedule, backward=True, vocab_parallel=vp)
         pipeline_eval = pipeline.lockstep(schedule, backward=False, vocab_parallel=vp)
     return Program(config, mesh, layout, specs, param_pspecs, plans, grad_pspecs, optimizer,
-                   state_pspecs, batch_pspec, unroll_layers, pipeline_train, pipeline_eval)
+                   state_pspecs, batch_pspec, unroll_layers, pipeline_train, pipeline_eval, plan, state_kinds)
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -4,6 +4,7 @@ K key/value heads, H head dim, F MLP hidden. No communication happens here."""
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 
@@ -45,7 +46,8 @@ def swiglu(x, w_gate, w_up, w_down):
     """SwiGLU MLP: (silu(x W_gate) * x W_up) W_down, x[B, T, D], W_gate/W_up[D, F], W_down[F, D]."""
     gate = jnp.einsum("btd,df->btf", x, w_gate)
     up = jnp.einsum("btd,df->btf", x, w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")  # host-offloadable (config.offload)
+    return jnp.einsum("btf,fd->btd", hidden, w_down)
 
 
 def swiglu_experts(x, w_gate, w_up, w_down):

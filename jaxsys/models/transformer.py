@@ -31,7 +31,9 @@ import jax.numpy as jnp
 from jaxsys.config import block_pattern
 from jaxsys.models import attention, layers, moe
 from jaxsys.models.params import ParamSpec
-from jaxsys.parallel import context, fsdp, tensor
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxsys.parallel import context, fsdp, offload, tensor
 from jaxsys.sharding import Layout
 
 
@@ -87,15 +89,28 @@ def _axes(specs):
     return jax.tree.map(lambda s: s.axes, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
-def remat_policy(name: str):
+def remat_policy(name: str, offloaded: tuple[str, ...] = ()):
     """`none` saves everything but the FSDP-gathered weights (always gathered again backward);
-    `dots` saves matmul outputs only; `full` saves nothing inside a layer."""
+    `dots` saves matmul outputs only; `full` saves nothing inside a layer. The activations named in
+    `offloaded` (config.offload.activations) are saved to host memory instead."""
     policies = jax.checkpoint_policies
     if name == "full":
-        return policies.nothing_saveable
-    if name == "dots":
-        return policies.dots_saveable
-    return fsdp.remat_saveable
+        base = policies.nothing_saveable
+    elif name == "dots":
+        base = policies.dots_saveable
+    else:
+        base = fsdp.remat_saveable
+    return offload.remat_policy(base, offloaded)
+
+
+def _weights(w, axes, m, layout: Layout, hook=None, name: str = "", index=None):
+    """Weights as a layer uses them: moved in from host memory when they live there
+    (config.offload.params), passed through `hook` (name, local weights, layer index) when given
+    (zeroth-order perturbations), cast to the compute dtype, gathered over the FSDP axes."""
+    w = offload.fetch(w, layout.params_on_host)
+    if hook is not None:
+        w = hook(name, w, index)
+    return fsdp.gather(_cast(w, m), axes, layout)
 
 
 def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
@@ -106,6 +121,7 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     MoE layer chose). Returns (x, experts chosen here or `previous`, MoE stats or None)."""
     seq = context.SeqLayout.of(layout, m)
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sp_axes
+    x = checkpoint_name(x, "layer_input")  # host-offloadable residual (config.offload.activations)
     h = tensor.enter(layers.rms_norm(x, w["attn_norm"], m.norm_eps), heads, sp)
     q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
     k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
@@ -115,6 +131,7 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
         o = attention.softmax_attention(q, k, v, m, seq)
+    o = checkpoint_name(o, "attention_output")
     x = x + tensor.leave(jnp.einsum("btnh,nhd->btd", o, w["wo"]), heads, sp)
     h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
     if mlp_kind == "moe":
@@ -133,10 +150,10 @@ def _cast(tree, m):
     return jax.tree.map(lambda p: p.astype(compute), tree)
 
 
-def embed(params, inputs, m, layout: Layout, specs=None):
+def embed(params, inputs, m, layout: Layout, specs=None, hook=None):
     """inputs[B, T] -> x[B, T, D] (x[B, T/tp, D] under sequence parallelism)."""
     axes = _axes(specs if specs is not None else param_specs(m))
-    table = fsdp.gather(_cast(params["embed"], m), axes["embed"], layout)
+    table = _weights(params["embed"], axes["embed"], m, layout, hook, "embed")
     return tensor.embed_lookup(table, inputs, layout.compute_axes("vocab"), layout.sp_axes)
 
 
@@ -145,14 +162,15 @@ def _leaf_kind(name: str) -> str:
 
 
 def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unroll: bool = False,
-                dispatch: str = "padded"):
+                dispatch: str = "padded", hook=None):
     """Run the layers of `layer_params` (this device's shards of a run of whole periods of the
     layer and MLP patterns, starting at the pattern's first layer) on x[B, T, D].
 
     Returns (x, moe_stats): for a model with MoE layers, the sums `aux_loss` and `z_loss` of its
     MoE layers' losses over this device's tokens, and per MoE layer here ([Lm', ...]) the global
     routing statistics `load`, `dropped`, `pairs` and `traffic` (models/moe.py); {} for a dense model.
-    `dispatch` is the expert-parallel all-to-all (`config.parallel.expert_dispatch`)."""
+    `dispatch` is the expert-parallel all-to-all (`config.parallel.expert_dispatch`). `hook` (see
+    `_weights`) sees each layer's leaves as ("layers/<leaf>", weights, index in that leaf's stack)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     layer_axes = jax.tree.map(lambda a: a[a.index("layers") + 1:], axes["layers"],
                               is_leaf=lambda a: isinstance(a, tuple))
@@ -171,13 +189,15 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         return {name: jax.tree.map(lambda a: a[index[_leaf_kind(name)]], leaf)
                 for name, leaf in group.items() if _leaf_kind(name) in ("all", mlp_kind)}
 
-    def layer(x, previous, group, kind, mlp_kind, index):
+    def layer(x, previous, group, g, kind, mlp_kind, index):
         w = pick(group, mlp_kind, index)
-        gathered = fsdp.gather(_cast(w, m), {k: layer_axes[k] for k in w}, layout)
+        gathered = {k: _weights(w[k], layer_axes[k], m, layout, hook, f"layers/{k}",
+                                g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]) for k in w}
         return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch)
 
-    remat = [jax.checkpoint(lambda x, prev, w, spec=spec: layer(x, prev, w, *spec),
-                            policy=remat_policy(m.remat), prevent_cse=False) for spec in per_layer]
+    remat = [jax.checkpoint(lambda x, prev, w, g, spec=spec: layer(x, prev, w, g, *spec),
+                            policy=remat_policy(m.remat, layout.offload_activations), prevent_cse=False)
+             for spec in per_layer]
     # Each kind of leaf is [groups x (its layers per period), ...]: scan over the groups.
     groups = {name: jax.tree.map(lambda a: a.reshape(n_groups, a.shape[0] // n_groups, *a.shape[1:]), leaf)
               for name, leaf in layer_params.items()}
@@ -185,16 +205,17 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     # experts of the previous MoE layer per token (none yet), over the full T under sequence parallelism
     previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
 
-    def body(carry, group_params):
-        x, previous = carry
+    def body(carry, xs):
+        (x, previous), (group_params, g) = carry, xs
         stats = []
         for i in range(period):
-            x, previous, layer_stats = remat[i](x, previous, group_params)
+            x, previous, layer_stats = remat[i](x, previous, group_params, g)
             if layer_stats is not None:
                 stats.append(layer_stats)
         return (x, previous), (jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats else None)
 
-    (x, _), stats = jax.lax.scan(body, (x, previous), groups, unroll=n_groups if unroll else 1)
+    (x, _), stats = jax.lax.scan(body, (x, previous), (groups, jnp.arange(n_groups)),
+                                 unroll=n_groups if unroll else 1)
     if not n_moe:
         return x, {}
     per_moe_layer = jax.tree.map(lambda a: a.reshape(n_groups * n_moe, *a.shape[2:]), stats)
@@ -202,24 +223,24 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
                **{key: per_moe_layer[key] for key in moe.ROUTING_STATISTICS}}
 
 
-def final_norm(params, x, m, layout: Layout, specs=None):
+def final_norm(params, x, m, layout: Layout, specs=None, hook=None):
     axes = _axes(specs if specs is not None else param_specs(m))
-    scale = fsdp.gather(_cast(params["final_norm"], m), axes["final_norm"], layout)
+    scale = _weights(params["final_norm"], axes["final_norm"], m, layout, hook, "final_norm")
     return layers.rms_norm(x, scale, m.norm_eps)
 
 
-def output_logits(params, h, m, layout: Layout, specs=None):
+def output_logits(params, h, m, layout: Layout, specs=None, hook=None):
     """Normed h[B, T, D] -> logits[B, T, V] (this shard's vocabulary columns when `vocab` is split)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     h = tensor.enter(h, layout.compute_axes("vocab"), layout.sp_axes)
     if m.tie_embeddings:
-        return jnp.einsum("btd,vd->btv", h, fsdp.gather(_cast(params["embed"], m), axes["embed"], layout))
-    return jnp.einsum("btd,dv->btv", h, fsdp.gather(_cast(params["unembed"], m), axes["unembed"], layout))
+        return jnp.einsum("btd,vd->btv", h, _weights(params["embed"], axes["embed"], m, layout, hook, "embed"))
+    return jnp.einsum("btd,dv->btv", h, _weights(params["unembed"], axes["unembed"], m, layout, hook, "unembed"))
 
 
-def output_loss(params, h, targets, m, layout: Layout, specs=None):
+def output_loss(params, h, targets, m, layout: Layout, specs=None, hook=None):
     """Per-token cross-entropy [B, T] of normed h[B, T, D] against targets[B, T]."""
-    return tensor.cross_entropy(output_logits(params, h, m, layout, specs), targets,
+    return tensor.cross_entropy(output_logits(params, h, m, layout, specs, hook), targets,
                                 layout.compute_axes("vocab"))
 
 
@@ -243,12 +264,12 @@ def split_tokens(tokens, m, layout: Layout):
 
 
 def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False,
-                 dispatch: str = "padded"):
+                 dispatch: str = "padded", hook=None):
     """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]
     (under context parallelism: of this device's T/P positions of them), and the MoE layers' loss
-    sums and routing statistics (`layer_stack`; {} for a dense model)."""
+    sums and routing statistics (`layer_stack`; {} for a dense model). `hook`: see `_weights`."""
     inputs, targets, positions = split_tokens(tokens, m, layout)
-    x, moe_stats = layer_stack(params["layers"], embed(params, inputs, m, layout, specs), positions, m,
-                               layout, specs, unroll, dispatch)
-    h = final_norm(params, x, m, layout, specs)
-    return output_loss(params, h, targets, m, layout, specs), moe_stats
+    x, moe_stats = layer_stack(params["layers"], embed(params, inputs, m, layout, specs, hook), positions,
+                               m, layout, specs, unroll, dispatch, hook)
+    h = final_norm(params, x, m, layout, specs, hook)
+    return output_loss(params, h, targets, m, layout, specs, hook), moe_stats
