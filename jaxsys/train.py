@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys import optim
+from jaxsys import optim, zo
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware
 from jaxsys.checkpoint import Checkpointer
@@ -109,6 +109,11 @@ class Program:
         params = params_lib.init_params(self.specs, key, jnp.dtype(self.config.model.param_dtype))
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
+    def fresh_state(self, params) -> TrainState:
+        """Step 0 and a fresh optimizer state around `params` (config.checkpoint.init_from)."""
+        start = lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p))
+        return jax.jit(start, out_shardings=self.state_shardings, donate_argnums=0)(params)
+
     def init(self, seed: int | None = None) -> TrainState:
         seed = self.config.seed if seed is None else seed
         init = jax.jit(self._init, out_shardings=self.state_shardings)
@@ -120,12 +125,13 @@ class Program:
         return self.config.train.batch_size * self.config.data.seq_len
 
     # -- per-shard functions
-    def _local_objective(self, params, tokens):
+    def _local_objective(self, params, tokens, hook=None):
         """This shard's share of the global mean objective (the shares sum to it over the shards):
-        token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats)."""
+        token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats).
+        `hook` sees every weight as it is read (`transformer._weights`; zeroth-order perturbations)."""
         c, norm = self.config, self.tokens_per_step
         losses, moe_stats = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
-                                                     self.unroll_layers, c.parallel.expert_dispatch)
+                                                     self.unroll_layers, c.parallel.expert_dispatch, hook)
         ce = jnp.sum(losses) / norm
         return ce + _moe_term(moe_stats, norm), (ce, moe_stats)
 
@@ -152,6 +158,8 @@ class Program:
         share, gradients (None without backward), (its cross-entropy share, MoE stats))."""
         c, m, layout, specs = self.config, self.config.model, self.layout, self.specs
         inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
+        # the ticks read a stage's weights many times: with config.offload.params they move in once
+        params = offload.fetch(params, layout.params_on_host)
         split = lambda a: a.reshape(program.m, a.shape[0] // program.m, *a.shape[1:])
         norm = self.tokens_per_step
 
@@ -191,6 +199,8 @@ class Program:
         return objective, grads, metrics
 
     def _local_step(self, state: TrainState, tokens):
+        if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/zo.py)
+            return zo.local_step(self, state, tokens)
         _, grads, metrics = self._local_grads(state.params, tokens)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
@@ -258,6 +268,9 @@ class Program:
     def loss_and_grads_fn(self, metrics: bool = False):
         """(params, tokens) -> (objective, reduced gradients before clipping[, step metrics]), for
         tests and analysis. The objective is the mean token cross-entropy plus the MoE losses."""
+        if self.config.train.optimizer == "zo":
+            raise ConfigError("config.train.optimizer='zo' computes no gradients (two forwards per step, "
+                              "jaxsys/zo.py): use train_step_fn, or zo.projected_gradient for the estimate")
         out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
         outputs = self._local_grads if metrics else (lambda p, t: self._local_grads(p, t)[:2])
         return jax.jit(self._shard_map(outputs, (self.param_pspecs, self.batch_pspec),
@@ -414,6 +427,13 @@ def main(config, workdir: str) -> list[dict]:
         state = checkpointer.restore(program.abstract_state())
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
+    elif config.checkpoint.init_from:  # a new run from another run's parameters (fine-tuning)
+        params, from_step = checkpoint_lib.restore_params(config.checkpoint.init_from,
+                                                          program.abstract_state().params)
+        state = program.fresh_state(params)
+        if lead:
+            print(f"jaxsys: parameters from step {from_step} of {config.checkpoint.init_from} "
+                  "(config.checkpoint.init_from); starting at step 0 with a fresh optimizer state", flush=True)
     else:
         state = program.init()
     start_step = int(resume_step or 0)

@@ -55,6 +55,8 @@ class Hardware:
     devices_per_node: int
     intra_node_bytes_per_s: float  # per device, one direction (NVLink / ICI)
     inter_node_bytes_per_s: float  # per device, one direction (InfiniBand / DCN)
+    host_link_bytes_per_s: float = 32e9  # device <-> host memory, per device, one direction (PCIe)
+    host_memory_bytes_per_s: float = 200e9  # host DRAM, per host (its devices_per_node devices share it)
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
@@ -64,10 +66,11 @@ class Hardware:
 # NVLink 4 is 900 GB/s bidirectional; one 400 Gb/s NIC per GPU is 50 GB/s; TPU v5p ICI is
 # 4800 Gb/s per chip over 6 links. Approximate by nature: they set the scale, not the decimals.
 PROFILES = {
+    # H100/H200 hosts: PCIe Gen5 x16 per GPU (64 GB/s per direction), ~300 GB/s DRAM per 8-GPU host
     "h100": Hardware("NVIDIA H100 SXM", {"bfloat16": 989e12, "float32": 495e12}, 3.35e12, 80e9, 8,
-                     450e9, 50e9),
+                     450e9, 50e9, 64e9, 300e9),
     "h200": Hardware("NVIDIA H200 SXM", {"bfloat16": 989e12, "float32": 495e12}, 4.8e12, 141e9, 8,
-                     450e9, 50e9),
+                     450e9, 50e9, 64e9, 300e9),
     "tpu_v5p": Hardware("TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2}, 2.76e12, 95e9, 4,
                         100e9, 100e9),
     "cpu": Hardware("this CPU (simulated devices share it)", {}, 20e9, 24e9, 1 << 30, 10e9, 10e9),
@@ -395,6 +398,68 @@ def zero_memory(config) -> dict:
     return {"params": b_p * psi,
             "grads": b_p * psi / (n if stage >= 2 else 1),
             "optimizer": k * psi / (n if stage >= 1 else 1)}
+
+
+def offload_memory(config) -> dict:
+    """Per-device bytes of the model states in device and in host memory under config.offload
+    (`zero_memory` split by where each lives). The optimizer fraction is of the bytes; the leaves
+    actually chosen (`offload.choose`) reach at least that share."""
+    z, o = zero_memory(config), config.offload
+    f = float(o.optimizer_fraction) if o.optimizer else 0.0
+    device = {"params": 0.0 if o.params else z["params"], "grads": z["grads"],
+              "optimizer": z["optimizer"] * (1 - f)}
+    host = {"params": z["params"] if o.params else 0.0, "grads": 0.0, "optimizer": z["optimizer"] * f}
+    return {"device": device, "host": host, "device_total": sum(device.values()),
+            "host_total": sum(host.values())}
+
+
+def offloaded_activation_bytes(config) -> float:
+    """Per-device bytes of the activations config.offload.activations sends to the host, per step:
+    each named value of every layer ([B, T, D] layer input, [B, T, N, H] attention output,
+    [B, T, F] SwiGLU hidden; heads and F split over tensor, T over seq)."""
+    from jaxsys.config import offloaded_activations
+    m, mesh = config.model, config.mesh
+    tokens = local_batch(config) * config.data.seq_len / mesh.seq
+    width = {"layer_input": m.d_model, "attention_output": m.n_heads * m.head_dim / mesh.tensor,
+             "mlp_hidden": m.d_ff / mesh.tensor}
+    return sum(tokens * width[n] for n in offloaded_activations(config)) * m.n_layers * _dtype_bytes(m.compute_dtype)
+
+
+ADAM_BYTES_PER_PARAM = 28  # a host Adam step reads p, g, m, v and writes p, m, v (fp32)
+
+
+def offload_traffic(config, hw: "Hardware") -> dict:
+    """Per-device bytes over the host link per step, and the seconds they and a host update take
+    (the roofline of offloading). Optimizer, device update: the offloaded state in and out.
+    Optimizer, host update: the gradients of those leaves down, their parameters up, and the update
+    at host memory bandwidth (ADAM_BYTES_PER_PARAM per parameter, the host shared by its devices).
+    Parameters: in for the forward and again for the backward (weights are never saved), the
+    gradients out, and the updated parameters in and out around a device update. Activations: out
+    after the forward, in for the backward."""
+    z, o = zero_memory(config), config.offload
+    b_p = _dtype_bytes(config.model.param_dtype)
+    f = float(o.optimizer_fraction) if o.optimizer else 0.0
+    host_update = o.optimizer and o.optimizer_update == "host"
+    link = {"optimizer": 0.0, "params": 0.0, "activations": 2 * offloaded_activation_bytes(config)}
+    host_update_s = 0.0
+    if o.optimizer and not host_update:
+        link["optimizer"] = 2 * z["optimizer"] * f
+    if host_update:
+        link["optimizer"] = (z["grads"] + z["params"]) * f
+        host_update_s = ADAM_BYTES_PER_PARAM * z["optimizer"] / (2 * b_p) * f / (
+            hw.host_memory_bytes_per_s / hw.devices_per_node)
+    if o.params:
+        link["params"] = 2 * z["params"] + z["grads"] + (0.0 if host_update and f == 1.0 else 2 * z["params"])
+    total = sum(link.values())
+    return {"link_bytes": link, "link_bytes_total": total, "link_s": total / hw.host_link_bytes_per_s,
+            "host_update_s": host_update_s}
+
+
+def paper_zero_offload_memory(psi: float, k: int = 12) -> dict:
+    """ZeRO-Offload's split (Ren et al. 2021), mixed precision: the device holds fp16 parameters and
+    gradients (2Ψ + 2Ψ bytes), the host the fp32 optimizer state (KΨ: master weights, momentum,
+    variance)."""
+    return {"device": 4 * psi, "host": k * psi}
 
 
 def paper_zero_memory(psi: float, n: int, stage: int, k: int = 12) -> float:

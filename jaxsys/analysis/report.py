@@ -31,6 +31,61 @@ def _shard_bytes(abstract_tree) -> int:
     return total
 
 
+def _host_bytes(abstract_tree) -> int:
+    """Bytes one device holds in host memory (memory kind pinned_host) of a tree of sharded structs."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(abstract_tree) if leaf.sharding.memory_kind == "pinned_host")
+
+
+def offload_report(config, hw: cost_model.Hardware, program=None) -> dict | None:
+    """What config.offload moves to the host: the state bytes by the formula (device / host), as
+    the shardings place them (when `program` is given), ZeRO-Offload's own split for the same
+    parameter count, and the host-link traffic per step with its time on `hw`. None without offload."""
+    o = config.offload
+    if not (o.optimizer or o.params or o.activations):
+        return None
+    out = {"options": {"optimizer": bool(o.optimizer), "optimizer_update": o.optimizer_update,
+                       "optimizer_fraction": float(o.optimizer_fraction), "params": bool(o.params),
+                       "activations": o.activations},
+           "formula": cost_model.offload_memory(config),
+           "activations_to_host_bytes": cost_model.offloaded_activation_bytes(config),
+           "traffic": cost_model.offload_traffic(config, hw)}
+    psi = cost_model.zero_memory(config)["params"] / np.dtype(config.model.param_dtype).itemsize
+    out["paper_zero_offload"] = {"psi_per_device": psi, **cost_model.paper_zero_offload_memory(psi)}
+    if program is not None:
+        state = program.abstract_state()
+        out["placed"] = {"host_bytes": _host_bytes(state),
+                         "device_bytes": _shard_bytes(state) - _host_bytes(state)}
+    return out
+
+
+def _format_offload(off: dict | None) -> list[str]:
+    if not off:
+        return []
+    o, f, t = off["options"], off["formula"], off["traffic"]
+    what = []
+    if o["optimizer"]:
+        what.append(f"optimizer state ({o['optimizer_fraction']:.0%} of its bytes, {o['optimizer_update']} update)")
+    if o["params"]:
+        what.append("parameters")
+    if o["activations"]:
+        what.append(f"activations {o['activations']}")
+    out = ["", "host offload: " + ", ".join(what),
+           f"  model states per device    formula: device {_b(f['device_total'])}, host {_b(f['host_total'])}"]
+    if "placed" in off:
+        out.append(f"                             as placed: device {_b(off['placed']['device_bytes'])}, "
+                   f"host {_b(off['placed']['host_bytes'])}")
+    p = off["paper_zero_offload"]
+    out.append(f"  ZeRO-Offload's split for these {p['psi_per_device'] / 1e6:,.2f}M parameters per device: "
+               f"device 4 psi = {_b(p['device'])} (fp16 params + grads), host 12 psi = {_b(p['host'])}")
+    if o["activations"]:
+        out.append(f"  activations to host per step: {_b(off['activations_to_host_bytes'])}")
+    link = ", ".join(f"{k} {_b(v)}" for k, v in t["link_bytes"].items() if v)
+    out.append(f"  host link per step: {_b(t['link_bytes_total'])} ({link or 'none'}) -> "
+               f"{t['link_s'] * 1e3:.1f} ms; host update {t['host_update_s'] * 1e3:.1f} ms")
+    return out
+
+
 def _batch(program):
     c = program.config
     return jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), np.int32,
@@ -154,6 +209,7 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
         "model_flops_per_device": model_flops,
         "roofline": roofline,
         "fits": memory["peak_bytes_per_device"] <= hw.hbm_bytes,
+        "offload": offload_report(config, hw, program),
     }
 
 
@@ -325,7 +381,8 @@ def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict
                "params_count": params_lib.count(train_specs(config)),
                "collectives_formula": [dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count,
                                             bytes=r.bytes) for r in predicted],
-               "formula_caveats": caveats, "memory_formula": cost_model.zero_memory(config)}
+               "formula_caveats": caveats, "memory_formula": cost_model.zero_memory(config),
+               "offload": offload_report(config, hw)}
     else:
         out = analyze(config, hw, cpu_devices, flops=flops)
         out["memory_formula"] = out["memory"]["formula"]
@@ -396,7 +453,7 @@ def format_report(r: dict) -> str:
             f"communication {rl['comm_s'] * 1e3:.2f} ms -> step {rl['step_s_overlapped'] * 1e3:.2f} ms "
             f"(overlapped) .. {rl['step_s_serial'] * 1e3:.2f} ms (serial); MFU "
             f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_serial']:.1%}"]
-    return "\n".join(out)
+    return "\n".join(out + _format_offload(r.get("offload")))
 
 
 def format_target_report(r: dict) -> str:
@@ -464,4 +521,4 @@ def format_target_report(r: dict) -> str:
                 f"  step {rl['step_s_overlapped'] * 1e3:.1f} ms (all hidden) .. {rl['step_s_schedule'] * 1e3:.1f} ms "
                 f"(the compiler's overlap) .. {rl['step_s_serial'] * 1e3:.1f} ms (none hidden); MFU "
                 f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_schedule']:.1%} .. {rl['mfu_serial']:.1%}"]
-    return "\n".join(out)
+    return "\n".join(out + _format_offload(r.get("offload")))

@@ -184,13 +184,23 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         offsets["all"] += 1
         offsets[mlp_kind] += 1
 
-    def pick(group, mlp_kind, index):
-        """A layer's weights from its group's: the leaves of every layer and of its MLP kind."""
+    def pick(group, g, mlp_kind, index):
+        """A layer's weights from its group's: the leaves of every layer and of its MLP kind. With
+        one layer per period the scan slices the stacks themselves (`group` is one layer)."""
+        if period == 1:
+            return {name: leaf for name, leaf in group.items() if _leaf_kind(name) in ("all", mlp_kind)}
         return {name: jax.tree.map(lambda a: a[index[_leaf_kind(name)]], leaf)
                 for name, leaf in group.items() if _leaf_kind(name) in ("all", mlp_kind)}
 
+    # The layer input is the remat'd function's own argument, which remat always keeps; to put it in
+    # host memory it is moved there before the call and back at the layer's start, so the scan
+    # stacks the host copy for the backward (config.offload.activations=layer_input).
+    input_to_host = "layer_input" in layout.offload_activations
+
     def layer(x, previous, group, g, kind, mlp_kind, index):
-        w = pick(group, mlp_kind, index)
+        if input_to_host:
+            x = offload.to_device(x)
+        w = pick(group, g, mlp_kind, index)
         gathered = {k: _weights(w[k], layer_axes[k], m, layout, hook, f"layers/{k}",
                                 g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]) for k in w}
         return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch)
@@ -198,9 +208,12 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     remat = [jax.checkpoint(lambda x, prev, w, g, spec=spec: layer(x, prev, w, g, *spec),
                             policy=remat_policy(m.remat, layout.offload_activations), prevent_cse=False)
              for spec in per_layer]
-    # Each kind of leaf is [groups x (its layers per period), ...]: scan over the groups.
-    groups = {name: jax.tree.map(lambda a: a.reshape(n_groups, a.shape[0] // n_groups, *a.shape[1:]), leaf)
-              for name, leaf in layer_params.items()}
+    # Each kind of leaf is [groups x (its layers per period), ...]: scan over the groups. With one
+    # layer per period the stacks are scanned as they are: no reshape, which the TPU compiler
+    # cannot do to a buffer in host memory (config.offload.params).
+    groups = layer_params if period == 1 else {
+        name: jax.tree.map(lambda a: a.reshape(n_groups, a.shape[0] // n_groups, *a.shape[1:]), leaf)
+        for name, leaf in layer_params.items()}
     n_moe = offsets["moe"]
     # experts of the previous MoE layer per token (none yet), over the full T under sequence parallelism
     previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
@@ -209,7 +222,8 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         (x, previous), (group_params, g) = carry, xs
         stats = []
         for i in range(period):
-            x, previous, layer_stats = remat[i](x, previous, group_params, g)
+            x, previous, layer_stats = remat[i](offload.to_host(x) if input_to_host else x, previous,
+                                                group_params, g)
             if layer_stats is not None:
                 stats.append(layer_stats)
         return (x, previous), (jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats else None)

@@ -48,20 +48,41 @@ def require_host_memory(devices, what: str) -> None:
                            "devices have pinned_host)")
 
 
+def _move(space, back):
+    """device_put to `space` whose gradient moves back to `back`: JAX's own transpose of a move
+    to a memory space leaves the cotangent where it arrived, which then has the wrong memory type."""
+
+    @jax.custom_vjp
+    def move(x):
+        return jax.device_put(x, space)
+
+    move.defvjp(lambda x: (move(x), None), lambda _, ct: (jax.device_put(ct, back),))
+    return move
+
+
+_in = _move(jax.memory.Space.Device, jax.memory.Space.Host)
+_out = _move(jax.memory.Space.Host, jax.memory.Space.Device)
+
+
+def _on_host(x) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
 def to_device(tree):
-    """Every leaf into device memory (inside jit / shard_map)."""
-    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+    """Every host leaf into device memory (inside jit / shard_map); gradients go back to the host.
+    Leaves already on the device are left alone."""
+    return jax.tree.map(lambda x: _in(x) if _on_host(x) else x, tree)
 
 
 def to_host(tree):
-    """Every leaf into host memory (inside jit / shard_map)."""
-    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+    """Every device leaf into host memory (inside jit / shard_map); gradients come back to the
+    device. Leaves already on the host are left alone."""
+    return jax.tree.map(lambda x: x if _on_host(x) else _out(x), tree)
 
 
 def place(tree, kinds):
     """Each leaf of `tree` into the memory its entry of `kinds` (same structure) names."""
-    space = {HOST: jax.memory.Space.Host, DEVICE: jax.memory.Space.Device}
-    return jax.tree.map(lambda x, k: jax.device_put(x, space[k]), tree, kinds)
+    return jax.tree.map(lambda x, k: to_host(x) if k == HOST else to_device(x), tree, kinds)
 
 
 def fetch(weights, on_host: bool):
