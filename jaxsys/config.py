@@ -496,6 +496,9 @@ def offloaded_activations(config) -> tuple[str, ...]:
 def _validate_optimizer(config) -> None:
     t, o = config.train, config.offload
     _require(t.optimizer in OPTIMIZERS, f"config.train.optimizer={t.optimizer!r}: choose one of {OPTIMIZERS}")
+    _require(t.optimizer == "adamw",
+             f"config.train.optimizer={t.optimizer!r} is not implemented on this revision yet (issue 17: "
+             "GaLore and zeroth-order are under review); use 'adamw'")
     g = t.galore
     _require(isinstance(g.rank, int) and g.rank >= 1, f"config.train.galore.rank={g.rank!r} must be a positive integer")
     _require(isinstance(g.update_every, int) and g.update_every >= 1,
