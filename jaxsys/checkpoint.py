@@ -112,6 +112,54 @@ def check_shapes(saved_metadata, abstract_state, step: int) -> None:
                                   "it was saved with (saved in the checkpoint's meta item)")
 
 
+# ----------------------------------------------------------------------------- init_from
+
+
+def _workdir_of(path: str) -> str:
+    """The workdir of `path`: a workdir (holding checkpoints/) or its checkpoints/ directory."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.basename(path) == "checkpoints" and not os.path.isdir(os.path.join(path, "checkpoints")):
+        return os.path.dirname(path)
+    return path
+
+
+def restore_params(path: str, abstract_params):
+    """The parameters of the latest complete step under `path` (config.checkpoint.init_from: a
+    workdir or its checkpoints/ directory), read straight into the shardings and memory kinds of
+    `abstract_params` (`Program.abstract_state().params`). Only the `params` subtree is read
+    (Orbax's partial restore): the saved step counter and optimizer state, whatever optimizer made
+    them, are not. Returns (params, step). Raises CheckpointError naming `path` and the problem."""
+    what = f"config.checkpoint.init_from={path!r}"
+    workdir = _workdir_of(path)
+    if not os.path.isdir(workdir):
+        problem = "is a file, not a directory" if os.path.exists(workdir) else "does not exist"
+        raise CheckpointError(f"{what}: {workdir} {problem}; pass the workdir of a run (or its checkpoints/ "
+                              "directory), e.g. one written by `python -m jaxsys.convert --from-hf`")
+    if not os.path.isdir(directory(workdir)):
+        raise CheckpointError(f"{what}: {workdir} has no checkpoints/ directory; pass the workdir of a run")
+    manager = ocp.CheckpointManager(
+        directory(workdir), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise CheckpointError(f"{what}: {directory(workdir)} holds no complete checkpoint step")
+        try:
+            metadata = manager.item_metadata(step)["state"]
+            check_shapes({"params": metadata["params"]}, {"params": abstract_params}, step)
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item={"params": abstract_params}, partial_restore=True,
+                restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)})))
+        except CheckpointError as e:
+            raise CheckpointError(f"{what}: {e}") from e
+        except (ValueError, OSError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{what}: checkpoint step {step} in {directory(workdir)} could not be read "
+                                  f"({type(e).__name__}: {e})") from e
+    finally:
+        manager.close()
+    return restored["state"]["params"], step
+
+
 # ----------------------------------------------------------------------------- inspect
 
 

@@ -496,9 +496,9 @@ def offloaded_activations(config) -> tuple[str, ...]:
 def _validate_optimizer(config) -> None:
     t, o = config.train, config.offload
     _require(t.optimizer in OPTIMIZERS, f"config.train.optimizer={t.optimizer!r}: choose one of {OPTIMIZERS}")
-    _require(t.optimizer == "adamw",
-             f"config.train.optimizer={t.optimizer!r} is not implemented on this revision yet (issue 17: "
-             "GaLore and zeroth-order are under review); use 'adamw'")
+    _require(t.optimizer != "galore",
+             "config.train.optimizer='galore' is not implemented on this revision yet (issue 17: under "
+             "review); use 'adamw' or 'zo'")
     g = t.galore
     _require(isinstance(g.rank, int) and g.rank >= 1, f"config.train.galore.rank={g.rank!r} must be a positive integer")
     _require(isinstance(g.update_every, int) and g.update_every >= 1,
@@ -508,6 +508,10 @@ def _validate_optimizer(config) -> None:
              f"config.train.optimizer='zo' with config.mesh.pipe={config.mesh.pipe}: zeroth-order training "
              "runs forwards only and has no pipeline schedule; use mesh.pipe=1 (fsdp or offload.params "
              "hold a large model instead)")
+    _require(t.optimizer != "zo" or not o.optimizer,
+             "config.offload.optimizer=True with config.train.optimizer='zo': zeroth-order training has no "
+             "optimizer state to offload; use config.offload.params=True to keep the weights in host memory "
+             "(ZO2, docs/zeroth_order.md)")
     _require(o.optimizer_update in OPTIMIZER_UPDATE,
              f"config.offload.optimizer_update={o.optimizer_update!r}: choose one of {OPTIMIZER_UPDATE}")
     _require(0.0 <= o.optimizer_fraction <= 1.0,

@@ -29,5 +29,8 @@ def schedule(t) -> optax.Schedule:
 
 def make_optimizer(t, specs) -> optax.GradientTransformation:
     """AdamW with weight decay on the leaves whose ParamSpec says so (not norms)."""
+    if t.optimizer == "zo":  # MeZO: no state; jaxsys/zo.py makes the update from two forwards
+        from jaxsys import zo
+        return zo.optimizer()
     mask = jax.tree.map(lambda s: s.decay, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     return optax.adamw(schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys import optim
+from jaxsys import optim, zo
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware
 from jaxsys.checkpoint import Checkpointer
@@ -199,6 +199,8 @@ class Program:
         return objective, grads, metrics
 
     def _local_step(self, state: TrainState, tokens):
+        if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/zo.py)
+            return zo.local_step(self, state, tokens)
         _, grads, metrics = self._local_grads(state.params, tokens)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
@@ -425,6 +427,13 @@ def main(config, workdir: str) -> list[dict]:
         state = checkpointer.restore(program.abstract_state())
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
+    elif config.checkpoint.init_from:  # a new run from another run's parameters (fine-tuning)
+        params, from_step = checkpoint_lib.restore_params(config.checkpoint.init_from,
+                                                          program.abstract_state().params)
+        state = program.fresh_state(params)
+        if lead:
+            print(f"jaxsys: parameters from step {from_step} of {config.checkpoint.init_from} "
+                  "(config.checkpoint.init_from); starting at step 0 with a fresh optimizer state", flush=True)
     else:
         state = program.init()
     start_step = int(resume_step or 0)
