@@ -97,7 +97,7 @@ def activation_estimate(config) -> dict:
 
 # devices that share one host's DRAM on a real machine: 8 GPUs on an H100 node, 4 chips on a v5p host
 # (Cloud's v5p VMs are 2x2x1). cost_model.offload_traffic divides the host DRAM bandwidth by
-# hw.devices_per_node: 8 for the H100 profile, but 1 for the v5p:1x1x1 slice (chips per slice).
+# hw.host_sharers: 8 for the H100 profile, 1 for the v5p:1x1x1 slice (a one-chip slice's host).
 DEVICES_PER_HOST = {"h100": 8, "v5p": 4}
 PAPER_V100_BYTES = 32e9  # ZeRO-Offload's single-GPU claim: 13B on one V100 32 GB
 PAPER_CLAIM_PSI = 13e9
@@ -113,7 +113,7 @@ def formula_point(k: int, option: str, hw, chip: str = "") -> dict:
     p = psi(c)
     compute_s = 6 * p * BATCH * SEQ / hw.peak("bfloat16")
     # the host update alone on its host, and with the host's DRAM shared by all its devices
-    alone = traffic["host_update_s"] / hw.devices_per_node
+    alone = traffic["host_update_s"] / hw.host_sharers
     shared = alone * DEVICES_PER_HOST.get(chip, hw.devices_per_node)
     # the ratios take the host as this one device's alone (the question is one chip)
     serial = traffic["link_s"] + alone
@@ -159,11 +159,13 @@ def paper_capacity(name: str, hbm: float) -> dict:
       2 bytes/param: the fp16 parameters; the fp16 gradients leave for the CPU in buckets during the
                      backward (the paper's arrangement; DeepSpeed: "offloading optimizer and gradient
                      states to CPU memory");
-      4 bytes/param: fp16 parameters + fp16 gradients (`cost_model.paper_zero_offload_memory`)."""
+                     `cost_model.paper_zero_offload_memory`;
+      4 bytes/param: fp16 parameters + fp16 gradients (the gradients counted on the device too)."""
     from jaxsys.analysis import cost_model
     per = cost_model.paper_zero_offload_memory(1.0)
-    out = {"name": name, "hbm_bytes": hbm, "psi_max": hbm / per["device"],
-           "host_bytes_at_max": hbm / per["device"] * per["host"], "psi_max_2": hbm / 2,
+    assert per["device"] == 2, per
+    out = {"name": name, "hbm_bytes": hbm, "psi_max": hbm / 4,
+           "host_bytes_at_max": hbm / per["device"] * per["host"], "psi_max_2": hbm / per["device"],
            "jaxsys_psi_max": {"none (16)": hbm / 16, "optimizer (8)": hbm / 8, "params (12)": hbm / 12,
                               "all (4)": hbm / 4},
            "claim_psi": PAPER_CLAIM_PSI if hbm == PAPER_V100_BYTES else None, "family": {}}

@@ -56,7 +56,12 @@ class Hardware:
     intra_node_bytes_per_s: float  # per device, one direction (NVLink / ICI)
     inter_node_bytes_per_s: float  # per device, one direction (InfiniBand / DCN)
     host_link_bytes_per_s: float = 32e9  # device <-> host memory, per device, one direction (PCIe)
-    host_memory_bytes_per_s: float = 200e9  # host DRAM, per host (its devices_per_node devices share it)
+    host_memory_bytes_per_s: float = 200e9  # host DRAM, per host (its devices_per_host devices share it)
+    devices_per_host: int = 0  # devices sharing one host's DRAM; 0: devices_per_node (GPU nodes)
+
+    @property
+    def host_sharers(self) -> int:
+        return self.devices_per_host or self.devices_per_node
 
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
@@ -447,7 +452,7 @@ def offload_traffic(config, hw: "Hardware") -> dict:
     if host_update:
         link["optimizer"] = (z["grads"] + z["params"]) * f
         host_update_s = ADAM_BYTES_PER_PARAM * z["optimizer"] / (2 * b_p) * f / (
-            hw.host_memory_bytes_per_s / hw.devices_per_node)
+            hw.host_memory_bytes_per_s / hw.host_sharers)
     if o.params:
         link["params"] = 2 * z["params"] + z["grads"] + (0.0 if host_update and f == 1.0 else 2 * z["params"])
     total = sum(link.values())
@@ -456,10 +461,12 @@ def offload_traffic(config, hw: "Hardware") -> dict:
 
 
 def paper_zero_offload_memory(psi: float, k: int = 12) -> dict:
-    """ZeRO-Offload's split (Ren et al. 2021), mixed precision: the device holds fp16 parameters and
-    gradients (2Ψ + 2Ψ bytes), the host the fp32 optimizer state (KΨ: master weights, momentum,
-    variance)."""
-    return {"device": 4 * psi, "host": k * psi}
+    """ZeRO-Offload's split (Ren et al. 2021, section 4), mixed precision: the device keeps the fp16
+    parameters (2Ψ); the fp16 gradients go to the host bucket by bucket during the backward (2Ψ),
+    beside the fp32 optimizer state (KΨ: master weights, momentum, variance). 2Ψ is what puts 13B
+    on one 32 GB V100. (Counting the gradients on the device too, 4Ψ, is the bound while a bucket
+    is in flight at its largest, not the paper's split.)"""
+    return {"device": 2 * psi, "host": (2 + k) * psi}
 
 
 def paper_zero_memory(psi: float, n: int, stage: int, k: int = 12) -> float:

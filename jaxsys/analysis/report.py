@@ -77,7 +77,8 @@ def _format_offload(off: dict | None) -> list[str]:
                    f"host {_b(off['placed']['host_bytes'])}")
     p = off["paper_zero_offload"]
     out.append(f"  ZeRO-Offload's split for these {p['psi_per_device'] / 1e6:,.2f}M parameters per device: "
-               f"device 4 psi = {_b(p['device'])} (fp16 params + grads), host 12 psi = {_b(p['host'])}")
+               f"device 2 psi = {_b(p['device'])} (fp16 params), host 14 psi = {_b(p['host'])} "
+               "(fp16 grads + fp32 master weights and Adam moments)")
     if o["activations"]:
         out.append(f"  activations to host per step: {_b(off['activations_to_host_bytes'])}")
     link = ", ".join(f"{k} {_b(v)}" for k, v in t["link_bytes"].items() if v)

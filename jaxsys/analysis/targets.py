@@ -195,6 +195,9 @@ def parse(name: str, slices: int = 1) -> Target:
     return Target(name, chip, f"{chip.topology_prefix}:{chip.shape(count // per)}", slices)
 
 
+TPU_CHIPS_PER_HOST = 4  # v4, v5p and multi-host v5e/v6e slices: 4 chips per host VM share its DRAM
+
+
 def hardware(target: Target):
     """The roofline profile of a target (`cost_model.Hardware`). GPUs: the profile of the GPU
     (`cost_model.PROFILES`, 8 per NVLink node). TPUs: a slice is one "node" whose mesh axes run over
@@ -209,7 +212,8 @@ def hardware(target: Target):
     return Hardware(f"TPU {chip.generation} ({target.topology}"
                     + (f" x {target.slices} slices)" if target.slices > 1 else ")"),
                     peak, chip.hbm_bytes_per_s, chip.hbm_bytes, target.chips_per_slice,
-                    2 * chip.ici_link_bytes_per_s, chip.dcn_bytes_per_s)
+                    2 * chip.ici_link_bytes_per_s, chip.dcn_bytes_per_s,
+                    devices_per_host=min(TPU_CHIPS_PER_HOST, target.chips_per_slice))
 
 
 def libtpu_version() -> str:
