@@ -496,13 +496,28 @@ def offloaded_activations(config) -> tuple[str, ...]:
 def _validate_optimizer(config) -> None:
     t, o = config.train, config.offload
     _require(t.optimizer in OPTIMIZERS, f"config.train.optimizer={t.optimizer!r}: choose one of {OPTIMIZERS}")
-    _require(t.optimizer != "galore",
-             "config.train.optimizer='galore' is not implemented on this revision yet (issue 17: under "
-             "review); use 'adamw' or 'zo'")
     g = t.galore
     _require(isinstance(g.rank, int) and g.rank >= 1, f"config.train.galore.rank={g.rank!r} must be a positive integer")
     _require(isinstance(g.update_every, int) and g.update_every >= 1,
              f"config.train.galore.update_every={g.update_every!r} must be a positive integer")
+    _require(isinstance(g.scale, (int, float)) and g.scale > 0,
+             f"config.train.galore.scale={g.scale!r} must be a number > 0 (alpha; 1 leaves the update unscaled)")
+    _require(t.optimizer != "galore" or any(n.strip() for n in str(g.leaves).split(",")),
+             "config.train.optimizer='galore' with config.train.galore.leaves empty: name the weights to "
+             "project (e.g. 'wq,wk,wv,wo,w_gate,w_up,w_down'), or use optimizer='adamw'")
+    _require(t.optimizer == "adamw" or o.optimizer_update != "host" or not (o.optimizer or o.params),
+             f"config.offload.optimizer_update='host' runs AdamW's update leaf by leaf on the host; "
+             f"config.train.optimizer={t.optimizer!r} is not supported there: use optimizer_update='device'")
+    _require(t.optimizer != "galore" or not o.optimizer,
+             "config.offload.optimizer=True with config.train.optimizer='galore': offloading chooses the "
+             "optimizer state by its parameter-shaped moments, and GaLore's (rank-r moments and projections, "
+             "docs/galore.md) is not parameter-shaped, so nothing would move: set offload.optimizer=False "
+             "(GaLore already shrinks that state; offload.params works with it) or use optimizer='adamw'")
+    _require(t.optimizer != "galore" or config.parallel.expert_rebalance_every == 0,
+             f"config.parallel.expert_rebalance_every={config.parallel.expert_rebalance_every} with "
+             "config.train.optimizer='galore': re-placing experts permutes the parameter-shaped optimizer "
+             "moments, and GaLore's live in the projected space: set expert_rebalance_every=0 or use "
+             "optimizer='adamw'")
     _require(t.zo.eps > 0, f"config.train.zo.eps={t.zo.eps!r} must be > 0")
     _require(t.optimizer != "zo" or config.mesh.pipe == 1,
              f"config.train.optimizer='zo' with config.mesh.pipe={config.mesh.pipe}: zeroth-order training "

@@ -1,11 +1,14 @@
-"""AdamW and its learning-rate schedules. Clipping by global norm is done by the train step with
+"""AdamW, GaLore (jaxsys/galore.py) and their learning-rate schedules; the PartitionSpecs of the
+optimizer state. Clipping by global norm is done by the train step with
 `jaxsys.parallel.zero.global_norm`, which is correct when gradients are sharded."""
 
 from __future__ import annotations
 
 import jax
 import optax
+from jax.sharding import PartitionSpec as P
 
+from jaxsys import galore
 from jaxsys.models.params import ParamSpec
 
 
@@ -27,10 +30,38 @@ def schedule(t) -> optax.Schedule:
     return optax.join_schedules([ramp, tail], [warmup]) if warmup else tail
 
 
-def make_optimizer(t, specs) -> optax.GradientTransformation:
-    """AdamW with weight decay on the leaves whose ParamSpec says so (not norms)."""
+def make_optimizer(t, specs, grad_pspecs=None, mesh_sizes=None) -> optax.GradientTransformation:
+    """AdamW with weight decay on the leaves whose ParamSpec says so (not norms); with
+    `t.optimizer == "galore"` the same chain with GaLore's Adam in place of Adam. GaLore needs the
+    gradients' PartitionSpecs as the update sees them (`Program.grad_pspecs`; None: unsharded)
+    and the mesh's axis sizes, and raises ConfigError for a bad `t.galore` before anything
+    compiles."""
     if t.optimizer == "zo":  # MeZO: no state; jaxsys/zo.py makes the update from two forwards
         from jaxsys import zo
         return zo.optimizer()
     mask = jax.tree.map(lambda s: s.decay, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    if t.optimizer == "galore":  # optax.adamw's chain, GaLore's Adam first
+        g = t.galore
+        return optax.chain(
+            galore.scale_by_galore_adam(galore.plan(g, specs, grad_pspecs, mesh_sizes), b1=t.b1, b2=t.b2, eps=t.eps,
+                                        scale=float(g.scale), update_every=int(g.update_every)),
+            optax.add_decayed_weights(t.weight_decay, mask),
+            optax.scale_by_learning_rate(schedule(t)))
     return optax.adamw(schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
+
+
+def state_pspecs(t, specs, grad_pspecs, optimizer=None, mesh_sizes=None):
+    """PartitionSpecs of the optimizer state of `t.optimizer` (`optimizer`: the one
+    `make_optimizer` made, else made here). AdamW: every copy of the parameter tree in it (the
+    moments) gets the gradients' specs `grad_pspecs`, other leaves (step counts) P(). GaLore: its
+    state is not parameter-shaped, so it gets `galore.state_pspecs` of its plans, the rest of the
+    chain (the schedule's count) P()."""
+    optimizer = optimizer or make_optimizer(t, specs, grad_pspecs, mesh_sizes)
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, "float32"), specs,
+                            is_leaf=lambda x: isinstance(x, ParamSpec))
+    state = jax.eval_shape(optimizer.init, abstract)
+    if t.optimizer == "galore":
+        own = galore.state_pspecs(galore.plan(t.galore, specs, grad_pspecs, mesh_sizes))
+        return jax.tree.map(lambda node: own if galore.is_state(node) else P(), state, is_leaf=galore.is_state)
+    return optax.tree_map_params(optimizer, lambda _, spec: spec, state, grad_pspecs,
+                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))

@@ -301,21 +301,15 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
                          specs, is_leaf=is_spec)
     grad_pspecs = jax.tree.map(lambda s, ps, pl: zero.state_spec(ps, pl, len(s.shape)),
                                specs, param_pspecs, plans, is_leaf=is_spec)
-    optimizer = optim.make_optimizer(config.train, specs)
+    optimizer = optim.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
     abstract = params_lib.abstract_params(specs, jnp.dtype(config.model.param_dtype))
-    opt_pspecs = optax.tree_map_params(
-        optimizer, lambda _, spec: spec, jax.eval_shape(optimizer.init, abstract), grad_pspecs,
-        transform_non_params=lambda _: P(), is_leaf=_is_p)
+    opt_pspecs = optim.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
     plan = offload.Plan.from_config(config)
     state_kinds = None
     if plan.any:
         offload.require_host_memory(mesh.devices.flat, "config.offload")
     if plan.optimizer or plan.params:
-        if plan.host_update and t.optimizer != "adamw":
-            raise ConfigError(f"config.offload.optimizer_update='host' runs AdamW's update leaf by leaf on "
-                              f"the host; config.train.optimizer={t.optimizer!r} is not supported there: "
-                              "use optimizer_update='device'")
         # elements per device of one optimizer-state leaf of each parameter (as held for the update)
         state_sizes = jax.tree.map(
             lambda s, spec: math.prod(NamedSharding(mesh, spec).shard_shape(s.shape)), specs, grad_pspecs,
@@ -420,7 +414,7 @@ def main(config, workdir: str) -> list[dict]:
     program = build(config, mesh)
     t, m = config.train, config.model
     tokens_per_step = program.tokens_per_step
-    flops_per_step = flops_lib.train_flops_per_token(m, config.data.seq_len) * tokens_per_step
+    flops_per_step = flops_lib.step_flops_per_token(config) * tokens_per_step
     peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
 
     if resume_step is not None:

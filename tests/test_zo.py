@@ -299,3 +299,27 @@ def test_zo_program_has_no_gradient_function():
     program = program_for(_zo_config())
     with pytest.raises(ConfigError, match="computes no gradients"):
         program.loss_and_grads_fn()
+
+
+# ----------------------------------------------------------------------------- the analysis
+
+
+@pytest.mark.parametrize("mesh", [dict(fsdp=8), dict(tensor=8), dict(data=8)], ids=["fsdp8", "tp8", "dp8"])
+def test_analysis_collectives_and_bytes_equal_the_zeroth_order_formula(mesh):
+    """The analysis of a ZO step: no gradient or optimizer bytes, and the collectives read from the
+    program equal `cost_model.zeroth_order_rows` in count and bytes (FSDP gathers once per use in
+    each of the two forwards, Megatron's all-reduces 2 x (2L + 1), the vocabulary-parallel loss's
+    3 per forward; data parallelism sends nothing but the losses)."""
+    from jaxsys.analysis import report
+    c = _zo_config(mesh)
+    c.model.n_kv_heads = 8  # tensor=8 splits the kv heads
+    r = report.analyze(c, devices=jax.devices()[:8], flops=False)
+    measured, formula = report.by_kind_axes(r["collectives"]), report.by_kind_axes(r["collectives_formula"])
+    assert set(measured) == set(formula), (measured, formula)
+    for key in formula:
+        assert measured[key][0] == formula[key][0], (key, measured[key], formula[key])
+        assert measured[key][1] == pytest.approx(formula[key][1], rel=1e-12), (key, measured[key], formula[key])
+    m = r["memory"]
+    assert m["grads_bytes"] == m["formula"]["grads"] == 0
+    assert m["optimizer_bytes"] == m["formula"]["optimizer"] == 0
+    assert m["params_bytes"] == m["formula"]["params"]

@@ -236,7 +236,44 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
         rows.append(Row("vocab-parallel cross-entropy (max, sum, target)", "all_reduce", ("tensor",), 3,
                         3 * ring_bytes("all_reduce", B_local * T * 4, t)))
         rows += moe_tensor_rows(config)
-    return rows, caveats
+    if config.train.optimizer == "zo":
+        return zeroth_order_rows(config, rows, caveats)
+    galore = galore_rows(config)
+    if any(r.kind == "all_gather" for r in galore):
+        caveats.append(f"GaLore's refresh all-gathers run one step in train.galore.update_every="
+                       f"{config.train.galore.update_every}; the program holds them once, and so do these rows")
+    return rows + galore, caveats
+
+
+def zeroth_order_rows(config, rows: list[Row], caveats: list[str]) -> tuple[list[Row], list[str]]:
+    """The first-order rows of `predicted_collectives` turned into a zeroth-order step's
+    (train.optimizer='zo', jaxsys/zo.py): two forwards, no backward. No gradient is synchronised
+    (every replica draws the same z; the only cross-replica sums are the forwards' scalar losses),
+    so the gradient rows go; the FSDP weights are gathered once per use in each forward; the
+    vocabulary-parallel loss's three all-reduces run in each forward. Megatron's activation
+    all-reduces keep their count: a backward mirrors its forward's (2L + 1 each), and so does a
+    second forward. Context- and expert-parallel rows count a forward and a backward, which two
+    forwards match only roughly (a caveat says so)."""
+    mesh, m = config.mesh, config.model
+    psi_l, psi_r, _, n_r = params_per_device_after_tp(config)
+    f, t, b_c = mesh.fsdp, mesh.tensor, _dtype_bytes(m.compute_dtype)
+    out = []
+    for r in rows:
+        if "gradient" in r.technique or r.technique.startswith("ZeRO-"):
+            continue
+        if r.technique.startswith("FSDP weight all-gather"):
+            r = Row("FSDP weight all-gather (each of the two forwards)", "all_gather", ("fsdp",),
+                    2 * (layer_leaf_executions(config) + n_r),
+                    ring_bytes("all_gather", 2 * (psi_l + psi_r) * b_c / f, f))
+        elif r.technique.startswith("vocab-parallel cross-entropy"):
+            r = dataclasses.replace(r, count=2 * r.count, bytes=2 * r.bytes)
+        out.append(r)
+    # no backward: nothing recomputed, and no gradient sums over combined axes
+    caveats = [c for c in caveats if not c.startswith(("remat=", "combined layouts"))]
+    if mesh.seq > 1 or mesh.expert > 1:
+        caveats.append("train.optimizer='zo': the context- and expert-parallel rows count a forward and a "
+                       "backward; the step runs two forwards")
+    return out, caveats
 
 
 def _moe(config) -> tuple[int, int, int]:
@@ -394,15 +431,90 @@ def metric_collectives(config) -> int:
 
 def zero_memory(config) -> dict:
     """Per-device bytes of parameters, gradients and optimizer state by the ZeRO formula
-    (stage from config.train.zero_stage over `data`; `fsdp` shards all three as stage 3)."""
+    (stage from config.train.zero_stage over `data`; `fsdp` shards all three as stage 3). With
+    config.train.optimizer='galore' the optimizer state is GaLore's (`galore_optimizer_bytes`)."""
     b_p = _dtype_bytes(config.model.param_dtype)
     psi_l, psi_r, _, _ = params_per_device_after_tp(config)
     psi = (psi_l + psi_r) / config.mesh.fsdp
     n, stage = config.mesh.data, config.train.zero_stage
     k = 2 * b_p  # Adam: mu and nu in the parameter dtype
+    optimizer = k * psi / (n if stage >= 1 else 1)
+    if config.train.optimizer == "galore":
+        optimizer = galore_optimizer_bytes(config)
+    if config.train.optimizer == "zo":  # two forwards: no gradients, no optimizer state
+        return {"params": b_p * psi, "grads": 0.0, "optimizer": 0.0}
     return {"params": b_p * psi,
             "grads": b_p * psi / (n if stage >= 2 else 1),
-            "optimizer": k * psi / (n if stage >= 1 else 1)}
+            "optimizer": optimizer}
+
+
+def _galore_plans(config):
+    """GaLore's LeafPlans (flat) for the layout of `config`, from the train step's gradient specs
+    (`train.build` makes the same), and the mesh sizes."""
+    from jaxsys import galore
+    from jaxsys.parallel import zero
+    from jaxsys.sharding import Layout
+    layout, t = Layout.from_config(config), config.train
+    specs = transformer.param_specs(config.model, chunks=t.virtual_stages if config.mesh.pipe > 1 else 1)
+    grad_pspecs = jax.tree.map(
+        lambda s: zero.state_spec(layout.param_spec(s.axes), zero.plan(layout, s.axes, s.shape, t.zero_stage),
+                                  len(s.shape)), specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    plans = galore.plan(t.galore, specs, grad_pspecs, layout.mesh_sizes)
+    return jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan)), dict(layout.mesh_sizes)
+
+
+def galore_optimizer_bytes(config) -> float:
+    """GaLore's optimizer-state bytes per device (Zhao et al. 2024; docs/galore.md): per projected
+    m x n matrix m r + 2 r n (m <= n) or n r + 2 m r, 2 m n for the weights it leaves to Adam
+    (`galore.state_bytes`), each dimension split over the mesh axes the train step's gradient
+    specs give it (so ZeRO's `data` slicing, fsdp, tensor and pipe are counted)."""
+    from jaxsys import galore
+    plans, sizes = _galore_plans(config)
+    return float(galore.state_bytes(plans, _dtype_bytes(config.model.param_dtype), sizes))
+
+
+def galore_rows(config) -> list[Row]:
+    """GaLore's collectives per step (docs/galore.md), from each projected leaf's local gradient
+    block [b, m_l, n_l] (b the local batch of matrices, m_l / n_l its rows and columns on this
+    device). Every step: R, b r n_l (left) or b m_l r (right) elements, is summed over the g devices
+    that split the contracted side (rows for left, columns for right): a reduce-scatter along r,
+    then an all-gather of Adam's normalised N (1/g of R) for the projection back, when r divides by
+    g (the moments are split along r); an all-reduce of R otherwise. Every K-th step (the refresh):
+    all-gathers of G, over the row axes and then over each split column dimension's axes, so that
+    the device holds b whole m x n matrices for the SVD: b m_l n_l (g_row g_col - 1) elements
+    received. The program holds the refresh once (in a lax.cond), so it is counted once here, as
+    the analysis counts it."""
+    if config.train.optimizer != "galore":
+        return []
+    plans, sizes = _galore_plans(config)
+    b_p = _dtype_bytes(config.model.param_dtype)
+    size = lambda axes: math.prod(sizes[a] for a in axes)
+    found: dict = {}
+
+    def add(technique, kind, axes, operand_bytes):
+        key = (technique, kind, tuple(axes))
+        count, sent = found.get(key, (0, 0.0))
+        found[key] = (count + 1, sent + ring_bytes(kind, operand_bytes, size(axes)))
+
+    for pl in plans:
+        if not pl.projected:
+            continue
+        local = [d // size(axes) for d, axes in zip(pl.shape, pl.spec)]
+        b = math.prod(local[d] for d in pl.batch_dims)
+        m_l, n_l = local[pl.row_dim], math.prod(local[d] for d in pl.col_dims)
+        r_bytes = (b * pl.rank * n_l if pl.side == "left" else b * m_l * pl.rank) * b_p  # R before the sum
+        if pl.rank_axes:  # the moments are split along r: reduce-scatter R, all-gather N back
+            add("GaLore projection reduce-scatter (every step)", "reduce_scatter", pl.rank_axes, r_bytes)
+            add("GaLore normalised update all-gather (every step)", "all_gather", pl.rank_axes,
+                r_bytes / size(pl.rank_axes))
+        elif pl.sum_axes:
+            add("GaLore projection all-reduce (every step)", "all_reduce", pl.sum_axes, r_bytes)
+        held = b * m_l * n_l * b_p
+        for axes in [pl.row_axes] + [pl.spec[d] for d in pl.col_dims]:
+            if axes:
+                add("GaLore refresh all-gather of G for the SVD (1 step in K)", "all_gather", axes, held)
+                held *= size(axes)
+    return [Row(technique, kind, axes, count, sent) for (technique, kind, axes), (count, sent) in found.items()]
 
 
 def offload_memory(config) -> dict:
@@ -453,7 +565,9 @@ def offload_traffic(config, hw: "Hardware") -> dict:
         link["optimizer"] = (z["grads"] + z["params"]) * f
         host_update_s = ADAM_BYTES_PER_PARAM * z["optimizer"] / (2 * b_p) * f / (
             hw.host_memory_bytes_per_s / hw.host_sharers)
-    if o.params:
+    if o.params and config.train.optimizer == "zo":  # in for each forward, in and out for the update
+        link["params"] = 4 * z["params"]
+    elif o.params:
         link["params"] = 2 * z["params"] + z["grads"] + (0.0 if host_update and f == 1.0 else 2 * z["params"])
     total = sum(link.values())
     return {"link_bytes": link, "link_bytes_total": total, "link_s": total / hw.host_link_bytes_per_s,

@@ -26,3 +26,11 @@ def train_flops_per_token(m, seq_len: int) -> float:
 def forward_flops_per_token(m, seq_len: int) -> float:
     """The forward pass alone: 2 N + 4 L T N H (what full remat recomputes)."""
     return 2.0 * matmul_params(m) + 4.0 * m.n_layers * seq_len * m.n_heads * m.head_dim
+
+
+def step_flops_per_token(config) -> float:
+    """Model FLOPs per token of one training step of `config`'s optimizer: forward and backward
+    (`train_flops_per_token`), or two forwards for zeroth-order training (train.optimizer='zo')."""
+    if config.train.optimizer == "zo":
+        return 2.0 * forward_flops_per_token(config.model, config.data.seq_len)
+    return train_flops_per_token(config.model, config.data.seq_len)

@@ -133,6 +133,8 @@ def memory_report(program, compiled) -> dict:
     grads_b = sum(math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(s.shape)) * itemsize
                   for s, spec in zip(jax.tree.leaves(program.specs, is_leaf=params_lib.is_spec),
                                      jax.tree.leaves(grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))))
+    if config.train.optimizer == "zo":  # two forwards: no gradient exists (jaxsys/zo.py)
+        grads_b = 0
     # XLA:CPU's peak_memory_in_bytes leaves temporaries out; live arguments + outputs + temporaries
     # (less what the outputs alias from the donated arguments) is the bound XLA's own tools report.
     peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
@@ -181,9 +183,9 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
 
     tokens = config.train.batch_size * config.data.seq_len
     per_device = lambda per_token: per_token * tokens / n_devices
-    model_flops = per_device(flops_lib.train_flops_per_token(config.model, config.data.seq_len))
+    model_flops = per_device(flops_lib.step_flops_per_token(config))
     analytic = model_flops
-    if config.model.remat == "full":  # the forward runs twice: 8N instead of 6N
+    if config.model.remat == "full" and config.train.optimizer != "zo":  # forward twice: 8N, not 6N
         analytic += per_device(flops_lib.forward_flops_per_token(config.model, config.data.seq_len))
     xla_flops = float(cost.get("flops", 0.0))
     predicted, caveats = cost_model.predicted_collectives(config)
@@ -337,7 +339,7 @@ def target_analysis(config, target, devices=None) -> dict:
     roofline["comm_s_exposed"] = exposed
     roofline["step_s_schedule"] = max(roofline["compute_s"], roofline["memory_s"]) + exposed
     tokens = config.train.batch_size * config.data.seq_len
-    model_flops = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens
+    model_flops = flops_lib.step_flops_per_token(config) * tokens
     peak_job = hw.peak(config.model.compute_dtype) * math.prod(sizes.values())
     step = roofline["step_s_schedule"]
     roofline["mfu_schedule"] = model_flops / (step * peak_job) if step else 0.0
@@ -388,7 +390,7 @@ def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict
         out = analyze(config, hw, cpu_devices, flops=flops)
         out["memory_formula"] = out["memory"]["formula"]
     tokens = config.train.batch_size * config.data.seq_len
-    out["model_flops_per_device"] = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens / target.chips
+    out["model_flops_per_device"] = flops_lib.step_flops_per_token(config) * tokens / target.chips
     out["target"] = compiled
     return out
 
