@@ -206,18 +206,20 @@ class Program:
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
         grad_norm = zero.global_norm(grads, self.grad_pspecs, self.layout)
         clip = self.config.train.grad_clip
-        if clip > 0:
-            scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None
         param_slices = jax.tree.map(zero.take_slice, state.params, self.plans)
         if self.offload.optimizer or self.offload.params:
+            # the clipping scale goes with the gradients: the streamed update applies it per layer
             device = jax.tree.map(lambda _: offload.DEVICE, state.params)
             param_slices, opt_state = offload.split_update(
                 self.optimizer, grads, state.opt_state, param_slices, self.state_kinds.opt_state, device,
-                self.offload.host_update)
+                self.offload.host_update, leafwise=self.config.train.optimizer == "adamw" and not self.offload.params, grad_scale=scale,
+                tpu_tiles=self.mesh.devices.flat[0].platform == "tpu")
             params = offload.place(jax.tree.map(zero.gather_slices, param_slices, self.plans),
                                    self.state_kinds.params)
         else:
+            if scale is not None:
+                grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
             params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
         metrics.update(grad_norm=grad_norm, lr=optim.schedule(self.config.train)(state.step))

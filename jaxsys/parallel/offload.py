@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.experimental.compute_on import compute_on
 
 HOST = "pinned_host"
@@ -149,7 +150,7 @@ def _empty(x):
 
 
 def split_update(optimizer: optax.GradientTransformation, grads, opt_state, params, opt_kinds, param_kinds,
-                 on_host_update: bool):
+                 on_host_update: bool, leafwise: bool = False, grad_scale=None, tpu_tiles: bool = False):
     """One optimizer update of local shards where some optimizer-state leaves (`opt_kinds`) live on
     the host. Returns (new params, new optimizer state), each leaf in the memory its kind names
     (params by `param_kinds`).
@@ -159,7 +160,20 @@ def split_update(optimizer: optax.GradientTransformation, grads, opt_state, para
     host; that of the rest on the device. The two halves are the same optax update applied to the
     two halves of the tree: the other half's leaves are replaced by zero-size arrays, so the tree
     structure (and a checkpoint's) is that of the run without offload. This needs an update that
-    treats leaves independently (AdamW does); step counts are taken from the device half."""
+    treats leaves independently (AdamW does); step counts are taken from the device half.
+
+    `leafwise` (the optimizer treats leaves independently, as AdamW does; counts aside): the device
+    update streams the state layer by layer (`streamed_update`), so the device holds one layer's
+    moments (and a block of the embeddings') at a time. Without it (GaLore) the whole tree is
+    streamed in and out around one update, as XLA schedules it.
+
+    `grad_scale` (a scalar or None): the gradients are multiplied by it first (gradient clipping).
+    `tpu_tiles`: the program is for a TPU (`_block_rows`)."""
+    if not on_host_update and leafwise:
+        return streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds, grad_scale,
+                               tpu_tiles)
+    if grad_scale is not None:
+        grads = jax.tree.map(lambda g: g * grad_scale.astype(g.dtype), grads)
     if not on_host_update:
         updates, new_state = optimizer.update(grads, to_device(opt_state), to_device(params))
         new_params = optax.apply_updates(to_device(params), updates)
@@ -184,6 +198,153 @@ def split_update(optimizer: optax.GradientTransformation, grads, opt_state, para
     new_params = jax.tree.map(lambda h, d, k: h if k else d, h_params, d_params, on_host)
     new_state = _merge_state(optimizer, d_state, h_state, opt_kinds)
     return place(new_params, param_kinds), place(new_state, opt_kinds)
+
+
+def _stacked(path) -> bool:
+    """A leaf of the stack of layers (leading dimension: the layers): the `layers` subtree."""
+    return bool(path) and getattr(path[0], "key", None) == "layers"
+
+
+def _state_owners(optimizer, params, opt_state) -> list:
+    """Per leaf of the flattened optimizer state: the index of the parameter (in the flattened
+    params) it is a copy of (AdamW's moments), or None (step counts, other non-param state)."""
+    flat_params, treedef = jax.tree.flatten(params)
+    index_tree = jax.tree.unflatten(treedef, list(range(len(flat_params))))
+    owners = optax.tree_map_params(optimizer, lambda _, i: i, opt_state, index_tree,
+                                   transform_non_params=lambda _: -1)
+    return [None if o < 0 else o for o in jax.tree.leaves(owners)]
+
+
+def _block_rows(shape, blocks: int, tpu_tiles: bool) -> int:
+    """Rows per block when a leaf of `shape` is updated in `blocks` blocks of its leading
+    dimension, or 0 where it cannot be: the blocks must divide it, and the TPU tiles the two minor
+    dimensions (8, 128) and copies only whole tiles of its lane dimension, which its layout may put
+    on the leading dimension of a 2-D leaf whose last dimension is short ("Slicing lane dimension
+    is only supported when the lane slice size is a multiple of LaneCount"). Other backends take
+    any block that divides the leading dimension."""
+    if not shape or shape[0] % blocks:
+        return 0
+    rows = shape[0] // blocks
+    if not tpu_tiles or rows % 128 == 0 or len(shape) >= 3 or (len(shape) == 2 and rows % 8 == 0 and shape[1] % 128 == 0):
+        return rows
+    return 0
+
+
+def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds, grad_scale=None,
+                    tpu_tiles: bool = False):
+    """The device update of a leafwise optimizer (AdamW), streamed layer by layer as ZeRO-Offload
+    and Deep Optimizer States stream it. A loop over the stack of layers (the `layers` subtree,
+    leading dimension the layers) updates one layer's slice of every stacked leaf per iteration:
+    only that layer's optimizer state moves in from the host, is updated on the device and moves
+    back out, and the parameters are updated in place (the loop carries the stacks and writes each
+    layer back). The other leaves (embeddings, final norm) go through the same loop a block of
+    rows at a time (iteration l updates rows [l n/L, (l+1) n/L) of a leaf of n rows, L layers);
+    a leaf that cannot be cut so (`_block_rows`) is updated whole, with one of the first layers,
+    before the loop. (On XLA:CPU such unrolled pieces were seen to round AdamW's first moment
+    differently from the whole-tree update in the last bit; every leaf in the loop gave equal
+    numbers in every layout tested.) Each stack of another length (rare) gets a loop of its own.
+
+    Streamed this way the device holds the parameters, gradients and one iteration's share of
+    the optimizer state; a whole-tree update lets XLA move every leaf's state in at once and
+    early (it prefetches the copies during the forward), which on the TPU compiler cost 5-6
+    bytes/param more (experiments/offload_capacity).
+
+    Each piece is the optimizer's own update applied to a tree in which every other leaf is
+    zero-size, so the arithmetic is that of the whole-tree update; the non-param state (step
+    counts) comes from one update of the all-empty tree, so it advances once. Every piece holds
+    several leaves on purpose: XLA rewrites a division by a scalar with one user (Adam's bias
+    correction, when one leaf is updated alone) into a multiplication by its reciprocal, which
+    rounds differently from the whole-tree update. The gradient clipping's `grad_scale` is
+    applied to each piece's gradients, so no scaled copy of the whole gradient tree is made."""
+    flat_p, ptree = jax.tree.flatten(params)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    flat_g = ptree.flatten_up_to(grads)
+    flat_pk = ptree.flatten_up_to(param_kinds)
+    flat_s, stree = jax.tree.flatten(opt_state)
+    flat_sk = jax.tree.leaves(opt_kinds)
+    owners = _state_owners(optimizer, params, opt_state)
+    mine = [[k for k, o in enumerate(owners) if o == i] for i in range(len(flat_p))]
+
+    def home(x, kind):
+        return to_host(x) if kind == HOST else to_device(x)
+
+    def update(pieces):
+        """The optimizer's update of the leaves in `pieces` ({i: (param, grad, its state leaves)},
+        on the device) alone: {i: (new param, its new state leaves)}, and the new flat state."""
+        ps = [pieces[j][0] if j in pieces else _empty(x) for j, x in enumerate(flat_p)]
+        gs = [pieces[j][1] if j in pieces else _empty(x) for j, x in enumerate(flat_g)]
+        states = {k: v for j, (_, _, vs) in pieces.items() for k, v in zip(mine[j], vs)}
+        ss = [states[k] if o in pieces else (x if o is None else _empty(x))
+              for k, (o, x) in enumerate(zip(owners, flat_s))]
+        updates, new = optimizer.update(ptree.unflatten(gs), stree.unflatten(ss), ptree.unflatten(ps))
+        new_p = ptree.flatten_up_to(optax.apply_updates(ptree.unflatten(ps), updates))
+        new = jax.tree.leaves(new)
+        return {j: (new_p[j], [new[k] for k in mine[j]]) for j in pieces}, new
+
+    params_now = [home(p, k) for p, k in zip(flat_p, flat_pk)]
+    states_now = [[flat_s[k] for k in mine[i]] for i in range(len(flat_p))]
+    kinds = [[flat_sk[k] for k in mine[i]] for i in range(len(flat_p))]
+    # the non-param state (step counts) of one update: every parameter's leaves zero-size
+    _, new_flat_s = update({})
+
+    stacks: dict[int, list[int]] = {}  # number of layers -> the stacked leaves with that many
+    rest = []
+    for i, (path, p) in enumerate(zip(paths, flat_p)):
+        (stacks.setdefault(p.shape[0], []) if _stacked(path) and p.ndim >= 1 and p.shape[0] > 0
+         else rest).append(i)
+
+    def layer(l, stacked, chunked, whole, carry):
+        """Update layer `l` of the `stacked` leaves, row block `l` of the `chunked` leaves ({leaf:
+        rows per block}) and the `whole` leaves. carry: (params, state leaves), dicts by leaf index
+        holding at least those leaves; returns it updated."""
+        p_all, s_all = dict(carry[0]), dict(carry[1])
+        scaled = lambda g: g if grad_scale is None else g * grad_scale.astype(g.dtype)
+
+        def take(i, x):
+            if i in chunked:
+                return lax.dynamic_slice_in_dim(x, l * chunked[i], chunked[i], axis=0)
+            return lax.dynamic_index_in_dim(x, l, keepdims=False) if i in stacked else x
+
+        def put(i, x, v):
+            if i in chunked:
+                return lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), l * chunked[i], axis=0)
+            return lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), l, 0) if i in stacked else v
+
+        pieces = {i: (take(i, p_all[i]), scaled(take(i, flat_g[i])), [to_device(take(i, s)) for s in s_all[i]])
+                  for i in [*stacked, *chunked, *whole]}
+        done, _ = update(pieces)
+        for i, (p, vs) in done.items():
+            p_all[i] = put(i, p_all[i], p)
+            s_all[i] = [put(i, s, home(v, k)) for s, v, k in zip(s_all[i], vs, kinds[i])]
+        return p_all, s_all
+
+    carry = (dict(enumerate(params_now)), dict(enumerate(states_now)))
+    if not stacks:
+        carry = layer(0, [], {}, rest, carry)
+    for n_layers, stacked in sorted(stacks.items(), key=lambda kv: -len(kv[1])):
+        # the other leaves go with the layers a block of rows at a time where their rows divide
+        # evenly; the rest ride along with the first layers, one per layer (the last takes the surplus)
+        chunked = {i: _block_rows(flat_p[i].shape, n_layers, tpu_tiles) for i in rest}
+        chunked = {i: rows for i, rows in chunked.items() if rows}
+        rest = [i for i in rest if i not in chunked]
+        first = min(len(rest), n_layers)
+        for l in range(first):
+            carry = layer(l, stacked, chunked, rest[l:l + 1] if l < first - 1 else rest[l:], carry)
+        rest = []
+        if first < n_layers:
+            members = [*stacked, *chunked]
+            sub = ({i: carry[0][i] for i in members}, {i: carry[1][i] for i in members})
+            sub = lax.fori_loop(first, n_layers,
+                                lambda l, c, stacked=stacked, chunked=chunked: layer(l, stacked, chunked, [], c), sub)
+            carry = ({**carry[0], **sub[0]}, {**carry[1], **sub[1]})
+
+    carry = ([carry[0][i] for i in range(len(flat_p))], [carry[1][i] for i in range(len(flat_p))])
+    new_flat_p = [home(p, k) for p, k in zip(carry[0], flat_pk)]
+    new_flat_s = list(new_flat_s)
+    for i, vs in enumerate(carry[1]):
+        for k, v in zip(mine[i], vs):
+            new_flat_s[k] = v
+    return ptree.unflatten(new_flat_p), stree.unflatten(new_flat_s)
 
 
 def _param_mask(optimizer, params, opt_kinds):
