@@ -1,0 +1,155 @@
+"""Pure-JAX quantized matmuls: the exact semantics the Pallas kernels will be tested against.
+
+Weights are [K, N] (K the contracted input dimension, N the output channels), as jaxsys stores a
+dense layer (`w_up [D, F]`); activations are [M, K] (M = tokens).
+
+W8A16   int8 weights, one fp32 scale per output channel (symmetric, q in [-127, 127]):
+        w ~ q * s[n];   y = (x @ q) * s, accumulated in fp32.
+W4A16   4-bit weights in groups of G consecutive k (G = 32 / 64 / 128) with one fp32 scale per
+        (group, channel) and, optionally, a zero point:
+          symmetric:   q in [-8, 7],  w ~ q * s
+          asymmetric:  q in [0, 15],  w ~ (q - z) * s,  z an integer in [0, 15]
+        Two values per byte along K (`pack_int4`): byte [k // 2, n] holds k even in its low nibble and
+        k odd in its high nibble, as two's complement (symmetric) or unsigned (asymmetric) nibbles.
+        y = x @ dequantize(W), accumulated in fp32.
+W8A8    int8 activations with one fp32 scale per token (row of x) and int8 weights with one per
+        channel: y[m, n] = (sum_k xq[m, k] wq[k, n]) * sx[m] * sw[n], the sum in int32 (exact:
+        |sum| <= K * 127^2 < 2^31 for K < 133,000).
+
+Rounding is round-half-to-even (jnp.round), the quantizers' scales are max|.| / qmax (a zero
+channel or group gets scale 1 so that nothing divides by zero), and every result is cast to the
+activation dtype at the end.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["quantize_w8", "matmul_w8a16", "quantize_w4", "pack_int4", "unpack_int4", "dequantize_w4",
+           "matmul_w4a16", "quantize_per_token", "matmul_w8a8", "GROUP_SIZES"]
+
+GROUP_SIZES = (32, 64, 128)
+
+
+def _scale(absmax, qmax):
+    return jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
+
+
+def _check_2d(name, a):
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be 2-D; got shape {a.shape}")
+
+
+# ----------------------------------------------------------------------------- W8A16
+
+
+def quantize_w8(w):
+    """int8 weights [K, N] and per-channel fp32 scales [N] (symmetric, round to nearest)."""
+    _check_2d("w", w)
+    s = _scale(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0), 127.0)
+    q = jnp.clip(jnp.round(w.astype(jnp.float32) / s), -127, 127).astype(jnp.int8)
+    return q, s
+
+
+def matmul_w8a16(x, q, s):
+    """x[M, K] (bf16 / fp32) @ int8 q[K, N] with scales s[N]: (x @ q) * s in fp32, cast to x.dtype."""
+    _check_2d("x", x)
+    _check_2d("q", q)
+    if q.dtype != jnp.int8 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
+        raise ValueError(f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, "
+                         f"q{q.shape} {q.dtype}, s{s.shape}")
+    acc = jnp.dot(x.astype(jnp.float32), q.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return (acc * s[None, :]).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- W4A16
+
+
+def _check_groups(k, group_size):
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size={group_size}: choose one of {GROUP_SIZES}")
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group_size={group_size}: pick a group size that "
+                         "divides the input dimension")
+
+
+def quantize_w4(w, group_size: int = 128, zero_point: bool = False):
+    """4-bit weights of w[K, N] in groups of `group_size` along K: (q int8 holding the 4-bit values,
+    scales [K / G, N] fp32, zero points [K / G, N] int8 or None)."""
+    _check_2d("w", w)
+    k, n = w.shape
+    _check_groups(k, group_size)
+    g = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
+    if zero_point:
+        lo, hi = jnp.min(g, axis=1), jnp.max(g, axis=1)
+        s = _scale(hi - lo, 15.0)
+        z = jnp.clip(jnp.round(-lo / s), 0, 15)
+        q = jnp.clip(jnp.round(g / s[:, None]) + z[:, None], 0, 15)
+        return q.reshape(k, n).astype(jnp.int8), s, z.astype(jnp.int8)
+    s = _scale(jnp.max(jnp.abs(g), axis=1), 7.0)
+    q = jnp.clip(jnp.round(g / s[:, None]), -8, 7)
+    return q.reshape(k, n).astype(jnp.int8), s, None
+
+
+def pack_int4(q):
+    """int8 q[K, N] holding 4-bit values ([-8, 7] or [0, 15]) -> uint8 [K / 2, N], two per byte:
+    row 2i in the low nibble, row 2i + 1 in the high nibble."""
+    _check_2d("q", q)
+    if q.shape[0] % 2:
+        raise ValueError(f"pack_int4 needs an even K; got q{q.shape}")
+    nibbles = q.astype(jnp.uint8) & jnp.uint8(0xF)
+    return nibbles[0::2] | (nibbles[1::2] << jnp.uint8(4))
+
+
+def unpack_int4(packed, signed: bool):
+    """uint8 [K / 2, N] -> int8 [K, N]: the inverse of `pack_int4` (two's complement if `signed`)."""
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"packed int4 weights must be uint8; got {packed.dtype}")
+    lo, hi = packed & jnp.uint8(0xF), packed >> jnp.uint8(4)
+    q = jnp.stack([lo, hi], axis=1).reshape(2 * packed.shape[0], packed.shape[1]).astype(jnp.int8)
+    return jnp.where(q > 7, q - 16, q).astype(jnp.int8) if signed else q
+
+
+def dequantize_w4(packed, s, z=None):
+    """fp32 W[K, N] from packed 4-bit weights, scales [K / G, N] and zero points (or None)."""
+    q = unpack_int4(packed, signed=z is None).astype(jnp.float32)
+    k, n = q.shape
+    groups = s.shape[0]
+    if s.shape[1] != n or k % groups or (z is not None and z.shape != s.shape):
+        raise ValueError(f"scales {s.shape} (and zero points {None if z is None else z.shape}) do not "
+                         f"match weights [K={k}, N={n}] in groups along K")
+    q = q.reshape(groups, k // groups, n)
+    if z is not None:
+        q = q - z.astype(jnp.float32)[:, None]
+    return (q * s[:, None]).reshape(k, n)
+
+
+def matmul_w4a16(x, packed, s, z=None):
+    """x[M, K] @ dequantize_w4(packed, s, z), accumulated in fp32, cast to x.dtype."""
+    _check_2d("x", x)
+    w = dequantize_w4(packed, s, z)
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"x{x.shape} and packed weights of K={w.shape[0]} do not contract")
+    return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- W8A8
+
+
+def quantize_per_token(x):
+    """int8 x[M, K] and per-token fp32 scales [M] (symmetric)."""
+    _check_2d("x", x)
+    s = _scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 127.0)
+    return jnp.clip(jnp.round(x.astype(jnp.float32) / s[:, None]), -127, 127).astype(jnp.int8), s
+
+
+def matmul_w8a8(xq, sx, wq, sw, out_dtype=jnp.bfloat16):
+    """int8 xq[M, K] @ int8 wq[K, N], int32 accumulate, times sx[M] sw[N], in `out_dtype`."""
+    if xq.dtype != jnp.int8 or wq.dtype != jnp.int8:
+        raise ValueError(f"matmul_w8a8 takes int8 operands; got {xq.dtype} and {wq.dtype}")
+    if xq.shape[1] != wq.shape[0] or sx.shape != (xq.shape[0],) or sw.shape != (wq.shape[1],):
+        raise ValueError(f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
+                         f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}")
+    acc = lax.dot(xq, wq, preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * sx[:, None] * sw[None, :]).astype(out_dtype)
