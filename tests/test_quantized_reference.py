@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.quantized_matmul import reference as ref
+from jaxsys.kernels.quantized_matmul import reference as ref
 
 RNG = np.random.default_rng(0)
 

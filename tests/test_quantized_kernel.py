@@ -1,0 +1,90 @@
+"""kernels/quantized_matmul/kernel.py in interpret mode against reference.py.
+
+The kernels sum the same products in another order (K blocks; W4A16 scales each group's partial
+sum instead of each weight), so fp32 results agree to fp32 rounding of a K-term sum:
+rtol 1e-5 + atol 1e-5 * max|y| (K <= 512). With bf16 activations both round the fp32 result to
+bf16 at the end: they may differ by one bf16 ulp (2^-8 relative) where the fp32 sums straddle a
+rounding boundary.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys.kernels.quantized_matmul import kernel, reference as ref
+
+RNG = np.random.default_rng(1)
+
+
+def _xw(m, k, n, dtype=jnp.float32):
+    x = jnp.asarray(RNG.standard_normal((m, k)), dtype)
+    w = jnp.asarray(RNG.standard_normal((k, n)) * 0.05, jnp.float32)
+    return x, w
+
+
+def _close(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    else:
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("m", [1, 5, 32])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_w8a16_kernel_equals_reference(m, dtype):
+    x, w = _xw(m, 256, 256, dtype)
+    q, s = ref.quantize_w8(w)
+    got = jax.jit(lambda x: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=64,
+                                                interpret=True))(x)
+    assert got.shape == (m, 256) and got.dtype == dtype
+    _close(got, ref.matmul_w8a16(x, q, s), dtype)
+
+
+@pytest.mark.parametrize("group_size,zero_point", [(32, False), (64, True), (128, False), (128, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_w4a16_kernel_equals_reference(group_size, zero_point, dtype):
+    x, w = _xw(7, 256, 256, dtype)
+    q, s, z = ref.quantize_w4(w, group_size, zero_point)
+    packed = ref.pack_int4(q)
+    got = kernel.matmul_w4a16(x, packed, s, z, block_m=8, block_n=128, interpret=True)
+    assert got.shape == (7, 256) and got.dtype == dtype
+    _close(got, ref.matmul_w4a16(x, packed, s, z), dtype)
+
+
+def test_kernels_name_bad_blocks_and_shapes():
+    x, w = _xw(4, 256, 192)
+    q, s = ref.quantize_w8(w)
+    with pytest.raises(ValueError, match="N=192 is not a multiple of block_n=128"):
+        kernel.matmul_w8a16(x, q, s, block_n=128, interpret=True)
+    with pytest.raises(ValueError, match=r"int8 q\[K, N\]"):
+        kernel.matmul_w8a16(x[:, :100], q, s, interpret=True)
+    q4, s4, _ = ref.quantize_w4(w, 64)
+    with pytest.raises(ValueError, match="the packed weights K=256"):
+        kernel.matmul_w4a16(x[:, :128], ref.pack_int4(q4), s4, interpret=True)
+    with pytest.raises(ValueError, match="group size K / groups = 256"):
+        kernel.matmul_w4a16(x, ref.pack_int4(q4), s4[:1], interpret=True)
+
+
+# ----------------------------------------------------------------------------- TPU compiler (ahead of time)
+
+from jaxsys.analysis import targets  # noqa: E402
+
+
+@pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (bash scripts/bootstrap --test)")
+def test_w8a16_kernel_compiles_for_a_v5p_slice_with_mosaic():
+    """The generic W8A16 kernel, lowered with interpret=False for TPU devices, is accepted by Mosaic
+    (bf16 x, K = N = 1024, blocks 16 x 128, K step 128) inside a shard_map over v5p:2x2x1, and the
+    compiled program holds the Mosaic custom call. (W4A16's generic kernel is refused by Mosaic:
+    its per-group lane slices of 64 are not provably 128-aligned; it needs a TPU variant.)"""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxsys.kernels.tpu_compile_grid import tpu_mesh
+    mesh = tpu_mesh("v5p:2x2x1")
+    local = lambda x, q, s: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=128, interpret=False)
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"),
+                              check_vma=False))
+    arg = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    compiled = f.lower(arg((32 * mesh.size, 1024), jnp.bfloat16, P("data")), arg((1024, 1024), jnp.int8, P()),
+                       arg((1024,), jnp.float32, P())).compile()
+    assert "tpu_custom_call" in compiled.as_text()
