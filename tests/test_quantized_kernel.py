@@ -73,18 +73,28 @@ from jaxsys.analysis import targets  # noqa: E402
 
 
 @pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (bash scripts/bootstrap --test)")
-def test_w8a16_kernel_compiles_for_a_v5p_slice_with_mosaic():
-    """The generic W8A16 kernel, lowered with interpret=False for TPU devices, is accepted by Mosaic
-    (bf16 x, K = N = 1024, blocks 16 x 128, K step 128) inside a shard_map over v5p:2x2x1, and the
-    compiled program holds the Mosaic custom call. (W4A16's generic kernel is refused by Mosaic:
-    its per-group lane slices of 64 are not provably 128-aligned; it needs a TPU variant.)"""
+@pytest.mark.parametrize("case", ["w8a16", "w4a16_g32", "w4a16_g128_zero_point", "w4a16_g64_fp32"])
+def test_kernels_compile_for_a_v5p_slice_with_mosaic(case):
+    """Each kernel, lowered with interpret=False for TPU devices, is accepted by Mosaic (K = N =
+    1024, blocks 16 x 128) inside a shard_map over v5p:2x2x1, and the compiled program holds the
+    Mosaic custom call. Nothing runs: there is no TPU here."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxsys.kernels.tpu_compile_grid import tpu_mesh
     mesh = tpu_mesh("v5p:2x2x1")
-    local = lambda x, q, s: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=128, interpret=False)
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"),
-                              check_vma=False))
-    arg = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-    compiled = f.lower(arg((32 * mesh.size, 1024), jnp.bfloat16, P("data")), arg((1024, 1024), jnp.int8, P()),
-                       arg((1024,), jnp.float32, P())).compile()
-    assert "tpu_custom_call" in compiled.as_text()
+    k = n = 1024
+    dtype = jnp.float32 if case.endswith("fp32") else jnp.bfloat16
+    arg = lambda shape, dt, spec=P(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+    x = arg((32 * mesh.size, k), dtype, P("data"))
+    if case == "w8a16":
+        args = (x, arg((k, n), jnp.int8), arg((n,), jnp.float32))
+        local = lambda x, q, s: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=128,
+                                                    interpret=False)
+    else:
+        g = int(case.split("_g")[1].split("_")[0])
+        args = (x, arg((k // 2, n), jnp.uint8), arg((k // g, n), jnp.float32))
+        if "zero_point" in case:
+            args += (arg((k // g, n), jnp.int8),)
+        local = lambda x, p, s, *z: kernel.matmul_w4a16(x, p, s, *z, block_m=16, block_n=128, interpret=False)
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) + (P(),) * (len(args) - 1),
+                              out_specs=P("data"), check_vma=False))
+    assert "tpu_custom_call" in f.lower(*args).compile().as_text()
