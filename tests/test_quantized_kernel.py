@@ -53,6 +53,16 @@ def test_w4a16_kernel_equals_reference(group_size, zero_point, dtype):
     _close(got, ref.matmul_w4a16(x, packed, s, z), dtype)
 
 
+@pytest.mark.parametrize("m", [3, 64])
+def test_w8a8_kernel_equals_reference_bitwise(m):
+    """The int32 sum is exact in both, and both scale it by sx sw in fp32 in the same order."""
+    x, w = _xw(m, 512, 256)
+    xq, sx = ref.quantize_per_token(x)
+    wq, sw = ref.quantize_w8(w)
+    got = kernel.matmul_w8a8(xq, sx, wq, sw, jnp.float32, block_k=128, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref.matmul_w8a8(xq, sx, wq, sw, jnp.float32)))
+
+
 def test_kernels_name_bad_blocks_and_shapes():
     x, w = _xw(4, 256, 192)
     q, s = ref.quantize_w8(w)
@@ -63,6 +73,8 @@ def test_kernels_name_bad_blocks_and_shapes():
     q4, s4, _ = ref.quantize_w4(w, 64)
     with pytest.raises(ValueError, match="the packed weights K=256"):
         kernel.matmul_w4a16(x[:, :128], ref.pack_int4(q4), s4, interpret=True)
+    with pytest.raises(ValueError, match="int8 operands"):
+        kernel.matmul_w8a8(x, jnp.ones(4), q, s, interpret=True)
     with pytest.raises(ValueError, match="group size K / groups = 256"):
         kernel.matmul_w4a16(x, ref.pack_int4(q4), s4[:1], interpret=True)
 
@@ -73,19 +85,24 @@ from jaxsys.analysis import targets  # noqa: E402
 
 
 @pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (bash scripts/bootstrap --test)")
-@pytest.mark.parametrize("case", ["w8a16", "w4a16_g32", "w4a16_g128_zero_point", "w4a16_g64_fp32"])
-def test_kernels_compile_for_a_v5p_slice_with_mosaic(case):
+@pytest.mark.parametrize("target", ["v5p:2x2x1", "v6e:2x2"])
+@pytest.mark.parametrize("case", ["w8a16", "w4a16_g32", "w4a16_g128_zero_point", "w4a16_g64_fp32", "w8a8"])
+def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
     """Each kernel, lowered with interpret=False for TPU devices, is accepted by Mosaic (K = N =
-    1024, blocks 16 x 128) inside a shard_map over v5p:2x2x1, and the compiled program holds the
+    1024, blocks 16 x 128) inside a shard_map over a v5p and a v6e slice, and the compiled program holds the
     Mosaic custom call. Nothing runs: there is no TPU here."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxsys.kernels.tpu_compile_grid import tpu_mesh
-    mesh = tpu_mesh("v5p:2x2x1")
+    mesh = tpu_mesh(target)
     k = n = 1024
     dtype = jnp.float32 if case.endswith("fp32") else jnp.bfloat16
     arg = lambda shape, dt, spec=P(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
     x = arg((32 * mesh.size, k), dtype, P("data"))
-    if case == "w8a16":
+    if case == "w8a8":
+        args = (arg((32 * mesh.size, k), jnp.int8, P("data")), arg((32 * mesh.size,), jnp.float32, P("data")),
+                arg((k, n), jnp.int8), arg((n,), jnp.float32))
+        local = lambda x, sx, q, s: kernel.matmul_w8a8(x, sx, q, s, block_m=32, interpret=False)
+    elif case == "w8a16":
         args = (x, arg((k, n), jnp.int8), arg((n,), jnp.float32))
         local = lambda x, q, s: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=128,
                                                     interpret=False)
@@ -95,6 +112,7 @@ def test_kernels_compile_for_a_v5p_slice_with_mosaic(case):
         if "zero_point" in case:
             args += (arg((k // g, n), jnp.int8),)
         local = lambda x, p, s, *z: kernel.matmul_w4a16(x, p, s, *z, block_m=16, block_n=128, interpret=False)
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) + (P(),) * (len(args) - 1),
+    data_args = 2 if case == "w8a8" else 1
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) * data_args + (P(),) * (len(args) - data_args),
                               out_specs=P("data"), check_vma=False))
     assert "tpu_custom_call" in f.lower(*args).compile().as_text()

@@ -19,14 +19,19 @@ Design (one program per (block_m, block_n) output tile, every grid axis parallel
 Matmul operands: bf16 activations meet bf16 codes (exact) with fp32 accumulation; fp32 activations
 use fp32 matmuls at Precision.HIGHEST.
 
-TPU: both kernels, lowered with interpret=False, compile with Mosaic for v5p (K = 1024 and 4096,
-groups 32/64/128, with and without zero points, bf16 and fp32 x; tested at K = 1024). W4A16's group
+TPU: the three kernels, lowered with interpret=False, compile with Mosaic (tested on v5p and v6e
+slices at K = N = 1024; W4A16 also checked by hand on v5p at K = 4096 with groups 32/64/128, zero
+points or not, bf16 and fp32 x). W4A16's group
 loop is unrolled in Python: with a `fori_loop` Mosaic cannot prove its per-group lane slices
 (group_size / 2 columns of x_even / x_odd) 128-aligned, nor the scale row 8-aligned
 ("CompileTimeMosaicUnprovenMemoryAccessAlignment"); static offsets it can. The unrolled body grows
 with K / group_size (256 groups at K = 8192, G = 32).
 
-Not yet: W8A8, MARLIN's offline re-layout of the packed weights for the
+W8A8: int8 x-blocks meet int8 weight blocks in an int32 accumulator (`preferred_element_type`), the
+per-token and per-channel scales applied once after the loop; the sum is exact, so the kernel
+equals the reference bit for bit.
+
+Not yet: MARLIN's offline re-layout of the packed weights for the
 kernel's tiles, GPU compilation and benchmarks (issue 18).
 """
 
@@ -41,7 +46,7 @@ from jax.experimental import pallas as pl
 
 from jaxsys.kernels.quantized_matmul import reference as ref
 
-__all__ = ["matmul_w8a16", "matmul_w4a16"]
+__all__ = ["matmul_w8a16", "matmul_w4a16", "matmul_w8a8"]
 
 
 def _interpret(interpret):
@@ -181,4 +186,46 @@ def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128,
         out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), x.dtype),
         interpret=_interpret(interpret),
     )(*args)
+    return out[:m]
+
+
+# ----------------------------------------------------------------------------- W8A8
+
+
+def _w8a8_kernel(x_ref, q_ref, sx_ref, sw_ref, o_ref, *, block_k: int, n_k: int):
+    def body(i, acc):
+        xs = x_ref[:, pl.ds(i * block_k, block_k)]
+        qs = q_ref[pl.ds(i * block_k, block_k), :]
+        return acc + jnp.dot(xs, qs, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.int32)
+
+    acc = lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, jnp.int32))
+    o_ref[...] = (acc.astype(jnp.float32) * sx_ref[...][:, None] * sw_ref[...][None, :]).astype(o_ref.dtype)
+
+
+def matmul_w8a8(xq, sx, wq, sw, out_dtype=jnp.bfloat16, *, block_m: int = 32, block_n: int = 128,
+                block_k: int = 128, interpret=None):
+    """int8 xq[M, K] @ int8 wq[K, N] with an int32 accumulator, times sx[M] and sw[N], as
+    `reference.matmul_w8a8`. M is padded to a multiple of block_m (32: int8 tiles are (32, 128))."""
+    if xq.dtype != jnp.int8 or wq.dtype != jnp.int8:
+        raise ValueError(f"matmul_w8a8 takes int8 operands; got {xq.dtype} and {wq.dtype}")
+    if (xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0] or sx.shape != (xq.shape[0],)
+            or sw.shape != (wq.shape[1],)):
+        raise ValueError(f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
+                         f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}")
+    k, n = wq.shape
+    block_k, block_n = min(block_k, k), min(block_n, n)
+    _check_blocks(k, n, block_k, block_n, "matmul_w8a8")
+    xp, m = _pad_rows(xq, block_m)
+    sxp = jnp.pad(sx.astype(jnp.float32), (0, xp.shape[0] - m))
+    out = pl.pallas_call(
+        functools.partial(_w8a8_kernel, block_k=block_k, n_k=k // block_k),
+        grid=(xp.shape[0] // block_m, n // block_n),
+        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
+                  pl.BlockSpec((block_m,), lambda i, j: (i,)),
+                  pl.BlockSpec((block_n,), lambda i, j: (j,))],
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
+        interpret=_interpret(interpret),
+    )(xp, wq, sxp, sw.astype(jnp.float32))
     return out[:m]
