@@ -301,8 +301,8 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     param_pspecs = jax.tree.map(lambda s: layout.param_spec(s.axes), specs, is_leaf=is_spec)
     plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage),
                          specs, is_leaf=is_spec)
-    grad_pspecs = jax.tree.map(lambda s, ps, pl: zero.state_spec(ps, pl, len(s.shape)),
-                               specs, param_pspecs, plans, is_leaf=is_spec)
+    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, config.train.zero_stage), specs,
+                               is_leaf=is_spec)
     optimizer = optim.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
     abstract = params_lib.abstract_params(specs, jnp.dtype(config.model.param_dtype))
     opt_pspecs = optim.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)

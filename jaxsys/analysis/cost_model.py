@@ -450,15 +450,14 @@ def zero_memory(config) -> dict:
 
 def _galore_plans(config):
     """GaLore's LeafPlans (flat) for the layout of `config`, from the train step's gradient specs
-    (`train.build` makes the same), and the mesh sizes."""
+    (`zero.grad_spec`, as `train.build` makes them), and the mesh sizes."""
     from jaxsys import galore
     from jaxsys.parallel import zero
     from jaxsys.sharding import Layout
     layout, t = Layout.from_config(config), config.train
     specs = transformer.param_specs(config.model, chunks=t.virtual_stages if config.mesh.pipe > 1 else 1)
-    grad_pspecs = jax.tree.map(
-        lambda s: zero.state_spec(layout.param_spec(s.axes), zero.plan(layout, s.axes, s.shape, t.zero_stage),
-                                  len(s.shape)), specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, t.zero_stage), specs,
+                               is_leaf=lambda x: isinstance(x, ParamSpec))
     plans = galore.plan(t.galore, specs, grad_pspecs, layout.mesh_sizes)
     return jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan)), dict(layout.mesh_sizes)
 

@@ -61,6 +61,12 @@ def plan(layout: Layout, logical: Sequence[str | None], shape: Sequence[int], st
     return LeafPlan(tuple(sum_axes), zero_dim, stage)
 
 
+def grad_spec(layout: Layout, spec, stage: int) -> P:
+    """PartitionSpec of a parameter's gradient as the update sees it (its optimizer-state spec):
+    `state_spec` of the parameter's layout spec and its ZeRO plan. `spec`: its ParamSpec."""
+    return state_spec(layout.param_spec(spec.axes), plan(layout, spec.axes, spec.shape, stage), len(spec.shape))
+
+
 def state_spec(param_spec: P, leaf: LeafPlan, ndim: int) -> P:
     """PartitionSpec of the optimizer state of a leaf: the parameter's, plus `data` (minor) on the
     sliced dimension."""
