@@ -99,12 +99,15 @@ def main(argv=None) -> int:
         return 2
     try:
         if target is not None:
+            if config.model.quant != "none":
+                raise ConfigError(f"config.model.quant={config.model.quant!r}: the analysis of a quantized "
+                                  "(inference) config runs on fake CPU devices only so far; drop --target")
             cpu = None if args.no_cpu else jax.devices()[:devices]
             result = report.analyze_target(config, target, cpu, flops=not args.no_flops)
             text = report.format_target_report
         else:
             result = report.analyze(config, args.hardware, jax.devices()[:devices], flops=not args.no_flops)
-            text = report.format_report
+            text = report.format_inference_report if result.get("mode") == "inference" else report.format_report
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

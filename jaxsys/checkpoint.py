@@ -28,6 +28,15 @@ def directory(workdir: str) -> str:
     return os.path.abspath(os.path.join(workdir, "checkpoints"))
 
 
+def require_new_workdir(workdir: str, error=None) -> None:
+    """Refuse a workdir that already holds a run (checkpoints or metrics), so that a command that
+    writes a new one (conversion, quantization) never overwrites anything."""
+    for name in ("checkpoints", "metrics.jsonl"):
+        if os.path.exists(os.path.join(workdir, name)):
+            raise (error or CheckpointError)(f"{workdir} already holds a run ({name}): pass a new output "
+                                             "workdir; nothing was overwritten")
+
+
 class Checkpointer:
     """Saves every `config.checkpoint.every_steps` steps and/or `every_minutes` minutes (and at the
     end), keeps the last `keep` plus every `keep_period`-th step."""
@@ -103,6 +112,16 @@ def check_shapes(saved_metadata, abstract_state, step: int) -> None:
     for path, want in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         name = _name(path)
         got = saved_by_path.get(name)
+        parent = name.rsplit("/", 1)[0]
+        if got is None and parent in saved_by_path:
+            raise CheckpointError(f"checkpoint step {step} is not quantized ({parent} is a float tensor) but "
+                                  f"the config expects {name} (config.model.quant): make a quantized "
+                                  "workdir with `python -m jaxsys.quantize --workdir W --out W_q --format "
+                                  "...` or set config.model.quant='none'")
+        if got is None and any(k.startswith(name + "/") for k in saved_by_path):
+            raise CheckpointError(f"checkpoint step {step} holds {name} quantized (codes and scales) but the "
+                                  "config expects a float tensor: set config.model.quant* as in the "
+                                  "workdir's config.json (or load that config)")
         if got is None:
             raise CheckpointError(f"checkpoint step {step} has no tensor {name}: it was saved from a "
                                   "different model; use a new --workdir or the matching config")
@@ -123,13 +142,13 @@ def _workdir_of(path: str) -> str:
     return path
 
 
-def restore_params(path: str, abstract_params):
+def restore_params(path: str, abstract_params, what: str | None = None):
     """The parameters of the latest complete step under `path` (config.checkpoint.init_from: a
     workdir or its checkpoints/ directory), read straight into the shardings and memory kinds of
-    `abstract_params` (`Program.abstract_state().params`). Only the `params` subtree is read
+    `abstract_params` (`Program.abstract_state().params`); `what` names `path` in errors. Only the `params` subtree is read
     (Orbax's partial restore): the saved step counter and optimizer state, whatever optimizer made
     them, are not. Returns (params, step). Raises CheckpointError naming `path` and the problem."""
-    what = f"config.checkpoint.init_from={path!r}"
+    what = what or f"config.checkpoint.init_from={path!r}"
     workdir = _workdir_of(path)
     if not os.path.isdir(workdir):
         problem = "is a file, not a directory" if os.path.exists(workdir) else "does not exist"

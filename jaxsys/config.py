@@ -31,6 +31,10 @@ EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
 OPTIMIZERS = ("adamw", "galore", "zo")
 OPTIMIZER_UPDATE = ("device", "host")
+QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
+QUANT_TRAIN = ("none", "int8")  # config.model.quant_train
+QUANT_IMPLS = ("pallas", "reference")
+QUANT_GROUP_SIZES = (32, 64, 128)
 # checkpoint_name()s the model puts on activations, which config.offload.activations may offload
 ACTIVATION_NAMES = ("layer_input", "attention_output", "mlp_hidden")
 
@@ -65,6 +69,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.context_parallel = "ring"  # ring | allgather | tokenring (softmax layers, mesh.seq > 1)
     c.model.context_load_balance = True  # zigzag chunks so causal work is even over seq
     c.model.mlp_pattern = "dense"  # comma-separated MLP types (dense | moe) repeated over the layers
+    # Quantized dense layers (docs/quantization.md). `quant`: the format of a quantized checkpoint's
+    # weights (written by `python -m jaxsys.quantize`; inference only), run through the Pallas kernels
+    # (`quant_impl='reference'`: the same integer semantics in plain XLA). `quant_train='int8'`:
+    # training with int8 forward and backward matmuls and a straight-through estimator.
+    c.model.quant = "none"  # none | w8a16 | w4a16 | w8a8
+    c.model.quant_group_size = 128  # G of w4a16: k per scale (32 | 64 | 128)
+    c.model.quant_zero_point = False  # w4a16 with a zero point per group (asymmetric codes)
+    c.model.quant_impl = "pallas"  # pallas | reference
+    c.model.quant_train = "none"  # none | int8
 
     # Mixture of experts (the layers that mlp_pattern marks `moe`; docs/moe.md)
     c.model.moe = ml_collections.ConfigDict()
@@ -395,6 +408,7 @@ def validate(config, num_devices: int | None = None) -> None:
              f"{m.mlp_pattern!r}")
     _validate_moe(config)
     _validate_optimizer(config)
+    _validate_quant(config)
     _require(m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
              f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
              "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)")
@@ -534,6 +548,35 @@ def _validate_optimizer(config) -> None:
     bad = [n for n in offloaded_activations(config) if n not in ACTIVATION_NAMES]
     _require(not bad, f"config.offload.activations={o.activations!r}: unknown name(s) {bad}; the model "
                       f"names {ACTIVATION_NAMES}")
+
+
+def _validate_quant(config) -> None:
+    """config.model.quant* against each other and the model's shapes on the mesh (w4a16's groups
+    must not straddle the K' a tensor-parallel rank holds)."""
+    m = config.model
+    _require(m.quant in QUANT_FORMATS, f"config.model.quant={m.quant!r}: choose one of {QUANT_FORMATS}")
+    _require(m.quant_train in QUANT_TRAIN,
+             f"config.model.quant_train={m.quant_train!r}: choose one of {QUANT_TRAIN}")
+    _require(m.quant_impl in QUANT_IMPLS, f"config.model.quant_impl={m.quant_impl!r}: choose one of {QUANT_IMPLS}")
+    _require(m.quant == "none" or m.quant_train == "none",
+             f"config.model.quant={m.quant!r} (a quantized checkpoint, for inference) and quant_train="
+             f"{m.quant_train!r} (int8 training of float weights) exclude each other: set one to 'none'")
+    if m.quant != "w4a16":
+        return
+    G = m.quant_group_size
+    _require(G in QUANT_GROUP_SIZES,
+             f"config.model.quant_group_size={G!r}: choose one of {QUANT_GROUP_SIZES}")
+    shards = lambda logical: math.prod(config.mesh[a] for a in axes_of(config.sharding.params[logical]))
+    # (weight, contracted size K' on one rank)
+    local_k = [("wq, wk, wv, w_gate, w_up", "d_model", m.d_model),
+               ("wo", "n_heads * head_dim / tensor", m.n_heads * m.head_dim // shards("heads"))]
+    if "dense" in mlp_pattern(m):
+        local_k.append(("w_down", "d_ff / tensor", m.d_ff // shards("mlp")))
+    for weights, what, k in local_k:
+        _require(k % G == 0,
+                 f"config.model.quant='w4a16' with quant_group_size={G}: the contracted size K' of {weights} "
+                 f"is {what} = {k} per rank, not a multiple of the group size; choose a group size that "
+                 f"divides {k} (of {QUANT_GROUP_SIZES}) or fewer tensor shards")
 
 
 def _validate_moe(config) -> None:

@@ -197,13 +197,6 @@ def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- the two directions
 
 
-def _check_new_workdir(workdir: str) -> None:
-    for name in ("checkpoints", "metrics.jsonl"):
-        if os.path.exists(os.path.join(workdir, name)):
-            raise ConversionError(f"{workdir} already holds a run ({name}): pass a new --workdir; "
-                                  "nothing was overwritten")
-
-
 def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     """Convert a Hugging Face Llama directory into workdir's config.json and checkpoint step 0.
     Returns the resolved config."""
@@ -214,7 +207,8 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     from jaxsys.checkpoint import Checkpointer
     from jaxsys.mesh import make_mesh
 
-    _check_new_workdir(workdir)
+    from jaxsys.checkpoint import require_new_workdir
+    require_new_workdir(workdir, ConversionError)
     config = base_config() if config is None else config
     model_config_from_hf(_hf_config(hf_dir), config.model)
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype

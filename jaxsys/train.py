@@ -303,9 +303,12 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
                          specs, is_leaf=is_spec)
     grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, config.train.zero_stage), specs,
                                is_leaf=is_spec)
-    optimizer = optim.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
     abstract = params_lib.abstract_params(specs, jnp.dtype(config.model.param_dtype))
-    opt_pspecs = optim.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
+    if config.model.quant != "none":  # a quantized checkpoint's codes are not trained: no state
+        optimizer, opt_pspecs = optax.identity(), optax.EmptyState()
+    else:
+        optimizer = optim.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
+        opt_pspecs = optim.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
     plan = offload.Plan.from_config(config)
     state_kinds = None
@@ -392,6 +395,11 @@ def main(config, workdir: str) -> list[dict]:
     cpu_unless_accelerator()
     maybe_initialize_distributed(config.distributed)
     validate(config)
+    if config.model.quant != "none":
+        raise ConfigError(
+            f"config.model.quant={config.model.quant!r} describes a quantized checkpoint, which is for "
+            "inference: evaluate it with `python -m jaxsys.evaluate --workdir W`; to train with int8 "
+            "matmuls use config.model.quant_train='int8' with quant='none'")
     corpus = data_lib.load_corpus(config.data)
     if corpus.vocab_needed > config.model.vocab_size:
         raise ConfigError(f"the corpus has token ids up to {corpus.vocab_needed - 1} but "

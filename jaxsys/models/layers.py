@@ -42,12 +42,17 @@ def attention(q, k, v, causal: bool = True):
     return out.reshape(b, t, n, h)
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    """SwiGLU MLP: (silu(x W_gate) * x W_up) W_down, x[B, T, D], W_gate/W_up[D, F], W_down[F, D]."""
-    gate = jnp.einsum("btd,df->btf", x, w_gate)
-    up = jnp.einsum("btd,df->btf", x, w_up)
+def _einsum(eq, x, w, name=""):
+    return jnp.einsum(eq, x, w)
+
+
+def swiglu(x, w_gate, w_up, w_down, linear=_einsum):
+    """SwiGLU MLP: (silu(x W_gate) * x W_up) W_down, x[B, T, D], W_gate/W_up[D, F], W_down[F, D].
+    `linear(eq, x, w, name=...)` runs each matmul (models/quant.py's for quantized weights)."""
+    gate = linear("btd,df->btf", x, w_gate, name="w_gate")
+    up = linear("btd,df->btf", x, w_up, name="w_up")
     hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")  # host-offloadable (config.offload)
-    return jnp.einsum("btf,fd->btd", hidden, w_down)
+    return linear("btf,fd->btd", hidden, w_down, name="w_down")
 
 
 def swiglu_experts(x, w_gate, w_up, w_down):

@@ -16,6 +16,7 @@ class ParamSpec:
     init: str = "normal"  # "normal" (std), "ones", "zeros"
     std: float = 0.02
     decay: bool = True  # AdamW weight decay applies
+    dtype: str | None = None  # None: the model's param_dtype; quantized codes and scales set their own
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
@@ -31,18 +32,19 @@ def init_params(specs, key, dtype):
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     values = []
     for i, spec in enumerate(leaves):
+        leaf_dtype = spec.dtype or dtype
         if spec.init == "ones":
-            values.append(jnp.ones(spec.shape, dtype))
+            values.append(jnp.ones(spec.shape, leaf_dtype))
         elif spec.init == "zeros":
-            values.append(jnp.zeros(spec.shape, dtype))
+            values.append(jnp.zeros(spec.shape, leaf_dtype))
         else:
             draw = jax.random.normal(jax.random.fold_in(key, i), spec.shape, jnp.float32)
-            values.append((draw * spec.std).astype(dtype))
+            values.append((draw * spec.std).astype(leaf_dtype))
     return jax.tree.unflatten(treedef, values)
 
 
 def abstract_params(specs, dtype):
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype), specs, is_leaf=is_spec)
 
 
 def count(specs) -> int:

@@ -24,12 +24,13 @@ whole periods of the two patterns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxsys.config import block_pattern
-from jaxsys.models import attention, layers, moe
+from jaxsys.models import attention, layers, moe, quant
 from jaxsys.models.params import ParamSpec
 from jax.ad_checkpoint import checkpoint_name
 
@@ -70,6 +71,7 @@ def param_specs(m, chunks: int = 1) -> dict:
         layer_specs["w_down"] = ParamSpec((Ld, F, D), ("layers", "mlp", "embed"), std=out_std)
     if counts["moe"]:
         layer_specs["moe"] = moe.param_specs(m, counts["moe"])
+    layer_specs = quant.quantize_specs(layer_specs, m)  # codes and scales (config.model.quant)
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed"), std=std),
         "layers": layer_specs,
@@ -110,7 +112,7 @@ def _weights(w, axes, m, layout: Layout, hook=None, name: str = "", index=None):
     w = offload.fetch(w, layout.params_on_host)
     if hook is not None:
         w = hook(name, w, index)
-    return fsdp.gather(_cast(w, m), axes, layout)
+    return fsdp.gather(w if quant.is_quantized(w) else _cast(w, m), axes, layout)
 
 
 def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
@@ -123,22 +125,24 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sp_axes
     x = checkpoint_name(x, "layer_input")  # host-offloadable residual (config.offload.activations)
     h = tensor.enter(layers.rms_norm(x, w["attn_norm"], m.norm_eps), heads, sp)
-    q = jnp.einsum("btd,dnh->btnh", h, w["wq"])
-    k = jnp.einsum("btd,dkh->btkh", h, w["wk"])
-    v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+    linear = functools.partial(quant.linear, m=m)  # einsum, or the quantized kernels (config.model.quant)
+    q = linear("btd,dnh->btnh", h, w["wq"], name="wq")
+    k = linear("btd,dkh->btkh", h, w["wk"], name="wk")
+    v = linear("btd,dkh->btkh", h, w["wv"], name="wv")
     if kind == "linear":
         o = attention.linear_attention(q, k, v, m, heads, seq)
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
         o = attention.softmax_attention(q, k, v, m, seq)
     o = checkpoint_name(o, "attention_output")
-    x = x + tensor.leave(jnp.einsum("btnh,nhd->btd", o, w["wo"]), heads, sp)
+    x = x + tensor.leave(linear("btnh,nhd->btd", o, w["wo"], name="wo"), heads, sp)
     h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
     if mlp_kind == "moe":
         y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
         return x + y, experts, stats
     h = tensor.enter(h, mlp, sp)
-    return x + tensor.leave(layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"]), mlp, sp), previous, None
+    y = layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"], linear)
+    return x + tensor.leave(y, mlp, sp), previous, None
 
 
 # The model in four pieces, so that a pipeline can run them on different stages:

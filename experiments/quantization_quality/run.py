@@ -1,0 +1,143 @@
+"""Perplexity of quantized models on the held-out corpus, per format, method and group size.
+
+    python experiments/quantization_quality/run.py [--steps-scale 1.0] [--eval-batches 16]
+
+Trains (or reuses, under --cache) two float models on the embedded corpus, tiny (configs/tiny.py,
+0.8M parameters, 300 steps) and small (3.3M: D=256, H=32, F=768, 400 steps), and converts the
+Hugging Face fixture (tests/golden/hf_llama/untied: a *random* tiny Llama, so its perplexity is
+near the vocabulary size and only the change matters). Each is quantized with
+`jaxsys.quantize.quantize_workdir` for every row and evaluated with `jaxsys.evaluate` on the same
+held-out batches, so rows differ only by the weights. Quantized rows run with bf16 activations
+(the A16 of the formats); the float model is reported with fp32 and bf16 activations. Quantized
+rows use `quant_impl=reference` (the kernels' integer semantics in XLA; the Pallas kernels in
+interpret mode give the same sums, tests/test_quantized_model.py) except one pallas row per model
+that checks it. Writes results.json and prints the README's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+MODELS = {
+    "tiny": ["--config.train.progress=false"],
+    "small": ["--config.model.d_model=256", "--config.model.n_heads=8", "--config.model.n_kv_heads=4",
+              "--config.model.head_dim=32", "--config.model.d_ff=768", "--config.train.steps=400",
+              "--config.train.eval_every=200", "--config.train.progress=false"],
+}
+# (format, method, group size, zero point)
+ROWS = [("w8a16", "rtn", 128, False), ("w8a16", "gptq", 128, False)]
+ROWS += [("w4a16", method, g, False) for method in ("rtn", "gptq") for g in (32, 64, 128)]
+ROWS += [("w4a16", method, 128, True) for method in ("rtn", "gptq")]
+ROWS += [("w8a8", "rtn", 128, False), ("w8a8", "gptq", 128, False)]
+
+
+def _train(name: str, workdir: str, steps_scale: float) -> None:
+    from jaxsys import train
+    from jaxsys.config import load_config
+    overrides = list(MODELS[name]) + ["--config.checkpoint.async_save=false"]
+    config = load_config(os.path.join(ROOT, "configs", "tiny.py"), overrides)
+    config.train.steps = max(int(config.train.steps * steps_scale), 10)
+    train.main(config, workdir)
+
+
+def _convert_hf(workdir: str) -> None:
+    from jaxsys import convert
+    convert.from_hf(os.path.join(ROOT, "tests", "golden", "hf_llama", "untied"), workdir)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache", default="/tmp/jaxsys_quantization_quality")
+    parser.add_argument("--steps-scale", type=float, default=1.0, help="scale the training steps (smoke runs)")
+    parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument("--models", default="tiny,small,hf")
+    parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
+    args = parser.parse_args(argv)
+
+    from jaxsys import evaluate, quantize
+    from jaxsys.config import ConfigError
+    from jaxsys.models import quant
+
+    os.makedirs(args.cache, exist_ok=True)
+    results = []
+    for name in args.models.split(","):
+        source = os.path.join(args.cache, name)
+        if not os.path.isdir(os.path.join(source, "checkpoints")):
+            shutil.rmtree(source, ignore_errors=True)
+            _convert_hf(source) if name == "hf" else _train(name, source, args.steps_scale)
+        base = [f"--config.train.eval_batches={args.eval_batches}"]
+        bf16 = base + ["--config.model.compute_dtype=bfloat16"]
+        fp32 = evaluate.evaluate_workdir(source, base)
+        rows = [dict(model=name, format="float", method="-", activations="fp32", **_summary(fp32, None)),
+                dict(model=name, format="float", method="-", activations="bf16",
+                     **_summary(evaluate.evaluate_workdir(source, bf16), None))]
+        for fmt, method, group, zero in ROWS:
+            out = os.path.join(args.cache, f"{name}_{fmt}_{method}_g{group}{'_z' if zero else ''}")
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            try:
+                info = quantize.quantize_workdir(source, out, fmt, method, group, zero, 8, log=None)
+            except ConfigError as e:  # the group size does not divide this model's matmuls
+                rows.append(dict(model=name, format=fmt, method=method, group_size=group, zero_point=zero,
+                                 refused=str(e)))
+                print(f"{name} {fmt} {method} G={group}: refused ({e})", flush=True)
+                continue
+            seconds = time.perf_counter() - start
+            ev = evaluate.evaluate_workdir(out, bf16 + ["--config.model.quant_impl=reference"])
+            row = dict(model=name, format=fmt, method=method, group_size=group if fmt == "w4a16" else None,
+                       zero_point=zero, activations="int8/token" if fmt == "w8a8" else "bf16",
+                       quantize_seconds=seconds, **_summary(ev, info),
+                       bits_per_dense_weight=quant.bits_per_weight(fmt, group, zero))
+            if (fmt, method, group, zero) == ("w4a16", "gptq", 32, False):  # the kernels themselves
+                row["eval_loss_pallas"] = evaluate.evaluate_workdir(out, bf16)["eval_loss"]
+            rows.append(row)
+            print(f"{name} {fmt} {method} G={group}{' z' if zero else ''}: loss {ev['eval_loss']:.4f} "
+                  f"(float {fp32['eval_loss']:.4f})", flush=True)
+        results += rows
+    with open(args.out, "w") as f:
+        json.dump({"eval_batches": args.eval_batches, "rows": results}, f, indent=1)
+    print(table(results))
+    return 0
+
+
+def _summary(ev: dict, info: dict | None) -> dict:
+    out = {"eval_loss": ev["eval_loss"], "perplexity": ev["perplexity"], "param_bytes": ev["param_bytes"],
+           "tokens": ev["tokens"]}
+    if info:
+        out.update(dense_bytes_before=info["dense_bytes_before"], dense_bytes_after=info["dense_bytes_after"])
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | format | method | G | activations | eval loss | perplexity | vs float (bf16) | "
+             "bits / dense weight | all params (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    reference = {}
+    for r in rows:
+        if r["format"] == "float" and r["activations"] == "bf16":
+            reference[r["model"]] = r["perplexity"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['model']} | {r['format']} | {r['method']} | {r['group_size']} | | refused: "
+                         f"G does not divide K' | | | | |")
+            continue
+        group = (f"{r['group_size']}{' +z' if r.get('zero_point') else ''}" if r.get("group_size") else "-")
+        bits = r.get("bits_per_dense_weight", 32)
+        ratio = r["perplexity"] / reference[r["model"]]
+        lines.append(f"| {r['model']} | {r['format']} | {r['method']} | {group} | {r['activations']} | "
+                     f"{r['eval_loss']:.4f} | {r['perplexity']:.3f} | {ratio:.4f}x | {bits:.2f} | "
+                     f"{r['param_bytes'] / 2**20:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,268 @@
+"""Quantized matmuls of the transformer's dense layers: inference formats read from a quantized
+checkpoint (`config.model.quant`) and int8 training with a straight-through estimator
+(`config.model.quant_train`). docs/quantization.md says how this fits together.
+
+Every dense weight is used by one einsum whose contracted letters lead the weight and end the
+activation ("btd,dnh->btnh", "btnh,nhd->btd", "btf,fd->btd"), so each is a matmul
+x[M, K'] @ W[K', N'] with K' the product of the contracted dimensions and N' of the others.
+`linear` runs that einsum: on a float weight as it is, or with `quant_train='int8'` as an int8
+matmul with a straight-through estimator; on a quantized weight (a dict of codes and scales,
+`quantized_spec`) through the kernels of jaxsys.kernels.quantized_matmul.
+
+Quantized weights keep the float weight's dimensions and logical axes, so they shard like the
+weight they replace (a column-parallel weight splits N', a row-parallel one K'):
+
+    w8a16 / w8a8   q      int8   the weight's shape            w ~ q * scale
+                   scale  fp32   [lead..., out dims]           one per output channel
+    w4a16          packed uint8  the weight's shape with its last contracted dimension halved: two
+                                 codes per byte, in the kernel's layout (reference.repack_w4 of
+                                 reference.pack_int4 along the flattened K')
+                   scale  fp32   [lead..., K'/G, out dims]     one per group of G k per channel
+                   zero   int8   as scale (config.model.quant_zero_point)
+
+The groups' dimension carries the logical name of the leading contracted dimension (`heads` for
+wo, `mlp` for w_down), so under tensor parallelism a rank holds the scales of its own rows; over
+`embed` (FSDP-sharded at rest, gathered before use) it is left unsharded.
+
+W8A8 quantizes the activations per token inside `linear`, over the K' a rank holds: under tensor
+parallelism a row-parallel matmul's activation scales are per shard (finer than one device's), so
+its results differ from one device's by quantization noise, while W8A16 and W4A16 are exact
+reshapes of the same sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxsys.kernels.quantized_matmul import kernel as qkernel
+from jaxsys.kernels.quantized_matmul import reference as qref
+from jaxsys.models.params import ParamSpec
+
+# The dense weights a quantized model stores as codes, and how many of their dimensions (after
+# the layer dimensions) are contracted. Embeddings, the output layer, norms and MoE experts stay
+# in floating point, as in GPTQ and AWQ.
+CONTRACTED = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+CODES = {"w8a16": "q", "w8a8": "q", "w4a16": "packed"}
+
+
+def is_quantized(w) -> bool:
+    """A quantized weight: the dict of codes and scales `quantized_spec` describes."""
+    return isinstance(w, dict) and ("q" in w or "packed" in w)
+
+
+def _lead(axes) -> int:
+    """Dimensions up to and including `layers` (chunks, layers): the stacked layers."""
+    return axes.index("layers") + 1 if "layers" in axes else 0
+
+
+def quantized_spec(spec: ParamSpec, name: str, fmt: str, group_size: int, zero_point: bool) -> dict:
+    """The ParamSpecs of weight `name` (a ParamSpec of the float model) stored as `fmt`."""
+    lead = _lead(spec.axes)
+    c = CONTRACTED[name]
+    shape, axes = spec.shape, spec.axes
+    k_dims, k_axes = shape[lead:lead + c], axes[lead:lead + c]
+    out_dims, out_axes = shape[lead + c:], axes[lead + c:]
+    lead_dims, lead_axes = shape[:lead], axes[:lead]
+    codes = functools.partial(ParamSpec, init="zeros", decay=False)
+    if fmt in ("w8a16", "w8a8"):
+        return {"q": codes(shape, axes, dtype="int8"),
+                "scale": ParamSpec(lead_dims + out_dims, lead_axes + out_axes, init="ones", decay=False,
+                                   dtype="float32")}
+    group_axis = None if k_axes[0] == "embed" else k_axes[0]
+    packed_shape = lead_dims + k_dims[:-1] + (k_dims[-1] // 2,) + out_dims
+    group_shape = lead_dims + (math.prod(k_dims) // group_size,) + out_dims
+    group_axes = lead_axes + (group_axis,) + out_axes
+    out = {"packed": codes(packed_shape, axes, dtype="uint8"),
+           "scale": ParamSpec(group_shape, group_axes, init="ones", decay=False, dtype="float32")}
+    if zero_point:
+        out["zero"] = codes(group_shape, group_axes, dtype="int8")
+    return out
+
+
+def quantize_specs(layer_specs: dict, m) -> dict:
+    """The model's layer ParamSpecs with every dense weight of CONTRACTED replaced by its
+    quantized form (config.model.quant)."""
+    if m.quant == "none":
+        return layer_specs
+    return {name: quantized_spec(s, name, m.quant, m.quant_group_size, m.quant_zero_point)
+            if name in CONTRACTED else s for name, s in layer_specs.items()}
+
+
+# ----------------------------------------------------------------------------- the matmuls
+
+
+_CAPTURED: dict | None = None
+
+
+@contextlib.contextmanager
+def capture_inputs():
+    """Record the activation each `linear` call with a name receives, as {name: x}, while the
+    context is open (trace time: inside a jitted function the values are its tracers, which it may
+    return). Calibration (jaxsys/quantize.py) reads a layer's matmul inputs this way."""
+    global _CAPTURED
+    outer, _CAPTURED = _CAPTURED, {}
+    try:
+        yield _CAPTURED
+    finally:
+        _CAPTURED = outer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Einsum:
+    batch: tuple[int, ...]  # x's leading (not contracted) dimension count, as letters
+    contracted: int  # contracted dimensions: x's last, the weight's first
+
+
+def _parse(eq: str) -> _Einsum:
+    inputs, out = eq.split("->")
+    xs, ws = inputs.split(",")
+    contracted = "".join(l for l in ws if l in xs)
+    if not (ws.startswith(contracted) and xs.endswith(contracted)
+            and out == xs[:len(xs) - len(contracted)] + ws[len(contracted):]):
+        raise ValueError(f"linear({eq!r}): the contracted letters must lead the weight and end the input")
+    return _Einsum(tuple(xs[:len(xs) - len(contracted)]), len(contracted))
+
+
+def block_m(rows: int, minimum: int = 16) -> int:
+    """The kernels' row tile for a matmul of `rows` tokens: the next power of two, 16..128 (int8
+    operands: at least 32, their native TPU tile)."""
+    return max(minimum, min(128, 1 << max(rows - 1, 1).bit_length()))
+
+
+def _quantized_matmul(x2, w, fmt: str, impl: str):
+    """x2[M, K'] @ the quantized weight w (its codes reshaped [K', N'] by the caller) -> [M, N']."""
+    interpret = None  # interpret mode on CPU, compiled elsewhere
+    if fmt in ("w8a16", "w8a8"):
+        q, s = w["q"], w["scale"]
+        if fmt == "w8a16":
+            if impl == "reference":
+                return qref.matmul_w8a16(x2, q, s)
+            return qkernel.matmul_w8a16(x2, q, s, block_m=block_m(x2.shape[0]), interpret=interpret)
+        xq, sx = qref.quantize_per_token(x2)
+        if impl == "reference":
+            return qref.matmul_w8a8(xq, sx, q, s, x2.dtype)
+        return qkernel.matmul_w8a8(xq, sx, q, s, x2.dtype, block_m=block_m(x2.shape[0], 32),
+                                   interpret=interpret)
+    packed, s, z = w["packed"], w["scale"], w.get("zero")
+    if impl == "reference":
+        group_size = 2 * packed.shape[0] // s.shape[0]
+        return qref.matmul_w4a16(x2, qref.unrepack_w4(packed, group_size), s, z)
+    return qkernel.matmul_w4a16(x2, packed, s, z, block_m=block_m(x2.shape[0]), interpret=interpret)
+
+
+def _as_matrix(w, contracted: int, fmt: str):
+    """A layer's quantized weight as 2-D operands: codes [K', N'] (packed [K'/2, N']), scales [N']
+    or [K'/G, N'], with the stored output dimensions."""
+    codes = w[CODES[fmt]]
+    out_dims = codes.shape[contracted:]
+    n = math.prod(out_dims)
+    mat = {CODES[fmt]: codes.reshape(-1, n), "scale": w["scale"].reshape(-1, n)}
+    if fmt != "w4a16":
+        mat["scale"] = mat["scale"].reshape(n)
+    if "zero" in w:
+        mat["zero"] = w["zero"].reshape(-1, n)
+    return mat, out_dims
+
+
+def linear(eq: str, x, w, m, name: str = ""):
+    """jnp.einsum(eq, x, w) for one dense layer, x[..., K dims] and w[K dims, N dims]: as written
+    for a float weight; through the quantized kernels for a quantized one (`m.quant`,
+    `m.quant_impl`); as an int8 matmul with a straight-through estimator for a float weight under
+    `m.quant_train='int8'`. `name` labels the input for `capture_inputs`."""
+    if _CAPTURED is not None and name:
+        _CAPTURED[name] = x
+    quantized = is_quantized(w)
+    if not quantized and m.quant_train == "none":
+        return jnp.einsum(eq, x, w)
+    form = _parse(eq)
+    batch_dims = x.shape[:len(form.batch)]
+    x2 = x.reshape(math.prod(batch_dims), -1)
+    if quantized:
+        mat, out_dims = _as_matrix(w, form.contracted, m.quant)
+        y2 = _quantized_matmul(x2, mat, m.quant, m.quant_impl)
+    else:
+        out_dims = w.shape[form.contracted:]
+        w2 = w.reshape(x2.shape[1], -1)
+        y2 = int8_matmul(x2, w2, m.quant_impl == "pallas").astype(x.dtype)
+    return y2.reshape(*batch_dims, *out_dims)
+
+
+# ----------------------------------------------------------------------------- int8 training
+
+
+def _int8_product(a, b, sa, sb, pallas: bool, out_dtype=jnp.float32):
+    """int8 a[M, K] @ int8 b[K, N] in int32, times sa[M] sb[N]."""
+    if pallas:
+        return qkernel.matmul_w8a8(a, sa, b, sb, out_dtype, block_m=block_m(a.shape[0], 32))
+    return qref.matmul_w8a8(a, sa, b, sb, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def int8_matmul(x, w, pallas: bool = False):
+    """x[M, K] @ w[K, N] with both operands quantized to int8 (x per row, w per column; symmetric,
+    round to nearest) and an int32 product, in fp32. Backward (straight-through: rounding counts
+    as the identity), the two gradient matmuls are int8 too, each operand scaled along its
+    non-contracted dimension (the only scales that factor out of an integer sum):
+        dx = q(dy, per row) @ q(w^T, per column k)        dw = q(x^T, per row k) @ q(dy, per column n)
+    `pallas` runs the three products through the W8A8 kernel (bitwise equal to the reference)."""
+    return _int8_forward(x, w, pallas)
+
+
+def _int8_forward(x, w, pallas):
+    xq, sx = qref.quantize_per_token(x)
+    wq, sw = qref.quantize_w8(w)
+    return _int8_product(xq, wq, sx, sw, pallas)
+
+
+def _int8_fwd(x, w, pallas):
+    return _int8_forward(x, w, pallas), (x, w)
+
+
+def _int8_bwd(pallas, residuals, dy):
+    x, w = residuals
+    dy = dy.astype(jnp.float32)
+    dyq_rows, s_dy_rows = qref.quantize_per_token(dy)
+    wtq, s_wt = qref.quantize_w8(w.T)  # w^T [N, K]: one scale per k
+    dx = _int8_product(dyq_rows, wtq, s_dy_rows, s_wt, pallas)
+    xtq, s_xt = qref.quantize_per_token(x.T)  # x^T [K, M]: one scale per k
+    dyq_cols, s_dy_cols = qref.quantize_w8(dy)  # dy [M, N]: one scale per n
+    dw = _int8_product(xtq, dyq_cols, s_xt, s_dy_cols, pallas)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+int8_matmul.defvjp(_int8_fwd, _int8_bwd)
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+def bits_per_weight(fmt: str, group_size: int = 128, zero_point: bool = False) -> float:
+    """Stored bits per weight element of a quantized matrix with many rows (the per-channel scale
+    of w8 is negligible; w4's per-group scale, fp32, and zero point, int8, are not)."""
+    if fmt in ("w8a16", "w8a8"):
+        return 8.0
+    if fmt == "w4a16":
+        return 4.0 + (32.0 + (8.0 if zero_point else 0.0)) / group_size
+    raise ValueError(f"no storage figure for format {fmt!r}")
+
+
+def dequantize_layer(w, fmt: str, contracted: int):
+    """The fp32 weight one layer's quantized leaf stands for, in the float weight's shape (no layer
+    dimensions; vmap over them): for tests and calibration, never on the model's path."""
+    mat, out_dims = _as_matrix(w, contracted, fmt)
+    codes = w[CODES[fmt]]
+    k_dims = codes.shape[:contracted]
+    if fmt == "w4a16":
+        k_dims = k_dims[:-1] + (2 * k_dims[-1],)
+        packed, s = mat["packed"], mat["scale"]
+        group_size = 2 * packed.shape[0] // s.shape[0]
+        weight = qref.dequantize_w4(qref.unrepack_w4(packed, group_size), s, mat.get("zero"))
+    else:
+        weight = mat["q"].astype(jnp.float32) * mat["scale"][None, :]
+    return weight.reshape(*k_dims, *out_dims)
