@@ -57,12 +57,16 @@ def _convert_hf(workdir: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--table-only", action="store_true", help="print the table of --out and stop")
     parser.add_argument("--cache", default="/tmp/jaxsys_quantization_quality")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="scale the training steps (smoke runs)")
     parser.add_argument("--eval-batches", type=int, default=16)
     parser.add_argument("--models", default="tiny,small,hf")
     parser.add_argument("--out", default=os.path.join(HERE, "results.json"))
     args = parser.parse_args(argv)
+    if args.table_only:
+        print(table(json.load(open(args.out))["rows"]))
+        return 0
 
     from jaxsys import evaluate, quantize
     from jaxsys.config import ConfigError
@@ -127,7 +131,8 @@ def table(rows: list[dict]) -> str:
             reference[r["model"]] = r["perplexity"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| {r['model']} | {r['format']} | {r['method']} | {r['group_size']} | | refused: "
+            group = f"{r['group_size']}{' +z' if r.get('zero_point') else ''}"
+            lines.append(f"| {r['model']} | {r['format']} | {r['method']} | {group} | | refused: "
                          f"G does not divide K' | | | | |")
             continue
         group = (f"{r['group_size']}{' +z' if r.get('zero_point') else ''}" if r.get("group_size") else "-")
