@@ -11,7 +11,9 @@ cpu). `--target` compiles with the target's own compiler, for a TPU slice (v4, v
 Cloud's accelerator names or a topology such as v5p:4x4x8; `--slices` for multi-slice; needs
 libtpu: `pip install -e '.[tpu]'`) or for NVIDIA GPU nodes (h100-8, h100-256: XLA:GPU's deviceless
 compilation; needs `pip install -e '.[gpu-aot]'`), and prints its memory, collectives and FLOPs
-beside the same program on as many fake CPU devices and the formulas.
+beside the same program on as many fake CPU devices and the formulas. A quantized checkpoint's
+config (config.model.quant, written by `jaxsys.quantize`) is for inference: its forward pass is
+compiled instead (memory, collectives, FLOPs and a roofline of one forward; fake CPU devices only).
 """
 
 from __future__ import annotations
