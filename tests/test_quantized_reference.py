@@ -100,6 +100,47 @@ def test_w4_codes_pack_and_dequantize_equal_numpy(group_size, zero_point):
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("group_size", ref.GROUP_SIZES)
+def test_repack_w4_round_trips_and_moves_each_nibble_to_its_kernel_position(group_size):
+    """Kernel layout: in group g, byte row g*G/2 + r holds k = g*G + r (low nibble) and
+    k = g*G + G/2 + r (high nibble). Checked nibble by nibble in NumPy, and unrepack inverts it."""
+    k, n, half = 4 * group_size, 6, group_size // 2
+    q = RNG.integers(-8, 8, (k, n)).astype(np.int8)
+    q[0, 0], q[1, 0] = -8, 7  # both int4 edges
+    packed = ref.pack_int4(jnp.asarray(q))
+    repacked = np.asarray(ref.repack_w4(packed, group_size))
+    assert repacked.shape == (k // 2, n) and repacked.dtype == np.uint8
+    nib = q.astype(np.uint8) & 0xF
+    for g in range(k // group_size):
+        for r in range(half):
+            row = repacked[g * half + r]
+            np.testing.assert_array_equal(row & 0xF, nib[g * group_size + r])
+            np.testing.assert_array_equal(row >> 4, nib[g * group_size + half + r])
+    np.testing.assert_array_equal(np.asarray(ref.unrepack_w4(jnp.asarray(repacked), group_size)),
+                                  np.asarray(packed))
+    # a shard of whole groups along K (tensor parallelism) is the repacking of that shard
+    shard = slice(group_size, 3 * group_size)
+    np.testing.assert_array_equal(
+        repacked[shard.start // 2:shard.stop // 2],
+        np.asarray(ref.repack_w4(ref.pack_int4(jnp.asarray(q[shard])), group_size)))
+
+
+def test_repack_w4_by_hand():
+    """G = 32, one group, q[k] = k mod 16 (unsigned codes): the canonical bytes pair k = 2i, 2i+1
+    (0x10, 0x32, ..., 0xFE, twice); the kernel layout pairs k = r and r + 16, equal codes, so
+    byte r is 0x11 * r. Column 1: symmetric codes -8 at k = 0 and 7 at k = 16 (the rest 0) sit in
+    kernel byte 0 as 0x78 (low nibble 0x8 = -8, high 0x7)."""
+    q = np.zeros((32, 2), np.int8)
+    q[:, 0] = np.arange(32) % 16
+    q[0, 1], q[16, 1] = -8, 7
+    packed = np.asarray(ref.pack_int4(jnp.asarray(q)))
+    assert list(packed[:, 0]) == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE] * 2
+    assert list(packed[:, 1]) == [0x08] + [0] * 7 + [0x07] + [0] * 7
+    repacked = np.asarray(ref.repack_w4(jnp.asarray(packed), 32))
+    assert list(repacked[:, 0]) == [0x11 * r for r in range(16)]
+    assert list(repacked[:, 1]) == [0x78] + [0] * 15
+
+
 def test_w8a8_accumulates_exactly_in_int32():
     x = RNG.standard_normal((7, 512)).astype(np.float32)
     w = _w(512, 64)
@@ -129,3 +170,9 @@ def test_bad_input_is_named():
         ref.matmul_w8a8(jnp.zeros((2, 256)), jnp.ones(2), q, s)
     with pytest.raises(ValueError, match="must be uint8"):
         ref.unpack_int4(jnp.zeros((2, 2), jnp.int8), signed=True)
+    with pytest.raises(ValueError, match="K=96 is not a multiple of group_size=64"):
+        ref.repack_w4(jnp.zeros((48, 4), jnp.uint8), 64)
+    with pytest.raises(ValueError, match="group_size=16: choose one of"):
+        ref.unrepack_w4(jnp.zeros((48, 4), jnp.uint8), 16)
+    with pytest.raises(ValueError, match=r"uint8 packed\[K / 2, N\]"):
+        ref.repack_w4(jnp.zeros((16, 4), jnp.int8), 32)

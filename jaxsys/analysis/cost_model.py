@@ -69,15 +69,17 @@ class Hardware:
 
 # Datasheet figures (dense, no sparsity). Link bandwidths are per device and direction:
 # NVLink 4 is 900 GB/s bidirectional; one 400 Gb/s NIC per GPU is 50 GB/s; TPU v5p ICI is
-# 4800 Gb/s per chip over 6 links. Approximate by nature: they set the scale, not the decimals.
+# 4800 Gb/s per chip over 6 links. "int8": dense int8 tensor-core / MXU ops per second (H100/H200
+# SXM 1,979 TOPS, half the datasheet's 3,958 with sparsity; TPU v5p 918 TOPS), for W8A8.
+# Approximate by nature: they set the scale, not the decimals.
 PROFILES = {
     # H100/H200 hosts: PCIe Gen5 x16 per GPU (64 GB/s per direction), ~300 GB/s DRAM per 8-GPU host
-    "h100": Hardware("NVIDIA H100 SXM", {"bfloat16": 989e12, "float32": 495e12}, 3.35e12, 80e9, 8,
-                     450e9, 50e9, 64e9, 300e9),
-    "h200": Hardware("NVIDIA H200 SXM", {"bfloat16": 989e12, "float32": 495e12}, 4.8e12, 141e9, 8,
-                     450e9, 50e9, 64e9, 300e9),
-    "tpu_v5p": Hardware("TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2}, 2.76e12, 95e9, 4,
-                        100e9, 100e9),
+    "h100": Hardware("NVIDIA H100 SXM", {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
+                     3.35e12, 80e9, 8, 450e9, 50e9, 64e9, 300e9),
+    "h200": Hardware("NVIDIA H200 SXM", {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
+                     4.8e12, 141e9, 8, 450e9, 50e9, 64e9, 300e9),
+    "tpu_v5p": Hardware("TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2, "int8": 918e12},
+                        2.76e12, 95e9, 4, 100e9, 100e9),
     "cpu": Hardware("this CPU (simulated devices share it)", {}, 20e9, 24e9, 1 << 30, 10e9, 10e9),
 }
 

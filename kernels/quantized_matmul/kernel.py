@@ -1,42 +1,55 @@
-"""Pallas kernels for weight-only quantized matmuls (W8A16, W4A16): the generic variant
-(interpret mode on CPU; written for the Triton lowering, not yet compiled on a GPU).
+"""Pallas kernels for quantized matmuls (W8A16, W4A16, W8A8), each lowered to Triton on GPU, to
+Mosaic on TPU, or interpreted on CPU.
 
-y[M, N] = x[M, K] @ W, with W given as int8 codes and per-channel scales (W8A16) or as 4-bit codes
-packed two per byte, per-group scales and optional zero points (W4A16; reference.py defines the
-semantics and the packing).
+y[M, N] = x[M, K] @ W, with W given as int8 codes and per-channel scales (W8A16, W8A8) or as 4-bit
+codes packed two per byte in the kernel layout (`reference.repack_w4`), per-group scales and optional
+zero points (W4A16). reference.py defines the semantics and both nibble layouts.
 
 Design (one program per (block_m, block_n) output tile, every grid axis parallel):
-* the K loop runs inside the kernel (`lax.fori_loop`), carrying the fp32 accumulator, as
-  kernels/linear_attention does (Triton has no scratch memory and does not order grid programs);
-* only codes cross memory: each iteration loads one K-block of codes ([block_k, block_n] int8 or
-  [block_k / 2, block_n] packed bytes) and dequantizes it in the tile;
-* W4A16 iterates one quantization group per step (block_k = group_size): the dot runs on the
-  integer codes minus the zero point, which are exact in bf16, and the group's scale multiplies
-  the [block_m, block_n] partial sum, so no dequantized fp weight is formed at all. The two nibbles
-  of a byte are rows 2i and 2i + 1 of W; instead of interleaving them in the tile, the wrapper
-  splits x into its even and odd columns once (x_even @ W_lo + x_odd @ W_hi);
-* W8A16 applies the per-channel scale once, after the loop.
+* the K loop runs inside the kernel, carrying the fp32 (int32) accumulator, as kernels/linear_attention
+  does (Triton has no scratch memory and does not order grid programs);
+* only codes cross memory: each K step loads one block of codes ([block_k, block_n] int8 or
+  [group_size / 2, block_n] packed bytes) and turns it into dot operands in the tile;
+* W4A16 steps one quantization group at a time. In the kernel layout a group's G / 2 byte rows hold
+  its first G / 2 k in the low nibbles and its last G / 2 in the high nibbles, so the group's
+  partial sum is x[:, gG : gG + G/2] @ lo + x[:, gG + G/2 : (g+1)G] @ hi: two contiguous slices of
+  the activation tile, no even/odd split of x in HBM. The codes minus the zero point (|c| <= 15)
+  are exact in bf16, and the group's scale multiplies the [block_m, block_n] partial sum, so no
+  dequantized fp weight is formed at all;
+* W8A16 applies the per-channel scale once, after the loop; W8A8 meets int8 x-blocks with int8
+  weight blocks in an int32 accumulator and applies the per-token and per-channel scales once after
+  the loop (the sum is exact, so the kernel equals the reference bit for bit).
 Matmul operands: bf16 activations meet bf16 codes (exact) with fp32 accumulation; fp32 activations
 use fp32 matmuls at Precision.HIGHEST.
 
-TPU: the three kernels, lowered with interpret=False, compile with Mosaic (tested on v5p and v6e
-slices at K = N = 1024; W4A16 also checked by hand on v5p at K = 4096 with groups 32/64/128, zero
-points or not, bf16 and fp32 x). W4A16's group
-loop is unrolled in Python: with a `fori_loop` Mosaic cannot prove its per-group lane slices
-(group_size / 2 columns of x_even / x_odd) 128-aligned, nor the scale row 8-aligned
-("CompileTimeMosaicUnprovenMemoryAccessAlignment"); static offsets it can. The unrolled body grows
-with K / group_size (256 groups at K = 8192, G = 32).
+Two variants, chosen by the platform the program is lowered for (kernels/platforms.py), differ
+only in tiling and in W4A16's group loop:
+* generic (Triton on GPU; interpret mode on CPU): tiles are powers of two >= 16 (Triton's block
+  shapes must be powers of two; 16 rows fill one mma tile; block_n may be 8 for N narrower than
+  the requested tile); the W4A16 group loop is a `fori_loop` with dynamic offsets. Unrolled,
+  Triton's compile time grows with K / G: 8.8 s at K = 4096, G = 128 but 417 s at K = 8192, G = 32
+  (deviceless H100 compile, this machine).
+* tpu (Mosaic): lane tiles (block_n, block_k) are multiples of 128 or the whole dimension, row
+  tiles a multiple of the dtype's sublane tile (8 / 16 / 32 rows for 4 / 2 / 1-byte types); the
+  W4A16 group loop is unrolled in Python: with a `fori_loop` Mosaic cannot prove the per-group lane
+  slices of x aligned, nor the scale row ("CompileTimeMosaicUnprovenMemoryAccessAlignment"); with
+  static offsets it can. The unrolled body grows with K / G (256 groups at K = 8192, G = 32).
 
-W8A8: int8 x-blocks meet int8 weight blocks in an int32 accumulator (`preferred_element_type`), the
-per-token and per-channel scales applied once after the loop; the sum is exact, so the kernel
-equals the reference bit for bit.
+Shapes: any M (padded to block_m). Any N: block_n becomes the largest allowed tile <= the requested
+one that divides N; if none does, the weight, scale (and zero point) columns are padded to a
+multiple of block_n inside the wrapper and the output sliced. That padding copies the weights on
+every call: real layer shapes should use a block_n that divides N. K of W8A16 / W8A8 likewise
+(padding puts zeros in both x and w, which add nothing); K of W4A16 is stepped in whole groups and
+must be a multiple of the group size.
 
-Not yet: MARLIN's offline re-layout of the packed weights for the
-kernel's tiles, GPU compilation and benchmarks (issue 18).
+TPU: all three kernels compile with Mosaic ahead of time (v5p and v6e slices at K = N = 1024; W4A16
+also checked by hand on v5p at K = 4096 with groups 32/64/128). GPU: all three lower to Triton and
+compile to SASS deviceless for an H100 (docs/kernels_quantized_matmul.md); nothing has run on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,13 +57,113 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxsys.kernels import platforms
 from jaxsys.kernels.quantized_matmul import reference as ref
 
-__all__ = ["matmul_w8a16", "matmul_w4a16", "matmul_w8a8"]
+__all__ = ["matmul_w8a16", "matmul_w4a16", "matmul_w8a8", "Tiles", "tiles"]
+
+LANES = 128  # Mosaic's lane width: the minor dimension of a TPU tile
+TRITON_MIN = 16  # Triton block shapes are powers of two; 16 rows is one tensor-core (mma) tile
 
 
-def _interpret(interpret):
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The tiling one variant ("generic" or "tpu") uses for one call (hashable: a static kernel
+    argument). block_k: the K step of W8A16 / W8A8 (W4A16 steps one group). k_padded / n_padded:
+    the padded K and N (== K, N unless no allowed tile divides them)."""
+    variant: str
+    block_m: int
+    block_n: int
+    block_k: int
+    n_padded: int
+    k_padded: int
+    interpret: bool = True
+    num_warps: int | None = None  # Triton launch parameters; None: Triton's defaults (4 warps, 3 stages)
+    num_stages: int | None = None
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _triton_tile(requested: int, dim: int, floor: int = TRITON_MIN) -> tuple[int, int]:
+    """(tile, padded dim): the largest power of two in [floor, requested] (shrunk to the
+    dimension's next power of two) that divides dim; if none does, the largest such tile with dim
+    padded."""
+    cap = min(max(TRITON_MIN, _pow2_floor(requested)), max(TRITON_MIN, pl.next_power_of_2(dim)))
+    t = cap
+    while t >= floor:
+        if dim % t == 0:
+            return t, dim
+        t //= 2
+    return cap, _round_up(dim, cap)
+
+
+MOSAIC_WHOLE = 512  # a lane dimension up to this long may be one whole-dimension tile
+
+
+def _mosaic_lane_tile(requested: int, dim: int) -> tuple[int, int]:
+    """(tile, padded dim) along a lane dimension: the whole dimension if it fits the request, else
+    the largest power-of-two multiple of 128 <= requested that divides dim, else the whole
+    dimension up to 512 (a block equal to the array's dimension is always legal), else padded."""
+    if dim <= max(requested, LANES):
+        return dim, dim
+    cap = max(LANES, _pow2_floor(requested))
+    t = cap
+    while t >= LANES:
+        if dim % t == 0:
+            return t, dim
+        t //= 2
+    return (dim, dim) if dim <= MOSAIC_WHOLE else (cap, _round_up(dim, cap))
+
+
+def _sublanes(*dtypes) -> int:
+    """Rows of one Mosaic tile for the narrowest of these dtypes (8 for 4-byte, 16 for 2, 32 for 1)."""
+    return max(8 * 4 // jnp.dtype(d).itemsize for d in dtypes)
+
+
+def tiles(m: int, k: int, n: int, *, block_m: int, block_n: int, block_k: int, dtypes=(),
+          variant: str = "generic", interpret: bool = True, num_warps=None, num_stages=None) -> Tiles:
+    """The tiles a kernel uses for x[M, K] @ W[K, N] under `variant` ("generic": Triton's rules,
+    also used in interpret mode; "tpu": Mosaic's). block_k = 0: K is not tiled here (W4A16). Row
+    tiles shrink to M rounded up (a decode step of M = 1 gets 16 rows, not the requested 64)."""
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "block_k" else 1):
+            raise ValueError(f"{name} must be a positive integer; got {name}={v!r}")
+    if variant == "generic":
+        bm = min(max(TRITON_MIN, _pow2_floor(block_m)), max(TRITON_MIN, pl.next_power_of_2(m)))
+        # N narrower than one tile may take 8 columns (Triton compiles an 8-wide dot for sm_90)
+        bn, np_ = _triton_tile(block_n, n, 8 if n < block_n else TRITON_MIN)
+        bk, kp = _triton_tile(block_k, k) if block_k else (k, k)
+    elif variant == "tpu":
+        sub = _sublanes(*dtypes) if dtypes else 8
+        bm = min(_round_up(block_m, sub), _round_up(m, sub))
+        bn, np_ = _mosaic_lane_tile(block_n, n)
+        bk, kp = _mosaic_lane_tile(block_k, k) if block_k else (k, k)
+    else:
+        raise ValueError(f"variant must be 'generic' or 'tpu'; got {variant!r}")
+    return Tiles(variant, bm, bn, bk, np_, kp, interpret=interpret,
+                 num_warps=num_warps, num_stages=num_stages)
+
+
+def _plan(m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num_warps, num_stages):
+    platforms.check_backend(backend)
+    make = lambda variant: tiles(m, k, n, block_m=block_m, block_n=block_n, block_k=block_k,
+                                 dtypes=dtypes, variant=variant, num_warps=num_warps,
+                                 num_stages=num_stages)
+    return platforms.plan(backend, interpret, make("generic"), make("tpu"))
+
+
+def _compiler_params(cfg: Tiles):
+    """Triton launch parameters when the generic variant is compiled and any were asked for."""
+    if cfg.interpret or cfg.variant != "generic" or (cfg.num_warps is None and cfg.num_stages is None):
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+    return pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _dot(a, b, dtype):
@@ -61,18 +174,20 @@ def _dot(a, b, dtype):
     return jnp.dot(a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
 
 
-def _pad_rows(x, block_m):
-    m = x.shape[0]
-    mp = -(-m // block_m) * block_m
-    return (jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x), m
+def _pad(a, axis: int, size: int):
+    if a.shape[axis] == size:
+        return a
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, widths)
 
 
-def _check_blocks(k, n, block_k, block_n, what):
-    if n % block_n:
-        raise ValueError(f"{what}: N={n} is not a multiple of block_n={block_n}; choose a block_n "
-                         "that divides the output channels")
-    if k % block_k:
-        raise ValueError(f"{what}: K={k} is not a multiple of block_k={block_k}")
+def _run(plan, fn, m: int, n: int, *args):
+    """fn(*args, cfg=cfg)[:m, :n] of the variant the plan picks for the platform lowered for (each
+    variant pads differently, so each slices its own output: lax.platform_dependent's branches
+    must agree in shape)."""
+    unpadded = lambda *a, cfg: fn(*a, cfg=cfg)[:m, :n]
+    return platforms.dispatch(plan, {"generic": (unpadded,), "tpu": (unpadded,)}, 0, *args)
 
 
 # ----------------------------------------------------------------------------- W8A16
@@ -82,111 +197,145 @@ def _w8_kernel(x_ref, q_ref, s_ref, o_ref, *, block_k: int, n_k: int):
     dtype = x_ref.dtype
 
     def body(i, acc):
-        xs = x_ref[:, pl.ds(i * block_k, block_k)]
-        qs = q_ref[pl.ds(i * block_k, block_k), :].astype(dtype)  # int8 codes are exact in bf16
-        return acc + _dot(xs, qs, dtype)
+        cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        qs = q_ref[cols, :].astype(dtype)  # int8 codes are exact in bf16
+        return acc + _dot(x_ref[:, cols], qs, dtype)
 
     acc = lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)
 
 
-def matmul_w8a16(x, q, s, *, block_m: int = 16, block_n: int = 128, block_k: int = 128, interpret=None):
+def _w8a16(x, q, s, *, cfg: Tiles):
+    m = x.shape[0]
+    mp = _round_up(m, cfg.block_m)
+    x = _pad(_pad(x, 0, mp), 1, cfg.k_padded)
+    q = _pad(_pad(q, 0, cfg.k_padded), 1, cfg.n_padded)
+    s = _pad(s.astype(jnp.float32), 0, cfg.n_padded)
+    kp, np_, bm, bn = cfg.k_padded, cfg.n_padded, cfg.block_m, cfg.block_n
+    return pl.pallas_call(
+        functools.partial(_w8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
+                  pl.BlockSpec((bn,), lambda i, j: (j,))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+    )(x, q, s)
+
+
+def matmul_w8a16(x, q, s, *, block_m: int = 16, block_n: int = 128, block_k: int = 128,
+                 interpret=None, backend=None, num_warps=None, num_stages=None):
     """x[M, K] @ (int8 q[K, N] * s[N]) as `reference.matmul_w8a16`, tiled (block_m, block_n) with a
-    K loop of block_k inside the kernel. M is padded to a multiple of block_m."""
+    K loop of block_k inside the kernel; blocks are adjusted to the shape and the variant (module
+    docstring). interpret / backend as in kernels/platforms.py: None interprets when lowered for
+    CPU and compiles elsewhere (Mosaic on TPU, Triton otherwise)."""
     if x.ndim != 2 or q.ndim != 2 or q.dtype != jnp.int8 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
         raise ValueError(f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, "
                          f"q{q.shape} {q.dtype}, s{s.shape}")
-    k, n = q.shape
-    block_k = min(block_k, k)
-    block_n = min(block_n, n)
-    _check_blocks(k, n, block_k, block_n, "matmul_w8a16")
-    xp, m = _pad_rows(x, block_m)
-    out = pl.pallas_call(
-        functools.partial(_w8_kernel, block_k=block_k, n_k=k // block_k),
-        grid=(xp.shape[0] // block_m, n // block_n),
-        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
-                  pl.BlockSpec((block_n,), lambda i, j: (j,))],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), x.dtype),
-        interpret=_interpret(interpret),
-    )(xp, q, s.astype(jnp.float32))
-    return out[:m]
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"matmul_w8a16 takes floating-point activations; got {x.dtype}")
+    (m, k), n = x.shape, q.shape[1]
+    plan = _plan(m, k, n, block_m=block_m, block_n=block_n, block_k=block_k, dtypes=(x.dtype,),
+                 interpret=interpret, backend=backend, num_warps=num_warps, num_stages=num_stages)
+    return _run(plan, _w8a16, m, n, x, q, s)
 
 
 # ----------------------------------------------------------------------------- W4A16
 
 
-def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool):
+def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool, unroll: bool):
     if has_zero:
-        xe_ref, xo_ref, p_ref, s_ref, z_ref, o_ref = refs
+        x_ref, p_ref, s_ref, z_ref, o_ref = refs
     else:
-        xe_ref, xo_ref, p_ref, s_ref, o_ref = refs
-    dtype = xe_ref.dtype
-    half = group_size // 2  # packed rows per group
+        x_ref, p_ref, s_ref, o_ref = refs
+        z_ref = None
+    dtype = x_ref.dtype
+    half = group_size // 2  # packed rows per group; also the k of each nibble's half-group
 
     def codes(nibble, z):
-        c = nibble.astype(jnp.int32)
-        if signed:
-            c = jnp.where(c > 7, c - 16, c)
+        # signed nibbles: (c ^ 8) - 8 is two's complement sign extension in two bit ops
+        c = (nibble ^ 8) - 8 if signed else nibble
         if z is not None:
             c = c - z[None, :]
         return c.astype(dtype)  # |c| <= 15: exact in bf16
 
-    def body(g, acc):
-        rows = pl.ds(g * half, half)
-        packed = p_ref[rows, :].astype(jnp.int32)
+    def group(g, rows, lo_cols, hi_cols, acc):
+        packed = p_ref[rows, :].astype(jnp.int32)  # uint8 -> int32: zero-extended
         z = z_ref[g, :].astype(jnp.int32) if has_zero else None
         lo, hi = codes(packed & 15, z), codes(packed >> 4, z)
-        part = _dot(xe_ref[:, rows], lo, dtype) + _dot(xo_ref[:, rows], hi, dtype)
+        part = _dot(x_ref[:, lo_cols], lo, dtype) + _dot(x_ref[:, hi_cols], hi, dtype)
         return acc + part * s_ref[g, :][None, :]
 
     acc = jnp.zeros(o_ref.shape, jnp.float32)
-    for g in range(n_groups):  # static offsets: Mosaic can see the slices' alignment
-        acc = body(g, acc)
+    if unroll:  # Mosaic: static offsets, whose alignment it can see
+        for g in range(n_groups):
+            k0 = g * group_size
+            acc = group(g, slice(g * half, (g + 1) * half), slice(k0, k0 + half),
+                        slice(k0 + half, k0 + group_size), acc)
+    else:  # Triton: one loop body, whatever K / G
+        def body(g, acc):
+            k0 = pl.multiple_of(g * group_size, group_size)
+            return group(g, pl.ds(pl.multiple_of(g * half, half), half), pl.ds(k0, half),
+                         pl.ds(pl.multiple_of(k0 + half, half), half), acc)
+        acc = lax.fori_loop(0, n_groups, body, acc)
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128, interpret=None):
-    """x[M, K] @ W, W given by `reference.pack_int4` codes [K / 2, N] (uint8), scales [K / G, N] and
-    zero points [K / G, N] (or None: symmetric codes), as `reference.matmul_w4a16`; one group per
-    K step inside the kernel. M is padded to a multiple of block_m."""
+def _w4a16(x, packed, s, z, *, cfg: Tiles):
+    m, k = x.shape
+    groups = s.shape[0]
+    mp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.n_padded, cfg.block_m, cfg.block_n
+    x = _pad(x, 0, mp)
+    args = [x, _pad(packed, 1, np_), _pad(s.astype(jnp.float32), 1, np_)]
+    in_specs = [pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+                pl.BlockSpec((k // 2, bn), lambda i, j: (0, j)),
+                pl.BlockSpec((groups, bn), lambda i, j: (0, j))]
+    if z is not None:
+        in_specs.append(pl.BlockSpec((groups, bn), lambda i, j: (0, j)))
+        args.append(_pad(z.astype(jnp.int8), 1, np_))
+    return pl.pallas_call(
+        functools.partial(_w4_kernel, group_size=k // groups, n_groups=groups, signed=z is None,
+                          has_zero=z is not None, unroll=cfg.variant == "tpu"),
+        grid=(mp // bm, np_ // bn),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+    )(*args)
+
+
+def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128, interpret=None,
+                 backend=None, num_warps=None, num_stages=None):
+    """x[M, K] @ W as `reference.matmul_w4a16(x, reference.unrepack_w4(packed, G), s, z)`.
+
+    `packed` [K / 2, N] uint8 MUST BE IN THE KERNEL LAYOUT, `reference.repack_w4(pack_int4(q), G)`,
+    not the canonical `pack_int4` layout: byte row g*G/2 + r holds k = g*G + r (low nibble) and
+    k = g*G + G/2 + r (high nibble). Both layouts have the same shape and dtype, so a canonical
+    array passed here is not detected: it silently gives wrong results. The group size G is
+    K / s.shape[0]. s [K / G, N] fp32 scales; z [K / G, N] integer zero points, or None for
+    symmetric codes. One group per K step inside the kernel; blocks as in `matmul_w8a16`."""
     if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
         raise ValueError(f"matmul_w4a16 takes x[M, K] and uint8 packed[K / 2, N]; got x{x.shape}, "
                          f"packed{packed.shape} {packed.dtype}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"matmul_w4a16 takes floating-point activations; got {x.dtype}")
     k, n = 2 * packed.shape[0], packed.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"matmul_w4a16: x has K={x.shape[1]}, the packed weights K={k}")
-    if s.ndim != 2 or s.shape[1] != n or k % s.shape[0] or (z is not None and z.shape != s.shape):
+    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (
+            z is not None and z.shape != s.shape):
         raise ValueError(f"matmul_w4a16: scales {s.shape} (zero points {None if z is None else z.shape}) "
                          f"do not match weights [K={k}, N={n}] in groups along K")
     group_size = k // s.shape[0]
     if group_size not in ref.GROUP_SIZES:
         raise ValueError(f"matmul_w4a16: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
-    block_n = min(block_n, n)
-    _check_blocks(k, n, group_size, block_n, "matmul_w4a16")
-    xp, m = _pad_rows(x, block_m)
-    pairs = xp.reshape(xp.shape[0], k // 2, 2)
-    x_even, x_odd = pairs[..., 0], pairs[..., 1]
-    groups = s.shape[0]
-    in_specs = [pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0)),
-                pl.BlockSpec((block_m, k // 2), lambda i, j: (i, 0)),
-                pl.BlockSpec((k // 2, block_n), lambda i, j: (0, j)),
-                pl.BlockSpec((groups, block_n), lambda i, j: (0, j))]
-    args = [x_even, x_odd, packed, s.astype(jnp.float32)]
-    if z is not None:
-        in_specs.append(pl.BlockSpec((groups, block_n), lambda i, j: (0, j)))
-        args.append(z.astype(jnp.int8))
-    out = pl.pallas_call(
-        functools.partial(_w4_kernel, group_size=group_size, n_groups=groups, signed=z is None,
-                          has_zero=z is not None),
-        grid=(xp.shape[0] // block_m, n // block_n),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), x.dtype),
-        interpret=_interpret(interpret),
-    )(*args)
-    return out[:m]
+    m = x.shape[0]
+    plan = _plan(m, k, n, block_m=block_m, block_n=block_n, block_k=0, dtypes=(x.dtype,),
+                 interpret=interpret, backend=backend, num_warps=num_warps, num_stages=num_stages)
+    return _run(plan, _w4a16, m, n, x, packed, s, z)
 
 
 # ----------------------------------------------------------------------------- W8A8
@@ -194,38 +343,46 @@ def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128,
 
 def _w8a8_kernel(x_ref, q_ref, sx_ref, sw_ref, o_ref, *, block_k: int, n_k: int):
     def body(i, acc):
-        xs = x_ref[:, pl.ds(i * block_k, block_k)]
-        qs = q_ref[pl.ds(i * block_k, block_k), :]
-        return acc + jnp.dot(xs, qs, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.int32)
+        cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        return acc + jnp.dot(x_ref[:, cols], q_ref[cols, :], precision=lax.Precision.DEFAULT,
+                             preferred_element_type=jnp.int32)
 
     acc = lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, jnp.int32))
     o_ref[...] = (acc.astype(jnp.float32) * sx_ref[...][:, None] * sw_ref[...][None, :]).astype(o_ref.dtype)
 
 
+def _w8a8(xq, sx, wq, sw, *, cfg: Tiles, out_dtype):
+    m = xq.shape[0]
+    mp, kp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.k_padded, cfg.n_padded, cfg.block_m, cfg.block_n
+    return pl.pallas_call(
+        functools.partial(_w8a8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
+                  pl.BlockSpec((bm,), lambda i, j: (i,)),
+                  pl.BlockSpec((bn,), lambda i, j: (j,))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+    )(_pad(_pad(xq, 0, mp), 1, kp), _pad(_pad(wq, 0, kp), 1, np_),
+      _pad(sx.astype(jnp.float32), 0, mp), _pad(sw.astype(jnp.float32), 0, np_))
+
+
 def matmul_w8a8(xq, sx, wq, sw, out_dtype=jnp.bfloat16, *, block_m: int = 32, block_n: int = 128,
-                block_k: int = 128, interpret=None):
+                block_k: int = 128, interpret=None, backend=None, num_warps=None, num_stages=None):
     """int8 xq[M, K] @ int8 wq[K, N] with an int32 accumulator, times sx[M] and sw[N], as
-    `reference.matmul_w8a8`. M is padded to a multiple of block_m (32: int8 tiles are (32, 128))."""
+    `reference.matmul_w8a8` (bit for bit). Blocks as in `matmul_w8a16` (block_m 32: int8 tiles on
+    TPU are (32, 128))."""
     if xq.dtype != jnp.int8 or wq.dtype != jnp.int8:
         raise ValueError(f"matmul_w8a8 takes int8 operands; got {xq.dtype} and {wq.dtype}")
     if (xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0] or sx.shape != (xq.shape[0],)
             or sw.shape != (wq.shape[1],)):
         raise ValueError(f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
                          f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}")
-    k, n = wq.shape
-    block_k, block_n = min(block_k, k), min(block_n, n)
-    _check_blocks(k, n, block_k, block_n, "matmul_w8a8")
-    xp, m = _pad_rows(xq, block_m)
-    sxp = jnp.pad(sx.astype(jnp.float32), (0, xp.shape[0] - m))
-    out = pl.pallas_call(
-        functools.partial(_w8a8_kernel, block_k=block_k, n_k=k // block_k),
-        grid=(xp.shape[0] // block_m, n // block_n),
-        in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
-                  pl.BlockSpec((block_m,), lambda i, j: (i,)),
-                  pl.BlockSpec((block_n,), lambda i, j: (j,))],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype),
-        interpret=_interpret(interpret),
-    )(xp, wq, sxp, sw.astype(jnp.float32))
-    return out[:m]
+    (m, k), n = xq.shape, wq.shape[1]
+    out_dtype = jnp.dtype(out_dtype)
+    plan = _plan(m, k, n, block_m=block_m, block_n=block_n, block_k=block_k,
+                 dtypes=(jnp.int8, out_dtype), interpret=interpret, backend=backend,
+                 num_warps=num_warps, num_stages=num_stages)
+    return _run(plan, functools.partial(_w8a8, out_dtype=out_dtype), m, n, xq, sx, wq, sw)

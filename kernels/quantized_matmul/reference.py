@@ -9,9 +9,13 @@ W4A16   4-bit weights in groups of G consecutive k (G = 32 / 64 / 128) with one 
         (group, channel) and, optionally, a zero point:
           symmetric:   q in [-8, 7],  w ~ q * s
           asymmetric:  q in [0, 15],  w ~ (q - z) * s,  z an integer in [0, 15]
-        Two values per byte along K (`pack_int4`): byte [k // 2, n] holds k even in its low nibble and
-        k odd in its high nibble, as two's complement (symmetric) or unsigned (asymmetric) nibbles.
-        y = x @ dequantize(W), accumulated in fp32.
+        Two values per byte along K (`pack_int4`, the canonical layout): byte [k // 2, n] holds k
+        even in its low nibble and k odd in its high nibble, as two's complement (symmetric) or
+        unsigned (asymmetric) nibbles. y = x @ dequantize(W), accumulated in fp32.
+        The kernel layout (`repack_w4`, what kernel.matmul_w4a16 takes) reorders the nibbles within
+        each group: byte row g*G/2 + r holds k = g*G + r (low) and k = g*G + G/2 + r (high), r < G/2.
+        Each group's rows hold that group only, so any row range covering whole groups (a
+        tensor-parallel shard over K) is itself valid kernel layout.
 W8A8    int8 activations with one fp32 scale per token (row of x) and int8 weights with one per
         channel: y[m, n] = (sum_k xq[m, k] wq[k, n]) * sx[m] * sw[n], the sum in int32 (exact:
         |sum| <= K * 127^2 < 2^31 for K < 133,000).
@@ -26,8 +30,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["quantize_w8", "matmul_w8a16", "quantize_w4", "pack_int4", "unpack_int4", "dequantize_w4",
-           "matmul_w4a16", "quantize_per_token", "matmul_w8a8", "GROUP_SIZES"]
+__all__ = ["quantize_w8", "matmul_w8a16", "quantize_w4", "pack_int4", "unpack_int4", "repack_w4",
+           "unrepack_w4", "dequantize_w4", "matmul_w4a16", "quantize_per_token", "matmul_w8a8", "GROUP_SIZES"]
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -111,8 +115,35 @@ def unpack_int4(packed, signed: bool):
     return jnp.where(q > 7, q - 16, q).astype(jnp.int8) if signed else q
 
 
+def _nibble_groups(packed, group_size: int, what: str):
+    if packed.ndim != 2 or packed.dtype != jnp.uint8:
+        raise ValueError(f"{what} takes uint8 packed[K / 2, N]; got {packed.shape} {packed.dtype}")
+    _check_groups(2 * packed.shape[0], group_size)
+    return 2 * packed.shape[0] // group_size, group_size // 2, packed.shape[1]
+
+
+def repack_w4(packed, group_size: int):
+    """Canonical `pack_int4` bytes [K / 2, N] -> the kernel layout [K / 2, N] (uint8): in group g,
+    byte row g*G/2 + r holds k = g*G + r in its low nibble and k = g*G + G/2 + r in its high one,
+    so the kernel multiplies the low nibbles by x[:, gG : gG + G/2] and the high ones by
+    x[:, gG + G/2 : (g+1)G], two contiguous slices. Works on nibbles: signedness is kept."""
+    groups, half, n = _nibble_groups(packed, group_size, "repack_w4")
+    nib = jnp.stack([packed & jnp.uint8(0xF), packed >> jnp.uint8(4)], axis=1)  # [K/2, 2, N]: k = 2i, 2i+1
+    nib = nib.reshape(groups, 2, half, n)  # k within the group = 0..G/2-1, then G/2..G-1
+    return (nib[:, 0] | (nib[:, 1] << jnp.uint8(4))).reshape(groups * half, n)
+
+
+def unrepack_w4(repacked, group_size: int):
+    """The inverse of `repack_w4`: kernel-layout bytes [K / 2, N] -> canonical `pack_int4` bytes."""
+    groups, half, n = _nibble_groups(repacked, group_size, "unrepack_w4")
+    r = repacked.reshape(groups, half, n)
+    nib = jnp.stack([r & jnp.uint8(0xF), r >> jnp.uint8(4)], axis=1).reshape(2 * groups * half, n)
+    return nib[0::2] | (nib[1::2] << jnp.uint8(4))
+
+
 def dequantize_w4(packed, s, z=None):
-    """fp32 W[K, N] from packed 4-bit weights, scales [K / G, N] and zero points (or None)."""
+    """fp32 W[K, N] from canonically packed (`pack_int4`) 4-bit weights, scales [K / G, N] and zero
+    points (or None)."""
     q = unpack_int4(packed, signed=z is None).astype(jnp.float32)
     k, n = q.shape
     groups = s.shape[0]
@@ -126,7 +157,8 @@ def dequantize_w4(packed, s, z=None):
 
 
 def matmul_w4a16(x, packed, s, z=None):
-    """x[M, K] @ dequantize_w4(packed, s, z), accumulated in fp32, cast to x.dtype."""
+    """x[M, K] @ dequantize_w4(packed, s, z), accumulated in fp32, cast to x.dtype; `packed` in the
+    canonical `pack_int4` layout (the kernel's takes `repack_w4` of it)."""
     _check_2d("x", x)
     w = dequantize_w4(packed, s, z)
     if x.shape[1] != w.shape[0]:
