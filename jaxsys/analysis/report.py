@@ -205,6 +205,15 @@ def analyze_inference(config, hw: cost_model.Hardware, devices=None, flops: bool
     }
 
 
+def _collective_lines(rows: list[dict]) -> list[str]:
+    """One line per measured collective group: kind[axes] dtype, count, operand and ring bytes."""
+    out = []
+    for row in rows:
+        name = f"{row['kind']}[{','.join(row['axes'])}] {row['dtype']}" + (" scalar" if row["scalar"] else "")
+        out.append(f"  {name:<34} {row['count']:>5}   {_b(row['operand_bytes']):>13}   {_b(row['bytes']):>17}")
+    return out
+
+
 def format_inference_report(r: dict) -> str:
     c, m, rl = r["config"], r["memory"], r["roofline"]
     layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
@@ -214,9 +223,7 @@ def format_inference_report(r: dict) -> str:
            f"memory per device: parameters {_b(m['params_bytes'])} (dense weights {_b(m['dense_weight_bytes'])}), "
            f"peak {_b(m['peak_bytes_per_device'])} ({'fits' if r['fits'] else 'DOES NOT FIT'})", "",
            "collectives per forward (measured)   count   operand bytes   ring bytes/device"]
-    for row in r["collectives"]:
-        name = f"{row['kind']}[{','.join(row['axes'])}] {row['dtype']}" + (" scalar" if row["scalar"] else "")
-        out.append(f"  {name:<34} {row['count']:>5}   {_b(row['operand_bytes']):>13}   {_b(row['bytes']):>17}")
+    out += _collective_lines(r["collectives"])
     out += ["", f"FLOPs per device per forward: XLA {r['flops_per_device']:.3e}, analytic "
                 f"{r['flops_per_device_analytic']:.3e}",
             f"roofline: compute {rl['compute_s'] * 1e3:.3f} ms, reading the weights {rl['weights_s'] * 1e3:.3f} ms "
@@ -507,9 +514,7 @@ def format_report(r: dict) -> str:
             f"  peak (XLA)             {_b(m['peak_bytes_per_device']):>12}   "
             f"{'fits' if r['fits'] else 'DOES NOT FIT'} in the device memory", "",
             "collectives per step (measured)      count   operand bytes   ring bytes/device"]
-    for row in r["collectives"]:
-        name = f"{row['kind']}[{','.join(row['axes'])}] {row['dtype']}" + (" scalar" if row["scalar"] else "")
-        out.append(f"  {name:<34} {row['count']:>5}   {_b(row['operand_bytes']):>13}   {_b(row['bytes']):>17}")
+    out += _collective_lines(r["collectives"])
     out += ["", "collectives per step (formula)"]
     for row in r["collectives_formula"]:
         name = f"{row['kind']}[{','.join(row['axes'])}]"
