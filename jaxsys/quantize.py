@@ -211,8 +211,9 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
     """Read `workdir`'s checkpoint (default: latest) onto one device, quantize it, write `out`.
     Returns a summary (step, bytes before and after, seconds)."""
     from jaxsys import train
-    from jaxsys.mesh import make_mesh
+    from jaxsys.mesh import cpu_unless_accelerator, make_mesh
 
+    cpu_unless_accelerator()
     if fmt not in QUANT_FORMATS[1:]:
         raise ConfigError(f"--format {fmt!r}: choose one of {QUANT_FORMATS[1:]}")
     if method not in METHODS:

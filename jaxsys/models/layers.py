@@ -16,25 +16,31 @@ def rms_norm(x, scale, eps: float):
 
 
 def rope(x, positions, theta: float):
-    """Rotary embeddings on x[B, T, N, H] at positions[T], rotating the two halves of H
-    (the Llama/NeoX convention)."""
+    """Rotary embeddings on x[B, T, N, H] at positions[T] (or per sequence, [B, T]), rotating the
+    two halves of H (the Llama/NeoX convention)."""
     half = x.shape[-1] // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [T, H/2]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, H/2]
+    angles = angles[None, :, None, :] if positions.ndim == 1 else angles[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q, k, v, causal: bool = True):
+def attention(q, k, v, causal: bool = True, q_positions=None):
     """Grouped-query attention. q[B, T, N, H], k/v[B, S, K, H] with N a multiple of K; query head n
-    reads key/value head n // (N/K). Softmax in fp32. Returns [B, T, N, H]."""
+    reads key/value head n // (N/K). Softmax in fp32. Returns [B, T, N, H]. With `q_positions`
+    [B, T] (decoding from a KV cache whose slot s holds position s) query t of sequence b sees the
+    keys at positions <= q_positions[b, t]; otherwise `causal` masks with T == S."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (h ** -0.5)
-    if causal:
+    if q_positions is not None:
+        mask = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    elif causal:
         mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

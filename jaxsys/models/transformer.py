@@ -115,12 +115,23 @@ def _weights(w, axes, m, layout: Layout, hook=None, name: str = "", index=None):
     return fsdp.gather(w if quant.is_quantized(w) else _cast(w, m), axes, layout)
 
 
+def _write_cache(cache, new, positions):
+    """cache[B, S, K, H] with new[B, T, K, H] written at slots positions[b, 0] .. + T of each sequence."""
+    write = lambda c, n, start: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (start, 0, 0))
+    return jax.vmap(write)(cache, new, positions[:, 0])
+
+
 def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
-           previous=None, dispatch: str = "padded"):
+           previous=None, dispatch: str = "padded", kv=None):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
     `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py); `mlp_kind`
     its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes `previous`, the experts the last
-    MoE layer chose). Returns (x, experts chosen here or `previous`, MoE stats or None)."""
+    MoE layer chose). Returns (x, experts chosen here or `previous`, MoE stats or None).
+
+    Decoding (jaxsys/serve): `kv` = {"k", "v"}, this layer's cache [B, S, K, H] (this device's
+    sequences and kv heads) and `positions` [B, T] per sequence: the new keys and values are
+    written at their positions, the queries attend to the cache, and the updated cache is returned
+    as a fourth value."""
     seq = context.SeqLayout.of(layout, m)
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sp_axes
     x = checkpoint_name(x, "layer_input")  # host-offloadable residual (config.offload.activations)
@@ -130,19 +141,28 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     k = linear("btd,dkh->btkh", h, w["wk"], name="wk")
     v = linear("btd,dkh->btkh", h, w["wv"], name="wv")
     if kind == "linear":
+        if kv is not None:
+            raise ValueError("decoding with a KV cache needs softmax attention layers; linear-attention "
+                             "layers keep a recurrent state instead (not implemented)")
         o = attention.linear_attention(q, k, v, m, heads, seq)
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
-        o = attention.softmax_attention(q, k, v, m, seq)
+        if kv is None:
+            o = attention.softmax_attention(q, k, v, m, seq)
+        else:
+            kv = {"k": _write_cache(kv["k"], k, positions), "v": _write_cache(kv["v"], v, positions)}
+            o = layers.attention(q, kv["k"].astype(q.dtype), kv["v"].astype(q.dtype), q_positions=positions)
     o = checkpoint_name(o, "attention_output")
     x = x + tensor.leave(linear("btnh,nhd->btd", o, w["wo"], name="wo"), heads, sp)
     h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
     if mlp_kind == "moe":
         y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
-        return x + y, experts, stats
-    h = tensor.enter(h, mlp, sp)
-    y = layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"], linear)
-    return x + tensor.leave(y, mlp, sp), previous, None
+        out = (x + y, experts, stats)
+    else:
+        h = tensor.enter(h, mlp, sp)
+        y = layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"], linear)
+        out = (x + tensor.leave(y, mlp, sp), previous, None)
+    return out if kv is None else out + (kv,)
 
 
 # The model in four pieces, so that a pipeline can run them on different stages:
@@ -166,7 +186,7 @@ def _leaf_kind(name: str) -> str:
 
 
 def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unroll: bool = False,
-                dispatch: str = "padded", hook=None):
+                dispatch: str = "padded", hook=None, kv=None):
     """Run the layers of `layer_params` (this device's shards of a run of whole periods of the
     layer and MLP patterns, starting at the pattern's first layer) on x[B, T, D].
 
@@ -174,7 +194,9 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     MoE layers' losses over this device's tokens, and per MoE layer here ([Lm', ...]) the global
     routing statistics `load`, `dropped`, `pairs` and `traffic` (models/moe.py); {} for a dense model.
     `dispatch` is the expert-parallel all-to-all (`config.parallel.expert_dispatch`). `hook` (see
-    `_weights`) sees each layer's leaves as ("layers/<leaf>", weights, index in that leaf's stack)."""
+    `_weights`) sees each layer's leaves as ("layers/<leaf>", weights, index in that leaf's stack).
+    `kv` (decoding): {"k", "v"} caches [L, B, S, K, H] of these layers, with `positions` [B, T];
+    then the updated caches are returned as a third value (and no layer is rematerialised)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     layer_axes = jax.tree.map(lambda a: a[a.index("layers") + 1:], axes["layers"],
                               is_leaf=lambda a: isinstance(a, tuple))
@@ -201,17 +223,21 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     # stacks the host copy for the backward (config.offload.activations=layer_input).
     input_to_host = "layer_input" in layout.offload_activations
 
-    def layer(x, previous, group, g, kind, mlp_kind, index):
+    def layer(x, previous, group, g, kind, mlp_kind, index, kv_layer=None):
         if input_to_host:
             x = offload.to_device(x)
         w = pick(group, g, mlp_kind, index)
         gathered = {k: _weights(w[k], layer_axes[k], m, layout, hook, f"layers/{k}",
                                 g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]) for k in w}
-        return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch)
+        return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch, kv_layer)
 
-    remat = [jax.checkpoint(lambda x, prev, w, g, spec=spec: layer(x, prev, w, g, *spec),
-                            policy=remat_policy(m.remat, layout.offload_activations), prevent_cse=False)
-             for spec in per_layer]
+    if kv is None:
+        remat = [jax.checkpoint(lambda x, prev, w, g, spec=spec: layer(x, prev, w, g, *spec),
+                                policy=remat_policy(m.remat, layout.offload_activations), prevent_cse=False)
+                 for spec in per_layer]
+    else:  # inference: nothing to rematerialise
+        remat = [lambda x, prev, w, g, kv_layer, spec=spec: layer(x, prev, w, g, *spec, kv_layer)
+                 for spec in per_layer]
     # Each kind of leaf is [groups x (its layers per period), ...]: scan over the groups. With one
     # layer per period the stacks are scanned as they are: no reshape, which the TPU compiler
     # cannot do to a buffer in host memory (config.offload.params).
@@ -222,23 +248,35 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     # experts of the previous MoE layer per token (none yet), over the full T under sequence parallelism
     previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
 
+    # the caches [L, ...] scan as [groups, period, ...] beside the weights
+    kv_groups = None if kv is None else jax.tree.map(
+        lambda a: a.reshape(n_groups, period, *a.shape[1:]), kv)
+
     def body(carry, xs):
-        (x, previous), (group_params, g) = carry, xs
-        stats = []
+        (x, previous), (group_params, g, kv_group) = carry, xs
+        stats, kv_out = [], []
         for i in range(period):
-            x, previous, layer_stats = remat[i](offload.to_host(x) if input_to_host else x, previous,
-                                                group_params, g)
+            args = (offload.to_host(x) if input_to_host else x, previous, group_params, g)
+            if kv_group is None:
+                x, previous, layer_stats = remat[i](*args)
+            else:
+                x, previous, layer_stats, kv_layer = remat[i](*args, jax.tree.map(lambda a: a[i], kv_group))
+                kv_out.append(kv_layer)
             if layer_stats is not None:
                 stats.append(layer_stats)
-        return (x, previous), (jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats else None)
+        stack = lambda items: jax.tree.map(lambda *s: jnp.stack(s), *items) if items else None
+        return (x, previous), (stack(stats), stack(kv_out))
 
-    (x, _), stats = jax.lax.scan(body, (x, previous), (groups, jnp.arange(n_groups)),
-                                 unroll=n_groups if unroll else 1)
+    (x, _), (stats, kv_new) = jax.lax.scan(body, (x, previous), (groups, jnp.arange(n_groups), kv_groups),
+                                           unroll=n_groups if unroll else 1)
+    if kv is not None:
+        kv_new = jax.tree.map(lambda a: a.reshape(n_groups * period, *a.shape[2:]), kv_new)
     if not n_moe:
-        return x, {}
+        return (x, {}) if kv is None else (x, {}, kv_new)
     per_moe_layer = jax.tree.map(lambda a: a.reshape(n_groups * n_moe, *a.shape[2:]), stats)
-    return x, {"aux_loss": jnp.sum(per_moe_layer["aux_loss"]), "z_loss": jnp.sum(per_moe_layer["z_loss"]),
-               **{key: per_moe_layer[key] for key in moe.ROUTING_STATISTICS}}
+    moe_stats = {"aux_loss": jnp.sum(per_moe_layer["aux_loss"]), "z_loss": jnp.sum(per_moe_layer["z_loss"]),
+                 **{key: per_moe_layer[key] for key in moe.ROUTING_STATISTICS}}
+    return (x, moe_stats) if kv is None else (x, moe_stats, kv_new)
 
 
 def final_norm(params, x, m, layout: Layout, specs=None, hook=None):

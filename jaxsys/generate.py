@@ -1,0 +1,138 @@
+"""Generate a continuation from any workdir's checkpoint: a trained run, a Hugging Face conversion,
+or a quantized one (`jaxsys.quantize`).
+
+    python -m jaxsys.generate --workdir W --prompt "def main(" [--max-new-tokens 64]
+        [--temperature 0.8 --top-k 40 --top-p 0.95 --seed 0] [--step S] [--config.key=value ...]
+
+Prints the continuation on stdout as it is generated: text for a byte-level corpus
+(config.data.source stdlib or text), else space-separated token ids (and `--prompt` is then
+space-separated ids too). Logs go to stderr. Overrides change how it runs (the mesh:
+`--config.mesh.tensor=2`; kernels), not the model. jaxsys/serve/decode.py says how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxsys import checkpoint as checkpoint_lib
+from jaxsys import data as data_lib
+from jaxsys.config import ConfigError, apply_overrides, base_config
+
+BYTE_SOURCES = ("stdlib", "text")
+
+
+def load(workdir: str, overrides=(), step: int | None = None, batch: int = 1, max_len: int = 256):
+    """(decoder, params, config) for `workdir` on the mesh its config (with overrides) names."""
+    from jaxsys import train
+    from jaxsys.mesh import cpu_unless_accelerator, make_mesh
+    from jaxsys.serve import decode
+
+    cpu_unless_accelerator()
+    reader = checkpoint_lib.Checkpointer(workdir, base_config().checkpoint, read_only=True)
+    try:
+        step = reader.latest_step() if step is None else step
+        config = reader.saved_config(step)
+    finally:
+        reader.close()
+    apply_overrides(config, overrides)
+    decode.check_servable(config)
+    sizes = [config.mesh[a] for a in config.mesh]
+    whole = -1 in sizes or math.prod(sizes) > jax.device_count()
+    mesh = make_mesh(config, None if whole else jax.devices()[:math.prod(sizes)])
+    program = train.build(config, mesh)
+    params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
+    batch = decode.Decoder.padded_batch(batch, program.layout)
+    return decode.Decoder(program, batch, max_len), params, config
+
+
+def encode(prompt: str, config) -> list[int]:
+    if config.data.source in BYTE_SOURCES:
+        return data_lib.byte_encode(prompt).astype(int).tolist()
+    try:
+        ids = [int(t) for t in prompt.split()]
+    except ValueError:
+        raise ValueError(f"config.data.source={config.data.source!r} has no text tokenizer here: pass the prompt "
+                         "as space-separated token ids") from None
+    bad = [i for i in ids if not 0 <= i < config.model.vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {config.model.vocab_size})")
+    return ids
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Generate a continuation from a jaxsys checkpoint.")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: no nucleus filter")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    parser.add_argument("--max-len", type=int, default=0, help="KV-cache positions (default: prompt + new, "
+                                                                 "rounded up to 64)")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=2")
+    log = lambda msg: print(f"jaxsys.generate: {msg}", file=sys.stderr, flush=True)
+    from jaxsys.mesh import cpu_unless_accelerator
+    cpu_unless_accelerator()
+    try:
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give at least one token of context")
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+        reader = checkpoint_lib.Checkpointer(args.workdir, base_config().checkpoint, read_only=True)
+        try:
+            config = reader.saved_config(args.step)
+        finally:
+            reader.close()
+        prompt = encode(args.prompt, config)
+        max_len = args.max_len or -(-(len(prompt) + args.max_new_tokens) // 64) * 64
+        start = time.perf_counter()
+        decoder, params, config = load(args.workdir, overrides, args.step, 1, max_len)
+        log(f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; prompt {len(prompt)} tokens, "
+            f"cache {max_len} positions")
+        byte_level = config.data.source in BYTE_SOURCES
+        pending = bytearray()
+
+        def show(step, tokens):
+            if byte_level:  # print whole UTF-8 characters as they complete
+                pending.append(int(tokens[0]))
+                try:
+                    text = pending.decode("utf-8")
+                except UnicodeDecodeError:
+                    if len(pending) < 4:
+                        return
+                    text = pending.decode("utf-8", errors="replace")
+                pending.clear()
+                sys.stdout.write(text)
+            else:
+                sys.stdout.write(("" if step == 0 else " ") + str(int(tokens[0])))
+            sys.stdout.flush()
+
+        from jaxsys.serve import decode
+        start = time.perf_counter()
+        decode.generate(decoder, params, [prompt], args.max_new_tokens, args.temperature, args.top_k,
+                        args.top_p, args.seed, on_token=show)
+        if pending:
+            sys.stdout.write(pending.decode("utf-8", errors="replace"))
+        sys.stdout.write("\n")
+        elapsed = time.perf_counter() - start
+        log(f"{args.max_new_tokens} tokens in {elapsed:.2f}s ({args.max_new_tokens / elapsed:.1f} tokens/s, "
+            "compilation included)")
+    except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Generation with a KV cache (jaxsys/serve/decode.py, `python -m jaxsys.generate`).
+
+The reference is the training forward: greedy decoding must pick, at every step, the argmax of the
+last position of `transformer.logits` over the whole sequence so far, recomputed from scratch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys import generate as generate_cli
+from jaxsys import quantize, train
+from jaxsys.models import transformer
+from jaxsys.serve import decode
+from tests.helpers import program_for, small_config
+
+PROMPTS = [[10, 20, 30, 40, 50], [7, 8, 9]]
+NEW = 12
+
+
+def _greedy_by_full_forwards(config, params, prompt, n):
+    program = program_for(small_config(**{k: config.model[k] for k in ("n_kv_heads", "quant", "quant_group_size")}))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params = jax.device_put(params, one)
+    fn = jax.jit(lambda p, ids: transformer.logits(p, ids, program.config.model, program.layout, program.specs))
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(jnp.argmax(fn(params, jnp.asarray([seq], jnp.int32))[0, -1])))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("mesh", [None, {"tensor": 2, "data": 2}])
+def test_greedy_generation_equals_argmax_of_full_forwards(mesh):
+    config = small_config(mesh, n_kv_heads=4)
+    program = program_for(config)
+    params = program.init(3).params
+    decoder = decode.Decoder(program, batch=decode.Decoder.padded_batch(2, program.layout), max_len=32)
+    got = decode.generate(decoder, params, PROMPTS, NEW)
+    host = jax.tree.map(np.asarray, params)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == _greedy_by_full_forwards(config, host, prompt, NEW)
+
+
+def test_quantized_model_generates_its_own_greedy_tokens():
+    config = small_config(n_kv_heads=4)
+    params = jax.tree.map(np.asarray, program_for(config).init(3).params)
+    qconfig = small_config({"tensor": 2}, n_kv_heads=4, quant="w4a16", quant_group_size=32)
+    qparams = quantize.quantize_params(params, qconfig.model, "w4a16", 32)
+    program = program_for(qconfig)
+    decoder = decode.Decoder(program, batch=1, max_len=32)
+    got = decode.generate(decoder, jax.device_put(qparams, program.param_shardings), PROMPTS[:1], NEW)
+    assert got[0] == _greedy_by_full_forwards(qconfig, qparams, PROMPTS[0], NEW)
+
+
+def test_sampling_filters_and_seeds():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.float32)
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    s = lambda t, k, p, seed: np.asarray(decode.sample(logits, jax.random.key(seed), jnp.float32(t),
+                                                       jnp.int32(k), jnp.float32(p)))
+    np.testing.assert_array_equal(s(0.0, 0, 1.0, 0), greedy)
+    np.testing.assert_array_equal(s(1.0, 1, 1.0, 5), greedy)  # top-1 is greedy whatever the draw
+    np.testing.assert_array_equal(s(1.0, 0, 1e-6, 5), greedy)  # so is the smallest nucleus
+    np.testing.assert_array_equal(s(0.9, 10, 0.9, 7), s(0.9, 10, 0.9, 7))
+    draws = np.stack([s(1.0, 3, 1.0, seed) for seed in range(200)])
+    top3 = np.argsort(-np.asarray(logits), -1)[:, :3]
+    assert all(set(draws[:, b]) <= set(top3[b]) for b in range(4))  # only the top 3 are drawn
+    assert all(len(set(draws[:, b])) > 1 for b in range(4))  # and not only the first
+
+
+def test_frequencies_follow_the_softmax():
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]], jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 4000)
+    draws = np.asarray(jax.vmap(lambda k: decode.sample(logits, k, jnp.float32(1.0), jnp.int32(0),
+                                                        jnp.float32(1.0)))(keys))[:, 0]
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, np.asarray(jax.nn.softmax(logits[0])), atol=0.03)  # 4000 draws: sd < 0.008
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen")
+    c = small_config(dict(data=8))
+    c.train.steps, c.train.eval_batches = 4, 1
+    c.checkpoint.async_save = False
+    train.main(c, str(path))
+    return str(path)
+
+
+def test_generate_command_prints_text(workdir, capsys):
+    assert generate_cli.main(["--workdir", workdir, "--prompt", "def f(", "--max-new-tokens", "8",
+                              "--config.mesh.data=1"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.rstrip("\n").encode("utf-8", "replace")) >= 1 and "8 tokens in" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature >= 0"),
+    (["--prompt", "x", "--top-p", "0"], "0 < top_p <= 1"),
+    (["--prompt", "x" * 40, "--max-len", "32"], "exceeds the cache of 32 positions"),
+    (["--prompt", "x", "--config.mesh.pipe=2", "--config.mesh.data=4"], "config.mesh.pipe=2"),
+])
+def test_generate_command_names_bad_input(workdir, capsys, args, message):
+    assert generate_cli.main(["--workdir", workdir, "--config.mesh.data=1", *args]) == 2
+    assert message in capsys.readouterr().err
