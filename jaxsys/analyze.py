@@ -3,6 +3,8 @@
     python -m jaxsys.analyze --config configs/llama_8b.py --devices 256 --hardware h100 [--json]
         [--config.key=value ...]
     python -m jaxsys.analyze --config configs/llama_8b.py --target v5p-256 [--slices 2] [--json]
+    python -m jaxsys.analyze --config configs/llama_8b.py --mode decode --hardware h100 \
+        --config.mesh.tensor=8 --config.mesh.fsdp=1 --config.mesh.data=1
 
 Compiles the train step ahead of time with abstract (never materialised) parameters, and prints
 measured memory, collectives and FLOPs beside the papers' formulas, with a roofline step time and
@@ -52,6 +54,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-cpu", action="store_true",
                         help="with --target: skip the same program on fake CPU devices (faster)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--mode", default="train", choices=["train", "decode"],
+                        help="decode: KV-cache bytes, the batch that fits and a roofline decode latency "
+                             "(formulas, nothing compiled; jaxsys/analysis/decode.py)")
+    parser.add_argument("--contexts", default="512,2048,8192,32768", help="--mode decode: context lengths")
+    parser.add_argument("--batches", default="1,8,32,128", help="--mode decode: global batch sizes")
     parser.add_argument("--no-flops", action="store_true",
                         help="skip compiling the written-out step (faster; FLOPs from the formula)")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -86,6 +93,23 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+    if args.mode == "decode":
+        from jaxsys.analysis import decode
+        try:
+            hw = PROFILES[args.hardware] if args.hardware != "cpu" else None
+            if hw is None or args.target:
+                raise ConfigError("--mode decode takes --hardware h100, h200 or tpu_v5p (no --target)")
+            contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+            batches = [int(x) for x in args.batches.split(",") if x.strip()]
+            if not contexts or not batches or min(contexts + batches) < 1:
+                raise ConfigError("--contexts and --batches take comma-separated positive integers")
+            result = decode.decode_report(config, hw, contexts, batches)
+        except (ConfigError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(result, indent=1) if args.json else decode.format_decode_report(result))
+        return 0
 
     # Fake devices must be requested before JAX starts.
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -105,3 +105,21 @@ def test_generate_command_prints_text(workdir, capsys):
 def test_generate_command_names_bad_input(workdir, capsys, args, message):
     assert generate_cli.main(["--workdir", workdir, "--config.mesh.data=1", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_decode_analysis_by_hand():
+    """tiny:test (L=2, K=4 kv heads of H=16, fp32) on tensor=2: KV per token 2 L K H 4 B / 2 =
+    512 B; the weights' shards are fp32 at rest; at batch 1 the step reads every weight once."""
+    from jaxsys.analysis import cost_model, decode as decode_analysis
+    config = small_config({"tensor": 2}, n_kv_heads=4)
+    hw = cost_model.PROFILES["h100"]
+    r = decode_analysis.decode_report(config, hw, contexts=[1024], batches=[1, 4])
+    assert r["kv_bytes_per_token"] == 2 * 2 * 4 * 16 * 4 // 2
+    weights = program_for(config).abstract_state().params
+    per_device = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * 4
+                     for a in jax.tree.leaves(weights))
+    assert r["weight_bytes_per_device"] == per_device
+    row = r["rows"][0]
+    assert row["memory_s"] == pytest.approx((per_device + 1024 * 512) / hw.hbm_bytes_per_s)
+    assert r["max_batch_per_device"][1024] == int((hw.hbm_bytes - per_device) // (1024 * 512))
+    assert "sequences that fit" in decode_analysis.format_decode_report(r)

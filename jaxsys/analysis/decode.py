@@ -1,0 +1,101 @@
+"""Decode (serving) analysis of a config: KV-cache bytes, the batch that fits, a roofline latency.
+
+    python -m jaxsys.analyze --config C --mode decode [--hardware h100] [--contexts 512,2048,8192]
+        [--batches 1,8,32,128]
+
+Per device, on the config's tensor (and data) layout, with jaxsys/serve/decode.py's cache (keys
+and values of every layer in the compute dtype, kv heads split over `tensor`):
+
+    KV bytes per token     = 2 L K H b_c / t                  (K kv heads, H head dim, t = tensor)
+    weight bytes           = the parameter shards at rest (quantized codes and scales as stored)
+    batch that fits at S   = floor((HBM - weights) / (S x KV bytes per token)) per data shard
+    decode step (batch b, context S), one token per sequence:
+        memory   = (weights + b S KV bytes per token) / HBM bandwidth
+        compute  = 2 (matmul parameters / t) b / peak + attention 4 L b S N H / t / peak
+        comm     = 2 all-reduces per layer of [b, D] b_c over `tensor`, ring bytes / link bandwidth
+        latency  = max(memory, compute) + comm          (collectives not overlapped, as in decode)
+
+Formulas only: nothing is compiled (the step is tiny; the question is what bounds it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxsys.analysis import cost_model, flops as flops_lib
+from jaxsys.models import transformer
+from jaxsys.models.params import is_spec
+from jaxsys.sharding import Layout
+
+CONTEXTS = (512, 2048, 8192, 32768)
+BATCHES = (1, 8, 32, 128)
+
+
+def weight_bytes_per_device(config) -> int:
+    """Parameter bytes one device holds at rest (its shards, in each leaf's stored dtype)."""
+    import jax
+    layout = Layout.from_config(config)
+    specs = transformer.param_specs(config.model)
+    total = 0
+    for s in jax.tree.leaves(specs, is_leaf=is_spec):
+        itemsize = np.dtype(s.dtype or config.model.param_dtype).itemsize
+        total += math.prod(layout.local_shape(s.shape, s.axes)) * itemsize
+    return total
+
+
+def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
+    m = config.model
+    layout = Layout.from_config(config)
+    t = layout.size(layout.compute_axes("kv_heads"))
+    data = layout.size(layout.compute_axes("batch"))
+    compute_bytes = np.dtype(m.compute_dtype).itemsize
+    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * compute_bytes // t
+    weights = weight_bytes_per_device(config)
+    free = hw.hbm_bytes - weights
+    tensor_bw = cost_model.axis_bandwidth(layout.mesh_sizes, hw).get("tensor", hw.intra_node_bytes_per_s)
+    peak = hw.peak(m.compute_dtype)
+    matmul = flops_lib.matmul_params(m) / t
+    rows = []
+    for S in contexts:
+        fits = max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
+        for b in batches:
+            local_b = max(b // data, 1)
+            memory_s = (weights + local_b * S * kv_per_token) / hw.hbm_bytes_per_s
+            compute_s = (2 * matmul * local_b + 4 * m.n_layers * local_b * S * m.n_heads * m.head_dim / t) / peak
+            comm_s = 0.0 if t == 1 else (2 * m.n_layers * cost_model.ring_bytes(
+                "all_reduce", local_b * m.d_model * compute_bytes, t) / tensor_bw)
+            latency = max(memory_s, compute_s) + comm_s
+            rows.append({"context": S, "batch": b, "batch_per_device": local_b,
+                         "fits": local_b <= fits, "memory_s": memory_s, "compute_s": compute_s,
+                         "comm_s": comm_s, "latency_s": latency, "tokens_per_s": b / latency,
+                         "bound": "memory" if memory_s >= compute_s else "compute"})
+    return {"mode": "decode", "hardware": hw.name,
+            "mesh": {a: s for a, s in layout.mesh_sizes.items() if s > 1},
+            "quant": m.quant, "compute_dtype": m.compute_dtype, "param_dtype": m.param_dtype,
+            "kv_bytes_per_token": kv_per_token, "weight_bytes_per_device": weights,
+            "hbm_bytes": hw.hbm_bytes,
+            "kv_bytes_per_sequence": {S: S * kv_per_token for S in contexts},
+            "max_batch_per_device": {S: max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
+                                     for S in contexts},
+            "rows": rows}
+
+
+def format_decode_report(r: dict) -> str:
+    from jaxsys.analysis.report import _b
+    layout = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "1 device"
+    out = [f"decode on {layout}, {r['hardware']}; weights {r['quant'] if r['quant'] != 'none' else r['param_dtype']}"
+           f", KV cache {r['compute_dtype']}", "",
+           f"KV cache per token per device: {_b(r['kv_bytes_per_token'])}; weights per device "
+           f"{_b(r['weight_bytes_per_device'])} of {_b(r['hbm_bytes'])}", "",
+           "context   KV per sequence   sequences that fit per device"]
+    for S, per_seq in r["kv_bytes_per_sequence"].items():
+        out.append(f"{S:>7}   {_b(per_seq):>15}   {r['max_batch_per_device'][S]:>10,}")
+    out += ["", "context  batch   latency/step   tokens/s   bound     (memory / compute / comm ms)"]
+    for row in r["rows"]:
+        note = "" if row["fits"] else "  does not fit"
+        out.append(f"{row['context']:>7} {row['batch']:>6} {row['latency_s'] * 1e3:>11.3f} ms "
+                   f"{row['tokens_per_s']:>10,.0f}   {row['bound']:<8}  ({row['memory_s'] * 1e3:.3f} / "
+                   f"{row['compute_s'] * 1e3:.3f} / {row['comm_s'] * 1e3:.3f}){note}")
+    return "\n".join(out)
