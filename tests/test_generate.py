@@ -123,3 +123,24 @@ def test_decode_analysis_by_hand():
     assert row["memory_s"] == pytest.approx((per_device + 1024 * 512) / hw.hbm_bytes_per_s)
     assert r["max_batch_per_device"][1024] == int((hw.hbm_bytes - per_device) // (1024 * 512))
     assert "sequences that fit" in decode_analysis.format_decode_report(r)
+
+
+@pytest.mark.parametrize("name,mesh", [("untied", None), ("tied", {"data": 2})])
+def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_path, name, mesh):
+    """tests/golden/hf_llama/<name>/greedy_tokens.npy: 16 tokens `transformers` generated greedily
+    (fp32, KV cache) from the first 8 tokens of each golden row (scripts/make_hf_greedy_golden.py)."""
+    import os
+    from jaxsys import convert
+    from tests.helpers import ROOT
+    golden = os.path.join(ROOT, "tests", "golden", "hf_llama", name)
+    workdir = str(tmp_path / name)
+    config = convert.from_hf(golden, workdir)
+    for axis, size in (mesh or {}).items():
+        config.mesh[axis] = size
+    program = program_for(config)
+    from jaxsys.checkpoint import restore_params
+    params, _ = restore_params(workdir, program.abstract_state().params)
+    prompts = np.load(os.path.join(golden, "greedy_prompts.npy")).tolist()
+    want = np.load(os.path.join(golden, "greedy_tokens.npy")).tolist()
+    decoder = decode.Decoder(program, batch=2, max_len=32)
+    assert decode.generate(decoder, params, prompts, len(want[0])) == want

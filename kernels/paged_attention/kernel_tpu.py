@@ -1,0 +1,144 @@
+"""Paged decode attention for TPU (Pallas Mosaic). Same semantics as `reference.py` and the generic
+kernel in kernel.py; kernel.py's `paged_attention` picks this variant when the program is lowered
+for TPU.
+
+Grid (B, K, max_pages): one (sequence, kv head) pair per outer index, its pages along the last,
+"arbitrary" axis. The page table (flattened to [B * max_pages]) and the lengths are scalar-prefetch
+operands (`pltpu.PrefetchScalarGridSpec`): they sit in SMEM before the grid starts, and the
+BlockSpec index_map of k_pages / v_pages reads them, so the page gather is the pipeline's own DMA
+(double-buffered: page i + 1 is fetched while page i is computed). Steps past a sequence's last
+page map to the last page again: an unchanged block index starts no DMA, and `pl.when` skips the
+compute, so only ceil(length / page_size) pages are read.
+
+The pool is seen as [P, page_size, K * H] (a free reshape of [P, page_size, K, H]): block
+(page_size, H) at lane block kv_head is one page of one kv head. Mosaic tiles the last two dims of
+a block by (8, 128) or takes them whole: page_size is a whole dim (any page size), H must be a
+multiple of 128 unless K == 1 (H is then the whole lane dim).
+
+The G = N / K query heads of a kv head form one [G, H] tile, padded to the dtype's sublane tile
+(8 rows fp32, 16 bf16) in the wrapper. Scratch across the page axis (fp32): the running max m and
+sum l as [G, 128] (equal over lanes, as in flash_attention/kernel_tpu.py) and acc [G, H]; the
+last step writes o = acc / l. bf16 dots take Precision.DEFAULT explicitly (Mosaic rejects an fp32
+contraction of bf16 operands, which jax_default_matmul_precision="highest" would ask for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+__all__ = ["TpuConfig", "forward"]
+
+LANES = 128
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_NT = (((1,), (1,)), ((), ()))  # a @ b^T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuConfig:
+    scale: float
+    interpret: bool = False
+
+
+def _dot(a, b, dims):
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _lanes(x, width: int):
+    """x [rows, 128] (equal over its lanes) as [rows, width]."""
+    if width == LANES:
+        return x
+    if width < LANES:
+        return x[:, :width]
+    return jnp.tile(x, (1, width // LANES))
+
+
+def sublanes(dtype) -> int:
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def _kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
+            page_size: int, max_pages: int):
+    del pt_ref  # read by the index maps
+    b, i = pl.program_id(0), pl.program_id(2)
+    length = len_ref[b]
+    h = acc_ref.shape[-1]
+
+    @pl.when(i == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(i * page_size < length)
+    def _step():
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        s = _dot(q, k, _NT) * scale  # [G, page_size]
+        pos = i * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        visible = pos < length
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_prev, l_prev = m_ref[...], l_ref[...]  # [G, 128]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - _lanes(m_next, page_size)), 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
+        acc_ref[...] = acc_ref[...] * _lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
+
+    @pl.when(i == max_pages - 1)
+    def _finish():
+        o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], h)).astype(o_ref.dtype)
+
+
+def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
+    """q [B, K, G, H] (G padded to the sublane tile by the caller), k/v_pages [P, page_size, K, H],
+    page_table [B, max_pages], lengths [B] -> o [B, K, G, H]."""
+    b, kh, g, h = q.shape
+    num_pages, page_size = k_pages.shape[:2]
+    max_pages = page_table.shape[1]
+    if h % LANES and kh != 1:
+        raise ValueError(f"the TPU paged-attention kernel needs the head dim H to be a multiple of "
+                         f"{LANES} (or a single kv head); got H={h}, K={kh}")
+    kp = k_pages.reshape(num_pages, page_size, kh * h)
+    vp = v_pages.reshape(num_pages, page_size, kh * h)
+    pt = page_table.reshape(-1).astype(jnp.int32)
+    lengths = lengths.astype(jnp.int32)
+
+    def kv_index(bi, hi, i, pt_ref, len_ref):
+        last = jnp.maximum(lax.div(len_ref[bi] + page_size - 1, page_size) - 1, 0)
+        return pt_ref[bi * max_pages + jnp.minimum(i, last)], 0, hi
+
+    q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi, i, pt_ref, len_ref: (bi, hi, 0, 0))
+    kv_spec = pl.BlockSpec((None, page_size, h), kv_index)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, kh, max_pages),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=q_spec,
+        scratch_shapes=[pltpu.VMEM((g, LANES), jnp.float32), pltpu.VMEM((g, LANES), jnp.float32),
+                        pltpu.VMEM((g, h), jnp.float32)],
+    )
+    itemsize = jnp.dtype(k_pages.dtype).itemsize
+    cost = pl.CostEstimate(flops=4 * b * kh * g * max_pages * page_size * h,
+                           transcendentals=b * kh * g * max_pages * page_size,
+                           bytes_accessed=2 * b * kh * max_pages * page_size * h * itemsize
+                           + 2 * q.size * q.dtype.itemsize)
+    return pl.pallas_call(
+        functools.partial(_kernel, scale=cfg.scale, page_size=page_size, max_pages=max_pages),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=cfg.interpret,
+        name="paged_attention_tpu",
+    )(pt, lengths, q, kp, vp)
