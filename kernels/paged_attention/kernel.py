@@ -1,0 +1,161 @@
+"""Paged decode attention in Pallas: one query per sequence over a paged KV cache (PagedAttention).
+
+Semantics, layout and argument conventions: reference.py (k/v_pages [P, page_size, K, H],
+page_table [B, max_pages], lengths [B], q [B, N, H], GQA with G = N / K).
+
+Generic variant (this file: interpret mode on CPU, Triton on GPU), one program per (sequence, kv
+head), grid (B, K):
+* the G query heads of the kv head are one [G, H] tile (G padded to a power of two: Triton's
+  tensor shapes must be powers of two), pre-multiplied by the scale, in fp32;
+* a `fori_loop` walks the sequence's ceil(length / page_size) pages only (a dynamic trip count);
+  each step reads the page id from the page table ref *inside the kernel* and loads
+  k_pages[page, :, kv_head, :] and the same of v_pages by dynamic index: the page gather is the
+  kernel's own loads, no gathered copy of the cache exists;
+* online softmax (running max m, sum l, fp32 accumulator acc [G, H]); positions >= length on the
+  last page are masked; o = acc / l at the end.
+Scores and P V are computed as broadcast products reduced along H (resp. the page), in fp32, not
+as dots: G is 1-8 in practice and Triton's `tl.dot` needs >= 16 rows; decode is bound by reading
+the cache, not by these FLOPs. fp32 inputs are therefore exact fp32 products (no TF32).
+
+TPU variant (kernel_tpu.py, Mosaic): grid (B, K, max_pages) with the page table and lengths as
+scalar-prefetch operands read by the k/v BlockSpec index_maps (the pipeline's DMAs do the
+gather). `paged_attention` chooses per lowering platform (kernels/platforms.py): interpret mode
+when lowered for CPU, Mosaic for TPU, Triton otherwise; `backend="generic"` / `"tpu"` forces one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxsys.kernels import platforms
+from jaxsys.kernels.paged_attention import kernel_tpu
+from jaxsys.kernels.paged_attention.reference import check_inputs
+
+__all__ = ["paged_attention"]
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenericConfig:
+    scale: float
+    interpret: bool = True
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float):
+    b, kh = pl.program_id(0), pl.program_id(1)
+    length = len_ref[b]
+    n_pages = lax.div(length + page_size - 1, page_size)
+    q = q_ref[...].astype(jnp.float32) * scale  # [G, H]
+    g, h = q.shape
+
+    def body(i, carry):
+        m, l, acc = carry
+        page = pt_ref[b, i]
+        k = k_ref[page, :, kh, :].astype(jnp.float32)  # [page_size, H]
+        v = v_ref[page, :, kh, :].astype(jnp.float32)
+        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, page_size]
+        pos = i * page_size + lax.broadcasted_iota(jnp.int32, (g, page_size), 1)
+        visible = pos < length
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l, acc
+
+    carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32),
+             jnp.zeros((g, h), jnp.float32))
+    _, l, acc = lax.fori_loop(0, n_pages, body, carry)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def _generic(q, k_pages, v_pages, page_table, lengths, *, cfg: GenericConfig):
+    """q [B, K, G, H] -> o [B, K, G, H] (G padded by the caller)."""
+    b, kh, g, h = q.shape
+    page_size = k_pages.shape[1]
+    compiler_params = None
+    if not cfg.interpret:
+        bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
+        if bad:
+            raise ValueError(f"the Triton paged-attention kernel needs page_size and the head dim H "
+                             f"to be powers of two (Triton tensor shapes); got {bad}")
+        if cfg.num_warps is not None or cfg.num_stages is not None:
+            from jax.experimental.pallas import triton as pl_triton
+            compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps,
+                                                       num_stages=cfg.num_stages)
+    whole = lambda shape: pl.BlockSpec(shape, lambda bi, hi: (0,) * len(shape))
+    q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_generic_kernel, page_size=page_size, scale=cfg.scale),
+        grid=(b, kh),
+        in_specs=[whole(page_table.shape), whole(lengths.shape), q_spec, whole(k_pages.shape),
+                  whole(v_pages.shape)],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=compiler_params,
+        interpret=cfg.interpret,
+        name="paged_attention",
+    )(page_table.astype(jnp.int32), lengths.astype(jnp.int32), q, k_pages, v_pages)
+
+
+def _pad_rows(x, rows: int):
+    """x [B, K, G, H] with G padded to `rows` (zero queries; their outputs are sliced off)."""
+    g = x.shape[2]
+    return x if g == rows else jnp.pad(x, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
+
+
+def _variant(fn, rows_for):
+    """fn on q [B, K, G, H] padded to rows_for(G, dtype) rows, sliced back (each variant pads
+    differently; lax.platform_dependent's branches must agree in output shape)."""
+    def run(q, k_pages, v_pages, page_table, lengths, *, cfg):
+        g = q.shape[2]
+        out = fn(_pad_rows(q, rows_for(g, q.dtype)), k_pages, v_pages, page_table, lengths, cfg=cfg)
+        return out[:, :, :g]
+    return run
+
+
+_VARIANTS = {
+    "generic": (_variant(_generic, lambda g, dtype: int(pl.next_power_of_2(g))),),
+    "tpu": (_variant(kernel_tpu.forward,
+                     lambda g, dtype: -(-g // kernel_tpu.sublanes(dtype)) * kernel_tpu.sublanes(dtype)),),
+}
+
+
+def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None, interpret=None,
+                    backend=None, num_warps=None, num_stages=None):
+    """Decode attention over a paged KV cache, as `reference.paged_attention_reference`.
+
+    q [B, N, H]; k_pages, v_pages [P, page_size, K, H]; page_table [B, max_pages] int32 (page ids
+    of each sequence in order; entries past a sequence's pages are never read); lengths [B] int32
+    in [1, max_pages * page_size]. Returns [B, N, H] in q.dtype. scale defaults to H ** -0.5.
+    interpret / backend as in kernels/platforms.py: None interprets when lowered for CPU, runs the
+    Mosaic variant on TPU and Triton elsewhere. num_warps / num_stages: Triton launch parameters.
+
+    Page ids and lengths are trusted: an id outside [0, P) reads out of bounds (no check on
+    device), and lengths are range-checked only when they are concrete."""
+    check_inputs(q, k_pages, v_pages, page_table, lengths)
+    b, n, h = q.shape
+    kh = k_pages.shape[2]
+    scale = float(h ** -0.5 if scale is None else scale)
+    plan = platforms.plan(backend, interpret,
+                          GenericConfig(scale, num_warps=num_warps, num_stages=num_stages),
+                          kernel_tpu.TpuConfig(scale))
+    qg = q.reshape(b, kh, n // kh, h)
+    out = platforms.dispatch(plan, _VARIANTS, 0, qg, k_pages, v_pages,
+                             page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    return out.reshape(b, n, h)
