@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.config import block_pattern
+from jaxsys.kernels.paged_attention.reference import paged_attention_reference
 from jaxsys.models import attention, layers, moe, quant
 from jaxsys.models.params import ParamSpec
 from jax.ad_checkpoint import checkpoint_name
@@ -121,6 +122,22 @@ def _write_cache(cache, new, positions):
     return jax.vmap(write)(cache, new, positions[:, 0])
 
 
+def _paged_attention(q, k, v, kv, positions):
+    """One token per row (q, k, v [R, 1, ., H], positions [R, 1]) against a paged cache: kv["k"],
+    kv["v"] [P, page_size, K, H] pages, kv["page_table"] [R, max_pages] each row's sequence's pages.
+    Every row's key and value are written to its slot first, then each row attends to its
+    sequence's slots up to its position, so the rows of one prefill chunk see each other causally."""
+    pages, page_size = kv["k"].shape[:2]
+    table = kv["page_table"]
+    pos = positions[:, 0]
+    slot = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1)[:, 0] * page_size + pos % page_size
+    write = lambda cache, new: cache.reshape(pages * page_size, *cache.shape[2:]).at[slot].set(
+        new[:, 0].astype(cache.dtype)).reshape(cache.shape)
+    out = dict(kv, k=write(kv["k"], k), v=write(kv["v"], v))
+    o = paged_attention_reference(q[:, 0], out["k"].astype(q.dtype), out["v"].astype(q.dtype), table, pos + 1)
+    return o[:, None], out
+
+
 def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
            previous=None, dispatch: str = "padded", kv=None):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
@@ -149,6 +166,8 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
         if kv is None:
             o = attention.softmax_attention(q, k, v, m, seq)
+        elif "page_table" in kv:  # the serving engine's paged cache (jaxsys/serve/engine.py)
+            o, kv = _paged_attention(q, k, v, kv, positions)
         else:
             kv = {"k": _write_cache(kv["k"], k, positions), "v": _write_cache(kv["v"], v, positions)}
             o = layers.attention(q, kv["k"].astype(q.dtype), kv["v"].astype(q.dtype), q_positions=positions)
@@ -249,8 +268,10 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
 
     # the caches [L, ...] scan as [groups, period, ...] beside the weights
+    # (a paged cache's page table is the same for every layer: it is not scanned)
+    shared = {} if kv is None else {k: a for k, a in kv.items() if k not in ("k", "v")}
     kv_groups = None if kv is None else jax.tree.map(
-        lambda a: a.reshape(n_groups, period, *a.shape[1:]), kv)
+        lambda a: a.reshape(n_groups, period, *a.shape[1:]), {"k": kv["k"], "v": kv["v"]})
 
     def body(carry, xs):
         (x, previous), (group_params, g, kv_group) = carry, xs
@@ -260,8 +281,9 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
             if kv_group is None:
                 x, previous, layer_stats = remat[i](*args)
             else:
-                x, previous, layer_stats, kv_layer = remat[i](*args, jax.tree.map(lambda a: a[i], kv_group))
-                kv_out.append(kv_layer)
+                x, previous, layer_stats, kv_layer = remat[i](
+                    *args, {**jax.tree.map(lambda a: a[i], kv_group), **shared})
+                kv_out.append({"k": kv_layer["k"], "v": kv_layer["v"]})
             if layer_stats is not None:
                 stats.append(layer_stats)
         stack = lambda items: jax.tree.map(lambda *s: jnp.stack(s), *items) if items else None

@@ -2,7 +2,7 @@
 kernel in kernel.py; kernel.py's `paged_attention` picks this variant when the program is lowered
 for TPU.
 
-Grid (B, K, max_pages): one (sequence, kv head) pair per outer index, its pages along the last,
+Grid (B, K, max_pages) (or (B, 1, max_pages), below): one (sequence, kv head) pair per outer index, its pages along the last,
 "arbitrary" axis. The page table (flattened to [B * max_pages]) and the lengths are scalar-prefetch
 operands (`pltpu.PrefetchScalarGridSpec`): they sit in SMEM before the grid starts, and the
 BlockSpec index_map of k_pages / v_pages reads them, so the page gather is the pipeline's own DMA
@@ -12,8 +12,11 @@ compute, so only ceil(length / page_size) pages are read.
 
 The pool is seen as [P, page_size, K * H] (a free reshape of [P, page_size, K, H]): block
 (page_size, H) at lane block kv_head is one page of one kv head. Mosaic tiles the last two dims of
-a block by (8, 128) or takes them whole: page_size is a whole dim (any page size), H must be a
-multiple of 128 unless K == 1 (H is then the whole lane dim).
+a block by (8, 128) or takes them whole: page_size is a whole dim (any page size). When H is a
+multiple of 128 the grid is (B, K, max_pages) and each program sees one kv head; otherwise (H = 64,
+say) the lane block must be the whole K * H, so the grid is (B, 1, max_pages) and each program
+loops over the K kv heads in Python, with static lane slices of the page ([G, H] tiles and
+scratch per head).
 
 The G = N / K query heads of a kv head form one [G, H] tile, padded to the dtype's sublane tile
 (8 rows fp32, 16 bf16) in the wrapper. Scratch across the page axis (fp32): the running max m and
@@ -68,10 +71,12 @@ def sublanes(dtype) -> int:
 
 def _kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
             page_size: int, max_pages: int):
+    """q_ref/o_ref [heads, G, H]; k_ref/v_ref [page_size, heads * H] (one page of `heads` kv
+    heads); scratch m, l [heads, G, 128], acc [heads, G, H]."""
     del pt_ref  # read by the index maps
     b, i = pl.program_id(0), pl.program_id(2)
     length = len_ref[b]
-    h = acc_ref.shape[-1]
+    heads, _, h = acc_ref.shape
 
     @pl.when(i == 0)
     def _init():
@@ -81,22 +86,25 @@ def _kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, 
 
     @pl.when(i * page_size < length)
     def _step():
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = _dot(q, k, _NT) * scale  # [G, page_size]
-        pos = i * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        visible = pos < length
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_prev, l_prev = m_ref[...], l_ref[...]  # [G, 128]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - _lanes(m_next, page_size)), 0.0)
-        alpha = jnp.exp(m_prev - m_next)
-        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
-        acc_ref[...] = acc_ref[...] * _lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
+        kv_k, kv_v = k_ref[...], v_ref[...]
+        for j in range(heads):  # static lane slices of the page
+            q, k, v = q_ref[j], kv_k[:, j * h:(j + 1) * h], kv_v[:, j * h:(j + 1) * h]
+            s = _dot(q, k, _NT) * scale  # [G, page_size]
+            pos = i * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            visible = pos < length
+            s = jnp.where(visible, s, MASK_VALUE)
+            m_prev, l_prev = m_ref[j], l_ref[j]  # [G, 128]
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.where(visible, jnp.exp(s - _lanes(m_next, page_size)), 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            l_ref[j] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[j] = m_next
+            acc_ref[j] = acc_ref[j] * _lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
 
     @pl.when(i == max_pages - 1)
     def _finish():
-        o_ref[...] = (acc_ref[...] / _lanes(l_ref[...], h)).astype(o_ref.dtype)
+        for j in range(heads):
+            o_ref[j] = (acc_ref[j] / _lanes(l_ref[j], h)).astype(o_ref.dtype)
 
 
 def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
@@ -105,9 +113,8 @@ def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
     b, kh, g, h = q.shape
     num_pages, page_size = k_pages.shape[:2]
     max_pages = page_table.shape[1]
-    if h % LANES and kh != 1 and not cfg.interpret:
-        raise ValueError(f"the TPU paged-attention kernel needs the head dim H to be a multiple of "
-                         f"{LANES} (or a single kv head); got H={h}, K={kh}")
+    # one kv head per program when its lane block is legal (H a multiple of 128), else all K
+    heads = 1 if h % LANES == 0 else kh
     kp = k_pages.reshape(num_pages, page_size, kh * h)
     vp = v_pages.reshape(num_pages, page_size, kh * h)
     pt = page_table.reshape(-1).astype(jnp.int32)
@@ -117,15 +124,16 @@ def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
         last = jnp.maximum(lax.div(len_ref[bi] + page_size - 1, page_size) - 1, 0)
         return pt_ref[bi * max_pages + jnp.minimum(i, last)], 0, hi
 
-    q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi, i, pt_ref, len_ref: (bi, hi, 0, 0))
-    kv_spec = pl.BlockSpec((None, page_size, h), kv_index)
+    q_spec = pl.BlockSpec((None, heads, g, h), lambda bi, hi, i, pt_ref, len_ref: (bi, hi, 0, 0))
+    kv_spec = pl.BlockSpec((None, page_size, heads * h), kv_index)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(b, kh, max_pages),
+        grid=(b, kh // heads, max_pages),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=q_spec,
-        scratch_shapes=[pltpu.VMEM((g, LANES), jnp.float32), pltpu.VMEM((g, LANES), jnp.float32),
-                        pltpu.VMEM((g, h), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((heads, g, LANES), jnp.float32),
+                        pltpu.VMEM((heads, g, LANES), jnp.float32),
+                        pltpu.VMEM((heads, g, h), jnp.float32)],
     )
     itemsize = jnp.dtype(k_pages.dtype).itemsize
     cost = pl.CostEstimate(flops=4 * b * kh * g * max_pages * page_size * h,

@@ -1,0 +1,45 @@
+"""The continuous-batching engine (jaxsys/serve/engine.py) over a paged KV cache: every request
+gets the tokens it would get generated alone (greedy, jaxsys.serve.decode's contiguous cache),
+whatever the arrival order, chunking and co-scheduled requests, on one device and tensor=2."""
+
+import numpy as np
+import pytest
+
+from jaxsys.serve import decode, engine
+from tests.helpers import program_for, small_config
+
+
+@pytest.mark.parametrize("mesh,policy", [(None, "chunked"), ({"tensor": 2}, "chunked"), (None, "decode_first")])
+def test_continuous_batching_gives_each_request_its_solo_tokens(mesh, policy):
+    program = program_for(small_config(mesh, n_kv_heads=4))
+    params = program.init(3).params
+    eng = engine.Engine(program, params, num_pages=24, page_size=4, token_budget=24, chunk_size=5, max_seqs=3,
+                        policy=policy)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(1, 20))).tolist() for _ in range(7)]
+    news = [int(rng.integers(1, 10)) for _ in range(7)]
+    # requests arrive over the first steps, while others are running
+    pending = list(range(7))
+    while pending or not eng.scheduler.idle:
+        for _ in range(int(rng.integers(0, 3))):
+            if pending:
+                i = pending.pop(0)
+                eng.submit(i, prompts[i], news[i])
+        eng.step()
+    done = {r.id: r.generated for r in eng.scheduler.finished}
+    assert sorted(done) == list(range(7)) and eng.pool.free_pages == eng.pool.num_pages
+    solo = decode.Decoder(program, batch=1, max_len=64)
+    for i in range(7):
+        assert done[i] == decode.generate(solo, params, [prompts[i]], news[i])[0], i
+
+
+def test_engine_refuses_what_it_cannot_serve():
+    program = program_for(small_config(n_kv_heads=4))
+    params = program.init(0).params
+    eng = engine.Engine(program, params, num_pages=4, page_size=4, token_budget=8, chunk_size=4, max_seqs=2)
+    with pytest.raises(ValueError, match="more than the pool"):
+        eng.submit("big", [1] * 10, 10)
+    with pytest.raises(ValueError, match="outside"):
+        eng.submit("bad", [300], 2)
+    with pytest.raises(Exception, match="one batch shard"):
+        engine.Engine(program_for(small_config({"data": 2}, n_kv_heads=4)), params, 4, 4, 8, 4, 2)
