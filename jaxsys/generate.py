@@ -27,8 +27,9 @@ from jaxsys.config import ConfigError, apply_overrides, base_config
 BYTE_SOURCES = ("stdlib", "text")
 
 
-def load(workdir: str, overrides=(), step: int | None = None, batch: int = 1, max_len: int = 256):
-    """(decoder, params, config) for `workdir` on the mesh its config (with overrides) names."""
+def load_program(workdir: str, overrides=(), step: int | None = None):
+    """(program, params, config) of `workdir`'s checkpoint on the mesh its config (with overrides)
+    names, checked for serving."""
     from jaxsys import train
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh
     from jaxsys.serve import decode
@@ -47,6 +48,13 @@ def load(workdir: str, overrides=(), step: int | None = None, batch: int = 1, ma
     mesh = make_mesh(config, None if whole else jax.devices()[:math.prod(sizes)])
     program = train.build(config, mesh)
     params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
+    return program, params, config
+
+
+def load(workdir: str, overrides=(), step: int | None = None, batch: int = 1, max_len: int = 256):
+    """(decoder, params, config) for `workdir` on the mesh its config (with overrides) names."""
+    from jaxsys.serve import decode
+    program, params, config = load_program(workdir, overrides, step)
     batch = decode.Decoder.padded_batch(batch, program.layout)
     return decode.Decoder(program, batch, max_len), params, config
 

@@ -216,9 +216,13 @@ def test_compiles_to_sass_for_an_h100_deviceless():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(targets.devices(targets.parse("h100-1"))), ("x",))
     fn = lambda *a: kernel.paged_attention(*a, interpret=False)
-    for dtype in (jnp.bfloat16, jnp.float32):
+    cases = [_gpu_args(jnp.bfloat16, 8, 2), _gpu_args(jnp.float32, 8, 2),
+             # B, K, max_pages and the pool size need not be powers of two (whole-array refs)
+             _gpu_args(jnp.bfloat16, 6, 3, b=3, h=64, max_pages=5, num_pages=100)]
+    for case in cases:
+        dtype = case[0].dtype
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
-                for a in _gpu_args(dtype, 8, 2)]
+                for a in case]
         f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
                                   check_vma=False))
         assert "__gpu$xla.gpu.triton" in f.lower(*args).compile().as_text(), dtype

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsys.config import block_pattern
-from jaxsys.kernels.paged_attention.reference import paged_attention_reference
+from jaxsys.kernels.paged_attention.kernel import paged_attention
 from jaxsys.models import attention, layers, moe, quant
 from jaxsys.models.params import ParamSpec
 from jax.ad_checkpoint import checkpoint_name
@@ -126,7 +126,8 @@ def _paged_attention(q, k, v, kv, positions):
     """One token per row (q, k, v [R, 1, ., H], positions [R, 1]) against a paged cache: kv["k"],
     kv["v"] [P, page_size, K, H] pages, kv["page_table"] [R, max_pages] each row's sequence's pages.
     Every row's key and value are written to its slot first, then each row attends to its
-    sequence's slots up to its position, so the rows of one prefill chunk see each other causally."""
+    sequence's slots up to its position (the Pallas paged-attention kernel, one query per row), so
+    the rows of one prefill chunk see each other causally."""
     pages, page_size = kv["k"].shape[:2]
     table = kv["page_table"]
     pos = positions[:, 0]
@@ -134,7 +135,7 @@ def _paged_attention(q, k, v, kv, positions):
     write = lambda cache, new: cache.reshape(pages * page_size, *cache.shape[2:]).at[slot].set(
         new[:, 0].astype(cache.dtype)).reshape(cache.shape)
     out = dict(kv, k=write(kv["k"], k), v=write(kv["v"], v))
-    o = paged_attention_reference(q[:, 0], out["k"].astype(q.dtype), out["v"].astype(q.dtype), table, pos + 1)
+    o = paged_attention(q[:, 0], out["k"].astype(q.dtype), out["v"].astype(q.dtype), table, pos + 1)
     return o[:, None], out
 
 

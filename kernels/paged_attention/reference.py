@@ -17,6 +17,7 @@ and softmax in fp32, scale defaulting to H ** -0.5.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["paged_attention_reference", "contiguous_attention", "gather_pages", "check_inputs"]
@@ -49,7 +50,6 @@ def check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
         if not jnp.issubdtype(a.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer (int32); got {a.dtype}")
     try:  # concrete lengths only (a traced array raises a TracerArrayConversionError here)
-        import numpy as np
         lens = np.asarray(lengths)
     except Exception:  # noqa: BLE001 - traced: nothing to check
         return

@@ -1,0 +1,53 @@
+"""`python -m jaxsys.serve --workdir W`: the HTTP completions endpoint (jaxsys/serve/server.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxsys import checkpoint as checkpoint_lib
+from jaxsys import data as data_lib
+from jaxsys.config import ConfigError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Serve a jaxsys checkpoint over HTTP (OpenAI-style completions).")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--step", type=int)
+    parser.add_argument("--pages", type=int, default=256, help="pages in the KV pool")
+    parser.add_argument("--page-size", type=int, default=16, help="token slots per page")
+    parser.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
+    parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (Sarathi-Serve)")
+    parser.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=2")
+    from jaxsys import generate
+    from jaxsys.mesh import cpu_unless_accelerator
+    from jaxsys.serve import engine, server
+    cpu_unless_accelerator()
+    try:
+        program, params, config = generate.load_program(args.workdir, overrides, args.step)
+        eng = engine.Engine(program, params, args.pages, args.page_size, args.token_budget, args.chunk_size,
+                            args.max_seqs)
+    except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    httpd, loop = server.serve(eng, config.data.source in generate.BYTE_SOURCES, args.workdir, args.host, args.port)
+    print(f"jaxsys.serve: {args.workdir} on http://{args.host}:{httpd.server_address[1]}/v1/completions "
+          f"({args.pages} pages of {args.page_size} tokens, budget {args.token_budget}, chunk {args.chunk_size})",
+          file=sys.stderr, flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown(httpd, loop)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
