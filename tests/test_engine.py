@@ -43,3 +43,23 @@ def test_engine_refuses_what_it_cannot_serve():
         eng.submit("bad", [300], 2)
     with pytest.raises(Exception, match="one batch shard"):
         engine.Engine(program_for(small_config({"data": 2}, n_kv_heads=4)), params, 4, 4, 8, 4, 2)
+
+
+def test_bench_serve_replays_a_trace_and_reports(tmp_path, capsys):
+    import json
+    from jaxsys import bench_serve
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"arrival_s": 0.01 * i, "prompt_len": 3 + i, "output_len": 2 + i % 3} for i in range(6)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["--config", "configs/tiny.py:test", "--trace", str(trace), "--pages", "32", "--page-size", "8",
+            "--token-budget", "16", "--chunk-size", "4", "--max-seqs", "3", "--json", "--config.model.n_kv_heads=4"]
+    assert bench_serve.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["requests"] == 6 and result["generated_tokens"] == sum(r["output_len"] for r in rows)
+    for key in ("ttft_s", "tpot_s"):
+        assert 0 < result[key]["p50"] <= result[key]["p99"]
+    assert bench_serve.main(["--config", "configs/tiny.py:test", "--prompt-len", "9:3"]) == 2
+    assert "lo <= hi" in capsys.readouterr().err
+    generated = bench_serve.make_trace(200, 10.0, (1, 4), (1, 2), seed=0)
+    gaps = np.diff([r["arrival_s"] for r in generated])
+    assert abs(gaps.mean() - 0.1) < 0.03  # Poisson at 10/s: exponential gaps of mean 0.1 s

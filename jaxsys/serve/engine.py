@@ -84,6 +84,24 @@ class Engine:
                            out_specs=(rows, self.cache_pspec, self.cache_pspec), check_vma=False)
         return jax.jit(fn, donate_argnums=(4, 5))
 
+    def widths(self) -> list[int]:
+        """The row buckets a step compiles for: powers of two from 8 to the token budget."""
+        top = max(self.scheduler.budget, MIN_ROWS)
+        out, w = [], MIN_ROWS
+        while w < top:
+            out.append(w)
+            w *= 2
+        return out + [top]
+
+    def warmup(self) -> None:
+        """Compile every row bucket now (steps of padding rows only: they write the scratch page)."""
+        for width in self.widths():
+            rows = np.zeros(width, np.int32)
+            table = np.full((width, self.max_pages), self.scratch, np.int32)
+            _, k, v = self._step(self.params, rows, rows, table, *self.cache)
+            self.cache = (k, v)
+        jax.block_until_ready(self.cache)
+
     # -- requests
     def submit(self, request_id, prompt: list, max_new_tokens: int, sampling: Sampling | None = None) -> Request:
         request = Request(request_id, list(prompt), max_new_tokens)
@@ -99,8 +117,7 @@ class Engine:
         if not work:
             return [], {}
         n = sum(w.tokens for w in work)
-        width = min(max(MIN_ROWS, 1 << (n - 1).bit_length()), max(self.scheduler.budget, MIN_ROWS))
-        width = max(width, n)
+        width = next(w for w in self.widths() if w >= n)
         tokens = np.zeros(width, np.int32)
         positions = np.zeros(width, np.int32)
         table = np.full((width, self.max_pages), self.scratch, np.int32)
