@@ -60,7 +60,7 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
     arrival, times = {}, {}
     eng.step_times = []
     start = time.perf_counter()
-    while pending or not eng.scheduler.idle:
+    while pending or not eng.idle:
         now = time.perf_counter() - start
         while pending and pending[0][1]["arrival_s"] <= now:
             i, row = pending.pop(0)
@@ -68,7 +68,7 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
             eng.submit(i, prompt, row["output_len"])
             arrival[i] = row["arrival_s"]
             times[i] = []
-        if eng.scheduler.idle:  # nothing to do until the next arrival
+        if eng.idle:  # nothing to do until the next arrival
             time.sleep(max(pending[0][1]["arrival_s"] - now, 0.0))
             continue
         t0 = time.perf_counter()

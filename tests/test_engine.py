@@ -9,7 +9,8 @@ from jaxsys.serve import decode, engine
 from tests.helpers import program_for, small_config
 
 
-@pytest.mark.parametrize("mesh,policy", [(None, "chunked"), ({"tensor": 2}, "chunked"), (None, "decode_first")])
+@pytest.mark.parametrize("mesh,policy", [(None, "chunked"), ({"tensor": 2, "data": 2}, "chunked"),
+                                         (None, "decode_first")])
 def test_continuous_batching_gives_each_request_its_solo_tokens(mesh, policy):
     program = program_for(small_config(mesh, n_kv_heads=4))
     params = program.init(3).params
@@ -20,15 +21,15 @@ def test_continuous_batching_gives_each_request_its_solo_tokens(mesh, policy):
     news = [int(rng.integers(1, 10)) for _ in range(7)]
     # requests arrive over the first steps, while others are running
     pending = list(range(7))
-    while pending or not eng.scheduler.idle:
+    while pending or not eng.idle:
         for _ in range(int(rng.integers(0, 3))):
             if pending:
                 i = pending.pop(0)
                 eng.submit(i, prompts[i], news[i])
         eng.step()
-    done = {r.id: r.generated for r in eng.scheduler.finished}
-    assert sorted(done) == list(range(7)) and eng.pool.free_pages == eng.pool.num_pages
-    solo = decode.Decoder(program, batch=1, max_len=64)
+    done = {r.id: r.generated for r in eng.finished}
+    assert sorted(done) == list(range(7)) and all(p.free_pages == p.num_pages for p in eng.pools)
+    solo = decode.Decoder(program, batch=decode.Decoder.padded_batch(1, program.layout), max_len=64)
     for i in range(7):
         assert done[i] == decode.generate(solo, params, [prompts[i]], news[i])[0], i
 
@@ -41,8 +42,6 @@ def test_engine_refuses_what_it_cannot_serve():
         eng.submit("big", [1] * 10, 10)
     with pytest.raises(ValueError, match="outside"):
         eng.submit("bad", [300], 2)
-    with pytest.raises(Exception, match="one batch shard"):
-        engine.Engine(program_for(small_config({"data": 2}, n_kv_heads=4)), params, 4, 4, 8, 4, 2)
 
 
 def test_bench_serve_replays_a_trace_and_reports(tmp_path, capsys):

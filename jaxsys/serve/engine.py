@@ -8,9 +8,12 @@ chunks of any lengths share one program (`transformer._paged_attention`: every r
 value are written to its slot, then each row attends to its sequence's slots up to p_r). Padding
 rows write to a scratch page no sequence owns.
 
-The page pool [L, P + 1, page_size, K, H] (the + 1: the scratch page) is split over `tensor` by kv
-heads; the engine runs on tensor parallelism with one batch shard (a pool split over `data` would
-need one scheduler per shard: not done).
+The cache is split like the model's activations: over `tensor` by kv heads, and over the batch
+axes (data, fsdp, expert) by sequences. Each of the D batch shards has its own page pool of P
+pages (+ 1 scratch page) and its own scheduler with its own token budget; a request goes to the
+shard with the least outstanding work, and a step's rows are [D, width], shard d's rows reading
+only shard d's pages (page ids are local to a shard). So the device pool is
+[L, D (P + 1), page_size, K, H], split D ways on its page dimension and t ways on K.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxsys.config import ConfigError
 from jaxsys.models import transformer
 from jaxsys.serve import decode
 from jaxsys.serve.scheduler import PagePool, Request, Scheduler
@@ -42,27 +44,39 @@ class Sampling:
 class Engine:
     def __init__(self, program, params, num_pages: int, page_size: int, token_budget: int, chunk_size: int,
                  max_seqs: int, policy: str = "chunked", max_len: int | None = None):
+        """`num_pages`, `token_budget` and `max_seqs` are per batch shard."""
         config = program.config
         decode.check_servable(config)
         layout = program.layout
-        if layout.size(layout.compute_axes("batch")) > 1:
-            raise ConfigError("the paged engine runs with one batch shard (config.mesh.data = fsdp = expert = 1) "
-                              "and tensor parallelism; use jaxsys.serve.decode for data-parallel generation")
         self.program, self.params = program, params
-        self.pool = PagePool(num_pages, page_size)
+        self.shards = layout.size(layout.compute_axes("batch"))
+        self.pools = [PagePool(num_pages, page_size) for _ in range(self.shards)]
         self.max_len = max_len or num_pages * page_size
         self.max_pages = math.ceil(self.max_len / page_size)
-        self.scheduler = Scheduler(self.pool, token_budget, chunk_size, max_seqs, policy, self.max_len)
+        self.schedulers = [Scheduler(pool, token_budget, chunk_size, max_seqs, policy, self.max_len)
+                           for pool in self.pools]
+        self.budget = token_budget
+        self.shard_of: dict = {}
         self.sampling: dict = {}
         m = config.model
-        self.cache_pspec = layout.compute_spec(("layers", None, None, "kv_heads", None))
-        shape = (m.n_layers, num_pages + 1, page_size, m.n_kv_heads, m.head_dim)
+        self.cache_pspec = layout.compute_spec(("layers", "batch", None, "kv_heads", None))
+        self.rows_pspec = layout.compute_spec(("batch",))
+        self.table_pspec = layout.compute_spec(("batch", None))
+        shape = (m.n_layers, self.shards * (num_pages + 1), page_size, m.n_kv_heads, m.head_dim)
         sharding = NamedSharding(program.mesh, self.cache_pspec)
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
         self.cache = (zeros(), zeros())
-        self.scratch = num_pages
+        self.scratch = num_pages  # a shard's local id of its scratch page
         self._step = self._compile()
         self.steps = 0
+
+    @property
+    def idle(self) -> bool:
+        return all(s.idle for s in self.schedulers)
+
+    @property
+    def finished(self) -> list[Request]:
+        return [r for s in self.schedulers for r in s.finished]
 
     # -- the device step
     def _local(self, params, tokens, positions, table, k, v):
@@ -78,64 +92,81 @@ class Engine:
 
     def _compile(self):
         p = self.program
-        rows = jax.sharding.PartitionSpec()
+        rows, table = self.rows_pspec, self.table_pspec
         fn = jax.shard_map(self._local, mesh=p.mesh,
-                           in_specs=(p.param_pspecs, rows, rows, rows, self.cache_pspec, self.cache_pspec),
-                           out_specs=(rows, self.cache_pspec, self.cache_pspec), check_vma=False)
+                           in_specs=(p.param_pspecs, rows, rows, table, self.cache_pspec, self.cache_pspec),
+                           out_specs=(table, self.cache_pspec, self.cache_pspec), check_vma=False)
         return jax.jit(fn, donate_argnums=(4, 5))
 
     def widths(self) -> list[int]:
-        """The row buckets a step compiles for: powers of two from 8 to the token budget."""
-        top = max(self.scheduler.budget, MIN_ROWS)
+        """The row buckets (per shard) a step compiles for: powers of two from 8 to the token budget."""
+        top = max(self.budget, MIN_ROWS)
         out, w = [], MIN_ROWS
         while w < top:
             out.append(w)
             w *= 2
         return out + [top]
 
+    def _put(self, array, pspec):
+        return jax.device_put(array, NamedSharding(self.program.mesh, pspec))
+
+    def _run(self, tokens, positions, table):
+        """One device step on rows [D * width] (shard d's rows first-to-last in block d)."""
+        logits, k, v = self._step(self.params, self._put(tokens, self.rows_pspec),
+                                  self._put(positions, self.rows_pspec), self._put(table, self.table_pspec),
+                                  *self.cache)
+        self.cache = (k, v)
+        return logits
+
     def warmup(self) -> None:
         """Compile every row bucket now (steps of padding rows only: they write the scratch page)."""
         for width in self.widths():
-            rows = np.zeros(width, np.int32)
-            table = np.full((width, self.max_pages), self.scratch, np.int32)
-            _, k, v = self._step(self.params, rows, rows, table, *self.cache)
-            self.cache = (k, v)
+            rows = np.zeros(self.shards * width, np.int32)
+            self._run(rows, rows, np.full((self.shards * width, self.max_pages), self.scratch, np.int32))
         jax.block_until_ready(self.cache)
 
     # -- requests
     def submit(self, request_id, prompt: list, max_new_tokens: int, sampling: Sampling | None = None) -> Request:
+        """Queue a request on the batch shard with the least outstanding work; ValueError if it can
+        never be served (too long for a shard's pool, tokens outside the vocabulary)."""
         request = Request(request_id, list(prompt), max_new_tokens)
-        if any(not 0 <= t < self.program.config.model.vocab_size for t in prompt):
-            raise ValueError(f"request {request_id!r}: token ids outside [0, {self.program.config.model.vocab_size})")
-        self.scheduler.add(request)  # raises ValueError for a request that can never fit
+        vocab = self.program.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"request {request_id!r}: token ids outside [0, {vocab})")
+        load = lambda d: sum(len(r.prompt) + r.max_new_tokens
+                             for r in self.schedulers[d].waiting + self.schedulers[d].running)
+        shard = min(range(self.shards), key=load)
+        self.schedulers[shard].add(request)  # raises ValueError for a request that can never fit
+        self.shard_of[request_id] = shard
         self.sampling[request_id] = sampling or Sampling()
         return request
 
     def step(self) -> tuple[list, dict]:
-        """Run one scheduled step. Returns (the work done, {request id: token sampled this step})."""
-        work = self.scheduler.plan()
-        if not work:
+        """Run one scheduled step on every shard. Returns (the work done, {request id: token
+        sampled this step})."""
+        plans = [s.plan() for s in self.schedulers]
+        n = max(sum(w.tokens for w in work) for work in plans)
+        if n == 0:
             return [], {}
-        n = sum(w.tokens for w in work)
         width = next(w for w in self.widths() if w >= n)
-        tokens = np.zeros(width, np.int32)
-        positions = np.zeros(width, np.int32)
-        table = np.full((width, self.max_pages), self.scratch, np.int32)
+        tokens = np.zeros((self.shards, width), np.int32)
+        positions = np.zeros((self.shards, width), np.int32)
+        table = np.full((self.shards, width, self.max_pages), self.scratch, np.int32)
         sample_rows = {}
-        r = 0
-        for w in work:
-            req = w.request
-            pages = self.pool.table(req.id)[:self.max_pages]
-            for i in range(w.tokens):
-                pos = w.start + i
-                tokens[r] = req.prompt[pos] if w.kind == "prefill" else req.generated[-1]
-                positions[r] = pos
-                table[r, :len(pages)] = pages
-                r += 1
-            if w.kind == "decode" or w.start + w.tokens == len(req.prompt):
-                sample_rows[req.id] = (r - 1, req)
-        logits, k, v = self._step(self.params, tokens, positions, table, *self.cache)
-        self.cache = (k, v)
+        for d, work in enumerate(plans):
+            r = 0
+            for w in work:
+                req = w.request
+                pages = self.pools[d].table(req.id)[:self.max_pages]
+                for i in range(w.tokens):
+                    pos = w.start + i
+                    tokens[d, r] = req.prompt[pos] if w.kind == "prefill" else req.generated[-1]
+                    positions[d, r] = pos
+                    table[d, r, :len(pages)] = pages
+                    r += 1
+                if w.kind == "decode" or w.start + w.tokens == len(req.prompt):
+                    sample_rows[req.id] = (d * width + r - 1, req)
+        logits = self._run(tokens.reshape(-1), positions.reshape(-1), table.reshape(-1, self.max_pages))
         sampled = {}
         for rid, (row, req) in sample_rows.items():
             s = self.sampling[rid]
@@ -143,15 +174,17 @@ class Engine:
             token = decode._sample(logits[row:row + 1], key, jnp.float32(s.temperature), jnp.int32(s.top_k),
                                    jnp.float32(s.top_p))
             sampled[rid] = int(token[0])
-        for req in self.scheduler.commit(work, sampled):
-            self.sampling.pop(req.id, None)
+        for scheduler, work in zip(self.schedulers, plans):
+            for req in scheduler.commit(work, sampled):
+                self.sampling.pop(req.id, None)
+                self.shard_of.pop(req.id, None)
         self.steps += 1
-        return work, sampled
+        return [w for work in plans for w in work], sampled
 
     def run(self, max_steps: int = 100_000) -> list[Request]:
         """Step until every submitted request has finished."""
         for _ in range(max_steps):
-            if self.scheduler.idle:
+            if self.idle:
                 break
             self.step()
-        return self.scheduler.finished
+        return self.finished

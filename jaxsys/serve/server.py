@@ -57,7 +57,7 @@ class EngineLoop:
     def _run(self):
         while not self.stopped:
             with self.lock:
-                idle = self.engine.scheduler.idle
+                idle = self.engine.idle
             if idle:
                 self.wake.wait(0.05)
                 self.wake.clear()
