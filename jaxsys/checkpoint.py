@@ -131,6 +131,20 @@ def check_shapes(saved_metadata, abstract_state, step: int) -> None:
                                   "it was saved with (saved in the checkpoint's meta item)")
 
 
+def saved_config(workdir: str, overrides=(), step: int | None = None):
+    """(config, step): the config `workdir`'s checkpoint at `step` (default: latest) was saved
+    with, with `--config.k=v` overrides applied (how to run it: the mesh, kernels)."""
+    from jaxsys.config import apply_overrides, base_config
+    reader = Checkpointer(workdir, base_config().checkpoint, read_only=True)
+    try:
+        step = reader.latest_step() if step is None else step
+        config = reader.saved_config(step)
+    finally:
+        reader.close()
+    apply_overrides(config, overrides)
+    return config, step
+
+
 # ----------------------------------------------------------------------------- init_from
 
 

@@ -19,29 +19,20 @@ import sys
 import time
 
 import jax
-import numpy as np
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys.config import ConfigError, apply_overrides, base_config
+from jaxsys.config import ConfigError
 
 
 def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dict:
     """{"eval_loss", "perplexity", "tokens", "step", "quant", "param_bytes", ...} of `workdir`."""
     from jaxsys import train
-    from jaxsys.mesh import cpu_unless_accelerator, make_mesh
+    from jaxsys.mesh import cpu_unless_accelerator, mesh_for
 
     cpu_unless_accelerator()
-    reader = checkpoint_lib.Checkpointer(workdir, base_config().checkpoint, read_only=True)
-    try:
-        step = reader.latest_step() if step is None else step
-        config = reader.saved_config(step)
-    finally:
-        reader.close()
-    apply_overrides(config, overrides)
-    sizes = [config.mesh[a] for a in config.mesh]
-    whole = -1 in sizes or math.prod(sizes) > jax.device_count()  # let make_mesh name the problem
-    mesh = make_mesh(config, None if whole else jax.devices()[:math.prod(sizes)])
+    config, step = checkpoint_lib.saved_config(workdir, overrides, step)
+    mesh = mesh_for(config)
     corpus = data_lib.load_corpus(config.data)
     if not corpus.has_eval:
         raise data_lib.DataError(f"the corpus of {workdir} ({corpus.description}) has no held-out split: set "

@@ -13,16 +13,13 @@ space-separated ids too). Logs go to stderr. Overrides change how it runs (the m
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
-import jax
-import numpy as np
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys.config import ConfigError, apply_overrides, base_config
+from jaxsys.config import ConfigError
 
 BYTE_SOURCES = ("stdlib", "text")
 
@@ -31,22 +28,13 @@ def load_program(workdir: str, overrides=(), step: int | None = None):
     """(program, params, config) of `workdir`'s checkpoint on the mesh its config (with overrides)
     names, checked for serving."""
     from jaxsys import train
-    from jaxsys.mesh import cpu_unless_accelerator, make_mesh
+    from jaxsys.mesh import cpu_unless_accelerator, mesh_for
     from jaxsys.serve import decode
 
     cpu_unless_accelerator()
-    reader = checkpoint_lib.Checkpointer(workdir, base_config().checkpoint, read_only=True)
-    try:
-        step = reader.latest_step() if step is None else step
-        config = reader.saved_config(step)
-    finally:
-        reader.close()
-    apply_overrides(config, overrides)
+    config, step = checkpoint_lib.saved_config(workdir, overrides, step)
     decode.check_servable(config)
-    sizes = [config.mesh[a] for a in config.mesh]
-    whole = -1 in sizes or math.prod(sizes) > jax.device_count()
-    mesh = make_mesh(config, None if whole else jax.devices()[:math.prod(sizes)])
-    program = train.build(config, mesh)
+    program = train.build(config, mesh_for(config))
     params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
     return program, params, config
 
@@ -97,11 +85,7 @@ def main(argv=None) -> int:
             raise ValueError("--prompt is empty: give at least one token of context")
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-        reader = checkpoint_lib.Checkpointer(args.workdir, base_config().checkpoint, read_only=True)
-        try:
-            config = reader.saved_config(args.step)
-        finally:
-            reader.close()
+        config, _ = checkpoint_lib.saved_config(args.workdir, (), args.step)
         prompt = encode(args.prompt, config)
         max_len = args.max_len or -(-(len(prompt) + args.max_new_tokens) // 64) * 64
         start = time.perf_counter()

@@ -178,6 +178,14 @@ def make_mesh(config, devices=None) -> Mesh:
     return Mesh(device_grid(devices, shape, dcn), MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
 
 
+def mesh_for(config) -> Mesh:
+    """The mesh of `config` on the first devices it needs (all of them when an axis is -1 or it
+    needs more than there are, so that `make_mesh` names the mismatch)."""
+    n = math.prod(config.mesh[a] for a in MESH_AXES)
+    whole = any(config.mesh[a] == -1 for a in MESH_AXES) or n > jax.device_count()
+    return make_mesh(config, None if whole else jax.devices()[:n])
+
+
 def _granules(devices) -> int:
     """TPU slices (slice_index) the devices span; 1 for a single slice or other platforms."""
     return len({getattr(d, "slice_index", 0) or 0 for d in devices})
