@@ -2,7 +2,8 @@
 
     python -m jaxsys.bench_serve --workdir W [--requests 64 --rate 8 --prompt-len 16:256
         --output-len 8:64 --seed 0] [--trace trace.jsonl] [--policy chunked --chunk-size 64
-        --token-budget 256 --pages 512 --page-size 16 --max-seqs 32] [--json] [--config.key=value ...]
+        --token-budget 256 --pages 256 --page-size 16 --max-seqs 16 (default: config.serve)] [--json]
+        [--config.key=value ...]
     python -m jaxsys.bench_serve --config configs/tiny.py ...     # random weights: timing only
 
 Arrivals are Poisson at `--rate` requests per second (exponential gaps from `--seed`), prompt and
@@ -109,17 +110,21 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", default="8:64")
     parser.add_argument("--trace", help="JSONL trace instead of the generated one")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy", default="chunked", choices=["chunked", "prefill_first", "decode_first"])
-    parser.add_argument("--chunk-size", type=int, default=64)
-    parser.add_argument("--token-budget", type=int, default=256)
-    parser.add_argument("--pages", type=int, default=512)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-seqs", type=int, default=32)
+    # the engine's settings: config.serve, unless given here
+    parser.add_argument("--policy", choices=["chunked", "prefill_first", "decode_first"])
+    parser.add_argument("--chunk-size", type=int)
+    parser.add_argument("--token-budget", type=int)
+    parser.add_argument("--pages", type=int)
+    parser.add_argument("--page-size", type=int)
+    parser.add_argument("--max-seqs", type=int)
     parser.add_argument("--json", action="store_true")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
         parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=2")
+    flags = {"policy": args.policy, "chunk_size": args.chunk_size, "token_budget": args.token_budget,
+             "pages": args.pages, "page_size": args.page_size, "max_seqs": args.max_seqs}
+    overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     from jaxsys import checkpoint as checkpoint_lib
     from jaxsys import data as data_lib
     from jaxsys.mesh import cpu_unless_accelerator
@@ -143,14 +148,14 @@ def main(argv=None) -> int:
             n = math.prod(config.mesh[a] for a in config.mesh)
             program = train.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params
-        eng = engine.Engine(program, params, args.pages, args.page_size, args.token_budget, args.chunk_size,
-                            args.max_seqs, args.policy)
+        eng = engine.Engine.from_config(program, params)
         eng.warmup()  # compile every row bucket before the clock starts
         result = replay(eng, trace, args.seed, config.model.vocab_size)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result.update(policy=args.policy, chunk_size=args.chunk_size, token_budget=args.token_budget)
+    sv = config.serve
+    result.update(policy=sv.policy, chunk_size=sv.chunk_size, token_budget=sv.token_budget)
     if args.json:
         print(json.dumps(result))
     else:

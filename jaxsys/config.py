@@ -35,6 +35,7 @@ QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/q
 QUANT_TRAIN = ("none", "int8")  # config.model.quant_train
 QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
+SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
 # checkpoint_name()s the model puts on activations, which config.offload.activations may offload
 ACTIVATION_NAMES = ("layer_input", "attention_output", "mlp_hidden")
 
@@ -171,6 +172,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.sharding.compute = ml_collections.ConfigDict(
         dict(layers="pipe", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
              head_dim="", mlp="tensor", experts="expert", batch="data,fsdp,expert", seq="seq"))
+
+    # Serving (docs/serving.md): the engine's paged KV pool and continuous batching, per batch shard
+    c.serve = ml_collections.ConfigDict()
+    c.serve.pages = 256  # pages in a batch shard's KV pool
+    c.serve.page_size = 16  # token slots per page
+    c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
+    c.serve.chunk_size = 64  # prefill chunk (Sarathi-Serve)
+    c.serve.max_seqs = 16  # sequences running at once
+    c.serve.policy = "chunked"  # chunked | prefill_first | decode_first
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "" = from the environment, or single process
@@ -409,6 +419,10 @@ def validate(config, num_devices: int | None = None) -> None:
     _validate_moe(config)
     _validate_optimizer(config)
     _validate_quant(config)
+    sv = config.serve
+    for key in ("pages", "page_size", "token_budget", "chunk_size", "max_seqs"):
+        _require(isinstance(sv[key], int) and sv[key] >= 1, f"config.serve.{key}={sv[key]!r} must be a positive integer")
+    _require(sv.policy in SERVE_POLICIES, f"config.serve.policy={sv.policy!r}: choose one of {SERVE_POLICIES}")
     _require(m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
              f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
              "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)")

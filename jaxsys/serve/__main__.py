@@ -16,11 +16,11 @@ def main(argv=None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--step", type=int)
-    parser.add_argument("--pages", type=int, default=256, help="pages in the KV pool")
-    parser.add_argument("--page-size", type=int, default=16, help="token slots per page")
-    parser.add_argument("--token-budget", type=int, default=256, help="tokens per engine step")
-    parser.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (Sarathi-Serve)")
-    parser.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
+    parser.add_argument("--pages", type=int, help="pages in a batch shard's KV pool (config.serve.pages)")
+    parser.add_argument("--page-size", type=int, help="token slots per page (config.serve.page_size)")
+    parser.add_argument("--token-budget", type=int, help="tokens per engine step (config.serve.token_budget)")
+    parser.add_argument("--chunk-size", type=int, help="prefill chunk, Sarathi-Serve (config.serve.chunk_size)")
+    parser.add_argument("--max-seqs", type=int, help="sequences running at once (config.serve.max_seqs)")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -29,17 +29,20 @@ def main(argv=None) -> int:
     from jaxsys.mesh import cpu_unless_accelerator
     from jaxsys.serve import engine, server
     cpu_unless_accelerator()
+    flags = {"pages": args.pages, "page_size": args.page_size, "token_budget": args.token_budget,
+             "chunk_size": args.chunk_size, "max_seqs": args.max_seqs}
+    overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     try:
         program, params, config = generate.load_program(args.workdir, overrides, args.step)
-        eng = engine.Engine(program, params, args.pages, args.page_size, args.token_budget, args.chunk_size,
-                            args.max_seqs)
+        eng = engine.Engine.from_config(program, params)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     httpd, loop = server.serve(eng, config.data.source in generate.BYTE_SOURCES, args.workdir, args.host, args.port)
+    sv = config.serve
     print(f"jaxsys.serve: {args.workdir} on http://{args.host}:{httpd.server_address[1]}/v1/completions "
-          f"({args.pages} pages of {args.page_size} tokens, budget {args.token_budget}, chunk {args.chunk_size})",
-          file=sys.stderr, flush=True)
+          f"({sv.pages} pages of {sv.page_size} tokens, budget {sv.token_budget}, chunk {sv.chunk_size}, "
+          f"{sv.policy})", file=sys.stderr, flush=True)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

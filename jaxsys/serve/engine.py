@@ -42,9 +42,16 @@ class Sampling:
 
 
 class Engine:
+    @classmethod
+    def from_config(cls, program, params, max_len: int | None = None) -> "Engine":
+        """The engine `program.config.serve` describes."""
+        sv = program.config.serve
+        return cls(program, params, sv.pages, sv.page_size, sv.token_budget, sv.chunk_size, sv.max_seqs,
+                   sv.policy, max_len)
+
     def __init__(self, program, params, num_pages: int, page_size: int, token_budget: int, chunk_size: int,
                  max_seqs: int, policy: str = "chunked", max_len: int | None = None):
-        """`num_pages`, `token_budget` and `max_seqs` are per batch shard."""
+        """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve)."""
         config = program.config
         decode.check_servable(config)
         layout = program.layout

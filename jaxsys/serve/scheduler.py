@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-POLICIES = ("chunked", "prefill_first", "decode_first")
+from jaxsys.config import SERVE_POLICIES as POLICIES
 
 
 class PoolExhausted(RuntimeError):
