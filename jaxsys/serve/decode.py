@@ -102,6 +102,7 @@ class Decoder:
         self.cache_dtype = jnp.dtype(m.compute_dtype)
         self._prefill = self._compile(prefill=True)
         self._decode = self._compile(prefill=False)
+        self._extend = None  # compiled on first use (speculative decoding)
 
     @staticmethod
     def padded_batch(n: int, layout) -> int:
@@ -131,6 +132,32 @@ class Decoder:
     def _local_decode(self, params, tokens, positions, k, v):
         h, kv = self._forward(params, tokens[:, None], positions[:, None], {"k": k, "v": v})
         return self._logits(params, h), kv["k"], kv["v"]
+
+    def _local_extend(self, params, tokens, start, k, v):
+        """tokens [B, T] at positions start[b] .. + T - 1 -> logits [B, T, V] of every position
+        (speculative verification scores k drafted tokens in one forward)."""
+        positions = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        h, kv = self._forward(params, tokens, positions, {"k": k, "v": v})
+        m, layout, specs = self.program.config.model, self.program.layout, self.program.specs
+        logits = transformer.output_logits(params, h, m, layout, specs).astype(jnp.float32)
+        axes = layout.compute_axes("vocab")
+        logits = jax.lax.all_gather(logits, axes, axis=-1, tiled=True) if axes else logits
+        return logits, kv["k"], kv["v"]
+
+    def extend(self, params, tokens, start, cache):
+        """Run tokens [B, T] at positions start[b].. through the model, writing the cache; returns
+        (logits [B, T, V], cache). Compiled once per T."""
+        if self._extend is None:
+            p = self.program
+            fn = jax.shard_map(self._local_extend, mesh=p.mesh,
+                               in_specs=(p.param_pspecs, self.rows_pspec, self.batch_pspec, self.cache_pspec,
+                                         self.cache_pspec),
+                               out_specs=(p.layout.compute_spec(("batch", None, None)), self.cache_pspec,
+                                          self.cache_pspec), check_vma=False)
+            self._extend = jax.jit(fn, donate_argnums=(3, 4))
+        logits, k, v = self._extend(params, self.put(tokens, self.rows_pspec), self.put(start, self.batch_pspec),
+                                    *cache)
+        return logits, (k, v)
 
     def _compile(self, prefill: bool):
         program = self.program
