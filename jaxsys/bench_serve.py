@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from jaxsys.config import ConfigError
+from jaxsys.config import ConfigError, parse_with_overrides
 
 
 def make_trace(n: int, rate: float, prompt_len: tuple, output_len: tuple, seed: int) -> list[dict]:
@@ -118,10 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int)
     parser.add_argument("--max-seqs", type=int)
     parser.add_argument("--json", action="store_true")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=2")
+    args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
     flags = {"policy": args.policy, "chunk_size": args.chunk_size, "token_budget": args.token_budget,
              "pages": args.pages, "page_size": args.page_size, "max_seqs": args.max_seqs}
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]

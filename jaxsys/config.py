@@ -293,6 +293,16 @@ def _parse_value(key: str, text: str, default: Any) -> Any:
     return value
 
 
+def parse_with_overrides(parser, argv, example: str = "--config.mesh.tensor=2"):
+    """`parser.parse_known_args(argv)` whose unknown arguments must all be `--config.k=v`
+    overrides (returned as the second value); anything else is the parser's usage error."""
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like {example}")
+    return args, overrides
+
+
 def apply_overrides(config, overrides: Sequence[str]) -> None:
     """Apply `--config.a.b=value` (or `config.a.b=value`) strings in place."""
     known = _flatten(config)

@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from jaxsys.config import ConfigError, base_config, load_config, apply_overrides, validate
+from jaxsys.config import ConfigError, base_config, load_config, apply_overrides, validate, parse_with_overrides
 
 
 class ConversionError(ValueError):
@@ -281,10 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step", type=int, help="--to-hf: checkpoint step (default: latest)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="--to-hf: tensor dtype "
                         "(default: config.model.param_dtype)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.fsdp=8")
+    args, overrides = parse_with_overrides(parser, argv, "--config.mesh.fsdp=8")
     from jaxsys.checkpoint import CheckpointError
     try:
         if args.from_hf:

@@ -22,7 +22,7 @@ import jax
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys.config import ConfigError
+from jaxsys.config import ConfigError, parse_with_overrides
 
 
 def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dict:
@@ -56,10 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=4")
+    args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=4")
     try:
         result = evaluate_workdir(args.workdir, overrides, args.step)
     except (ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:

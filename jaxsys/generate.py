@@ -19,7 +19,7 @@ import time
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys.config import ConfigError
+from jaxsys.config import ConfigError, parse_with_overrides
 
 BYTE_SOURCES = ("stdlib", "text")
 
@@ -73,10 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     parser.add_argument("--max-len", type=int, default=0, help="KV-cache positions (default: prompt + new, "
                                                                  "rounded up to 64)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=2")
+    args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
     log = lambda msg: print(f"jaxsys.generate: {msg}", file=sys.stderr, flush=True)
     from jaxsys.mesh import cpu_unless_accelerator
     cpu_unless_accelerator()

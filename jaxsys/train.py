@@ -34,7 +34,7 @@ from jaxsys import optim, zo
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware
 from jaxsys.checkpoint import Checkpointer
-from jaxsys.config import ConfigError, load_config, validate
+from jaxsys.config import ConfigError, load_config, validate, parse_with_overrides
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
@@ -541,10 +541,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description="Train a jaxsys config.")
     parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
     parser.add_argument("--workdir", required=True, help="directory for metrics, events, config")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --config.train.steps=10")
+    args, overrides = parse_with_overrides(parser, argv, "--config.train.steps=10")
     return args, overrides
 
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
 from jax import lax
+
+LANES = 128  # Mosaic's lane width: the minor dimension of a TPU tile
 
 BACKENDS = ("generic", "tpu")
 
@@ -62,3 +65,13 @@ def dispatch(plan: Plan, variants: dict, which: int, *args):
     per_platform = {p: fn for platforms, fn in fns if platforms for p in platforms}
     default = next((fn for platforms, fn in fns if platforms is None), None)
     return lax.platform_dependent(*args, default=default, **per_platform)
+
+
+def lanes(x, width: int):
+    """A Mosaic softmax statistic x [rows, 128] (equal over its lanes) as [rows, width], to meet a
+    tile of `width` lanes without a relayout."""
+    if width == LANES:
+        return x
+    if width < LANES:
+        return x[:, :width]
+    return jnp.tile(x, (1, width // LANES))

@@ -7,7 +7,7 @@ import sys
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys.config import ConfigError
+from jaxsys.config import ConfigError, parse_with_overrides
 
 
 def main(argv=None) -> int:
@@ -21,10 +21,7 @@ def main(argv=None) -> int:
     parser.add_argument("--token-budget", type=int, help="tokens per engine step (config.serve.token_budget)")
     parser.add_argument("--chunk-size", type=int, help="prefill chunk, Sarathi-Serve (config.serve.chunk_size)")
     parser.add_argument("--max-seqs", type=int, help="sequences running at once (config.serve.max_seqs)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --config.mesh.tensor=2")
+    args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
     from jaxsys import generate
     from jaxsys.mesh import cpu_unless_accelerator
     from jaxsys.serve import engine, server

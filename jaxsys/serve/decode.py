@@ -64,15 +64,16 @@ def sample(logits, key, temperature, top_k, top_p):
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # one sort: the filters below keep its order
     vocab = logits.shape[-1]
-    kth = jnp.take_along_axis(ordered, jnp.clip(top_k - 1, 0, vocab - 1)[None, None].repeat(logits.shape[0], 0),
-                              axis=-1)
+    kth = ordered[:, jnp.clip(top_k - 1, 0, vocab - 1)][:, None]
+    drop_k = (top_k > 0) & (ordered < kth)
+    ordered = jnp.where(drop_k, -jnp.inf, ordered)
     scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
-    probs = jax.nn.softmax(jnp.sort(scaled, axis=-1)[:, ::-1], axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
     keep = before < top_p  # the first token is always kept
-    cutoff = jnp.min(jnp.where(keep, jnp.sort(scaled, axis=-1)[:, ::-1], jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
     drawn = jax.random.categorical(key, scaled, axis=-1)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)

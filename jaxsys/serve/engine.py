@@ -32,6 +32,10 @@ from jaxsys.serve.scheduler import PagePool, Request, Scheduler
 
 MIN_ROWS = 8
 
+# per sequence: its own settings, and a key folded from its seed and its token index
+_sample_rows = jax.jit(jax.vmap(lambda logits, seed, n, t, k, p: decode.sample(
+    logits[None], jax.random.fold_in(jax.random.key(seed), n), t, k, p)[0]))
+
 
 @dataclasses.dataclass
 class Sampling:
@@ -175,12 +179,16 @@ class Engine:
                     sample_rows[req.id] = (d * width + r - 1, req)
         logits = self._run(tokens.reshape(-1), positions.reshape(-1), table.reshape(-1, self.max_pages))
         sampled = {}
-        for rid, (row, req) in sample_rows.items():
-            s = self.sampling[rid]
-            key = jax.random.fold_in(jax.random.key(s.seed), len(req.generated))
-            token = decode._sample(logits[row:row + 1], key, jnp.float32(s.temperature), jnp.int32(s.top_k),
-                                   jnp.float32(s.top_p))
-            sampled[rid] = int(token[0])
+        if sample_rows:  # one call for every sequence that gets a token this step
+            ids = list(sample_rows)
+            settings = [self.sampling[rid] for rid in ids]
+            tokens = _sample_rows(logits[np.asarray([sample_rows[rid][0] for rid in ids])],
+                                  np.asarray([s.seed for s in settings], np.int32),
+                                  np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
+                                  np.asarray([s.temperature for s in settings], np.float32),
+                                  np.asarray([s.top_k for s in settings], np.int32),
+                                  np.asarray([s.top_p for s in settings], np.float32))
+            sampled = dict(zip(ids, np.asarray(tokens).tolist()))
         for scheduler, work in zip(self.schedulers, plans):
             for req in scheduler.commit(work, sampled):
                 self.sampling.pop(req.id, None)

@@ -51,6 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxsys.kernels import platforms
+
 __all__ = ["TpuConfig", "tile", "forward", "backward"]
 
 LANES = 128
@@ -92,15 +94,6 @@ def _dot(a, b, dims):
     it rejects on bf16 operands ("Bad lhs type"). fp32 operands follow JAX's default precision."""
     precision = None if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _lanes(x, width: int):
-    """x [rows, 128] (equal over its lanes) as [rows, width]."""
-    if width == LANES:
-        return x
-    if width < LANES:
-        return x[:, :width]
-    return jnp.tile(x, (1, width // LANES))
 
 
 def _runs(i, j, bq: int, bk: int):
@@ -192,13 +185,13 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
             s = jnp.where(mask, s, MASK_VALUE)
         m_prev, l_prev = m_ref[...], l_ref[...]  # [bq, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - _lanes(m_next, bk))
+        p = jnp.exp(s - platforms.lanes(m_next, bk))
         if masked:  # an all-masked row has s == m_next == MASK_VALUE, so p would be 1
             p = jnp.where(mask, p, 0.0)
         alpha = jnp.exp(m_prev - m_next)
         l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
-        acc_ref[...] = acc_ref[...] * _lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
+        acc_ref[...] = acc_ref[...] * platforms.lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
     _run_tile(runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk,
@@ -209,7 +202,7 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
         l, m = l_ref[...], m_ref[...]
         nonempty = l > 0.0
         l_safe = jnp.where(nonempty, l, 1.0)
-        o_ref[...] = (acc_ref[...] / _lanes(l_safe, h)).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] / platforms.lanes(l_safe, h)).astype(o_ref.dtype)
         lse = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)  # [bq, 128], equal lanes
         lse_ref[...] = lse.T[:1, :]  # one lane-dense row [1, bq]
 

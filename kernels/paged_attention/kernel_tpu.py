@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxsys.kernels import platforms
+
 __all__ = ["TpuConfig", "forward"]
 
 LANES = 128
@@ -54,15 +56,6 @@ class TpuConfig:
 def _dot(a, b, dims):
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _lanes(x, width: int):
-    """x [rows, 128] (equal over its lanes) as [rows, width]."""
-    if width == LANES:
-        return x
-    if width < LANES:
-        return x[:, :width]
-    return jnp.tile(x, (1, width // LANES))
 
 
 def sublanes(dtype) -> int:
@@ -95,16 +88,16 @@ def _kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, 
             s = jnp.where(visible, s, MASK_VALUE)
             m_prev, l_prev = m_ref[j], l_ref[j]  # [G, 128]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.where(visible, jnp.exp(s - _lanes(m_next, page_size)), 0.0)
+            p = jnp.where(visible, jnp.exp(s - platforms.lanes(m_next, page_size)), 0.0)
             alpha = jnp.exp(m_prev - m_next)
             l_ref[j] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             m_ref[j] = m_next
-            acc_ref[j] = acc_ref[j] * _lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
+            acc_ref[j] = acc_ref[j] * platforms.lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
 
     @pl.when(i == max_pages - 1)
     def _finish():
         for j in range(heads):
-            o_ref[j] = (acc_ref[j] / _lanes(l_ref[j], h)).astype(o_ref.dtype)
+            o_ref[j] = (acc_ref[j] / platforms.lanes(l_ref[j], h)).astype(o_ref.dtype)
 
 
 def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
