@@ -248,8 +248,8 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int,
 
 def _compiler_params(head_dim: int, interpret: bool):
     """Triton launch parameters on GPU (JAX's own Triton attention uses the same for H <= 128;
-    one pipeline stage for H = 256 keeps the tiles within shared memory). Untuned: no GPU
-    figures exist yet. None (the backend's defaults) elsewhere."""
+    one pipeline stage for H = 256 keeps the tiles within shared memory). Only the tiles were swept
+    on a GPU (H200, docs/benchmarks/h200_2026-11-26.md), not these. None elsewhere."""
     if interpret or jax.default_backend() != "gpu":
         return None
     from jax.experimental.pallas import triton as pl_triton
@@ -338,6 +338,9 @@ def _backward_padded(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: _Config, kv_le
 # ----------------------------------------------------------------------------------------------
 # Validation, padding and the custom_vjp.
 
+GPU_MAX_BLOCK_K_WIDE_HEADS = 64  # key tile of the generic kernel when H > 64
+
+
 def _block_size(requested: int, length: int, name: str) -> int:
     """The tile actually used: the requested power of two, shrunk for short sequences."""
     if requested < 16 or requested & (requested - 1):
@@ -372,11 +375,15 @@ def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, b
     scale = float(h ** -0.5 if softmax_scale is None else softmax_scale)
     generic_cfg = tpu_cfg = None
     if backend != "tpu":  # Triton's tile rules (powers of two >= 16)
+        # At H > 64 a 128-key tile needs more shared memory than an H100/H200 block has (256 KiB
+        # against 227 KiB at 128 x 128), and (128, 64) measured fastest on an H200
+        # (docs/benchmarks/h200_2026-11-26.md): cap the key tile at 64 there.
+        cap_k = lambda b: min(b, GPU_MAX_BLOCK_K_WIDE_HEADS) if h > 64 else b
         generic_cfg = _Config(scale=scale, causal=bool(causal),
                               block_q=_block_size(block_q, t, "block_q"),
-                              block_k=_block_size(block_k, s, "block_k"),
+                              block_k=cap_k(_block_size(block_k, s, "block_k")),
                               bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
-                              bwd_block_k=_block_size(block_k_bwd, s, "block_k_bwd"),
+                              bwd_block_k=cap_k(_block_size(block_k_bwd, s, "block_k_bwd")),
                               interpret=True)
     if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused)
         tpu_cfg = kernel_tpu.TpuConfig(scale=scale, causal=bool(causal),
