@@ -138,12 +138,12 @@ def main(argv=None) -> int:
             import math
 
             import jax
-            from jaxsys import train
+            from jaxsys import program as program_lib
             from jaxsys.config import load_config
             from jaxsys.mesh import make_mesh
             config = load_config(args.config, overrides)
             n = math.prod(config.mesh[a] for a in config.mesh)
-            program = train.build(config, make_mesh(config, jax.devices()[:n]))
+            program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params
         eng = engine.Engine.from_config(program, params)
         eng.warmup()  # compile every row bucket before the clock starts

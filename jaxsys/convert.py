@@ -203,7 +203,7 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     import jax
     import jax.numpy as jnp
 
-    from jaxsys import train
+    from jaxsys import program as program_lib
     from jaxsys.checkpoint import Checkpointer
     from jaxsys.mesh import make_mesh
 
@@ -219,11 +219,11 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     n = int(np.prod([config.mesh[a] for a in config.mesh]))
     if n > jax.device_count():
         raise ConfigError(f"config.mesh asks for {n} devices but {jax.device_count()} are available")
-    program = train.build(config, make_mesh(config, jax.devices()[:n]))  # any mesh up to all devices
+    program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))  # any mesh up to all devices
     shardings = program.state_shardings
     params = jax.device_put(params, shardings.params)
     opt_state = jax.jit(program.optimizer.init, out_shardings=shardings.opt_state)(params)
-    state = train.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
+    state = program_lib.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
     os.makedirs(workdir, exist_ok=True)
     checkpointer = Checkpointer(workdir, config.checkpoint)
     checkpointer.save(0, state, config)
@@ -241,7 +241,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
     import jax.numpy as jnp
     from safetensors.numpy import save_file
 
-    from jaxsys import train
+    from jaxsys import program as program_lib
     from jaxsys.checkpoint import Checkpointer
     from jaxsys.mesh import make_mesh
 
@@ -254,7 +254,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
     _require_dense_llama(config.model)
     for axis in config.mesh:  # read onto one device: the arrays are written from the host anyway
         config.mesh[axis] = 1
-    program = train.build(config, make_mesh(config, jax.devices()[:1]))
+    program = program_lib.build(config, make_mesh(config, jax.devices()[:1]))
     state = checkpointer.restore(program.abstract_state(), step)
     checkpointer.close()
     m = config.model

@@ -27,6 +27,7 @@ from jaxsys.config import ConfigError, parse_with_overrides
 
 def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dict:
     """{"eval_loss", "perplexity", "tokens", "step", "quant", "param_bytes", ...} of `workdir`."""
+    from jaxsys import program as program_lib
     from jaxsys import train
     from jaxsys.mesh import cpu_unless_accelerator, mesh_for
 
@@ -37,7 +38,7 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dic
     if not corpus.has_eval:
         raise data_lib.DataError(f"the corpus of {workdir} ({corpus.description}) has no held-out split: set "
                                  "--config.data.eval_fraction > 0")
-    program = train.build(config, mesh)
+    program = program_lib.build(config, mesh)
     params, step = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
     start = time.perf_counter()
     loss = train.evaluate(program, program.eval_loss_fn(), params, corpus)

@@ -27,14 +27,14 @@ BYTE_SOURCES = ("stdlib", "text")
 def load_program(workdir: str, overrides=(), step: int | None = None):
     """(program, params, config) of `workdir`'s checkpoint on the mesh its config (with overrides)
     names, checked for serving."""
-    from jaxsys import train
+    from jaxsys import program as program_lib
     from jaxsys.mesh import cpu_unless_accelerator, mesh_for
     from jaxsys.serve import decode
 
     cpu_unless_accelerator()
     config, step = checkpoint_lib.saved_config(workdir, overrides, step)
     decode.check_servable(config)
-    program = train.build(config, mesh_for(config))
+    program = program_lib.build(config, mesh_for(config))
     params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
     return program, params, config
 

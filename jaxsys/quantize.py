@@ -210,7 +210,7 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
                      log=print) -> dict:
     """Read `workdir`'s checkpoint (default: latest) onto one device, quantize it, write `out`.
     Returns a summary (step, bytes before and after, seconds)."""
-    from jaxsys import train
+    from jaxsys import program as program_lib
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh
 
     cpu_unless_accelerator()
@@ -232,7 +232,7 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
         target = quantized_config(source, fmt, group_size, zero_point)
         validate(target)  # group sizes against the model and the saved mesh, before any reading
         one = _single_device(source)
-        program = train.build(one, make_mesh(one, jax.devices()[:1]))
+        program = program_lib.build(one, make_mesh(one, jax.devices()[:1]))
         start = time.perf_counter()
         params = reader.restore(program.abstract_state(), step).params
     finally:
@@ -244,11 +244,11 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
     else:
         qparams = quantize_params(jax.tree.map(np.asarray, params), m, fmt, group_size, zero_point)
     one_q = _single_device(target)
-    program_q = train.build(one_q, make_mesh(one_q, jax.devices()[:1]))
+    program_q = program_lib.build(one_q, make_mesh(one_q, jax.devices()[:1]))
     abstract = program_q.abstract_state()
     qparams = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), qparams,
                            abstract.params)
-    state = train.TrainState(jax.device_put(np.int32(step), abstract.step.sharding), qparams, optax.EmptyState())
+    state = program_lib.TrainState(jax.device_put(np.int32(step), abstract.step.sharding), qparams, optax.EmptyState())
     os.makedirs(out, exist_ok=True)
     writer = checkpoint_lib.Checkpointer(out, target.checkpoint)
     writer.save(step, state, target)

@@ -452,7 +452,7 @@ def zero_memory(config) -> dict:
 
 def _galore_plans(config):
     """GaLore's LeafPlans (flat) for the layout of `config`, from the train step's gradient specs
-    (`zero.grad_spec`, as `train.build` makes them), and the mesh sizes."""
+    (`zero.grad_spec`, as `program.build` makes them), and the mesh sizes."""
     from jaxsys import galore
     from jaxsys.parallel import zero
     from jaxsys.sharding import Layout

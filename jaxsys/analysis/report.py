@@ -157,8 +157,8 @@ def memory_report(program, compiled) -> dict:
 def lower_unrolled(program):
     """The step with the layer scan written out: each executed collective appears once per
     execution in its text, and XLA's cost analysis (which counts a loop body once) sees every layer."""
-    from jaxsys import train
-    unrolled = train.build(program.config, program.mesh, unroll_layers=True)
+    from jaxsys import program as program_lib
+    unrolled = program_lib.build(program.config, program.mesh, unroll_layers=True)
     return unrolled.train_step_fn().lower(program.abstract_state(), _batch(unrolled))
 
 
@@ -166,16 +166,16 @@ def analyze_inference(config, hw: cost_model.Hardware, devices=None, flops: bool
     """A quantized checkpoint's config (config.model.quant) is for inference: compile its forward
     pass over one global batch (the evaluation function) instead of a train step, and report
     memory, collectives, FLOPs and a forward roofline in which every weight byte is read once."""
-    from jaxsys import train
+    from jaxsys import program as program_lib
     from jaxsys.models import quant
 
     mesh = make_mesh(config, devices)
     sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
-    program = train.build(config, mesh)
+    program = program_lib.build(config, mesh)
     params = program.abstract_state().params
     compiled = program.eval_loss_fn().lower(params, _batch(program)).compile()
     stats = compiled.memory_analysis()
-    unrolled = train.build(config, mesh, unroll_layers=True)
+    unrolled = program_lib.build(config, mesh, unroll_layers=True)
     lowered = unrolled.eval_loss_fn().lower(params, _batch(unrolled))
     measured = measured_collectives(collectives_lib.parse(lowered.as_text(), sizes), sizes)
     cost = lowered.compile().cost_analysis() if flops else {}
@@ -239,7 +239,7 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     `hardware` is a profile name (cost_model.PROFILES) or a `cost_model.Hardware`.
     `flops=False` skips compiling the written-out step (FLOPs then come from the formula).
     A -1 mesh axis is resolved from the device count, in `config` itself."""
-    from jaxsys import train  # the analysis is of train's program
+    from jaxsys import program as program_lib
 
     hw = hardware if isinstance(hardware, cost_model.Hardware) else cost_model.hardware(hardware)
     if config.model.quant != "none":
@@ -248,7 +248,7 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
     n_devices = math.prod(sizes.values())
 
-    program = train.build(config, mesh)
+    program = program_lib.build(config, mesh)
     compiled = program.train_step_fn().lower(program.abstract_state(), _batch(program)).compile()
     memory = memory_report(program, compiled)
     lowered = lower_unrolled(program)
@@ -363,14 +363,14 @@ def target_analysis(config, target, devices=None) -> dict:
     and host), the collectives of the optimised HLO (with loop trip counts, async and overlap),
     matmul FLOPs and HBM traffic, and a roofline on the chip. A program the TPU compiler refuses
     for lack of HBM is reported, not raised."""
-    from jaxsys import train
+    from jaxsys import program as program_lib
     from jaxsys.analysis import hlo, targets
 
     devices = targets.devices(target) if devices is None else devices
     hw = targets.hardware(target)
     mesh = make_mesh(config, devices)
     sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
-    program = train.build(config, mesh)
+    program = program_lib.build(config, mesh)
     start = time.perf_counter()
     info = _target_info(target, hw)
     try:
@@ -470,7 +470,7 @@ def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict
 
 
 def train_specs(config):
-    """The parameter specs of `config`'s model (as train.build makes them)."""
+    """The parameter specs of `config`'s model (as program.build makes them)."""
     from jaxsys.models import transformer
     p = config.mesh.pipe
     return transformer.param_specs(config.model, chunks=config.train.virtual_stages if p > 1 else 1)

@@ -109,3 +109,11 @@ def exchange(x, axes):
     """All-to-all of a small integer array x[n, ...] (n = devices on `axes`): row i goes to device i,
     and row i of the result came from device i. For sizes and offsets; no gradient."""
     return lax.all_to_all(x, axes, 0, 0, tiled=True) if axes else x
+
+
+def sum_over_batch_shards(tree, axes):
+    """Each batch shard's share of a global mean (losses, metrics), summed over the batch axes
+    into the global value on every device: one all-reduce for the whole pytree. No gradient
+    flows through it (the step sums its metrics after differentiating)."""
+    return lax.psum(tree, axes) if axes else tree
+
