@@ -76,8 +76,8 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
         _, sampled = eng.step()
         t1 = time.perf_counter()
         eng.step_times.append(t1 - t0)
-        for rid in sampled:
-            times[rid].append(t1 - start)
+        for rid, out in sampled.items():  # a speculative decode emits several tokens at once
+            times[rid].extend([t1 - start] * (len(out) if isinstance(out, list) else 1))
     makespan = time.perf_counter() - start
     ttft = [times[i][0] - arrival[i] for i in times]
     tpot = [(times[i][-1] - times[i][0]) / (len(times[i]) - 1) for i in times if len(times[i]) > 1]
@@ -90,8 +90,8 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
 
 def _range(text: str, name: str) -> tuple[int, int]:
     try:
-        lo, _, hi = text.partition(":")
-        lo, hi = int(lo), int(hi or lo)
+        first, _, last = text.partition(":")
+        lo, hi = int(first), int(last or first)
     except ValueError:
         raise ConfigError(f"--{name} {text!r}: give a token range lo:hi (or one number)") from None
     if not 1 <= lo <= hi:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     from jaxsys import checkpoint as checkpoint_lib
     from jaxsys import data as data_lib
     from jaxsys.mesh import cpu_unless_accelerator
-    from jaxsys.serve import engine
+    from jaxsys.serve import spec_engine
     cpu_unless_accelerator()
     try:
         trace = read_trace(args.trace) if args.trace else make_trace(
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             n = math.prod(config.mesh[a] for a in config.mesh)
             program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params
-        eng = engine.Engine.from_config(program, params)
+        eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
         eng.warmup()  # compile every row bucket before the clock starts
         result = replay(eng, trace, args.seed, config.model.vocab_size)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:

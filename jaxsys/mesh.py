@@ -62,7 +62,7 @@ def distributed_plan(dist_cfg, env) -> tuple[str, dict] | None:
         kwargs = dict(coordinator_address=address, num_processes=num, process_id=pid)
         if all(env.get(k) for k in _SLURM_VARS):  # JAX would still pick this task's GPU from SLURM
             kwargs["local_device_ids"] = _slurm_local_devices(env)
-        return ("config.distributed" if dist_cfg.coordinator_address else name), kwargs
+        return ("config.distributed" if dist_cfg.coordinator_address else str(name)), kwargs
     if _slurm_tasks(env) > 1:
         # cluster_detection_method pins SLURM: JAX would otherwise take Open MPI first if both are set.
         return "SLURM", dict(cluster_detection_method="slurm", local_device_ids=_slurm_local_devices(env))

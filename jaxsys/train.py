@@ -265,8 +265,4 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run the imported module's cli, not this __main__ copy, so that classes such as TrainState
-    # are the same objects everywhere (jaxsys.analysis imports jaxsys.train).
-    from jaxsys import train as _train
-
-    sys.exit(_train.cli())
+    sys.exit(cli())

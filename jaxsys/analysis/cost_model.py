@@ -126,6 +126,9 @@ def _dtype_bytes(name: str) -> int:
 
 
 def _specs(config) -> list[ParamSpec]:
+    if config.model.kind == "flax":  # a Flax module's parameters (models/flax_model.py)
+        from jaxsys.models import flax_model
+        return jax.tree.leaves(flax_model.specs_for(config), is_leaf=lambda x: isinstance(x, ParamSpec))
     return jax.tree.leaves(transformer.param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
 
 
@@ -611,3 +614,101 @@ def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: floa
     return {"compute_s": compute_s, "memory_s": memory_s, "comm_s": comm_s,
             "step_s_serial": serial, "step_s_overlapped": overlapped,
             "mfu_serial": mfu(serial), "mfu_overlapped": mfu(overlapped)}
+
+
+# ----------------------------------------------------------------------------- a whole step, before compiling
+
+
+def activation_bytes(config) -> float:
+    """Per-device bytes of the activations a training step keeps for its backward, at its peak: an
+    estimate after Korthikanti et al. 2022 (section 4), restated for this model (SwiGLU MLP of
+    width F, GQA, no dropout). Per layer and token, with t = tensor, s = 1/t under sequence
+    parallelism (else 1), in the compute dtype:
+
+        kept by every policy   D                                   the layer's input (the scan carry)
+        remat=none             4 D s + (2 N H + 2 K H + 3 F) / t   norms' ins/outs, q k v o, gate up act
+                               + 8 T N / t bytes                   fp32 scores and probabilities, only
+                                                                   for the materialising reference attention
+        remat=dots             (N H + 2 K H + 2 F) / t + 2 D       the matmul outputs (+ scores as above)
+        remat=full             one layer's `none` set, recomputed in the backward, on top
+
+    Tokens per device are B T / (batch shards x seq), over m micro-batches. With a pipeline
+    (jaxsys/parallel/pipeline.py) a stage keeps only the input of each micro-batch in flight (min(p, m)
+    under 1F1B, m under GPipe) and recomputes its L / p layers for the backward, one micro-batch at a
+    time. The output layer's fp32 logits and their gradient (2 x 4 V / t bytes per token) come on top."""
+    m, mesh, t = config.model, config.mesh, config.mesh.tensor
+    b_c = _dtype_bytes(m.compute_dtype)
+    D, N, K, H, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
+    T = config.data.seq_len
+    s = 1.0 / t if (config.parallel.sequence_parallel and t > 1) else 1.0
+    scores = 8.0 * (T / mesh.seq) * N / t if m.attention_impl == "reference" else 0.0
+    full_set = b_c * (4 * D * s + (2 * N * H + 2 * K * H + 3 * F) / t) + scores
+    per_token_layer = b_c * D * s + {
+        "none": full_set,
+        "dots": b_c * ((N * H + 2 * K * H + 2 * F) / t + 2 * D * s) + scores,
+        "full": 0.0,
+    }[m.remat]
+    tokens = local_batch(config) * T / mesh.seq
+    p, micro = mesh.pipe, max(1, config.train.microbatches)
+    layers = L / p
+    total = per_token_layer * layers * tokens / micro  # one micro-batch's backward
+    if p > 1:  # the executor stashes each in-flight micro-batch's stage input and recomputes the stage
+        in_flight = micro if config.train.pipeline_schedule == "gpipe" else min(p, micro)
+        total += b_c * D * s * tokens / micro * in_flight
+    if m.remat == "full":  # the layer being recomputed, one micro-batch
+        total += full_set * tokens / micro
+    logits = 2 * 4.0 * V / t * tokens / micro
+    return total + logits
+
+
+def predicted_memory(config) -> dict:
+    """Per-device bytes of a training step by the formulas: parameters, gradients and optimizer
+    state (`zero_memory`, the layers' share over the pipeline stages), FSDP's gathered layer (two layers' weights in the compute dtype, the
+    one in use and the next), the activations (`activation_bytes`) and the token batch."""
+    state = zero_memory(config)
+    psi_l, psi_r, _, _ = params_per_device_after_tp(config)
+    p = config.mesh.pipe  # a stage holds L / p layers (zero_memory counts them all)
+    state = {k: v * (psi_l / p + psi_r) / (psi_l + psi_r) for k, v in state.items()}
+    if config.offload.optimizer:
+        state["optimizer"] *= 1.0 - float(config.offload.optimizer_fraction)
+    m = config.model
+    gathered = 2 * psi_l / m.n_layers * _dtype_bytes(m.compute_dtype) if config.mesh.fsdp > 1 else 0.0
+    out = {**state, "fsdp_gathered": gathered, "activations": activation_bytes(config),
+           "batch": 4.0 * local_batch(config) * (config.data.seq_len + 1)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def predicted_step(config, hw: Hardware) -> dict:
+    """Step time and MFU of `config` on `hw` before compiling anything: FLOPs by the formula (a
+    second forward under remat=full), HBM traffic (weights read three times, gradients and
+    optimizer state read and written once, activations written and read once), the collectives
+    of `predicted_collectives` at each axis's bandwidth, all exposed (jaxsys overlaps none yet),
+    and the pipeline bubble: compute x (m + p - 1) / m for 1F1B and GPipe, (m v + p - 1) / (m v)
+    interleaved."""
+    m, mesh = config.model, config.mesh
+    devices = math.prod(mesh[a] for a in mesh)
+    tokens = config.train.batch_size * config.data.seq_len
+    flops = flops_lib.step_flops_per_token(config) * tokens / devices
+    if m.remat == "full":
+        flops += flops_lib.forward_flops_per_token(m, config.data.seq_len) * tokens / devices
+    mem = predicted_memory(config)
+    weights = mem["params"] * _dtype_bytes(m.compute_dtype) / _dtype_bytes(m.param_dtype)
+    traffic = 3 * weights + 2 * (mem["grads"] + mem["optimizer"]) + 2 * mem["activations"]
+    rows, _ = predicted_collectives(config)
+    per_axes: dict = {}
+    for r in rows:
+        per_axes[r.axes] = per_axes.get(r.axes, 0.0) + r.bytes
+    roof = roofline(config, hw, flops, traffic, per_axes)
+    p, micro, v = mesh.pipe, max(1, config.train.microbatches), max(1, config.train.virtual_stages)
+    bubble = 1.0
+    if p > 1:
+        chunks = micro * (v if config.train.pipeline_schedule == "interleaved_1f1b" else 1)
+        bubble = (chunks + p - 1) / chunks
+    compute = max(roof["compute_s"], roof["memory_s"]) * bubble
+    step = compute + roof["comm_s"]
+    model_flops = flops_lib.step_flops_per_token(config) * tokens
+    return {"step_s": step, "compute_s": roof["compute_s"] * bubble, "memory_s": roof["memory_s"],
+            "comm_s": roof["comm_s"], "bubble": bubble,
+            "mfu": model_flops / (step * hw.peak(m.compute_dtype) * devices) if step > 0 else 0.0}
+

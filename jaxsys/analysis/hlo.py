@@ -383,7 +383,10 @@ class Module:
         if not body:
             return self._hbm(inst.shape) + sum(self._hbm(o.shape) for o in operands if o is not None)
         fused = {b.name: b for b in body}
-        through = lambda b: through(fused[b.operands[0]]) if b.opcode == "bitcast" and b.operands[0] in fused else b
+
+        def through(b):  # look through bitcasts to the instruction that makes the value
+            return through(fused[b.operands[0]]) if b.opcode == "bitcast" and b.operands[0] in fused else b
+
         root = next(b for b in body if b.root)
         outputs = [fused[o] for o in root.operands if o in fused] if root.opcode == "tuple" else [root]
         written, in_place = 0.0, set()
@@ -585,9 +588,9 @@ def _group(inst: Instruction, mesh_sizes: dict) -> tuple[tuple[str, ...], int]:
         ids = np.arange(math.prod(dims)).reshape(dims)
         if iota.group(4):
             ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
-        members = ids.reshape(int(iota.group(1)), int(iota.group(2)))
-        pairs = [(int(g[0]), int(x)) for g in members for x in g[1:]]
-        return permute_axes(pairs, mesh_sizes), members.shape[1]
+        grid = ids.reshape(int(iota.group(1)), int(iota.group(2)))
+        pairs = [(int(g[0]), int(x)) for g in grid for x in g[1:]]
+        return permute_axes(pairs, mesh_sizes), grid.shape[1]
     return (), math.prod(mesh_sizes.values())
 
 

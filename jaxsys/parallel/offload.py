@@ -258,8 +258,8 @@ def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds,
     applied to each piece's gradients, so no scaled copy of the whole gradient tree is made."""
     flat_p, ptree = jax.tree.flatten(params)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    flat_g = ptree.flatten_up_to(grads)
-    flat_pk = ptree.flatten_up_to(param_kinds)
+    flat_g = ptree.flatten_up_to(grads)  # type: ignore[attr-defined]  # missing from the stubs
+    flat_pk = ptree.flatten_up_to(param_kinds)  # type: ignore[attr-defined]  # missing from the stubs
     flat_s, stree = jax.tree.flatten(opt_state)
     flat_sk = jax.tree.leaves(opt_kinds)
     owners = _state_owners(optimizer, params, opt_state)
@@ -344,7 +344,7 @@ def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds,
     for i, vs in enumerate(carry[1]):
         for k, v in zip(mine[i], vs):
             new_flat_s[k] = v
-    return ptree.unflatten(new_flat_p), stree.unflatten(new_flat_s)
+    return ptree.unflatten(new_flat_p), stree.unflatten(new_flat_s)  # type: ignore[attr-defined]  # missing from the stubs
 
 
 def _param_mask(optimizer, params, opt_kinds):

@@ -424,8 +424,8 @@ def backward(q, k, v, s0, ld, do, dst, cfg: TpuConfig):
     """(dq, dk fp32 [B, T, N, H], dv [B, T, N, Hv] in v's dtype, d initial_state fp32)."""
     t, cd = q.shape[1], compute_dtype(q.dtype)
     tp = _padded(t, cfg)
-    dq, dk, dv, ds0 = _backward_padded(
-        ld.astype(F32), *(_heads_major(x.astype(cd), tp) for x in (q, k, v)), s0,
-        _heads_major(do.astype(cd), tp), dst.astype(F32), cfg, t)
+    qh, kh, vh = (_heads_major(x.astype(cd), tp) for x in (q, k, v))
+    dq, dk, dv, ds0 = _backward_padded(ld.astype(F32), qh, kh, vh, s0, _heads_major(do.astype(cd), tp),
+                                       dst.astype(F32), cfg, t)
     return (_tokens_major(dq, t), _tokens_major(dk, t), _tokens_major(dv, t).astype(v.dtype),
             ds0)

@@ -1,0 +1,286 @@
+"""Choose the layout for a config on N devices: enumerate, prune by memory, rank by step time,
+compile the best few, and write the winner as config overrides.
+
+    python -m jaxsys.plan --config configs/llama_8b.py --devices 256 --hardware h100 --top 3
+    python -m jaxsys.plan --config configs/llama_8b.py --target v5p-256 --top 3
+    python -m jaxsys.plan --config configs/tiny.py --devices 8 --hardware cpu --out overrides.txt
+    jaxsys train --config configs/tiny.py --workdir /tmp/t $(cat overrides.txt)
+
+1. Enumerate: every assignment of the mesh axes (data, pipe, fsdp, expert, seq, tensor) whose
+   product is N; for each, ZeRO stage 0-2 (with data > 1), remat none / dots / full, with a
+   pipeline m in {p, 2p, 4p} micro-batches under 1F1B, and optionally the optimizer state on the
+   host (`--offload`, where the device has host memory). `config.validate` decides what divides
+   the model (heads, kv heads, layers, batch, sequence); what it refuses is pruned with its
+   reason, grouped by the family of axes in use.
+2. Prune by memory: `cost_model.predicted_memory` (ZeRO formula + FSDP's gathered layers +
+   activations after Korthikanti et al. + batch) against the device's HBM (`--hbm` to override).
+3. Rank by `cost_model.predicted_step`: compute and HBM time by the roofline, every collective of
+   `predicted_collectives` exposed at its axis's bandwidth, and the pipeline bubble.
+4. Compile the top k (`--top`): on N fake CPU devices (XLA:CPU's buffer assignment), or with the
+   target's own compiler (`--target`, the TPU compiler through libtpu). A layout whose compiled
+   memory passes the budget is marked, and the first that fits is the winner.
+
+Bad input is named before anything compiles: a device count no layout divides, a budget nothing
+fits (with the smallest need), an unknown hardware or target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from jaxsys.config import MESH_AXES, ConfigError, load_config, validate
+
+REMATS = ("none", "dots", "full")
+
+
+@dataclasses.dataclass
+class Candidate:
+    overrides: dict  # config key (dotted, under config.) -> value
+    config: object
+    memory: dict  # cost_model.predicted_memory
+    step: dict  # cost_model.predicted_step
+    compiled: dict | None = None  # {"peak_bytes", "fits", "compile_s"} for the top k
+
+    @property
+    def name(self) -> str:
+        o = self.overrides
+        axes = " x ".join(f"{a}={o[f'mesh.{a}']}" for a in MESH_AXES if o[f"mesh.{a}"] > 1) or "1 device"
+        extra = [f"zero{o['train.zero_stage']}"] if o["mesh.data"] > 1 else []
+        extra.append(f"remat={o['model.remat']}")
+        if o["mesh.pipe"] > 1:
+            extra.append(f"m={o['train.microbatches']}")
+        if o.get("offload.optimizer"):
+            extra.append("opt->host")
+        return f"{axes} ({', '.join(extra)})"
+
+    def override_lines(self) -> list[str]:
+        return [f"--config.{k}={v}" for k, v in self.overrides.items()]
+
+
+def factorizations(n: int, k: int):
+    """Every k-tuple of positive integers whose product is n."""
+    if k == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorizations(n // d, k - 1):
+                yield (d, *rest)
+
+
+def _family(sizes: dict) -> str:
+    return " x ".join(a for a in MESH_AXES if sizes[a] > 1) or "one device"
+
+
+def _apply(base, overrides: dict):
+    c = copy.deepcopy(base)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        c[section][name] = value
+    return c
+
+
+def enumerate_layouts(base, devices: int, offload: bool = False) -> tuple[list[tuple[dict, object]], dict]:
+    """(valid (overrides, config) pairs, {family: {"count": pruned, "reason": one reason}}): every
+    layout of `devices` that `config.validate` accepts, once, and what it refused."""
+    from jaxsys.models import transformer
+
+    moe = transformer.layer_counts(base.model)["moe"] > 0
+    pruned: dict = {}
+
+    def prune(family: str, reason: str) -> None:
+        entry = pruned.setdefault(family, {"count": 0, "reason": reason})
+        entry["count"] += 1
+
+    valid = []
+    for sizes_tuple in factorizations(devices, len(MESH_AXES)):
+        sizes = dict(zip(MESH_AXES, sizes_tuple))
+        family = _family(sizes)
+        if sizes["expert"] > 1 and not moe:
+            prune(family, "the model has no MoE layer: nothing to split over `expert`")
+            continue
+        mesh_overrides = {f"mesh.{a}": sizes[a] for a in MESH_AXES}
+        p = sizes["pipe"]
+        pipeline_options = [{"train.microbatches": m * p, "train.pipeline_schedule": "1f1b"} for m in (1, 2, 4)] \
+            if p > 1 else [{"train.microbatches": base.train.microbatches}]
+        for zero in ((0, 1, 2) if sizes["data"] > 1 else (0,)):
+            for remat in REMATS:
+                for pipe_opts in pipeline_options:
+                    for host in ((False, True) if offload else (False,)):
+                        overrides = {**mesh_overrides, "train.zero_stage": zero, "model.remat": remat, **pipe_opts,
+                                     "offload.optimizer": host}
+                        config = _apply(base, overrides)
+                        try:
+                            validate(config, num_devices=devices)
+                        except ConfigError as e:
+                            prune(family, str(e).splitlines()[0])
+                            continue
+                        valid.append((overrides, config))
+    return valid, pruned
+
+
+def predict(valid, hw) -> list[Candidate]:
+    from jaxsys.analysis import cost_model
+    return [Candidate(o, c, cost_model.predicted_memory(c), cost_model.predicted_step(c, hw)) for o, c in valid]
+
+
+def compile_memory(candidate: Candidate, devices, target=None) -> dict:
+    """The compiler's peak bytes per device for the candidate's train step."""
+    from jaxsys.analysis import report
+    start = time.perf_counter()
+    if target is not None:
+        memory = report.target_analysis(candidate.config, target, devices)["memory"]
+        peak = memory.get("peak_bytes_per_chip", memory.get("required_bytes", float("inf")))
+        return {"peak_bytes": peak, "compile_s": time.perf_counter() - start, "compiler": "target"}
+    from jaxsys import program as program_lib
+    from jaxsys.mesh import make_mesh
+    program = program_lib.build(candidate.config, make_mesh(candidate.config, devices))
+    compiled = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile()
+    peak = report.memory_report(program, compiled)["peak_bytes_per_device"]
+    return {"peak_bytes": peak, "compile_s": time.perf_counter() - start, "compiler": "xla:cpu"}
+
+
+def plan(base, devices: int, hw, top: int = 3, budget: float | None = None, offload: bool = False,
+         compile_devices=None, target=None, log=print) -> dict:
+    """The whole plan as a dict: "ranked" candidates (fitting by the formula, best first, the top k
+    compiled), "pruned" families with reasons, "too_big" (the smallest that did not fit), "winner"."""
+    budget = hw.hbm_bytes if budget is None else budget
+    start = time.perf_counter()
+    valid, pruned = enumerate_layouts(base, devices, offload)
+    if not valid:
+        reasons = "; ".join(f"{f}: {e['reason']}" for f, e in list(pruned.items())[:4])
+        raise ConfigError(f"no layout of {devices} devices divides this model ({reasons}): try a device count "
+                          "that the batch, heads and layers divide")
+    candidates = predict(valid, hw)
+    fits = [c for c in candidates if c.memory["total"] <= budget]
+    too_big = [c for c in candidates if c.memory["total"] > budget]
+    for c in too_big:
+        family = "memory: " + _family({a: c.overrides[f"mesh.{a}"] for a in MESH_AXES})
+        entry = pruned.setdefault(family, {"count": 0, "reason": ""})
+        entry["count"] += 1
+        entry["reason"] = (f"needs {c.memory['total'] / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB by the formula "
+                           f"(e.g. {c.name})")
+    if not fits:
+        smallest = min(candidates, key=lambda c: c.memory["total"])
+        raise ConfigError(f"no layout of {devices} devices fits {budget / 2**30:.1f} GiB per device: the smallest "
+                          f"need is {smallest.memory['total'] / 2**30:.1f} GiB ({smallest.name}); raise --hbm, add "
+                          "devices, or shrink the batch or sequence")
+    fits.sort(key=lambda c: c.step["step_s"])
+    log(f"plan: {len(candidates)} layouts valid, {len(fits)} fit by the formula "
+        f"({time.perf_counter() - start:.1f}s); compiling the top {min(top, len(fits))}")
+    winner = None
+    for c in fits[:top]:
+        try:
+            c.compiled = compile_memory(c, compile_devices, target)
+            c.compiled["fits"] = c.compiled["peak_bytes"] <= budget
+        except Exception as e:  # noqa: BLE001 - one layout failing to compile must not stop the plan
+            c.compiled = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "fits": False}
+        log(f"  compiled {c.name}: " + (f"{c.compiled['peak_bytes'] / 2**30:.2f} GiB in {c.compiled['compile_s']:.0f}s"
+                                         if "peak_bytes" in c.compiled else c.compiled["error"]))
+        if winner is None and c.compiled["fits"]:
+            winner = c
+    if winner is None and top == 0:
+        winner = fits[0]
+    return {"ranked": fits, "pruned": pruned, "too_big": too_big, "winner": winner, "budget": budget,
+            "devices": devices, "hardware": hw.name}
+
+
+def table(result: dict, rows: int = 10) -> str:
+    gib = lambda b: f"{b / 2**30:.2f}"
+    lines = [f"layouts for {result['devices']} x {result['hardware']}, budget {gib(result['budget'])} GiB per device",
+             "", "| # | layout | step ms (pred.) | MFU (pred.) | memory GiB (formula) | memory GiB (compiled) | fits |",
+             "|---:|---|---:|---:|---:|---:|---|"]
+    for i, c in enumerate(result["ranked"][:rows], 1):
+        comp = c.compiled or {}
+        compiled = gib(comp["peak_bytes"]) if "peak_bytes" in comp else (comp.get("error", "-")[:40] if comp else "-")
+        fits = "-" if not comp else ("yes" if comp.get("fits") else "**no**")
+        lines.append(f"| {i} | {c.name} | {c.step['step_s'] * 1e3:.1f} | {c.step['mfu']:.1%} | "
+                     f"{gib(c.memory['total'])} | {compiled} | {fits} |")
+    lines += ["", "pruned:"]
+    for family, entry in result["pruned"].items():
+        lines.append(f"  {family}: {entry['count']} ({entry['reason']})")
+    w = result["winner"]
+    lines += ["", f"winner: {w.name}" if w else "winner: none of the compiled layouts fits; raise --top"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
+    parser.add_argument("--devices", type=int, default=0, help="devices to plan for (or --target)")
+    parser.add_argument("--hardware", default="h100", help="a cost_model profile: h100, h200, tpu_v5p, cpu")
+    parser.add_argument("--target", default="", help="a TPU slice or GPU nodes (e.g. v5p-256): its chips, its "
+                                                     "compiler for the top k")
+    parser.add_argument("--hbm", type=float, default=0.0, help="memory budget per device in GiB (default: the "
+                                                               "hardware's HBM)")
+    parser.add_argument("--top", type=int, default=3, help="compile the k best (0: none)")
+    parser.add_argument("--offload", action="store_true", help="also try the optimizer state in host memory")
+    parser.add_argument("--out", default="", help="write the winner as config overrides, one a line")
+    parser.add_argument("--json", default="", help="write the whole table as JSON here")
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+    from jaxsys.analysis import cost_model, targets
+    try:
+        target = None
+        if args.target:
+            if args.devices:
+                raise ConfigError("pass --target or --devices, not both (a target has its own chip count)")
+            target = targets.parse(args.target)
+            hw = targets.hardware(target)
+            devices = target.chips
+        else:
+            if args.hardware not in cost_model.PROFILES:
+                raise ConfigError(f"--hardware {args.hardware!r}: choose one of {sorted(cost_model.PROFILES)}")
+            if args.devices < 1:
+                raise ConfigError("--devices N (N >= 1) or --target NAME")
+            hw, devices = cost_model.hardware(args.hardware), args.devices
+        if target is not None and args.top:
+            targets.require_compiler(target)
+        base = load_config(args.config, overrides)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.top and target is None:  # fake CPU devices must be asked for before JAX starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={devices}").strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    compile_devices = None
+    if args.top and target is None:
+        jax.config.update("jax_platforms", "cpu")
+        if len(jax.devices()) < devices:
+            print(f"error: JAX already started with {len(jax.devices())} devices; plan in a fresh process",
+                  file=sys.stderr)
+            return 2
+        compile_devices = jax.devices()[:devices]
+    elif target is not None:
+        compile_devices = targets.devices(target)
+    try:
+        result = plan(base, devices, hw, args.top, args.hbm * 2**30 if args.hbm else None, args.offload,
+                      compile_devices, target, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.out and result["winner"] is not None:
+        with open(args.out, "w") as f:
+            f.write("\n".join(result["winner"].override_lines()) + "\n")
+        print(f"wrote {args.out}")
+    if args.json:
+        rows = [dict(layout=c.name, overrides=c.overrides, memory=c.memory, step=c.step, compiled=c.compiled)
+                for c in result["ranked"]]
+        with open(args.json, "w") as f:
+            json.dump({"ranked": rows, "pruned": result["pruned"], "budget": result["budget"],
+                       "winner": result["winner"].name if result["winner"] else None}, f, indent=1)
+    return 0 if result["winner"] is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
