@@ -145,7 +145,11 @@ def main(argv=None) -> int:
             n = math.prod(config.mesh[a] for a in config.mesh)
             program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params
-        eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
+        if config.serve.disaggregate:  # prefill and decode on two sub-meshes (serve/disagg.py)
+            from jaxsys.serve import disagg
+            eng = disagg.DisaggregatedEngine.from_config(config, params)
+        else:
+            eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
         eng.warmup()  # compile every row bucket before the clock starts
         result = replay(eng, trace, args.seed, config.model.vocab_size)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:

@@ -36,8 +36,11 @@ QUANT_TRAIN = ("none", "int8")  # config.model.quant_train
 QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
+KV_QUANT = ("none", "int8", "kivi4", "kivi2")  # config.serve.kv_quant (docs/kv_quant.md)
 # checkpoint_name()s the model puts on activations, which config.offload.activations may offload
 ACTIVATION_NAMES = ("layer_input", "attention_output", "mlp_hidden")
+MODEL_KINDS = ("jaxsys", "flax")  # config.model.kind (docs/flax.md)
+FREE_FORM = "model.flax_kwargs."  # keys under it are the Flax module's own, not the base config's
 
 
 class ConfigError(ValueError):
@@ -79,6 +82,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.quant_zero_point = False  # w4a16 with a zero point per group (asymmetric codes)
     c.model.quant_impl = "pallas"  # pallas | reference
     c.model.quant_train = "none"  # none | int8
+    # Bring your own Flax NNX model (docs/flax.md): kind "flax" trains flax_module
+    # ("package.module:ClassName", built as ClassName(**flax_kwargs, rngs=nnx.Rngs(key))) in place of
+    # the transformer, whose shape keys then do not apply (vocab_size does: the width of its logits).
+    c.model.kind = "jaxsys"  # jaxsys | flax
+    c.model.flax_module = ""
+    c.model.flax_kwargs = ml_collections.ConfigDict()  # the module's constructor arguments (free-form)
 
     # Mixture of experts (the layers that mlp_pattern marks `moe`; docs/moe.md)
     c.model.moe = ml_collections.ConfigDict()
@@ -181,6 +190,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.chunk_size = 64  # prefill chunk (Sarathi-Serve)
     c.serve.max_seqs = 16  # sequences running at once
     c.serve.policy = "chunked"  # chunked | prefill_first | decode_first
+    c.serve.kv_quant = "none"  # none | int8 | kivi4 | kivi2: the engine's KV cache format (docs/kv_quant.md)
+    c.serve.kv_residual = 0  # full pages kept in full precision before each sequence's open page
+    # disaggregated prefill and decode (serve/disagg.py): two sub-meshes over disjoint devices
+    c.serve.disaggregate = False
+    c.serve.prefill_mesh = "tensor=4"  # axis sizes of the prefill sub-mesh ("axis=size,...")
+    c.serve.decode_mesh = "data=2,tensor=2"  # ... and of the decode sub-mesh; together all devices
+    c.serve.placement = "cost"  # cost (the cost model picks per request) | prefill | colocated
+    c.serve.interference = 1.0  # cost model: weight of the running decodes' stall vs one request's TTFT
+    c.serve.hardware = "h100"  # cost model: the hardware profile placement is priced on
+    # speculative decoding in the engine (serve/spec_engine.py): tokens drafted per decode step
+    c.serve.spec_k = 0  # 0 = off
+    c.serve.draft = "none"  # none | a workdir of a smaller model with the same vocabulary | self
+    c.serve.spec_window = 64  # self-speculation: the draft attends to the last spec_window tokens
+    c.serve.spec_sink = 4  # ... and to the first spec_sink (attention sinks); both in whole pages
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "" = from the environment, or single process
@@ -234,6 +257,10 @@ def from_dict(values: dict, source: str = "a dict") -> ml_collections.ConfigDict
     config = base_config()
     known = _flatten(config)
     flat = _flatten(ml_collections.ConfigDict(values))
+    kwargs = values.get("model", {}).get("flax_kwargs")  # free-form: the Flax module's arguments
+    if kwargs:
+        config.model.flax_kwargs = ml_collections.ConfigDict(kwargs)
+    flat = {k: v for k, v in flat.items() if not k.startswith(FREE_FORM)}
     for key, value in flat.items():
         if key not in known:
             raise ConfigError(f"{source}: " + str(_unknown_key_error(key, list(known))))
@@ -269,7 +296,7 @@ def check_keys(config) -> None:
     """Every key must exist in the base config (catches typos in config files)."""
     known = _flatten(base_config())
     for key in _flatten(config):
-        if key not in known:
+        if key not in known and not key.startswith(FREE_FORM):
             raise _unknown_key_error(key, list(known))
 
 
@@ -352,6 +379,21 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_speculation(sv) -> None:
+    """config.serve.spec_k / draft / spec_window / spec_sink (serve/spec_engine.py)."""
+    _require(isinstance(sv.spec_k, int) and sv.spec_k >= 0,
+             f"config.serve.spec_k={sv.spec_k!r} must be an integer >= 0 (0: no speculative decoding)")
+    _require(isinstance(sv.draft, str) and sv.draft != "",
+             f"config.serve.draft={sv.draft!r}: 'none', 'self' or the workdir of a draft model")
+    _require((sv.spec_k >= 1) == (sv.draft != "none"),
+             f"config.serve.spec_k={sv.spec_k} with config.serve.draft={sv.draft!r}: speculation needs "
+             "both a draft ('self' or a workdir) and spec_k >= 1, plain decoding spec_k=0 and draft='none'")
+    _require(isinstance(sv.spec_window, int) and sv.spec_window >= 1,
+             f"config.serve.spec_window={sv.spec_window!r} must be a positive integer (tokens)")
+    _require(isinstance(sv.spec_sink, int) and sv.spec_sink >= 0,
+             f"config.serve.spec_sink={sv.spec_sink!r} must be an integer >= 0 (tokens)")
+
+
 def fill_axis(config) -> str | None:
     """The mesh axis set to -1 (sized by the device count), or None."""
     filled = [a for a in MESH_AXES if config.mesh[a] == -1]
@@ -429,10 +471,15 @@ def validate(config, num_devices: int | None = None) -> None:
     _validate_moe(config)
     _validate_optimizer(config)
     _validate_quant(config)
+    _validate_flax(config)
     sv = config.serve
     for key in ("pages", "page_size", "token_budget", "chunk_size", "max_seqs"):
         _require(isinstance(sv[key], int) and sv[key] >= 1, f"config.serve.{key}={sv[key]!r} must be a positive integer")
     _require(sv.policy in SERVE_POLICIES, f"config.serve.policy={sv.policy!r}: choose one of {SERVE_POLICIES}")
+    _validate_speculation(sv)
+    _require(sv.kv_quant in KV_QUANT, f"config.serve.kv_quant={sv.kv_quant!r}: choose one of {KV_QUANT}")
+    _require(isinstance(sv.kv_residual, int) and sv.kv_residual >= 0,
+             f"config.serve.kv_residual={sv.kv_residual!r} must be an integer >= 0 (pages)")
     _require(m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
              f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
              "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)")
@@ -484,6 +531,8 @@ def validate(config, num_devices: int | None = None) -> None:
             ("head_dim", "head_dim", m.head_dim)]
     dims += [("mlp", "d_ff", m.d_ff)] if "dense" in mlps else []
     dims += [("mlp", "moe.d_ff", m.moe.d_ff), ("experts", "moe.experts", m.moe.experts)] if moe else []
+    if m.kind == "flax":  # the module's own shapes are checked by models/flax_model.check_layout
+        dims = []
     for logical, key, size in dims:
         rule = config.sharding.params[logical]
         shards = math.prod(sizes[a] for a in axes_of(rule))
@@ -572,6 +621,38 @@ def _validate_optimizer(config) -> None:
     bad = [n for n in offloaded_activations(config) if n not in ACTIVATION_NAMES]
     _require(not bad, f"config.offload.activations={o.activations!r}: unknown name(s) {bad}; the model "
                       f"names {ACTIVATION_NAMES}")
+
+
+def _validate_flax(config) -> None:
+    """config.model.kind='flax' (models/flax_model.py): what jaxsys does for a Flax module. Its
+    parameters are sharded by their logical names over data/fsdp (ZeRO, FSDP); the other mesh axes
+    need the model to call jaxsys.parallel itself, and the options below reach into jaxsys's own
+    transformer. Checked on the module itself when the program is built: its axis names and shapes."""
+    m, mesh, t = config.model, config.mesh, config.train
+    _require(m.kind in MODEL_KINDS, f"config.model.kind={m.kind!r}: choose one of {MODEL_KINDS}")
+    if m.kind != "flax":
+        _require(not m.flax_module, f"config.model.flax_module={m.flax_module!r} is set but config.model.kind="
+                 f"{m.kind!r}: set config.model.kind='flax' to train it")
+        return
+    _require(m.flax_module.count(":") == 1 and all(m.flax_module.split(":")),
+             f"config.model.flax_module={m.flax_module!r}: give 'package.module:ClassName' with "
+             "config.model.kind='flax'")
+    for axis in ("tensor", "seq", "pipe", "expert"):
+        _require(mesh[axis] == 1,
+                 f"config.mesh.{axis}={mesh[axis]} with config.model.kind='flax': a Flax model gets data "
+                 "parallelism, ZeRO and FSDP (config.mesh.data, config.mesh.fsdp) from its parameters' logical "
+                 f"names alone; {axis} parallelism needs per-shard model code that calls jaxsys.parallel "
+                 "(docs/flax.md). Set the axis to 1")
+    refused = [("config.train.optimizer", t.optimizer, "adamw"), ("config.model.quant", m.quant, "none"),
+               ("config.model.quant_train", m.quant_train, "none"), ("config.model.remat", m.remat, "none"),
+               ("config.offload.activations", config.offload.activations, ""),
+               ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
+               ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),
+               ("config.parallel.expert_rebalance_every", config.parallel.expert_rebalance_every, 0)]
+    for key, value, supported in refused:
+        _require(value == supported,
+                 f"{key}={value!r} with config.model.kind='flax': it acts inside jaxsys's own transformer; "
+                 f"use {supported!r} (remat: nnx.remat in the module itself; docs/flax.md)")
 
 
 def _validate_quant(config) -> None:

@@ -9,6 +9,17 @@ parameters, and a 4x narrower 2-layer model, 0.12M, both trained 300 steps on th
 generated tokens / target forwards (prefill included). Roofline speed-up on a memory-bound
 device, per round: (n + 1) tokens for one target forward + k draft forwards, each costing its
 weight bytes: (accepted + 1) / (1 + k x draft_bytes / target_bytes) relative to plain decoding.
+
+`--part engine` (or `all`, the default) measures the same inside the continuous-batching engine
+(jaxsys/serve/spec_engine.py), ~1.5 min: 8 held-out prompts of 64 bytes, 48 new tokens each, submitted
+together with k = 1, 2, 4, 8 per request (32 requests in one batch, each with its own k), for the
+small draft (T = 0 and 1) and for self-speculation (the target over its attention sinks, 4 tokens,
+and a recent window of W = 8, 16, 32 tokens, pages of 4; T = 0, and T = 1 at W = 16). Per k: tokens
+per target forward of a speculating sequence (1 + accepted per round), acceptance, and the roofline
+speed-up: small draft as above; self-speculation, whose draft reads the target's weights and a
+fraction f of its cache (f measured), (n + 1)(1 + rho) / (1 + rho + k (1 + rho f)) with rho = KV
+bytes / weight bytes of the batch (this run's rho, and rho -> infinity: (n + 1) / (1 + k f)).
+Writes results_engine.json and engine.png.
 """
 
 from __future__ import annotations
@@ -27,9 +38,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", required=True)
     parser.add_argument("--draft", required=True)
+    parser.add_argument("--part", choices=("contiguous", "engine", "all"), default="all")
     args = parser.parse_args(argv)
+    if args.part in ("engine", "all"):
+        engine_part(args)
+    if args.part == "engine":
+        return 0
     import jax
-    import numpy as np
+
     from jaxsys import data as data_lib
     from jaxsys import generate as gen
     from jaxsys.serve import decode, speculative
@@ -65,6 +81,96 @@ def main(argv=None) -> int:
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
+
+
+def engine_part(args) -> None:
+    import jax
+    import numpy as np
+
+    from jaxsys import data as data_lib
+    from jaxsys import generate as gen
+    from jaxsys.serve import engine, spec_engine
+    target, tparams, tconfig = gen.load_program(args.target)
+    draft, dparams, _ = gen.load_program(args.draft)
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
+    weights = nbytes(tparams)
+    ratio = nbytes(dparams) / weights
+    m = tconfig.model
+    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * np.dtype(m.compute_dtype).itemsize
+    held = data_lib.load_corpus(tconfig.data).split("eval")
+    prompts = [held[i * 4000:i * 4000 + 64].astype(int).tolist() for i in range(8)]
+    ks, new = (1, 2, 4, 8), 48
+    kw = dict(num_pages=512, page_size=4, token_budget=256, chunk_size=64, max_seqs=32)
+    rows = []
+
+    def run(eng, name, temperature, window=None):
+        if window is not None:
+            eng.window = window  # host-side only: the same compiled steps
+        before = dict(eng.stats)
+        for k in ks:
+            for i, prompt in enumerate(prompts):
+                eng.submit((name, temperature, window, k, i), prompt, new, engine.Sampling(temperature, seed=i), k=k)
+        eng.run()
+        read = {key: eng.stats[key] - before[key] for key in ("draft_read", "full_read")}
+        f = read["draft_read"] / read["full_read"] if read["full_read"] else None
+        for k in ks:
+            stats = [s for rid, s in eng.per_request.items() if rid[:4] == (name, temperature, window, k)]
+            rounds, acc, drafted = (sum(s[key] for s in stats) for key in ("rounds", "accepted", "drafted"))
+            n = acc / rounds
+            row = {"draft": name, "temperature": temperature, "window": window, "k": k,
+                   "tokens_per_target_forward": 1 + n, "acceptance": acc / drafted}
+            if window is None:
+                row["roofline_speedup"] = (1 + n) / (1 + k * ratio)
+            else:  # the batch's KV: 8 sequences at their mean context (prompt + half the output)
+                rho = len(prompts) * (len(prompts[0]) + new / 2) * kv_per_token / weights
+                row.update(draft_read_fraction=f, rho=rho,
+                           roofline_speedup=(1 + n) * (1 + rho) / (1 + rho + k * (1 + rho * f)),
+                           roofline_speedup_kv_bound=(1 + n) / (1 + k * f))
+            rows.append(row)
+            print(f"engine {name:>5} T={temperature} W={window} k={k}: {1 + n:.2f} tokens/forward, acceptance "
+                  f"{row['acceptance']:.1%}, roofline x{row['roofline_speedup']:.2f}"
+                  + (f" (f={f:.2f}, KV-bound x{row['roofline_speedup_kv_bound']:.2f})" if window else ""), flush=True)
+
+    small = spec_engine.SpeculativeEngine(target, tparams, **kw, k=1, draft=(draft, dparams))
+    for temperature in (0.0, 1.0):
+        run(small, "small", temperature)
+    del small
+    self_eng = spec_engine.SpeculativeEngine(target, tparams, **kw, k=1, draft="self", window=8, sink=4)
+    for window, temperature in ((8, 0.0), (16, 0.0), (32, 0.0), (16, 1.0)):
+        run(self_eng, "self", temperature, window)
+    with open(os.path.join(HERE, "results_engine.json"), "w") as f:
+        json.dump({"draft_bytes_ratio": ratio, "kv_bytes_per_token": kv_per_token, "weight_bytes": weights,
+                   "rows": rows}, f, indent=1)
+    plot(rows)
+
+
+def plot(rows) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    series = {}
+    for r in rows:
+        label = (f"small draft, T={r['temperature']:g}" if r["window"] is None
+                 else f"self, sink 4 + window {r['window']}, T={r['temperature']:g}")
+        series.setdefault(label, []).append(r)
+    for label, rs in series.items():
+        ax.plot([r["k"] for r in rs], [r["tokens_per_target_forward"] for r in rs], "o-", label=label)
+        line, = bx.plot([r["k"] for r in rs], [r["roofline_speedup"] for r in rs], "o-", label=label)
+        if "roofline_speedup_kv_bound" in rs[0]:  # self-speculation when the KV cache dominates the bytes
+            bx.plot([r["k"] for r in rs], [r["roofline_speedup_kv_bound"] for r in rs], "x--", color=line.get_color(),
+                    lw=0.8)
+    for a, title in ((ax, "tokens per target forward (in the engine)"),
+                     (bx, "roofline speed-up (dashed: self, KV-bound)")):
+        a.set_xscale("log", base=2)
+        a.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        a.set_xlabel("k (drafted tokens per step)")
+        a.set_title(title)
+        a.grid(alpha=0.3)
+    bx.axhline(1.0, color="gray", lw=0.8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "engine.png"), dpi=110)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ and values of every layer in the compute dtype, kv heads split over `tensor`):
         compute  = 2 (matmul parameters / t) b / peak + attention 4 L b S N H / t / peak
         comm     = 2 all-reduces per layer of [b, D] b_c over `tensor`, ring bytes / link bandwidth
         latency  = max(memory, compute) + comm          (collectives not overlapped, as in decode)
+    KV handed from a prefill to a decode mesh (disaggregated serving, serve/disagg.py), per request
+    of T prompt tokens in pages of p slots:
+        transfer bytes = 2 L ceil(T / p) p K H b_c      (whole pages; over all devices, not per device)
 
 Formulas only: nothing is compiled (the step is tiny; the question is what bounds it).
 """
@@ -43,6 +46,15 @@ def weight_bytes_per_device(config) -> int:
         itemsize = np.dtype(s.dtype or config.model.param_dtype).itemsize
         total += math.prod(layout.local_shape(s.shape, s.axes)) * itemsize
     return total
+
+
+def kv_transfer_bytes(model, tokens: int, page_size: int = 1) -> int:
+    """Bytes of KV cache that disaggregated serving moves from the prefill to the decode mesh for
+    a request of `tokens` prompt tokens: keys and values of every layer for whole pages of
+    `page_size` slots, in the compute dtype (the sum over devices: each decode device receives its
+    kv heads' share once). page_size=1: no page rounding."""
+    padded = math.ceil(tokens / page_size) * page_size
+    return 2 * model.n_layers * padded * model.n_kv_heads * model.head_dim * np.dtype(model.compute_dtype).itemsize
 
 
 def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
@@ -77,6 +89,10 @@ def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BA
             "kv_bytes_per_token": kv_per_token, "weight_bytes_per_device": weights,
             "hbm_bytes": hw.hbm_bytes,
             "kv_bytes_per_sequence": {S: S * kv_per_token for S in contexts},
+            # disaggregated serving: a prompt of S tokens' KV moved prefill -> decode mesh (all devices)
+            "transfer_bytes_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) for S in contexts},
+            "transfer_s_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) / hw.intra_node_bytes_per_s
+                                       for S in contexts},
             "max_batch_per_device": {S: max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
                                      for S in contexts},
             "rows": rows}
@@ -89,9 +105,11 @@ def format_decode_report(r: dict) -> str:
            f", KV cache {r['compute_dtype']}", "",
            f"KV cache per token per device: {_b(r['kv_bytes_per_token'])}; weights per device "
            f"{_b(r['weight_bytes_per_device'])} of {_b(r['hbm_bytes'])}", "",
-           "context   KV per sequence   sequences that fit per device"]
+           "context   KV per sequence   sequences that fit per device   prefill->decode transfer (one link)"]
     for S, per_seq in r["kv_bytes_per_sequence"].items():
-        out.append(f"{S:>7}   {_b(per_seq):>15}   {r['max_batch_per_device'][S]:>10,}")
+        xfer = r.get("transfer_bytes_per_request", {}).get(S)
+        note = f"   {_b(xfer):>12} {r['transfer_s_per_request'][S] * 1e3:8.3f} ms" if xfer is not None else ""
+        out.append(f"{S:>7}   {_b(per_seq):>15}   {r['max_batch_per_device'][S]:>29,}{note}")
     out += ["", "context  batch   latency/step   tokens/s   bound     (memory / compute / comm ms)"]
     for row in r["rows"]:
         note = "" if row["fits"] else "  does not fit"

@@ -23,6 +23,7 @@ whole periods of the two patterns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -40,6 +41,24 @@ from jaxsys.sharding import Layout
 
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")  # leaves of the dense-MLP layers only
+# a cache's per-layer leaves [L, ...] (`layer_stack(kv=...)`; the quantized ones: models/kv_quant.py)
+CACHE_LEAVES = ("k", "v", "kq", "vq", "ks", "kz", "vs", "vz")
+_ATTENTION = None  # `attention_override`
+
+
+@contextlib.contextmanager
+def attention_override(fn):
+    """While open, the forward without a cache computes its softmax attention as fn(q, k, v) (q
+    [B, T, N, H], k, v [B, T, K, H] after RoPE, causal over positions 0..T-1) instead of
+    `attention.softmax_attention`: e.g. models/kv_quant.kivi_attention, attention over a quantized
+    KV cache. Trace time, as quant.capture_inputs: jit a new function inside the block (a cached
+    trace keeps the attention it was traced with)."""
+    global _ATTENTION
+    outer, _ATTENTION = _ATTENTION, fn
+    try:
+        yield
+    finally:
+        _ATTENTION = outer
 
 
 def layer_counts(m) -> dict:
@@ -128,6 +147,9 @@ def _paged_attention(q, k, v, kv, positions):
     Every row's key and value are written to its slot first, then each row attends to its
     sequence's slots up to its position (the Pallas paged-attention kernel, one query per row), so
     the rows of one prefill chunk see each other causally."""
+    if "kv_quant" in kv:  # the quantized cache (config.serve.kv_quant, models/kv_quant.py)
+        from jaxsys.models import kv_quant
+        return kv_quant.paged_attention(q, k, v, kv, positions)
     pages, page_size = kv["k"].shape[:2]
     table = kv["page_table"]
     pos = positions[:, 0]
@@ -135,7 +157,10 @@ def _paged_attention(q, k, v, kv, positions):
     write = lambda cache, new: cache.reshape(pages * page_size, *cache.shape[2:]).at[slot].set(
         new[:, 0].astype(cache.dtype)).reshape(cache.shape)
     out = dict(kv, k=write(kv["k"], k), v=write(kv["v"], v))
-    o = paged_attention(q[:, 0], out["k"].astype(q.dtype), out["v"].astype(q.dtype), table, pos + 1)
+    # self-speculation's sparse draft (serve/spec_engine.py) reads through another table of the same
+    # pages (its attention sinks and recent window) with its own lengths; the writes above use the full one
+    read_table, read_lengths = kv.get("read_table", table), kv.get("read_lengths", pos + 1)
+    o = paged_attention(q[:, 0], out["k"].astype(q.dtype), out["v"].astype(q.dtype), read_table, read_lengths)
     return o[:, None], out
 
 
@@ -166,7 +191,7 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
         if kv is None:
-            o = attention.softmax_attention(q, k, v, m, seq)
+            o = attention.softmax_attention(q, k, v, m, seq) if _ATTENTION is None else _ATTENTION(q, k, v)
         elif "page_table" in kv:  # the serving engine's paged cache (jaxsys/serve/engine.py)
             o, kv = _paged_attention(q, k, v, kv, positions)
         else:
@@ -270,9 +295,9 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
 
     # the caches [L, ...] scan as [groups, period, ...] beside the weights
     # (a paged cache's page table is the same for every layer: it is not scanned)
-    shared = {} if kv is None else {k: a for k, a in kv.items() if k not in ("k", "v")}
+    shared = {} if kv is None else {k: a for k, a in kv.items() if k not in CACHE_LEAVES}
     kv_groups = None if kv is None else jax.tree.map(
-        lambda a: a.reshape(n_groups, period, *a.shape[1:]), {"k": kv["k"], "v": kv["v"]})
+        lambda a: a.reshape(n_groups, period, *a.shape[1:]), {k: a for k, a in kv.items() if k in CACHE_LEAVES})
 
     def body(carry, xs):
         (x, previous), (group_params, g, kv_group) = carry, xs
@@ -284,7 +309,7 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
             else:
                 x, previous, layer_stats, kv_layer = remat[i](
                     *args, {**jax.tree.map(lambda a: a[i], kv_group), **shared})
-                kv_out.append({"k": kv_layer["k"], "v": kv_layer["v"]})
+                kv_out.append({k: kv_layer[k] for k in kv_group})
             if layer_stats is not None:
                 stats.append(layer_stats)
         stack = lambda items: jax.tree.map(lambda *s: jnp.stack(s), *items) if items else None

@@ -24,14 +24,18 @@ def main(argv=None) -> int:
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
     from jaxsys import generate
     from jaxsys.mesh import cpu_unless_accelerator
-    from jaxsys.serve import engine, server
+    from jaxsys.serve import server, spec_engine
     cpu_unless_accelerator()
     flags = {"pages": args.pages, "page_size": args.page_size, "token_budget": args.token_budget,
              "chunk_size": args.chunk_size, "max_seqs": args.max_seqs}
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     try:
         program, params, config = generate.load_program(args.workdir, overrides, args.step)
-        eng = engine.Engine.from_config(program, params)
+        if config.serve.disaggregate:  # prefill and decode on two sub-meshes (serve/disagg.py)
+            from jaxsys.serve import disagg
+            eng = disagg.DisaggregatedEngine.from_config(config, params)
+        else:
+            eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -61,8 +61,15 @@ def sample(logits, key, temperature, top_k, top_p):
     """Next tokens [B] from logits [B, V] (fp32): greedy where temperature == 0; else softmax of
     logits / temperature restricted to the top_k (0: all) most likely tokens and to the smallest
     set whose probability reaches top_p (1: all), drawn with `key`."""
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1)
+    drawn = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def filtered_logits(logits, temperature, top_k, top_p):
+    """The logits `sample` draws from when temperature > 0 (scaled, -inf outside the top-k and
+    top-p sets); their softmax is the sampling distribution (serve/spec_engine.py's p and q)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
     scaled = logits / jnp.maximum(temperature, 1e-6)
     ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # one sort: the filters below keep its order
     vocab = logits.shape[-1]
@@ -74,9 +81,7 @@ def sample(logits, key, temperature, top_k, top_p):
     before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
     keep = before < top_p  # the first token is always kept
     cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    drawn = jax.random.categorical(key, scaled, axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
 
 
 @dataclasses.dataclass

@@ -70,6 +70,7 @@ class Request:
     max_new_tokens: int
     prefilled: int = 0  # prompt tokens already in the cache
     generated: list = dataclasses.field(default_factory=list)
+    spec_k: int = 0  # speculative decoding (serve/spec_engine.py): tokens drafted per decode step
 
     @property
     def done(self) -> bool:
@@ -85,7 +86,8 @@ class Request:
 class Work:
     """One request's share of a step: `tokens` new tokens starting at cache position `start`.
     kind "prefill" (a prompt chunk; its last chunk also yields the first generated token) or
-    "decode" (one token, the last generated, at position `start`)."""
+    "decode" (the last generated token at position `start`, and under speculative decoding
+    `tokens` - 1 drafted tokens after it)."""
     request: Request
     kind: str
     start: int
@@ -129,6 +131,13 @@ class Scheduler:
                 return  # first come, first served: later requests wait behind it
             self.running.append(self.waiting.pop(0))
 
+    @staticmethod
+    def lookahead(r: Request) -> int:
+        """Tokens to draft for `r` this step: its spec_k, clamped so that the verified tokens
+        (at most lookahead + 1) never run past max_new_tokens, nor the drafted slots past the
+        pages reserved for prompt + max_new_tokens."""
+        return max(min(r.spec_k, r.max_new_tokens - len(r.generated) - 1), 0)
+
     def plan(self) -> list[Work]:
         """The work of the next step (possibly empty when nothing is admitted or waiting)."""
         self._admit()
@@ -142,8 +151,9 @@ class Scheduler:
             for r in decoding:
                 if left == 0:
                     return
-                work.append(Work(r, "decode", r.cached, 1))
-                left -= 1
+                n = min(1 + self.lookahead(r), left)
+                work.append(Work(r, "decode", r.cached, n))
+                left -= n
 
         def prefills(chunked: bool):
             nonlocal left
@@ -169,7 +179,8 @@ class Scheduler:
 
     def commit(self, work: list[Work], sampled: dict) -> list[Request]:
         """Apply a step's results: `sampled[request id]` is the token sampled after each decode and
-        after each prompt's last chunk. Returns the requests that finished (their pages freed)."""
+        after each prompt's last chunk (a list of tokens after a speculative decode: the accepted
+        drafts and the next token). Returns the requests that finished (their pages freed)."""
         done = []
         for w in work:
             r = w.request
@@ -178,7 +189,8 @@ class Scheduler:
                 if r.prefilled == len(r.prompt):
                     r.generated.append(sampled[r.id])
             else:
-                r.generated.append(sampled[r.id])
+                tokens = sampled[r.id]
+                r.generated.extend(tokens if isinstance(tokens, list) else [tokens])
             if r.done:
                 done.append(r)
         for r in done:

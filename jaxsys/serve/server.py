@@ -74,7 +74,9 @@ class EngineLoop:
                     rid = w.request.id
                     if rid in sampled and rid in self.queues:
                         q = self.queues[rid]
-                        q.put((sampled[rid], w.request.done))
+                        out = sampled[rid] if isinstance(sampled[rid], list) else [sampled[rid]]  # speculative: several
+                        for j, token in enumerate(out):
+                            q.put((token, w.request.done and j == len(out) - 1))
                         if w.request.done:
                             del self.queues[rid]
 

@@ -11,8 +11,8 @@ exactly the target's greedy tokens.
 `generate` runs it on the contiguous-cache decoders of jaxsys/serve/decode.py for one prompt: the
 draft is any jaxsys model with the same vocabulary (a smaller one, or the target itself). Both
 caches are written at per-sequence positions, so a rejected suffix is simply overwritten next
-round (writes come before reads and attention masks by position). Not yet: the engine's
-continuous batching, per-sequence k, and self-speculation (issue 20).
+round (writes come before reads and attention masks by position). Inside the continuous-batching
+engine, with a per-sequence k and self-speculation: serve/spec_engine.py (which reuses `accept`).
 """
 
 from __future__ import annotations
