@@ -33,6 +33,10 @@ def load_program(workdir: str, overrides=(), step: int | None = None):
 
     cpu_unless_accelerator()
     config, step = checkpoint_lib.saved_config(workdir, overrides, step)
+    if config.model.kind == "flax":
+        raise ConfigError(f"{workdir} holds a Flax model (config.model.kind='flax'): generation and serving "
+                          "need jaxsys's transformer and its KV cache (docs/flax.md); its eval loss: "
+                          f"python -m jaxsys.evaluate --workdir {workdir}")
     decode.check_servable(config)
     program = program_lib.build(config, mesh_for(config))
     params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")

@@ -96,7 +96,12 @@ class Placement:
                             shapes, self.state_shardings)
 
     def _init(self, key) -> TrainState:
-        params = params_lib.init_params(self.specs, key, jnp.dtype(self.config.model.param_dtype))
+        m = self.config.model
+        if m.kind == "flax":  # the module's own initialisers (models/flax_model.py)
+            from jaxsys.models import flax_model
+            params = flax_model.init_params(m, key, jnp.dtype(m.param_dtype))
+        else:
+            params = params_lib.init_params(self.specs, key, jnp.dtype(m.param_dtype))
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
     def fresh_state(self, params) -> TrainState:
@@ -130,8 +135,12 @@ class Program(Placement):
         token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats).
         `hook` sees every weight as it is read (`transformer._weights`; zeroth-order perturbations)."""
         c, norm = self.config, self.tokens_per_step
-        losses, moe_stats = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
-                                                     self.unroll_layers, c.parallel.expert_dispatch, hook)
+        if c.model.kind == "flax":  # a Flax module (models/flax_model.py): the same objective
+            from jaxsys.models import flax_model
+            losses, moe_stats = flax_model.token_losses(params, tokens, c.model, self.layout, self.specs)
+        else:
+            losses, moe_stats = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
+                                                         self.unroll_layers, c.parallel.expert_dispatch, hook)
         ce = jnp.sum(losses) / norm
         return ce + _moe_term(moe_stats, norm), (ce, moe_stats)
 
@@ -290,7 +299,11 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
                           f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'")
     layout = Layout.from_config(config)
     t, p = config.train, config.mesh.pipe
-    specs = transformer.param_specs(config.model, chunks=t.virtual_stages if p > 1 else 1)
+    if config.model.kind == "flax":  # names and shapes of a Flax module's nnx.Params, checked here
+        from jaxsys.models import flax_model
+        specs = flax_model.validate_model(config)
+    else:
+        specs = transformer.param_specs(config.model, chunks=t.virtual_stages if p > 1 else 1)
     is_spec = params_lib.is_spec
     param_pspecs = jax.tree.map(lambda s: layout.param_spec(s.axes), specs, is_leaf=is_spec)
     plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage),

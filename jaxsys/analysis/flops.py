@@ -9,6 +9,9 @@ def matmul_params(m) -> int:
     router and the k experts (and shared experts) a token uses, its active parameters."""
     from jaxsys.models import moe, transformer
 
+    if m.kind == "flax":  # a Flax module (docs/flax.md): every parameter, as C = 6N counts them
+        from jaxsys.models import flax_model, params
+        return params.count(flax_model.describe(m).specs)
     D, N, K, H, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     counts = transformer.layer_counts(m)
     attention = D * N * H * 2 + D * K * H * 2
@@ -20,12 +23,18 @@ def train_flops_per_token(m, seq_len: int) -> float:
     """6 N (forward 2N, backward 4N) plus attention's 12 L T N H (QK^T and AV, forward and
     backward, counted without the causal halving as PaLM does). Remat is not counted: MFU
     measures useful work."""
-    return 6.0 * matmul_params(m) + 12.0 * m.n_layers * seq_len * m.n_heads * m.head_dim
+    return 6.0 * matmul_params(m) + 12.0 * _attention_width(m) * seq_len
 
 
 def forward_flops_per_token(m, seq_len: int) -> float:
     """The forward pass alone: 2 N + 4 L T N H (what full remat recomputes)."""
-    return 2.0 * matmul_params(m) + 4.0 * m.n_layers * seq_len * m.n_heads * m.head_dim
+    return 2.0 * matmul_params(m) + 4.0 * _attention_width(m) * seq_len
+
+
+def _attention_width(m) -> int:
+    """L N H, what attention's score and value FLOPs scale with per token and position; 0 for a
+    Flax module (its attention is its own: only 6N is counted)."""
+    return 0 if m.kind == "flax" else m.n_layers * m.n_heads * m.head_dim
 
 
 def step_flops_per_token(config) -> float:

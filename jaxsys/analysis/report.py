@@ -472,6 +472,9 @@ def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict
 def train_specs(config):
     """The parameter specs of `config`'s model (as program.build makes them)."""
     from jaxsys.models import transformer
+    if config.model.kind == "flax":
+        from jaxsys.models import flax_model
+        return flax_model.specs_for(config)
     p = config.mesh.pipe
     return transformer.param_specs(config.model, chunks=config.train.virtual_stages if p > 1 else 1)
 

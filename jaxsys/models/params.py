@@ -13,7 +13,7 @@ import jax.numpy as jnp
 class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # one logical name per dimension
-    init: str = "normal"  # "normal" (std), "ones", "zeros"
+    init: str = "normal"  # "normal" (std), "ones", "zeros"; "flax": the Flax module's own (flax_model.py)
     std: float = 0.02
     decay: bool = True  # AdamW weight decay applies
     dtype: str | None = None  # None: the model's param_dtype; quantized codes and scales set their own
@@ -33,6 +33,9 @@ def init_params(specs, key, dtype):
     values = []
     for i, spec in enumerate(leaves):
         leaf_dtype = spec.dtype or dtype
+        if spec.init == "flax":
+            raise ValueError("a Flax model's parameters are initialised by the module itself: "
+                             "jaxsys.models.flax_model.init_params")
         if spec.init == "ones":
             values.append(jnp.ones(spec.shape, leaf_dtype))
         elif spec.init == "zeros":

@@ -206,7 +206,7 @@ def permute_params(params, specs, perm):
 
 def n_moe_layers(specs) -> int:
     """Lm, the MoE layers of a parameter spec tree (0 for a dense model)."""
-    if "moe" not in specs["layers"]:
+    if "moe" not in specs.get("layers", {}):  # a dense model (or a Flax module without jaxsys's layers)
         return 0
     router = specs["layers"]["moe"]["router"]
     return math.prod(router.shape[:router.axes.index("layers") + 1])
