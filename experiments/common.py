@@ -1,8 +1,17 @@
-"""What every experiment's run.py shares: run a worker in a fresh subprocess (each needs its own
-device count or memory) and collect the JSON results it prints."""
+"""What every experiment's run.py shares:
+
+  workers   run a worker in a fresh subprocess (each needs its own device count or memory) and
+            collect the JSON results it prints: `run_worker`, `emit`, `worker_devices`
+  command   the flags of a sweep (--quick, --replot, the hidden --worker N): `parse_args`
+  results   results.json next to the run.py: `save_results`, `load_results`
+  tables    a markdown table from header, alignment and rows: `markdown_table`
+  plots     matplotlib without a display, the usual axis styling, and the save: `pyplot`,
+            `style_axes`, `save_figure`
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -29,3 +38,98 @@ def run_worker(script: str, n: int, jobs: list, timeout: int = 1800, what: str =
         sys.stderr.write(proc.stderr[-5000:])
         raise SystemExit(f"worker for {what}={n} failed (rc {proc.returncode})")
     return [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
+
+
+def worker_devices(n: int) -> None:
+    """In a worker, before jax is imported: run on n simulated CPU devices."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={n}").strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def parse_args(doc: str, worker, quick: str, replot: str = "tables and plot from results.json",
+               add=None) -> argparse.Namespace:
+    """The flags of a sweep: --quick (help `quick`), --replot (help `replot`) and the hidden
+    --worker N, which runs `worker(N, jobs read as JSON from stdin)` and exits. `add(parser)` adds
+    the experiment's own flags. The description is the first paragraph of `doc`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--replot", action="store_true", help=replot)
+    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    if add is not None:
+        add(parser)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, json.loads(sys.stdin.read()))
+        sys.exit(0)
+    return args
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def save_results(here: str, results: dict, name: str = "results.json") -> str:
+    """Write `results` as indented JSON to here/name; return the path."""
+    path = os.path.join(here, name)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    return path
+
+
+def load_results(here: str, name: str = "results.json") -> dict:
+    with open(os.path.join(here, name)) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def markdown_table(header: list[str], align: str, rows) -> list[str]:
+    """The lines of a markdown table: `header` the column titles, `align` one letter a column
+    ("l" left, "r" right), `rows` lists of cells (each written with str)."""
+    if len(align) != len(header):
+        raise ValueError(f"{len(header)} columns, {len(align)} alignments")
+    rule = {"l": "---", "r": "---:"}
+    lines = ["| " + " | ".join(header) + " |", "|" + "".join(rule[a] + "|" for a in align)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def style_axes(ax, xlabel: str, ylabel: str, title: str | None = None, xlog: int | None = None,
+               ylog: int | None = None, grid: str = "both", legend: int | None = 8) -> None:
+    """Log scales (base `xlog` / `ylog`, None: linear), labels, title, a light grid on `grid`'s
+    ticks (None: no grid) and a legend of font size `legend` (None: no legend)."""
+    if xlog:
+        ax.set_xscale("log", base=xlog)
+    if ylog:
+        ax.set_yscale("log", base=ylog)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title)
+    if grid is not None:
+        ax.grid(True, which=grid, alpha=0.3)
+    if legend is not None:
+        ax.legend(fontsize=legend)
+
+
+def save_figure(fig, path: str, dpi: int = 110, rect=None) -> None:
+    """Tight layout (within `rect`, if given) and save."""
+    if rect is None:
+        fig.tight_layout()
+    else:
+        fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=dpi)

@@ -14,9 +14,7 @@ points take the collective half of `report.analyze` (lower the written-out step,
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import math
 import os
 import sys
@@ -25,7 +23,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
+
 CONFIG = "configs/tiny.py"
 SHORT = {"float32": "f32", "bfloat16": "bf16"}
 BYTES = {"float32": 4, "bfloat16": 2}
@@ -65,9 +64,7 @@ def plan_jobs(quick: bool) -> dict[int, list[dict]]:
 def worker(n: int, jobs: list[dict]) -> None:
     """Analyse each job on n fake CPU devices: the report's collectives and formula rows (and its
     memory for memory jobs), and every tensor-axis collective op by op."""
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    common.worker_devices(n)
     import jax
 
     from jaxsys import train
@@ -106,7 +103,7 @@ def worker(n: int, jobs: list[dict]) -> None:
                    memory=r["memory"], collectives=r["collectives"],
                    collectives_formula=r["collectives_formula"], formula_caveats=r["formula_caveats"],
                    metric_scalars_formula=r["metric_scalars_formula"], ops=ops)
-        emit(out)
+        common.emit(out)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -202,31 +199,30 @@ def korthikanti_ratio(t: int, s: int, h: int, a: int, remat: str) -> float:
 
 
 def tables(results: list[dict], diffs: list[dict]) -> str:
-    out = ["### Per-layer activation collectives (remat none, L = 4, B = 16, D = 128), KiB sent per device", "",
-           "| dtype | t | T | SP | ops in step (measured) | units (measured / 4L+2) | per layer measured | "
-           "per layer formula 8BTDb_c(t−1)/t | formula row × 4/(4L+2) | whole step: every tensor row = formula |",
-           "|---|---:|---:|---|---|---:|---:|---:|---:|---|"]
+    out = ["### Per-layer activation collectives (remat none, L = 4, B = 16, D = 128), KiB sent per device", ""]
     comm = sorted((r for r in results if r["t"] > 1 and r["remat"] == "none" and r["layers_override"] is None),
                   key=lambda r: (r["dtype"] != "float32", r["t"], r["T"], r["sp"]))
+    rows = []
     for r in comm:
         s = r["summary"]
         ops = ", ".join(f"{v} {k}" for k, v in sorted(s["act_ops"].items()))
-        out.append(f"| {r['dtype']} | {r['t']} | {r['T']} | {'on' if r['sp'] else 'off'} | {ops} | "
-                   f"{s['act_units']} / {s['act_units_formula']} | {_kib(s['per_layer_measured'])} | "
-                   f"{_kib(s['per_layer_formula'])} | {_kib(s['per_layer_formula_from_rows'])} | "
-                   f"{'yes' if s['step_rows_exact'] and s['scalars_ok'] else 'NO'} |")
-    out += ["", "### Per layer by difference, (step at L=4 − step at L=2) / 2, KiB (T = 128)", "",
-            "| dtype | t | SP | all tensor-axis bytes / layer | activation ops / layer | formula | "
-            "SP norm-weight grads / layer (2D fp32 all-reduced) |",
-            "|---|---:|---|---:|---:|---:|---:|"]
-    for d in sorted(diffs, key=lambda d: (d["t"], d["sp"])):
-        out.append(f"| {d['dtype']} | {d['t']} | {'on' if d['sp'] else 'off'} | {_kib(d['all_tensor'])} | "
-                   f"{_kib(d['activation'])} | {_kib(d['formula'])} | {_kib(d['sp_norm_grads'])} |")
+        rows.append([r["dtype"], r["t"], r["T"], "on" if r["sp"] else "off", ops,
+                     f"{s['act_units']} / {s['act_units_formula']}", _kib(s["per_layer_measured"]),
+                     _kib(s["per_layer_formula"]), _kib(s["per_layer_formula_from_rows"]),
+                     "yes" if s["step_rows_exact"] and s["scalars_ok"] else "NO"])
+    out += common.markdown_table(
+        ["dtype", "t", "T", "SP", "ops in step (measured)", "units (measured / 4L+2)", "per layer measured",
+         "per layer formula 8BTDb_c(t−1)/t", "formula row × 4/(4L+2)", "whole step: every tensor row = formula"],
+        "lrrllrrrrl", rows)
+    out += ["", "### Per layer by difference, (step at L=4 − step at L=2) / 2, KiB (T = 128)", ""]
+    out += common.markdown_table(
+        ["dtype", "t", "SP", "all tensor-axis bytes / layer", "activation ops / layer", "formula",
+         "SP norm-weight grads / layer (2D fp32 all-reduced)"], "lrlrrrr",
+        [[d["dtype"], d["t"], "on" if d["sp"] else "off", _kib(d["all_tensor"]), _kib(d["activation"]),
+          _kib(d["formula"]), _kib(d["sp_norm_grads"])] for d in sorted(diffs, key=lambda d: (d["t"], d["sp"]))])
     T_mem = max(r["T"] for r in results)
-    out += ["", f"### Activation memory per device with and without SP (T = {T_mem}), MiB", "",
-            "| dtype | remat | t | activations+workspace SP off | SP on | SP on / off | "
-            "Korthikanti et al. per-layer model, on / off | XLA peak SP off | SP on | peak on / off |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out += ["", f"### Activation memory per device with and without SP (T = {T_mem}), MiB", ""]
+    rows = []
     mem = [r for r in results if r["memory"] is not None]
     for dtype in ("float32", "bfloat16"):
         for remat in ("none", "full"):
@@ -237,24 +233,29 @@ def tables(results: list[dict], diffs: list[dict]) -> str:
                     continue
                 a0, p0 = off["memory"]["activations_and_workspace_bytes"], off["memory"]["peak_bytes_per_device"]
                 if on is None:
-                    out.append(f"| {dtype} | {remat} | {t} | {_mib(a0)} | – | – | – | {_mib(p0)} | – | – |")
+                    rows.append([dtype, remat, t, _mib(a0), "–", "–", "–", _mib(p0), "–", "–"])
                     continue
                 a1, p1 = on["memory"]["activations_and_workspace_bytes"], on["memory"]["peak_bytes_per_device"]
                 model = korthikanti_ratio(t, T_mem, off["D"], n_heads(), remat)
                 model = f"{model:.3f}" if remat == "none" else f"({model:.3f}, stored inputs only)"
-                out.append(f"| {dtype} | {remat} | {t} | {_mib(a0)} | {_mib(a1)} | {a1 / a0:.3f} | "
-                           f"{model} | {_mib(p0)} | {_mib(p1)} | {p1 / p0:.3f} |")
+                rows.append([dtype, remat, t, _mib(a0), _mib(a1), f"{a1 / a0:.3f}", model, _mib(p0), _mib(p1),
+                             f"{p1 / p0:.3f}"])
+    out += common.markdown_table(
+        ["dtype", "remat", "t", "activations+workspace SP off", "SP on", "SP on / off",
+         "Korthikanti et al. per-layer model, on / off", "XLA peak SP off", "SP on", "peak on / off"],
+        "llrrrrrrrr", rows)
     full = [r for r in results if r["remat"] == "full" and r["t"] > 1]
     if full:
-        out += ["", f"### Remat full (T = {T_mem}, float32): tensor-axis activation collectives vs the Megatron count", "",
-                "| t | SP | ops in step (measured) | units measured / formula 4L+2 | step bytes measured | formula | caveat |",
-                "|---:|---|---|---:|---:|---:|---|"]
+        out += ["", f"### Remat full (T = {T_mem}, float32): tensor-axis activation collectives vs the Megatron "
+                "count", ""]
+        rows = []
         for r in sorted(full, key=lambda r: (r["t"], r["sp"])):
             s = r["summary"]
             ops = ", ".join(f"{v} {k}" for k, v in sorted(s["act_ops"].items()))
-            out.append(f"| {r['t']} | {'on' if r['sp'] else 'off'} | {ops} | {s['act_units']} / "
-                       f"{s['act_units_formula']} | {_kib(s['act_bytes_step'])} | "
-                       f"{_kib(s['act_bytes_step_formula'])} | {'; '.join(r['formula_caveats'])} |")
+            rows.append([r["t"], "on" if r["sp"] else "off", ops, f"{s['act_units']} / {s['act_units_formula']}",
+                         _kib(s["act_bytes_step"]), _kib(s["act_bytes_step_formula"]), "; ".join(r["formula_caveats"])])
+        out += common.markdown_table(["t", "SP", "ops in step (measured)", "units measured / formula 4L+2",
+                                      "step bytes measured", "formula", "caveat"], "rllrrrl", rows)
     return "\n".join(out)
 
 
@@ -287,11 +288,9 @@ def check(results: list[dict], diffs: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.lines import Line2D
+    plt = common.pyplot()
 
     colors = {1: "tab:gray", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
     dtypes = [d for d in ("float32", "bfloat16") if any(r["dtype"] == d for r in results)]
@@ -311,12 +310,8 @@ def plot(results: list[dict], path: str) -> None:
                 pts = sorted((r["T"], r["summary"]["per_layer_measured"]) for r in rows if r["sp"] == sp)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=colors[t], ms=9 if sp else 8,
                         mfc="none", mew=1.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("sequence length T")
-        ax.set_ylabel("bytes sent per device per layer (fwd + bwd)")
-        ax.set_title(f"Megatron collectives per layer, {dtype} compute")
-        ax.grid(True, which="both", alpha=0.3)
+        common.style_axes(ax, "sequence length T", "bytes sent per device per layer (fwd + bwd)",
+                          f"Megatron collectives per layer, {dtype} compute", xlog=2, ylog=2, legend=None)
         ax.legend(handles=[Line2D([], [], color=colors[t], lw=5, label=f"t = {t}") for t in (2, 4, 8)] + [
             Line2D([], [], color="k", ls="-", label="formula 8 B T D b_c (t−1)/t"),
             Line2D([], [], color="k", marker="o", mfc="none", ls="none", label="TP: 4 all-reduces"),
@@ -334,15 +329,9 @@ def plot(results: list[dict], path: str) -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], ls, marker=marker, color=color,
                         label=f"{label}, SP {'on' if sp else 'off'}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("tensor-parallel size t")
-    ax.set_ylabel("activations + workspace per device (MiB)")
-    ax.set_title(f"XLA memory per device, T = {T_mem} (t = 1: no TP)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.style_axes(ax, "tensor-parallel size t", "activations + workspace per device (MiB)",
+                      f"XLA memory per device, T = {T_mem} (t = 1: no TP)", xlog=2, ylog=2)
+    common.save_figure(fig, path)
 
 
 def finish(results: list[dict], extra: dict) -> None:
@@ -351,33 +340,24 @@ def finish(results: list[dict], extra: dict) -> None:
             r["summary"] = summarise(r)
     diffs = layer_difference(results)
     problems = check(results, diffs)
-    with open(os.path.join(HERE, "results.json"), "w") as f:
-        json.dump(dict(extra, problems=problems, layer_difference=diffs, results=results), f, indent=1)
+    common.save_results(HERE, dict(extra, problems=problems, layer_difference=diffs, results=results))
     plot(results, os.path.join(HERE, "megatron_comm.png"))
     print(tables(results, diffs))
     print("checks:", "every measured figure equals the formula" if not problems else "\n".join(problems))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="T=128, float32 only, no remat full")
-    parser.add_argument("--replot", action="store_true",
-                        help="recompute tables and plot from results.json, no analysis")
-    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(sys.stdin.read()))
-        return 0
+    args = common.parse_args(__doc__, worker, quick="T=128, float32 only, no remat full",
+                             replot="recompute tables and plot from results.json, no analysis")
     if args.replot:
-        with open(os.path.join(HERE, "results.json")) as f:
-            old = json.load(f)
+        old = common.load_results(HERE)
         finish(old["results"], {k: old[k] for k in ("quick", "seconds")})
         return 0
     t_start = time.time()
     results = []
     for t, jobs in plan_jobs(args.quick).items():
         t0 = time.time()
-        results += run_worker(__file__, t, jobs, what="t")
+        results += common.run_worker(__file__, t, jobs, what="t")
         print(f"t={t}: {len(jobs)} analyses in {time.time() - t0:.0f} s", flush=True)
     finish(results, dict(quick=args.quick, seconds=time.time() - t_start))
     print(f"total {time.time() - t_start:.0f} s")

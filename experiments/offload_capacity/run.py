@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
 
 SEQ, BATCH, VOCAB = 2048, 1, 32000
 K_RANGE = range(8, 129)
@@ -231,13 +231,14 @@ def worker(_: int, jobs: list[dict]) -> None:
         config = make_config(job["k"], job["option"])
         t0 = time.time()
         r = report.target_analysis(config, target, devices)
-        emit(dict(job, psi=psi(config), wall_s=time.time() - t0, compile_s=r.get("compile_s"),
-                  memory=r["memory"]))
+        common.emit(dict(job, psi=psi(config), wall_s=time.time() - t0, compile_s=r.get("compile_s"),
+                         memory=r["memory"]))
 
 
 def _compile(option: str, k: int, role: str, path: str) -> dict:
     t0 = time.time()
-    got = run_worker(__file__, 1, [dict(option=option, k=k, role=role)], timeout=1500, what=f"{SHORT[option]} k")[0]
+    got = common.run_worker(__file__, 1, [dict(option=option, k=k, role=role)], timeout=1500,
+                            what=f"{SHORT[option]} k")[0]
     m = got["memory"]
     dev = m.get("device", {}).get("peak_bytes", m.get("required_bytes"))
     print(f"compiled {SHORT[option]} k={k} ({role}) in {time.time() - t0:.0f} s: fits={m['fits']} "
@@ -304,19 +305,13 @@ def _gb(x) -> str:
     return "—" if x is None else f"{x / 1e9:.1f}"
 
 
-def _row(cells) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
-
-
 def tables(res: dict) -> str:
     sweep, compiles = res["formula"], res["compiles"]
     bound = res.get("compiler_boundary") or (compiler_boundary(res) if compiles else {})
     out = ["### 1. Largest model that fits one chip, by the formula", "",
            "Device = model states (`cost_model.offload_memory`) + the activation estimate. "
-           "Bytes/param: the model states on the device per parameter.", "",
-           "| option | bytes/param device + host | H100 80 GB: k | Ψ | device GB (states + act.) | host GB | "
-           "v5p 102.8 GB: k | Ψ | device GB (states + act.) | host GB |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "Bytes/param: the model states on the device per parameter.", ""]
+    rows = []
     for option in OPTIONS:
         b0 = sweep["v5p"]["options"][option]["largest"]
         row = [option, f"{b0['states_device'] / b0['psi']:.0f} + {b0['states_host'] / b0['psi']:.0f}"]
@@ -325,16 +320,17 @@ def tables(res: dict) -> str:
             row += [b["k"], f"{b['psi'] / 1e9:.2f}B",
                     f"{_gb(b['device_total'])} ({_gb(b['states_device'])} + {_gb(b['activations_total'])})",
                     _gb(b["states_host"])]
-        out.append(_row(row))
+        rows.append(row)
+    out += common.markdown_table(
+        ["option", "bytes/param device + host", "H100 80 GB: k", "Ψ", "device GB (states + act.)", "host GB",
+         "v5p 102.8 GB: k", "Ψ", "device GB (states + act.)", "host GB"], "llrrrrrrrr", rows)
     out.append("")
     if bound:
         out += ["### 2. The TPU compiler's boundary on one v5p chip (v5p:1x1x1, 95.73 GiB = 102.8 GB)", "",
                 "Largest k the compiler accepts with k + 1 refused. Gap: the compiler's device bytes minus the "
                 "formula's (states + activation estimate) at the same k. Refused: the compiler's own figure "
-                "for the smallest size it refused.", "",
-                "| option | formula: k (Ψ) | compiler: k (Ψ) | compiler device GB (args / temp) | host GB | "
-                "formula device GB, same k | gap GB (bytes/param) | refused: k, needs GB (bytes/param) |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                "for the smallest size it refused.", ""]
+        rows = []
         for option, r in bound.items():
             cells = [option, f"{r['formula_k']} ({r['formula_psi'] / 1e9:.2f}B)"]
             if r["k"] is not None:
@@ -350,13 +346,15 @@ def tables(res: dict) -> str:
                 cells.append(f"{r['refused_k']}: {_gb(r['refused_bytes'])} ({r['refused_bytes_per_psi']:.1f}){note}")
             else:
                 cells.append("—")
-            out.append(_row(cells))
+            rows.append(cells)
+        out += common.markdown_table(
+            ["option", "formula: k (Ψ)", "compiler: k (Ψ)", "compiler device GB (args / temp)", "host GB",
+             "formula device GB, same k", "gap GB (bytes/param)", "refused: k, needs GB (bytes/param)"],
+            "l" + "r" * 7, rows)
         out.append("")
     if compiles:
-        out += ["### 3. Every TPU compile (one v5p chip)", "",
-                "| option | k | Ψ | role | formula device GB | compiler device GB (args / temp) | "
-                "compiler host GB (args / temp) | device bytes/param | fits | compile s |",
-                "|---|---:|---:|---|---:|---:|---:|---:|---|---:|"]
+        out += ["### 3. Every TPU compile (one v5p chip)", ""]
+        rows = []
         hw = hardware_profiles()["v5p"]
         for c in sorted(compiles, key=lambda c: (list(OPTIONS).index(c["option"]), c["k"])):
             f = c.get("formula") or {"device_bytes": formula_point(c["k"], c["option"], hw, "v5p")["device_total"]}
@@ -369,25 +367,28 @@ def tables(res: dict) -> str:
                 verdict = "yes" if m["fits"] else "no: compiled, over HBM"
             else:
                 dev, host, verdict = f"needs {_gb(m.get('required_bytes'))}", "—", "no: refused"
-            out.append(_row([c["option"], c["k"], f"{c['psi'] / 1e9:.2f}B", c["role"], _gb(f["device_bytes"]),
-                             dev, host, f"{_device_bytes(c) / c['psi']:.1f}", verdict,
-                             f"{c.get('compile_s') or 0:.0f}"]))
+            rows.append([c["option"], c["k"], f"{c['psi'] / 1e9:.2f}B", c["role"], _gb(f["device_bytes"]),
+                         dev, host, f"{_device_bytes(c) / c['psi']:.1f}", verdict, f"{c.get('compile_s') or 0:.0f}"])
+        out += common.markdown_table(
+            ["option", "k", "Ψ", "role", "formula device GB", "compiler device GB (args / temp)",
+             "compiler host GB (args / temp)", "device bytes/param", "fits", "compile s"], "lrrlrrrrlr", rows)
         out.append("")
     out += ["### 4. Beside ZeRO-Offload (13B on one V100 32 GB)", "",
             "Ψ max from the model states alone (HBM / bytes per param), and on this family with the "
-            "activation estimate (largest k).", "",
-            "| memory | ZeRO-Offload 2 B/param (fp16 params; grads to CPU) | family: k (Ψ) | "
-            "4 B/param (fp16 params + grads, cost_model) | family: k (Ψ) | jaxsys none 16 | optimizer 8 | params 12 | "
-            "all 4 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "activation estimate (largest k).", ""]
+    rows = []
     for p in res["paper"]:
         fam = lambda b: (f"{p['family'][b]['k']} ({p['family'][b]['psi'] / 1e9:.1f}B)"
                          if p["family"].get(b) else "—")
         j = p["jaxsys_psi_max"]
-        out.append(_row([f"{p['name']} ({_gb(p['hbm_bytes'])} GB)", f"{p['psi_max_2'] / 1e9:.1f}B", fam("2"),
-                         f"{p['psi_max'] / 1e9:.1f}B", fam("4"), f"{j['none (16)'] / 1e9:.1f}B",
-                         f"{j['optimizer (8)'] / 1e9:.1f}B", f"{j['params (12)'] / 1e9:.1f}B",
-                         f"{j['all (4)'] / 1e9:.1f}B"]))
+        rows.append([f"{p['name']} ({_gb(p['hbm_bytes'])} GB)", f"{p['psi_max_2'] / 1e9:.1f}B", fam("2"),
+                     f"{p['psi_max'] / 1e9:.1f}B", fam("4"), f"{j['none (16)'] / 1e9:.1f}B",
+                     f"{j['optimizer (8)'] / 1e9:.1f}B", f"{j['params (12)'] / 1e9:.1f}B",
+                     f"{j['all (4)'] / 1e9:.1f}B"])
+    out += common.markdown_table(
+        ["memory", "ZeRO-Offload 2 B/param (fp16 params; grads to CPU)", "family: k (Ψ)",
+         "4 B/param (fp16 params + grads, cost_model)", "family: k (Ψ)", "jaxsys none 16", "optimizer 8",
+         "params 12", "all 4"], "l" + "r" * 8, rows)
     out.append("")
     out += ["### 5. Step-time overhead at the largest formula size (roofline)", "",
             "Link: host-link bytes per step (both directions summed) at the profile's one-direction bandwidth "
@@ -395,28 +396,27 @@ def tables(res: dict) -> str:
             "(H100 300 GB/s, v5p 200 GB/s); in brackets with the DRAM shared by the whole host (8 GPUs, 4 chips). "
             "Compute: 6ΨT / bf16 peak, T = 2048. Overhead, serial: (link + update) / compute. Overhead, "
             "overlapped: (max(compute, link, update) − compute) / compute. Tokens to hide: tokens per step at "
-            "which compute covers max(link, update).", "",
-            "| chip | option | k (Ψ) | link GB/step | link s | host update s (full host) | compute s | "
-            "overhead, serial | overhead, overlapped | tokens to hide |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "which compute covers max(link, update).", ""]
+    rows = []
     for chip in ("h100", "v5p"):
         for option in OPTIONS:
             b = sweep[chip]["options"][option]["largest"]
             t = b["traffic"]
             upd = (f"{b['host_update_s_alone']:.2f} ({b['host_update_s_full_host']:.2f})"
                    if b["host_update_s_alone"] else "0")
-            out.append(_row([chip, option, f"{b['k']} ({b['psi'] / 1e9:.2f}B)", _gb(t["link_bytes_total"]),
-                             f"{t['link_s']:.2f}", upd, f"{b['compute_s']:.3f}", f"{100 * b['overhead']:,.0f}%",
-                             f"{100 * b['overlapped']:,.0f}%", f"{b['tokens_to_hide']:,.0f}"]))
+            rows.append([chip, option, f"{b['k']} ({b['psi'] / 1e9:.2f}B)", _gb(t["link_bytes_total"]),
+                         f"{t['link_s']:.2f}", upd, f"{b['compute_s']:.3f}", f"{100 * b['overhead']:,.0f}%",
+                         f"{100 * b['overlapped']:,.0f}%", f"{b['tokens_to_hide']:,.0f}"])
+    out += common.markdown_table(
+        ["chip", "option", "k (Ψ)", "link GB/step", "link s", "host update s (full host)", "compute s",
+         "overhead, serial", "overhead, overlapped", "tokens to hide"], "ll" + "r" * 8, rows)
     out.append("")
     return "\n".join(out)
 
 
 def plot(res: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = common.pyplot()
     sweep = res["formula"]
     bound = res.get("compiler_boundary") or (compiler_boundary(res) if res["compiles"] else {})
     names = list(OPTIONS)
@@ -467,8 +467,7 @@ def plot(res: dict, path: str) -> None:
     ax2.set_title("roofline at the formula's largest k, one 2048-token sequence", fontsize=10)
     ax2.legend(fontsize=7, loc="upper left")
     ax2.grid(axis="y", alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path)
 
 
 def main() -> int:
@@ -485,8 +484,7 @@ def main() -> int:
         worker(args.worker, json.loads(sys.stdin.read()))
         return 0
     if args.replot:
-        with open(os.path.join(HERE, "results.json")) as f:
-            res = json.load(f)
+        res = common.load_results(HERE)
         plot(res, os.path.join(HERE, "offload_capacity.png"))
         print(tables(res))
         return 0
@@ -514,8 +512,7 @@ def main() -> int:
     res["compiler_boundary"] = compiler_boundary(res) if compiles else {}
     res["compile_wall_s"] = sum(c.get("wall_s", 0.0) for c in compiles)  # the compiles' own, whenever run
     res["seconds"] = time.time() - t0  # this run
-    with open(os.path.join(HERE, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    common.save_results(HERE, res)
     try:
         plot(res, os.path.join(HERE, "offload_capacity.png"))
     except ImportError:

@@ -19,8 +19,6 @@ Writes results.json and pipeline_schedules.png next to this file and prints the 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +28,7 @@ from fractions import Fraction
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
 BACKWARD_COST = 3  # the executor recomputes the stage forward in the backward: 1 + 2
@@ -78,10 +76,7 @@ def table_rows(p: int, ms: list[int]) -> list[dict]:
 
 
 def worker(n: int, jobs: list[dict]) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+    common.worker_devices(n)
 
     from jaxsys import data, train
     from jaxsys.config import load_config
@@ -104,12 +99,12 @@ def worker(n: int, jobs: list[dict]) -> None:
             state, metrics = step(state, batch(s))
             losses.append(float(metrics["loss"]))  # blocks: the step is done
             times.append(time.perf_counter() - t0)
-        emit(dict(job, compile_s=compile_s, temp_bytes=mem.temp_size_in_bytes,
-                  argument_bytes=mem.argument_size_in_bytes,
-                  step_s=statistics.median(times[1:]) if times else None,
-                  losses=losses, act_slots=program.pipeline_train.act_slots,
-                  stage_input_bytes=c.train.batch_size // c.mesh.data // c.train.microbatches
-                  * c.data.seq_len * c.model.d_model * 4, ticks=program.pipeline_train.ticks))
+        common.emit(dict(job, compile_s=compile_s, temp_bytes=mem.temp_size_in_bytes,
+                         argument_bytes=mem.argument_size_in_bytes,
+                         step_s=statistics.median(times[1:]) if times else None,
+                         losses=losses, act_slots=program.pipeline_train.act_slots,
+                         stage_input_bytes=c.train.batch_size // c.mesh.data // c.train.microbatches
+                         * c.data.seq_len * c.model.d_model * 4, ticks=program.pipeline_train.ticks))
 
 
 def measured_jobs(part: str, ms: list[int]) -> list[dict]:
@@ -135,47 +130,44 @@ def measured_jobs(part: str, ms: list[int]) -> list[dict]:
 def tables(results: dict) -> str:
     out = []
     for p in sorted({r["p"] for r in results["tables"]}):
-        out += [f"### p = {p}: schedule tables and their lockstep packing", "",
-                "| m | schedule | bubble (table) | Megatron (p-1)/(vm+p-1) | peak in flight (async) | "
-                "lockstep ticks | stashed inputs (lockstep) | lockstep bubble |",
-                "|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for r in (r for r in results["tables"] if r["p"] == p):
-            out.append(f"| {r['m']} | {label(r['schedule'], r['v'])} | {r['bubble']:.3f} | "
-                       f"{r['bubble_formula']:.3f}{'' if r['bubble_exact'] else ' (differs!)'} | "
-                       f"{r['in_flight']:g} | {r['ticks']} | {r['stashed']:g} | {r['lockstep_bubble']:.3f} |")
+        out += [f"### p = {p}: schedule tables and their lockstep packing", ""]
+        out += common.markdown_table(
+            ["m", "schedule", "bubble (table)", "Megatron (p-1)/(vm+p-1)", "peak in flight (async)",
+             "lockstep ticks", "stashed inputs (lockstep)", "lockstep bubble"], "rlrrrrrr",
+            [[r["m"], label(r["schedule"], r["v"]), f"{r['bubble']:.3f}",
+              f"{r['bubble_formula']:.3f}{'' if r['bubble_exact'] else ' (differs!)'}", f"{r['in_flight']:g}",
+              r["ticks"], f"{r['stashed']:g}", f"{r['lockstep_bubble']:.3f}"]
+             for r in results["tables"] if r["p"] == p])
         out.append("")
     mem = [r for r in results["measured"] if r["part"] == "memory"]
     if mem:
         out += [f"### measured: XLA temporaries, pipe = {PIPE} x data = {DEVICES // PIPE}, 8 linear-attention "
-                "layers, D = 128, T = 2048 (one stage input = 1 MiB)", "",
-                "| m | schedule | stashed inputs (lockstep) | XLA temp MiB/device | vs GPipe | "
-                "temp − stashed inputs, MiB |", "|---:|---|---:|---:|---:|---:|"]
+                "layers, D = 128, T = 2048 (one stage input = 1 MiB)", ""]
+        rows = []
         for r in mem:
             base = next(b for b in mem if b["m"] == r["m"] and b["schedule"] == "gpipe")
             stash = r["act_slots"] * r["stage_input_bytes"]
-            out.append(f"| {r['m']} | {label(r['schedule'], r['v'])} | {r['act_slots'] / r['v']:g} | "
-                       f"{r['temp_bytes'] / 2**20:.2f} | {r['temp_bytes'] / base['temp_bytes']:.2f} | "
-                       f"{(r['temp_bytes'] - stash) / 2**20:.2f} |")
+            rows.append([r["m"], label(r["schedule"], r["v"]), f"{r['act_slots'] / r['v']:g}",
+                         f"{r['temp_bytes'] / 2**20:.2f}", f"{r['temp_bytes'] / base['temp_bytes']:.2f}",
+                         f"{(r['temp_bytes'] - stash) / 2**20:.2f}"])
+        out += common.markdown_table(["m", "schedule", "stashed inputs (lockstep)", "XLA temp MiB/device", "vs GPipe",
+                                      "temp − stashed inputs, MiB"], "rlrrrr", rows)
         out.append("")
     rows = [r for r in results["measured"] if r["part"] == "time"]
     if rows:
         out += [f"### measured: CPU step time, pipe = {PIPE} x data = {DEVICES // PIPE}, 8.4M-parameter "
-                "softmax model (D = 256, T = 256)", "",
-                "| m | schedule | lockstep ticks | CPU step s | vs GPipe | loss step 1 |",
-                "|---:|---|---:|---:|---:|---:|"]
-        for r in rows:
-            base = next(b for b in rows if b["m"] == r["m"] and b["schedule"] == "gpipe")
-            out.append(f"| {r['m']} | {label(r['schedule'], r['v'])} | {r['ticks']} | {r['step_s']:.3f} | "
-                       f"{r['step_s'] / base['step_s']:.2f} | {r['losses'][0]:.6f} |")
+                "softmax model (D = 256, T = 256)", ""]
+        gpipe = {b["m"]: b for b in rows if b["schedule"] == "gpipe"}
+        out += common.markdown_table(
+            ["m", "schedule", "lockstep ticks", "CPU step s", "vs GPipe", "loss step 1"], "rlrrrr",
+            [[r["m"], label(r["schedule"], r["v"]), r["ticks"], f"{r['step_s']:.3f}",
+              f"{r['step_s'] / gpipe[r['m']]['step_s']:.2f}", f"{r['losses'][0]:.6f}"] for r in rows])
         out.append("")
     return "\n".join(out)
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
     colors = {"gpipe": "tab:gray", "1f1b": "tab:blue", "eager_1f1b": "tab:cyan",
               "interleaved_1f1b v=2": "tab:orange", "interleaved_1f1b v=4": "tab:red"}
@@ -196,28 +188,14 @@ def plot(results: dict, path: str) -> None:
     axes[1].set_title(f"stage inputs stashed per device (micro-batches), p = {p}, lockstep")
     axes[2].set_title(f"XLA temporaries per device, pipe = {PIPE}, T = 2048 linear model")
     for ax, ylabel in zip(axes, ("bubble fraction", "micro-batches of activations", "MiB")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches m")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        common.style_axes(ax, "micro-batches m", ylabel, xlog=2)
+    common.save_figure(fig, path)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="m = 4, 8 only in the measured part")
-    parser.add_argument("--replot", action="store_true", help="tables and plot from results.json")
-    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(sys.stdin.read()))
-        return 0
-    path = os.path.join(HERE, "results.json")
+    args = common.parse_args(__doc__, worker, quick="m = 4, 8 only in the measured part")
     if args.replot:
-        with open(path) as f:
-            results = json.load(f)
+        results = common.load_results(HERE)
     else:
         results = {"tables": table_rows(4, [4, 8, 16, 32, 64]) + table_rows(8, [8, 16, 32, 64, 128])}
         bad = [r for r in results["tables"] if not r["bubble_exact"]]
@@ -226,10 +204,9 @@ def main() -> int:
         t0 = time.time()
         jobs = (measured_jobs("memory", [4, 8] if args.quick else [4, 8, 16, 32])
                 + measured_jobs("time", [4, 8] if args.quick else [4, 8, 16]))
-        results["measured"] = run_worker(__file__, DEVICES, jobs, timeout=3600, what="devices")
+        results["measured"] = common.run_worker(__file__, DEVICES, jobs, timeout=3600, what="devices")
         results["seconds"] = time.time() - t0
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+        common.save_results(HERE, results)
     plot(results, os.path.join(HERE, "pipeline_schedules.png"))
     print(tables(results))
     return 0

@@ -27,7 +27,6 @@ Writes results.json, ring_vs_lasp2.png and ring_step_overlap.png next to this fi
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import math
@@ -39,7 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
 
 CONFIG = "configs/llama_1b.py:cpu"
 P = 8
@@ -69,9 +68,7 @@ _PERMUTE_PAIRS = re.compile(r'"stablehlo\.collective_permute".*?source_target_pa
 
 
 def worker(n: int, jobs: list[dict]) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    common.worker_devices(n)
     import jax
 
     from jaxsys import train
@@ -104,7 +101,7 @@ def worker(n: int, jobs: list[dict]) -> None:
             ops.append(op)
         formula = [dict(technique=r.technique, kind=r.kind, count=r.count, bytes=r.bytes)
                    for r in cost_model.context_parallel_rows(config)]
-        emit(dict(j, P=n, seconds=time.time() - t0, ops=ops, formula=formula))
+        common.emit(dict(j, P=n, seconds=time.time() - t0, ops=ops, formula=formula))
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -271,66 +268,62 @@ def tables(res):
     s = f["shapes"]
     out += [f"Attention communication per device per step (MiB sent, bf16, remat none), llama_1b:cpu shapes "
             f"(L={s['L']}, N={s['N']}, K={s['K']}, H={s['H']}), B={BATCH}, P={P}. Formula = "
-            "cost_model.context_parallel_rows.", "",
-            "| T | ring | all-gather | TokenRing | LASP-2 | ring / LASP-2 |",
-            "|---:|---:|---:|---:|---:|---:|"]
-    for row in f["rows"]:
-        cell = lambda k: fmt_b(row[k]) if k in row else "–"
-        out.append(f"| {row['T']:,} | {cell('ring')} | {cell('allgather')} | "
-                   f"{cell('tokenring')} | {cell('lasp2')} | {row['ring'] / row['lasp2']:.1f} |")
+            "cost_model.context_parallel_rows.", ""]
+    cell = lambda row, k: fmt_b(row[k]) if k in row else "–"
+    out += common.markdown_table(
+        ["T", "ring", "all-gather", "TokenRing", "LASP-2", "ring / LASP-2"], "rrrrrr",
+        [[f"{row['T']:,}"] + [cell(row, k) for k in ("ring", "allgather", "tokenring", "lasp2")]
+         + [f"{row['ring'] / row['lasp2']:.1f}"] for row in f["rows"]])
     c = f["claim"]
     out += ["", f"LASP-2's headline point, T = {c['T']:,} tokens on P = {c['P']} (same shapes, formula): ring "
             f"{fmt_b(c['ring'])}, all-gather {fmt_b(c['allgather'])}, TokenRing {fmt_b(c['tokenring'])}, "
             f"LASP-2 {fmt_b(c['lasp2'])} MiB per device per step (ring / LASP-2 = {c['ring'] / c['lasp2']:,.0f})"]
     out += ["", f"Plus, for every variant and T, the CP gradient all-reduce over seq: "
             f"{fmt_b(f['grad_allreduce_bytes'])} MiB (Psi = {f['params']:,} fp32 parameters).", ""]
-    out += ["Measured (lowered, written-out step) vs formula:", "",
-            "| variant | dtype | T | collectives measured / formula | measured MiB | formula MiB | equal | by kind and dtype (count, MiB) |",
-            "|---|---|---:|---:|---:|---:|---|---|"]
-    for c in res["checks"]:
-        kinds = "; ".join(f"{k}: {v[0]}, {v[1] / MiB:.3f}" for k, v in c["by_kind_dtype"].items())
-        name = c["variant"] + (f" (remat {c['remat']})" if c["remat"] != "none" else "")
-        out.append(f"| {name} | {c['dtype']} | {c['T']:,} | {c['ops']} / {c['formula_ops']} | "
-                   f"{c['measured'] / MiB:.4f} | {c['formula'] / MiB:.4f} | "
-                   f"{'yes' if c['exact'] else 'NO'} | {kinds} |")
+    out += ["Measured (lowered, written-out step) vs formula:", ""]
+    name = lambda c: c["variant"] + (f" (remat {c['remat']})" if c["remat"] != "none" else "")
+    out += common.markdown_table(
+        ["variant", "dtype", "T", "collectives measured / formula", "measured MiB", "formula MiB", "equal",
+         "by kind and dtype (count, MiB)"], "llrrrrll",
+        [[name(c), c["dtype"], f"{c['T']:,}", f"{c['ops']} / {c['formula_ops']}", f"{c['measured'] / MiB:.4f}",
+          f"{c['formula'] / MiB:.4f}", "yes" if c["exact"] else "NO",
+          "; ".join(f"{k}: {v[0]}, {v[1] / MiB:.3f}" for k, v in c["by_kind_dtype"].items())]
+         for c in res["checks"]])
     out += ["", "LASP-2's all-gathers per step (measured): count and operand shapes [c, B, N, H, H]:", ""]
     for c in res["checks"]:
         if c["variant"] == "lasp2":
             out.append(f"* {c['dtype']}, T = {c['T']:,}: {c['gathers']} all-gathers of {', '.join(c['gather_shapes'])}")
-    out += ["", "Permute bytes by destination shift (dst - src mod P), measured, MiB:", "",
-            "| variant | dtype | T | " + " | ".join(f"shift {k}" for k in range(1, P)) + " |",
-            "|---|---|---:|" + "---:|" * (P - 1)]
-    for c in res["checks"]:
-        if c["by_shift"]:
-            name = c["variant"] + (f" (remat {c['remat']})" if c["remat"] != "none" else "")
-            out.append(f"| {name} | {c['dtype']} | {c['T']:,} | " + " | ".join(
-                f"{c['by_shift'].get(str(k), 0) / MiB:.3f}" for k in range(1, P)) + " |")
+    out += ["", "Permute bytes by destination shift (dst - src mod P), measured, MiB:", ""]
+    out += common.markdown_table(
+        ["variant", "dtype", "T"] + [f"shift {k}" for k in range(1, P)], "llr" + "r" * (P - 1),
+        [[name(c), c["dtype"], f"{c['T']:,}"] + [f"{c['by_shift'].get(str(k), 0) / MiB:.3f}" for k in range(1, P)]
+         for c in res["checks"] if c["by_shift"]])
     st = res["steps"]
     th = st["thresholds"]
     out += ["", f"Per ring step, one layer, llama_1b full shapes (N={STEP_SHAPES['N']}, K={STEP_SHAPES['K']}, "
             f"H={STEP_SHAPES['H']}, bf16, B=1), {st['hardware']}: {st['peak_bf16'] / 1e12:.0f} TFLOP/s, "
-            f"NVLink {st['nvlink'] / 1e9:.0f} GB/s (P <= 8), inter-node {st['inter_node'] / 1e9:.0f} GB/s (P > 8)", "",
-            "| T | P | T/P | fwd block GFLOP | K/V block MiB | compute fwd us | ring fwd comm us | fwd hidden | compute bwd us | ring bwd comm us (K,V + fp32 dK,dV) | bwd hidden | TokenRing fwd egress us | max-link us |",
-            "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---:|"]
-    for r in st["rows"]:
-        out.append(f"| {r['T']:,} | {r['P']} | {r['tokens_per_device']:,.0f} | {r['fwd_flops'] / 1e9:,.2f} | "
-                   f"{r['ring_fwd_bytes'] / MiB:,.3f} | {r['compute_fwd_s'] * 1e6:,.1f} | {r['ring_fwd_s'] * 1e6:,.1f} | "
-                   f"{'yes' if r['ring_fwd_hidden'] else 'no'} | {r['compute_bwd_s'] * 1e6:,.1f} | "
-                   f"{r['ring_bwd_s'] * 1e6:,.1f} | {'yes' if r['ring_bwd_hidden'] else 'no'} | "
-                   f"{r['tokenring_egress_s'] * 1e6:,.1f} | {r['tokenring_maxlink_s'] * 1e6:,.1f} |")
-    out += ["", "Tokens per device T/P above which one step's attention compute covers its communication:", "",
-            "| link | peak/bw (FLOP/B) | ring fwd (GQA 4:1) | ring bwd (fp32 dK/dV) | ring fwd if MHA | TokenRing egress | TokenRing max link |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for where, t in th.items():
-        out.append(f"| {where} | {t['flop_per_byte']:,.0f} | {t['ring_fwd']:,.0f} | {t['ring_bwd']:,.0f} | "
-                   f"{t['ring_fwd_mha']:,.0f} | {t['tokenring_egress']:,.0f} | {t['tokenring_maxlink']:,.0f} |")
+            f"NVLink {st['nvlink'] / 1e9:.0f} GB/s (P <= 8), inter-node {st['inter_node'] / 1e9:.0f} GB/s (P > 8)", ""]
+    us = lambda seconds: f"{seconds * 1e6:,.1f}"
+    out += common.markdown_table(
+        ["T", "P", "T/P", "fwd block GFLOP", "K/V block MiB", "compute fwd us", "ring fwd comm us", "fwd hidden",
+         "compute bwd us", "ring bwd comm us (K,V + fp32 dK,dV)", "bwd hidden", "TokenRing fwd egress us",
+         "max-link us"], "rrrrrrrlrrlrr",
+        [[f"{r['T']:,}", r["P"], f"{r['tokens_per_device']:,.0f}", f"{r['fwd_flops'] / 1e9:,.2f}",
+          f"{r['ring_fwd_bytes'] / MiB:,.3f}", us(r["compute_fwd_s"]), us(r["ring_fwd_s"]),
+          "yes" if r["ring_fwd_hidden"] else "no", us(r["compute_bwd_s"]), us(r["ring_bwd_s"]),
+          "yes" if r["ring_bwd_hidden"] else "no", us(r["tokenring_egress_s"]), us(r["tokenring_maxlink_s"])]
+         for r in st["rows"]])
+    out += ["", "Tokens per device T/P above which one step's attention compute covers its communication:", ""]
+    out += common.markdown_table(
+        ["link", "peak/bw (FLOP/B)", "ring fwd (GQA 4:1)", "ring bwd (fp32 dK/dV)", "ring fwd if MHA",
+         "TokenRing egress", "TokenRing max link"], "lrrrrrr",
+        [[where] + [f"{t[k]:,.0f}" for k in ("flop_per_byte", "ring_fwd", "ring_bwd", "ring_fwd_mha",
+                                            "tokenring_egress", "tokenring_maxlink")] for where, t in th.items()])
     return "\n".join(out)
 
 
 def plot(res, here):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     colors = {"ring": "tab:red", "allgather": "tab:blue", "tokenring": "tab:purple", "lasp2": "tab:green"}
     fig, ax = plt.subplots(figsize=(7.5, 5))
     rows = res["formula"]["rows"]
@@ -344,15 +337,9 @@ def plot(res, here):
                label="CP gradient all-reduce (any T)")
     ax.plot([], [], "k-", label="cost_model.context_parallel_rows")
     ax.plot([], [], "ko", mfc="none", label="measured (lowered step)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("sequence length T (tokens)")
-    ax.set_ylabel("attention bytes sent per device per step (MiB)")
-    ax.set_title(f"context parallelism over P = {P}, llama_1b:cpu shapes, bf16, B = {BATCH}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(here, "ring_vs_lasp2.png"), dpi=110)
+    common.style_axes(ax, "sequence length T (tokens)", "attention bytes sent per device per step (MiB)",
+                      f"context parallelism over P = {P}, llama_1b:cpu shapes, bf16, B = {BATCH}", xlog=2, ylog=2)
+    common.save_figure(fig, os.path.join(here, "ring_vs_lasp2.png"))
 
     st = res["steps"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -367,16 +354,10 @@ def plot(res, here):
         ax.plot(Ps, [r["tokenring_maxlink_s"] * 1e6 for r in rs], "^:", color="tab:purple", label="TokenRing busiest link")
         ax.axvline(8.5, color="gray", lw=0.8)
         ax.text(8.7, max(r["compute_fwd_s"] for r in rs) * 1e6, "NVLink | IB", fontsize=8, color="gray", va="top")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=10)
+        common.style_axes(ax, "devices P on seq", "time per ring step per layer (us)",
+                          f"T = {T // 1024}K, llama_1b shapes, H100 profile", xlog=2, ylog=10, legend=7)
         ax.set_xticks(Ps, [str(p) for p in Ps])
-        ax.set_xlabel("devices P on seq")
-        ax.set_ylabel("time per ring step per layer (us)")
-        ax.set_title(f"T = {T // 1024}K, llama_1b shapes, H100 profile")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(here, "ring_step_overlap.png"), dpi=110)
+    common.save_figure(fig, os.path.join(here, "ring_step_overlap.png"))
 
 
 def finish(measured, extra):
@@ -389,8 +370,7 @@ def finish(measured, extra):
         r["summary"] = s
     checks, problems = check(measured)
     res = dict(extra, formula=formula_tables(), steps=step_tables(), checks=checks, problems=problems)
-    with open(os.path.join(HERE, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    common.save_results(HERE, res)
     plot(res, HERE)
     print(tables(res))
     print("checks:", f"all {len(checks)} measured points equal cost_model.context_parallel_rows (count and bytes)"
@@ -398,17 +378,10 @@ def finish(measured, extra):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="measured at T = 1K only")
-    parser.add_argument("--replot", action="store_true", help="tables and plots from results.json")
-    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(sys.stdin.read()))
-        return 0
+    args = common.parse_args(__doc__, worker, quick="measured at T = 1K only",
+                             replot="tables and plots from results.json")
     if args.replot:
-        with open(os.path.join(HERE, "results.json")) as f:
-            old = json.load(f)
+        old = common.load_results(HERE)
         finish(old["measured_raw"], {k: old[k] for k in ("quick", "seconds", "measured_raw")})
         return 0
     t0 = time.time()
@@ -417,7 +390,7 @@ def main() -> int:
     jobs += [dict(variant=v, T=1024, dtype="float32") for v in VARIANTS]  # the library formula's dtype
     if not args.quick:
         jobs += [dict(variant="ring", T=1024, dtype="bfloat16", remat="full")]
-    measured = run_worker(__file__, P, jobs, what="P")
+    measured = common.run_worker(__file__, P, jobs, what="P")
     print(f"{len(jobs)} lowerings in {time.time() - t0:.0f} s", flush=True)
     finish(measured, dict(quick=args.quick, seconds=time.time() - t0, measured_raw=measured))
     return 0

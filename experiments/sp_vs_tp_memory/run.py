@@ -27,8 +27,6 @@ fake device count per process). Writes results.json and sp_vs_tp_memory.png next
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -37,7 +35,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
 
 CONFIG = "configs/tiny.py"
 BUDGET = 256 * 2**20
@@ -118,9 +116,7 @@ def search(peak_of, unit, state_bytes, budget, start):
 
 
 def worker(n: int, jobs: list[dict]) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    common.worker_devices(n)
     import jax
 
     from jaxsys import train
@@ -152,7 +148,7 @@ def worker(n: int, jobs: list[dict]) -> None:
 
         peak_of(job["start"])  # sets the state bytes used as the fit's T = 0 point
         lo, hi, _ = search(peak_of, unit, state["bytes"], budget, job["start"])
-        emit(dict(job, P=n, max_T=lo, first_T_over=hi, state_bytes=state["bytes"], evaluations=log))
+        common.emit(dict(job, P=n, max_T=lo, first_T_over=hi, state_bytes=state["bytes"], evaluations=log))
 
 
 # ----------------------------------------------------------------------------- output
@@ -175,14 +171,14 @@ def fit_ab(r):
 def table(results):
     Ps = sorted({r["P"] for r in results})
     out = [f"Longest T with XLA peak <= {BUDGET / MiB:.0f} MiB per device (global batch {BATCH}, "
-           f"tiny model, remat full), resolution {results[0]['unit']} tokens", "",
-           "| layout | " + " | ".join(f"P = {p}" for p in Ps) + " |",
-           "|---|" + "---:|" * len(Ps)]
+           f"tiny model, remat full), resolution {results[0]['unit']} tokens", ""]
+    rows = []
     for key, (label, _) in LAYOUTS.items():
         row = [next((r for r in results if r["layout"] == key and r["P"] == p), None) for p in Ps]
-        out.append(f"| {label} | " + " | ".join(f"{r['max_T']:,}" if r and r["max_T"] else "–" for r in row) + " |")
-    out += ["", "Ratio of max T to data=P and to TP at the same P:", "",
-            "| layout | " + " | ".join(f"P = {p} vs DP / vs TP" for p in Ps) + " |", "|---|" + "---:|" * len(Ps)]
+        rows.append([label] + [f"{r['max_T']:,}" if r and r["max_T"] else "–" for r in row])
+    out += common.markdown_table(["layout"] + [f"P = {p}" for p in Ps], "l" + "r" * len(Ps), rows)
+    out += ["", "Ratio of max T to data=P and to TP at the same P:", ""]
+    rows = []
     for key, (label, _) in LAYOUTS.items():
         cells = []
         for p in Ps:
@@ -191,30 +187,30 @@ def table(results):
             t = next((x for x in results if x["layout"] == "tp" and x["P"] == p), None)
             cells.append(f"{r['max_T'] / d['max_T']:.2f} / {r['max_T'] / t['max_T']:.2f}"
                          if r and d and t and r["max_T"] and d["max_T"] and t["max_T"] else "–")
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
-    out += ["", "Every compiled point (peak, temporaries, activations+workspace in MiB):", "",
-            "| P | layout | T | peak | temp | act+ws | compile s |", "|---:|---|---:|---:|---:|---:|---:|"]
-    for r in sorted(results, key=lambda r: (r["P"], list(LAYOUTS).index(r["layout"]))):
-        for e in sorted(r["evaluations"], key=lambda e: e["T"]):
-            out.append(f"| {r['P']} | {r['layout']} | {e['T']:,} | {e['peak_bytes_per_device'] / MiB:.1f} | "
-                       f"{e['temp_bytes'] / MiB:.1f} | {e['activations_and_workspace_bytes'] / MiB:.1f} | "
-                       f"{e['seconds']:.0f} |")
-    out += ["", "Fit peak = state + a T^2 + b T over the compiled points of each search:", "",
-            "| P | layout | points | a (B/token^2) | b (KiB/token) | max residual (MiB) | state (params+opt+grads, MiB) |",
-            "|---:|---|---:|---:|---:|---:|---:|"]
-    for r in sorted(results, key=lambda r: (r["P"], list(LAYOUTS).index(r["layout"]))):
+        rows.append([label] + cells)
+    out += common.markdown_table(["layout"] + [f"P = {p} vs DP / vs TP" for p in Ps], "l" + "r" * len(Ps), rows)
+    out += ["", "Every compiled point (peak, temporaries, activations+workspace in MiB):", ""]
+    ordered = sorted(results, key=lambda r: (r["P"], list(LAYOUTS).index(r["layout"])))
+    out += common.markdown_table(
+        ["P", "layout", "T", "peak", "temp", "act+ws", "compile s"], "rlrrrrr",
+        [[r["P"], r["layout"], f"{e['T']:,}", f"{e['peak_bytes_per_device'] / MiB:.1f}", f"{e['temp_bytes'] / MiB:.1f}",
+          f"{e['activations_and_workspace_bytes'] / MiB:.1f}", f"{e['seconds']:.0f}"]
+         for r in ordered for e in sorted(r["evaluations"], key=lambda e: e["T"])])
+    out += ["", "Fit peak = state + a T^2 + b T over the compiled points of each search:", ""]
+    rows = []
+    for r in ordered:
         f = fit_ab(r)
         if f:
             a, b, res = f
-            out.append(f"| {r['P']} | {r['layout']} | {len(r['evaluations'])} | {a:.1f} | {b / 1024:.1f} | "
-                       f"{res / MiB:.2f} | {r['state_bytes'] / MiB:.1f} |")
+            rows.append([r["P"], r["layout"], len(r["evaluations"]), f"{a:.1f}", f"{b / 1024:.1f}", f"{res / MiB:.2f}",
+                         f"{r['state_bytes'] / MiB:.1f}"])
+    out += common.markdown_table(["P", "layout", "points", "a (B/token^2)", "b (KiB/token)", "max residual (MiB)",
+                                  "state (params+opt+grads, MiB)"], "rlrrrrr", rows)
     return "\n".join(out)
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     colors = {"ring": "tab:red", "tp": "tab:blue", "tp_sp": "tab:cyan", "dp": "tab:gray"}
     styles = {"ring": "o-", "tp": "s-", "tp_sp": "^-", "dp": "x--"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -224,13 +220,9 @@ def plot(results, path):
         pts = sorted((r["P"], r["max_T"]) for r in results if r["layout"] == key and r["max_T"])
         ax.plot([p for p, _ in pts], [t for _, t in pts], styles[key], color=colors[key], label=label, ms=8,
                 mfc="none" if key == "tp" else None)
-    ax.set_xscale("log", base=2)
+    common.style_axes(ax, "devices P", "longest sequence T that fits",
+                      f"max T with XLA peak <= {BUDGET / MiB:.0f} MiB/device (B = {BATCH})", xlog=2, grid="major")
     ax.set_xticks(Ps, [str(p) for p in Ps])
-    ax.set_xlabel("devices P")
-    ax.set_ylabel("longest sequence T that fits")
-    ax.set_title(f"max T with XLA peak <= {BUDGET / MiB:.0f} MiB/device (B = {BATCH})")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
     ax = axes[1]
     Pmax = max(Ps)
     for key, (label, _) in LAYOUTS.items():
@@ -248,38 +240,25 @@ def plot(results, path):
             ax.plot(grid, (a * grid ** 2 + b * grid + r["state_bytes"]) / MiB, "-", color=colors[key], lw=1,
                     alpha=0.6)
     ax.axhline(BUDGET / MiB, color="k", ls="--", lw=1, label="budget")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel("XLA peak per device (MiB)")
-    ax.set_title(f"compiled points of the search, P = {Pmax} (lines: state + a T^2 + b T)")
+    common.style_axes(ax, "sequence length T", "XLA peak per device (MiB)",
+                      f"compiled points of the search, P = {Pmax} (lines: state + a T^2 + b T)", grid="major")
     ax.set_ylim(0, BUDGET / MiB * 1.6)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path)
 
 
 def finish(results, extra):
     for r in results:
         r.pop("coef", None)  # older results.json: a 3-parameter fit, replaced by fit_ab
-    with open(os.path.join(HERE, "results.json"), "w") as f:
-        json.dump(dict(extra, budget_bytes=BUDGET, batch=BATCH, config=CONFIG, base_overrides=BASE,
-                       results=results), f, indent=1)
+    common.save_results(HERE, dict(extra, budget_bytes=BUDGET, batch=BATCH, config=CONFIG, base_overrides=BASE,
+                                   results=results))
     plot(results, os.path.join(HERE, "sp_vs_tp_memory.png"))
     print(table(results))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="P = 8 only, T resolution 256")
-    parser.add_argument("--replot", action="store_true", help="tables and plot from results.json")
-    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(sys.stdin.read()))
-        return 0
+    args = common.parse_args(__doc__, worker, quick="P = 8 only, T resolution 256")
     if args.replot:
-        with open(os.path.join(HERE, "results.json")) as f:
-            old = json.load(f)
+        old = common.load_results(HERE)
         finish(old["results"], {k: old[k] for k in ("quick", "seconds")})
         return 0
     t_start = time.time()
@@ -288,7 +267,7 @@ def main() -> int:
     for p in ([8] if args.quick else [2, 4, 8]):
         t0 = time.time()
         jobs = [dict(layout=key, unit=unit, budget=BUDGET, start=1024) for key in LAYOUTS]
-        results += run_worker(__file__, p, jobs, what="P")
+        results += common.run_worker(__file__, p, jobs, what="P")
         print(f"P={p}: {sum(len(r['evaluations']) for r in results if r['P'] == p)} compiles in "
               f"{time.time() - t0:.0f} s", flush=True)
     finish(results, dict(quick=args.quick, seconds=time.time() - t_start))

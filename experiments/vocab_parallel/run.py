@@ -20,9 +20,7 @@ Writes results.json and vocab_parallel.png next to this file and prints the READ
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -31,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
 
 VOCABS = (32768, 131072, 262144)
 P_STAGES = 8  # p
@@ -152,11 +150,9 @@ def analytic(model: str, V: int) -> dict:
 
 
 def worker(n: int, jobs: list[dict]) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    common.worker_devices(n)
     for job in jobs:
-        emit(measure_layout(job) if job["kind"] == "layout" else measure_flops(job))
+        common.emit(measure_layout(job) if job["kind"] == "layout" else measure_flops(job))
 
 
 def measure_layout(job: dict) -> dict:
@@ -358,84 +354,84 @@ def xla_ratios(rows: list[dict]) -> dict:
 
 def tables(summary: dict) -> str:
     an, layouts, frows = summary["analytic"], summary["layouts"], summary["flops_rows"]
-    out = [f"### Max/min over the p = {P_STAGES} stages (analytic; FLOPs also from XLA's count of the pieces)", "",
-           "| model | V | output layer / one layer (FLOPs) | bytes (a) Megatron | bytes (b) jaxsys no VP | "
-           "bytes (c) VP | FLOPs no VP | FLOPs no VP, XLA pieces | FLOPs VP | max stage GiB (a) | (b) | (c) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [f"### Max/min over the p = {P_STAGES} stages (analytic; FLOPs also from XLA's count of the pieces)", ""]
+    rows = []
     for a in an:
         xla = summary["xla_ratio"].get(f"{a['model']} {a['V']}")
-        out.append(f"| {a['model']} | {a['V']} | {a['output_flops'] / a['layer_flops']:.2f} | "
-                   f"{a['bytes_ratio']['megatron']:.3f} | {a['bytes_ratio']['jaxsys']:.3f} | "
-                   f"{a['bytes_ratio']['vp']:.3f} | {a['flops_ratio']['no_vp']:.3f} | "
-                   f"{'—' if xla is None else f'{xla:.3f}'} | "
-                   f"{a['flops_ratio']['vp']:.3f} | {_gib(max(a['bytes']['megatron']))} | "
-                   f"{_gib(max(a['bytes']['jaxsys']))} | {_gib(max(a['bytes']['vp']))} |")
+        rows.append([a["model"], a["V"], f"{a['output_flops'] / a['layer_flops']:.2f}",
+                     f"{a['bytes_ratio']['megatron']:.3f}", f"{a['bytes_ratio']['jaxsys']:.3f}",
+                     f"{a['bytes_ratio']['vp']:.3f}", f"{a['flops_ratio']['no_vp']:.3f}",
+                     "—" if xla is None else f"{xla:.3f}", f"{a['flops_ratio']['vp']:.3f}",
+                     _gib(max(a["bytes"]["megatron"])), _gib(max(a["bytes"]["jaxsys"])), _gib(max(a["bytes"]["vp"]))])
+    out += common.markdown_table(["model", "V", "output layer / one layer (FLOPs)", "bytes (a) Megatron",
+                                  "bytes (b) jaxsys no VP", "bytes (c) VP", "FLOPs no VP", "FLOPs no VP, XLA pieces",
+                                  "FLOPs VP", "max stage GiB (a)", "(b)", "(c)"], "l" + "r" * 11, rows)
     out.append("")
     for a in an:
         if a["model"] != "llama_8b" or a["V"] != 262144:
             continue
-        out += [f"### Per stage: {a['model']}, V = {a['V']}, T = {a['T']}, fp32 parameters", "",
-                "| stage | params GiB (a) Megatron | (b) jaxsys no VP | (c) VP | GFLOP/token no VP | VP |",
-                "|---:|---:|---:|---:|---:|---:|"]
-        for s in range(a["p"]):
-            out.append(f"| {s} | {_gib(a['bytes']['megatron'][s])} | {_gib(a['bytes']['jaxsys'][s])} | "
-                       f"{_gib(a['bytes']['vp'][s])} | {_g(a['flops']['no_vp'][s])} | {_g(a['flops']['vp'][s])} |")
+        out += [f"### Per stage: {a['model']}, V = {a['V']}, T = {a['T']}, fp32 parameters", ""]
+        out += common.markdown_table(
+            ["stage", "params GiB (a) Megatron", "(b) jaxsys no VP", "(c) VP", "GFLOP/token no VP", "VP"], "rrrrrr",
+            [[s, _gib(a["bytes"]["megatron"][s]), _gib(a["bytes"]["jaxsys"][s]), _gib(a["bytes"]["vp"][s]),
+              _g(a["flops"]["no_vp"][s]), _g(a["flops"]["vp"][s])] for s in range(a["p"])])
         out.append("")
     out += ["FLOPs max/min as jaxsys's executor runs them (each stage's forward recomputed in its "
             "backward, the non-VP output layer included): no VP " +
             ", ".join(f"{a['model']} {a['V']}: {a['executed_flops_ratio']['no_vp']:.3f}" for a in an) +
             "; VP 1.000 throughout.", ""]
-    out += ["### Measured: per-device parameter bytes of the built program (pipe = 8, 8 CPU devices)", "",
-            "| model | V | VP | params MiB/device (all 8 devices) | formula | equal | Adam MiB/device | "
-            "split over pipe | replicated |", "|---|---:|---|---:|---:|---|---:|---|---|"]
+    out += ["### Measured: per-device parameter bytes of the built program (pipe = 8, 8 CPU devices)", ""]
+    rows = []
     for r in layouts:
         want = analytic(r["model"], r["V"])["bytes"]["vp" if r["vp"] else "jaxsys"][0]
         got = sorted(set(r["params_bytes"]))
         split, repl = _leaf_names(r["leaves"], True), _leaf_names(r["leaves"], False)
-        out.append(f"| {r['model']} | {r['V']} | {'yes' if r['vp'] else 'no'} | "
-                   f"{' / '.join(f'{g / 2**20:.3f}' for g in got)} | {want / 2**20:.3f} | "
-                   f"{'yes' if got == [want] else 'NO'} | {r['opt_bytes'][0] / 2**20:.3f} | {split} | {repl} |")
+        rows.append([r["model"], r["V"], "yes" if r["vp"] else "no", " / ".join(f"{g / 2**20:.3f}" for g in got),
+                     f"{want / 2**20:.3f}", "yes" if got == [want] else "NO", f"{r['opt_bytes'][0] / 2**20:.3f}",
+                     split, repl])
+    out += common.markdown_table(["model", "V", "VP", "params MiB/device (all 8 devices)", "formula", "equal",
+                                  "Adam MiB/device", "split over pipe", "replicated"], "lrlrrlrll", rows)
     out.append("")
     compiled = [r for r in layouts if "argument_bytes" in r]
     if compiled:
-        out += ["### Measured: XLA's buffer assignment of the compiled pipelined train step (small model)", "",
-                "| V | VP | argument MiB/device | params + Adam + batch + step | equal | temporaries MiB/device | "
-                "compile s |", "|---:|---|---:|---:|---|---:|---:|"]
+        out += ["### Measured: XLA's buffer assignment of the compiled pipelined train step (small model)", ""]
+        rows = []
         for r in compiled:
             want = r["params_bytes"][0] + r["opt_bytes"][0] + r["batch_bytes"] + r["step_bytes"]
-            out.append(f"| {r['V']} | {'yes' if r['vp'] else 'no'} | {r['argument_bytes'] / 2**20:.3f} | "
-                       f"{want / 2**20:.3f} | {'yes' if want == r['argument_bytes'] else 'NO'} | "
-                       f"{r['temp_bytes'] / 2**20:.2f} | {r['compile_seconds']:.0f} |")
+            rows.append([r["V"], "yes" if r["vp"] else "no", f"{r['argument_bytes'] / 2**20:.3f}",
+                         f"{want / 2**20:.3f}", "yes" if want == r["argument_bytes"] else "NO",
+                         f"{r['temp_bytes'] / 2**20:.2f}", f"{r['compile_seconds']:.0f}"])
+        out += common.markdown_table(["V", "VP", "argument MiB/device", "params + Adam + batch + step", "equal",
+                                      "temporaries MiB/device", "compile s"], "rlrrlrr", rows)
         out.append("")
         out += ["### Measured: non-scalar collectives of the lowered step (small model, each op once; "
-                "jaxsys.analysis.collectives)", "",
-                "| V | VP | collectives (kind[mesh axes]: operand, MiB) |", "|---:|---|---|"]
-        for r in compiled:
-            ops = "; ".join(f"{c['kind']}[{','.join(c['axes'])}]: {c['dtype']}{c['shape']} "
-                            f"({c['bytes'] / 2**20:.3f})" for c in r["collectives"])
-            out.append(f"| {r['V']} | {'yes' if r['vp'] else 'no'} | {ops} |")
+                "jaxsys.analysis.collectives)", ""]
+        out += common.markdown_table(
+            ["V", "VP", "collectives (kind[mesh axes]: operand, MiB)"], "rll",
+            [[r["V"], "yes" if r["vp"] else "no",
+              "; ".join(f"{c['kind']}[{','.join(c['axes'])}]: {c['dtype']}{c['shape']} ({c['bytes'] / 2**20:.3f})"
+                        for c in r["collectives"])] for r in compiled])
         out.append("")
-    out += ["### Measured: XLA's FLOPs per token of each piece (forward + backward, one CPU device)", "",
-            "| model | V | piece | XLA flops | XLA matmul flops | XLA transcendentals | formula | "
-            "matmul / formula's matmul part | (flops + transc.) / formula | CE ops per V |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out += ["### Measured: XLA's FLOPs per token of each piece (forward + backward, one CPU device)", ""]
+    fmt = lambda x: "—" if x is None else f"{x:.6f}"
+    rows = []
     for r in frows:
-        fmt = lambda x: "—" if x is None else f"{x:.6f}"
         ce = f"{r['ce_ops_per_v']:.3f}" if "ce_ops_per_v" in r else "—"
         if r["piece"].startswith("embed"):
             ce = f"({r['xla_per_D']:.2f} D)"
-        out.append(f"| {r['model']} | {r['V']} | {r['piece']} | {r['xla']:.4g} | {r['xla_dots']:.4g} | "
-                   f"{r['xla_transcendentals']:.4g} | {r['formula']:.4g} | {fmt(r['dots_over_matmul'])} | "
-                   f"{fmt(r['xla_plus_trans_over_formula'])} | {ce} |")
+        rows.append([r["model"], r["V"], r["piece"], f"{r['xla']:.4g}", f"{r['xla_dots']:.4g}",
+                     f"{r['xla_transcendentals']:.4g}", f"{r['formula']:.4g}", fmt(r["dots_over_matmul"]),
+                     fmt(r["xla_plus_trans_over_formula"]), ce])
+    out += common.markdown_table(
+        ["model", "V", "piece", "XLA flops", "XLA matmul flops", "XLA transcendentals", "formula",
+         "matmul / formula's matmul part", "(flops + transc.) / formula", "CE ops per V"], "lrlrrrrrrr", rows)
     out.append("")
     return "\n".join(out)
 
 
 def plot(summary: dict, path: str, model: str = "llama_8b") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = common.pyplot()
 
     rows = [a for a in summary["analytic"] if a["model"] == model]
     fig, axes = plt.subplots(2, len(rows), figsize=(5.2 * len(rows), 8), squeeze=False, sharey="row")
@@ -462,8 +458,7 @@ def plot(summary: dict, path: str, model: str = "llama_8b") -> None:
         row[0].set_ylim(0, row[0].get_ylim()[1] * 1.3)
     axes[0][0].set_ylabel("GFLOP / token")
     axes[1][0].set_ylabel("GiB")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------- main
@@ -474,8 +469,7 @@ def finish(summary: dict) -> None:
     summary["flops_rows"] = flops_rows(summary["flops"])
     summary["xla_ratio"] = xla_ratios(summary["flops_rows"])
     summary["problems"] = check_layouts(summary["layouts"]) + check_flops(summary["flops_rows"])
-    with open(os.path.join(HERE, "results.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    common.save_results(HERE, summary)
     plot(summary, os.path.join(HERE, "vocab_parallel.png"))
     print(tables(summary))
     print("checks:", "measured bytes == formula on every device; XLA matmul FLOPs == formula"
@@ -483,25 +477,17 @@ def finish(summary: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="do not compile the pipelined train steps")
-    parser.add_argument("--replot", action="store_true",
-                        help="recompute tables and plot from results.json, no measurement")
-    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(sys.stdin.read()))
-        return 0
+    args = common.parse_args(__doc__, worker, quick="do not compile the pipelined train steps",
+                             replot="recompute tables and plot from results.json, no measurement")
     if args.replot:
-        with open(os.path.join(HERE, "results.json")) as f:
-            old = json.load(f)
+        old = common.load_results(HERE)
         finish({k: old[k] for k in ("quick", "seconds", "layouts", "flops")})
         return 0
 
     t_start = time.time()
     layout_jobs = [dict(kind="layout", model=model, V=V, vp=vp, compile=model == "small" and not args.quick)
                    for model in ("small",) + ANALYTIC_MODELS for V in VOCABS for vp in (False, True)]
-    layouts = run_worker(__file__, P_STAGES, layout_jobs, what="devices")
+    layouts = common.run_worker(__file__, P_STAGES, layout_jobs, what="devices")
     print(f"layouts: {len(layouts)} programs built in {time.time() - t_start:.0f} s", flush=True)
     t0 = time.time()
     # the layer stack and the embedding do not depend on V: count them at the first V only
@@ -509,7 +495,7 @@ def main() -> int:
     flop_jobs = [dict(kind="flops", model=model, V=V, B=MODELS[model][2],
                       pieces=(once if V == VOCABS[0] else []) + every_v)
                  for model in ("small",) + ANALYTIC_MODELS for V in VOCABS]
-    flops = run_worker(__file__, 1, flop_jobs, what="devices")
+    flops = common.run_worker(__file__, 1, flop_jobs, what="devices")
     print(f"flops: {sum(len(j['pieces']) for j in flop_jobs)} pieces compiled in {time.time() - t0:.0f} s", flush=True)
     finish(dict(quick=args.quick, seconds=time.time() - t_start, layouts=layouts, flops=flops))
     print(f"total {time.time() - t_start:.0f} s")

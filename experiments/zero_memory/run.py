@@ -15,8 +15,6 @@ Writes results.json and zero_memory.png next to this file and prints the README 
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -25,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import emit, run_worker  # noqa: E402
+from experiments import common  # noqa: E402
 
 SWEEPS = {
     # name: (config, hardware profile, device counts, quick device counts, extra overrides)
@@ -51,9 +49,7 @@ def stage_overrides(n: int, stage: int, per_device_batch: int | None) -> list[st
 
 def worker(n: int, jobs: list[dict]) -> None:
     """Analyse each job's config on n fake CPU devices; print one JSON line per job."""
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    common.worker_devices(n)
     import jax
 
     from jaxsys.analysis import report
@@ -69,7 +65,7 @@ def worker(n: int, jobs: list[dict]) -> None:
         out = dict(job, seconds=seconds, params_count=r["params_count"], memory=r["memory"],
                    batch_bytes_per_device=batch_bytes, collectives=r["collectives"],
                    collectives_formula=r["collectives_formula"], fits=r["fits"])
-        emit(out)
+        common.emit(out)
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -108,24 +104,25 @@ def tables(results: list[dict]) -> str:
             continue
         unit, fmt = ("MiB", _mib) if sweep == "tiny" else ("GiB", _gib)
         psi = rows[0]["params_count"]
-        out += [f"### {sweep} (Ψ = {psi:,} parameters), {unit} per device", "",
-                "| N | stage | params meas. | params formula | grads meas. | grads formula | "
-                "optimizer meas. | optimizer formula | states meas. | states formula | paper K=12 | "
-                "XLA args − batch − step | XLA peak |",
-                "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"### {sweep} (Ψ = {psi:,} parameters), {unit} per device", ""]
+        cells = []
         for r in rows:
             m, f = r["memory"], r["memory"]["formula"]
             states = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
-            out.append("| " + " | ".join([
-                str(r["n"]), str(r["stage"]), fmt(m["params_bytes"]), fmt(f["params"]),
+            cells.append([
+                r["n"], r["stage"], fmt(m["params_bytes"]), fmt(f["params"]),
                 fmt(m["grads_bytes"]), fmt(f["grads"]), fmt(m["optimizer_bytes"]), fmt(f["optimizer"]),
                 fmt(states), fmt(sum(f.values())), fmt(r["paper_k12_bytes"]),
-                fmt(m["argument_bytes"] - r["batch_bytes_per_device"] - STEP_COUNTER_BYTES), fmt(m["peak_bytes_per_device"])]) + " |")
+                fmt(m["argument_bytes"] - r["batch_bytes_per_device"] - STEP_COUNTER_BYTES),
+                fmt(m["peak_bytes_per_device"])])
+        out += common.markdown_table(
+            ["N", "stage", "params meas.", "params formula", "grads meas.", "grads formula", "optimizer meas.",
+             "optimizer formula", "states meas.", "states formula", "paper K=12", "XLA args − batch − step",
+             "XLA peak"], "r" * 13, cells)
         out.append("")
         # Communication per step: the claim's other half ("close to plain DP")
-        out += [f"#### {sweep}: collective bytes sent per device per step, measured vs formula ({unit})", "",
-                "| N | stage | measured (non-scalar collectives) | formula | measured / stage 0 | "
-                "measured / (2Ψb_p(N−1)/N) |", "|---:|---:|---:|---:|---:|---:|"]
+        out += [f"#### {sweep}: collective bytes sent per device per step, measured vs formula ({unit})", ""]
+        cells = []
         for r in rows:
             if r["n"] == 1:
                 continue
@@ -134,25 +131,28 @@ def tables(results: list[dict]) -> str:
             base = next(b for b in rows if b["n"] == r["n"] and b["stage"] == 0)
             meas0 = sum(c["bytes"] for c in base["collectives"] if not c["scalar"])
             dp = 2 * psi * 4 * (r["n"] - 1) / r["n"]
-            out.append(f"| {r['n']} | {r['stage']} | {fmt(meas)} | {fmt(form)} | {meas / meas0:.3f} | "
-                       f"{meas / dp:.3f} |")
+            cells.append([r["n"], r["stage"], fmt(meas), fmt(form), f"{meas / meas0:.3f}", f"{meas / dp:.3f}"])
+        out += common.markdown_table(
+            ["N", "stage", "measured (non-scalar collectives)", "formula", "measured / stage 0",
+             "measured / (2Ψb_p(N−1)/N)"], "r" * 6, cells)
         out.append("")
         # What XLA's buffer assignment shows of each stage's saving, against stage 0 at the same N
-        out += [f"#### {sweep}: XLA's peak per device against stage 0 at the same N ({unit})", "",
-                "| N | stage | XLA peak | XLA temporaries | activations + workspace (peak − states − batch) | "
-                "peak saving vs stage 0 | model-state saving vs stage 0 (formula) |",
-                "|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"#### {sweep}: XLA's peak per device against stage 0 at the same N ({unit})", ""]
+        cells = []
         for r in rows:
             if r["n"] == 1 and r["stage"] > 0:
                 continue
             base = next(b for b in rows if b["n"] == r["n"] and b["stage"] == 0)
             m, mb = r["memory"], base["memory"]
             states = lambda x: sum(x["formula"].values())
-            out.append("| " + " | ".join([
-                str(r["n"]), str(r["stage"]), fmt(m["peak_bytes_per_device"]), fmt(m["temp_bytes"]),
+            cells.append([
+                r["n"], r["stage"], fmt(m["peak_bytes_per_device"]), fmt(m["temp_bytes"]),
                 fmt(m["activations_and_workspace_bytes"]),
                 fmt(mb["peak_bytes_per_device"] - m["peak_bytes_per_device"]),
-                fmt(states(mb) - states(m))]) + " |")
+                fmt(states(mb) - states(m))])
+        out += common.markdown_table(["N", "stage", "XLA peak", "XLA temporaries",
+                                      "activations + workspace (peak − states − batch)", "peak saving vs stage 0",
+                                      "model-state saving vs stage 0 (formula)"], "r" * 7, cells)
         out.append("")
     return "\n".join(out)
 
@@ -194,10 +194,8 @@ def check(results: list[dict]) -> list[str]:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    plt = common.pyplot()
 
     sweeps = [s for s in SWEEPS if any(r["sweep"] == s for r in results)]
     fig, axes = plt.subplots(2, len(sweeps), figsize=(6.2 * len(sweeps), 9.5), squeeze=False)
@@ -219,15 +217,11 @@ def plot(results: list[dict], path: str) -> None:
             top.plot(x, meas, "o", color=colors[stage], ms=7, mfc="none", mew=1.8)
             bottom.plot(x, [r["memory"]["peak_bytes_per_device"] for r in srows], "s-", color=colors[stage])
             bottom.plot(x, meas, "o:", color=colors[stage], mfc="none", alpha=0.6)
-        for ax in (top, bottom):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log", base=2)
-            ax.set_xlabel("data-parallel devices N")
-            ax.grid(True, which="both", alpha=0.3)
-        top.set_ylabel("model-state bytes per device")
-        top.set_title(f"{sweep}: Ψ = {psi / 1e6:,.1f}M parameters, params + grads + Adam")
-        bottom.set_ylabel("bytes per device")
-        bottom.set_title(f"{sweep}: XLA peak per device (squares)")
+        common.style_axes(top, "data-parallel devices N", "model-state bytes per device",
+                          f"{sweep}: Ψ = {psi / 1e6:,.1f}M parameters, params + grads + Adam",
+                          xlog=2, ylog=2, legend=None)
+        common.style_axes(bottom, "data-parallel devices N", "bytes per device",
+                          f"{sweep}: XLA peak per device (squares)", xlog=2, ylog=2, legend=None)
     from matplotlib.lines import Line2D
     handles = [Line2D([], [], color=colors[s], lw=6, label=f"stage {s}") for s in range(4)] + [
         Line2D([], [], color="k", marker="o", mfc="none", ls="none", label="measured (state shardings)"),
@@ -235,23 +229,14 @@ def plot(results: list[dict], path: str) -> None:
         Line2D([], [], color="k", ls=":", label="paper, mixed precision: (2 + 2 + 12)Ψ split by stage"),
         Line2D([], [], color="k", marker="s", ls="-", label="XLA peak (buffer assignment)")]
     fig.legend(handles=handles, loc="upper center", ncol=4, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path, rect=(0, 0, 1, 0.93))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer device counts")
-    parser.add_argument("--replot", action="store_true",
-                        help="redraw the plot and reprint the tables from results.json, no analysis")
-    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, json.loads(sys.stdin.read()))
-        return 0
+    args = common.parse_args(__doc__, worker, quick="fewer device counts",
+                             replot="redraw the plot and reprint the tables from results.json, no analysis")
     if args.replot:
-        with open(os.path.join(HERE, "results.json")) as f:
-            results = json.load(f)["results"]
+        results = common.load_results(HERE)["results"]
         plot(results, os.path.join(HERE, "zero_memory.png"))
         print(tables(results))
         return 0
@@ -267,7 +252,7 @@ def main() -> int:
             jobs = [dict(sweep=sweep, n=n, stage=s, config=config, hardware=hw,
                          overrides=stage_overrides(n, s, per_device_batch) + extra) for s in stages]
             t0 = time.time()
-            got = run_worker(__file__, n, jobs, what="N")
+            got = common.run_worker(__file__, n, jobs, what="N")
             if n == 1:  # report N = 1 under every stage label
                 got = [dict(got[0], stage=s) for s in range(4)]
             print(f"{sweep} N={n}: {len(jobs)} analyses in {time.time() - t0:.0f} s", flush=True)
@@ -278,8 +263,7 @@ def main() -> int:
     problems = check(results)
     summary = {"quick": args.quick, "seconds": time.time() - t_start, "problems": problems,
                "results": results}
-    with open(os.path.join(HERE, "results.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    common.save_results(HERE, summary)
     plot(results, os.path.join(HERE, "zero_memory.png"))
     print(tables(results))
     print("checks:", "all measured state bytes and collectives equal the formula" if not problems
