@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -60,8 +61,7 @@ def test_restore_onto_other_meshes(tmp_path):
         states[name], programs[name] = state, program
     reference = jax.tree.map(np.asarray, states["saved"])
     for name, state in states.items():
-        for want, got in zip(jax.tree.leaves(reference), jax.tree.leaves(state)):
-            np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+        chex.assert_trees_all_equal(state, reference, custom_message=name)
     # The next step from the restored state gives the same loss on every layout; the layouts sum
     # in different orders, so fp32 rounding (~1e-6 relative here) is all that may differ.
     next_losses = {name: _next_step_loss(programs[name], state) for name, state in states.items()}

@@ -11,14 +11,13 @@ decay or merge is off by >1e-3 of the max.
 
 import collections
 
-import jax
 import numpy as np
 import pytest
 
 from jaxsys.analysis import collectives, cost_model, report
 from jaxsys.config import ConfigError
 from jaxsys.parallel import context
-from tests.helpers import program_for, run, small_config
+from tests.helpers import assert_trees_close_leafwise, program_for, run, small_config
 
 _reference = {}
 
@@ -33,9 +32,7 @@ def _assert_matches(config, pattern):
     ref_loss, ref_grads, _, _ = _single_device(pattern)
     loss, grads, _, _ = run(config, steps=0)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5 * np.abs(want).max(),
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_trees_close_leafwise(grads, ref_grads, rtol=1e-5, atol=lambda want: 2e-5 * np.abs(want).max())
 
 
 LAYOUTS = {"seq8": dict(seq=8), "seq2_tensor2_data2": dict(seq=2, tensor=2, data=2)}

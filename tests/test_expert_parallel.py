@@ -11,6 +11,7 @@ import json
 import math
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,10 +74,7 @@ def reference(config, rows=None):
 def assert_same(got, want):
     (loss, grads, metrics), (ref_loss, ref_grads, ref_metrics) = got, want
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
-    assert len(flat_ref) == len(jax.tree.leaves(grads))
-    for (path, w), g in zip(flat_ref, jax.tree.leaves(grads)):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
     for key in ("moe_load", "moe_pairs", "moe_dropped"):  # integer counts: exactly
         np.testing.assert_array_equal(metrics[key], ref_metrics[key], err_msg=key)
     np.testing.assert_allclose(metrics["moe_aux_loss"], ref_metrics["moe_aux_loss"], rtol=1e-5)
@@ -126,8 +124,7 @@ def test_training_steps_match_single_device():
     got_losses, got = steps(moe_config(dict(expert=4, data=2), pattern="dense,moe"))
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     assert got_losses[-1] < got_losses[0]
-    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_pipeline_with_expert_parallelism_matches_single_device():
@@ -234,16 +231,14 @@ def test_a_re_placement_computes_the_same_model():
     loss_moved, grads_moved, metrics_moved = grads_fn(moved.params, batch)
     np.testing.assert_allclose(float(loss_moved), float(loss), rtol=1e-6)
     want = expert_placement.permute_params(grads, program.specs, perm)
-    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(grads_moved)):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    chex.assert_trees_all_close(grads_moved, want, rtol=1e-5, atol=1e-7)
     load, pairs = expert_placement.permute_stats(metrics["moe_load"], metrics["moe_pairs"], perm)
     np.testing.assert_array_equal(metrics_moved["moe_load"], load)
     np.testing.assert_array_equal(metrics_moved["moe_pairs"], pairs)
     after, _ = step_fn(state, batch)
     after_moved, _ = step_fn(moved, batch)
     want = expert_placement.permute_params(after.params, program.specs, perm)
-    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(after_moved.params)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(after_moved.params, want, rtol=1e-5, atol=1e-7)
 
 
 def _zipf_load(layers, experts, seed=0, skew=1.2):
@@ -342,11 +337,9 @@ def test_checkpoint_restores_onto_another_expert_layout(tmp_path):
         loss, grads = program.loss_and_grads_fn()(state.params, batch_for(program, other, 5))
         restored[name] = (jax.tree.map(np.asarray, state), float(loss), jax.tree.map(np.asarray, grads))
     (state_a, loss_a, grads_a), (state_b, loss_b, grads_b) = restored["ep2_data4"], restored["single"]
-    for a, b in zip(jax.tree.leaves(state_a), jax.tree.leaves(state_b)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(state_a, state_b)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(grads_a, grads_b, rtol=1e-5, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------- accounting

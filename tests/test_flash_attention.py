@@ -17,6 +17,7 @@ backend optimisation level, which halves the compile and changes nothing that is
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +124,17 @@ def test_outputs_lse_and_grads_match_reference(name):
     _assert_close(lse, want[1], tol, "lse")
     for g, wg, what in zip(grads, want[2], ("dq", "dk", "dv")):
         _assert_close(g, wg, tol, what)
+
+
+class ForwardVariantsTest(chex.TestCase):
+    """The kernel called as is and under jax.jit (chex.variants) gives the reference's o and lse."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_forward_equals_reference(self):
+        q, k, v = _qkv(1, 32, 32, 4, 2, 16, seed=21)
+        attend = self.variant(lambda q, k, v: KERNEL(q, k, v, causal=True, return_lse=True))
+        chex.assert_trees_all_close(attend(q, k, v), REFERENCE(q, k, v, causal=True, return_lse=True),
+                                    rtol=1e-5, atol=1e-5)
 
 
 def test_empty_rows_give_zero_output_and_minus_inf_lse():

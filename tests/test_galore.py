@@ -11,6 +11,7 @@ import json
 import math
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,8 +153,7 @@ def test_full_rank_with_scale_one_is_adamw():
             == {"adam", "full"}
         _, _, losses, state = run(c, steps=3)
         np.testing.assert_array_equal(losses, want_losses)
-        for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(state.params)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(state.params, want.params)
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -175,8 +175,7 @@ def _assert_same_run(want, got, what):
     less than 1e-3 per step: parameters agree to 1e-6 absolute (measured: 6e-8), losses to 1e-6
     relative (measured 1e-7)."""
     np.testing.assert_allclose(got[2], want[2], rtol=1e-6, err_msg=what)
-    for a, b in zip(jax.tree.leaves(want[3].params), jax.tree.leaves(got[3].params)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6, err_msg=what)
+    chex.assert_trees_all_close(got[3].params, want[3].params, rtol=0, atol=1e-6, custom_message=what)
 
 
 @pytest.mark.parametrize("mesh", [LAYOUT, dict(data=4, fsdp=2)])
@@ -208,8 +207,7 @@ def test_offloaded_parameters_give_the_same_run():
     c.offload.params = True
     got = run(c, steps=4)
     np.testing.assert_array_equal(got[2], want[2])
-    for a, b in zip(jax.tree.leaves(want[3].params), jax.tree.leaves(got[3].params)):
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    chex.assert_trees_all_equal(got[3].params, want[3].params)
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got[3].params)} == {offload.HOST}
 
 
@@ -325,8 +323,7 @@ def test_resume_across_a_refresh_is_bitwise(tmp_path, monkeypatch):
     one = _galore()
     on_one = saved.restore(program_for(one).abstract_state())
     assert galore.is_state(on_one.opt_state[0]) and on_one.opt_state[0].proj
-    for a, b in zip(jax.tree.leaves(on_layout), jax.tree.leaves(on_one)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(on_layout, on_one)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,6 +1,7 @@
 """Each layer function against a direct reference, and the whole model against an unstacked,
 loop-per-layer reference written from the formulas."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,8 +127,7 @@ def test_model_matches_unstacked_reference(tied, remat):
     ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean(_reference_token_losses(p, tokens, c.model))))
     (got_loss, got_grads), (want_loss, want_grads) = loss(params), ref(params)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    chex.assert_trees_all_close(got_grads, want_grads, rtol=1e-4, atol=1e-7)
 
 
 def test_bfloat16_compute_stays_close_to_float32():

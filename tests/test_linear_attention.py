@@ -16,6 +16,7 @@ configuration compiles once for the whole file.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +132,20 @@ def test_kernel_equals_recurrent_fp32(case):
     assert o_k.dtype == jnp.float32 and s_k.dtype == jnp.float32
     _close(o_k, o_r)
     _close(s_k, s_r)
+
+
+class KernelVariantsTest(chex.TestCase):
+    """The kernel called as is and under jax.jit (chex.variants) against the recurrence."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_kernel_equals_recurrent(self):
+        q, k, v, ld, s0 = _inputs(5, b=1, t=24, n=2)
+        attend = self.variant(lambda q, k, v, ld, s0: linear_attention(q, k, v, log_decay=ld, initial_state=s0,
+                                                                       scale=0.25, chunk_size=8))
+        o_k, s_k = attend(q, k, v, ld, s0)
+        o_r, s_r = _recurrent(q, k, v, log_decay=ld, initial_state=s0, scale=0.25)
+        _close(o_k, o_r)
+        _close(s_k, s_r)
 
 
 def test_kernel_bf16_loose():

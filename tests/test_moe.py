@@ -7,6 +7,7 @@ from float64 by ~1e-7, so rtol 1e-5 / atol 1e-7. A wrong expert, gate or dropped
 output by its whole contribution (~1e-3 here), far above that.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,8 +147,7 @@ def test_gradients_equal_the_dense_reference(router, capacity_factor):
     cotangent = jax.random.normal(jax.random.key(9), (B, T, D))
     got = jax.grad(lambda w, h: jnp.sum(apply(config, w, h)[0] * cotangent), argnums=(0, 1))(w, h)
     want = jax.grad(lambda w, h: jnp.sum(dense_reference(w, h, m, kept) * cotangent), argnums=(0, 1))(w, h)
-    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("capacity_factor", [0.25, 0.5, 1.0])

@@ -9,6 +9,7 @@ kinds of the arrays the step returns; the TPU compiler (libtpu, ahead of time) c
 
 import math
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -61,10 +62,8 @@ def test_offload_gives_the_losses_and_parameters_of_the_run_without(option, layo
     loss0, grads, losses, state = run(_config(*LAYOUTS[layout], remat=remat, **OPTIONS[option]), steps=3)
     # the same arithmetic in the same order: only the memory the operands live in differs
     np.testing.assert_array_equal(losses, ref_losses)
-    for want, got in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    for want, got in zip(jax.tree.leaves(ref_state.opt_state), jax.tree.leaves(state.opt_state)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    chex.assert_trees_all_equal(state.params, ref_state.params)
+    chex.assert_trees_all_equal(state.opt_state, ref_state.opt_state)
     # where the state lives after three steps
     opts = OPTIONS[option]
     moments = [k for k, leaf in zip(_kinds(state.opt_state), jax.tree.leaves(state.opt_state)) if leaf.ndim]
@@ -122,8 +121,7 @@ def test_checkpoint_moves_between_runs_with_and_without_offload(tmp_path):
     restored_on = Checkpointer(str(tmp_path / "on"), on.checkpoint).restore(on_program.abstract_state())
     assert set(_kinds(restored_off)) == {offload.DEVICE}
     assert offload.HOST in _kinds(restored_on.params)
-    for a, b in zip(jax.tree.leaves(restored_off), jax.tree.leaves(restored_on)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(restored_off, restored_on)
     # the run without offload resumes the offloaded run's checkpoint, and the other way round
     off = _config(mesh, 1)
     off.train.steps, off.checkpoint.every_steps = 2, 2
@@ -265,5 +263,4 @@ def test_pipeline_with_offload_gives_the_losses_of_the_run_without():
     c.offload.optimizer, c.offload.params, c.offload.activations = True, True, "layer_input"
     _, _, losses, state = run(c, steps=2)
     np.testing.assert_array_equal(losses, ref_losses)
-    for want, got in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    chex.assert_trees_all_equal(state.params, ref_state.params)

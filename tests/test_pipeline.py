@@ -7,12 +7,11 @@ sums (~1e-7 absolute was seen on gradients of size ~1e-2). A lost or doubled mic
 is off by >= 1/m of a gradient, orders of magnitude above rtol 1e-5 / atol 2e-7.
 """
 
-import jax
 import numpy as np
 import pytest
 
 from jaxsys.config import ConfigError, validate
-from tests.helpers import loss_and_grads, pipeline_config, program_for
+from tests.helpers import assert_trees_close_leafwise, loss_and_grads, pipeline_config, program_for
 
 _reference = {}
 
@@ -27,13 +26,8 @@ def reference(**model):
 def assert_matches(got, want):
     (loss, grads), (ref_loss, ref_grads) = got, want
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
-    flat = jax.tree.leaves(grads)
-    assert len(flat) == len(flat_ref)
-    for (path, w), g in zip(flat_ref, flat):
-        # plus 1e-5 of the leaf's largest entry for entries built by cancellation (tests/test_parity.py)
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=max(2e-7, 1e-5 * np.abs(w).max()),
-                                   err_msg=jax.tree_util.keystr(path))
+    # plus 1e-5 of the leaf's largest entry for entries built by cancellation (tests/test_parity.py)
+    assert_trees_close_leafwise(grads, ref_grads, rtol=1e-5, atol=lambda w: max(2e-7, 1e-5 * np.abs(w).max()))
 
 
 CASES = {  # name: (pipe, schedule, micro-batches, virtual stages)

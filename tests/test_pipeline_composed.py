@@ -5,6 +5,7 @@ agree too; 1F1B's per-device peak memory (XLA's own analysis) is below GPipe's.
 Tolerances as in test_pipeline.py (same sums, reassociated over micro-batches and shards).
 """
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -67,8 +68,7 @@ def test_training_steps_match_single_device(name):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] < losses[0]
     params = unchunked(jax.tree.map(np.asarray, state.params)) if c.train.virtual_stages > 1 else state.params
-    for want, got in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(params, ref_state.params, rtol=1e-4, atol=1e-6)
 
 
 def _peak_bytes(schedule, m):

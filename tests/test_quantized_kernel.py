@@ -9,6 +9,7 @@ rounding boundary.
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,6 +65,18 @@ def test_w8a8_kernel_equals_reference_bitwise(m):
     wq, sw = ref.quantize_w8(w)
     got = kernel.matmul_w8a8(xq, sx, wq, sw, jnp.float32, block_k=128, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref.matmul_w8a8(xq, sx, wq, sw, jnp.float32)))
+
+
+class W8A8VariantsTest(chex.TestCase):
+    """The kernel called as is and under jax.jit (chex.variants) gives the reference bit for bit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_w8a8_kernel_equals_reference_bitwise(self):
+        x, w = _xw(5, 256, 128)
+        xq, sx = ref.quantize_per_token(x)
+        wq, sw = ref.quantize_w8(w)
+        matmul = self.variant(lambda *a: kernel.matmul_w8a8(*a, jnp.float32, block_k=128, interpret=True))
+        chex.assert_trees_all_equal(matmul(xq, sx, wq, sw), ref.matmul_w8a8(xq, sx, wq, sw, jnp.float32))
 
 
 # ----------------------------------------------------------------------------- shapes that are not tiles

@@ -7,6 +7,7 @@ The model is tests/helpers.small_config (D=64, L=2, fp32, 120K parameters), with
 
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsys import convert, data, train, zo
 from jaxsys.checkpoint import Checkpointer, CheckpointError, restore_params
 from jaxsys.config import ConfigError, validate
-from tests.helpers import ROOT, program_for, small_config
+from tests.helpers import ROOT, assert_trees_close_leafwise, program_for, small_config
 
 LAYOUT = dict(data=2, fsdp=2, tensor=2)
 ULP_LOSS = float(np.spacing(np.float32(5.6)))  # one ulp of an fp32 loss near ln(256)
@@ -123,9 +124,7 @@ def test_shards_on_data2_fsdp2_tensor2_assemble_to_the_one_device_z():
 
     for local in (from_hook, from_update):
         got = jax.jit(program._shard_map(local, (program.param_pspecs,), program.param_pspecs))(zeros)
-        assert jax.tree.structure(got) == jax.tree.structure(want)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(got, want)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -162,8 +161,7 @@ def test_steps_on_data2_fsdp2_tensor2_equal_one_device():
     np.testing.assert_allclose([x["projected_grad"] for x in got], [x["projected_grad"] for x in want],
                                rtol=0, atol=dg)
     atol = sum(x["lr"] for x in want) * dg * 6.0  # |z| < 6 for 120K normal draws
-    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
+    chex.assert_trees_all_close(got_params, want_params, rtol=1e-5, atol=atol)
 
 
 def test_offloaded_parameters_give_the_same_steps_bitwise():
@@ -174,8 +172,7 @@ def test_offloaded_parameters_give_the_same_steps_bitwise():
     c.offload.params = True
     got, got_params = _run(c)
     assert got == want
-    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params)):
-        np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(got_params, want_params)
     program = program_for(c)
     state, _ = program.train_step_fn()(program.init(), _batch(program))
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.params)} == {"pinned_host"}
@@ -197,8 +194,7 @@ def test_update_equals_numpy_reference():
     z = jax.tree.map(np.asarray, zo.perturbation_tree(program.specs, zo.step_key(c.seed, 0)))
     decay = jax.tree.map(lambda s: s.decay, program.specs, is_leaf=lambda x: hasattr(x, "decay"))
     want = jax.tree.map(lambda w, v, d: w - lr * (g * v + (np.float32(0.1) * w if d else 0)), before, z, decay)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=2 * np.spacing(np.abs(b).max()))
+    assert_trees_close_leafwise(state.params, want, rtol=1e-6, atol=lambda b: 2 * np.spacing(np.abs(b).max()))
     assert jax.tree.leaves(state.opt_state) == []
 
 
@@ -232,8 +228,7 @@ def test_init_from_starts_zo_from_the_saved_parameters_and_the_loss_falls(tmp_pa
     state = program.fresh_state(restore_params(c.checkpoint.init_from, program.abstract_state().params)[0])
     saved = Checkpointer(str(tmp_path / "adamw"), adamw.checkpoint).restore(program_for(adamw).abstract_state())
     assert int(state.step) == 0 and jax.tree.leaves(state.opt_state) == []
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(saved.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(state.params, saved.params)
     zo_records = train.main(c, str(tmp_path / "zo"))
     assert "parameters from step 20 of" in capsys.readouterr().out
     assert zo_records[0]["step"] == 1 and zo_records[0]["loss"] < 4.2  # not from scratch (5.5)
@@ -256,8 +251,7 @@ def test_init_from_a_converted_hf_workdir(tmp_path):
     want = converted.restore(program_for(c_adamw).abstract_state()).params
     converted.close()
     assert step == 0
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(params, want)
     records = train.main(c, str(tmp_path / "ft"))
     assert [r["step"] for r in records] == [1, 2] and all(np.isfinite(r["loss"]) for r in records)
 

@@ -21,6 +21,12 @@ f_e is counted over the whole (micro-)batch on every device (one all-reduce of E
 losses equal the single-device ones on any layout: given f, the balance loss is linear in the
 per-token P, so each device adds the sum over its own tokens.
 
+One layer is route -> dispatch -> local experts -> combine. This module routes (the router, and in
+the capacity path which copies are admitted to which slot) and computes the local experts' SwiGLU;
+jaxsys/parallel/expert.py moves the copies (`expert.dispatch`, `expert.combine`: the model asks it
+twice per layer) and computes every routing statistic (loads, drops, co-routing pairs, traffic and
+the two loss sums above) inside `dispatch`.
+
 Two compute paths:
     dropless  (capacity_factor = 0) every copy is computed: copies sorted by expert, grouped
               matmuls (`layers.swiglu_grouped`, lax.ragged_dot); with expert parallelism the sorted
@@ -47,7 +53,7 @@ from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import expert, tensor
 from jaxsys.sharding import Layout
 
-ROUTING_STATISTICS = ("load", "dropped", "pairs", "traffic")  # per MoE layer, integer, global
+ROUTING_STATISTICS = expert.ROUTING_STATISTICS  # per MoE layer, integer, global
 
 
 def param_specs(m, n: int) -> dict:
@@ -100,36 +106,13 @@ def route(h, w_router, moe) -> Routing:
     return Routing(logits, probs, experts.astype(jnp.int32), gates)
 
 
-def expert_counts(experts, n_experts: int):
-    """[E] int32: token copies routed to each expert."""
-    return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
-
-
-def co_routing(previous, experts, n_experts: int):
-    """[E, E] int32: pairs[i, j] counts, over tokens, the copies routed to expert i by the previous MoE
-    layer and to expert j by this one (k x k pairs per token; `previous` < 0: no previous layer)."""
-    e = n_experts
-    index = previous[..., :, None] * e + experts[..., None, :]
-    index = jnp.where((previous >= 0)[..., :, None], index, e * e)  # past the end: dropped
-    return jnp.zeros((e * e,), jnp.int32).at[index.reshape(-1)].add(1, mode="drop").reshape(e, e)
-
-
-def balance_loss_sums(r: Routing, load, moe):
-    """(a E sum_t sum_e f_e P_te, b sum_t logsumexp(z_t)^2) over this device's tokens, with the global
-    fractions f = load / sum(load); the trainer divides by the batch's token count."""
-    f = load.astype(jnp.float32) / jnp.maximum(jnp.sum(load), 1)
-    aux = moe.aux_loss_weight * moe.experts * jnp.sum(r.probs * f)
-    z = moe.z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
-    return aux, z
-
-
-# ----------------------------------------------------------------------------- compute paths
+# ----------------------------------------------------------------------------- capacity admission
 
 
 def _rank_within_expert(ids, n_experts: int):
     """ids[n] -> rank[n]: how many earlier entries have the same id (a stable sort, no [n, E] mask)."""
     order = jnp.argsort(ids, stable=True)
-    counts = expert_counts(ids, n_experts)
+    counts = jnp.zeros((n_experts,), jnp.int32).at[ids].add(1)
     starts = jnp.cumsum(counts) - counts
     ranked = jnp.arange(ids.shape[0], dtype=jnp.int32) - starts[ids[order]]
     return jnp.zeros_like(ids).at[order].set(ranked)
@@ -145,58 +128,12 @@ def admit(experts, n_experts: int, slots: int):
     return slot.reshape(b, k, t).transpose(0, 2, 1)
 
 
-def _combine(gates, y_copies, dtype):
-    return jnp.einsum("btk,btkd->btd", gates, y_copies.astype(jnp.float32)).astype(dtype)
-
-
-def _capacity_mlp(x, experts, gates, w, moe, layout: Layout):
-    """Capacity path: x[B, T, D] -> (y[B, T, D], dropped copies on this device)."""
-    b, t, d = x.shape
-    e, c = moe.experts, capacity(t, moe)
-    slot = admit(experts, e, c)
-    dropped = jnp.sum(slot == e * c, dtype=jnp.int32)
-    batch_index = jnp.arange(b)[:, None, None]
-    position = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :, None], slot.shape)
-    filler = jnp.full((b, e * c), t, jnp.int32).at[batch_index, slot].set(position, mode="drop")
-    padded = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)  # row T: an empty slot
-    buffers = jax.vmap(lambda xb, ib: xb[ib])(padded, filler).reshape(b, e, c, d)
-    axes = expert.expert_axes(layout)
-    out = expert.capacity_dispatch(buffers, axes)
-    out = layers.swiglu_experts(out, w["w_gate"], w["w_up"], w["w_down"])
-    out = expert.capacity_combine(out, axes).reshape(b, e * c, d)
-    out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)  # row E C: dropped copies
-    y_copies = jax.vmap(lambda ob, sb: ob[sb])(out, slot.reshape(b, -1)).reshape(b, t, -1, d)
-    return _combine(gates, y_copies, x.dtype), dropped
-
-
-def _dropless_mlp(x, experts, counts, gates, w, layout: Layout, dispatch: str):
-    """Dropless path: x[B, T, D] -> y[B, T, D]; every copy is computed. counts[E]: copies per expert."""
-    b, t, d = x.shape
-    k, n = experts.shape[-1], experts.size
-    ids = experts.reshape(-1)  # copy (b, t, r) at (b T + t) k + r
-    order = jnp.argsort(ids, stable=True)
-    rows = x.reshape(b * t, d)[order // k]  # [M, D] sorted by expert
-    mlp = lambda z, sizes: layers.swiglu_grouped(z, w["w_gate"], w["w_up"], w["w_down"], sizes)
-    axes = expert.expert_axes(layout)
-    if axes:
-        received, received_counts, route_ = expert.dropless_dispatch(rows, counts, axes, dispatch)
-        # Each source's rows are sorted by local expert; regroup all of them by local expert (rows
-        # past a source's count are padding: they sort last and come out zero).
-        bounds = jnp.cumsum(received_counts, axis=1)  # [ep, E_l]
-        local = jax.vmap(lambda bd: jnp.searchsorted(bd, jnp.arange(n), side="right"))(bounds)
-        regroup = jnp.argsort(local.reshape(-1), stable=True)
-        out = mlp(received[regroup], jnp.sum(received_counts, axis=0))
-        out = out[_inverse(regroup)]
-        out = expert.dropless_combine(out, route_, n, axes, dispatch)
-    else:
-        out = mlp(rows, counts)
-    y_copies = out[_inverse(order)].reshape(b, t, k, d)
-    return _combine(gates, y_copies, x.dtype)
-
-
-def _inverse(permutation):
-    return jnp.zeros_like(permutation).at[permutation].set(
-        jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+def _local_experts(sent: expert.Dispatched, w):
+    """The SwiGLU of this device's experts on the rows `expert.dispatch` brought them: per slot
+    (capacity) or as a grouped matmul over rows sorted by local expert (dropless)."""
+    if sent.group_sizes is None:
+        return layers.swiglu_experts(sent.rows, w["w_gate"], w["w_up"], w["w_down"])
+    return layers.swiglu_grouped(sent.rows, w["w_gate"], w["w_up"], w["w_down"], sent.group_sizes)
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -206,9 +143,9 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     """One MoE MLP on the normed h[B, T', D] (T' = T/tp under sequence parallelism) with this
     layer's (FSDP-gathered) weights `w`. `previous` [B, T, k]: the experts the previous MoE layer
     chose for these tokens (-1 for none). Returns (y[B, T', D] to add to the residual,
-    experts[B, T, k] of this layer, stats) where stats has the loss sums `aux_loss` and `z_loss` of
-    this device's tokens and the global int32 `load` [E], `dropped` [], `pairs` [E, E] and
-    `traffic` [ep, ep] (`expert.traffic`).
+    experts[B, T, k] of this layer, stats) where stats (`expert.routing_statistics`) has the loss
+    sums `aux_loss` and `z_loss` of this device's tokens and the global int32 `load` [E],
+    `dropped` [], `pairs` [E, E] and `traffic` [ep, ep].
 
     The router runs before the tensor-parallel region, on this rank's positions, so that its
     weights and h get their gradients once; the gates enter the region like h (Megatron's f: their
@@ -219,20 +156,12 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     x = tensor.enter(h, mlp_axes, sp)  # [B, T, D] on every tensor rank
     gates = tensor.enter(r.gates, mlp_axes, sp)
     experts = tensor.gather_sequence(r.experts, sp)
-    counts = expert_counts(experts, moe.experts)
-    load = expert.global_sum(counts, layout)
-    aux, z = balance_loss_sums(r, load, moe)
+    routed = expert.Routed(experts, previous, r.logits, r.probs)
     if moe.capacity_factor > 0:
-        y, dropped = _capacity_mlp(x, experts, gates, w, moe, layout)
-        dropped = expert.global_sum(dropped, layout)
-    else:
-        y, dropped = _dropless_mlp(x, experts, counts, gates, w, layout, dispatch), jnp.zeros((), jnp.int32)
+        c = capacity(x.shape[1], moe)
+        routed = routed._replace(slot=admit(experts, moe.experts, c), capacity=c)
+    sent = expert.dispatch(x, routed, moe, layout, dispatch)
+    y = expert.combine(_local_experts(sent, w), sent.plan, gates)
     if moe.shared_experts:
         y = y + layers.swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
-    stats = {"aux_loss": expert.sum_over_sequence_shards(aux, layout),
-             "z_loss": expert.sum_over_sequence_shards(z, layout),
-             "load": load,
-             "dropped": dropped,
-             "pairs": expert.global_sum(co_routing(previous, experts, moe.experts), layout),
-             "traffic": expert.traffic(counts, layout)}
-    return tensor.leave(y, mlp_axes, sp), experts, stats
+    return tensor.leave(y, mlp_axes, sp), experts, sent.stats

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,6 +263,10 @@ def tokenring_attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
 
 def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
     """Causal GQA attention of local queries q[B, T/P, N, H] over the sequence split on `seq`."""
+    shapes = "context.attention takes q[B, T/P, N, H], k/v[B, T/P, K, H]"
+    chex.assert_rank([q, k, v], 4, custom_message=shapes)
+    chex.assert_equal_shape([k, v], custom_message=shapes)
+    chex.assert_equal_shape_prefix([q, k], 2, custom_message=shapes)
     return {"ring": ring_attention, "allgather": allgather_attention,
             "tokenring": tokenring_attention}[seq.variant](q, k, v, seq, blocks)
 
@@ -273,6 +278,11 @@ def lasp2(q, k, v, log_decay, scale: float, seq: SeqLayout, chunk_attention):
     """Causal linear attention over the sequence split on `seq`; q, k, v [B, T/P, N, H] (K/V heads
     already repeated), log_decay [N] of the local heads. `chunk_attention(q, k, v)` -> (o, final
     state) with a zero initial state (the Pallas kernel or the pure-JAX chunked form)."""
+    shapes = "context.lasp2 takes q/k[B, T/P, N, H], v[B, T/P, N, Hv], log_decay[N]"
+    chex.assert_rank([q, k, v], 4, custom_message=shapes)
+    chex.assert_equal_shape([q, k], custom_message=shapes)
+    chex.assert_equal_shape_prefix([q, v], 3, custom_message=shapes)
+    chex.assert_shape(log_decay, (q.shape[2],), custom_message=shapes)
     c, tc = seq.chunks_per_device, q.shape[SEQ_DIM] // seq.chunks_per_device
     outs, states = [], []
     for qi, ki, vi in zip(_split(q, c), _split(k, c), _split(v, c)):

@@ -23,12 +23,27 @@ each device routes its own tokens and sends each copy to the device of its exper
 The expert weights need no collective of their own: every copy of a token routed to an expert is
 processed on the device that holds it, so the expert's gradient is complete over the expert axis
 (`zero.plan` sums it over the other batch axes only).
+
+The MoE layer (models/moe.py) asks this module twice per layer, dispatch -> local experts -> combine:
+
+    sent = expert.dispatch(x, Routed(...), moe, layout, impl)  # the rows this device's experts compute
+    out = SwiGLU of the local experts on sent.rows               # models/moe.py
+    y = expert.combine(out, sent.plan, gates)                    # [B, T, D], each token's gated sum
+
+`dispatch` takes the model's routing decisions (each token copy's expert; in the capacity path also
+its slot, from `moe.admit`), builds the capacity buffers or sorts the copies by expert, and sends
+them to their experts' devices. It also computes every routing statistic of the layer
+(`routing_statistics`: the global loads, dropped copies, co-routing pairs, device traffic and the
+balance / z-loss sums), since they need the same per-expert counts and all-reduces over the batch;
+the model keeps the router, the capacity admission and the experts' FFN. `combine` brings the
+results home and returns each token's gate-weighted sum of its copies.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,6 +51,119 @@ from jax import lax
 from jaxsys.config import EXPERT_DISPATCH
 from jaxsys.parallel.collectives import all_to_all, axis_index, exchange, psum_fwd_copy_bwd
 from jaxsys.sharding import Layout
+
+ROUTING_STATISTICS = ("load", "dropped", "pairs", "traffic")  # per MoE layer, integer, global
+
+
+class Routed(NamedTuple):
+    """The router's decisions for this device's tokens: what the model hands `dispatch`."""
+
+    experts: jax.Array  # [B, T, k] int32: each copy's expert, at every position of the MoE block
+    previous: jax.Array  # [B, T, k] int32: the previous MoE layer's experts (-1: none), for `pairs`
+    logits: jax.Array  # [B, T', E] fp32 router logits of this rank's positions (T' = T/tp under SP)
+    probs: jax.Array  # [B, T', E] router probabilities of this rank's positions (balance loss)
+    slot: jax.Array | None = None  # [B, T, k] capacity path: each copy's slot in [0, E C), E C: dropped
+    capacity: int = 0  # C, an expert's slots per sequence; 0: the dropless path
+
+
+class Dispatched(NamedTuple):
+    """What `dispatch` returns: the rows this device's experts compute and what `combine` needs."""
+
+    rows: jax.Array  # capacity: [ep G, E_l, C, D] slots; dropless: [R, D] sorted by local expert
+    group_sizes: jax.Array | None  # dropless: [E_l] rows of each local expert; None: capacity
+    plan: NamedTuple  # _CapacityPlan or _DroplessPlan: the way home
+    stats: dict  # the layer's routing statistics (`routing_statistics`)
+
+
+class _CapacityPlan(NamedTuple):
+    slot: jax.Array  # [B, T, k]
+    axes: tuple[str, ...]
+    dtype: jnp.dtype
+
+
+class _DroplessPlan(NamedTuple):
+    order: jax.Array  # [M]: the copies sorted by expert
+    regroup: jax.Array | None  # with expert parallelism: the received rows sorted by local expert
+    route: RaggedRoute | None  # with expert parallelism: sizes and offsets of the ragged all-to-all
+    axes: tuple[str, ...]
+    impl: str
+    dtype: jnp.dtype
+
+
+def dispatch(x, routed: Routed, moe, layout: Layout, impl: str = "padded") -> Dispatched:
+    """x[B, T, D] (every position of the MoE block, on each tensor rank) and the routing decisions ->
+    the rows of this device's experts, the plan of their way home and the layer's routing statistics.
+    `moe`: config.model.moe; `impl`: the dropless all-to-all (`ragged_all_to_all`)."""
+    chex.assert_rank(x, 3, custom_message="expert.dispatch takes x[B, T, D]")
+    chex.assert_shape(routed.experts, x.shape[:2] + (None,), custom_message="expert.dispatch takes experts[B, T, k]")
+    chex.assert_type(routed.experts, int, custom_message="expert.dispatch takes integer expert ids")
+    counts = expert_counts(routed.experts, moe.experts)
+    stats = routing_statistics(routed, counts, moe, layout)
+    axes = expert_axes(layout)
+    if routed.slot is not None:
+        return _dispatch_capacity(x, routed.slot, moe.experts, routed.capacity, axes, stats)
+    return _dispatch_dropless(x, routed.experts, counts, axes, impl, stats)
+
+
+def combine(out, plan, gates):
+    """The local experts' results `out` (laid out as `Dispatched.rows`) -> y[B, T, D] at home, each
+    token's copies summed with their gates[B, T, k] (fp32), in x's dtype."""
+    chex.assert_rank(gates, 3, custom_message="expert.combine takes gates[B, T, k]")
+    if isinstance(plan, _CapacityPlan):
+        y_copies = _combine_capacity(out, plan)
+    else:
+        y_copies = _combine_dropless(out, plan, gates.shape)
+    return jnp.einsum("btk,btkd->btd", gates, y_copies.astype(jnp.float32)).astype(plan.dtype)
+
+
+def _inverse(permutation):
+    return jnp.zeros_like(permutation).at[permutation].set(
+        jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+
+
+# ----------------------------------------------------------------------------- routing statistics
+
+
+def expert_counts(experts, n_experts: int):
+    """[E] int32: token copies routed to each expert."""
+    return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+
+
+def co_routing(previous, experts, n_experts: int):
+    """[E, E] int32: pairs[i, j] counts, over tokens, the copies routed to expert i by the previous MoE
+    layer and to expert j by this one (k x k pairs per token; `previous` < 0: no previous layer)."""
+    e = n_experts
+    index = previous[..., :, None] * e + experts[..., None, :]
+    index = jnp.where((previous >= 0)[..., :, None], index, e * e)  # past the end: dropped
+    return jnp.zeros((e * e,), jnp.int32).at[index.reshape(-1)].add(1, mode="drop").reshape(e, e)
+
+
+def balance_loss_sums(logits, probs, load, moe):
+    """(a E sum_t sum_e f_e P_te, b sum_t logsumexp(z_t)^2) over this rank's positions, with the
+    global fractions f = load / sum(load); the trainer divides by the batch's token count."""
+    f = load.astype(jnp.float32) / jnp.maximum(jnp.sum(load), 1)
+    aux = moe.aux_loss_weight * moe.experts * jnp.sum(probs * f)
+    z = moe.z_loss_weight * jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return aux, z
+
+
+def routing_statistics(routed: Routed, counts, moe, layout: Layout) -> dict:
+    """The layer's statistics from this device's routing decisions and counts[E]: the loss sums
+    `aux_loss` and `z_loss` of the whole batch's positions held by this device's tensor group, and
+    the global int32 `load` [E], `dropped` [], `pairs` [E, E] and `traffic` [ep, ep] (`traffic`)."""
+    load = global_sum(counts, layout)
+    aux, z = balance_loss_sums(routed.logits, routed.probs, load, moe)
+    if routed.slot is None:
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        dropped = global_sum(jnp.sum(routed.slot == moe.experts * routed.capacity, dtype=jnp.int32), layout)
+    return {"aux_loss": sum_over_sequence_shards(aux, layout),
+            "z_loss": sum_over_sequence_shards(z, layout),
+            "load": load,
+            "dropped": dropped,
+            "pairs": global_sum(co_routing(routed.previous, routed.experts, moe.experts), layout),
+            "traffic": traffic(counts, layout)}
+
 
 def expert_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes the experts are split over (empty: every device holds all experts)."""
@@ -77,18 +205,70 @@ def sum_over_sequence_shards(x, layout: Layout):
 # ----------------------------------------------------------------------------- capacity
 
 
+def _dispatch_capacity(x, slot, n_experts: int, c: int, axes: tuple[str, ...], stats: dict) -> Dispatched:
+    """Each copy into its slot of this device's [B, E, C, D] buffers (empty slots zero), then
+    `capacity_dispatch`."""
+    b, t, d = x.shape
+    e = n_experts
+    batch_index = jnp.arange(b)[:, None, None]
+    position = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :, None], slot.shape)
+    filler = jnp.full((b, e * c), t, jnp.int32).at[batch_index, slot].set(position, mode="drop")
+    padded = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)  # row T: an empty slot
+    buffers = jax.vmap(lambda xb, ib: xb[ib])(padded, filler).reshape(b, e, c, d)
+    return Dispatched(capacity_dispatch(buffers, axes), None, _CapacityPlan(slot, axes, x.dtype), stats)
+
+
+def _combine_capacity(out, plan: _CapacityPlan):
+    """`capacity_combine`, then each copy's result from its slot: [B, T, k, D] (dropped copies 0)."""
+    b, t = plan.slot.shape[:2]
+    d = out.shape[-1]
+    out = capacity_combine(out, plan.axes).reshape(b, -1, d)
+    out = jnp.concatenate([out, jnp.zeros((b, 1, d), out.dtype)], axis=1)  # row E C: dropped copies
+    return jax.vmap(lambda ob, sb: ob[sb])(out, plan.slot.reshape(b, -1)).reshape(b, t, -1, d)
+
+
 def capacity_dispatch(buffer, axes: tuple[str, ...]):
     """[G, E, C, D] buffers of this device's sequences -> [ep G, E_l, C, D]: the slots of this
     device's experts, from every device of the expert axis (source i's G rows at i G)."""
+    chex.assert_rank(buffer, 4, custom_message="expert.capacity_dispatch takes buffer[G, E, C, D]")
     return all_to_all(buffer, axes, 1, 0)
 
 
 def capacity_combine(y, axes: tuple[str, ...]):
     """The inverse of `capacity_dispatch`: [ep G, E_l, C, D] -> [G, E, C, D] back at home."""
+    chex.assert_rank(y, 4, custom_message="expert.capacity_combine takes y[ep G, E_l, C, D]")
     return all_to_all(y, axes, 0, 1)
 
 
 # ----------------------------------------------------------------------------- dropless
+
+
+def _dispatch_dropless(x, experts, counts, axes: tuple[str, ...], impl: str, stats: dict) -> Dispatched:
+    """The M = B T k copies sorted by expert; with expert parallelism `dropless_dispatch`, then every
+    source's rows regrouped by local expert (rows past a source's count are padding: they sort last
+    and come out of the grouped matmul zero)."""
+    b, t, d = x.shape
+    k, n = experts.shape[-1], experts.size
+    ids = experts.reshape(-1)  # copy (b, t, r) at (b T + t) k + r
+    order = jnp.argsort(ids, stable=True)
+    rows = x.reshape(b * t, d)[order // k]  # [M, D] sorted by expert
+    if not axes:
+        return Dispatched(rows, counts, _DroplessPlan(order, None, None, axes, impl, x.dtype), stats)
+    received, received_counts, route = dropless_dispatch(rows, counts, axes, impl)
+    bounds = jnp.cumsum(received_counts, axis=1)  # [ep, E_l]
+    local = jax.vmap(lambda bd: jnp.searchsorted(bd, jnp.arange(n), side="right"))(bounds)
+    regroup = jnp.argsort(local.reshape(-1), stable=True)
+    return Dispatched(received[regroup], jnp.sum(received_counts, axis=0),
+                      _DroplessPlan(order, regroup, route, axes, impl, x.dtype), stats)
+
+
+def _combine_dropless(out, plan: _DroplessPlan, gates_shape):
+    """Undo the regrouping, `dropless_combine`, unsort: [B, T, k, D]."""
+    b, t, k = gates_shape
+    if plan.route is not None:
+        out = out[_inverse(plan.regroup)]
+        out = dropless_combine(out, plan.route, plan.order.shape[0], plan.axes, plan.impl)
+    return out[_inverse(plan.order)].reshape(b, t, k, -1)
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
@@ -131,6 +311,8 @@ def dropless_dispatch(rows, counts, axes: tuple[str, ...], impl: str = "padded")
     (received [ep M, D]: device i's rows for this device's experts at i M, sorted by expert;
      received_counts [ep, E_l]: how many of them each local expert has from device i;
      route: what `dropless_combine` needs)."""
+    chex.assert_rank([rows, counts], [2, 1], custom_message="expert.dropless_dispatch takes rows[M, D], counts[E]")
+    chex.assert_type(counts, int, custom_message="expert.dropless_dispatch takes integer counts")
     ep = lax.axis_size(axes)
     m = rows.shape[0]
     per_device = counts.reshape(ep, -1)  # [ep, E_l]
@@ -149,6 +331,7 @@ def dropless_dispatch(rows, counts, axes: tuple[str, ...], impl: str = "padded")
 def dropless_combine(results, route: RaggedRoute, m: int, axes: tuple[str, ...], impl: str = "padded"):
     """The return trip: results[ep M, D] (laid out as `dropless_dispatch` received them) -> [M, D]
     in this device's sorted row order."""
+    chex.assert_rank(results, 2, custom_message="expert.dropless_combine takes results[ep M, D]")
     ep = lax.axis_size(axes)
     home_offsets = exchange(route.input_offsets, axes)  # where device i's slice for us came from
     output = jnp.zeros((m,) + results.shape[1:], results.dtype)

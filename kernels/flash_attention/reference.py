@@ -54,6 +54,10 @@ def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=No
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
     if q_segment_ids is not None:
+        # the kernels cast them to int32: fractional ids would silently merge segments
+        for name, ids in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise ValueError(f"{name} must be integers; got {ids.dtype}")
         if q_segment_ids.shape != (b, t):
             raise ValueError(
                 f"q_segment_ids must have shape [B, T] = {(b, t)}; got {q_segment_ids.shape}")

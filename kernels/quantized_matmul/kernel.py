@@ -329,6 +329,8 @@ def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128,
             z is not None and z.shape != s.shape):
         raise ValueError(f"matmul_w4a16: scales {s.shape} (zero points {None if z is None else z.shape}) "
                          f"do not match weights [K={k}, N={n}] in groups along K")
+    if z is not None and not jnp.issubdtype(z.dtype, jnp.integer):  # the kernel casts them to int8
+        raise ValueError(f"matmul_w4a16 takes integer zero points; got {z.dtype}")
     group_size = k // s.shape[0]
     if group_size not in ref.GROUP_SIZES:
         raise ValueError(f"matmul_w4a16: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
