@@ -167,10 +167,14 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.sequence_parallel = False  # Megatron SP in the norm/residual regions
+    # with SP: the all-gather / reduce-scatter over T beside the TP matmuls split into ppermute steps
+    # that overlap the partial matmuls (docs/comm_overlap.md); needs tensor > 1 and sequence_parallel
+    c.parallel.collective_matmul = False
     c.parallel.vocab_parallel = False  # embedding and output layer split over the pipe stages too
     c.parallel.expert_dispatch = "padded"  # padded | ragged (ragged_all_to_all; GPU/TPU only)
     c.parallel.expert_rebalance_every = 0  # re-place experts on devices every N steps by their load; 0: never
     c.parallel.expert_colocate = True  # rebalancing also co-locates experts consecutive layers route to together
+    c.parallel.fsdp_prefetch = False  # all-gather layer i+1's FSDP weights while layer i computes
 
     # Logical axis -> mesh axis ("" = replicated). `params` is where parameters live at rest;
     # `compute` is where they are used (FSDP is the difference: embed is gathered before use).
@@ -564,7 +568,18 @@ def validate(config, num_devices: int | None = None) -> None:
         for logical in ("vocab", "heads", "kv_heads", "mlp"):
             _require(config.sharding.params[logical] == "tensor",
                      "config.parallel.sequence_parallel needs heads, kv_heads, mlp and vocab on 'tensor'")
+    if config.parallel.collective_matmul:
+        _require(sizes["tensor"] > 1 and config.parallel.sequence_parallel,
+                 f"config.parallel.collective_matmul=True needs tensor parallelism with sequence parallelism "
+                 f"(it decomposes SP's all-gather / reduce-scatter over T): got config.mesh.tensor="
+                 f"{sizes['tensor']}, config.parallel.sequence_parallel={config.parallel.sequence_parallel}; "
+                 f"set both, or collective_matmul=False")
     _validate_pipeline(config)
+    _require(isinstance(config.parallel.fsdp_prefetch, bool),
+             f"config.parallel.fsdp_prefetch={config.parallel.fsdp_prefetch!r}: choose True or False")
+    _require(not (config.parallel.fsdp_prefetch and config.offload.params),
+             "config.parallel.fsdp_prefetch cannot be combined with config.offload.params yet (the "
+             "prefetch indexes the next layer out of the host-memory stack): turn one of them off")
     _require(t.zero_stage in (0, 1, 2),
              f"config.train.zero_stage={t.zero_stage}: choose 0, 1 or 2 (stage 3 is config.mesh.fsdp)")
     _require(t.schedule in SCHEDULES, f"config.train.schedule={t.schedule!r}: choose one of {SCHEDULES}")

@@ -294,6 +294,13 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
             f"{config.mesh.pipe} on {platform}: the ring's collective-permutes run inside the per-stage "
             "branches of the pipeline, where XLA:CPU pairs them wrongly (the loss came out wrong); use "
             "'allgather' with a pipeline here (TPU and GPU compile it: docs/pipeline.md)")
+    if (config.mesh.pipe > 1 and config.parallel.get("collective_matmul", False)
+            and platform not in ("tpu", "gpu")):
+        raise ConfigError(
+            f"config.parallel.collective_matmul=True with config.mesh.pipe={config.mesh.pipe} on {platform}: "
+            "its collective-permutes run inside the per-stage branches of the pipeline, where XLA:CPU waits "
+            "for every device of the mesh and deadlocks; set collective_matmul=False here (TPU and GPU "
+            "compile it: docs/comm_overlap.md)")
     if config.parallel.expert_dispatch == "ragged" and platform not in ("gpu", "tpu"):
         raise ConfigError(f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
                           f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'")

@@ -29,6 +29,8 @@ class Layout:
     sequence_parallel: bool = False
     params_on_host: bool = False  # config.offload.params: weights at rest in host memory
     offload_activations: tuple[str, ...] = ()  # config.offload.activations: saved to host memory
+    collective_matmul: bool = False  # config.parallel.collective_matmul (with sequence parallelism)
+    fsdp_prefetch: bool = False  # config.parallel.fsdp_prefetch: gather layer i+1 during layer i
 
     @classmethod
     def from_config(cls, config) -> "Layout":
@@ -43,7 +45,10 @@ class Layout:
         from jaxsys.config import offloaded_activations
         return cls(sizes, keep(config.sharding.params), keep(config.sharding.compute),
                    bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1,
-                   bool(config.offload.params), offloaded_activations(config))
+                   bool(config.offload.params), offloaded_activations(config),
+                   collective_matmul=bool(config.parallel.get("collective_matmul", False))
+                   and bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1,
+                   fsdp_prefetch=bool(config.parallel.get("fsdp_prefetch", False)))
 
     # -- mesh axes of logical names
     def param_axes(self, logical: str | None) -> tuple[str, ...]:

@@ -55,9 +55,22 @@ def _einsum(eq, x, w, name=""):
 def swiglu(x, w_gate, w_up, w_down, linear=_einsum):
     """SwiGLU MLP: (silu(x W_gate) * x W_up) W_down, x[B, T, D], W_gate/W_up[D, F], W_down[F, D].
     `linear(eq, x, w, name=...)` runs each matmul (models/quant.py's for quantized weights)."""
-    gate = linear("btd,df->btf", x, w_gate, name="w_gate")
-    up = linear("btd,df->btf", x, w_up, name="w_up")
-    hidden = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")  # host-offloadable (config.offload)
+    return swiglu_down(swiglu_hidden(*swiglu_up(x, w_gate, w_up, linear)), w_down, linear)
+
+
+# SwiGLU in its three parts, for a tensor-parallel block that runs its column-parallel and
+# row-parallel matmuls through jaxsys.parallel.tensor (enter_matmul / leave_matmul)
+def swiglu_up(x, w_gate, w_up, linear=_einsum):
+    """The two column-parallel projections (x W_gate, x W_up)."""
+    return linear("btd,df->btf", x, w_gate, name="w_gate"), linear("btd,df->btf", x, w_up, name="w_up")
+
+
+def swiglu_hidden(gate, up):
+    return checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")  # host-offloadable (config.offload)
+
+
+def swiglu_down(hidden, w_down, linear=_einsum):
+    """The row-parallel projection hidden W_down."""
     return linear("btf,fd->btd", hidden, w_down, name="w_down")
 
 

@@ -164,6 +164,13 @@ def _paged_attention(q, k, v, kv, positions):
     return o[:, None], out
 
 
+def _qkv(linear, h, ws):
+    """The attention's column-parallel projections of h: q, k, v."""
+    wq, wk, wv = ws
+    return (linear("btd,dnh->btnh", h, wq, name="wq"), linear("btd,dkh->btkh", h, wk, name="wk"),
+            linear("btd,dkh->btkh", h, wv, name="wv"))
+
+
 def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
            previous=None, dispatch: str = "padded", kv=None):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
@@ -178,11 +185,10 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     seq = context.SeqLayout.of(layout, m)
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sp_axes
     x = checkpoint_name(x, "layer_input")  # host-offloadable residual (config.offload.activations)
-    h = tensor.enter(layers.rms_norm(x, w["attn_norm"], m.norm_eps), heads, sp)
     linear = functools.partial(quant.linear, m=m)  # einsum, or the quantized kernels (config.model.quant)
-    q = linear("btd,dnh->btnh", h, w["wq"], name="wq")
-    k = linear("btd,dkh->btkh", h, w["wk"], name="wk")
-    v = linear("btd,dkh->btkh", h, w["wv"], name="wv")
+    cm = layout.collective_matmul  # the TP matmuls beside their SP collectives (config.parallel.collective_matmul)
+    q, k, v = tensor.enter_matmul(functools.partial(_qkv, linear), layers.rms_norm(x, w["attn_norm"], m.norm_eps),
+                                  (w["wq"], w["wk"], w["wv"]), heads, sp, cm)
     if kind == "linear":
         if kv is not None:
             raise ValueError("decoding with a KV cache needs softmax attention layers; linear-attention "
@@ -198,15 +204,17 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
             kv = {"k": _write_cache(kv["k"], k, positions), "v": _write_cache(kv["v"], v, positions)}
             o = layers.attention(q, kv["k"].astype(q.dtype), kv["v"].astype(q.dtype), q_positions=positions)
     o = checkpoint_name(o, "attention_output")
-    x = x + tensor.leave(linear("btnh,nhd->btd", o, w["wo"], name="wo"), heads, sp)
+    x = x + tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)
     h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
     if mlp_kind == "moe":
         y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
         out = (x + y, experts, stats)
     else:
-        h = tensor.enter(h, mlp, sp)
-        y = layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"], linear)
-        out = (x + tensor.leave(y, mlp, sp), previous, None)
+        gate, up = tensor.enter_matmul(lambda h, ws: layers.swiglu_up(h, *ws, linear), h,
+                                       (w["w_gate"], w["w_up"]), mlp, sp, cm)
+        y = tensor.leave_matmul(lambda a, wd: layers.swiglu_down(a, wd, linear), layers.swiglu_hidden(gate, up),
+                                w["w_down"], mlp, sp, cm)
+        out = (x + y, previous, None)
     return out if kv is None else out + (kv,)
 
 
@@ -268,12 +276,15 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     # stacks the host copy for the backward (config.offload.activations=layer_input).
     input_to_host = "layer_input" in layout.offload_activations
 
+    def gather(w, g, index):
+        """A layer's picked weights as it uses them (`_weights`: cast, FSDP all-gather)."""
+        return {k: _weights(w[k], layer_axes[k], m, layout, hook, f"layers/{k}",
+                            g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]) for k in w}
+
     def layer(x, previous, group, g, kind, mlp_kind, index, kv_layer=None):
         if input_to_host:
             x = offload.to_device(x)
-        w = pick(group, g, mlp_kind, index)
-        gathered = {k: _weights(w[k], layer_axes[k], m, layout, hook, f"layers/{k}",
-                                g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]) for k in w}
+        gathered = gather(pick(group, g, mlp_kind, index), g, index)
         return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch, kv_layer)
 
     if kv is None:
@@ -299,12 +310,43 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     kv_groups = None if kv is None else jax.tree.map(
         lambda a: a.reshape(n_groups, period, *a.shape[1:]), {k: a for k, a in kv.items() if k in CACHE_LEAVES})
 
+    # FSDP prefetch (config.parallel.fsdp_prefetch): the scan carries the next layer's gathered
+    # weights; each layer first issues the all-gather of the layer after it, then computes on the
+    # weights gathered one layer earlier (layer 0's before the scan; the last layer gathers the
+    # last group's first layer again, unused). fsdp.prefetched keeps the gathered weights out of the
+    # backward's residuals: the backward gathers them again, as without prefetch.
+    prefetch = layout.fsdp_prefetch and kv is None
+
+    def ahead(group, g, i):
+        """Layer i of `group`, gathered with no gradient (its gradient goes through `runs[i]`)."""
+        _, mlp_kind, index = per_layer[i]
+        return gather(pick(jax.lax.stop_gradient(group), g, mlp_kind, index), g, index)
+
+    def prefetched(kind, mlp_kind, index):
+        def block(x, prev, w):
+            if input_to_host:
+                x = offload.to_device(x)
+            return _block(x, w, positions, m, layout, kind, mlp_kind, prev, dispatch)
+        run = fsdp.prefetched(block, lambda local: gather(local[0], local[1], index),
+                              remat_policy(m.remat, layout.offload_activations))
+        return lambda x, prev, group, g, w: run(x, prev, (pick(group, g, mlp_kind, index), g), w)
+
+    runs = [prefetched(*spec) for spec in per_layer] if prefetch else None
+
     def body(carry, xs):
-        (x, previous), (group_params, g, kv_group) = carry, xs
+        (x, previous, gathered), (group_params, g, kv_group) = carry, xs
         stats, kv_out = [], []
         for i in range(period):
             args = (offload.to_host(x) if input_to_host else x, previous, group_params, g)
-            if kv_group is None:
+            if prefetch:
+                if i + 1 < period:
+                    following = ahead(group_params, g, i + 1)
+                else:
+                    g_next = jnp.minimum(g + 1, n_groups - 1)
+                    following = ahead(jax.tree.map(lambda a: a[g_next], groups), g_next, 0)
+                x, previous, layer_stats = runs[i](*args, gathered)
+                gathered = following
+            elif kv_group is None:
                 x, previous, layer_stats = remat[i](*args)
             else:
                 x, previous, layer_stats, kv_layer = remat[i](
@@ -313,10 +355,11 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
             if layer_stats is not None:
                 stats.append(layer_stats)
         stack = lambda items: jax.tree.map(lambda *s: jnp.stack(s), *items) if items else None
-        return (x, previous), (stack(stats), stack(kv_out))
+        return (x, previous, gathered), (stack(stats), stack(kv_out))
 
-    (x, _), (stats, kv_new) = jax.lax.scan(body, (x, previous), (groups, jnp.arange(n_groups), kv_groups),
-                                           unroll=n_groups if unroll else 1)
+    first = ahead(jax.tree.map(lambda a: a[0], groups), jnp.int32(0), 0) if prefetch else None
+    (x, *_), (stats, kv_new) = jax.lax.scan(body, (x, previous, first), (groups, jnp.arange(n_groups), kv_groups),
+                                            unroll=n_groups if unroll else 1)
     if kv is not None:
         kv_new = jax.tree.map(lambda a: a.reshape(n_groups * period, *a.shape[2:]), kv_new)
     if not n_moe:
@@ -336,10 +379,12 @@ def final_norm(params, x, m, layout: Layout, specs=None, hook=None):
 def output_logits(params, h, m, layout: Layout, specs=None, hook=None):
     """Normed h[B, T, D] -> logits[B, T, V] (this shard's vocabulary columns when `vocab` is split)."""
     axes = _axes(specs if specs is not None else param_specs(m))
-    h = tensor.enter(h, layout.compute_axes("vocab"), layout.sp_axes)
     if m.tie_embeddings:
-        return jnp.einsum("btd,vd->btv", h, _weights(params["embed"], axes["embed"], m, layout, hook, "embed"))
-    return jnp.einsum("btd,dv->btv", h, _weights(params["unembed"], axes["unembed"], m, layout, hook, "unembed"))
+        w, eq = _weights(params["embed"], axes["embed"], m, layout, hook, "embed"), "btd,vd->btv"
+    else:
+        w, eq = _weights(params["unembed"], axes["unembed"], m, layout, hook, "unembed"), "btd,dv->btv"
+    return tensor.enter_matmul(functools.partial(jnp.einsum, eq), h, w, layout.compute_axes("vocab"),
+                               layout.sp_axes, layout.collective_matmul)
 
 
 def output_loss(params, h, targets, m, layout: Layout, specs=None, hook=None):

@@ -11,6 +11,7 @@ reshard_after_forward).
 
 from __future__ import annotations
 
+import chex
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -32,6 +33,8 @@ def gather(weights, logical_axes, layout: Layout):
     (a tuple of logical names per leaf)."""
 
     def one(w, names):
+        # one logical name per dimension: a shorter tuple would leave dimensions sharded
+        chex.assert_rank(w, len(names), custom_message=f"fsdp.gather: a weight with logical axes {names}")
         for dim, name in enumerate(names):
             axes = gathered_axes(layout, name)
             if axes:
@@ -52,3 +55,48 @@ def remat_saveable(prim, *_, **params) -> bool:
     if prim.name == "name":
         return params.get("name") != GATHERED
     return prim.name not in _NEVER_SAVED
+
+
+def prefetched(block, regather, policy):
+    """A layer for FSDP prefetch (config.parallel.fsdp_prefetch): `run(x, previous, local, gathered)`
+    computes `block(x, previous, gathered)` on weights gathered ahead of time (the layer scan gathers
+    layer i+1 while layer i computes and carries the result), and differentiates like the plain
+    layer `block(x, previous, regather(local))` under `jax.checkpoint(policy=policy)`:
+
+    - forward: the block runs under the remat policy and keeps what the policy saves, except the
+      gathered weights themselves (the residuals that are `gathered`'s leaves are dropped);
+    - backward: the weights are gathered again from `local` (the shards at rest) and put back in
+      those residuals; the weights' cotangent goes back through `regather`'s transpose, the
+      reduce-scatter, to `local`. `gathered` gets no cotangent (the scan carries it under
+      `stop_gradient`).
+
+    `regather(local)` must give exactly `gathered` (the same gather of the same shards), so the
+    forward and backward compute the plain layer's numbers. `block` takes and returns pytrees;
+    integer inputs and outputs (MoE routing) pass through."""
+    remat = jax.checkpoint(block, policy=policy, prevent_cse=False)
+    static = {}  # the residual structure, from the forward's trace to the backward's
+
+    @jax.custom_vjp
+    def run(x, previous, local, gathered):
+        return block(x, previous, gathered)
+
+    def fwd(x, previous, local, gathered):
+        out, vjp = jax.vjp(remat, x, previous, gathered)
+        leaves, static["tree"] = jax.tree.flatten(vjp)
+        slot = {id(leaf): k for k, leaf in enumerate(jax.tree.leaves(gathered))}
+        static["slots"] = [slot.get(id(leaf)) for leaf in leaves]
+        kept = [None if s is not None else leaf for leaf, s in zip(leaves, static["slots"])]
+        return out, (kept, local)
+
+    def bwd(residuals, ct):
+        kept, local = residuals
+        weights, transpose = jax.vjp(regather, local)
+        weights = jax.tree.leaves(weights)
+        vjp = jax.tree.unflatten(static["tree"], [weights[s] if s is not None else leaf
+                                                  for leaf, s in zip(kept, static["slots"])])
+        ct_x, ct_previous, ct_weights = vjp(ct)
+        (ct_local,) = transpose(ct_weights)
+        return ct_x, ct_previous, ct_local, None
+
+    run.defvjp(fwd, bwd)
+    return run
