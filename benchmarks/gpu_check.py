@@ -55,10 +55,16 @@ def check_flash(small: bool):
             ref = lambda q, k, v: reference_attention(q, k, v, causal=causal)
             fwd_bwd = lambda f: jax.jit(lambda q, k, v, do: (f(q, k, v), jax.vjp(f, q, k, v)[1](do)))
             got, want = fwd_bwd(kernel)(q, k, v, do), fwd_bwd(ref)(q, k, v, do)
-            yield (f"flash T={t} H={h} N=8 K=2 causal={causal} block={block}: output",
-                   rel_err(got[0], want[0]), 2.0 ** -6)
-            yield (f"flash T={t} H={h} N=8 K=2 causal={causal} block={block}: dq dk dv",
-                   worst(got[1], want[1]), 2.0 ** -6)
+            yield (
+                f"flash T={t} H={h} N=8 K=2 causal={causal} block={block}: output",
+                rel_err(got[0], want[0]),
+                2.0**-6,
+            )
+            yield (
+                f"flash T={t} H={h} N=8 K=2 causal={causal} block={block}: dq dk dv",
+                worst(got[1], want[1]),
+                2.0**-6,
+            )
 
 
 def check_linear(small: bool):
@@ -86,14 +92,22 @@ def check_quantized(small: bool):
     wq, sw = qr.quantize_w8(w)
     for m in m_list:
         x = jax.random.normal(jax.random.fold_in(keys[1], m), (m, k), jnp.bfloat16)
-        yield (f"w8a16 M={m} K={k} N={n}", rel_err(jax.jit(qk.matmul_w8a16)(x, q8, s8),
-                                                   qr.matmul_w8a16(x, q8, s8)), 2.0 ** -7)
-        yield (f"w4a16 G=128 zero point M={m} K={k} N={n}",
-               rel_err(jax.jit(qk.matmul_w4a16)(x, packed, s4, z4),
-                       qr.matmul_w4a16(x, qr.pack_int4(q4), s4, z4)), 2.0 ** -7)
+        yield (
+            f"w8a16 M={m} K={k} N={n}",
+            rel_err(jax.jit(qk.matmul_w8a16)(x, q8, s8), qr.matmul_w8a16(x, q8, s8)),
+            2.0**-7,
+        )
+        yield (
+            f"w4a16 G=128 zero point M={m} K={k} N={n}",
+            rel_err(jax.jit(qk.matmul_w4a16)(x, packed, s4, z4), qr.matmul_w4a16(x, qr.pack_int4(q4), s4, z4)),
+            2.0**-7,
+        )
         xq, sx = qr.quantize_per_token(x)
-        yield (f"w8a8 M={m} K={k} N={n}", rel_err(jax.jit(qk.matmul_w8a8)(xq, sx, wq, sw),
-                                                  qr.matmul_w8a8(xq, sx, wq, sw)), 2.0 ** -7)
+        yield (
+            f"w8a8 M={m} K={k} N={n}",
+            rel_err(jax.jit(qk.matmul_w8a8)(xq, sx, wq, sw), qr.matmul_w8a8(xq, sx, wq, sw)),
+            2.0**-7,
+        )
 
 
 def check_paged(small: bool):
@@ -107,7 +121,7 @@ def check_paged(small: bool):
     lengths = jnp.asarray(np.linspace(1, max_pages * page_size, b).astype(np.int32))
     got = jax.jit(paged_attention)(q, k_pages, v_pages, table, lengths)
     want = paged_attention_reference(q, k_pages, v_pages, table, lengths)
-    yield f"paged attention B={b} pages={pages}x{page_size} N={n} K={kh} H={h}", rel_err(got, want), 2.0 ** -6
+    yield f"paged attention B={b} pages={pages}x{page_size} N={n} K={kh} H={h}", rel_err(got, want), 2.0**-6
 
 
 CHECKS = {"flash": check_flash, "linear": check_linear, "quantized": check_quantized, "paged": check_paged}
@@ -137,8 +151,11 @@ def main(argv=None) -> int:
         print(f"  ({name}: {time.perf_counter() - start:.1f}s with compiles)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=f"{device.platform} {getattr(device, 'device_kind', '')}",
-                           jax=jax.__version__, rows=rows), f, indent=1)
+            json.dump(
+                dict(device=f"{device.platform} {getattr(device, 'device_kind', '')}", jax=jax.__version__, rows=rows),
+                f,
+                indent=1,
+            )
     return int(not all(r["ok"] for r in rows))
 
 

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -109,12 +108,16 @@ class Plain:
             one.mesh[axis] = 1
         self.layout = Layout.from_config(one)  # no collectives in the model code
         specs = program.specs
-        self.tx = optax.chain(optax.clip_by_global_norm(c.train.grad_clip),
-                              optim.make_optimizer(c.train, specs))
+        self.tx = optax.chain(optax.clip_by_global_norm(c.train.grad_clip), optim.make_optimizer(c.train, specs))
         abstract = params_lib.abstract_params(specs, jnp.dtype(c.model.param_dtype))
         opt_pspecs = optax.tree_map_params(
-            self.tx, lambda _, spec: spec, jax.eval_shape(self.tx.init, abstract),
-            program.param_pspecs, transform_non_params=lambda _: P(), is_leaf=_is_p)
+            self.tx,
+            lambda _, spec: spec,
+            jax.eval_shape(self.tx.init, abstract),
+            program.param_pspecs,
+            transform_non_params=lambda _: P(),
+            is_leaf=_is_p,
+        )
         self.state_shardings = program.shardings((program.param_pspecs, opt_pspecs))
         replicated = NamedSharding(program.mesh, P())
 
@@ -128,8 +131,12 @@ class Plain:
             updates, opt_state = self.tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
-        self.step = jax.jit(step, in_shardings=(self.state_shardings, program.batch_sharding),
-                            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self.step = jax.jit(
+            step,
+            in_shardings=(self.state_shardings, program.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
 
     def init(self):
         """The jaxsys initial parameters (same key as `Program.init`) and a fresh optimizer state."""
@@ -140,8 +147,7 @@ class Plain:
             params = params_lib.init_params(self.program.specs, key, dtype)
             return params, self.tx.init(params)
 
-        return jax.jit(init, out_shardings=self.state_shardings)(
-            jax.random.fold_in(jax.random.key(c.seed), 0))
+        return jax.jit(init, out_shardings=self.state_shardings)(jax.random.fold_in(jax.random.key(c.seed), 0))
 
 
 def _loss(x) -> float:
@@ -165,8 +171,10 @@ def bench_layout(base, name, corpus, args) -> dict:
     tokens_per_step = t.batch_size * c.data.seq_len
 
     n_batches = max(args.steps, args.warmup)
-    batches = [data_lib.global_batch(corpus, program.batch_sharding, c.seed, i, t.batch_size,
-                                     c.data.seq_len) for i in range(n_batches)]
+    batches = [
+        data_lib.global_batch(corpus, program.batch_sharding, c.seed, i, t.batch_size, c.data.seq_len)
+        for i in range(n_batches)
+    ]
     jax.block_until_ready(batches)
 
     j_state, p_state = program.init(), plain.init()
@@ -183,13 +191,13 @@ def bench_layout(base, name, corpus, args) -> dict:
     # Warm-up, step by step, recording the losses (the first is the sanity check).
     j_losses, p_losses = [], []
     for i in range(args.warmup):
-        j_state, loss = run_steps(j_step, j_state, batches[i:i + 1], j_loss_of)
+        j_state, loss = run_steps(j_step, j_state, batches[i : i + 1], j_loss_of)
         j_losses.append(loss)
-        p_state, loss = run_steps(p_step, p_state, batches[i:i + 1], p_loss_of)
+        p_state, loss = run_steps(p_step, p_state, batches[i : i + 1], p_loss_of)
         p_losses.append(loss)
     first_match = bool(np.isclose(j_losses[0], p_losses[0], rtol=LOSS_RTOL, atol=0.0))
 
-    timed = batches[:args.steps]
+    timed = batches[: args.steps]
     j_times, p_times, j_cpu, p_cpu = [], [], [], []
     for _ in range(args.repeats):  # ABAB...: machine drift hits both alike
         start, cpu = time.perf_counter(), time.process_time()
@@ -235,22 +243,24 @@ def bench_layout(base, name, corpus, args) -> dict:
 
 
 def markdown_table(results) -> str:
-    lines = ["| layout | devices | jaxsys tokens/s | plain GSPMD tokens/s | ratio | loss match |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| layout | devices | jaxsys tokens/s | plain GSPMD tokens/s | ratio | loss match |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in results:
         mesh = ", ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "-"
         match = "yes" if r["first_loss_match"] else "NO"
         lines.append(
             f"| {r['layout']} ({mesh}) | {r['devices']} | {r['jaxsys_tokens_per_s']:,.0f} | "
             f"{r['plain_tokens_per_s']:,.0f} | {r['ratio']:.2f}x | {match} "
-            f"({r['first_loss_jaxsys']:.6f} vs {r['first_loss_plain']:.6f}) |")
+            f"({r['first_loss_jaxsys']:.6f} vs {r['first_loss_plain']:.6f}) |"
+        )
     return "\n".join(lines)
 
 
 def collectives_table(results) -> str:
     fmt = lambda d: ", ".join(f"{k} {v}" for k, v in d.items()) or "none"
-    lines = ["| layout | jaxsys collectives (compiled HLO) | plain GSPMD collectives (compiled HLO) |",
-             "|---|---|---|"]
+    lines = ["| layout | jaxsys collectives (compiled HLO) | plain GSPMD collectives (compiled HLO) |", "|---|---|---|"]
     for r in results:
         lines.append(f"| {r['layout']} | {fmt(r['collectives_jaxsys'])} | {fmt(r['collectives_plain'])} |")
     return "\n".join(lines)
@@ -261,8 +271,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="steps per timed run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling (>= 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each program")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS),
-                        help=f"comma-separated subset of {','.join(LAYOUTS)}")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {','.join(LAYOUTS)}")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
@@ -272,43 +281,53 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be >= 1")
     if len(jax.devices()) < 8 and any(n != "1dev" for n in names):
-        parser.error(f"the 8-device layouts need 8 devices, found {len(jax.devices())} "
-                     f"({jax.default_backend()})")
+        parser.error(f"the 8-device layouts need 8 devices, found {len(jax.devices())} ({jax.default_backend()})")
 
     base = load_config(os.path.join(_ROOT, "configs", "tiny.py"))
     corpus = data_lib.load_corpus(base.data)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} devices, "
-          f"{os.cpu_count()} host cores; tiny config: d_model {base.model.d_model}, "
-          f"{base.model.n_layers} layers, T={base.data.seq_len}, B={base.train.batch_size}; "
-          f"{args.steps} steps x {args.repeats} repeats after {args.warmup} warm-up steps",
-          flush=True)
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {len(jax.devices())} devices, "
+        f"{os.cpu_count()} host cores; tiny config: d_model {base.model.d_model}, "
+        f"{base.model.n_layers} layers, T={base.data.seq_len}, B={base.train.batch_size}; "
+        f"{args.steps} steps x {args.repeats} repeats after {args.warmup} warm-up steps",
+        flush=True,
+    )
 
     results = []
     for name in names:
         start = time.perf_counter()
         r = bench_layout(base, name, corpus, args)
         results.append(r)
-        print(f"{name}: jaxsys {r['jaxsys_tokens_per_s']:,.0f} tok/s, plain "
-              f"{r['plain_tokens_per_s']:,.0f} tok/s (medians), ratio {r['ratio']:.2f}x "
-              f"(paired {r['ratio_paired_median']:.2f}x, best-of {r['ratio_best']:.2f}x); runs jaxsys "
-              f"{[round(x) for x in r['jaxsys_tokens_per_s_runs']]} plain "
-              f"{[round(x) for x in r['plain_tokens_per_s_runs']]}; CPU s/step jaxsys "
-              f"{r['cpu_s_per_step_jaxsys']:.3f} plain {r['cpu_s_per_step_plain']:.3f}; first loss "
-              f"{r['first_loss_jaxsys']:.6f} / {r['first_loss_plain']:.6f} "
-              f"({'match' if r['first_loss_match'] else 'MISMATCH'}), loss after warm-up "
-              f"{r['warmup_last_loss_jaxsys']:.6f} / {r['warmup_last_loss_plain']:.6f} "
-              f"[{time.perf_counter() - start:.0f}s]", flush=True)
+        print(
+            f"{name}: jaxsys {r['jaxsys_tokens_per_s']:,.0f} tok/s, plain "
+            f"{r['plain_tokens_per_s']:,.0f} tok/s (medians), ratio {r['ratio']:.2f}x "
+            f"(paired {r['ratio_paired_median']:.2f}x, best-of {r['ratio_best']:.2f}x); runs jaxsys "
+            f"{[round(x) for x in r['jaxsys_tokens_per_s_runs']]} plain "
+            f"{[round(x) for x in r['plain_tokens_per_s_runs']]}; CPU s/step jaxsys "
+            f"{r['cpu_s_per_step_jaxsys']:.3f} plain {r['cpu_s_per_step_plain']:.3f}; first loss "
+            f"{r['first_loss_jaxsys']:.6f} / {r['first_loss_plain']:.6f} "
+            f"({'match' if r['first_loss_match'] else 'MISMATCH'}), loss after warm-up "
+            f"{r['warmup_last_loss_jaxsys']:.6f} / {r['warmup_last_loss_plain']:.6f} "
+            f"[{time.perf_counter() - start:.0f}s]",
+            flush=True,
+        )
 
     print()
     print(markdown_table(results))
     print()
     print(collectives_table(results))
     if args.json:
-        meta = {"jax": jax.__version__, "backend": jax.default_backend(),
-                "host": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                "xla_flags": os.environ.get("XLA_FLAGS", ""), "steps": args.steps,
-                "warmup": args.warmup, "repeats": args.repeats,
-                "tokens_per_step": base.train.batch_size * base.data.seq_len}
+        meta = {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "host": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "tokens_per_step": base.train.batch_size * base.data.seq_len,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=2)
     return 0 if all(r["first_loss_match"] for r in results) else 1

@@ -25,19 +25,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = {  # name: (config, target, overrides)
     "llama_8b-fsdp16-tp8": ("configs/llama_8b.py", "v5p-256", []),
     "llama_8b-data2-fsdp8-tp8": ("configs/llama_8b.py", "v5p-256", ["--config.mesh.data=2"]),
-    "llama_8b-pipe4-fsdp4-tp8": ("configs/llama_8b.py", "v5p-256",
-                                 ["--config.mesh.pipe=4", "--config.train.microbatches=8",
-                                  "--config.train.pipeline_schedule=1f1b"]),
+    "llama_8b-pipe4-fsdp4-tp8": (
+        "configs/llama_8b.py",
+        "v5p-256",
+        ["--config.mesh.pipe=4", "--config.train.microbatches=8", "--config.train.pipeline_schedule=1f1b"],
+    ),
     # 32K context: 32 sequences x 32K = 1M tokens; ring context parallelism over 8 with the TPU
     # flash kernel (the reference attention would hold B x N x T x T scores)
-    "llama_8b-32k-seq8-fsdp2-tp8": ("configs/llama_8b.py", "v5p-256",
-                                    ["--config.mesh.seq=8", "--config.data.seq_len=32768",
-                                     "--config.train.batch_size=32", "--config.model.attention_impl=pallas",
-                                     "--config.model.attention_block=512",
-                                     "--config.model.context_parallel=ring"]),
+    "llama_8b-32k-seq8-fsdp2-tp8": (
+        "configs/llama_8b.py",
+        "v5p-256",
+        [
+            "--config.mesh.seq=8",
+            "--config.data.seq_len=32768",
+            "--config.train.batch_size=32",
+            "--config.model.attention_impl=pallas",
+            "--config.model.attention_block=512",
+            "--config.model.context_parallel=ring",
+        ],
+    ),
     # two slices of 64 chips: data across the data-centre network
-    "llama_8b-2x-v5p-128-dcn-data2": ("configs/llama_8b.py", "v5p-128",
-                                      ["--slices=2", "--config.mesh.data=2", "--config.dcn.data=2"]),
+    "llama_8b-2x-v5p-128-dcn-data2": (
+        "configs/llama_8b.py",
+        "v5p-128",
+        ["--slices=2", "--config.mesh.data=2", "--config.dcn.data=2"],
+    ),
     "mixtral_8x7b-ep8-fsdp4": ("configs/mixtral_8x7b.py", "v5p-64", []),
     "mixtral_8x7b-ep8-fsdp4-capacity": ("configs/mixtral_8x7b.py:capacity", "v5p-64", []),
     "llama_1b-fsdp16": ("configs/llama_1b.py", "v5e-16", []),  # remat dots: does not fit 16 GiB
@@ -49,8 +61,19 @@ def run(name: str) -> dict:
     config, target, overrides = CASES[name]
     slices = [o for o in overrides if o.startswith("--slices")]
     rest = [o for o in overrides if not o.startswith("--slices")]
-    cmd = [sys.executable, "-m", "jaxsys.analyze", "--config", config, "--target", target, *slices,
-           "--json", "--no-flops", *rest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxsys.analyze",
+        "--config",
+        config,
+        "--target",
+        target,
+        *slices,
+        "--json",
+        "--no-flops",
+        *rest,
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
     start = time.perf_counter()
@@ -76,23 +99,29 @@ def row(entry: dict) -> str:
     cpu_peak = _gib(r["memory"]["peak_bytes_per_device"])
     if "device" not in t["memory"]:
         m = t["memory"]
-        return (f"| {entry['name']} | {t['name']} | {layout} | {t['compile_s']:.0f} / {entry['wall_s']:.0f} | "
-                f"does not fit: needs {_gib(m.get('required_bytes', 0))} of {_gib(m.get('available_bytes', 0))} | "
-                f"{cpu_peak} | {_gib(f['params'] + f['optimizer'])} | - | - | - | - |")
+        return (
+            f"| {entry['name']} | {t['name']} | {layout} | {t['compile_s']:.0f} / {entry['wall_s']:.0f} | "
+            f"does not fit: needs {_gib(m.get('required_bytes', 0))} of {_gib(m.get('available_bytes', 0))} | "
+            f"{cpu_peak} | {_gib(f['params'] + f['optimizer'])} | - | - | - | - |"
+        )
     m, rl = t["memory"], t["roofline"]
     comm = lambda rows: sum(x["bytes"] for x in rows if not x.get("scalar"))
-    return (f"| {entry['name']} | {t['name']} | {layout} | {t['compile_s']:.0f} / {entry['wall_s']:.0f} | "
-            f"{_gib(m['device']['peak_bytes'])} | {cpu_peak} | {_gib(f['params'] + f['optimizer'])} | "
-            f"{_gib(m['host']['peak_bytes'])} | "
-            f"{_gib(comm(t['collectives']))} / {_gib(comm(r['collectives']))} / {_gib(comm(r['collectives_formula']))} | "
-            f"{rl['step_s_overlapped'] * 1e3:.0f} / {rl['step_s_schedule'] * 1e3:.0f} | "
-            f"{rl['mfu_overlapped']:.1%} / {rl['mfu_schedule']:.1%} |")
+    return (
+        f"| {entry['name']} | {t['name']} | {layout} | {t['compile_s']:.0f} / {entry['wall_s']:.0f} | "
+        f"{_gib(m['device']['peak_bytes'])} | {cpu_peak} | {_gib(f['params'] + f['optimizer'])} | "
+        f"{_gib(m['host']['peak_bytes'])} | "
+        f"{_gib(comm(t['collectives']))} / {_gib(comm(r['collectives']))} / {_gib(comm(r['collectives_formula']))} | "
+        f"{rl['step_s_overlapped'] * 1e3:.0f} / {rl['step_s_schedule'] * 1e3:.0f} | "
+        f"{rl['mfu_overlapped']:.1%} / {rl['mfu_schedule']:.1%} |"
+    )
 
 
-HEADER = ("| case | target | mesh | compile s (TPU / whole command) | HBM peak GiB/chip, TPU compiler | "
-          "same, XLA:CPU | state GiB, ZeRO formula | host GiB | collective GiB/chip/step: TPU / XLA:CPU / "
-          "formula | roofline step ms: all comm hidden / TPU schedule | MFU: hidden / schedule |\n"
-          "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|")
+HEADER = (
+    "| case | target | mesh | compile s (TPU / whole command) | HBM peak GiB/chip, TPU compiler | "
+    "same, XLA:CPU | state GiB, ZeRO formula | host GiB | collective GiB/chip/step: TPU / XLA:CPU / "
+    "formula | roofline step ms: all comm hidden / TPU schedule | MFU: hidden / schedule |\n"
+    "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"
+)
 
 
 def main() -> int:

@@ -28,9 +28,18 @@ def get_config(arg=None):
     c.model.flax_module = "examples.flax_gpt:GPT"
     c.model.vocab_size = 256  # the byte corpus; the GPT's logits must have this width
     c.data.seq_len = 128
-    c.model.flax_kwargs = ml_collections.ConfigDict(dict(
-        vocab_size=c.model.vocab_size, d_model=128, n_layers=4, n_heads=4, d_ff=512,
-        max_len=c.data.seq_len, tie_embeddings=True, init_std=0.02))
+    c.model.flax_kwargs = ml_collections.ConfigDict(
+        dict(
+            vocab_size=c.model.vocab_size,
+            d_model=128,
+            n_layers=4,
+            n_heads=4,
+            d_ff=512,
+            max_len=c.data.seq_len,
+            tie_embeddings=True,
+            init_std=0.02,
+        )
+    )
     c.train.batch_size = 16
     c.train.steps = 300
     c.train.lr = 3e-3

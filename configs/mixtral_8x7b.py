@@ -41,6 +41,7 @@ def get_config(arg=None):
         elif option == "small":
             m.n_layers = 2
         elif option:
-            raise ValueError(f"configs/mixtral_8x7b.py: unknown argument {option!r}; use capacity, small "
-                             "(comma-separated)")
+            raise ValueError(
+                f"configs/mixtral_8x7b.py: unknown argument {option!r}; use capacity, small (comma-separated)"
+            )
     return c

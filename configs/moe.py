@@ -19,9 +19,13 @@ expert loads in metrics.jsonl. Arguments
 
 from jaxsys.config import base_config
 
-LAYOUTS = {"ep8": dict(expert=8), "ep4_dp2": dict(expert=4, data=2),
-           "ep2_tp2_dp2": dict(expert=2, tensor=2, data=2), "ep4_pp2": dict(expert=4, pipe=2),
-           "rebalance": dict(expert=8)}
+LAYOUTS = {
+    "ep8": dict(expert=8),
+    "ep4_dp2": dict(expert=4, data=2),
+    "ep2_tp2_dp2": dict(expert=2, tensor=2, data=2),
+    "ep4_pp2": dict(expert=4, pipe=2),
+    "rebalance": dict(expert=8),
+}
 
 
 def get_config(arg=None):

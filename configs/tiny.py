@@ -30,8 +30,12 @@ def get_config(arg=None):
     c.train.log_every = 20
     c.train.eval_every = 100
     if arg in ("dp8", "fsdp8", "tp8", "hybrid8"):
-        layouts = {"dp8": dict(data=8), "fsdp8": dict(fsdp=8), "tp8": dict(tensor=8),
-                   "hybrid8": dict(data=2, fsdp=2, tensor=2)}
+        layouts = {
+            "dp8": dict(data=8),
+            "fsdp8": dict(fsdp=8),
+            "tp8": dict(tensor=8),
+            "hybrid8": dict(data=2, fsdp=2, tensor=2),
+        }
         for axis, size in layouts[arg].items():
             c.mesh[axis] = size
     elif arg == "pp8":
@@ -52,6 +56,5 @@ def get_config(arg=None):
         c.train.eval_batches = 1
         c.train.progress = False
     elif arg is not None:
-        raise ValueError(f"configs/tiny.py: unknown argument {arg!r}; use test, dp8, fsdp8, tp8, hybrid8 "
-                         "or pp8")
+        raise ValueError(f"configs/tiny.py: unknown argument {arg!r}; use test, dp8, fsdp8, tp8, hybrid8 or pp8")
     return c

@@ -37,8 +37,9 @@ class CausalSelfAttention(nnx.Module):
         self.wq = nnx.Param(normal(init_std)(rngs.params(), shape), out_sharding=names)
         self.wk = nnx.Param(normal(init_std)(rngs.params(), shape), out_sharding=names)
         self.wv = nnx.Param(normal(init_std)(rngs.params(), shape), out_sharding=names)
-        self.wo = nnx.Param(normal(out_std)(rngs.params(), (n_heads, head_dim, d_model)),
-                            out_sharding=("heads", "head_dim", "embed"))
+        self.wo = nnx.Param(
+            normal(out_std)(rngs.params(), (n_heads, head_dim, d_model)), out_sharding=("heads", "head_dim", "embed")
+        )
 
     def __call__(self, x):  # x[B, T, D]
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...])
@@ -55,16 +56,29 @@ class CausalSelfAttention(nnx.Module):
 class Block(nnx.Module):
     """x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, init_std: float, out_std: float,
-                 rngs: nnx.Rngs):
-        norm = lambda: nnx.LayerNorm(d_model, scale_init=nnx.with_partitioning(ones, ("embed",)),
-                                     bias_init=nnx.with_partitioning(zeros, ("embed",)), rngs=rngs)
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, init_std: float, out_std: float, rngs: nnx.Rngs):
+        norm = lambda: nnx.LayerNorm(
+            d_model,
+            scale_init=nnx.with_partitioning(ones, ("embed",)),
+            bias_init=nnx.with_partitioning(zeros, ("embed",)),
+            rngs=rngs,
+        )
         self.ln1, self.ln2 = norm(), norm()
         self.attn = CausalSelfAttention(d_model, n_heads, init_std=init_std, out_std=out_std, rngs=rngs)
-        self.up = nnx.Linear(d_model, d_ff, kernel_init=nnx.with_partitioning(normal(init_std), ("embed", "mlp")),
-                             bias_init=nnx.with_partitioning(zeros, ("mlp",)), rngs=rngs)
-        self.down = nnx.Linear(d_ff, d_model, kernel_init=nnx.with_partitioning(normal(out_std), ("mlp", "embed")),
-                               bias_init=nnx.with_partitioning(zeros, ("embed",)), rngs=rngs)
+        self.up = nnx.Linear(
+            d_model,
+            d_ff,
+            kernel_init=nnx.with_partitioning(normal(init_std), ("embed", "mlp")),
+            bias_init=nnx.with_partitioning(zeros, ("mlp",)),
+            rngs=rngs,
+        )
+        self.down = nnx.Linear(
+            d_ff,
+            d_model,
+            kernel_init=nnx.with_partitioning(normal(out_std), ("mlp", "embed")),
+            bias_init=nnx.with_partitioning(zeros, ("embed",)),
+            rngs=rngs,
+        )
 
     def __call__(self, x):
         x = x + self.attn(self.ln1(x))
@@ -74,22 +88,42 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     """GPT-2-style decoder: tokens[B, T] -> logits[B, T, vocab_size]."""
 
-    def __init__(self, vocab_size: int = 256, d_model: int = 128, n_layers: int = 4, n_heads: int = 4,
-                 d_ff: int = 512, max_len: int = 256, tie_embeddings: bool = True, init_std: float = 0.02,
-                 *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        d_ff: int = 512,
+        max_len: int = 256,
+        tie_embeddings: bool = True,
+        init_std: float = 0.02,
+        *,
+        rngs: nnx.Rngs,
+    ):
         out_std = init_std / (2 * n_layers) ** 0.5  # GPT-2's scaling of the residual projections
         self.tie_embeddings = tie_embeddings
-        self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs,
-                               embedding_init=nnx.with_partitioning(normal(init_std), ("vocab", "embed")))
-        self.positions = nnx.Param(normal(init_std)(rngs.params(), (max_len, d_model)),
-                                   out_sharding=(None, "embed"))
-        self.blocks = nnx.List([Block(d_model, n_heads, d_ff, init_std=init_std, out_std=out_std, rngs=rngs)
-                                for _ in range(n_layers)])
-        self.ln_f = nnx.LayerNorm(d_model, scale_init=nnx.with_partitioning(ones, ("embed",)),
-                                  bias_init=nnx.with_partitioning(zeros, ("embed",)), rngs=rngs)
+        self.embed = nnx.Embed(
+            vocab_size, d_model, rngs=rngs, embedding_init=nnx.with_partitioning(normal(init_std), ("vocab", "embed"))
+        )
+        self.positions = nnx.Param(normal(init_std)(rngs.params(), (max_len, d_model)), out_sharding=(None, "embed"))
+        self.blocks = nnx.List(
+            [Block(d_model, n_heads, d_ff, init_std=init_std, out_std=out_std, rngs=rngs) for _ in range(n_layers)]
+        )
+        self.ln_f = nnx.LayerNorm(
+            d_model,
+            scale_init=nnx.with_partitioning(ones, ("embed",)),
+            bias_init=nnx.with_partitioning(zeros, ("embed",)),
+            rngs=rngs,
+        )
         if not tie_embeddings:
-            self.unembed = nnx.Linear(d_model, vocab_size, use_bias=False, rngs=rngs,
-                                      kernel_init=nnx.with_partitioning(normal(init_std), ("embed", "vocab")))
+            self.unembed = nnx.Linear(
+                d_model,
+                vocab_size,
+                use_bias=False,
+                rngs=rngs,
+                kernel_init=nnx.with_partitioning(normal(init_std), ("embed", "vocab")),
+            )
 
     def __call__(self, tokens):
         T = tokens.shape[1]

@@ -1,12 +1,12 @@
 """What every experiment's run.py shares:
 
-  workers   run a worker in a fresh subprocess (each needs its own device count or memory) and
-            collect the JSON results it prints: `run_worker`, `emit`, `worker_devices`
-  command   the flags of a sweep (--quick, --replot, the hidden --worker N): `parse_args`
-  results   results.json next to the run.py: `save_results`, `load_results`
-  tables    a markdown table from header, alignment and rows: `markdown_table`
-  plots     matplotlib without a display, the usual axis styling, and the save: `pyplot`,
-            `style_axes`, `save_figure`
+workers   run a worker in a fresh subprocess (each needs its own device count or memory) and
+          collect the JSON results it prints: `run_worker`, `emit`, `worker_devices`
+command   the flags of a sweep (--quick, --replot, the hidden --worker N): `parse_args`
+results   results.json next to the run.py: `save_results`, `load_results`
+tables    a markdown table from header, alignment and rows: `markdown_table`
+plots     matplotlib without a display, the usual axis styling, and the save: `pyplot`,
+          `style_axes`, `save_figure`
 """
 
 from __future__ import annotations
@@ -31,27 +31,33 @@ def run_worker(script: str, n: int, jobs: list, timeout: int = 1800, what: str =
     worker sets its own device count); return what it `emit`ted."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(script), "--worker", str(n)],
-                          input=json.dumps(jobs), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(script), "--worker", str(n)],
+        input=json.dumps(jobs),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode:
         sys.stderr.write(proc.stderr[-5000:])
         raise SystemExit(f"worker for {what}={n} failed (rc {proc.returncode})")
-    return [json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    return [json.loads(line[len(MARK) :]) for line in proc.stdout.splitlines() if line.startswith(MARK)]
 
 
 def worker_devices(n: int) -> None:
     """In a worker, before jax is imported: run on n simulated CPU devices."""
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={n}").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 # ----------------------------------------------------------------------------- command
 
 
-def parse_args(doc: str, worker, quick: str, replot: str = "tables and plot from results.json",
-               add=None) -> argparse.Namespace:
+def parse_args(
+    doc: str, worker, quick: str, replot: str = "tables and plot from results.json", add=None
+) -> argparse.Namespace:
     """The flags of a sweep: --quick (help `quick`), --replot (help `replot`) and the hidden
     --worker N, which runs `worker(N, jobs read as JSON from stdin)` and exits. `add(parser)` adds
     the experiment's own flags. The description is the first paragraph of `doc`."""
@@ -103,13 +109,23 @@ def markdown_table(header: list[str], align: str, rows) -> list[str]:
 def pyplot():
     """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
-def style_axes(ax, xlabel: str, ylabel: str, title: str | None = None, xlog: int | None = None,
-               ylog: int | None = None, grid: str = "both", legend: int | None = 8) -> None:
+def style_axes(
+    ax,
+    xlabel: str,
+    ylabel: str,
+    title: str | None = None,
+    xlog: int | None = None,
+    ylog: int | None = None,
+    grid: str = "both",
+    legend: int | None = 8,
+) -> None:
     """Log scales (base `xlog` / `ylog`, None: linear), labels, title, a light grid on `grid`'s
     ticks (None: no grid) and a legend of font size `legend` (None: no legend)."""
     if xlog:

@@ -37,35 +37,47 @@ def _device_count(config) -> int:
 
 def _fill_error(config, how: str):
     from jaxsys.config import ConfigError, fill_axis
+
     return ConfigError(f"config.mesh.{fill_axis(config)}=-1 takes its size from the device count: pass {how}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
-    parser.add_argument("--devices", type=int, default=0,
-                        help="fake CPU devices to compile for (default: the config's mesh size)")
+    parser.add_argument(
+        "--devices", type=int, default=0, help="fake CPU devices to compile for (default: the config's mesh size)"
+    )
     parser.add_argument("--hardware", default="h100", help="h100, h200, tpu_v5p or cpu (with --devices)")
-    parser.add_argument("--target", default="",
-                        help="compile with the target's own compiler: a TPU slice (v5p-256, v6e-16, v5e-16, "
-                             "v4-32, or a topology such as v5p:4x4x8; needs libtpu) or GPU nodes (h100-8, "
-                             "h100-256, h200-64; needs the CUDA plugin)")
+    parser.add_argument(
+        "--target",
+        default="",
+        help="compile with the target's own compiler: a TPU slice (v5p-256, v6e-16, v5e-16, "
+        "v4-32, or a topology such as v5p:4x4x8; needs libtpu) or GPU nodes (h100-8, "
+        "h100-256, h200-64; needs the CUDA plugin)",
+    )
     parser.add_argument("--slices", type=int, default=1, help="with --target: slices joined by DCN")
-    parser.add_argument("--no-cpu", action="store_true",
-                        help="with --target: skip the same program on fake CPU devices (faster)")
+    parser.add_argument(
+        "--no-cpu", action="store_true", help="with --target: skip the same program on fake CPU devices (faster)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--mode", default="train", choices=["train", "decode"],
-                        help="decode: KV-cache bytes, the batch that fits and a roofline decode latency "
-                             "(formulas, nothing compiled; jaxsys/analysis/decode.py)")
+    parser.add_argument(
+        "--mode",
+        default="train",
+        choices=["train", "decode"],
+        help="decode: KV-cache bytes, the batch that fits and a roofline decode latency "
+        "(formulas, nothing compiled; jaxsys/analysis/decode.py)",
+    )
     parser.add_argument("--contexts", default="512,2048,8192,32768", help="--mode decode: context lengths")
     parser.add_argument("--batches", default="1,8,32,128", help="--mode decode: global batch sizes")
-    parser.add_argument("--no-flops", action="store_true",
-                        help="skip compiling the written-out step (faster; FLOPs from the formula)")
+    parser.add_argument(
+        "--no-flops", action="store_true", help="skip compiling the written-out step (faster; FLOPs from the formula)"
+    )
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     from jaxsys.analysis import targets
     from jaxsys.analysis.cost_model import PROFILES
     from jaxsys.config import ConfigError, fill_axis, load_config, validate
+
     target = None
     try:
         if args.hardware not in PROFILES:
@@ -82,8 +94,10 @@ def main(argv=None) -> int:
             raise _fill_error(config, "--devices N or --target")
         devices = target.chips if target is not None else (args.devices or _device_count(config))
         if devices > MAX_FAKE_DEVICES:
-            raise ConfigError(f"--devices {devices}: the analysis fakes at most {MAX_FAKE_DEVICES} CPU "
-                              "devices; analyse a smaller layout and scale the per-axis figures")
+            raise ConfigError(
+                f"--devices {devices}: the analysis fakes at most {MAX_FAKE_DEVICES} CPU "
+                "devices; analyse a smaller layout and scale the per-axis figures"
+            )
         try:
             validate(config, num_devices=devices)  # resolves a -1 axis; names a mesh that does not match
         except ConfigError as e:
@@ -96,6 +110,7 @@ def main(argv=None) -> int:
 
     if args.mode == "decode":
         from jaxsys.analysis import decode
+
         try:
             hw = PROFILES[args.hardware] if args.hardware != "cpu" else None
             if hw is None or args.target:
@@ -112,22 +127,28 @@ def main(argv=None) -> int:
         return 0
 
     # Fake devices must be requested before JAX starts.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={devices}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    ).strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
+
     jax.config.update("jax_platforms", "cpu")  # jax was imported above: the variable alone is too late
     from jaxsys.analysis import report
 
     if len(jax.devices()) < devices:
-        print(f"error: JAX already started with {len(jax.devices())} devices; run the analysis in a "
-              "fresh process", file=sys.stderr)
+        print(
+            f"error: JAX already started with {len(jax.devices())} devices; run the analysis in a fresh process",
+            file=sys.stderr,
+        )
         return 2
     try:
         if target is not None:
             if config.model.quant != "none":
-                raise ConfigError(f"config.model.quant={config.model.quant!r}: the analysis of a quantized "
-                                  "(inference) config runs on fake CPU devices only so far; drop --target")
+                raise ConfigError(
+                    f"config.model.quant={config.model.quant!r}: the analysis of a quantized "
+                    "(inference) config runs on fake CPU devices only so far; drop --target"
+                )
             cpu = None if args.no_cpu else jax.devices()[:devices]
             result = report.analyze_target(config, target, cpu, flops=not args.no_flops)
             text = report.format_target_report

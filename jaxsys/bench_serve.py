@@ -30,8 +30,14 @@ from jaxsys.config import ConfigError, parse_with_overrides
 def make_trace(n: int, rate: float, prompt_len: tuple, output_len: tuple, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n)) if rate > 0 else np.zeros(n)
-    return [{"arrival_s": float(arrivals[i]), "prompt_len": int(rng.integers(prompt_len[0], prompt_len[1] + 1)),
-             "output_len": int(rng.integers(output_len[0], output_len[1] + 1))} for i in range(n)]
+    return [
+        {
+            "arrival_s": float(arrivals[i]),
+            "prompt_len": int(rng.integers(prompt_len[0], prompt_len[1] + 1)),
+            "output_len": int(rng.integers(output_len[0], output_len[1] + 1)),
+        }
+        for i in range(n)
+    ]
 
 
 def read_trace(path: str) -> list[dict]:
@@ -82,10 +88,16 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
     ttft = [times[i][0] - arrival[i] for i in times]
     tpot = [(times[i][-1] - times[i][0]) / (len(times[i]) - 1) for i in times if len(times[i]) > 1]
     generated = sum(len(t) for t in times.values())
-    return {"requests": len(times), "generated_tokens": generated, "makespan_s": makespan,
-            "throughput_tokens_per_s": generated / makespan, "ttft_s": percentiles(ttft),
-            "tpot_s": percentiles(tpot), "steps": len(eng.step_times),
-            "step_s": percentiles(eng.step_times)}
+    return {
+        "requests": len(times),
+        "generated_tokens": generated,
+        "makespan_s": makespan,
+        "throughput_tokens_per_s": generated / makespan,
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+        "steps": len(eng.step_times),
+        "step_s": percentiles(eng.step_times),
+    }
 
 
 def _range(text: str, name: str) -> tuple[int, int]:
@@ -119,34 +131,53 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seqs", type=int)
     parser.add_argument("--json", action="store_true")
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
-    flags = {"policy": args.policy, "chunk_size": args.chunk_size, "token_budget": args.token_budget,
-             "pages": args.pages, "page_size": args.page_size, "max_seqs": args.max_seqs}
+    flags = {
+        "policy": args.policy,
+        "chunk_size": args.chunk_size,
+        "token_budget": args.token_budget,
+        "pages": args.pages,
+        "page_size": args.page_size,
+        "max_seqs": args.max_seqs,
+    }
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     from jaxsys import checkpoint as checkpoint_lib
     from jaxsys import data as data_lib
     from jaxsys.mesh import cpu_unless_accelerator
     from jaxsys.serve import spec_engine
+
     cpu_unless_accelerator()
     try:
-        trace = read_trace(args.trace) if args.trace else make_trace(
-            args.requests, args.rate, _range(args.prompt_len, "prompt-len"), _range(args.output_len, "output-len"),
-            args.seed)
+        trace = (
+            read_trace(args.trace)
+            if args.trace
+            else make_trace(
+                args.requests,
+                args.rate,
+                _range(args.prompt_len, "prompt-len"),
+                _range(args.output_len, "output-len"),
+                args.seed,
+            )
+        )
         if args.workdir:
             from jaxsys import generate
+
             program, params, config = generate.load_program(args.workdir, overrides)
         else:
             import math
 
             import jax
+
             from jaxsys import program as program_lib
             from jaxsys.config import load_config
             from jaxsys.mesh import make_mesh
+
             config = load_config(args.config, overrides)
             n = math.prod(config.mesh[a] for a in config.mesh)
             program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params
         if config.serve.disaggregate:  # prefill and decode on two sub-meshes (serve/disagg.py)
             from jaxsys.serve import disagg
+
             eng = disagg.DisaggregatedEngine.from_config(config, params)
         else:
             eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
@@ -161,9 +192,11 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         ms = lambda d: f"p50 {d['p50'] * 1e3:.1f} ms, p99 {d['p99'] * 1e3:.1f} ms" if d["p50"] is not None else "-"
-        print(f"{result['requests']} requests, {result['generated_tokens']} tokens in {result['makespan_s']:.2f}s "
-              f"({result['throughput_tokens_per_s']:.1f} tokens/s, {result['steps']} steps); "
-              f"TTFT {ms(result['ttft_s'])}; TPOT {ms(result['tpot_s'])}")
+        print(
+            f"{result['requests']} requests, {result['generated_tokens']} tokens in {result['makespan_s']:.2f}s "
+            f"({result['throughput_tokens_per_s']:.1f} tokens/s, {result['steps']} steps); "
+            f"TTFT {ms(result['ttft_s'])}; TPOT {ms(result['tpot_s'])}"
+        )
     return 0
 
 

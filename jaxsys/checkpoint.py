@@ -33,8 +33,9 @@ def require_new_workdir(workdir: str, error=None) -> None:
     writes a new one (conversion, quantization) never overwrites anything."""
     for name in ("checkpoints", "metrics.jsonl"):
         if os.path.exists(os.path.join(workdir, name)):
-            raise (error or CheckpointError)(f"{workdir} already holds a run ({name}): pass a new output "
-                                             "workdir; nothing was overwritten")
+            raise (error or CheckpointError)(
+                f"{workdir} already holds a run ({name}): pass a new output workdir; nothing was overwritten"
+            )
 
 
 class Checkpointer:
@@ -45,13 +46,21 @@ class Checkpointer:
         self.cfg = ckpt_cfg
         if read_only and not os.path.isdir(directory(workdir)):
             raise CheckpointError(f"{workdir} has no checkpoints/ directory: pass the workdir of a run")
-        options = (ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-                   if read_only else ocp.CheckpointManagerOptions(
-                       max_to_keep=ckpt_cfg.keep or None, keep_period=ckpt_cfg.keep_period or None,
-                       enable_async_checkpointing=ckpt_cfg.async_save, create=True))
+        options = (
+            ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+            if read_only
+            else ocp.CheckpointManagerOptions(
+                max_to_keep=ckpt_cfg.keep or None,
+                keep_period=ckpt_cfg.keep_period or None,
+                enable_async_checkpointing=ckpt_cfg.async_save,
+                create=True,
+            )
+        )
         self.manager = ocp.CheckpointManager(
-            directory(workdir), options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+            directory(workdir),
+            options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        )
         self._last_save_time = time.monotonic()
 
     def latest_step(self) -> int | None:
@@ -65,9 +74,14 @@ class Checkpointer:
 
     def save(self, step: int, state, config) -> None:
         """Start saving (returns once the arrays are copied off the training buffers)."""
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            meta=ocp.args.JsonSave({"config": json.loads(config.to_json_best_effort())})), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({"config": json.loads(config.to_json_best_effort())}),
+            ),
+            force=True,
+        )
         self._last_save_time = time.monotonic()
 
     def restore(self, abstract_state, step: int | None = None):
@@ -75,23 +89,29 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         try:
             check_shapes(self.manager.item_metadata(step)["state"], abstract_state, step)
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            )
         except CheckpointError:
             raise
         except (ValueError, OSError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint step {step} in {self.manager.directory} could not be "
-                                  f"read ({type(e).__name__}: {e}); nothing was deleted. Restore an "
-                                  "earlier step or move the damaged step directory aside.") from e
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.manager.directory} could not be "
+                f"read ({type(e).__name__}: {e}); nothing was deleted. Restore an "
+                "earlier step or move the damaged step directory aside."
+            ) from e
         return restored["state"]
 
     def saved_config(self, step: int | None = None):
         """The resolved config the checkpoint at `step` (default: latest) was saved with."""
         from jaxsys.config import from_dict
+
         step = self.latest_step() if step is None else step
         if step is None or step not in self.manager.all_steps():
-            raise CheckpointError(f"{self.manager.directory} has no complete step "
-                                  f"{'' if step is None else step} (steps: {list(self.manager.all_steps())})")
+            raise CheckpointError(
+                f"{self.manager.directory} has no complete step "
+                f"{'' if step is None else step} (steps: {list(self.manager.all_steps())})"
+            )
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         return from_dict(meta["config"], source=f"checkpoint step {step}")
 
@@ -114,27 +134,36 @@ def check_shapes(saved_metadata, abstract_state, step: int) -> None:
         got = saved_by_path.get(name)
         parent = name.rsplit("/", 1)[0]
         if got is None and parent in saved_by_path:
-            raise CheckpointError(f"checkpoint step {step} is not quantized ({parent} is a float tensor) but "
-                                  f"the config expects {name} (config.model.quant): make a quantized "
-                                  "workdir with `python -m jaxsys.quantize --workdir W --out W_q --format "
-                                  "...` or set config.model.quant='none'")
+            raise CheckpointError(
+                f"checkpoint step {step} is not quantized ({parent} is a float tensor) but "
+                f"the config expects {name} (config.model.quant): make a quantized "
+                "workdir with `python -m jaxsys.quantize --workdir W --out W_q --format "
+                "...` or set config.model.quant='none'"
+            )
         if got is None and any(k.startswith(name + "/") for k in saved_by_path):
-            raise CheckpointError(f"checkpoint step {step} holds {name} quantized (codes and scales) but the "
-                                  "config expects a float tensor: set config.model.quant* as in the "
-                                  "workdir's config.json (or load that config)")
+            raise CheckpointError(
+                f"checkpoint step {step} holds {name} quantized (codes and scales) but the "
+                "config expects a float tensor: set config.model.quant* as in the "
+                "workdir's config.json (or load that config)"
+            )
         if got is None:
-            raise CheckpointError(f"checkpoint step {step} has no tensor {name}: it was saved from a "
-                                  "different model; use a new --workdir or the matching config")
+            raise CheckpointError(
+                f"checkpoint step {step} has no tensor {name}: it was saved from a "
+                "different model; use a new --workdir or the matching config"
+            )
         if tuple(got.shape) != tuple(want.shape):
-            raise CheckpointError(f"checkpoint step {step}: tensor {name} has shape {tuple(got.shape)} "
-                                  f"but the config expects {tuple(want.shape)}; restore with the config "
-                                  "it was saved with (saved in the checkpoint's meta item)")
+            raise CheckpointError(
+                f"checkpoint step {step}: tensor {name} has shape {tuple(got.shape)} "
+                f"but the config expects {tuple(want.shape)}; restore with the config "
+                "it was saved with (saved in the checkpoint's meta item)"
+            )
 
 
 def saved_config(workdir: str, overrides=(), step: int | None = None):
     """(config, step): the config `workdir`'s checkpoint at `step` (default: latest) was saved
     with, with `--config.k=v` overrides applied (how to run it: the mesh, kernels)."""
     from jaxsys.config import apply_overrides, base_config
+
     reader = Checkpointer(workdir, base_config().checkpoint, read_only=True)
     try:
         step = reader.latest_step() if step is None else step
@@ -166,13 +195,17 @@ def restore_params(path: str, abstract_params, what: str | None = None):
     workdir = _workdir_of(path)
     if not os.path.isdir(workdir):
         problem = "is a file, not a directory" if os.path.exists(workdir) else "does not exist"
-        raise CheckpointError(f"{what}: {workdir} {problem}; pass the workdir of a run (or its checkpoints/ "
-                              "directory), e.g. one written by `python -m jaxsys.convert --from-hf`")
+        raise CheckpointError(
+            f"{what}: {workdir} {problem}; pass the workdir of a run (or its checkpoints/ "
+            "directory), e.g. one written by `python -m jaxsys.convert --from-hf`"
+        )
     if not os.path.isdir(directory(workdir)):
         raise CheckpointError(f"{what}: {workdir} has no checkpoints/ directory; pass the workdir of a run")
     manager = ocp.CheckpointManager(
-        directory(workdir), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        directory(workdir),
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    )
     try:
         step = manager.latest_step()
         if step is None:
@@ -180,14 +213,22 @@ def restore_params(path: str, abstract_params, what: str | None = None):
         try:
             metadata = manager.item_metadata(step)["state"]
             check_shapes({"params": metadata["params"]}, {"params": abstract_params}, step)
-            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item={"params": abstract_params}, partial_restore=True,
-                restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)})))
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item={"params": abstract_params},
+                        partial_restore=True,
+                        restore_args={"params": ocp.checkpoint_utils.construct_restore_args(abstract_params)},
+                    )
+                ),
+            )
         except CheckpointError as e:
             raise CheckpointError(f"{what}: {e}") from e
         except (ValueError, OSError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{what}: checkpoint step {step} in {directory(workdir)} could not be read "
-                                  f"({type(e).__name__}: {e})") from e
+            raise CheckpointError(
+                f"{what}: checkpoint step {step} in {directory(workdir)} could not be read ({type(e).__name__}: {e})"
+            ) from e
     finally:
         manager.close()
     return restored["state"]["params"], step
@@ -204,8 +245,10 @@ def inspect(workdir_or_dir: str) -> dict:
     if not os.path.isdir(path):
         raise CheckpointError(f"{workdir_or_dir} is not a checkpoint directory (no {path})")
     manager = ocp.CheckpointManager(
-        os.path.abspath(path), options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        os.path.abspath(path),
+        options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+    )
     steps = list(manager.all_steps())
     if not steps:
         raise CheckpointError(f"{path} holds no complete checkpoint step")
@@ -215,15 +258,22 @@ def inspect(workdir_or_dir: str) -> dict:
         sharding = getattr(leaf, "sharding", None)
         spec = getattr(sharding, "partition_spec", None)
         mesh = dict(zip(getattr(sharding, "axis_names", ()), getattr(sharding, "shape", ())))
-        tensors.append({"name": _name(p), "shape": list(leaf.shape), "dtype": str(leaf.dtype),
-                        "partition_spec": list(spec) if spec is not None else None,
-                        "mesh": {k: int(v) for k, v in mesh.items()}})
+        tensors.append(
+            {
+                "name": _name(p),
+                "shape": list(leaf.shape),
+                "dtype": str(leaf.dtype),
+                "partition_spec": list(spec) if spec is not None else None,
+                "mesh": {k: int(v) for k, v in mesh.items()},
+            }
+        )
     return {"directory": os.path.abspath(path), "steps": steps, "latest": latest, "tensors": tensors}
 
 
 def main(argv=None) -> int:
     import argparse
     import sys
+
     parser = argparse.ArgumentParser(description="Inspect jaxsys checkpoints.")
     parser.add_argument("command", choices=["inspect"])
     parser.add_argument("directory", help="a workdir or its checkpoints/ directory")

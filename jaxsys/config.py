@@ -180,11 +180,31 @@ def base_config() -> ml_collections.ConfigDict:
     # `compute` is where they are used (FSDP is the difference: embed is gathered before use).
     c.sharding = ml_collections.ConfigDict()
     c.sharding.params = ml_collections.ConfigDict(
-        dict(layers="pipe", embed="fsdp", vocab="tensor", heads="tensor", kv_heads="tensor",
-             head_dim="", mlp="tensor", experts="expert"))
+        dict(
+            layers="pipe",
+            embed="fsdp",
+            vocab="tensor",
+            heads="tensor",
+            kv_heads="tensor",
+            head_dim="",
+            mlp="tensor",
+            experts="expert",
+        )
+    )
     c.sharding.compute = ml_collections.ConfigDict(
-        dict(layers="pipe", embed="", vocab="tensor", heads="tensor", kv_heads="tensor",
-             head_dim="", mlp="tensor", experts="expert", batch="data,fsdp,expert", seq="seq"))
+        dict(
+            layers="pipe",
+            embed="",
+            vocab="tensor",
+            heads="tensor",
+            kv_heads="tensor",
+            head_dim="",
+            mlp="tensor",
+            experts="expert",
+            batch="data,fsdp,expert",
+            seq="seq",
+        )
+    )
 
     # Serving (docs/serving.md): the engine's paged KV pool and continuous batching, per batch shard
     c.serve = ml_collections.ConfigDict()
@@ -248,6 +268,7 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
 
 def _read_json(path: str) -> dict:
     import json
+
     try:
         with open(path) as f:
             return json.load(f)
@@ -341,7 +362,7 @@ def apply_overrides(config, overrides: Sequence[str]) -> None:
         body = item.lstrip("-")
         if not body.startswith("config.") or "=" not in body:
             raise ConfigError(f"override {item!r} must look like --config.train.steps=100")
-        key, _, text = body[len("config."):].partition("=")
+        key, _, text = body[len("config.") :].partition("=")
         if key not in known:
             raise _unknown_key_error(key, list(known))
         parent = config
@@ -385,17 +406,27 @@ def _require(ok: bool, message: str) -> None:
 
 def _validate_speculation(sv) -> None:
     """config.serve.spec_k / draft / spec_window / spec_sink (serve/spec_engine.py)."""
-    _require(isinstance(sv.spec_k, int) and sv.spec_k >= 0,
-             f"config.serve.spec_k={sv.spec_k!r} must be an integer >= 0 (0: no speculative decoding)")
-    _require(isinstance(sv.draft, str) and sv.draft != "",
-             f"config.serve.draft={sv.draft!r}: 'none', 'self' or the workdir of a draft model")
-    _require((sv.spec_k >= 1) == (sv.draft != "none"),
-             f"config.serve.spec_k={sv.spec_k} with config.serve.draft={sv.draft!r}: speculation needs "
-             "both a draft ('self' or a workdir) and spec_k >= 1, plain decoding spec_k=0 and draft='none'")
-    _require(isinstance(sv.spec_window, int) and sv.spec_window >= 1,
-             f"config.serve.spec_window={sv.spec_window!r} must be a positive integer (tokens)")
-    _require(isinstance(sv.spec_sink, int) and sv.spec_sink >= 0,
-             f"config.serve.spec_sink={sv.spec_sink!r} must be an integer >= 0 (tokens)")
+    _require(
+        isinstance(sv.spec_k, int) and sv.spec_k >= 0,
+        f"config.serve.spec_k={sv.spec_k!r} must be an integer >= 0 (0: no speculative decoding)",
+    )
+    _require(
+        isinstance(sv.draft, str) and sv.draft != "",
+        f"config.serve.draft={sv.draft!r}: 'none', 'self' or the workdir of a draft model",
+    )
+    _require(
+        (sv.spec_k >= 1) == (sv.draft != "none"),
+        f"config.serve.spec_k={sv.spec_k} with config.serve.draft={sv.draft!r}: speculation needs "
+        "both a draft ('self' or a workdir) and spec_k >= 1, plain decoding spec_k=0 and draft='none'",
+    )
+    _require(
+        isinstance(sv.spec_window, int) and sv.spec_window >= 1,
+        f"config.serve.spec_window={sv.spec_window!r} must be a positive integer (tokens)",
+    )
+    _require(
+        isinstance(sv.spec_sink, int) and sv.spec_sink >= 0,
+        f"config.serve.spec_sink={sv.spec_sink!r} must be an integer >= 0 (tokens)",
+    )
 
 
 def fill_axis(config) -> str | None:
@@ -412,9 +443,11 @@ def resolve_mesh(config, num_devices: int) -> None:
     others = math.prod(config.mesh[a] for a in MESH_AXES if a != axis)
     if num_devices % others:
         sizes = " x ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES if a != axis and config.mesh[a] > 1)
-        raise ConfigError(f"config.mesh.{axis}=-1 fills the devices, but {num_devices} devices do not "
-                          f"divide by the other axes ({sizes} = {others}): change those axes or the "
-                          "device count")
+        raise ConfigError(
+            f"config.mesh.{axis}=-1 fills the devices, but {num_devices} devices do not "
+            f"divide by the other axes ({sizes} = {others}): change those axes or the "
+            "device count"
+        )
     config.mesh[axis] = num_devices // others
 
 
@@ -425,26 +458,34 @@ def validate(config, num_devices: int | None = None) -> None:
     check_keys(config)
     m, mesh, t = config.model, config.mesh, config.train
     for axis in MESH_AXES:
-        _require(isinstance(mesh[axis], int) and (mesh[axis] >= 1 or mesh[axis] == -1),
-                 f"config.mesh.{axis} must be a positive integer (or -1 for the devices the other axes "
-                 f"leave), got {mesh[axis]!r}")
-        _require(isinstance(config.dcn[axis], int) and config.dcn[axis] >= 1,
-                 f"config.dcn.{axis} must be a positive integer, got {config.dcn[axis]!r}")
+        _require(
+            isinstance(mesh[axis], int) and (mesh[axis] >= 1 or mesh[axis] == -1),
+            f"config.mesh.{axis} must be a positive integer (or -1 for the devices the other axes "
+            f"leave), got {mesh[axis]!r}",
+        )
+        _require(
+            isinstance(config.dcn[axis], int) and config.dcn[axis] >= 1,
+            f"config.dcn.{axis} must be a positive integer, got {config.dcn[axis]!r}",
+        )
     filled = [a for a in MESH_AXES if mesh[a] == -1]
     _require(len(filled) <= 1, f"config.mesh: only one axis may be -1, got {', '.join(filled)}")
     if num_devices is not None:
         resolve_mesh(config, num_devices)
     for axis in MESH_AXES:
-        _require(mesh[axis] == -1 or mesh[axis] % config.dcn[axis] == 0,
-                 f"config.dcn.{axis}={config.dcn[axis]} does not divide config.mesh.{axis}={mesh[axis]}: "
-                 f"the DCN factor is part of the axis (slices x devices per slice along it)")
+        _require(
+            mesh[axis] == -1 or mesh[axis] % config.dcn[axis] == 0,
+            f"config.dcn.{axis}={config.dcn[axis]} does not divide config.mesh.{axis}={mesh[axis]}: "
+            f"the DCN factor is part of the axis (slices x devices per slice along it)",
+        )
     product = math.prod(mesh[a] for a in MESH_AXES)
     if num_devices is not None:
         sizes = " x ".join(f"{a}={mesh[a]}" for a in MESH_AXES if mesh[a] > 1) or "all 1"
-        _require(product == num_devices,
-                 f"config.mesh ({sizes}) has {product} devices but {num_devices} are available: "
-                 f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices} (or one "
-                 "axis to -1)")
+        _require(
+            product == num_devices,
+            f"config.mesh ({sizes}) has {product} devices but {num_devices} are available: "
+            f"set config.mesh.* so that data*pipe*fsdp*expert*seq*tensor = {num_devices} (or one "
+            "axis to -1)",
+        )
     if fill_axis(config) is not None:  # device count unknown yet: check the rest with that axis at 1
         config = copy.deepcopy(config)
         config.mesh[fill_axis(config)] = 1
@@ -452,43 +493,63 @@ def validate(config, num_devices: int | None = None) -> None:
 
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
         _require(isinstance(m[key], int) and m[key] >= 1, f"config.model.{key} must be a positive integer")
-    _require(m.n_heads % m.n_kv_heads == 0,
-             f"config.model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.n_kv_heads}")
+    _require(
+        m.n_heads % m.n_kv_heads == 0,
+        f"config.model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.n_kv_heads}",
+    )
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embeddings)")
     _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
-    _require(m.attention_impl in ATTENTION_IMPLS,
-             f"config.model.attention_impl={m.attention_impl!r}: choose one of {ATTENTION_IMPLS}")
+    _require(
+        m.attention_impl in ATTENTION_IMPLS,
+        f"config.model.attention_impl={m.attention_impl!r}: choose one of {ATTENTION_IMPLS}",
+    )
     pattern = layer_pattern(m)
-    _require(bool(pattern) and all(p in LAYER_TYPES for p in pattern),
-             f"config.model.layer_pattern={m.layer_pattern!r}: a comma-separated list of {LAYER_TYPES}")
-    _require(m.n_layers % len(pattern) == 0,
-             f"config.model.n_layers={m.n_layers} is not a multiple of the {len(pattern)} layers of "
-             f"config.model.layer_pattern={m.layer_pattern!r}")
+    _require(
+        bool(pattern) and all(p in LAYER_TYPES for p in pattern),
+        f"config.model.layer_pattern={m.layer_pattern!r}: a comma-separated list of {LAYER_TYPES}",
+    )
+    _require(
+        m.n_layers % len(pattern) == 0,
+        f"config.model.n_layers={m.n_layers} is not a multiple of the {len(pattern)} layers of "
+        f"config.model.layer_pattern={m.layer_pattern!r}",
+    )
     mlps = mlp_pattern(m)
-    _require(bool(mlps) and all(p in MLP_TYPES for p in mlps),
-             f"config.model.mlp_pattern={m.mlp_pattern!r}: a comma-separated list of {MLP_TYPES}")
+    _require(
+        bool(mlps) and all(p in MLP_TYPES for p in mlps),
+        f"config.model.mlp_pattern={m.mlp_pattern!r}: a comma-separated list of {MLP_TYPES}",
+    )
     period = len(block_pattern(m))
-    _require(m.n_layers % period == 0,
-             f"config.model.n_layers={m.n_layers} is not a multiple of {period}, the period of "
-             f"config.model.layer_pattern={m.layer_pattern!r} with config.model.mlp_pattern="
-             f"{m.mlp_pattern!r}")
+    _require(
+        m.n_layers % period == 0,
+        f"config.model.n_layers={m.n_layers} is not a multiple of {period}, the period of "
+        f"config.model.layer_pattern={m.layer_pattern!r} with config.model.mlp_pattern="
+        f"{m.mlp_pattern!r}",
+    )
     _validate_moe(config)
     _validate_optimizer(config)
     _validate_quant(config)
     _validate_flax(config)
     sv = config.serve
     for key in ("pages", "page_size", "token_budget", "chunk_size", "max_seqs"):
-        _require(isinstance(sv[key], int) and sv[key] >= 1, f"config.serve.{key}={sv[key]!r} must be a positive integer")
+        _require(
+            isinstance(sv[key], int) and sv[key] >= 1, f"config.serve.{key}={sv[key]!r} must be a positive integer"
+        )
     _require(sv.policy in SERVE_POLICIES, f"config.serve.policy={sv.policy!r}: choose one of {SERVE_POLICIES}")
     _validate_speculation(sv)
     _require(sv.kv_quant in KV_QUANT, f"config.serve.kv_quant={sv.kv_quant!r}: choose one of {KV_QUANT}")
-    _require(isinstance(sv.kv_residual, int) and sv.kv_residual >= 0,
-             f"config.serve.kv_residual={sv.kv_residual!r} must be an integer >= 0 (pages)")
-    _require(m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
-             f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
-             "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)")
-    _require(m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,
-             f"config.model.linear_chunk={m.linear_chunk} must be a positive multiple of 8")
+    _require(
+        isinstance(sv.kv_residual, int) and sv.kv_residual >= 0,
+        f"config.serve.kv_residual={sv.kv_residual!r} must be an integer >= 0 (pages)",
+    )
+    _require(
+        m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
+        f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
+        "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)",
+    )
+    _require(
+        m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,
+        f"config.model.linear_chunk={m.linear_chunk} must be a positive multiple of 8",
+    )
     for key in ("param_dtype", "compute_dtype"):
         _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
 
@@ -503,36 +564,54 @@ def validate(config, num_devices: int | None = None) -> None:
             allowed = allowed_extra.get(logical, param_allowed.get(logical))
             _require(allowed is not None, f"config.sharding.{table}.{logical}: unknown logical axis")
             for axis in axes_of(rule):
-                _require(axis in allowed,
-                         f"config.sharding.{table}.{logical}={rule!r}: mesh axis {axis!r} is not "
-                         f"supported here; allowed: {allowed or 'none (leave it empty)'}")
+                _require(
+                    axis in allowed,
+                    f"config.sharding.{table}.{logical}={rule!r}: mesh axis {axis!r} is not "
+                    f"supported here; allowed: {allowed or 'none (leave it empty)'}",
+                )
     for logical in ("vocab", "heads", "kv_heads", "mlp", "experts"):
-        _require(config.sharding.compute[logical] == config.sharding.params[logical],
-                 f"config.sharding.compute.{logical} must equal config.sharding.params.{logical} "
-                 "(tensor- and expert-parallel weights are used where they live)")
-    _require(config.sharding.params.heads == config.sharding.params.kv_heads,
-             "config.sharding.params.heads and .kv_heads must be equal (query heads are grouped "
-             "with their key/value head on the same rank)")
+        _require(
+            config.sharding.compute[logical] == config.sharding.params[logical],
+            f"config.sharding.compute.{logical} must equal config.sharding.params.{logical} "
+            "(tensor- and expert-parallel weights are used where they live)",
+        )
+    _require(
+        config.sharding.params.heads == config.sharding.params.kv_heads,
+        "config.sharding.params.heads and .kv_heads must be equal (query heads are grouped "
+        "with their key/value head on the same rank)",
+    )
     for axis in ("data", "fsdp", "expert"):
-        _require(mesh[axis] == 1 or axis in axes_of(config.sharding.compute.batch),
-                 f"config.mesh.{axis}={mesh[axis]} but {axis!r} is not in config.sharding.compute.batch "
-                 f"({config.sharding.compute.batch!r}): add it, or set config.mesh.{axis}=1")
-    _require(config.sharding.compute.embed == "",
-             "config.sharding.compute.embed must be empty: weights are gathered over fsdp before use")
-    _require(config.sharding.compute.layers == config.sharding.params.layers,
-             "config.sharding.compute.layers must equal config.sharding.params.layers (pipeline "
-             "stages use the layers they hold)")
-    _require(mesh.pipe == 1 or config.sharding.params.layers == "pipe",
-             f"config.mesh.pipe={mesh.pipe} but config.sharding.params.layers="
-             f"{config.sharding.params.layers!r}: set it (and .compute.layers) to 'pipe'")
+        _require(
+            mesh[axis] == 1 or axis in axes_of(config.sharding.compute.batch),
+            f"config.mesh.{axis}={mesh[axis]} but {axis!r} is not in config.sharding.compute.batch "
+            f"({config.sharding.compute.batch!r}): add it, or set config.mesh.{axis}=1",
+        )
+    _require(
+        config.sharding.compute.embed == "",
+        "config.sharding.compute.embed must be empty: weights are gathered over fsdp before use",
+    )
+    _require(
+        config.sharding.compute.layers == config.sharding.params.layers,
+        "config.sharding.compute.layers must equal config.sharding.params.layers (pipeline "
+        "stages use the layers they hold)",
+    )
+    _require(
+        mesh.pipe == 1 or config.sharding.params.layers == "pipe",
+        f"config.mesh.pipe={mesh.pipe} but config.sharding.params.layers="
+        f"{config.sharding.params.layers!r}: set it (and .compute.layers) to 'pipe'",
+    )
 
     # Divisibility of the model by the mesh.
     sizes = {a: mesh[a] for a in MESH_AXES}
     # (logical axis, model key, size) of every dimension a rule may split; MoE keys only with MoE layers
     moe = "moe" in mlps
-    dims = [("vocab", "vocab_size", m.vocab_size), ("heads", "n_heads", m.n_heads),
-            ("kv_heads", "n_kv_heads", m.n_kv_heads), ("embed", "d_model", m.d_model),
-            ("head_dim", "head_dim", m.head_dim)]
+    dims = [
+        ("vocab", "vocab_size", m.vocab_size),
+        ("heads", "n_heads", m.n_heads),
+        ("kv_heads", "n_kv_heads", m.n_kv_heads),
+        ("embed", "d_model", m.d_model),
+        ("head_dim", "head_dim", m.head_dim),
+    ]
     dims += [("mlp", "d_ff", m.d_ff)] if "dense" in mlps else []
     dims += [("mlp", "moe.d_ff", m.moe.d_ff), ("experts", "moe.experts", m.moe.experts)] if moe else []
     if m.kind == "flax":  # the module's own shapes are checked by models/flax_model.check_layout
@@ -544,51 +623,76 @@ def validate(config, num_devices: int | None = None) -> None:
             raise ConfigError(
                 f"config.model.{key}={size} is not divisible by the {shards} shards of mesh axis "
                 f"{rule!r} (config.sharding.params.{logical}); change config.model.{key} or "
-                f"config.mesh.{axes_of(rule)[0]}")
+                f"config.mesh.{axes_of(rule)[0]}"
+            )
     batch_shards = math.prod(sizes[a] for a in axes_of(config.sharding.compute.batch))
-    _require(t.batch_size % batch_shards == 0,
-             f"config.train.batch_size={t.batch_size} is not divisible by the {batch_shards} batch "
-             f"shards (mesh axes {config.sharding.compute.batch}); change the batch size or the mesh")
-    _require(m.context_parallel in CONTEXT_PARALLEL,
-             f"config.model.context_parallel={m.context_parallel!r}: choose one of {CONTEXT_PARALLEL}")
-    _require(mesh.seq == 1 or "seq" in axes_of(config.sharding.compute.seq),
-             f"config.mesh.seq={mesh.seq} but config.sharding.compute.seq is empty: set it to 'seq'")
+    _require(
+        t.batch_size % batch_shards == 0,
+        f"config.train.batch_size={t.batch_size} is not divisible by the {batch_shards} batch "
+        f"shards (mesh axes {config.sharding.compute.batch}); change the batch size or the mesh",
+    )
+    _require(
+        m.context_parallel in CONTEXT_PARALLEL,
+        f"config.model.context_parallel={m.context_parallel!r}: choose one of {CONTEXT_PARALLEL}",
+    )
+    _require(
+        mesh.seq == 1 or "seq" in axes_of(config.sharding.compute.seq),
+        f"config.mesh.seq={mesh.seq} but config.sharding.compute.seq is empty: set it to 'seq'",
+    )
     cp_chunks = mesh.seq * (2 if m.context_load_balance else 1) if mesh.seq > 1 else 1
-    _require(config.data.seq_len % cp_chunks == 0,
-             f"config.data.seq_len={config.data.seq_len} is not divisible into the {cp_chunks} chunks of "
-             f"context parallelism (mesh.seq={mesh.seq}"
-             f"{', x2 for context_load_balance' if m.context_load_balance else ''}): change seq_len or mesh.seq")
-    _require(mesh.seq == 1 or m.attention_impl != "cudnn",
-             "config.model.attention_impl='cudnn' cannot run context parallelism (it returns no "
-             "log-sum-exp to merge blocks with): use 'pallas' or 'reference' with mesh.seq > 1")
+    _require(
+        config.data.seq_len % cp_chunks == 0,
+        f"config.data.seq_len={config.data.seq_len} is not divisible into the {cp_chunks} chunks of "
+        f"context parallelism (mesh.seq={mesh.seq}"
+        f"{', x2 for context_load_balance' if m.context_load_balance else ''}): change seq_len or mesh.seq",
+    )
+    _require(
+        mesh.seq == 1 or m.attention_impl != "cudnn",
+        "config.model.attention_impl='cudnn' cannot run context parallelism (it returns no "
+        "log-sum-exp to merge blocks with): use 'pallas' or 'reference' with mesh.seq > 1",
+    )
     if config.parallel.sequence_parallel:
-        _require(config.data.seq_len // mesh.seq % sizes["tensor"] == 0,
-                 f"config.data.seq_len={config.data.seq_len} / mesh.seq={mesh.seq} must be divisible by "
-                 f"config.mesh.tensor={sizes['tensor']} for sequence parallelism")
+        _require(
+            config.data.seq_len // mesh.seq % sizes["tensor"] == 0,
+            f"config.data.seq_len={config.data.seq_len} / mesh.seq={mesh.seq} must be divisible by "
+            f"config.mesh.tensor={sizes['tensor']} for sequence parallelism",
+        )
         for logical in ("vocab", "heads", "kv_heads", "mlp"):
-            _require(config.sharding.params[logical] == "tensor",
-                     "config.parallel.sequence_parallel needs heads, kv_heads, mlp and vocab on 'tensor'")
+            _require(
+                config.sharding.params[logical] == "tensor",
+                "config.parallel.sequence_parallel needs heads, kv_heads, mlp and vocab on 'tensor'",
+            )
     if config.parallel.collective_matmul:
-        _require(sizes["tensor"] > 1 and config.parallel.sequence_parallel,
-                 f"config.parallel.collective_matmul=True needs tensor parallelism with sequence parallelism "
-                 f"(it decomposes SP's all-gather / reduce-scatter over T): got config.mesh.tensor="
-                 f"{sizes['tensor']}, config.parallel.sequence_parallel={config.parallel.sequence_parallel}; "
-                 f"set both, or collective_matmul=False")
+        _require(
+            sizes["tensor"] > 1 and config.parallel.sequence_parallel,
+            f"config.parallel.collective_matmul=True needs tensor parallelism with sequence parallelism "
+            f"(it decomposes SP's all-gather / reduce-scatter over T): got config.mesh.tensor="
+            f"{sizes['tensor']}, config.parallel.sequence_parallel={config.parallel.sequence_parallel}; "
+            f"set both, or collective_matmul=False",
+        )
     _validate_pipeline(config)
-    _require(isinstance(config.parallel.fsdp_prefetch, bool),
-             f"config.parallel.fsdp_prefetch={config.parallel.fsdp_prefetch!r}: choose True or False")
-    _require(not (config.parallel.fsdp_prefetch and config.offload.params),
-             "config.parallel.fsdp_prefetch cannot be combined with config.offload.params yet (the "
-             "prefetch indexes the next layer out of the host-memory stack): turn one of them off")
-    _require(t.zero_stage in (0, 1, 2),
-             f"config.train.zero_stage={t.zero_stage}: choose 0, 1 or 2 (stage 3 is config.mesh.fsdp)")
+    _require(
+        isinstance(config.parallel.fsdp_prefetch, bool),
+        f"config.parallel.fsdp_prefetch={config.parallel.fsdp_prefetch!r}: choose True or False",
+    )
+    _require(
+        not (config.parallel.fsdp_prefetch and config.offload.params),
+        "config.parallel.fsdp_prefetch cannot be combined with config.offload.params yet (the "
+        "prefetch indexes the next layer out of the host-memory stack): turn one of them off",
+    )
+    _require(
+        t.zero_stage in (0, 1, 2),
+        f"config.train.zero_stage={t.zero_stage}: choose 0, 1 or 2 (stage 3 is config.mesh.fsdp)",
+    )
     _require(t.schedule in SCHEDULES, f"config.train.schedule={t.schedule!r}: choose one of {SCHEDULES}")
     _require(t.steps >= 1, "config.train.steps must be >= 1")
     _require(t.log_every >= 1, "config.train.log_every must be >= 1")
     _require(0 <= config.data.eval_fraction < 0.5, "config.data.eval_fraction must be in [0, 0.5)")
     ck = config.checkpoint
-    _require(ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
-             "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0")
+    _require(
+        ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
+        "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0",
+    )
 
 
 def offloaded_activations(config) -> tuple[str, ...]:
@@ -600,42 +704,64 @@ def _validate_optimizer(config) -> None:
     _require(t.optimizer in OPTIMIZERS, f"config.train.optimizer={t.optimizer!r}: choose one of {OPTIMIZERS}")
     g = t.galore
     _require(isinstance(g.rank, int) and g.rank >= 1, f"config.train.galore.rank={g.rank!r} must be a positive integer")
-    _require(isinstance(g.update_every, int) and g.update_every >= 1,
-             f"config.train.galore.update_every={g.update_every!r} must be a positive integer")
-    _require(isinstance(g.scale, (int, float)) and g.scale > 0,
-             f"config.train.galore.scale={g.scale!r} must be a number > 0 (alpha; 1 leaves the update unscaled)")
-    _require(t.optimizer != "galore" or any(n.strip() for n in str(g.leaves).split(",")),
-             "config.train.optimizer='galore' with config.train.galore.leaves empty: name the weights to "
-             "project (e.g. 'wq,wk,wv,wo,w_gate,w_up,w_down'), or use optimizer='adamw'")
-    _require(t.optimizer == "adamw" or o.optimizer_update != "host" or not (o.optimizer or o.params),
-             f"config.offload.optimizer_update='host' runs AdamW's update leaf by leaf on the host; "
-             f"config.train.optimizer={t.optimizer!r} is not supported there: use optimizer_update='device'")
-    _require(t.optimizer != "galore" or not o.optimizer,
-             "config.offload.optimizer=True with config.train.optimizer='galore': offloading chooses the "
-             "optimizer state by its parameter-shaped moments, and GaLore's (rank-r moments and projections, "
-             "docs/galore.md) is not parameter-shaped, so nothing would move: set offload.optimizer=False "
-             "(GaLore already shrinks that state; offload.params works with it) or use optimizer='adamw'")
-    _require(t.optimizer != "galore" or config.parallel.expert_rebalance_every == 0,
-             f"config.parallel.expert_rebalance_every={config.parallel.expert_rebalance_every} with "
-             "config.train.optimizer='galore': re-placing experts permutes the parameter-shaped optimizer "
-             "moments, and GaLore's live in the projected space: set expert_rebalance_every=0 or use "
-             "optimizer='adamw'")
+    _require(
+        isinstance(g.update_every, int) and g.update_every >= 1,
+        f"config.train.galore.update_every={g.update_every!r} must be a positive integer",
+    )
+    _require(
+        isinstance(g.scale, (int, float)) and g.scale > 0,
+        f"config.train.galore.scale={g.scale!r} must be a number > 0 (alpha; 1 leaves the update unscaled)",
+    )
+    _require(
+        t.optimizer != "galore" or any(n.strip() for n in str(g.leaves).split(",")),
+        "config.train.optimizer='galore' with config.train.galore.leaves empty: name the weights to "
+        "project (e.g. 'wq,wk,wv,wo,w_gate,w_up,w_down'), or use optimizer='adamw'",
+    )
+    _require(
+        t.optimizer == "adamw" or o.optimizer_update != "host" or not (o.optimizer or o.params),
+        f"config.offload.optimizer_update='host' runs AdamW's update leaf by leaf on the host; "
+        f"config.train.optimizer={t.optimizer!r} is not supported there: use optimizer_update='device'",
+    )
+    _require(
+        t.optimizer != "galore" or not o.optimizer,
+        "config.offload.optimizer=True with config.train.optimizer='galore': offloading chooses the "
+        "optimizer state by its parameter-shaped moments, and GaLore's (rank-r moments and projections, "
+        "docs/galore.md) is not parameter-shaped, so nothing would move: set offload.optimizer=False "
+        "(GaLore already shrinks that state; offload.params works with it) or use optimizer='adamw'",
+    )
+    _require(
+        t.optimizer != "galore" or config.parallel.expert_rebalance_every == 0,
+        f"config.parallel.expert_rebalance_every={config.parallel.expert_rebalance_every} with "
+        "config.train.optimizer='galore': re-placing experts permutes the parameter-shaped optimizer "
+        "moments, and GaLore's live in the projected space: set expert_rebalance_every=0 or use "
+        "optimizer='adamw'",
+    )
     _require(t.zo.eps > 0, f"config.train.zo.eps={t.zo.eps!r} must be > 0")
-    _require(t.optimizer != "zo" or config.mesh.pipe == 1,
-             f"config.train.optimizer='zo' with config.mesh.pipe={config.mesh.pipe}: zeroth-order training "
-             "runs forwards only and has no pipeline schedule; use mesh.pipe=1 (fsdp or offload.params "
-             "hold a large model instead)")
-    _require(t.optimizer != "zo" or not o.optimizer,
-             "config.offload.optimizer=True with config.train.optimizer='zo': zeroth-order training has no "
-             "optimizer state to offload; use config.offload.params=True to keep the weights in host memory "
-             "(ZO2, docs/zeroth_order.md)")
-    _require(o.optimizer_update in OPTIMIZER_UPDATE,
-             f"config.offload.optimizer_update={o.optimizer_update!r}: choose one of {OPTIMIZER_UPDATE}")
-    _require(0.0 <= o.optimizer_fraction <= 1.0,
-             f"config.offload.optimizer_fraction={o.optimizer_fraction!r} must be in [0, 1]")
+    _require(
+        t.optimizer != "zo" or config.mesh.pipe == 1,
+        f"config.train.optimizer='zo' with config.mesh.pipe={config.mesh.pipe}: zeroth-order training "
+        "runs forwards only and has no pipeline schedule; use mesh.pipe=1 (fsdp or offload.params "
+        "hold a large model instead)",
+    )
+    _require(
+        t.optimizer != "zo" or not o.optimizer,
+        "config.offload.optimizer=True with config.train.optimizer='zo': zeroth-order training has no "
+        "optimizer state to offload; use config.offload.params=True to keep the weights in host memory "
+        "(ZO2, docs/zeroth_order.md)",
+    )
+    _require(
+        o.optimizer_update in OPTIMIZER_UPDATE,
+        f"config.offload.optimizer_update={o.optimizer_update!r}: choose one of {OPTIMIZER_UPDATE}",
+    )
+    _require(
+        0.0 <= o.optimizer_fraction <= 1.0,
+        f"config.offload.optimizer_fraction={o.optimizer_fraction!r} must be in [0, 1]",
+    )
     bad = [n for n in offloaded_activations(config) if n not in ACTIVATION_NAMES]
-    _require(not bad, f"config.offload.activations={o.activations!r}: unknown name(s) {bad}; the model "
-                      f"names {ACTIVATION_NAMES}")
+    _require(
+        not bad,
+        f"config.offload.activations={o.activations!r}: unknown name(s) {bad}; the model names {ACTIVATION_NAMES}",
+    )
 
 
 def _validate_flax(config) -> None:
@@ -646,28 +772,40 @@ def _validate_flax(config) -> None:
     m, mesh, t = config.model, config.mesh, config.train
     _require(m.kind in MODEL_KINDS, f"config.model.kind={m.kind!r}: choose one of {MODEL_KINDS}")
     if m.kind != "flax":
-        _require(not m.flax_module, f"config.model.flax_module={m.flax_module!r} is set but config.model.kind="
-                 f"{m.kind!r}: set config.model.kind='flax' to train it")
+        _require(
+            not m.flax_module,
+            f"config.model.flax_module={m.flax_module!r} is set but config.model.kind="
+            f"{m.kind!r}: set config.model.kind='flax' to train it",
+        )
         return
-    _require(m.flax_module.count(":") == 1 and all(m.flax_module.split(":")),
-             f"config.model.flax_module={m.flax_module!r}: give 'package.module:ClassName' with "
-             "config.model.kind='flax'")
+    _require(
+        m.flax_module.count(":") == 1 and all(m.flax_module.split(":")),
+        f"config.model.flax_module={m.flax_module!r}: give 'package.module:ClassName' with config.model.kind='flax'",
+    )
     for axis in ("tensor", "seq", "pipe", "expert"):
-        _require(mesh[axis] == 1,
-                 f"config.mesh.{axis}={mesh[axis]} with config.model.kind='flax': a Flax model gets data "
-                 "parallelism, ZeRO and FSDP (config.mesh.data, config.mesh.fsdp) from its parameters' logical "
-                 f"names alone; {axis} parallelism needs per-shard model code that calls jaxsys.parallel "
-                 "(docs/flax.md). Set the axis to 1")
-    refused = [("config.train.optimizer", t.optimizer, "adamw"), ("config.model.quant", m.quant, "none"),
-               ("config.model.quant_train", m.quant_train, "none"), ("config.model.remat", m.remat, "none"),
-               ("config.offload.activations", config.offload.activations, ""),
-               ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
-               ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),
-               ("config.parallel.expert_rebalance_every", config.parallel.expert_rebalance_every, 0)]
+        _require(
+            mesh[axis] == 1,
+            f"config.mesh.{axis}={mesh[axis]} with config.model.kind='flax': a Flax model gets data "
+            "parallelism, ZeRO and FSDP (config.mesh.data, config.mesh.fsdp) from its parameters' logical "
+            f"names alone; {axis} parallelism needs per-shard model code that calls jaxsys.parallel "
+            "(docs/flax.md). Set the axis to 1",
+        )
+    refused = [
+        ("config.train.optimizer", t.optimizer, "adamw"),
+        ("config.model.quant", m.quant, "none"),
+        ("config.model.quant_train", m.quant_train, "none"),
+        ("config.model.remat", m.remat, "none"),
+        ("config.offload.activations", config.offload.activations, ""),
+        ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
+        ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),
+        ("config.parallel.expert_rebalance_every", config.parallel.expert_rebalance_every, 0),
+    ]
     for key, value, supported in refused:
-        _require(value == supported,
-                 f"{key}={value!r} with config.model.kind='flax': it acts inside jaxsys's own transformer; "
-                 f"use {supported!r} (remat: nnx.remat in the module itself; docs/flax.md)")
+        _require(
+            value == supported,
+            f"{key}={value!r} with config.model.kind='flax': it acts inside jaxsys's own transformer; "
+            f"use {supported!r} (remat: nnx.remat in the module itself; docs/flax.md)",
+        )
 
 
 def _validate_quant(config) -> None:
@@ -675,59 +813,79 @@ def _validate_quant(config) -> None:
     must not straddle the K' a tensor-parallel rank holds)."""
     m = config.model
     _require(m.quant in QUANT_FORMATS, f"config.model.quant={m.quant!r}: choose one of {QUANT_FORMATS}")
-    _require(m.quant_train in QUANT_TRAIN,
-             f"config.model.quant_train={m.quant_train!r}: choose one of {QUANT_TRAIN}")
+    _require(m.quant_train in QUANT_TRAIN, f"config.model.quant_train={m.quant_train!r}: choose one of {QUANT_TRAIN}")
     _require(m.quant_impl in QUANT_IMPLS, f"config.model.quant_impl={m.quant_impl!r}: choose one of {QUANT_IMPLS}")
-    _require(m.quant == "none" or m.quant_train == "none",
-             f"config.model.quant={m.quant!r} (a quantized checkpoint, for inference) and quant_train="
-             f"{m.quant_train!r} (int8 training of float weights) exclude each other: set one to 'none'")
+    _require(
+        m.quant == "none" or m.quant_train == "none",
+        f"config.model.quant={m.quant!r} (a quantized checkpoint, for inference) and quant_train="
+        f"{m.quant_train!r} (int8 training of float weights) exclude each other: set one to 'none'",
+    )
     if m.quant != "w4a16":
         return
     G = m.quant_group_size
-    _require(G in QUANT_GROUP_SIZES,
-             f"config.model.quant_group_size={G!r}: choose one of {QUANT_GROUP_SIZES}")
+    _require(G in QUANT_GROUP_SIZES, f"config.model.quant_group_size={G!r}: choose one of {QUANT_GROUP_SIZES}")
     shards = lambda logical: math.prod(config.mesh[a] for a in axes_of(config.sharding.params[logical]))
     # (weight, contracted size K' on one rank)
-    local_k = [("wq, wk, wv, w_gate, w_up", "d_model", m.d_model),
-               ("wo", "n_heads * head_dim / tensor", m.n_heads * m.head_dim // shards("heads"))]
+    local_k = [
+        ("wq, wk, wv, w_gate, w_up", "d_model", m.d_model),
+        ("wo", "n_heads * head_dim / tensor", m.n_heads * m.head_dim // shards("heads")),
+    ]
     if "dense" in mlp_pattern(m):
         local_k.append(("w_down", "d_ff / tensor", m.d_ff // shards("mlp")))
     for weights, what, k in local_k:
-        _require(k % G == 0,
-                 f"config.model.quant='w4a16' with quant_group_size={G}: the contracted size K' of {weights} "
-                 f"is {what} = {k} per rank, not a multiple of the group size; choose a group size that "
-                 f"divides {k} (of {QUANT_GROUP_SIZES}) or fewer tensor shards")
+        _require(
+            k % G == 0,
+            f"config.model.quant='w4a16' with quant_group_size={G}: the contracted size K' of {weights} "
+            f"is {what} = {k} per rank, not a multiple of the group size; choose a group size that "
+            f"divides {k} (of {QUANT_GROUP_SIZES}) or fewer tensor shards",
+        )
 
 
 def _validate_moe(config) -> None:
     """The MoE keys (checked only when mlp_pattern has MoE layers) and the expert-parallel ones."""
     m, moe, par = config.model, config.model.moe, config.parallel
-    _require(par.expert_dispatch in EXPERT_DISPATCH,
-             f"config.parallel.expert_dispatch={par.expert_dispatch!r}: choose one of {EXPERT_DISPATCH}")
-    _require(isinstance(par.expert_rebalance_every, int) and par.expert_rebalance_every >= 0,
-             "config.parallel.expert_rebalance_every must be an integer >= 0 (0: never)")
+    _require(
+        par.expert_dispatch in EXPERT_DISPATCH,
+        f"config.parallel.expert_dispatch={par.expert_dispatch!r}: choose one of {EXPERT_DISPATCH}",
+    )
+    _require(
+        isinstance(par.expert_rebalance_every, int) and par.expert_rebalance_every >= 0,
+        "config.parallel.expert_rebalance_every must be an integer >= 0 (0: never)",
+    )
     if "moe" not in mlp_pattern(m):
-        _require(par.expert_rebalance_every == 0,
-                 "config.parallel.expert_rebalance_every needs MoE layers: set config.model.mlp_pattern "
-                 "(e.g. 'moe' or 'dense,moe')")
+        _require(
+            par.expert_rebalance_every == 0,
+            "config.parallel.expert_rebalance_every needs MoE layers: set config.model.mlp_pattern "
+            "(e.g. 'moe' or 'dense,moe')",
+        )
         return
     ep = math.prod(config.mesh[a] for a in axes_of(config.sharding.params.experts))
-    _require(par.expert_rebalance_every == 0 or ep > 1,
-             "config.parallel.expert_rebalance_every re-places experts on the devices that hold them, but "
-             "the experts are not split (config.mesh.expert=1 or config.sharding.params.experts=''): set "
-             "config.mesh.expert > 1 or expert_rebalance_every=0")
+    _require(
+        par.expert_rebalance_every == 0 or ep > 1,
+        "config.parallel.expert_rebalance_every re-places experts on the devices that hold them, but "
+        "the experts are not split (config.mesh.expert=1 or config.sharding.params.experts=''): set "
+        "config.mesh.expert > 1 or expert_rebalance_every=0",
+    )
     for key in ("experts", "top_k", "d_ff"):
-        _require(isinstance(moe[key], int) and moe[key] >= 1,
-                 f"config.model.moe.{key} must be a positive integer, got {moe[key]!r}")
-    _require(moe.top_k <= moe.experts,
-             f"config.model.moe.top_k={moe.top_k} is larger than config.model.moe.experts={moe.experts}: "
-             "a token cannot pick more distinct experts than there are; lower top_k or add experts")
-    _require(isinstance(moe.shared_experts, int) and moe.shared_experts >= 0,
-             "config.model.moe.shared_experts must be an integer >= 0")
+        _require(
+            isinstance(moe[key], int) and moe[key] >= 1,
+            f"config.model.moe.{key} must be a positive integer, got {moe[key]!r}",
+        )
+    _require(
+        moe.top_k <= moe.experts,
+        f"config.model.moe.top_k={moe.top_k} is larger than config.model.moe.experts={moe.experts}: "
+        "a token cannot pick more distinct experts than there are; lower top_k or add experts",
+    )
+    _require(
+        isinstance(moe.shared_experts, int) and moe.shared_experts >= 0,
+        "config.model.moe.shared_experts must be an integer >= 0",
+    )
     _require(moe.router in MOE_ROUTERS, f"config.model.moe.router={moe.router!r}: choose one of {MOE_ROUTERS}")
-    _require(moe.router == "sigmoid" or moe.top_k > 1 or not moe.renormalize,
-             "config.model.moe.renormalize with a softmax router and top_k=1 makes every gate 1, so "
-             "the router gets no gradient from the loss: set renormalize=false (as Switch does)")
+    _require(
+        moe.router == "sigmoid" or moe.top_k > 1 or not moe.renormalize,
+        "config.model.moe.renormalize with a softmax router and top_k=1 makes every gate 1, so "
+        "the router gets no gradient from the loss: set renormalize=false (as Switch does)",
+    )
     for key in ("capacity_factor", "aux_loss_weight", "z_loss_weight"):
         _require(float(moe[key]) >= 0, f"config.model.moe.{key} must be >= 0, got {moe[key]!r}")
 
@@ -738,41 +896,59 @@ def _validate_pipeline(config) -> None:
     mb, v = t.microbatches, t.virtual_stages
     _require(isinstance(mb, int) and mb >= 1, f"config.train.microbatches must be >= 1, got {mb!r}")
     _require(isinstance(v, int) and v >= 1, f"config.train.virtual_stages must be >= 1, got {v!r}")
-    _require(t.pipeline_schedule in PIPELINE_SCHEDULES,
-             f"config.train.pipeline_schedule={t.pipeline_schedule!r}: choose one of {PIPELINE_SCHEDULES}")
+    _require(
+        t.pipeline_schedule in PIPELINE_SCHEDULES,
+        f"config.train.pipeline_schedule={t.pipeline_schedule!r}: choose one of {PIPELINE_SCHEDULES}",
+    )
     batch_shards = math.prod(config.mesh[a] for a in axes_of(config.sharding.compute.batch))
-    _require(t.batch_size % (batch_shards * mb) == 0,
-             f"config.train.batch_size={t.batch_size} does not split into {batch_shards} batch shards x "
-             f"{mb} micro-batches (config.train.microbatches): make the batch size a multiple of "
-             f"{batch_shards * mb}")
+    _require(
+        t.batch_size % (batch_shards * mb) == 0,
+        f"config.train.batch_size={t.batch_size} does not split into {batch_shards} batch shards x "
+        f"{mb} micro-batches (config.train.microbatches): make the batch size a multiple of "
+        f"{batch_shards * mb}",
+    )
     if p == 1:
-        _require(v == 1, f"config.train.virtual_stages={v} needs a pipeline: set config.mesh.pipe > 1 "
-                 "or virtual_stages=1")
+        _require(
+            v == 1, f"config.train.virtual_stages={v} needs a pipeline: set config.mesh.pipe > 1 or virtual_stages=1"
+        )
         return
     stages = p * v
-    _require(m.n_layers % stages == 0,
-             f"config.model.n_layers={m.n_layers} does not split into {stages} pipeline stages "
-             f"(config.mesh.pipe={p} x config.train.virtual_stages={v}): choose n_layers a multiple "
-             f"of {stages}")
+    _require(
+        m.n_layers % stages == 0,
+        f"config.model.n_layers={m.n_layers} does not split into {stages} pipeline stages "
+        f"(config.mesh.pipe={p} x config.train.virtual_stages={v}): choose n_layers a multiple "
+        f"of {stages}",
+    )
     period = len(block_pattern(m))
-    _require((m.n_layers // stages) % period == 0,
-             f"each of the {stages} pipeline stages would hold {m.n_layers // stages} layers, not a "
-             f"whole number of periods of config.model.layer_pattern={m.layer_pattern!r} and "
-             f"mlp_pattern={m.mlp_pattern!r} ({period} layers): change n_layers, mesh.pipe or "
-             "virtual_stages")
-    _require(mb >= p,
-             f"config.train.microbatches={mb} is fewer than the {p} pipeline stages "
-             f"(config.mesh.pipe): every stage would idle most of the step; use microbatches >= {p}")
+    _require(
+        (m.n_layers // stages) % period == 0,
+        f"each of the {stages} pipeline stages would hold {m.n_layers // stages} layers, not a "
+        f"whole number of periods of config.model.layer_pattern={m.layer_pattern!r} and "
+        f"mlp_pattern={m.mlp_pattern!r} ({period} layers): change n_layers, mesh.pipe or "
+        "virtual_stages",
+    )
+    _require(
+        mb >= p,
+        f"config.train.microbatches={mb} is fewer than the {p} pipeline stages "
+        f"(config.mesh.pipe): every stage would idle most of the step; use microbatches >= {p}",
+    )
     if t.pipeline_schedule == "interleaved_1f1b":
-        _require(mb % p == 0,
-                 f"the interleaved schedule takes micro-batches in groups of config.mesh.pipe={p}: "
-                 f"config.train.microbatches={mb} must be a multiple of {p}")
+        _require(
+            mb % p == 0,
+            f"the interleaved schedule takes micro-batches in groups of config.mesh.pipe={p}: "
+            f"config.train.microbatches={mb} must be a multiple of {p}",
+        )
     else:
-        _require(v == 1, f"config.train.virtual_stages={v} needs config.train.pipeline_schedule="
-                 f"'interleaved_1f1b' (got {t.pipeline_schedule!r})")
+        _require(
+            v == 1,
+            f"config.train.virtual_stages={v} needs config.train.pipeline_schedule="
+            f"'interleaved_1f1b' (got {t.pipeline_schedule!r})",
+        )
     if config.parallel.vocab_parallel:
         shards = p * math.prod(config.mesh[a] for a in axes_of(config.sharding.params.vocab))
-        _require(m.vocab_size % shards == 0,
-                 f"config.model.vocab_size={m.vocab_size} does not split over the {shards} shards of "
-                 f"vocabulary parallelism (pipe x config.sharding.params.vocab): pad the vocabulary to "
-                 f"a multiple of {shards}")
+        _require(
+            m.vocab_size % shards == 0,
+            f"config.model.vocab_size={m.vocab_size} does not split over the {shards} shards of "
+            f"vocabulary parallelism (pipe x config.sharding.params.vocab): pad the vocabulary to "
+            f"a multiple of {shards}",
+        )

@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from jaxsys.config import ConfigError, base_config, load_config, apply_overrides, validate, parse_with_overrides
+from jaxsys.config import ConfigError, apply_overrides, base_config, load_config, parse_with_overrides, validate
 
 
 class ConversionError(ValueError):
@@ -71,8 +71,9 @@ def _layer_unmap(m):
 def _hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise ConversionError(f"{hf_dir} has no config.json: pass the directory of a Hugging Face "
-                              "model (config.json and *.safetensors)")
+        raise ConversionError(
+            f"{hf_dir} has no config.json: pass the directory of a Hugging Face model (config.json and *.safetensors)"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -83,22 +84,21 @@ def _rope_theta(hf: dict) -> float:
     scaling = hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind != "default":
-        raise ConversionError(f"rope type {kind!r} (rope scaling) is not supported: jaxsys implements "
-                              "plain RoPE only")
+        raise ConversionError(f"rope type {kind!r} (rope scaling) is not supported: jaxsys implements plain RoPE only")
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def model_config_from_hf(hf: dict, model) -> None:
     """Set `config.model` (in place) from a Hugging Face Llama config.json dict."""
     if hf.get("model_type") not in ("llama", "mistral"):
-        raise ConversionError(f"model_type {hf.get('model_type')!r}: only Llama-family models "
-                              "(model_type llama or mistral) convert")
+        raise ConversionError(
+            f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type llama or mistral) convert"
+        )
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's Llama needs {want!r}")
     if hf.get("sliding_window"):
-        raise ConversionError(f"sliding_window={hf['sliding_window']}: sliding-window attention is "
-                              "not supported")
+        raise ConversionError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not supported")
     n_heads = hf["num_attention_heads"]
     model.vocab_size = hf["vocab_size"]
     model.d_model = hf["hidden_size"]
@@ -115,24 +115,37 @@ def model_config_from_hf(hf: dict, model) -> None:
 def _require_dense_llama(m) -> None:
     """Llama's layout has a dense SwiGLU MLP and softmax attention in every layer."""
     from jaxsys.config import layer_pattern, mlp_pattern
+
     if set(mlp_pattern(m)) != {"dense"} or set(layer_pattern(m)) != {"softmax"}:
         raise ConversionError(
             f"jaxsys.convert reads and writes Llama checkpoints (dense MLPs, softmax attention), but this "
             f"model has mlp_pattern={m.mlp_pattern!r} and layer_pattern={m.layer_pattern!r}; MoE and linear-"
-            "attention models have no Hugging Face Llama equivalent")
+            "attention models have no Hugging Face Llama equivalent"
+        )
 
 
 def hf_config_from_model(m, dtype: str) -> dict:
     """A transformers LlamaConfig dict for `config.model` (both the transformers 5 `rope_parameters`
     and the older top-level `rope_theta`, so either version reads it)."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "head_dim": m.head_dim,
-        "intermediate_size": m.d_ff, "hidden_act": "silu", "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta, "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},
-        "tie_word_embeddings": bool(m.tie_embeddings), "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": dtype, "dtype": dtype,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "intermediate_size": m.d_ff,
+        "hidden_act": "silu",
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }
 
 
@@ -142,11 +155,21 @@ def hf_config_from_model(m, dtype: str) -> dict:
 def _read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
     import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors.numpy needs)
     from safetensors.numpy import load_file
+
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not files:
-        pickles = [os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(os.path.join(hf_dir, "*.pt"))]
-        hint = (f" (it has {pickles}: pickle files are never read; convert them to safetensors with "
-                "transformers' save_pretrained(safe_serialization=True))") if pickles else ""
+        pickles = [
+            os.path.basename(p)
+            for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(os.path.join(hf_dir, "*.pt"))
+        ]
+        hint = (
+            (
+                f" (it has {pickles}: pickle files are never read; convert them to safetensors with "
+                "transformers' save_pretrained(safe_serialization=True))"
+            )
+            if pickles
+            else ""
+        )
         raise ConversionError(f"{hf_dir} has no *.safetensors file{hint}")
     tensors = {}
     for path in files:
@@ -159,24 +182,41 @@ def _read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
 
 def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
     """jaxsys parameters (numpy, `dtype`) from HF tensors; checks every name and shape."""
+
     def take(name, shape):
         if name not in tensors:
-            raise ConversionError(f"the safetensors have no tensor {name!r} (config.json says "
-                                  f"{m.n_layers} layers{', untied embeddings' if 'lm_head' in name else ''})")
+            raise ConversionError(
+                f"the safetensors have no tensor {name!r} (config.json says "
+                f"{m.n_layers} layers{', untied embeddings' if 'lm_head' in name else ''})"
+            )
         array = tensors[name]
         if tuple(array.shape) != tuple(shape):
-            raise ConversionError(f"tensor {name} has shape {tuple(array.shape)} but config.json "
-                                  f"implies {tuple(shape)}")
+            raise ConversionError(
+                f"tensor {name} has shape {tuple(array.shape)} but config.json implies {tuple(shape)}"
+            )
         return array.astype(dtype)
 
     D, N, K, H, F, V = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
-    hf_shapes = {"attn_norm": (D,), "wq": (N * H, D), "wk": (K * H, D), "wv": (K * H, D),
-                 "wo": (D, N * H), "mlp_norm": (D,), "w_gate": (F, D), "w_up": (F, D), "w_down": (D, F)}
-    layers = {key: np.stack([convert(take(f"model.layers.{i}.{name}", hf_shapes[key]))
-                             for i in range(m.n_layers)])
-              for key, (name, convert) in _layer_map(m).items()}
-    params = {"embed": take("model.embed_tokens.weight", (V, D)), "layers": layers,
-              "final_norm": take("model.norm.weight", (D,))}
+    hf_shapes = {
+        "attn_norm": (D,),
+        "wq": (N * H, D),
+        "wk": (K * H, D),
+        "wv": (K * H, D),
+        "wo": (D, N * H),
+        "mlp_norm": (D,),
+        "w_gate": (F, D),
+        "w_up": (F, D),
+        "w_down": (D, F),
+    }
+    layers = {
+        key: np.stack([convert(take(f"model.layers.{i}.{name}", hf_shapes[key])) for i in range(m.n_layers)])
+        for key, (name, convert) in _layer_map(m).items()
+    }
+    params = {
+        "embed": take("model.embed_tokens.weight", (V, D)),
+        "layers": layers,
+        "final_norm": take("model.norm.weight", (D,)),
+    }
     if not m.tie_embeddings:
         params["unembed"] = take("lm_head.weight", (V, D)).T
     return params
@@ -204,10 +244,9 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     import jax.numpy as jnp
 
     from jaxsys import program as program_lib
-    from jaxsys.checkpoint import Checkpointer
+    from jaxsys.checkpoint import Checkpointer, require_new_workdir
     from jaxsys.mesh import make_mesh
 
-    from jaxsys.checkpoint import require_new_workdir
     require_new_workdir(workdir, ConversionError)
     config = base_config() if config is None else config
     model_config_from_hf(_hf_config(hf_dir), config.model)
@@ -246,8 +285,9 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
     from jaxsys.mesh import make_mesh
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        raise ConversionError(f"{out_dir} already has model.safetensors: pass a new output directory; "
-                              "nothing was overwritten")
+        raise ConversionError(
+            f"{out_dir} already has model.safetensors: pass a new output directory; nothing was overwritten"
+        )
     checkpointer = Checkpointer(workdir, base_config().checkpoint, read_only=True)
     step = checkpointer.latest_step() if step is None else step
     config = checkpointer.saved_config(step)
@@ -270,27 +310,35 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert Hugging Face Llama safetensors to and from "
-                                                 "jaxsys checkpoints.")
+    parser = argparse.ArgumentParser(
+        description="Convert Hugging Face Llama safetensors to and from jaxsys checkpoints."
+    )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="HF model directory to read")
     direction.add_argument("--to-hf", metavar="OUT", help="HF model directory to write")
     parser.add_argument("--workdir", required=True, help="the jaxsys run directory (new for --from-hf)")
-    parser.add_argument("--config", help="--from-hf: training/data/mesh settings (configs/<name>.py[:arg]); "
-                                         "the model section comes from the HF config")
+    parser.add_argument(
+        "--config",
+        help="--from-hf: training/data/mesh settings (configs/<name>.py[:arg]); "
+        "the model section comes from the HF config",
+    )
     parser.add_argument("--step", type=int, help="--to-hf: checkpoint step (default: latest)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="--to-hf: tensor dtype "
-                        "(default: config.model.param_dtype)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], help="--to-hf: tensor dtype (default: config.model.param_dtype)"
+    )
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.fsdp=8")
     from jaxsys.checkpoint import CheckpointError
+
     try:
         if args.from_hf:
             config = load_config(args.config) if args.config else None
             config = from_hf(args.from_hf, args.workdir, config, overrides)
-            print(f"jaxsys: wrote {args.workdir}/config.json and checkpoint step 0 "
-                  f"({config.model.n_layers} layers, d_model {config.model.d_model}); train with\n"
-                  f"  python -m jaxsys.train --config {os.path.join(args.workdir, 'config.json')} "
-                  f"--workdir {args.workdir}")
+            print(
+                f"jaxsys: wrote {args.workdir}/config.json and checkpoint step 0 "
+                f"({config.model.n_layers} layers, d_model {config.model.d_model}); train with\n"
+                f"  python -m jaxsys.train --config {os.path.join(args.workdir, 'config.json')} "
+                f"--workdir {args.workdir}"
+            )
         else:
             if overrides or args.config:
                 parser.error("--to-hf takes its config from the checkpoint: drop --config and overrides")

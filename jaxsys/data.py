@@ -104,9 +104,7 @@ def load_corpus(data_cfg: Any) -> Corpus:
     try:
         eval_fraction = float(eval_fraction)
     except (TypeError, ValueError):
-        raise DataError(
-            f"config.data.eval_fraction must be a float in [0, 0.5), got {eval_fraction!r}"
-        ) from None
+        raise DataError(f"config.data.eval_fraction must be a float in [0, 0.5), got {eval_fraction!r}") from None
     if not 0.0 <= eval_fraction < 0.5:
         raise DataError(f"config.data.eval_fraction must be in [0, 0.5), got {eval_fraction}")
 
@@ -122,9 +120,7 @@ def load_corpus(data_cfg: Any) -> Corpus:
         vocab = _vocab_needed(tokens, files)
         desc = f"token files: {_short_list(files)}"
     else:
-        raise DataError(
-            f"config.data.source={source!r} is unknown; valid sources are {list(VALID_SOURCES)}"
-        )
+        raise DataError(f"config.data.source={source!r} is unknown; valid sources are {list(VALID_SOURCES)}")
     return _split(tokens, vocab, desc, eval_fraction, int(seq_len))
 
 
@@ -177,13 +173,10 @@ def _resolve_files(path: Any) -> list[str]:
             files.update(matches)
         elif os.path.isdir(pattern):
             raise DataError(
-                f"{entry!r} in config.data.path is a directory; use a glob such as "
-                f"'{entry.rstrip('/')}/*.txt'"
+                f"{entry!r} in config.data.path is a directory; use a glob such as '{entry.rstrip('/')}/*.txt'"
             )
         elif not os.path.isfile(pattern):
-            raise DataError(
-                f"file {entry!r} from config.data.path does not exist; fix config.data.path"
-            )
+            raise DataError(f"file {entry!r} from config.data.path does not exist; fix config.data.path")
         else:
             files.add(pattern)
     if not files:
@@ -236,8 +229,7 @@ def _load_token_file(f: str, data_cfg: Any) -> np.ndarray:
             return np.zeros((0,), dtype=dtype)  # np.memmap refuses empty files
         return np.memmap(f, dtype=dtype, mode="r")
     raise DataError(
-        f"token file {f!r} (config.data.path) must end in .npy or .bin; "
-        f"for raw text use config.data.source='text'"
+        f"token file {f!r} (config.data.path) must end in .npy or .bin; for raw text use config.data.source='text'"
     )
 
 
@@ -309,9 +301,7 @@ def _load_stdlib() -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-def sample_offsets(
-    seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int, split: str
-) -> np.ndarray:
+def sample_offsets(seed: int, step: int, batch_size: int, num_tokens: int, seq_len: int, split: str) -> np.ndarray:
     """[B] int64 start offsets, uniform in [0, num_tokens - T - 1]; pure in its arguments."""
     if split not in _SPLIT_IDS:
         raise DataError(f"unknown split {split!r}; valid splits are {sorted(_SPLIT_IDS)}")

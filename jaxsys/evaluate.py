@@ -36,20 +36,28 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dic
     mesh = mesh_for(config)
     corpus = data_lib.load_corpus(config.data)
     if not corpus.has_eval:
-        raise data_lib.DataError(f"the corpus of {workdir} ({corpus.description}) has no held-out split: set "
-                                 "--config.data.eval_fraction > 0")
+        raise data_lib.DataError(
+            f"the corpus of {workdir} ({corpus.description}) has no held-out split: set --config.data.eval_fraction > 0"
+        )
     program = program_lib.build(config, mesh)
     params, step = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
     start = time.perf_counter()
     loss = train.evaluate(program, program.eval_loss_fn(), params, corpus)
     c = config
-    return {"workdir": workdir, "step": int(step), "eval_loss": loss, "perplexity": math.exp(loss),
-            "tokens": c.train.eval_batches * c.train.batch_size * c.data.seq_len,
-            "quant": c.model.quant, "quant_group_size": c.model.quant_group_size,
-            "quant_zero_point": c.model.quant_zero_point, "quant_impl": c.model.quant_impl,
-            "param_bytes": sum(a.nbytes for a in jax.tree.leaves(params)),
-            "mesh": {a: s for a, s in program.layout.mesh_sizes.items() if s > 1},
-            "seconds": time.perf_counter() - start}
+    return {
+        "workdir": workdir,
+        "step": int(step),
+        "eval_loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": c.train.eval_batches * c.train.batch_size * c.data.seq_len,
+        "quant": c.model.quant,
+        "quant_group_size": c.model.quant_group_size,
+        "quant_zero_point": c.model.quant_zero_point,
+        "quant_impl": c.model.quant_impl,
+        "param_bytes": sum(a.nbytes for a in jax.tree.leaves(params)),
+        "mesh": {a: s for a, s in program.layout.mesh_sizes.items() if s > 1},
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main(argv=None) -> int:
@@ -67,9 +75,11 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         quant = result["quant"] + (f" (G={result['quant_group_size']})" if result["quant"] == "w4a16" else "")
-        print(f"{args.workdir} step {result['step']}: eval loss {result['eval_loss']:.4f}, perplexity "
-              f"{result['perplexity']:.3f} over {result['tokens']:,} tokens; weights {quant}, "
-              f"{result['param_bytes'] / 2**20:.2f} MiB")
+        print(
+            f"{args.workdir} step {result['step']}: eval loss {result['eval_loss']:.4f}, perplexity "
+            f"{result['perplexity']:.3f} over {result['tokens']:,} tokens; weights {quant}, "
+            f"{result['param_bytes'] / 2**20:.2f} MiB"
+        )
     return 0
 
 

@@ -140,6 +140,7 @@ class LeafPlan:
     def state_elements(self, mesh_sizes: dict[str, int] | None = None) -> int:
         """Elements of this leaf's state (two moments, and the projection when projected): global,
         or on one device of a mesh of `mesh_sizes` (each dimension divided by the sizes of its axes)."""
+
         def count(shape, entries):
             if mesh_sizes is None:
                 return math.prod(shape)
@@ -199,22 +200,27 @@ def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
             continue
         found.add(leaf)
         if ROW_AXIS not in spec.axes:
-            raise ConfigError(f"config.train.galore.leaves names {leaf!r}, but the leaf {name} (axes "
-                              f"{spec.axes}) has no {ROW_AXIS!r} axis to take as the matrix rows; "
-                              "remove it from the list")
+            raise ConfigError(
+                f"config.train.galore.leaves names {leaf!r}, but the leaf {name} (axes "
+                f"{spec.axes}) has no {ROW_AXIS!r} axis to take as the matrix rows; "
+                "remove it from the list"
+            )
         row = spec.axes.index(ROW_AXIS)
         batch = tuple(d for d, a in enumerate(spec.axes) if a in BATCH_AXES)
         cols = tuple(d for d in range(len(spec.shape)) if d != row and d not in batch)
         if not cols:
-            raise ConfigError(f"config.train.galore.leaves names {leaf!r}, but the leaf {name} (axes "
-                              f"{spec.axes}) is a vector per layer, not a matrix: remove it from the list")
+            raise ConfigError(
+                f"config.train.galore.leaves names {leaf!r}, but the leaf {name} (axes "
+                f"{spec.axes}) is a vector per layer, not a matrix: remove it from the list"
+            )
         base = LeafPlan(name, tuple(spec.shape), entries, "full", rank, row, batch, cols)
         m, n = base.m, base.n
         if rank > min(m, n):
             raise ConfigError(
                 f"config.train.galore.rank={rank} is larger than min(m, n) = {min(m, n)} of the leaf "
                 f"{name}, an {m} x {n} matrix ({ROW_AXIS} x the rest) per layer: lower the rank to at "
-                f"most {min(m, n)} or remove {leaf!r} from config.train.galore.leaves")
+                f"most {min(m, n)} or remove {leaf!r} from config.train.galore.leaves"
+            )
         side = "full" if rank == min(m, n) else "left" if m <= n else "right"
         pl = dataclasses.replace(base, side=side)
         split = math.prod(mesh_sizes[a] for a in pl.sum_axes) if pl.sum_axes else 1
@@ -222,8 +228,9 @@ def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
     missing = [n for n in names if n not in found]
     if missing:
         every = sorted({_key_name(p[-1]) for p, _ in flat})
-        raise ConfigError(f"config.train.galore.leaves names {missing}, which this model does not have; "
-                          f"its leaves are {every}")
+        raise ConfigError(
+            f"config.train.galore.leaves names {missing}, which this model does not have; its leaves are {every}"
+        )
     return jax.tree.unflatten(treedef, plans)
 
 
@@ -286,7 +293,7 @@ def _to_matrix(x, pl: LeafPlan):
     """A local leaf block -> [b, m_local, n_local] (batch dims flattened, then rows, then columns)."""
     perm = (*pl.batch_dims, pl.row_dim, *pl.col_dims)
     x = jnp.transpose(x, perm)
-    b = math.prod(x.shape[:len(pl.batch_dims)])
+    b = math.prod(x.shape[: len(pl.batch_dims)])
     return x.reshape(b, x.shape[len(pl.batch_dims)], -1)
 
 
@@ -326,10 +333,10 @@ def _projector(g, pl: LeafPlan, dtype):
     nb = len(pl.batch_dims)
     batch_local = tuple(g.shape[d] for d in pl.batch_dims)
     if pl.side == "left":
-        p = _signed(u[..., :pl.rank])  # [b, m, r]
+        p = _signed(u[..., : pl.rank])  # [b, m, r]
         p = _local_block(p, 1, pl.row_axes, g.shape[pl.row_dim])
         return p.reshape(*batch_local, p.shape[1], pl.rank).astype(dtype)
-    q = _signed(jnp.swapaxes(vt[..., :pl.rank, :], -1, -2))  # [b, n, r]
+    q = _signed(jnp.swapaxes(vt[..., : pl.rank, :], -1, -2))  # [b, n, r]
     q = q.reshape(*batch_local, *(pl.shape[d] for d in pl.col_dims), pl.rank)
     for i, d in enumerate(pl.col_dims):
         q = _local_block(q, nb + i, pl.spec[d], g.shape[d])
@@ -375,8 +382,9 @@ def _project_back(n, proj, pl: LeafPlan, local_shape, scale: float):
     return _from_matrix(out * scale, pl, local_shape)
 
 
-def scale_by_galore_adam(plans, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                         scale: float = 0.25, update_every: int = 200) -> optax.GradientTransformation:
+def scale_by_galore_adam(
+    plans, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, scale: float = 0.25, update_every: int = 200
+) -> optax.GradientTransformation:
     """GaLore's Adam (module docstring) for the leaves that `plans` (from `plan`) project, plain
     Adam (optax.scale_by_adam) for the rest. `update` runs on local shards inside the train step's
     shard_map (or on whole arrays when nothing is sharded). Chain it with weight decay and the
@@ -406,6 +414,7 @@ def scale_by_galore_adam(plans, b1: float = 0.9, b2: float = 0.999, eps: float =
         grads = treedef.flatten_up_to(updates)
         projs = _unnest(state.proj, names)
         if projected:
+
             def refresh(gs, _):
                 return [_projector(g, flat[i], p.dtype) for g, i, p in zip(gs, projected, projs)]
 

@@ -16,7 +16,6 @@ import argparse
 import sys
 import time
 
-
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError, parse_with_overrides
@@ -34,9 +33,11 @@ def load_program(workdir: str, overrides=(), step: int | None = None):
     cpu_unless_accelerator()
     config, step = checkpoint_lib.saved_config(workdir, overrides, step)
     if config.model.kind == "flax":
-        raise ConfigError(f"{workdir} holds a Flax model (config.model.kind='flax'): generation and serving "
-                          "need jaxsys's transformer and its KV cache (docs/flax.md); its eval loss: "
-                          f"python -m jaxsys.evaluate --workdir {workdir}")
+        raise ConfigError(
+            f"{workdir} holds a Flax model (config.model.kind='flax'): generation and serving "
+            "need jaxsys's transformer and its KV cache (docs/flax.md); its eval loss: "
+            f"python -m jaxsys.evaluate --workdir {workdir}"
+        )
     decode.check_servable(config)
     program = program_lib.build(config, mesh_for(config))
     params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
@@ -46,6 +47,7 @@ def load_program(workdir: str, overrides=(), step: int | None = None):
 def load(workdir: str, overrides=(), step: int | None = None, batch: int = 1, max_len: int = 256):
     """(decoder, params, config) for `workdir` on the mesh its config (with overrides) names."""
     from jaxsys.serve import decode
+
     program, params, config = load_program(workdir, overrides, step)
     batch = decode.Decoder.padded_batch(batch, program.layout)
     return decode.Decoder(program, batch, max_len), params, config
@@ -57,8 +59,10 @@ def encode(prompt: str, config) -> list[int]:
     try:
         ids = [int(t) for t in prompt.split()]
     except ValueError:
-        raise ValueError(f"config.data.source={config.data.source!r} has no text tokenizer here: pass the prompt "
-                         "as space-separated token ids") from None
+        raise ValueError(
+            f"config.data.source={config.data.source!r} has no text tokenizer here: pass the prompt "
+            "as space-separated token ids"
+        ) from None
     bad = [i for i in ids if not 0 <= i < config.model.vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {config.model.vocab_size})")
@@ -75,11 +79,13 @@ def main(argv=None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="1: no nucleus filter")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    parser.add_argument("--max-len", type=int, default=0, help="KV-cache positions (default: prompt + new, "
-                                                                 "rounded up to 64)")
+    parser.add_argument(
+        "--max-len", type=int, default=0, help="KV-cache positions (default: prompt + new, rounded up to 64)"
+    )
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
     log = lambda msg: print(f"jaxsys.generate: {msg}", file=sys.stderr, flush=True)
     from jaxsys.mesh import cpu_unless_accelerator
+
     cpu_unless_accelerator()
     try:
         if not args.prompt:
@@ -91,8 +97,10 @@ def main(argv=None) -> int:
         max_len = args.max_len or -(-(len(prompt) + args.max_new_tokens) // 64) * 64
         start = time.perf_counter()
         decoder, params, config = load(args.workdir, overrides, args.step, 1, max_len)
-        log(f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; prompt {len(prompt)} tokens, "
-            f"cache {max_len} positions")
+        log(
+            f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; prompt {len(prompt)} tokens, "
+            f"cache {max_len} positions"
+        )
         byte_level = config.data.source in BYTE_SOURCES
         pending = bytearray()
 
@@ -112,15 +120,27 @@ def main(argv=None) -> int:
             sys.stdout.flush()
 
         from jaxsys.serve import decode
+
         start = time.perf_counter()
-        decode.generate(decoder, params, [prompt], args.max_new_tokens, args.temperature, args.top_k,
-                        args.top_p, args.seed, on_token=show)
+        decode.generate(
+            decoder,
+            params,
+            [prompt],
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.seed,
+            on_token=show,
+        )
         if pending:
             sys.stdout.write(pending.decode("utf-8", errors="replace"))
         sys.stdout.write("\n")
         elapsed = time.perf_counter() - start
-        log(f"{args.max_new_tokens} tokens in {elapsed:.2f}s ({args.max_new_tokens / elapsed:.1f} tokens/s, "
-            "compilation included)")
+        log(
+            f"{args.max_new_tokens} tokens in {elapsed:.2f}s ({args.max_new_tokens / elapsed:.1f} tokens/s, "
+            "compilation included)"
+        )
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

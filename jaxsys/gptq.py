@@ -74,6 +74,7 @@ class GPTQResult(NamedTuple):
     U[k, k])^2, which equals tr(dW^T H' dW) for dW = W - dequantized (W with dead rows zeroed) and
     H' = 2 X^T X / M + damp * mean(diag) * I: the proxy objective GPTQ attains. perm: the order the
     rows were rounded in (None for the natural order)."""
+
     q: np.ndarray
     s: np.ndarray
     z: np.ndarray | None
@@ -102,15 +103,25 @@ def hessian(x, previous=None):
             raise ValueError("hessian's `previous` must be the (H, count) pair it returned") from None
         h_prev = np.asarray(h_prev, np.float64)
         if h_prev.shape != h.shape:
-            raise ValueError(f"hessian: these activations have K={x.shape[-1]} but the running "
-                             f"Hessian is {h_prev.shape}")
+            raise ValueError(
+                f"hessian: these activations have K={x.shape[-1]} but the running Hessian is {h_prev.shape}"
+            )
         h = h + h_prev
         count += int(count_prev)
     return h, count
 
 
-def quantize(w, h, n_rows, fmt: str, group_size: int = 128, zero_point: bool = False,
-             damp: float = 0.01, block_size: int = 128, act_order: bool = False):
+def quantize(
+    w,
+    h,
+    n_rows,
+    fmt: str,
+    group_size: int = 128,
+    zero_point: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+):
     """GPTQ of one layer's weight w[K, N] (y = x @ w) against h = sum x^T x over n_rows calibration
     rows (`hessian`'s two results). fmt "w8" or "w4" (group_size G in reference.GROUP_SIZES
     dividing K, zero_point for the asymmetric 4-bit grid). damp: the dampening, relative to
@@ -138,11 +149,12 @@ def _validate(w, h, n_rows, fmt, group_size, damp, block_size):
         if group_size not in qref.GROUP_SIZES:
             raise ValueError(f"group_size={group_size}: choose one of {qref.GROUP_SIZES}")
         if k % group_size:
-            raise ValueError(f"K={k} is not a multiple of group_size={group_size}: pick a group size "
-                             "that divides the input dimension")
+            raise ValueError(
+                f"K={k} is not a multiple of group_size={group_size}: pick a group size "
+                "that divides the input dimension"
+            )
     if not (isinstance(n_rows, (int, np.integer)) and n_rows > 0):
-        raise ValueError(f"n_rows (calibration rows behind the Hessian) must be a positive integer; "
-                         f"got {n_rows!r}")
+        raise ValueError(f"n_rows (calibration rows behind the Hessian) must be a positive integer; got {n_rows!r}")
     if not (isinstance(block_size, (int, np.integer)) and block_size > 0):
         raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
     if not (np.isfinite(damp) and damp >= 0):
@@ -188,8 +200,17 @@ def _round_row(w_row, fmt, s, z):
     return q, (q if z is None else q - z) * s
 
 
-def quantize_detailed(w, h, n_rows, fmt: str, group_size: int = 128, zero_point: bool = False,
-                      damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> GPTQResult:
+def quantize_detailed(
+    w,
+    h,
+    n_rows,
+    fmt: str,
+    group_size: int = 128,
+    zero_point: bool = False,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> GPTQResult:
     """`quantize`, also returning the quantized weights it tracked, the proxy loss and the row
     order (`GPTQResult`)."""
     w = np.asarray(w)
@@ -246,9 +267,9 @@ def quantize_detailed(w, h, n_rows, fmt: str, group_size: int = 128, zero_point:
                 elif k % group_size == 0:
                     # the group's current rows: those in this block are up to date in w_blk; rows
                     # past the block still miss this block's updates from rows i1..k-1: add them.
-                    rows = w_blk[i:i + group_size]
+                    rows = w_blk[i : i + group_size]
                     if k + group_size > i2:
-                        rest = weights[i2:k + group_size] - u[i1:k, i2:k + group_size].T @ err_blk[:i]
+                        rest = weights[i2 : k + group_size] - u[i1:k, i2 : k + group_size].T @ err_blk[:i]
                         rows = np.concatenate([rows, rest])
                     s_row, z_row = _group_params(rows, group_size, zero_point)
                     s_out[k // group_size] = s_row
@@ -258,7 +279,7 @@ def quantize_detailed(w, h, n_rows, fmt: str, group_size: int = 128, zero_point:
             codes[k], deq[k] = q_row, d_row
             err = (w_blk[i] - d_row.astype(np.float64)) / u_blk[i, i]
             loss += float(err @ err)
-            w_blk[i + 1:] -= np.outer(u_blk[i, i + 1:], err)
+            w_blk[i + 1 :] -= np.outer(u_blk[i, i + 1 :], err)
             err_blk[i] = err
         weights[i2:] -= u[i1:i2, i2:].T @ err_blk  # the lazy batch update of all later rows
 

@@ -32,9 +32,13 @@ def maybe_initialize_distributed(dist_cfg) -> bool:
     jax.distributed.initialize(**kwargs)
     if jax.process_index() == 0:
         from jax._src import distributed  # the coordinator JAX settled on (no public accessor)
+
         address = getattr(distributed.global_state, "coordinator_address", None) or "?"
-        print(f"jaxsys: jax.distributed initialised from {source}: {jax.process_count()} processes, "
-              f"{jax.device_count()} devices, coordinator {address}", flush=True)
+        print(
+            f"jaxsys: jax.distributed initialised from {source}: {jax.process_count()} processes, "
+            f"{jax.device_count()} devices, coordinator {address}",
+            flush=True,
+        )
     return True
 
 
@@ -58,7 +62,8 @@ def distributed_plan(dist_cfg, env) -> tuple[str, dict] | None:
             raise ConfigError(
                 f"coordinator address {address!r} is set but the process count ({num}) or id ({pid}) "
                 "is not: set config.distributed.num_processes and .process_id (or JAX_NUM_PROCESSES "
-                "and JAX_PROCESS_ID), or unset the address to let srun / Cloud TPU provide all three")
+                "and JAX_PROCESS_ID), or unset the address to let srun / Cloud TPU provide all three"
+            )
         kwargs = dict(coordinator_address=address, num_processes=num, process_id=pid)
         if all(env.get(k) for k in _SLURM_VARS):  # JAX would still pick this task's GPU from SLURM
             kwargs["local_device_ids"] = _slurm_local_devices(env)
@@ -97,23 +102,28 @@ def _slurm_tasks(env) -> int:
             f"SLURM_NTASKS={n} but SLURM_STEP_NODELIST is not set: this process was not started by "
             "srun (a batch script or salloc shell runs once, not once per task). Start one process per "
             "task with `srun python -m jaxsys.train ...` (scripts/launch/slurm.sbatch), or run a "
-            "single process with SLURM_NTASKS=1")
+            "single process with SLURM_NTASKS=1"
+        )
     missing = [k for k in _SLURM_VARS if not env.get(k)]
     if missing:
         raise ConfigError(
             f"SLURM job step with {n} tasks but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
             f"not set: JAX's SLURM detection needs {', '.join(_SLURM_VARS)} (srun sets them in every "
             "task). Start the processes with srun, or set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
-            "JAX_PROCESS_ID instead")
+            "JAX_PROCESS_ID instead"
+        )
     if step and ntasks != step:
         raise ConfigError(
             f"SLURM_NTASKS={ntasks} but SLURM_STEP_NUM_TASKS={step}: JAX counts processes from "
             f"SLURM_NTASKS, so it would wait for the wrong number; export SLURM_NTASKS={step} before "
-            "srun starts the step, or do not override it")
+            "srun starts the step, or do not override it"
+        )
     pid = _env_int(env, "SLURM_PROCID", -1)
     if not 0 <= pid < n:
-        raise ConfigError(f"SLURM_PROCID={pid} is not in 0..{n - 1} (SLURM_NTASKS={n}): start the "
-                          "processes with srun, which numbers them")
+        raise ConfigError(
+            f"SLURM_PROCID={pid} is not in 0..{n - 1} (SLURM_NTASKS={n}): start the "
+            "processes with srun, which numbers them"
+        )
     if not env.get("JAX_COORDINATOR_PORT"):
         _env_int(env, "SLURM_JOB_ID", 0)  # JAX derives the coordinator port from it
     return n
@@ -129,8 +139,9 @@ def _slurm_local_devices(env) -> list[int] | None:
     nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
     if nodes and nodes == (env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")):
         return []  # as many tasks as nodes: one task per node
-    visible = next((env[k] for k in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-                    if env.get(k)), "")
+    visible = next(
+        (env[k] for k in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES") if env.get(k)), ""
+    )
     return [] if visible and len(visible.split(",")) == 1 else None
 
 
@@ -148,9 +159,12 @@ def _tpu_cluster():
             if cluster.is_env_present():
                 return cluster if cluster.get_process_count() > 1 else None
     except Exception as e:  # metadata server unreachable: libtpu still joins the hosts, as before
-        print(f"jaxsys: warning: Cloud TPU detection failed ({e}); not initialising jax.distributed "
-              "(set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID to force it)",
-              file=sys.stderr, flush=True)
+        print(
+            f"jaxsys: warning: Cloud TPU detection failed ({e}); not initialising jax.distributed "
+            "(set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID to force it)",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 
@@ -162,6 +176,7 @@ def cpu_unless_accelerator() -> None:
     if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
         return
     from jax._src import hardware_utils
+
     tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
     if tpu_chips == 0 and not hardware_utils.has_visible_nvidia_gpu():
         jax.config.update("jax_platforms", "cpu")
@@ -210,20 +225,22 @@ def device_grid(devices, shape, dcn) -> np.ndarray:
         raise ConfigError(
             f"the TPU devices span {slices} slice(s) but config.dcn.* multiplies to {n_dcn}: set the "
             f"DCN factors so that their product is {slices} (e.g. config.dcn.data={slices} with "
-            f"config.mesh.data a multiple of it)")
+            f"config.mesh.data a multiple of it)"
+        )
     hosts = len({d.process_index for d in devices})
     if n_dcn > 1 and platform != "tpu" and hosts > 1:
         if hosts != n_dcn:
-            raise ConfigError(f"config.dcn.* multiplies to {n_dcn} but the devices are on {hosts} hosts "
-                              "(processes): make them equal, or set config.dcn.* to 1")
+            raise ConfigError(
+                f"config.dcn.* multiplies to {n_dcn} but the devices are on {hosts} hosts "
+                "(processes): make them equal, or set config.dcn.* to 1"
+            )
         ici = tuple(s // d for s, d in zip(shape, dcn))
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
     if platform == "tpu":
         try:
             if n_dcn > 1:
                 ici = tuple(s // d for s, d in zip(shape, dcn))
-                return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
-                                                            allow_split_physical_axes=True)
+                return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
             return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
         except (ValueError, NotImplementedError, AssertionError):
             order = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0, d.id))

@@ -24,7 +24,8 @@ def schedule(t) -> optax.Schedule:
     elif t.schedule == "wsd":
         decay = max(int(round(rest * t.decay_fraction)), 1)
         tail = optax.join_schedules(
-            [optax.constant_schedule(t.lr), optax.linear_schedule(t.lr, floor, decay)], [rest - decay])
+            [optax.constant_schedule(t.lr), optax.linear_schedule(t.lr, floor, decay)], [rest - decay]
+        )
     else:
         tail = optax.constant_schedule(t.lr)
     return optax.join_schedules([ramp, tail], [warmup]) if warmup else tail
@@ -38,15 +39,23 @@ def make_optimizer(t, specs, grad_pspecs=None, mesh_sizes=None) -> optax.Gradien
     compiles."""
     if t.optimizer == "zo":  # MeZO: no state; jaxsys/zo.py makes the update from two forwards
         from jaxsys import zo
+
         return zo.optimizer()
     mask = jax.tree.map(lambda s: s.decay, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     if t.optimizer == "galore":  # optax.adamw's chain, GaLore's Adam first
         g = t.galore
         return optax.chain(
-            galore.scale_by_galore_adam(galore.plan(g, specs, grad_pspecs, mesh_sizes), b1=t.b1, b2=t.b2, eps=t.eps,
-                                        scale=float(g.scale), update_every=int(g.update_every)),
+            galore.scale_by_galore_adam(
+                galore.plan(g, specs, grad_pspecs, mesh_sizes),
+                b1=t.b1,
+                b2=t.b2,
+                eps=t.eps,
+                scale=float(g.scale),
+                update_every=int(g.update_every),
+            ),
             optax.add_decayed_weights(t.weight_decay, mask),
-            optax.scale_by_learning_rate(schedule(t)))
+            optax.scale_by_learning_rate(schedule(t)),
+        )
     return optax.adamw(schedule(t), b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=mask)
 
 
@@ -57,11 +66,18 @@ def state_pspecs(t, specs, grad_pspecs, optimizer=None, mesh_sizes=None):
     state is not parameter-shaped, so it gets `galore.state_pspecs` of its plans, the rest of the
     chain (the schedule's count) P()."""
     optimizer = optimizer or make_optimizer(t, specs, grad_pspecs, mesh_sizes)
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, "float32"), specs,
-                            is_leaf=lambda x: isinstance(x, ParamSpec))
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, "float32"), specs, is_leaf=lambda x: isinstance(x, ParamSpec)
+    )
     state = jax.eval_shape(optimizer.init, abstract)
     if t.optimizer == "galore":
         own = galore.state_pspecs(galore.plan(t.galore, specs, grad_pspecs, mesh_sizes))
         return jax.tree.map(lambda node: own if galore.is_state(node) else P(), state, is_leaf=galore.is_state)
-    return optax.tree_map_params(optimizer, lambda _, spec: spec, state, grad_pspecs,
-                                 transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        state,
+        grad_pspecs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )

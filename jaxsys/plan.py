@@ -107,14 +107,22 @@ def enumerate_layouts(base, devices: int, offload: bool = False) -> tuple[list[t
             continue
         mesh_overrides = {f"mesh.{a}": sizes[a] for a in MESH_AXES}
         p = sizes["pipe"]
-        pipeline_options = [{"train.microbatches": m * p, "train.pipeline_schedule": "1f1b"} for m in (1, 2, 4)] \
-            if p > 1 else [{"train.microbatches": base.train.microbatches}]
-        for zero in ((0, 1, 2) if sizes["data"] > 1 else (0,)):
+        pipeline_options = (
+            [{"train.microbatches": m * p, "train.pipeline_schedule": "1f1b"} for m in (1, 2, 4)]
+            if p > 1
+            else [{"train.microbatches": base.train.microbatches}]
+        )
+        for zero in (0, 1, 2) if sizes["data"] > 1 else (0,):
             for remat in REMATS:
                 for pipe_opts in pipeline_options:
-                    for host in ((False, True) if offload else (False,)):
-                        overrides = {**mesh_overrides, "train.zero_stage": zero, "model.remat": remat, **pipe_opts,
-                                     "offload.optimizer": host}
+                    for host in (False, True) if offload else (False,):
+                        overrides = {
+                            **mesh_overrides,
+                            "train.zero_stage": zero,
+                            "model.remat": remat,
+                            **pipe_opts,
+                            "offload.optimizer": host,
+                        }
                         config = _apply(base, overrides)
                         try:
                             validate(config, num_devices=devices)
@@ -127,12 +135,14 @@ def enumerate_layouts(base, devices: int, offload: bool = False) -> tuple[list[t
 
 def predict(valid, hw) -> list[Candidate]:
     from jaxsys.analysis import cost_model
+
     return [Candidate(o, c, cost_model.predicted_memory(c), cost_model.predicted_step(c, hw)) for o, c in valid]
 
 
 def compile_memory(candidate: Candidate, devices, target=None) -> dict:
     """The compiler's peak bytes per device for the candidate's train step."""
     from jaxsys.analysis import report
+
     start = time.perf_counter()
     if target is not None:
         memory = report.target_analysis(candidate.config, target, devices)["memory"]
@@ -140,14 +150,24 @@ def compile_memory(candidate: Candidate, devices, target=None) -> dict:
         return {"peak_bytes": peak, "compile_s": time.perf_counter() - start, "compiler": "target"}
     from jaxsys import program as program_lib
     from jaxsys.mesh import make_mesh
+
     program = program_lib.build(candidate.config, make_mesh(candidate.config, devices))
     compiled = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile()
     peak = report.memory_report(program, compiled)["peak_bytes_per_device"]
     return {"peak_bytes": peak, "compile_s": time.perf_counter() - start, "compiler": "xla:cpu"}
 
 
-def plan(base, devices: int, hw, top: int = 3, budget: float | None = None, offload: bool = False,
-         compile_devices=None, target=None, log=print) -> dict:
+def plan(
+    base,
+    devices: int,
+    hw,
+    top: int = 3,
+    budget: float | None = None,
+    offload: bool = False,
+    compile_devices=None,
+    target=None,
+    log=print,
+) -> dict:
     """The whole plan as a dict: "ranked" candidates (fitting by the formula, best first, the top k
     compiled), "pruned" families with reasons, "too_big" (the smallest that did not fit), "winner"."""
     budget = hw.hbm_bytes if budget is None else budget
@@ -155,8 +175,10 @@ def plan(base, devices: int, hw, top: int = 3, budget: float | None = None, offl
     valid, pruned = enumerate_layouts(base, devices, offload)
     if not valid:
         reasons = "; ".join(f"{f}: {e['reason']}" for f, e in list(pruned.items())[:4])
-        raise ConfigError(f"no layout of {devices} devices divides this model ({reasons}): try a device count "
-                          "that the batch, heads and layers divide")
+        raise ConfigError(
+            f"no layout of {devices} devices divides this model ({reasons}): try a device count "
+            "that the batch, heads and layers divide"
+        )
     candidates = predict(valid, hw)
     fits = [c for c in candidates if c.memory["total"] <= budget]
     too_big = [c for c in candidates if c.memory["total"] > budget]
@@ -164,16 +186,21 @@ def plan(base, devices: int, hw, top: int = 3, budget: float | None = None, offl
         family = "memory: " + _family({a: c.overrides[f"mesh.{a}"] for a in MESH_AXES})
         entry = pruned.setdefault(family, {"count": 0, "reason": ""})
         entry["count"] += 1
-        entry["reason"] = (f"needs {c.memory['total'] / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB by the formula "
-                           f"(e.g. {c.name})")
+        entry["reason"] = (
+            f"needs {c.memory['total'] / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB by the formula (e.g. {c.name})"
+        )
     if not fits:
         smallest = min(candidates, key=lambda c: c.memory["total"])
-        raise ConfigError(f"no layout of {devices} devices fits {budget / 2**30:.1f} GiB per device: the smallest "
-                          f"need is {smallest.memory['total'] / 2**30:.1f} GiB ({smallest.name}); raise --hbm, add "
-                          "devices, or shrink the batch or sequence")
+        raise ConfigError(
+            f"no layout of {devices} devices fits {budget / 2**30:.1f} GiB per device: the smallest "
+            f"need is {smallest.memory['total'] / 2**30:.1f} GiB ({smallest.name}); raise --hbm, add "
+            "devices, or shrink the batch or sequence"
+        )
     fits.sort(key=lambda c: c.step["step_s"])
-    log(f"plan: {len(candidates)} layouts valid, {len(fits)} fit by the formula "
-        f"({time.perf_counter() - start:.1f}s); compiling the top {min(top, len(fits))}")
+    log(
+        f"plan: {len(candidates)} layouts valid, {len(fits)} fit by the formula "
+        f"({time.perf_counter() - start:.1f}s); compiling the top {min(top, len(fits))}"
+    )
     winner = None
     for c in fits[:top]:
         try:
@@ -181,27 +208,45 @@ def plan(base, devices: int, hw, top: int = 3, budget: float | None = None, offl
             c.compiled["fits"] = c.compiled["peak_bytes"] <= budget
         except Exception as e:  # noqa: BLE001 - one layout failing to compile must not stop the plan
             c.compiled = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "fits": False}
-        log(f"  compiled {c.name}: " + (f"{c.compiled['peak_bytes'] / 2**30:.2f} GiB in {c.compiled['compile_s']:.0f}s"
-                                         if "peak_bytes" in c.compiled else c.compiled["error"]))
+        log(
+            f"  compiled {c.name}: "
+            + (
+                f"{c.compiled['peak_bytes'] / 2**30:.2f} GiB in {c.compiled['compile_s']:.0f}s"
+                if "peak_bytes" in c.compiled
+                else c.compiled["error"]
+            )
+        )
         if winner is None and c.compiled["fits"]:
             winner = c
     if winner is None and top == 0:
         winner = fits[0]
-    return {"ranked": fits, "pruned": pruned, "too_big": too_big, "winner": winner, "budget": budget,
-            "devices": devices, "hardware": hw.name}
+    return {
+        "ranked": fits,
+        "pruned": pruned,
+        "too_big": too_big,
+        "winner": winner,
+        "budget": budget,
+        "devices": devices,
+        "hardware": hw.name,
+    }
 
 
 def table(result: dict, rows: int = 10) -> str:
     gib = lambda b: f"{b / 2**30:.2f}"
-    lines = [f"layouts for {result['devices']} x {result['hardware']}, budget {gib(result['budget'])} GiB per device",
-             "", "| # | layout | step ms (pred.) | MFU (pred.) | memory GiB (formula) | memory GiB (compiled) | fits |",
-             "|---:|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"layouts for {result['devices']} x {result['hardware']}, budget {gib(result['budget'])} GiB per device",
+        "",
+        "| # | layout | step ms (pred.) | MFU (pred.) | memory GiB (formula) | memory GiB (compiled) | fits |",
+        "|---:|---|---:|---:|---:|---:|---|",
+    ]
     for i, c in enumerate(result["ranked"][:rows], 1):
         comp = c.compiled or {}
         compiled = gib(comp["peak_bytes"]) if "peak_bytes" in comp else (comp.get("error", "-")[:40] if comp else "-")
         fits = "-" if not comp else ("yes" if comp.get("fits") else "**no**")
-        lines.append(f"| {i} | {c.name} | {c.step['step_s'] * 1e3:.1f} | {c.step['mfu']:.1%} | "
-                     f"{gib(c.memory['total'])} | {compiled} | {fits} |")
+        lines.append(
+            f"| {i} | {c.name} | {c.step['step_s'] * 1e3:.1f} | {c.step['mfu']:.1%} | "
+            f"{gib(c.memory['total'])} | {compiled} | {fits} |"
+        )
     lines += ["", "pruned:"]
     for family, entry in result["pruned"].items():
         lines.append(f"  {family}: {entry['count']} ({entry['reason']})")
@@ -215,10 +260,12 @@ def main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
     parser.add_argument("--devices", type=int, default=0, help="devices to plan for (or --target)")
     parser.add_argument("--hardware", default="h100", help="a cost_model profile: h100, h200, tpu_v5p, cpu")
-    parser.add_argument("--target", default="", help="a TPU slice or GPU nodes (e.g. v5p-256): its chips, its "
-                                                     "compiler for the top k")
-    parser.add_argument("--hbm", type=float, default=0.0, help="memory budget per device in GiB (default: the "
-                                                               "hardware's HBM)")
+    parser.add_argument(
+        "--target", default="", help="a TPU slice or GPU nodes (e.g. v5p-256): its chips, its compiler for the top k"
+    )
+    parser.add_argument(
+        "--hbm", type=float, default=0.0, help="memory budget per device in GiB (default: the hardware's HBM)"
+    )
     parser.add_argument("--top", type=int, default=3, help="compile the k best (0: none)")
     parser.add_argument("--offload", action="store_true", help="also try the optimizer state in host memory")
     parser.add_argument("--out", default="", help="write the winner as config overrides, one a line")
@@ -226,6 +273,7 @@ def main(argv=None) -> int:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     from jaxsys.analysis import cost_model, targets
+
     try:
         target = None
         if args.target:
@@ -248,23 +296,36 @@ def main(argv=None) -> int:
         return 2
 
     if args.top and target is None:  # fake CPU devices must be asked for before JAX starts
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={devices}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        ).strip()
         os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
+
     compile_devices = None
     if args.top and target is None:
         jax.config.update("jax_platforms", "cpu")
         if len(jax.devices()) < devices:
-            print(f"error: JAX already started with {len(jax.devices())} devices; plan in a fresh process",
-                  file=sys.stderr)
+            print(
+                f"error: JAX already started with {len(jax.devices())} devices; plan in a fresh process",
+                file=sys.stderr,
+            )
             return 2
         compile_devices = jax.devices()[:devices]
     elif target is not None:
         compile_devices = targets.devices(target)
     try:
-        result = plan(base, devices, hw, args.top, args.hbm * 2**30 if args.hbm else None, args.offload,
-                      compile_devices, target, log=lambda s: print(s, file=sys.stderr, flush=True))
+        result = plan(
+            base,
+            devices,
+            hw,
+            args.top,
+            args.hbm * 2**30 if args.hbm else None,
+            args.offload,
+            compile_devices,
+            target,
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -274,11 +335,21 @@ def main(argv=None) -> int:
             f.write("\n".join(result["winner"].override_lines()) + "\n")
         print(f"wrote {args.out}")
     if args.json:
-        rows = [dict(layout=c.name, overrides=c.overrides, memory=c.memory, step=c.step, compiled=c.compiled)
-                for c in result["ranked"]]
+        rows = [
+            dict(layout=c.name, overrides=c.overrides, memory=c.memory, step=c.step, compiled=c.compiled)
+            for c in result["ranked"]
+        ]
         with open(args.json, "w") as f:
-            json.dump({"ranked": rows, "pruned": result["pruned"], "budget": result["budget"],
-                       "winner": result["winner"].name if result["winner"] else None}, f, indent=1)
+            json.dump(
+                {
+                    "ranked": rows,
+                    "pruned": result["pruned"],
+                    "budget": result["budget"],
+                    "winner": result["winner"].name if result["winner"] else None,
+                },
+                f,
+                indent=1,
+            )
     return 0 if result["winner"] is not None else 1
 
 

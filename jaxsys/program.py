@@ -74,8 +74,7 @@ class Placement:
     def shardings(self, pspecs, kinds=None):
         if kinds is None:
             return jax.tree.map(lambda s: NamedSharding(self.mesh, s), pspecs, is_leaf=_is_p)
-        return jax.tree.map(lambda s, k: NamedSharding(self.mesh, s, memory_kind=k), pspecs, kinds,
-                            is_leaf=_is_p)
+        return jax.tree.map(lambda s, k: NamedSharding(self.mesh, s, memory_kind=k), pspecs, kinds, is_leaf=_is_p)
 
     @property
     def state_shardings(self) -> TrainState:
@@ -92,13 +91,15 @@ class Placement:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state without materialising it."""
         shapes = jax.eval_shape(self._init, jax.random.key(0))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            shapes, self.state_shardings)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings
+        )
 
     def _init(self, key) -> TrainState:
         m = self.config.model
         if m.kind == "flax":  # the module's own initialisers (models/flax_model.py)
             from jaxsys.models import flax_model
+
             params = flax_model.init_params(m, key, jnp.dtype(m.param_dtype))
         else:
             params = params_lib.init_params(self.specs, key, jnp.dtype(m.param_dtype))
@@ -137,10 +138,12 @@ class Program(Placement):
         c, norm = self.config, self.tokens_per_step
         if c.model.kind == "flax":  # a Flax module (models/flax_model.py): the same objective
             from jaxsys.models import flax_model
+
             losses, moe_stats = flax_model.token_losses(params, tokens, c.model, self.layout, self.specs)
         else:
-            losses, moe_stats = transformer.token_losses(params, tokens, c.model, self.layout, self.specs,
-                                                         self.unroll_layers, c.parallel.expert_dispatch, hook)
+            losses, moe_stats = transformer.token_losses(
+                params, tokens, c.model, self.layout, self.specs, self.unroll_layers, c.parallel.expert_dispatch, hook
+            )
         ce = jnp.sum(losses) / norm
         return ce + _moe_term(moe_stats, norm), (ce, moe_stats)
 
@@ -173,15 +176,17 @@ class Program(Placement):
         norm = self.tokens_per_step
 
         def stack(w, x):
-            y, moe_stats = transformer.layer_stack(w, x, positions, m, layout, specs, self.unroll_layers,
-                                                   c.parallel.expert_dispatch)
+            y, moe_stats = transformer.layer_stack(
+                w, x, positions, m, layout, specs, self.unroll_layers, c.parallel.expert_dispatch
+            )
             return y, _moe_term(moe_stats, norm), moe_stats
 
         fns = pipeline.StageFns(
             embed=lambda sh, ids: transformer.embed(sh, ids, m, layout, specs),
             stack=stack,
             norm=lambda sh, y: transformer.final_norm(sh, y, m, layout, specs),
-            loss=lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm)
+            loss=lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm,
+        )
         ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program)
         return ce + _moe_term(moe_stats, norm), grads, (ce, moe_stats)
 
@@ -192,6 +197,7 @@ class Program(Placement):
         if self.pipeline_train is not None:
             loss, grads, (ce, moe_stats) = self._pipeline(params, tokens, self.pipeline_train)
         elif mb > 1:  # gradient accumulation over micro-batches (MoE balance per micro-batch)
+
             def accumulate(total, batch):
                 return jax.tree.map(jnp.add, total, value_and_grad(params, batch)), None
 
@@ -221,11 +227,18 @@ class Program(Placement):
             # the clipping scale goes with the gradients: the streamed update applies it per layer
             device = jax.tree.map(lambda _: offload.DEVICE, state.params)
             param_slices, opt_state = offload.split_update(
-                self.optimizer, grads, state.opt_state, param_slices, self.state_kinds.opt_state, device,
-                self.offload.host_update, leafwise=self.config.train.optimizer == "adamw" and not self.offload.params, grad_scale=scale,
-                tpu_tiles=self.mesh.devices.flat[0].platform == "tpu")
-            params = offload.place(jax.tree.map(zero.gather_slices, param_slices, self.plans),
-                                   self.state_kinds.params)
+                self.optimizer,
+                grads,
+                state.opt_state,
+                param_slices,
+                self.state_kinds.opt_state,
+                device,
+                self.offload.host_update,
+                leafwise=self.config.train.optimizer == "adamw" and not self.offload.params,
+                grad_scale=scale,
+                tpu_tiles=self.mesh.devices.flat[0].platform == "tpu",
+            )
+            params = offload.place(jax.tree.map(zero.gather_slices, param_slices, self.plans), self.state_kinds.params)
         else:
             if scale is not None:
                 grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -235,18 +248,15 @@ class Program(Placement):
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _shard_map(self, f, in_specs, out_specs):
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
     # -- jitted global functions
     def train_step_fn(self):
         """(state, tokens[B, T+1]) -> (state, metrics); the state is donated."""
-        step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_pspec),
-                               (self.state_pspecs, P()))
+        step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_pspec), (self.state_pspecs, P()))
         if self.state_kinds is None:
             return jax.jit(step, donate_argnums=0)
-        return jax.jit(step, donate_argnums=0,
-                       out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())))
+        return jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())))
 
     def place_experts_fn(self):
         """(state, perm[Lm, E]) -> the state with every MoE layer's experts, router columns and
@@ -257,12 +267,19 @@ class Program(Placement):
         def place(state, perm):
             move = lambda leaf, spec: expert_placement.permute_leaf(leaf, spec, perm)
             params = jax.tree.map(move, state.params, specs)
-            opt_state = optax.tree_map_params(self.optimizer, move, state.opt_state, specs,
-                                              transform_non_params=lambda x: x, is_leaf=params_lib.is_spec)
+            opt_state = optax.tree_map_params(
+                self.optimizer,
+                move,
+                state.opt_state,
+                specs,
+                transform_non_params=lambda x: x,
+                is_leaf=params_lib.is_spec,
+            )
             return TrainState(state.step, params, opt_state)
 
-        return jax.jit(place, in_shardings=(self.state_shardings, None), out_shardings=self.state_shardings,
-                       donate_argnums=0)
+        return jax.jit(
+            place, in_shardings=(self.state_shardings, None), out_shardings=self.state_shardings, donate_argnums=0
+        )
 
     def eval_loss_fn(self):
         def local(params, tokens):
@@ -274,49 +291,62 @@ class Program(Placement):
         """(params, tokens) -> (objective, reduced gradients before clipping[, step metrics]), for
         tests and analysis. The objective is the mean token cross-entropy plus the MoE losses."""
         if self.config.train.optimizer == "zo":
-            raise ConfigError("config.train.optimizer='zo' computes no gradients (two forwards per step, "
-                              "jaxsys/zo.py): use train_step_fn, or zo.projected_gradient for the estimate")
+            raise ConfigError(
+                "config.train.optimizer='zo' computes no gradients (two forwards per step, "
+                "jaxsys/zo.py): use train_step_fn, or zo.projected_gradient for the estimate"
+            )
         out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
         outputs = self._local_grads if metrics else (lambda p, t: self._local_grads(p, t)[:2])
-        return jax.jit(self._shard_map(outputs, (self.param_pspecs, self.batch_pspec),
-                                       (P(), out_pspecs, P())[:3 if metrics else 2]))
+        return jax.jit(
+            self._shard_map(
+                outputs, (self.param_pspecs, self.batch_pspec), (P(), out_pspecs, P())[: 3 if metrics else 2]
+            )
+        )
 
 
 def build(config, mesh, unroll_layers: bool = False) -> Program:
     platform = mesh.devices.flat[0].platform
     if config.model.attention_impl == "cudnn" and platform != "gpu":
-        raise ConfigError(f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
-                          f"{platform}: use 'pallas' or 'reference'")
-    if (config.mesh.pipe > 1 and config.mesh.seq > 1 and config.model.context_parallel != "allgather"
-            and platform not in ("tpu", "gpu")):
+        raise ConfigError(
+            f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
+            f"{platform}: use 'pallas' or 'reference'"
+        )
+    if (
+        config.mesh.pipe > 1
+        and config.mesh.seq > 1
+        and config.model.context_parallel != "allgather"
+        and platform not in ("tpu", "gpu")
+    ):
         raise ConfigError(
             f"config.model.context_parallel={config.model.context_parallel!r} with config.mesh.pipe="
             f"{config.mesh.pipe} on {platform}: the ring's collective-permutes run inside the per-stage "
             "branches of the pipeline, where XLA:CPU pairs them wrongly (the loss came out wrong); use "
-            "'allgather' with a pipeline here (TPU and GPU compile it: docs/pipeline.md)")
-    if (config.mesh.pipe > 1 and config.parallel.get("collective_matmul", False)
-            and platform not in ("tpu", "gpu")):
+            "'allgather' with a pipeline here (TPU and GPU compile it: docs/pipeline.md)"
+        )
+    if config.mesh.pipe > 1 and config.parallel.get("collective_matmul", False) and platform not in ("tpu", "gpu"):
         raise ConfigError(
             f"config.parallel.collective_matmul=True with config.mesh.pipe={config.mesh.pipe} on {platform}: "
             "its collective-permutes run inside the per-stage branches of the pipeline, where XLA:CPU waits "
             "for every device of the mesh and deadlocks; set collective_matmul=False here (TPU and GPU "
-            "compile it: docs/comm_overlap.md)")
+            "compile it: docs/comm_overlap.md)"
+        )
     if config.parallel.expert_dispatch == "ragged" and platform not in ("gpu", "tpu"):
-        raise ConfigError(f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
-                          f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'")
+        raise ConfigError(
+            f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
+            f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'"
+        )
     layout = Layout.from_config(config)
     t, p = config.train, config.mesh.pipe
     if config.model.kind == "flax":  # names and shapes of a Flax module's nnx.Params, checked here
         from jaxsys.models import flax_model
+
         specs = flax_model.validate_model(config)
     else:
         specs = transformer.param_specs(config.model, chunks=t.virtual_stages if p > 1 else 1)
     is_spec = params_lib.is_spec
     param_pspecs = jax.tree.map(lambda s: layout.param_spec(s.axes), specs, is_leaf=is_spec)
-    plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage),
-                         specs, is_leaf=is_spec)
-    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, config.train.zero_stage), specs,
-                               is_leaf=is_spec)
+    plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage), specs, is_leaf=is_spec)
+    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, config.train.zero_stage), specs, is_leaf=is_spec)
     abstract = params_lib.abstract_params(specs, jnp.dtype(config.model.param_dtype))
     if config.model.quant != "none":  # a quantized checkpoint's codes are not trained: no state
         optimizer, opt_pspecs = optax.identity(), optax.EmptyState()
@@ -331,12 +361,15 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     if plan.optimizer or plan.params:
         # elements per device of one optimizer-state leaf of each parameter (as held for the update)
         state_sizes = jax.tree.map(
-            lambda s, spec: math.prod(NamedSharding(mesh, spec).shard_shape(s.shape)), specs, grad_pspecs,
-            is_leaf=is_spec)
-        opt_kinds = offload.state_kinds(optimizer, abstract, state_sizes,
-                                        plan.fraction if plan.optimizer else 0.0)
-        param_kinds = jax.tree.map(lambda _: offload.HOST if plan.params else offload.DEVICE, param_pspecs,
-                                   is_leaf=_is_p)
+            lambda s, spec: math.prod(NamedSharding(mesh, spec).shard_shape(s.shape)),
+            specs,
+            grad_pspecs,
+            is_leaf=is_spec,
+        )
+        opt_kinds = offload.state_kinds(optimizer, abstract, state_sizes, plan.fraction if plan.optimizer else 0.0)
+        param_kinds = jax.tree.map(
+            lambda _: offload.HOST if plan.params else offload.DEVICE, param_pspecs, is_leaf=_is_p
+        )
         state_kinds = TrainState(offload.DEVICE, param_kinds, opt_kinds)
     batch_pspec = layout.compute_spec(("batch", None))
     pipeline_train = pipeline_eval = None
@@ -345,5 +378,20 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
         vp = bool(config.parallel.vocab_parallel)
         pipeline_train = pipeline.lockstep(schedule, backward=True, vocab_parallel=vp)
         pipeline_eval = pipeline.lockstep(schedule, backward=False, vocab_parallel=vp)
-    return Program(config, mesh, layout, specs, param_pspecs, plans, grad_pspecs, optimizer,
-                   state_pspecs, batch_pspec, unroll_layers, pipeline_train, pipeline_eval, plan, state_kinds)
+    return Program(
+        config,
+        mesh,
+        layout,
+        specs,
+        param_pspecs,
+        plans,
+        grad_pspecs,
+        optimizer,
+        state_pspecs,
+        batch_pspec,
+        unroll_layers,
+        pipeline_train,
+        pipeline_eval,
+        plan,
+        state_kinds,
+    )

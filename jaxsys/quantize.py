@@ -59,6 +59,7 @@ def quantize_matrix(w2, fmt: str, group_size: int = 128, zero_point: bool = Fals
     bits = "w4" if fmt == "w4a16" else "w8"
     if hessian is not None:
         from jaxsys import gptq
+
         h, rows = hessian
         q, s, z = gptq.quantize(w2, h, rows, bits, group_size=group_size, zero_point=zero_point)
     elif bits == "w8":
@@ -96,8 +97,7 @@ def _stack(per_layer: list[dict]) -> dict:
     return {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
 
 
-def quantize_params(params, m, fmt: str, group_size: int = 128, zero_point: bool = False,
-                    hessians=None) -> dict:
+def quantize_params(params, m, fmt: str, group_size: int = 128, zero_point: bool = False, hessians=None) -> dict:
     """The float parameter tree (layers [L, ...], host or device arrays) with every dense weight
     of `quant.CONTRACTED` quantized as `fmt`; `hessians[(name, layer)]` = (H, rows) selects GPTQ
     for that weight (RTN where absent)."""
@@ -106,10 +106,14 @@ def quantize_params(params, m, fmt: str, group_size: int = 128, zero_point: bool
         if name not in layers:
             continue
         stack = np.asarray(layers[name], np.float32)
-        layers[name] = _stack([
-            quantize_layer_leaf(name, stack[i], fmt, group_size, zero_point,
-                                None if hessians is None else hessians.get((name, i)))
-            for i in range(stack.shape[0])])
+        layers[name] = _stack(
+            [
+                quantize_layer_leaf(
+                    name, stack[i], fmt, group_size, zero_point, None if hessians is None else hessians.get((name, i))
+                )
+                for i in range(stack.shape[0])
+            ]
+        )
     return {**params, "layers": layers}
 
 
@@ -127,8 +131,9 @@ def _single_device(config):
     return config
 
 
-def gptq_params(params, config, corpus, fmt: str, group_size: int, zero_point: bool,
-                batches: int = 8, log=None) -> dict:
+def gptq_params(
+    params, config, corpus, fmt: str, group_size: int, zero_point: bool, batches: int = 8, log=None
+) -> dict:
     """GPTQ of every dense weight, layer by layer: the inputs of layer l's matmuls come from running
     the already quantized layers 0..l-1 (dequantized) on `batches` training batches of `corpus`;
     each weight is quantized against the Hessian of its own inputs (jaxsys/gptq.py). `params` are
@@ -139,8 +144,10 @@ def gptq_params(params, config, corpus, fmt: str, group_size: int, zero_point: b
     m, layout = config.model, Layout.from_config(config)
     t = config.train
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    tokens = [data_lib.global_batch(corpus, sharding, config.seed, i, t.batch_size, config.data.seq_len)
-              for i in range(batches)]
+    tokens = [
+        data_lib.global_batch(corpus, sharding, config.seed, i, t.batch_size, config.data.seq_len)
+        for i in range(batches)
+    ]
     positions = jnp.arange(config.data.seq_len)
     compute = jnp.dtype(m.compute_dtype)
     params = jax.tree.map(jnp.asarray, params)
@@ -161,9 +168,11 @@ def gptq_params(params, config, corpus, fmt: str, group_size: int, zero_point: b
 
     for l in range(m.n_layers):
         kind, mlp_kind = pattern[l % len(pattern)]
-        w = {name: jax.tree.map(lambda a: a[index(name)].astype(compute), leaf)
-             for name, leaf in layers.items()
-             if transformer._leaf_kind(name) in ("all", mlp_kind)}
+        w = {
+            name: jax.tree.map(lambda a: a[index(name)].astype(compute), leaf)
+            for name, leaf in layers.items()
+            if transformer._leaf_kind(name) in ("all", mlp_kind)
+        }
         sums = {}
         for x in xs:
             _, seen = run(x, w, kind, mlp_kind)
@@ -175,12 +184,12 @@ def gptq_params(params, config, corpus, fmt: str, group_size: int, zero_point: b
         for name in quant.CONTRACTED:
             if name not in w:
                 continue
-            q = quantize_layer_leaf(name, np.asarray(w[name], np.float32), fmt, group_size, zero_point,
-                                    sums[name])
+            q = quantize_layer_leaf(name, np.asarray(w[name], np.float32), fmt, group_size, zero_point, sums[name])
             quantized[name].append(q)
             hessians[(name, index(name))] = sums[name]
-            deq[name] = quant.dequantize_layer(jax.tree.map(jnp.asarray, q), fmt,
-                                               quant.CONTRACTED[name]).astype(compute)
+            deq[name] = quant.dequantize_layer(jax.tree.map(jnp.asarray, q), fmt, quant.CONTRACTED[name]).astype(
+                compute
+            )
         xs = [run(x, deq, kind, mlp_kind)[0] for x in xs]  # the next layer sees this one quantized
         for key in counts:
             counts[key] += key == "all" or key == mlp_kind
@@ -205,9 +214,17 @@ def quantized_config(config, fmt: str, group_size: int, zero_point: bool):
     return out
 
 
-def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", group_size: int = 128,
-                     zero_point: bool = False, calibration_batches: int = 8, step: int | None = None,
-                     log=print) -> dict:
+def quantize_workdir(
+    workdir: str,
+    out: str,
+    fmt: str,
+    method: str = "rtn",
+    group_size: int = 128,
+    zero_point: bool = False,
+    calibration_batches: int = 8,
+    step: int | None = None,
+    log=print,
+) -> dict:
     """Read `workdir`'s checkpoint (default: latest) onto one device, quantize it, write `out`.
     Returns a summary (step, bytes before and after, seconds)."""
     from jaxsys import program as program_lib
@@ -220,15 +237,19 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
         raise ConfigError(f"--method {method!r}: choose one of {METHODS}")
     checkpoint_lib.require_new_workdir(out)
     if not os.path.isdir(workdir):
-        raise checkpoint_lib.CheckpointError(f"--workdir {workdir} does not exist: pass the workdir of a run "
-                                             "(or one written by `python -m jaxsys.convert --from-hf`)")
+        raise checkpoint_lib.CheckpointError(
+            f"--workdir {workdir} does not exist: pass the workdir of a run "
+            "(or one written by `python -m jaxsys.convert --from-hf`)"
+        )
     reader = checkpoint_lib.Checkpointer(workdir, base_config().checkpoint, read_only=True)
     try:
         step = reader.latest_step() if step is None else step
         source = reader.saved_config(step)
         if source.model.quant != "none":
-            raise ConfigError(f"{workdir} step {step} is already quantized (config.model.quant="
-                              f"{source.model.quant!r}): quantize the float checkpoint it came from")
+            raise ConfigError(
+                f"{workdir} step {step} is already quantized (config.model.quant="
+                f"{source.model.quant!r}): quantize the float checkpoint it came from"
+            )
         target = quantized_config(source, fmt, group_size, zero_point)
         validate(target)  # group sizes against the model and the saved mesh, before any reading
         one = _single_device(source)
@@ -246,8 +267,7 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
     one_q = _single_device(target)
     program_q = program_lib.build(one_q, make_mesh(one_q, jax.devices()[:1]))
     abstract = program_q.abstract_state()
-    qparams = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), qparams,
-                           abstract.params)
+    qparams = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a, s.dtype), s.sharding), qparams, abstract.params)
     state = program_lib.TrainState(jax.device_put(np.int32(step), abstract.step.sharding), qparams, optax.EmptyState())
     os.makedirs(out, exist_ok=True)
     writer = checkpoint_lib.Checkpointer(out, target.checkpoint)
@@ -258,10 +278,18 @@ def quantize_workdir(workdir: str, out: str, fmt: str, method: str = "rtn", grou
             f.write(target.to_json_best_effort(indent=2))
     nbytes = lambda tree: sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
     dense = lambda tree: {k: v for k, v in tree["layers"].items() if k in quant.CONTRACTED}
-    return {"step": int(step), "format": fmt, "method": method, "group_size": group_size,
-            "zero_point": zero_point, "dense_bytes_before": nbytes(dense(params)),
-            "dense_bytes_after": nbytes(dense(qparams)), "total_bytes_before": nbytes(params),
-            "total_bytes_after": nbytes(qparams), "seconds": time.perf_counter() - start}
+    return {
+        "step": int(step),
+        "format": fmt,
+        "method": method,
+        "group_size": group_size,
+        "zero_point": zero_point,
+        "dense_bytes_before": nbytes(dense(params)),
+        "dense_bytes_after": nbytes(dense(qparams)),
+        "total_bytes_before": nbytes(params),
+        "total_bytes_after": nbytes(qparams),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main(argv=None) -> int:
@@ -272,22 +300,37 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="rtn", choices=METHODS)
     parser.add_argument("--group-size", type=int, default=128, help="w4a16: k per scale (32, 64, 128)")
     parser.add_argument("--zero-point", action="store_true", help="w4a16: asymmetric codes with a zero point")
-    parser.add_argument("--calibration-batches", type=int, default=8,
-                        help="gptq: training batches of the config's corpus to calibrate on")
+    parser.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=8,
+        help="gptq: training batches of the config's corpus to calibrate on",
+    )
     parser.add_argument("--step", type=int, help="checkpoint step to read (default: latest)")
     args = parser.parse_args(argv)
     log = lambda msg: print(f"jaxsys.quantize: {msg}", file=sys.stderr, flush=True)
     try:
-        summary = quantize_workdir(args.workdir, args.out, args.format, args.method, args.group_size,
-                                   args.zero_point, args.calibration_batches, args.step, log)
+        summary = quantize_workdir(
+            args.workdir,
+            args.out,
+            args.format,
+            args.method,
+            args.group_size,
+            args.zero_point,
+            args.calibration_batches,
+            args.step,
+            log,
+        )
     except (ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"jaxsys: wrote {args.out} (step {summary['step']}, {args.format} by {args.method}): dense layers "
-          f"{summary['dense_bytes_before'] / 2**20:.2f} -> {summary['dense_bytes_after'] / 2**20:.2f} MiB, "
-          f"all parameters {summary['total_bytes_before'] / 2**20:.2f} -> "
-          f"{summary['total_bytes_after'] / 2**20:.2f} MiB in {summary['seconds']:.1f}s; evaluate with\n"
-          f"  python -m jaxsys.evaluate --workdir {args.out}")
+    print(
+        f"jaxsys: wrote {args.out} (step {summary['step']}, {args.format} by {args.method}): dense layers "
+        f"{summary['dense_bytes_before'] / 2**20:.2f} -> {summary['dense_bytes_after'] / 2**20:.2f} MiB, "
+        f"all parameters {summary['total_bytes_before'] / 2**20:.2f} -> "
+        f"{summary['total_bytes_after'] / 2**20:.2f} MiB in {summary['seconds']:.1f}s; evaluate with\n"
+        f"  python -m jaxsys.evaluate --workdir {args.out}"
+    )
     return 0
 
 

@@ -43,12 +43,19 @@ class Layout:
             return out
 
         from jaxsys.config import offloaded_activations
-        return cls(sizes, keep(config.sharding.params), keep(config.sharding.compute),
-                   bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1,
-                   bool(config.offload.params), offloaded_activations(config),
-                   collective_matmul=bool(config.parallel.get("collective_matmul", False))
-                   and bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1,
-                   fsdp_prefetch=bool(config.parallel.get("fsdp_prefetch", False)))
+
+        return cls(
+            sizes,
+            keep(config.sharding.params),
+            keep(config.sharding.compute),
+            bool(config.parallel.sequence_parallel) and sizes["tensor"] > 1,
+            bool(config.offload.params),
+            offloaded_activations(config),
+            collective_matmul=bool(config.parallel.get("collective_matmul", False))
+            and bool(config.parallel.sequence_parallel)
+            and sizes["tensor"] > 1,
+            fsdp_prefetch=bool(config.parallel.get("fsdp_prefetch", False)),
+        )
 
     # -- mesh axes of logical names
     def param_axes(self, logical: str | None) -> tuple[str, ...]:

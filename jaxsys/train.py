@@ -27,13 +27,13 @@ from jaxsys import data as data_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
-from jaxsys.config import ConfigError, load_config, validate, parse_with_overrides
+from jaxsys.config import ConfigError, load_config, parse_with_overrides, validate
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
 from jaxsys.parallel import expert_placement
+
 # the program lives in jaxsys/program.py; these names stay importable from here
 from jaxsys.program import Placement, Program, TrainState, build  # noqa: F401
-
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -47,6 +47,7 @@ class MetricsWriter:
         self.tb = None
         if enabled:
             from tensorboardX import SummaryWriter
+
             self.tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def write(self, record: dict) -> None:
@@ -78,14 +79,21 @@ def _check_finite(value: float, step: int, config, what: str = "loss") -> None:
         raise FloatingPointError(
             f"{what} is {value} at step {step}: training stopped. Lower config.train.lr "
             f"(now {config.train.lr}), keep config.train.grad_clip > 0, or use float32 "
-            "(config.model.compute_dtype) to find the cause.")
+            "(config.model.compute_dtype) to find the cause."
+        )
 
 
 def evaluate(program: Program, eval_fn, params, corpus) -> float:
     c = program.config
-    losses = [eval_fn(params, data_lib.global_batch(corpus, program.batch_sharding, c.seed, i,
-                                                     c.train.batch_size, c.data.seq_len, "eval"))
-              for i in range(c.train.eval_batches)]
+    losses = [
+        eval_fn(
+            params,
+            data_lib.global_batch(
+                corpus, program.batch_sharding, c.seed, i, c.train.batch_size, c.data.seq_len, "eval"
+            ),
+        )
+        for i in range(c.train.eval_batches)
+    ]
     return float(np.mean([_scalar(l) for l in losses]))
 
 
@@ -99,11 +107,14 @@ def main(config, workdir: str) -> list[dict]:
         raise ConfigError(
             f"config.model.quant={config.model.quant!r} describes a quantized checkpoint, which is for "
             "inference: evaluate it with `python -m jaxsys.evaluate --workdir W`; to train with int8 "
-            "matmuls use config.model.quant_train='int8' with quant='none'")
+            "matmuls use config.model.quant_train='int8' with quant='none'"
+        )
     corpus = data_lib.load_corpus(config.data)
     if corpus.vocab_needed > config.model.vocab_size:
-        raise ConfigError(f"the corpus has token ids up to {corpus.vocab_needed - 1} but "
-                          f"config.model.vocab_size={config.model.vocab_size}: raise the vocab size")
+        raise ConfigError(
+            f"the corpus has token ids up to {corpus.vocab_needed - 1} but "
+            f"config.model.vocab_size={config.model.vocab_size}: raise the vocab size"
+        )
     mesh = make_mesh(config)
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     try:
@@ -119,11 +130,14 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
     exists = os.path.exists(os.path.join(workdir, "metrics.jsonl")) and resume_step is None
     if jax.process_count() > 1:  # process 0 decides for all, so that none is left waiting
         from jax.experimental import multihost_utils
+
         exists = bool(multihost_utils.broadcast_one_to_all(np.int32(exists)))
     if exists:
-        raise FileExistsError(f"{workdir} already holds a run (metrics.jsonl) with no checkpoint to "
-                              "resume from: pass a new --workdir or remove the old one; nothing was "
-                              "overwritten")
+        raise FileExistsError(
+            f"{workdir} already holds a run (metrics.jsonl) with no checkpoint to "
+            "resume from: pass a new --workdir or remove the old one; nothing was "
+            "overwritten"
+        )
     os.makedirs(workdir, exist_ok=True)
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -140,25 +154,31 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
     elif config.checkpoint.init_from:  # a new run from another run's parameters (fine-tuning)
-        params, from_step = checkpoint_lib.restore_params(config.checkpoint.init_from,
-                                                          program.abstract_state().params)
+        params, from_step = checkpoint_lib.restore_params(config.checkpoint.init_from, program.abstract_state().params)
         state = program.fresh_state(params)
         if lead:
-            print(f"jaxsys: parameters from step {from_step} of {config.checkpoint.init_from} "
-                  "(config.checkpoint.init_from); starting at step 0 with a fresh optimizer state", flush=True)
+            print(
+                f"jaxsys: parameters from step {from_step} of {config.checkpoint.init_from} "
+                "(config.checkpoint.init_from); starting at step 0 with a fresh optimizer state",
+                flush=True,
+            )
     else:
         state = program.init()
     start_step = int(resume_step or 0)
     batch = lambda step, split="train": data_lib.global_batch(
-        corpus, program.batch_sharding, config.seed, step, t.batch_size, config.data.seq_len, split)
+        corpus, program.batch_sharding, config.seed, step, t.batch_size, config.data.seq_len, split
+    )
     start = time.perf_counter()
     step_fn = program.train_step_fn().lower(state, batch(0)).compile()
     eval_fn = program.eval_loss_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
         axes = " ".join(f"{a}={s}" for a, s in program.layout.mesh_sizes.items() if s > 1) or "1 device"
-        print(f"jaxsys: {n_params / 1e6:.2f}M params, mesh {axes}, {corpus.description}, "
-              f"compiled in {time.perf_counter() - start:.1f}s", flush=True)
+        print(
+            f"jaxsys: {n_params / 1e6:.2f}M params, mesh {axes}, {corpus.description}, "
+            f"compiled in {time.perf_counter() - start:.1f}s",
+            flush=True,
+        )
         print(report.startup_summary(program, step_fn), flush=True)
 
     writer = MetricsWriter(workdir, lead)
@@ -167,6 +187,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
     rebalance_every, placement_notes = config.parallel.expert_rebalance_every, {}
     place_experts = program.place_experts_fn() if rebalance_every else None
     from tqdm import tqdm
+
     bar = tqdm(total=t.steps, initial=start_step, disable=not (lead and t.progress), dynamic_ncols=True)
     records, pending, shown = [], None, {}
     window_start, window_steps = time.perf_counter(), 0
@@ -189,15 +210,23 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
         if step % t.log_every == 0 or step == 1 or step == t.steps or eval_loss is not None:
             elapsed = time.perf_counter() - window_start
             tokens_per_s = window_steps * tokens_per_step / elapsed
-            record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s,
-                      "mfu": flops_per_step * window_steps / elapsed / peak if peak else 0.0,
-                      "grad_norm": _scalar(metrics["grad_norm"]), "lr": _scalar(metrics["lr"])}
+            record = {
+                "step": step,
+                "loss": loss,
+                "tokens_per_s": tokens_per_s,
+                "mfu": flops_per_step * window_steps / elapsed / peak if peak else 0.0,
+                "grad_norm": _scalar(metrics["grad_norm"]),
+                "lr": _scalar(metrics["lr"]),
+            }
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
             if routing is not None:
-                record.update(moe_aux_loss=_scalar(metrics["moe_aux_loss"]),
-                              moe_z_loss=_scalar(metrics["moe_z_loss"]),
-                              **routing.record(load, _array(metrics["moe_dropped"])), **placement_notes)
+                record.update(
+                    moe_aux_loss=_scalar(metrics["moe_aux_loss"]),
+                    moe_z_loss=_scalar(metrics["moe_z_loss"]),
+                    **routing.record(load, _array(metrics["moe_dropped"])),
+                    **placement_notes,
+                )
                 placement_notes.clear()
             records.append(record)
             writer.write(record)
@@ -257,8 +286,7 @@ def cli(argv=None) -> int:
     try:
         config = load_config(args.config, overrides)
         main(config, args.workdir)
-    except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError,
-            FloatingPointError) as e:
+    except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

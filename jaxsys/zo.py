@@ -83,10 +83,12 @@ def _bits(key, shape, offsets, block):
     """uint32 bits of elements offsets + [0, block) of an array of `shape`, as
     `jax.random.bits(key, shape, jnp.uint32)` (partitionable threefry) gives them."""
     size = math.prod(shape)
-    if size >= 2 ** 32:
-        raise ValueError(f"zeroth-order perturbation of an array of {size} elements (shape {shape}): "
-                         "the counter is one 32-bit word; split the leaf (one layer of a stack) below 2^32")
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    if size >= 2**32:
+        raise ValueError(
+            f"zeroth-order perturbation of an array of {size} elements (shape {shape}): "
+            "the counter is one 32-bit word; split the leaf (one layer of a stack) below 2^32"
+        )
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     flat = jnp.zeros(block, jnp.uint32)
     for d, (offset, stride) in enumerate(zip(offsets, strides)):
         coord = lax.broadcasted_iota(jnp.uint32, block, d) + jnp.asarray(offset).astype(jnp.uint32)
@@ -115,13 +117,13 @@ def normal_block(key, shape, offsets=None, block=None):
 
 def perturbation_tree(specs, key):
     """z of every parameter as whole (global) arrays, on one device: for tests and analysis."""
+
     def one(name, spec):
         if not _is_layered(name):
             return normal_block(leaf_key(key, name), spec.shape)
         return jnp.stack([normal_block(leaf_key(key, name, l), spec.shape[1:]) for l in range(spec.shape[0])])
 
-    return jax.tree.map(lambda n, s: one(n.lstrip("/"), s), _with_names("", specs), specs,
-                        is_leaf=is_spec)
+    return jax.tree.map(lambda n, s: one(n.lstrip("/"), s), _with_names("", specs), specs, is_leaf=is_spec)
 
 
 # ----------------------------------------------------------------------------- leaves and their shards
@@ -135,8 +137,9 @@ def _entries(pspec: P, ndim: int) -> list[tuple[str, ...]]:
 def _offsets(pspec: P, block_shape) -> list:
     """Global offset per dimension of this device's block of a leaf held as `pspec` (inside
     shard_map): the block's index along the dimension's mesh axes times its size."""
-    return [axis_index(axes) * size if axes else 0
-            for axes, size in zip(_entries(pspec, len(block_shape)), block_shape)]
+    return [
+        axis_index(axes) * size if axes else 0 for axes, size in zip(_entries(pspec, len(block_shape)), block_shape)
+    ]
 
 
 def _subtree(tree, name: str):
@@ -149,8 +152,7 @@ def _with_names(name: str, tree):
     """Every leaf's full name: `name` itself for a leaf, `name/<key>/...` inside a dict."""
     paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: is_spec(x) or isinstance(x, P))[0]
     names = [name + "".join(f"/{getattr(k, 'key', k)}" for k in path) for path, _ in paths]
-    return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=lambda x: is_spec(x) or isinstance(x, P)),
-                              names)
+    return jax.tree.unflatten(jax.tree.structure(tree, is_leaf=lambda x: is_spec(x) or isinstance(x, P)), names)
 
 
 def _is_layered(name: str) -> bool:
@@ -171,8 +173,14 @@ def perturbation(program, key, scale):
             z = normal_block(leaf_key(key, full, index), shape, offsets, leaf.shape)
             return (leaf.astype(jnp.float32) + scale * z).astype(leaf.dtype)
 
-        return jax.tree.map(one, w, _with_names(name, _subtree(specs, name)), _subtree(specs, name),
-                            _subtree(pspecs, name), is_leaf=lambda x: is_spec(x) or isinstance(x, P))
+        return jax.tree.map(
+            one,
+            w,
+            _with_names(name, _subtree(specs, name)),
+            _subtree(specs, name),
+            _subtree(pspecs, name),
+            is_leaf=lambda x: is_spec(x) or isinstance(x, P),
+        )
 
     return hook
 
@@ -209,14 +217,17 @@ def update(program, params, key, g, lr):
     the device holds one layer's block (and its z) at a time."""
     wd = float(program.config.train.weight_decay)
     is_leaf = lambda x: is_spec(x) or isinstance(x, P)
-    names = [n.lstrip("/") for n in jax.tree.leaves(_with_names("", program.specs),
-                                                    is_leaf=lambda x: isinstance(x, str))]
+    names = [
+        n.lstrip("/") for n in jax.tree.leaves(_with_names("", program.specs), is_leaf=lambda x: isinstance(x, str))
+    ]
     specs = jax.tree.leaves(program.specs, is_leaf=is_spec)
     pspecs = jax.tree.leaves(program.param_pspecs, is_leaf=is_leaf)
     flat, treedef = jax.tree.flatten(params)
     stream = program.layout.params_on_host
-    new = [_update_leaf(w, key, n, s, _offsets(ps, w.shape), g, lr, wd if s.decay else 0.0, stream)
-           for w, n, s, ps in zip(flat, names, specs, pspecs)]
+    new = [
+        _update_leaf(w, key, n, s, _offsets(ps, w.shape), g, lr, wd if s.decay else 0.0, stream)
+        for w, n, s, ps in zip(flat, names, specs, pspecs)
+    ]
     return jax.tree.unflatten(treedef, new)
 
 
@@ -258,8 +269,7 @@ def local_step(program, state, tokens):
     for k in ("loss", "moe_aux_loss", "moe_z_loss"):
         if k in m_plus:
             metrics[k] = (m_plus[k] + m_minus[k]) / 2
-    metrics.update(grad_norm=jnp.abs(g), projected_grad=g, loss_plus=m_plus["loss"], loss_minus=m_minus["loss"],
-                   lr=lr)
+    metrics.update(grad_norm=jnp.abs(g), projected_grad=g, loss_plus=m_plus["loss"], loss_minus=m_minus["loss"], lr=lr)
     return state._replace(step=state.step + 1, params=params), metrics
 
 
@@ -268,7 +278,6 @@ def optimizer() -> optax.GradientTransformation:
     keep their structure); the update is `local_step`'s, never a gradient transformation."""
 
     def refuse(updates, state, params=None):
-        raise TypeError("config.train.optimizer='zo' takes no gradients: jaxsys.zo.local_step updates "
-                        "the parameters")
+        raise TypeError("config.train.optimizer='zo' takes no gradients: jaxsys.zo.local_step updates the parameters")
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), refuse)

@@ -25,13 +25,13 @@ BACKENDS = ("generic", "tpu")
 class Plan:
     """Which variant runs where: (platforms, variant, config) per branch of lax.platform_dependent;
     platforms None is the default branch."""
+
     branches: tuple
 
 
 def check_backend(backend) -> None:
     if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be None (chosen by platform) or one of {BACKENDS}; "
-                         f"got backend={backend!r}")
+        raise ValueError(f"backend must be None (chosen by platform) or one of {BACKENDS}; got backend={backend!r}")
 
 
 def plan(backend, interpret, generic_cfg, tpu_cfg) -> Plan:
@@ -58,8 +58,9 @@ def plan(backend, interpret, generic_cfg, tpu_cfg) -> Plan:
 def dispatch(plan: Plan, variants: dict, which: int, *args):
     """Run entry `which` of `variants[name]` (e.g. 0 forward, 1 backward; called as fn(*args,
     cfg=cfg)) of the plan's variant for the platform the program is lowered for."""
-    fns = [(platforms, functools.partial(variants[variant][which], cfg=cfg))
-           for platforms, variant, cfg in plan.branches]
+    fns = [
+        (platforms, functools.partial(variants[variant][which], cfg=cfg)) for platforms, variant, cfg in plan.branches
+    ]
     if len(fns) == 1:
         return fns[0][1](*args)
     per_platform = {p: fn for platforms, fn in fns if platforms for p in platforms}

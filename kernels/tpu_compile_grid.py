@@ -20,6 +20,7 @@ PASSES = (("fwd", False), ("fwd+bwd", True))
 def tpu_mesh(target: str):
     """A one-axis ("data") mesh over the compile-only devices of a TPU target such as v5p:2x2x1."""
     from jaxsys.analysis import targets
+
     devices = targets.devices(targets.parse(target))
     return jax.sharding.Mesh(np.array(devices).reshape(-1), ("data",))
 
@@ -38,8 +39,9 @@ def add_grid_arguments(parser, head_dims_help: str = "") -> None:
 def run_grid(args, check_case, title: str) -> int:
     """Compile every case with `check_case(mesh, t, h, dtype, backward)` (raises when the compiler
     refuses it or its HLO lacks the kernels), print the table under `title`, return the exit code."""
-    from jaxsys.analysis import targets
     import jax.numpy as jnp
+
+    from jaxsys.analysis import targets
 
     cells, failures = {}, []
     start = time.time()
@@ -62,8 +64,10 @@ def run_grid(args, check_case, title: str) -> int:
                         print(f"{' '.join(map(str, case))}: {cells[case]}", file=sys.stderr, flush=True)
 
     libtpu = importlib.metadata.version("libtpu")
-    print(f"{title}, {datetime.date.today()}, jax {jax.__version__}, libtpu {libtpu}; compile seconds "
-          "(lower + compile) per case\n")
+    print(
+        f"{title}, {datetime.date.today()}, jax {jax.__version__}, libtpu {libtpu}; compile seconds "
+        "(lower + compile) per case\n"
+    )
     print("| target | dtype | pass | T | " + " | ".join(f"H={h}" for h in args.head_dims) + " |")
     print("| --- | --- | --- | ---: | " + " | ".join("---:" for _ in args.head_dims) + " |")
     for target in args.targets:

@@ -19,17 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
-ASYNC_FLAGS = ("--xla_tpu_enable_async_collective_fusion=true "
-               "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-               "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
-               "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+ASYNC_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
+)
 KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce"}
-MODELS = {"tiny": {}, "mid": dict(d_model=256, n_heads=8, n_kv_heads=8, d_ff=1024, n_layers=4),
-          "big": dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, d_ff=4096, n_layers=4)}
+MODELS = {
+    "tiny": {},
+    "mid": dict(d_model=256, n_heads=8, n_kv_heads=8, d_ff=1024, n_layers=4),
+    "big": dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, d_ff=4096, n_layers=4),
+}
 
 
 def fsdp_collectives(text: str, mesh_sizes: dict) -> list[dict]:
@@ -37,6 +41,7 @@ def fsdp_collectives(text: str, mesh_sizes: dict) -> list[dict]:
     gathered result of an all-gather, the operand of a reduction), async, and the matmul FLOPs
     scheduled between its start and done (per execution)."""
     from jaxsys.analysis import hlo
+
     m = hlo.parse(text)
     starts, inside = {}, set()  # computation called by an async start -> (its computation, the start)
     for comp in m.executions:
@@ -47,19 +52,25 @@ def fsdp_collectives(text: str, mesh_sizes: dict) -> list[dict]:
             elif inst.name.startswith("async-collective-done") or comp in inside:
                 inside.update(inst.called())
             elif inst.name.startswith("async-collective-start") is False and any(
-                    c.startswith("async_collective_fusion") for c in inst.called()):
+                c.startswith("async_collective_fusion") for c in inst.called()
+            ):
                 inside.update(inst.called())  # a continuation step of an async collective fusion
     inside.update(c for c in m.computations if c.startswith("async_collective_fusion"))
     # the train step's loop bodies in schedule order: the layer scan's forward, then its backward
-    loops = [inst.attr("body").lstrip("%") for comp, times in m.executions.items() if times == 1
-             for inst in m.computations[comp] if inst.opcode == "while"] + [None]
+    loops = [
+        inst.attr("body").lstrip("%")
+        for comp, times in m.executions.items()
+        if times == 1
+        for inst in m.computations[comp]
+        if inst.opcode == "while"
+    ] + [None]
     out = []
     for comp, times in m.executions.items():
         if comp in inside:  # a later step of a collective counted at its start
             continue
         insts = m.computations[comp]
         for k, inst in enumerate(insts):
-            base = inst.opcode[:-len("-start")] if inst.opcode.endswith("-start") else inst.opcode
+            base = inst.opcode[: -len("-start")] if inst.opcode.endswith("-start") else inst.opcode
             if base not in KINDS or inst.opcode.endswith("-done"):
                 continue
             axes, _ = hlo._group(inst, mesh_sizes)
@@ -74,24 +85,42 @@ def fsdp_collectives(text: str, mesh_sizes: dict) -> list[dict]:
                 else:
                     done_name = hlo.Module._done_of(host_insts, position, start)
                 done = next((i for i, x in enumerate(host_insts) if x.name == done_name), None)
-                between, times = host_insts[position + 1:done] if done else [], m.executions[host]
+                between, times = host_insts[position + 1 : done] if done else [], m.executions[host]
                 where = host
             elif inst.opcode.endswith("-start"):
                 done = hlo.Module._done_of(insts, k, inst)
                 done_name = done
                 end = next(i for i, x in enumerate(insts) if x.name == done) if done else k
-                between, where = insts[k + 1:end], comp
+                between, where = insts[k + 1 : end], comp
             else:
                 between, where, done_name = None, comp, None
             shape = inst.shape if base == "all-gather" else m.by_name[comp][inst.operands[0]].shape
             nbytes = sum(a.bytes for a in hlo.arrays(shape))
             flops = sum(m._flops_of(where, b) for b in between) if between else 0.0
             prefetched = between is not None and times > 1 and _feeds_only_the_carry(m, where, done_name)
-            scope = ("step" if times == 1 else "forward loop" if where == loops[0]
-                     else "backward loop" if len(loops) > 1 and where == loops[1] else "other loop")
-            out.append(dict(kind=KINDS[base], name=inst.name, computation=comp, scope=scope, executions=times,
-                            bytes=nbytes * times, group=_, is_async=between is not None, overlapped_flops=flops,
-                            next_layer=prefetched))
+            scope = (
+                "step"
+                if times == 1
+                else "forward loop"
+                if where == loops[0]
+                else "backward loop"
+                if len(loops) > 1 and where == loops[1]
+                else "other loop"
+            )
+            out.append(
+                dict(
+                    kind=KINDS[base],
+                    name=inst.name,
+                    computation=comp,
+                    scope=scope,
+                    executions=times,
+                    bytes=nbytes * times,
+                    group=_,
+                    is_async=between is not None,
+                    overlapped_flops=flops,
+                    next_layer=prefetched,
+                )
+            )
     return out
 
 
@@ -137,8 +166,9 @@ def _feeds_only_the_carry(m, comp: str, done: str | None) -> bool:
 def summarize(rows: list[dict]) -> dict:
     out = {}
     for r in rows:
-        s = out.setdefault(r["kind"], dict(count=0, bytes=0.0, async_bytes=0.0, overlapped_bytes=0.0,
-                                           next_layer_overlapped_bytes=0.0))
+        s = out.setdefault(
+            r["kind"], dict(count=0, bytes=0.0, async_bytes=0.0, overlapped_bytes=0.0, next_layer_overlapped_bytes=0.0)
+        )
         s["next_layer_overlapped_bytes"] += r["bytes"] * (r["next_layer"] and r["overlapped_flops"] > 0)
         s["count"] += r["executions"]
         s["bytes"] += r["bytes"]
@@ -164,6 +194,7 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import numpy as np
+
     from jaxsys import train
     from jaxsys.analysis import report, targets
     from jaxsys.mesh import make_mesh
@@ -189,25 +220,48 @@ def main(argv=None):
             rows = fsdp_collectives(compiled.as_text(), sizes)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
-                with open(os.path.join(args.dump, f"{args.target}-{args.model}-{remat}-prefetch{int(prefetch)}.hlo"), "w") as f:
+                with open(
+                    os.path.join(args.dump, f"{args.target}-{args.model}-{remat}-prefetch{int(prefetch)}.hlo"), "w"
+                ) as f:
                     f.write(compiled.as_text())
             temp = compiled.memory_analysis().temp_size_in_bytes
-            result = dict(target=args.target, model=args.model, batch=c.train.batch_size, seq_len=c.data.seq_len,
-                          remat=remat, prefetch=prefetch,
-                          async_flags=args.async_flags, temp_bytes=temp, rows=rows, scopes={})
-            print(f"{args.target} {args.model} B={c.train.batch_size} T={c.data.seq_len} remat={remat} prefetch={prefetch}: temp {temp / 2**20:.2f} MiB, "
-                  f"compiled in {seconds:.0f} s", flush=True)
+            result = dict(
+                target=args.target,
+                model=args.model,
+                batch=c.train.batch_size,
+                seq_len=c.data.seq_len,
+                remat=remat,
+                prefetch=prefetch,
+                async_flags=args.async_flags,
+                temp_bytes=temp,
+                rows=rows,
+                scopes={},
+            )
+            print(
+                f"{args.target} {args.model} B={c.train.batch_size} T={c.data.seq_len} remat={remat} prefetch={prefetch}: temp {temp / 2**20:.2f} MiB, "
+                f"compiled in {seconds:.0f} s",
+                flush=True,
+            )
             for scope in ("all", "forward loop", "backward loop", "step"):
                 chosen = [r for r in rows if scope == "all" or r["scope"] == scope]
-                comm, hidden = hidden_time([r for r in chosen if r["kind"] == "all_gather"],
-                                           target.chip.ici_link_bytes_per_s, target.chip.peak_flops_bf16)
+                comm, hidden = hidden_time(
+                    [r for r in chosen if r["kind"] == "all_gather"],
+                    target.chip.ici_link_bytes_per_s,
+                    target.chip.peak_flops_bf16,
+                )
                 summary = summarize(chosen)
                 result["scopes"][scope] = dict(summary=summary, all_gather_s=comm, all_gather_hidden_s=hidden)
-                line = "; ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB: async {v['async_bytes'] / v['bytes']:.0%}, "
-                                 f"beside matmuls {v['overlapped_bytes'] / v['bytes']:.0%} "
-                                 f"(next layer's {v['next_layer_overlapped_bytes'] / v['bytes']:.0%})" for k, v in sorted(summary.items()))
-                print(f"    {scope:13s} | {line} | all-gather time hidden {hidden / comm if comm else 0:.0%} of "
-                      f"{comm * 1e6:.1f} us", flush=True)
+                line = "; ".join(
+                    f"{k} x{v['count']} {v['bytes'] / 2**20:.2f} MiB: async {v['async_bytes'] / v['bytes']:.0%}, "
+                    f"beside matmuls {v['overlapped_bytes'] / v['bytes']:.0%} "
+                    f"(next layer's {v['next_layer_overlapped_bytes'] / v['bytes']:.0%})"
+                    for k, v in sorted(summary.items())
+                )
+                print(
+                    f"    {scope:13s} | {line} | all-gather time hidden {hidden / comm if comm else 0:.0%} of "
+                    f"{comm * 1e6:.1f} us",
+                    flush=True,
+                )
             results.append(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -214,9 +214,7 @@ def main() -> int:
         tokens = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ), generator=gen)
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
         with torch.no_grad():
-            logits = model(
-                input_ids=tokens, position_ids=position_ids, use_cache=False
-            ).logits.to(torch.float32)
+            logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits.to(torch.float32)
         assert logits.shape == (BATCH, SEQ, COMMON["vocab_size"])
 
         np.save(out / "tokens.npy", tokens.numpy().astype(np.int32))
@@ -229,8 +227,10 @@ def main() -> int:
         ref = numpy_llama_logits(weights, cfg, np.load(out / "tokens.npy"))
         err = float(np.max(np.abs(ref - np.load(out / "logits.npy"))))
         scale = float(np.max(np.abs(ref)))
-        print(f"[{name}] saved to {out.relative_to(REPO_ROOT)}; "
-              f"numpy-reference max|diff|={err:.3e} (max|logit|={scale:.3e})")
+        print(
+            f"[{name}] saved to {out.relative_to(REPO_ROOT)}; "
+            f"numpy-reference max|diff|={err:.3e} (max|logit|={scale:.3e})"
+        )
         assert err < 1e-4 * max(scale, 1.0), err
         for f in sorted(os.listdir(out)):
             print(f"    {f}: {(out / f).stat().st_size} bytes")

@@ -28,9 +28,16 @@ def main() -> None:
         model.eval()
         prompts = np.load(os.path.join(path, "tokens.npy"))[:, :PROMPT].astype(np.int64)
         with torch.no_grad():
-            out = model.generate(torch.from_numpy(prompts), attention_mask=torch.ones_like(torch.from_numpy(prompts)),
-                                 max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, use_cache=True,
-                                 pad_token_id=0, eos_token_id=None)
+            out = model.generate(
+                torch.from_numpy(prompts),
+                attention_mask=torch.ones_like(torch.from_numpy(prompts)),
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                use_cache=True,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
         new = out[:, PROMPT:].numpy().astype(np.int32)
         np.save(os.path.join(path, "greedy_prompts.npy"), prompts.astype(np.int32))
         np.save(os.path.join(path, "greedy_tokens.npy"), new)

@@ -38,8 +38,7 @@ def program_for(config):
     return train.build(config, make_mesh(config, jax.devices()[:n]))
 
 
-def pipeline_config(mesh=None, schedule="1f1b", microbatches=4, virtual_stages=1,
-                    vocab_parallel=False, **model):
+def pipeline_config(mesh=None, schedule="1f1b", microbatches=4, virtual_stages=1, vocab_parallel=False, **model):
     """`small_config` with 8 layers and a pipeline schedule."""
     c = small_config(mesh, **{"n_layers": 8, **model})
     c.train.microbatches, c.train.pipeline_schedule = microbatches, schedule
@@ -57,8 +56,9 @@ def loss_and_grads(config):
     """Loss and reduced gradients (numpy, layers as [L, ...]) at the initial parameters on batch 0."""
     program = program_for(config)
     corpus = data.load_corpus(config.data)
-    batch = data.global_batch(corpus, program.batch_sharding, config.seed, 0,
-                              config.train.batch_size, config.data.seq_len)
+    batch = data.global_batch(
+        corpus, program.batch_sharding, config.seed, 0, config.train.batch_size, config.data.seq_len
+    )
     loss, grads = program.loss_and_grads_fn()(program.init().params, batch)
     grads = jax.tree.map(np.asarray, grads)
     return float(loss), unchunked(grads) if config.train.virtual_stages > 1 else grads
@@ -68,8 +68,9 @@ def run(config, steps: int = 3):
     """Step-0 loss and gradients (as numpy), and the losses of `steps` optimizer steps."""
     program = program_for(config)
     corpus = data.load_corpus(config.data)
-    batch = lambda s: data.global_batch(corpus, program.batch_sharding, config.seed, s,
-                                        config.train.batch_size, config.data.seq_len)
+    batch = lambda s: data.global_batch(
+        corpus, program.batch_sharding, config.seed, s, config.train.batch_size, config.data.seq_len
+    )
     state = program.init()
     loss0, grads = program.loss_and_grads_fn()(state.params, batch(0))
     grads = jax.tree.map(np.asarray, grads)
@@ -86,6 +87,7 @@ def assert_trees_close_leafwise(got, want, rtol: float, atol):
     leaf `w`: entries built by cancellation carry the rounding of their leaf's large terms, so the bound scales with
     the leaf (tests/test_parity.py). chex takes one atol for the whole tree; its comparator still checks that the
     structures match and names the path of the leaf that differs."""
+
     def failure(g, w) -> str:
         w = np.asarray(w)
         try:
@@ -102,6 +104,7 @@ _DIST_ENV = ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "JAX_NUM_PROCESSE
 
 def free_port() -> int:
     import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

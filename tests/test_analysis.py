@@ -85,8 +85,9 @@ def test_flops_measured_beside_analytic():
 def _analyze_cli(*args, devices=None):
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "jaxsys.analyze", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxsys.analyze", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ from tests.helpers import program_for, run, small_config
 
 def _config(mesh, impl):
     # one linear-attention layer and one softmax layer; blocks/chunks smaller than T=32
-    return small_config(mesh, layer_pattern="linear,softmax", n_kv_heads=4, attention_impl=impl,
-                        attention_block=16, linear_chunk=16)
+    return small_config(
+        mesh, layer_pattern="linear,softmax", n_kv_heads=4, attention_impl=impl, attention_block=16, linear_chunk=16
+    )
 
 
 @pytest.mark.slow

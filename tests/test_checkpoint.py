@@ -1,7 +1,6 @@
 """Checkpoints: exact resume, restore onto another mesh, clear errors for mismatched checkpoints."""
 
 import json
-import shutil
 
 import chex
 import jax
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxsys import data, train
-from jaxsys.checkpoint import CheckpointError, Checkpointer
+from jaxsys.checkpoint import Checkpointer, CheckpointError
 from tests.helpers import program_for, small_config
 
 
@@ -33,10 +32,12 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch):
     train.main(_config(mesh, 6, 3), str(tmp_path / "full"))
 
     real_batch = train.data_lib.global_batch
+
     def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
         if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
             raise Interrupted  # the run dies before its 5th step; step 3 was checkpointed
         return real_batch(corpus, sharding, seed, step, *args, **kw)
+
     monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
     with pytest.raises(Interrupted):
         train.main(_config(mesh, 6, 3), str(tmp_path / "resumed"))
@@ -53,8 +54,13 @@ def test_restore_onto_other_meshes(tmp_path):
     saved_on = dict(data=2, fsdp=2, tensor=2)
     train.main(_config(saved_on, 2, 2), str(tmp_path))
     states, programs = {}, {}
-    for name, mesh in {"saved": saved_on, "fsdp8": dict(fsdp=8), "tensor4_data2": dict(tensor=4, data=2),
-                       "pipe2_tensor2_data2": dict(pipe=2, tensor=2, data=2), "one_device": {}}.items():
+    for name, mesh in {
+        "saved": saved_on,
+        "fsdp8": dict(fsdp=8),
+        "tensor4_data2": dict(tensor=4, data=2),
+        "pipe2_tensor2_data2": dict(pipe=2, tensor=2, data=2),
+        "one_device": {},
+    }.items():
         program = program_for(_config(mesh, 2, 2))
         state = Checkpointer(str(tmp_path), _config(mesh, 2, 2).checkpoint).restore(program.abstract_state())
         assert jax.tree.leaves(state.params)[0].sharding.mesh.shape == program.mesh.shape
@@ -71,8 +77,9 @@ def test_restore_onto_other_meshes(tmp_path):
 
 def _next_step_loss(program, state) -> float:
     c = program.config
-    batch = data.global_batch(data.load_corpus(c.data), program.batch_sharding, c.seed, int(state.step),
-                              c.train.batch_size, c.data.seq_len)
+    batch = data.global_batch(
+        data.load_corpus(c.data), program.batch_sharding, c.seed, int(state.step), c.train.batch_size, c.data.seq_len
+    )
     _, metrics = program.train_step_fn()(state, batch)
     return float(metrics["loss"])
 
@@ -81,7 +88,10 @@ def test_checkpoint_of_another_model_names_the_tensor(tmp_path):
     train.main(_config(dict(data=8), 1, 1), str(tmp_path))
     other = _config(dict(data=8), 2, 1)
     other.model.d_ff = 256
-    with pytest.raises(CheckpointError, match=r"tensor params/layers/w_down has shape \(2, 128, 64\) but the config expects \(2, 256, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor params/layers/w_down has shape \(2, 128, 64\) but the config expects \(2, 256, 64\)",
+    ):
         train.main(other, str(tmp_path))
 
 
@@ -100,6 +110,7 @@ def test_truncated_checkpoint_is_reported_and_kept(tmp_path):
 
 def test_inspect_lists_steps_shapes_and_saved_shardings(tmp_path, capsys):
     from jaxsys import checkpoint
+
     train.main(_config(dict(data=2, fsdp=2, tensor=2), 2, 1), str(tmp_path))
     info = checkpoint.inspect(str(tmp_path))
     assert info["steps"] == [1, 2] and info["latest"] == 2
@@ -114,6 +125,7 @@ def test_inspect_lists_steps_shapes_and_saved_shardings(tmp_path, capsys):
 
 def test_saves_are_due_by_steps_by_minutes_and_at_the_end(tmp_path, monkeypatch):
     from jaxsys import checkpoint
+
     now = [1000.0]
     monkeypatch.setattr(checkpoint.time, "monotonic", lambda: now[0])
     cfg = small_config().checkpoint

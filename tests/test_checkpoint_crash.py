@@ -9,7 +9,6 @@ kill lands at a known point of the save). The resumed run's losses must equal an
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,16 +22,30 @@ from tests.helpers import ROOT, subprocess_env
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 300
-ARGS = ["--config", "configs/tiny.py:test", "--config.mesh.data=2", "--config.mesh.fsdp=2",
-        "--config.mesh.tensor=2", "--config.model.n_kv_heads=2", "--config.train.steps=6",
-        "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=0",
-        "--config.checkpoint.async_save=True"]
+ARGS = [
+    "--config",
+    "configs/tiny.py:test",
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
+    "--config.model.n_kv_heads=2",
+    "--config.train.steps=6",
+    "--config.checkpoint.every_steps=1",
+    "--config.checkpoint.keep=0",
+    "--config.checkpoint.async_save=True",
+]
 
 
 def _train(workdir: Path, *, module="jaxsys.train", env_extra=None, wait=True):
     env = subprocess_env(8, **(env_extra or {}))
-    proc = subprocess.Popen([sys.executable, "-m", module, *ARGS, "--workdir", str(workdir)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *ARGS, "--workdir", str(workdir)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if wait:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
         assert proc.returncode == 0, out
@@ -55,8 +68,12 @@ def test_sigkill_during_async_save_resumes_from_last_complete_step(tmp_path):
 
     crashed = tmp_path / "crashed"
     marker = tmp_path / "stalled_in_save"
-    proc = _train(crashed, module="tests.crash_during_save", wait=False,
-                  env_extra={"JAXSYS_TEST_STALL_STEP": "3", "JAXSYS_TEST_STALL_MARKER": str(marker)})
+    proc = _train(
+        crashed,
+        module="tests.crash_during_save",
+        wait=False,
+        env_extra={"JAXSYS_TEST_STALL_STEP": "3", "JAXSYS_TEST_STALL_MARKER": str(marker)},
+    )
     deadline = time.monotonic() + TIMEOUT_S
     while not marker.exists():
         assert proc.poll() is None, f"exited before the stalled save:\n{proc.stdout.read()}"
@@ -71,8 +88,9 @@ def test_sigkill_during_async_save_resumes_from_last_complete_step(tmp_path):
     partial = Path(marker.read_text())
     assert partial.exists() and any(partial.rglob("*")) and partial.name != "3"
     assert _complete_steps(crashed) == [1, 2]
-    saved_before = {p: p.stat().st_size for step in (1, 2)
-                    for p in (crashed / "checkpoints" / str(step)).rglob("*") if p.is_file()}
+    saved_before = {
+        p: p.stat().st_size for step in (1, 2) for p in (crashed / "checkpoints" / str(step)).rglob("*") if p.is_file()
+    }
 
     out = _train(crashed)  # the same command again
     assert "resumed from step 2" in out, out

@@ -16,17 +16,15 @@ the leaf's largest entry bounds it with a wide margin, the bound tests/test_pari
 one device; the loss (a mean of ~256 per-token terms) agrees to 1e-6 relative.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxsys.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
+from tests.helpers import assert_trees_close_leafwise
 
 
 def _mesh(t):
@@ -66,16 +64,21 @@ def test_all_gather_matmul_matches_all_gather_then_dot(t):
             return y[0][None], y[1][None], dx, dw1[None], dw2[None]
 
         out_dx = P() if not decomposed else P(None, "tensor")
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tensor"), P("tensor"), P("tensor"), P("tensor"),
-                                                       P("tensor")),
-                           out_specs=(P("tensor"), P("tensor"), out_dx, P("tensor"), P("tensor")), check_vma=False)
+        fn = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P(None, "tensor"), P("tensor"), P("tensor"), P("tensor"), P("tensor")),
+            out_specs=(P("tensor"), P("tensor"), out_dx, P("tensor"), P("tensor")),
+            check_vma=False,
+        )
         return jax.jit(fn)(x, w1, w2, dy1, dy2)
 
     y1, y2, dx, dw1, dw2 = run(True)
     r1, r2, _, rw1, rw2 = run(False)
     # reference computed directly: y = x @ w[r] on every rank, dx = sum_r dy[r] @ w[r]^T, dw[r] = x^T dy[r]
-    want_dx = sum(jnp.einsum("btf,df->btd", dy1[r], w1[r]) + jnp.einsum("btnh,dnh->btd", dy2[r], w2[r])
-                  for r in range(t))
+    want_dx = sum(
+        jnp.einsum("btf,df->btd", dy1[r], w1[r]) + jnp.einsum("btnh,dnh->btd", dy2[r], w2[r]) for r in range(t)
+    )
     np.testing.assert_allclose(y1, r1, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(y2, r2, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
@@ -97,12 +100,18 @@ def test_matmul_reduce_scatter_matches_dot_then_psum_scatter(t):
                 if decomposed:
                     return matmul_reduce_scatter(_down, o, w, ("tensor",), 1)
                 return lax.psum_scatter(_down(o, w), "tensor", scatter_dimension=1, tiled=True)
+
             y, vjp = jax.vjp(f, o[0], w[0])
             do, dw = vjp(dy)
             return y, do[None], dw[None]
 
-        fn = jax.shard_map(local, mesh=_mesh(t), in_specs=(P("tensor"), P("tensor"), P(None, "tensor")),
-                           out_specs=(P(None, "tensor"), P("tensor"), P("tensor")), check_vma=False)
+        fn = jax.shard_map(
+            local,
+            mesh=_mesh(t),
+            in_specs=(P("tensor"), P("tensor"), P(None, "tensor")),
+            out_specs=(P(None, "tensor"), P("tensor"), P("tensor")),
+            check_vma=False,
+        )
         return jax.jit(fn)(o, w, dy)
 
     y, do, dw = run(True)
@@ -111,10 +120,12 @@ def test_matmul_reduce_scatter_matches_dot_then_psum_scatter(t):
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(y, ry, rtol=1e-5, atol=1e-5)
     # do[r] = dy @ w[r]^T over the full T; dw[r] = o[r]^T dy
-    np.testing.assert_allclose(do, jnp.stack([jnp.einsum("btd,fd->btf", dy, w[r]) for r in range(t)]),
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(dw, jnp.stack([jnp.einsum("btf,btd->fd", o[r], dy) for r in range(t)]),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        do, jnp.stack([jnp.einsum("btd,fd->btf", dy, w[r]) for r in range(t)]), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        dw, jnp.stack([jnp.einsum("btf,btd->fd", o[r], dy) for r in range(t)]), rtol=1e-5, atol=1e-4
+    )
     np.testing.assert_allclose(do, rdo, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-4)
 
@@ -140,6 +151,7 @@ LAYOUTS = {
 
 def _config(mesh, model, collective: bool):
     from tests.helpers import config_file
+
     c = config_file("tiny")
     c.train.batch_size = 8
     for key, value in model.items():
@@ -151,11 +163,13 @@ def _config(mesh, model, collective: bool):
     return c
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("_tied") else n
-                                  for n in LAYOUTS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("_tied") else n for n in LAYOUTS]
+)
 def test_collective_matmul_keeps_losses_and_gradients(name):
     mesh, model = LAYOUTS[name]
     from tests.helpers import run
+
     loss0, grads, losses, state = run(_config(mesh, model, True), steps=2)
     ref_loss0, ref_grads, ref_losses, ref_state = run(_config(mesh, model, False), steps=2)
     np.testing.assert_allclose(loss0, ref_loss0, rtol=1e-6)
@@ -166,6 +180,7 @@ def test_collective_matmul_keeps_losses_and_gradients(name):
 @pytest.mark.parametrize("mesh, sp", [(dict(data=2, tensor=1), True), (dict(data=2, tensor=2), False)])
 def test_collective_matmul_needs_tensor_and_sequence_parallelism(mesh, sp):
     from jaxsys.config import ConfigError, validate
+
     c = _config(mesh, {}, True)
     c.parallel.sequence_parallel = sp
     with pytest.raises(ConfigError, match="collective_matmul=True needs tensor parallelism with sequence parallelism"):
@@ -179,17 +194,21 @@ def test_tpu_schedule_overlaps_the_decomposed_permutes_with_dots():
     and most of their bytes have dots scheduled between start and done (77% seen: the first
     chunk ppermutes of a forward all-gather-matmul are issued back to back; docs/comm_overlap.md)."""
     from jaxsys.analysis import hlo, targets
+
     if not targets.has_libtpu():
         pytest.skip("libtpu is not installed: no TPU compiler")
     from tests.test_tpu_compile import compile_on_tpu
+
     devices = targets.devices(targets.parse("v5p:2x2x2"))
     counts = {}
     for collective in (False, True):
         c = _config(dict(data=2, tensor=4), dict(n_kv_heads=4), collective)
         cols = hlo.parse(compile_on_tpu(c, devices).as_text()).collectives({a: c.mesh[a] for a in c.mesh})
         tp = [k for k in cols if k.axes == ("tensor",)]
-        counts[collective] = {kind: sum(k.executions for k in tp if k.kind == kind)
-                              for kind in ("all_gather", "reduce_scatter", "collective_permute")}
+        counts[collective] = {
+            kind: sum(k.executions for k in tp if k.kind == kind)
+            for kind in ("all_gather", "reduce_scatter", "collective_permute")
+        }
         if collective:
             permutes = [k for k in tp if k.kind == "collective_permute"]
             assert permutes and all(k.is_async for k in permutes)
@@ -209,6 +228,7 @@ def test_under_a_pipeline_refused_on_cpu_compiles_for_tpu():
     from jaxsys.analysis import targets
     from jaxsys.config import ConfigError
     from tests.helpers import pipeline_config, program_for
+
     c = pipeline_config(dict(pipe=2, data=2, tensor=2), "1f1b", 2, vocab_parallel=True)
     c.parallel.sequence_parallel, c.parallel.collective_matmul = True, True
     with pytest.raises(ConfigError, match="collective_matmul=True with config.mesh.pipe=2"):
@@ -216,5 +236,6 @@ def test_under_a_pipeline_refused_on_cpu_compiles_for_tpu():
     if not targets.has_libtpu():
         pytest.skip("libtpu is not installed: no TPU compiler")
     from tests.test_tpu_compile import compile_on_tpu
+
     text = compile_on_tpu(c, targets.devices(targets.parse("v5p:2x2x2"))).as_text()
     assert "collective-permute-start" in text

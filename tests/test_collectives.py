@@ -12,8 +12,7 @@ def _step_collectives(mesh, zero_stage=0, sp=False, **model):
     c = small_config(mesh, **model)
     c.train.zero_stage, c.parallel.sequence_parallel = zero_stage, sp
     program = program_for(c)
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), "int32",
-                                 sharding=program.batch_sharding)
+    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), "int32", sharding=program.batch_sharding)
     text = program.train_step_fn().lower(program.abstract_state(), batch).as_text()
     return collectives.parse(text)
 

@@ -15,8 +15,10 @@ from tests.helpers import ROOT, small_config
 @pytest.fixture
 def no_compile(monkeypatch):
     """Fail the test if main() gets as far as building the step."""
+
     def refuse(*_):
         raise AssertionError("the error should have been raised before building the program")
+
     monkeypatch.setattr(train, "build", refuse)
 
 
@@ -52,15 +54,24 @@ def test_override_type_is_checked():
 
 def test_overrides_apply():
     c = small_config()
-    apply_overrides(c, ["--config.train.steps=7", "--config.model.tie_embeddings=true",
-                        "--config.train.lr=1", "--config.data.source=text"])
+    apply_overrides(
+        c,
+        [
+            "--config.train.steps=7",
+            "--config.model.tie_embeddings=true",
+            "--config.train.lr=1",
+            "--config.data.source=text",
+        ],
+    )
     assert (c.train.steps, c.model.tie_embeddings, c.train.lr, c.data.source) == (7, True, 1.0, "text")
 
 
 def test_unknown_key_in_config_file(tmp_path):
     path = tmp_path / "bad.py"
-    path.write_text("from jaxsys.config import base_config\n"
-                    "def get_config(arg=None):\n    c = base_config()\n    c.model.n_layer = 3\n    return c\n")
+    path.write_text(
+        "from jaxsys.config import base_config\n"
+        "def get_config(arg=None):\n    c = base_config()\n    c.model.n_layer = 3\n    return c\n"
+    )
     with pytest.raises(ConfigError, match=r"'config.model.n_layer'.*model.n_layers"):
         load_config(str(path))
 
@@ -94,9 +105,22 @@ def test_wrong_mesh_fails_in_main_before_compiling(tmp_path, no_compile):
 def test_cli_reports_config_errors_without_traceback(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     result = subprocess.run(
-        [sys.executable, "-m", "jaxsys.train", "--config", "configs/tiny.py:test", "--workdir",
-         str(tmp_path), "--config.mesh.tensr=2"], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "jaxsys.train",
+            "--config",
+            "configs/tiny.py:test",
+            "--workdir",
+            str(tmp_path),
+            "--config.mesh.tensr=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "config.mesh.tensr" in result.stderr and "mesh.tensor" in result.stderr
     assert "Traceback" not in result.stderr

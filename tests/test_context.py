@@ -43,20 +43,30 @@ LAYOUTS = {"seq8": dict(seq=8), "seq2_tensor2_data2": dict(seq=2, tensor=2, data
 @pytest.mark.parametrize("balance", [False, True], ids=["contiguous", "zigzag"])
 @pytest.mark.parametrize("variant", context.VARIANTS)
 def test_softmax_context_parallel_matches_single_device(variant, balance, layout):
-    _assert_matches(small_config(LAYOUTS[layout], context_parallel=variant, context_load_balance=balance),
-                    "softmax")
+    _assert_matches(small_config(LAYOUTS[layout], context_parallel=variant, context_load_balance=balance), "softmax")
 
 
-@pytest.mark.parametrize("layout,pattern,balance", [
-    ("seq8", "linear", False),
-    ("seq8", "linear", True),
-    ("seq2_tensor2_data2", "linear", False),
-    # LASP-2H: the hybrid's softmax layers by all-gather CP, its linear layers by LASP-2
-    ("seq2_tensor2_data2", "linear,softmax", True),
-])
+@pytest.mark.parametrize(
+    "layout,pattern,balance",
+    [
+        ("seq8", "linear", False),
+        ("seq8", "linear", True),
+        ("seq2_tensor2_data2", "linear", False),
+        # LASP-2H: the hybrid's softmax layers by all-gather CP, its linear layers by LASP-2
+        ("seq2_tensor2_data2", "linear,softmax", True),
+    ],
+)
 def test_lasp2_matches_single_device(layout, pattern, balance):
-    _assert_matches(small_config(LAYOUTS[layout], layer_pattern=pattern, linear_chunk=8,
-                                 context_parallel="allgather", context_load_balance=balance), pattern)
+    _assert_matches(
+        small_config(
+            LAYOUTS[layout],
+            layer_pattern=pattern,
+            linear_chunk=8,
+            context_parallel="allgather",
+            context_load_balance=balance,
+        ),
+        pattern,
+    )
 
 
 def test_zigzag_balances_causal_work():
@@ -82,8 +92,9 @@ def _measured(config):
     program = program_for(config)
     sizes = dict(program.layout.mesh_sizes)
     found = collectives.parse(report.lower_unrolled(program).as_text(), sizes)
-    seq_ops = [c for c in found if c.axes == ("seq",) and c.kind in ("collective_permute", "all_gather",
-                                                                     "reduce_scatter")]
+    seq_ops = [
+        c for c in found if c.axes == ("seq",) and c.kind in ("collective_permute", "all_gather", "reduce_scatter")
+    ]
     by_kind = collections.defaultdict(lambda: [0, 0.0])
     for c in seq_ops:
         n = sizes["seq"]
@@ -100,15 +111,22 @@ def _formula(config):
     return dict(by_kind)
 
 
-@pytest.mark.parametrize("variant,pattern,remat,dtype", [
-    ("ring", "softmax", "none", "float32"), ("ring", "softmax", "full", "float32"),
-    ("ring", "softmax", "none", "bfloat16"), ("allgather", "softmax", "none", "bfloat16"),
-    ("tokenring", "softmax", "none", "bfloat16"), ("allgather", "linear", "none", "float32"),
-    ("allgather", "linear", "full", "float32"),
-])
+@pytest.mark.parametrize(
+    "variant,pattern,remat,dtype",
+    [
+        ("ring", "softmax", "none", "float32"),
+        ("ring", "softmax", "full", "float32"),
+        ("ring", "softmax", "none", "bfloat16"),
+        ("allgather", "softmax", "none", "bfloat16"),
+        ("tokenring", "softmax", "none", "bfloat16"),
+        ("allgather", "linear", "none", "float32"),
+        ("allgather", "linear", "full", "float32"),
+    ],
+)
 def test_communication_equals_the_formula(variant, pattern, remat, dtype):
-    config = small_config(dict(seq=8), context_parallel=variant, layer_pattern=pattern, remat=remat,
-                          linear_chunk=8, compute_dtype=dtype)
+    config = small_config(
+        dict(seq=8), context_parallel=variant, layer_pattern=pattern, remat=remat, linear_chunk=8, compute_dtype=dtype
+    )
     measured, _ = _measured(config)
     formula = _formula(config)
     assert set(measured) == set(formula), (measured, formula)
@@ -144,5 +162,13 @@ def test_bad_context_parallel_settings_are_named():
 def test_ring_with_the_pallas_kernel_matches_single_device():
     """The ring's forward and custom backward through the flash kernel's block entry points
     (interpret mode): seq=2, contiguous, so one causal and one full block per device."""
-    _assert_matches(small_config(dict(seq=2, data=4), context_parallel="ring", context_load_balance=False,
-                                 attention_impl="pallas", attention_block=16), "softmax")
+    _assert_matches(
+        small_config(
+            dict(seq=2, data=4),
+            context_parallel="ring",
+            context_load_balance=False,
+            attention_impl="pallas",
+            attention_block=16,
+        ),
+        "softmax",
+    )

@@ -60,8 +60,18 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         assert written[key].dtype == original[key].dtype, key
         np.testing.assert_array_equal(written[key], original[key], err_msg=key)
     written_config = json.load(open(out / "config.json"))
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "model_type"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "model_type",
+    ):
         assert written_config[key] == hf[key], key
     assert written_config["rope_parameters"] == hf["rope_parameters"]
 
@@ -70,17 +80,37 @@ def test_converted_workdir_trains_on_another_mesh(tmp_path):
     """Convert sharded over fsdp=8, then `jaxsys.train --config W/config.json` resumes from step 0 on
     data=2 x fsdp=2 x tensor=2 (tensor=2 divides the 4 query and 2 key/value heads)."""
     workdir = tmp_path / "run"
-    assert convert.main(["--from-hf", os.path.join(GOLDEN, "untied"), "--workdir", str(workdir),
-                         "--config", os.path.join(ROOT, "configs", "tiny.py:test"), "--config.mesh.fsdp=8"]) == 0
+    assert (
+        convert.main(
+            [
+                "--from-hf",
+                os.path.join(GOLDEN, "untied"),
+                "--workdir",
+                str(workdir),
+                "--config",
+                os.path.join(ROOT, "configs", "tiny.py:test"),
+                "--config.mesh.fsdp=8",
+            ]
+        )
+        == 0
+    )
     converted_config, one_device, state = _restored(workdir)
-    config = load_config(str(workdir / "config.json"), ["--config.mesh.fsdp=2", "--config.mesh.data=2",
-                                                        "--config.mesh.tensor=2", "--config.train.steps=2"])
+    config = load_config(
+        str(workdir / "config.json"),
+        ["--config.mesh.fsdp=2", "--config.mesh.data=2", "--config.mesh.tensor=2", "--config.train.steps=2"],
+    )
     assert config.model.d_ff == 160 and config.data.seq_len == 32  # HF model, tiny:test training
     records = train.main(config, str(workdir))
     assert [r["step"] for r in records] == [1, 2]
     # Step 1's loss is the converted weights' loss on batch 0, computed here on one device.
-    batch = data.global_batch(data.load_corpus(config.data), one_device.batch_sharding, config.seed, 0,
-                              config.train.batch_size, config.data.seq_len)
+    batch = data.global_batch(
+        data.load_corpus(config.data),
+        one_device.batch_sharding,
+        config.seed,
+        0,
+        config.train.batch_size,
+        config.data.seq_len,
+    )
     loss_of = lambda params: float(one_device.eval_loss_fn()(params, batch))
     assert records[0]["loss"] == pytest.approx(loss_of(state.params), rel=1e-5)
     assert abs(loss_of(one_device.init().params) - records[0]["loss"]) > 1e-3  # not a fresh init
@@ -114,8 +144,10 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
     tensors = load_file(str(wrong / "model.safetensors"))
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:100]
     save_file(tensors, str(wrong / "model.safetensors"))
-    with pytest.raises(convert.ConversionError,
-                       match=r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\) but config.json implies \(160, 64\)"):
+    with pytest.raises(
+        convert.ConversionError,
+        match=r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\) but config.json implies \(160, 64\)",
+    ):
         convert.from_hf(str(wrong), str(tmp_path / "w3"))
     moe = load_config(os.path.join(ROOT, "configs", "moe.py"))  # a Llama has no MoE layers
     with pytest.raises(convert.ConversionError, match=r"mlp_pattern='dense,moe'.*no Hugging Face Llama"):

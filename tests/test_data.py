@@ -8,7 +8,8 @@ import types
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsys import data as D
 
@@ -178,9 +179,7 @@ def test_tokens_bin(tmp_path, dtype):
     ids = rng.integers(0, high, size=3000).astype(dtype)
     ids[1234] = high  # known max
     ids.tofile(tmp_path / "t.bin")
-    c = D.load_corpus(
-        cfg(source="tokens", path=str(tmp_path / "t.bin"), token_dtype=dtype, eval_fraction=0.0)
-    )
+    c = D.load_corpus(cfg(source="tokens", path=str(tmp_path / "t.bin"), token_dtype=dtype, eval_fraction=0.0))
     assert c.vocab_needed == high + 1 and not c.has_eval
     np.testing.assert_array_equal(c.train, ids)
 

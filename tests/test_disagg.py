@@ -25,8 +25,9 @@ def _config(**serve):
 
 def _requests(n=6, seed=1):
     rng = np.random.default_rng(seed)
-    return [(i, rng.integers(0, 256, size=int(rng.integers(1, 21))).tolist(), int(rng.integers(1, 8)))
-            for i in range(n)]
+    return [
+        (i, rng.integers(0, 256, size=int(rng.integers(1, 21))).tolist(), int(rng.integers(1, 8))) for i in range(n)
+    ]
 
 
 def _serve(eng, requests, arrive_per_step=2):
@@ -44,8 +45,18 @@ def _length_split_cost(pre, dec, tokens=10):
     the prefill side 4x faster; a link latency worth 3/4 of a `tokens`-token prefill)."""
     cm = disagg.CostModel.for_configs(pre.config, dec.config, interference=0.0)
     fd = 1e9
-    return disagg.CostModel(cm.model, 4, 5, 4 * fd, fd, 0.0, 0.0, 1e30,
-                            link_latency_s=0.75 * cm.prefill_flops(tokens - 0.5) / fd, interference=0.0)
+    return disagg.CostModel(
+        cm.model,
+        4,
+        5,
+        4 * fd,
+        fd,
+        0.0,
+        0.0,
+        1e30,
+        link_latency_s=0.75 * cm.prefill_flops(tokens - 0.5) / fd,
+        interference=0.0,
+    )
 
 
 @pytest.mark.parametrize("placement", ["prefill", "colocated", "mixed"])
@@ -55,16 +66,25 @@ def test_disaggregated_tokens_equal_colocated_and_bytes_equal_formula(placement)
     assert pre.mesh.devices.size == 4 and dec.mesh.devices.size == 4
     assert not set(pre.mesh.devices.flat) & set(dec.mesh.devices.flat)
     params = program_for(small_config(n_kv_heads=4)).init(3).params  # one device: resharded onto each side
-    cost = (_length_split_cost(pre, dec) if placement == "mixed" else
-            disagg.CostModel.for_configs(pre.config, dec.config))
-    eng = disagg.DisaggregatedEngine(pre, dec, params, num_pages=16, page_size=4, token_budget=16, chunk_size=5,
-                                     max_seqs=3, cost=cost)
+    cost = (
+        _length_split_cost(pre, dec) if placement == "mixed" else disagg.CostModel.for_configs(pre.config, dec.config)
+    )
+    eng = disagg.DisaggregatedEngine(
+        pre, dec, params, num_pages=16, page_size=4, token_budget=16, chunk_size=5, max_seqs=3, cost=cost
+    )
     requests = _requests()
     got = _serve(eng, requests)
     # the same requests on one plain engine over all 8 devices (data=2 x tensor=4)
     whole = program_for(small_config({"data": 2, "tensor": 4}, n_kv_heads=4))
-    ref = engine.Engine(whole, jax.device_put(params, whole.param_shardings), num_pages=16, page_size=4,
-                        token_budget=16, chunk_size=5, max_seqs=3)
+    ref = engine.Engine(
+        whole,
+        jax.device_put(params, whole.param_shardings),
+        num_pages=16,
+        page_size=4,
+        token_budget=16,
+        chunk_size=5,
+        max_seqs=3,
+    )
     want = _serve(ref, requests)
     assert sorted(got) == sorted(want) == [r[0] for r in requests]
     for rid, prompt, new in requests:
@@ -91,11 +111,13 @@ def test_pages_round_trip_between_meshes():
     config = _config()
     pre, dec = disagg.build_programs(config)
     params = program_for(small_config(n_kv_heads=4)).init(0).params
-    eng = disagg.DisaggregatedEngine(pre, dec, params, num_pages=8, page_size=4, token_budget=8, chunk_size=4,
-                                     max_seqs=2)
+    eng = disagg.DisaggregatedEngine(
+        pre, dec, params, num_pages=8, page_size=4, token_budget=8, chunk_size=4, max_seqs=2
+    )
     rng = np.random.default_rng(0)
-    eng.prefill.cache = jax.tree.map(lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype),
-                                                                a.sharding), eng.prefill.cache)
+    eng.prefill.cache = jax.tree.map(
+        lambda a: jax.device_put(rng.standard_normal(a.shape).astype(a.dtype), a.sharding), eng.prefill.cache
+    )
     block = eng.prefill.export_pages(0, [5, 2, 7])
     placed, moved = eng.decode.receive_pages(1, block)
     assert moved == sum(b.nbytes for b in jax.tree.leaves(block)) == kv_transfer_bytes(config.model, 12, 4)
@@ -106,18 +128,21 @@ def test_pages_round_trip_between_meshes():
         assert not dst[:, :8].any()  # shard 0's pages untouched (its scratch page got zeros)
 
 
-@pytest.mark.parametrize("serve,match", [
-    (dict(prefill_mesh="tensor=4", decode_mesh="data=2"), "add up to 8"),
-    (dict(prefill_mesh="tensor=8", decode_mesh="data=2,tensor=2"), "add up to 8"),
-    (dict(prefill_mesh="tensr=4"), "axis=size pairs"),
-    (dict(prefill_mesh="tensor=x"), "not an integer"),
-    (dict(prefill_mesh="data=1,tensor=3", decode_mesh="data=5"), "prefill_mesh=.*(divisible|does not divide)"),
-    (dict(prefill_mesh="pipe=2,tensor=2", decode_mesh="data=2,tensor=2"), "prefill_mesh.*pipe"),
-    (dict(prefill_mesh="data=2,tensor=2", decode_mesh="tensor=4", n_kv_heads=2), "decode_mesh=.*n_kv_heads"),
-    (dict(placement="anywhere"), "placement"),
-    (dict(hardware="abacus"), "hardware"),
-    (dict(spec_k=2), "spec_k"),
-])
+@pytest.mark.parametrize(
+    "serve,match",
+    [
+        (dict(prefill_mesh="tensor=4", decode_mesh="data=2"), "add up to 8"),
+        (dict(prefill_mesh="tensor=8", decode_mesh="data=2,tensor=2"), "add up to 8"),
+        (dict(prefill_mesh="tensr=4"), "axis=size pairs"),
+        (dict(prefill_mesh="tensor=x"), "not an integer"),
+        (dict(prefill_mesh="data=1,tensor=3", decode_mesh="data=5"), "prefill_mesh=.*(divisible|does not divide)"),
+        (dict(prefill_mesh="pipe=2,tensor=2", decode_mesh="data=2,tensor=2"), "prefill_mesh.*pipe"),
+        (dict(prefill_mesh="data=2,tensor=2", decode_mesh="tensor=4", n_kv_heads=2), "decode_mesh=.*n_kv_heads"),
+        (dict(placement="anywhere"), "placement"),
+        (dict(hardware="abacus"), "hardware"),
+        (dict(spec_k=2), "spec_k"),
+    ],
+)
 def test_bad_submesh_configs_are_named(serve, match):
     kv = serve.pop("n_kv_heads", 4)
     c = small_config(n_kv_heads=kv)
@@ -130,6 +155,7 @@ def test_bad_submesh_configs_are_named(serve, match):
 def test_cost_model_picks_each_side_where_it_should():
     """Priced for configs/llama_8b.py on H100s (prefill tensor=4, decode data=2 x tensor=2)."""
     from tests.helpers import config_file
+
     c = config_file("llama_8b")
     c.mesh.fsdp, c.mesh.tensor, c.parallel.sequence_parallel = 1, 1, False
     c.serve.chunk_size = 512
@@ -155,7 +181,7 @@ def test_cost_model_picks_each_side_where_it_should():
     # forced placements
     forced = dataclasses.replace(cm, placement="colocated")
     assert forced.place(4096, 0, idle)[0] == "colocated"
-    assert dataclasses.replace(cm, placement="prefill").place(16, 10 ** 6, idle) == ("prefill", None)
+    assert dataclasses.replace(cm, placement="prefill").place(16, 10**6, idle) == ("prefill", None)
 
 
 def test_http_server_streams_from_the_disaggregated_engine():
@@ -166,6 +192,7 @@ def test_http_server_streams_from_the_disaggregated_engine():
     import urllib.request
 
     from jaxsys.serve import decode, server
+
     config = _config(placement="prefill")
     one = program_for(small_config(n_kv_heads=4))
     params = one.init(3).params
@@ -182,7 +209,7 @@ def test_http_server_streams_from_the_disaggregated_engine():
         if i % 2:
             results[i] = json.loads(body)["choices"][0]["token_ids"]
         else:
-            chunks = [json.loads(e[len("data: "):]) for e in body.split("\n\n") if e and e != "data: [DONE]"]
+            chunks = [json.loads(e[len("data: ") :]) for e in body.split("\n\n") if e and e != "data: [DONE]"]
             results[i] = [c["choices"][0]["token_ids"][0] for c in chunks]
 
     prompts = [[5 + i] * (3 + 7 * i) for i in range(3)]
@@ -202,6 +229,7 @@ def test_decode_analysis_reports_transfer_bytes():
     from jaxsys.analysis import cost_model
     from jaxsys.analysis import decode as decode_analysis
     from tests.helpers import config_file
+
     c = config_file("llama_8b")
     c.mesh.fsdp = 1
     r = decode_analysis.decode_report(c, cost_model.hardware("h100"), contexts=(500, 2048), batches=(1,))
@@ -221,7 +249,9 @@ def test_page_methods_are_generic_over_a_quantized_cache():
     dst = engine.Engine(dec, disagg.reshard(params, dec), **kw)
     assert isinstance(src.cache, dict) and len(src.cache) > 2
     rng = np.random.default_rng(0)
-    src.cache = {k: jax.device_put(rng.integers(0, 100, a.shape).astype(a.dtype), a.sharding) for k, a in src.cache.items()}
+    src.cache = {
+        k: jax.device_put(rng.integers(0, 100, a.shape).astype(a.dtype), a.sharding) for k, a in src.cache.items()
+    }
     fp = {k for k, a in src.cache.items() if a.shape[1] != src.cache["kq"].shape[1]}
     ids_src = {k: ([1] if k in fp else [5, 2]) for k in src.cache}
     ids_dst = {k: ([0] if k in fp else [3, 6]) for k in src.cache}

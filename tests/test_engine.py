@@ -9,13 +9,15 @@ from jaxsys.serve import decode, engine
 from tests.helpers import program_for, small_config
 
 
-@pytest.mark.parametrize("mesh,policy", [(None, "chunked"), ({"tensor": 2, "data": 2}, "chunked"),
-                                         (None, "decode_first")])
+@pytest.mark.parametrize(
+    "mesh,policy", [(None, "chunked"), ({"tensor": 2, "data": 2}, "chunked"), (None, "decode_first")]
+)
 def test_continuous_batching_gives_each_request_its_solo_tokens(mesh, policy):
     program = program_for(small_config(mesh, n_kv_heads=4))
     params = program.init(3).params
-    eng = engine.Engine(program, params, num_pages=24, page_size=4, token_budget=24, chunk_size=5, max_seqs=3,
-                        policy=policy)
+    eng = engine.Engine(
+        program, params, num_pages=24, page_size=4, token_budget=24, chunk_size=5, max_seqs=3, policy=policy
+    )
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, size=int(rng.integers(1, 20))).tolist() for _ in range(7)]
     news = [int(rng.integers(1, 10)) for _ in range(7)]
@@ -46,12 +48,30 @@ def test_engine_refuses_what_it_cannot_serve():
 
 def test_bench_serve_replays_a_trace_and_reports(tmp_path, capsys):
     import json
+
     from jaxsys import bench_serve
+
     trace = tmp_path / "trace.jsonl"
     rows = [{"arrival_s": 0.01 * i, "prompt_len": 3 + i, "output_len": 2 + i % 3} for i in range(6)]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
-    args = ["--config", "configs/tiny.py:test", "--trace", str(trace), "--pages", "32", "--page-size", "8",
-            "--token-budget", "16", "--chunk-size", "4", "--max-seqs", "3", "--json", "--config.model.n_kv_heads=4"]
+    args = [
+        "--config",
+        "configs/tiny.py:test",
+        "--trace",
+        str(trace),
+        "--pages",
+        "32",
+        "--page-size",
+        "8",
+        "--token-budget",
+        "16",
+        "--chunk-size",
+        "4",
+        "--max-seqs",
+        "3",
+        "--json",
+        "--config.model.n_kv_heads=4",
+    ]
     assert bench_serve.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["requests"] == 6 and result["generated_tokens"] == sum(r["output_len"] for r in rows)

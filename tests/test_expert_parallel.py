@@ -8,8 +8,6 @@ A lost, doubled or misrouted copy is off by its whole contribution.
 """
 
 import json
-import math
-import os
 
 import chex
 import jax
@@ -41,8 +39,9 @@ def moe_config(mesh=None, sp=False, pattern="moe", **moe):
 
 def batch_for(program, config, step=0, rows=None):
     corpus = data.load_corpus(config.data)
-    batch = data.global_batch(corpus, program.batch_sharding, config.seed, step,
-                              config.train.batch_size, config.data.seq_len)
+    batch = data.global_batch(
+        corpus, program.batch_sharding, config.seed, step, config.train.batch_size, config.data.seq_len
+    )
     return batch if rows is None else jax.device_put(np.asarray(batch)[rows], program.batch_sharding)
 
 
@@ -86,8 +85,11 @@ LAYOUTS = {  # name: (mesh, sequence parallel, MoE settings)
     "ep2_tensor2_data2_sp": (dict(expert=2, tensor=2, data=2), True, {}),
     "ep8_capacity": (dict(expert=8), False, dict(capacity_factor=1.0)),
     "ep2_tensor2_data2_sp_capacity": (dict(expert=2, tensor=2, data=2), True, dict(capacity_factor=1.0)),
-    "ep4_fsdp2_shared_sigmoid": (dict(expert=4, fsdp=2), False,
-                                 dict(shared_experts=1, router="sigmoid", capacity_factor=1.0)),
+    "ep4_fsdp2_shared_sigmoid": (
+        dict(expert=4, fsdp=2),
+        False,
+        dict(shared_experts=1, router="sigmoid", capacity_factor=1.0),
+    ),
     "ep2_seq2_data2": (dict(expert=2, seq=2, data=2), False, {}),  # dropless: CP does not change it
 }
 
@@ -112,6 +114,7 @@ def test_expert_parallel_layout_matches_single_device(name):
 
 def test_training_steps_match_single_device():
     """Three optimizer steps with the dense/MoE pattern: losses and parameters agree."""
+
     def steps(config):
         program = program_for(config)
         state, step_fn, losses = program.init(), program.train_step_fn(), []
@@ -170,8 +173,8 @@ def _ragged_reference(operand, input_offsets, send, output_offsets, out_rows, ou
     result = output.copy()
     for i in range(ep):
         for j in range(ep):
-            chunk = operand[i, input_offsets[i, j]:input_offsets[i, j] + send[i, j]]
-            result[j, output_offsets[i, j]:output_offsets[i, j] + send[i, j]] = chunk
+            chunk = operand[i, input_offsets[i, j] : input_offsets[i, j] + send[i, j]]
+            result[j, output_offsets[i, j] : output_offsets[i, j] + send[i, j]] = chunk
     return result
 
 
@@ -185,8 +188,15 @@ def test_padded_ragged_all_to_all_keeps_the_contract():
         return expert.ragged_all_to_all(x[0], out[0], a[0], b[0], c[0], d[0], ("expert",), impl)[None]
 
     def run(impl):
-        return jax.jit(jax.shard_map(lambda *args: local(*args, impl), mesh=mesh, in_specs=P("expert"),
-                                     out_specs=P("expert"), check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                lambda *args: local(*args, impl),
+                mesh=mesh,
+                in_specs=P("expert"),
+                out_specs=P("expert"),
+                check_vma=False,
+            )
+        )
 
     args = tuple(map(jnp.asarray, (operand, output, in_off, send, out_off, recv)))
     got = run("padded")(*args)

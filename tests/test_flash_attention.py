@@ -25,8 +25,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsys.kernels.flash_attention import (flash_attention, flash_attention_backward,
-                                            flash_attention_forward, reference_attention)
+from jaxsys.kernels.flash_attention import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    reference_attention,
+)
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 BLOCKS = dict(block_q=16, block_k=16)
@@ -37,15 +41,17 @@ def _normal(seed, shape, dtype=jnp.float32):
 
 
 def _qkv(b, t, s, n, kh, h, dtype=jnp.float32, seed=0):
-    return (_normal(seed, (b, t, n, h), dtype), _normal(seed + 1, (b, s, kh, h), dtype),
-            _normal(seed + 2, (b, s, kh, h), dtype))
+    return (
+        _normal(seed, (b, t, n, h), dtype),
+        _normal(seed + 1, (b, s, kh, h), dtype),
+        _normal(seed + 2, (b, s, kh, h), dtype),
+    )
 
 
 def _loss(impl, q, k, v, w, u, q_seg, kv_seg, causal):
     """sum(o * w) + sum(lse * u): exercises both cotangents. Empty rows (lse = -inf) are left out
     of the lse term, as any consumer of lse has to do."""
-    o, lse = impl(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                  return_lse=True)
+    o, lse = impl(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True)
     lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u)
     return jnp.sum(o.astype(jnp.float32) * w) + lse_term, (o, lse)
 
@@ -71,7 +77,7 @@ def _segments(b, length, bounds, seed):
     ids = np.zeros((b, length), np.int32)
     for row in range(b):
         for cut in bounds:
-            ids[row, min(length, cut + 3 * row + seed):] += 1
+            ids[row, min(length, cut + 3 * row + seed) :] += 1
     return jnp.asarray(ids)
 
 
@@ -102,8 +108,9 @@ def _case_inputs(name):
 
 
 def _assert_close(got, want, tol, what):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=tol, atol=tol, err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol, err_msg=what
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -111,8 +118,7 @@ def test_outputs_lse_and_grads_match_reference(name):
     args, causal, dtype, kernel = _case_inputs(name)
     got = _outputs_and_grads(*args, impl=kernel, causal=causal)
     if dtype == jnp.bfloat16:  # the truth: fp32 reference on the same bf16-rounded values
-        args = tuple(None if a is None else (a.astype(jnp.float32) if a.dtype == dtype else a)
-                     for a in args)
+        args = tuple(None if a is None else (a.astype(jnp.float32) if a.dtype == dtype else a) for a in args)
     want = _outputs_and_grads(*args, impl=REFERENCE, causal=causal)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     o, lse, grads = got
@@ -133,8 +139,9 @@ class ForwardVariantsTest(chex.TestCase):
     def test_forward_equals_reference(self):
         q, k, v = _qkv(1, 32, 32, 4, 2, 16, seed=21)
         attend = self.variant(lambda q, k, v: KERNEL(q, k, v, causal=True, return_lse=True))
-        chex.assert_trees_all_close(attend(q, k, v), REFERENCE(q, k, v, causal=True, return_lse=True),
-                                    rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(
+            attend(q, k, v), REFERENCE(q, k, v, causal=True, return_lse=True), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_empty_rows_give_zero_output_and_minus_inf_lse():
@@ -177,11 +184,14 @@ def _blockwise(q, k, v, do, dlse, q_seg, kv_seg):
     (o, lse): what one ring-attention step does on each side."""
     s2 = k.shape[1] // 2
     halves = [(k[:, :s2], v[:, :s2], kv_seg[:, :s2]), (k[:, s2:], v[:, s2:], kv_seg[:, s2:])]
-    parts = [flash_attention_forward(q, kk, vv, q_segment_ids=q_seg, kv_segment_ids=ss, **BLOCKS)
-             for kk, vv, ss in halves]
+    parts = [
+        flash_attention_forward(q, kk, vv, q_segment_ids=q_seg, kv_segment_ids=ss, **BLOCKS) for kk, vv, ss in halves
+    ]
     o, lse = _merge(*parts[0], *parts[1])
-    grads = [flash_attention_backward(q, kk, vv, o, lse, do, dlse, q_segment_ids=q_seg,
-                                      kv_segment_ids=ss, **BLOCKS) for kk, vv, ss in halves]
+    grads = [
+        flash_attention_backward(q, kk, vv, o, lse, do, dlse, q_segment_ids=q_seg, kv_segment_ids=ss, **BLOCKS)
+        for kk, vv, ss in halves
+    ]
     dq = grads[0][0] + grads[1][0]
     dk = jnp.concatenate([grads[0][1], grads[1][1]], axis=1)
     dv = jnp.concatenate([grads[0][2], grads[1][2]], axis=1)
@@ -200,8 +210,7 @@ def test_merge_of_kv_halves_equals_full_attention():
     lse1, lse2 = np.asarray(parts[0][1]), np.asarray(parts[1][1])
     assert np.isneginf(lse1).any() and np.isneginf(lse2).any()
 
-    ref = functools.partial(reference_attention, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                            return_lse=True)
+    ref = functools.partial(reference_attention, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True)
     (want_o, want_lse), vjp = jax.vjp(ref, q, k, v)
     _assert_close(o, want_o, 1e-5, "merged o")
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
@@ -222,39 +231,49 @@ def test_inside_shard_map_heads_over_tensor():
     def local(q, k, v):
         return flash_attention(q, k, v, causal=True, return_lse=True, **BLOCKS)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads),
-                            out_specs=(heads, rows), check_vma=False)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads), out_specs=(heads, rows), check_vma=False)
 
     def loss(attn, q, k, v):
         o, lse = attn(q, k, v)
         return jnp.sum(o * w) + jnp.sum(lse * u), (o, lse)
 
-    step = jax.jit(jax.grad(functools.partial(loss, sharded), argnums=(0, 1, 2), has_aux=True),
-                   compiler_options=FAST_COMPILE)
+    step = jax.jit(
+        jax.grad(functools.partial(loss, sharded), argnums=(0, 1, 2), has_aux=True), compiler_options=FAST_COMPILE
+    )
     put = lambda x: jax.device_put(x, NamedSharding(mesh, heads))
     grads, (o, lse) = step(put(q), put(k), put(v))
     assert o.sharding.spec == heads
 
     reference = functools.partial(reference_attention, causal=True, return_lse=True)
-    want_grads, (want_o, want_lse) = jax.grad(functools.partial(loss, reference),
-                                              argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    want_grads, (want_o, want_lse) = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2), has_aux=True)(
+        q, k, v
+    )
     _assert_close(o, want_o, 1e-5, "o")
     _assert_close(lse, want_lse, 1e-5, "lse")
     for g, wg, what in zip(grads, want_grads, ("dq", "dk", "dv")):
         _assert_close(g, wg, 1e-5, what)
 
 
-@pytest.mark.parametrize("shapes, kwargs, match", [
-    (((1, 16, 4, 16), (1, 16, 3, 16)), {}, r"multiple of the number of kv heads K; got N=4, K=3"),
-    (((1, 16, 2, 16), (1, 24, 2, 16)), {"causal": True}, r"needs T == S; got T=16, S=24"),
-    (((1, 16, 2, 24), (1, 16, 2, 24)), {}, r"head dim H=24 is not supported"),
-    (((1, 16, 2, 32), (1, 16, 2, 32)), {"interpret": False},
-     r"head dim H=32 is not supported; supported head dims: \(64, 128, 256\)"),
-    (((1, 16, 2, 16), (2, 16, 2, 16)), {}, r"batch sizes differ"),
-    (((1, 16, 2, 16), (1, 16, 2, 16)), {"block_q": 24}, r"block_q must be a power of two >= 16"),
-    (((1, 16, 2, 16), (1, 16, 2, 16)), {"q_segment_ids": jnp.zeros((1, 16), jnp.int32)},
-     r"pass both q_segment_ids and kv_segment_ids"),
-])
+@pytest.mark.parametrize(
+    "shapes, kwargs, match",
+    [
+        (((1, 16, 4, 16), (1, 16, 3, 16)), {}, r"multiple of the number of kv heads K; got N=4, K=3"),
+        (((1, 16, 2, 16), (1, 24, 2, 16)), {"causal": True}, r"needs T == S; got T=16, S=24"),
+        (((1, 16, 2, 24), (1, 16, 2, 24)), {}, r"head dim H=24 is not supported"),
+        (
+            ((1, 16, 2, 32), (1, 16, 2, 32)),
+            {"interpret": False},
+            r"head dim H=32 is not supported; supported head dims: \(64, 128, 256\)",
+        ),
+        (((1, 16, 2, 16), (2, 16, 2, 16)), {}, r"batch sizes differ"),
+        (((1, 16, 2, 16), (1, 16, 2, 16)), {"block_q": 24}, r"block_q must be a power of two >= 16"),
+        (
+            ((1, 16, 2, 16), (1, 16, 2, 16)),
+            {"q_segment_ids": jnp.zeros((1, 16), jnp.int32)},
+            r"pass both q_segment_ids and kv_segment_ids",
+        ),
+    ],
+)
 def test_bad_inputs_raise(shapes, kwargs, match):
     q, k = jnp.zeros(shapes[0]), jnp.zeros(shapes[1])
     with pytest.raises(ValueError, match=match):
@@ -284,12 +303,11 @@ def test_lowers_through_triton_for_a_gpu_ahead_of_time():
     seg = jax.ShapeDtypeStruct((b, t), jnp.int32)
 
     def loss(q, k, v, seg):
-        o, lse = flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg,
-                                 return_lse=True, interpret=False)
+        o, lse = flash_attention(
+            q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True, interpret=False
+        )
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=gpu)):
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(
-            lowering_platforms=("cuda",))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3  # fwd, dq, dk/dv

@@ -32,9 +32,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.analysis import targets
-from jaxsys.kernels.flash_attention import (flash_attention, flash_attention_backward,
-                                            flash_attention_forward, reference_attention)
-from jaxsys.kernels.flash_attention import kernel_tpu
+from jaxsys.kernels.flash_attention import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    kernel_tpu,
+    reference_attention,
+)
 from jaxsys.kernels.flash_attention.tpu_compile import CUSTOM_CALL, compile_case, tpu_mesh
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -47,8 +51,7 @@ def _normal(seed, shape, dtype=jnp.float32):
 
 def _loss(impl, q, k, v, w, u, q_seg, kv_seg, causal):
     """sum(o * w) + sum(lse * u) over the non-empty rows: exercises both cotangents."""
-    o, lse = impl(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                  return_lse=True)
+    o, lse = impl(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True)
     lse_term = jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u)
     return jnp.sum(o.astype(jnp.float32) * w) + lse_term, (o, lse)
 
@@ -63,8 +66,9 @@ def _outputs_and_grads(q, k, v, w, u, q_seg, kv_seg, *, impl, causal):
 TPU = functools.partial(flash_attention, **TPU_INTERPRET)  # default tiles 128 x 128
 # Unequal forward tiles and other backward tiles: T = 300 pads to 512 queries / 384 keys in the
 # forward and 384 / 512 in the backward, so causal runs with Tp != Sp and skipped tiles both ways.
-TPU_MIXED = functools.partial(flash_attention, **TPU_INTERPRET, block_q=256, block_k=128,
-                              block_q_bwd=128, block_k_bwd=256)
+TPU_MIXED = functools.partial(
+    flash_attention, **TPU_INTERPRET, block_q=256, block_k=128, block_q_bwd=128, block_k_bwd=256
+)
 # A model-style request (16) that the TPU rules round up to 128.
 TPU_SMALL = functools.partial(flash_attention, **TPU_INTERPRET, block_q=16, block_k=16)
 
@@ -73,8 +77,7 @@ CASES = {
     "full_gqa_ragged": (1, 200, 200, 4, 2, 32, False, None, jnp.float32, TPU),
     "causal_gqa": (2, 256, 256, 4, 2, 32, True, None, jnp.float32, TPU_SMALL),
     "causal_mixed_tiles": (1, 300, 300, 2, 1, 32, True, None, jnp.float32, TPU_MIXED),
-    "cross_mqa_segments_empty_rows": (1, 130, 260, 4, 1, 32, False, "empty_rows", jnp.float32,
-                                      TPU),
+    "cross_mqa_segments_empty_rows": (1, 130, 260, 4, 1, 32, False, "empty_rows", jnp.float32, TPU),
     "causal_packed_h64": (1, 256, 256, 2, 2, 64, True, "packed", jnp.float32, TPU),
     "causal_gqa_bf16": (1, 256, 256, 4, 2, 64, True, None, jnp.bfloat16, TPU),
 }
@@ -95,8 +98,9 @@ def _case_inputs(name):
 
 
 def _assert_close(got, want, tol, what):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=tol, atol=tol, err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol, err_msg=what
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -104,8 +108,7 @@ def test_tpu_variant_matches_reference(name):
     args, causal, dtype, kernel = _case_inputs(name)
     o, lse, grads = _outputs_and_grads(*args, impl=kernel, causal=causal)
     if dtype == jnp.bfloat16:  # the truth: fp32 reference on the same bf16-rounded values
-        args = tuple(None if a is None else (a.astype(jnp.float32) if a.dtype == dtype else a)
-                     for a in args)
+        args = tuple(None if a is None else (a.astype(jnp.float32) if a.dtype == dtype else a) for a in args)
     want = _outputs_and_grads(*args, impl=reference_attention, causal=causal)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     assert o.dtype == dtype and lse.dtype == jnp.float32
@@ -143,12 +146,15 @@ def _blockwise(q, k, v, do, dlse, q_seg, kv_seg):
     flash_attention_backward per half with the merged (o, lse), as a ring step does."""
     s2 = k.shape[1] // 2
     halves = [(k[:, :s2], v[:, :s2], kv_seg[:, :s2]), (k[:, s2:], v[:, s2:], kv_seg[:, s2:])]
-    parts = [flash_attention_forward(q, kk, vv, q_segment_ids=q_seg, kv_segment_ids=ss,
-                                     **TPU_INTERPRET) for kk, vv, ss in halves]
+    parts = [
+        flash_attention_forward(q, kk, vv, q_segment_ids=q_seg, kv_segment_ids=ss, **TPU_INTERPRET)
+        for kk, vv, ss in halves
+    ]
     o, lse = _merge(*parts[0], *parts[1])
-    grads = [flash_attention_backward(q, kk, vv, o, lse, do, dlse, q_segment_ids=q_seg,
-                                      kv_segment_ids=ss, **TPU_INTERPRET)
-             for kk, vv, ss in halves]
+    grads = [
+        flash_attention_backward(q, kk, vv, o, lse, do, dlse, q_segment_ids=q_seg, kv_segment_ids=ss, **TPU_INTERPRET)
+        for kk, vv, ss in halves
+    ]
     dq = grads[0][0] + grads[1][0]
     dk = jnp.concatenate([grads[0][1], grads[1][1]], axis=1)
     dv = jnp.concatenate([grads[0][2], grads[1][2]], axis=1)
@@ -167,8 +173,7 @@ def test_per_block_api_merge_of_kv_halves():
     o, lse, grads, parts = _blockwise(q, k, v, do, dlse, q_seg, kv_seg)
     assert np.isneginf(np.asarray(parts[0][1])).any() and np.isneginf(np.asarray(parts[1][1])).any()
 
-    ref = functools.partial(reference_attention, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                            return_lse=True)
+    ref = functools.partial(reference_attention, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True)
     (want_o, want_lse), vjp = jax.vjp(ref, q, k, v)
     _assert_close(o, want_o, 1e-5, "merged o")
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
@@ -180,8 +185,9 @@ def test_per_block_api_merge_of_kv_halves():
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compiles for TPU topologies: the public functions pick the Mosaic kernels.
 
-needs_libtpu = pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (the TPU "
-                                  "compiler): pip install -e '.[tpu]'")
+needs_libtpu = pytest.mark.skipif(
+    not targets.has_libtpu(), reason="needs libtpu (the TPU compiler): pip install -e '.[tpu]'"
+)
 
 
 @functools.cache
@@ -190,16 +196,16 @@ def _mesh(target):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("target, dtype, segments", [("v5p:2x2x1", jnp.bfloat16, False),
-                                                     ("v6e:2x2", jnp.float32, True)])
+@pytest.mark.parametrize(
+    "target, dtype, segments", [("v5p:2x2x1", jnp.bfloat16, False), ("v6e:2x2", jnp.float32, True)]
+)
 def test_flash_attention_picks_mosaic_when_lowered_for_tpu(target, dtype, segments):
     """flash_attention with no backend argument (as the model calls it), grad through the
     custom_vjp, compiled for a TPU topology: three Mosaic custom calls (forward, dq, dk/dv), and
     the compiler's FLOP count includes the kernels' cost estimates (causal: 36 of 64 tiles)."""
     t, h, n, kh = 1024, 128, 8, 2
     with targets.quiet_libtpu():
-        compiled = compile_case(_mesh(target), t, h, dtype, backward=True, heads=n, kv_heads=kh,
-                                segments=segments)
+        compiled = compile_case(_mesh(target), t, h, dtype, backward=True, heads=n, kv_heads=kh, segments=segments)
     text = compiled.as_text()
     assert text.count(CUSTOM_CALL) == 3
     # Only the TPU branch was lowered: no generic kernel (named flash_attention_fwd, ...).
@@ -225,41 +231,46 @@ def test_per_block_api_picks_mosaic_when_lowered_for_tpu():
         return flash_attention_backward(q, k, v, o, lse, do, causal=True, block_q=16, block_k=16)
 
     def program(mesh):
-        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(data,) * 4,
-                                     out_specs=(data,) * 3, check_vma=False))
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(data,) * 4, out_specs=(data,) * 3, check_vma=False))
 
-    shape = lambda m, heads: jax.ShapeDtypeStruct((b, t, heads, h), jnp.bfloat16,
-                                                  sharding=NamedSharding(m, data))
+    shape = lambda m, heads: jax.ShapeDtypeStruct((b, t, heads, h), jnp.bfloat16, sharding=NamedSharding(m, data))
     with targets.quiet_libtpu():
-        compiled = program(mesh).lower(shape(mesh, n), shape(mesh, kh), shape(mesh, kh),
-                                       shape(mesh, n)).compile()
+        compiled = program(mesh).lower(shape(mesh, n), shape(mesh, kh), shape(mesh, kh), shape(mesh, n)).compile()
     assert compiled.as_text().count(CUSTOM_CALL) == 3  # forward, dq, dk/dv
 
-    cpu_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices("cpu")[:4],
-                             axis_types=(jax.sharding.AxisType.Auto,))
-    lowered = program(cpu_mesh).lower(shape(cpu_mesh, n), shape(cpu_mesh, kh),
-                                      shape(cpu_mesh, kh), shape(cpu_mesh, n))
+    cpu_mesh = jax.make_mesh((4,), ("data",), devices=jax.devices("cpu")[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    lowered = program(cpu_mesh).lower(shape(cpu_mesh, n), shape(cpu_mesh, kh), shape(cpu_mesh, kh), shape(cpu_mesh, n))
     assert "tpu_custom_call" not in lowered.as_text()
 
 
 # ----------------------------------------------------------------------------------------------
 # Tile rules and errors.
 
-@pytest.mark.parametrize("requested, length, tile", [(16, 40, 128), (128, 1000, 128),
-                                                     (300, 1000, 384), (512, 200, 256),
-                                                     (512, 32768, 512)])
+
+@pytest.mark.parametrize(
+    "requested, length, tile", [(16, 40, 128), (128, 1000, 128), (300, 1000, 384), (512, 200, 256), (512, 32768, 512)]
+)
 def test_tiles_are_multiples_of_128_and_fit_the_sequence(requested, length, tile):
     assert kernel_tpu.tile(requested, length, "block_q") == tile
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"backend": "cuda"}, r"backend must be None \(chosen by platform\) or one of "
-                          r"\('generic', 'tpu'\); got backend='cuda'"),
-    ({"backend": "tpu", "block_q": 0}, r"block_q must be a positive integer; got block_q=0"),
-    ({"backend": "tpu", "block_k_bwd": 2.5}, r"block_k_bwd must be a positive integer"),
-    ({"backend": "tpu", "interpret": False}, r"head dim H=32 is not supported; supported head "
-                                             r"dims: \(64, 128, 256\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"backend": "cuda"},
+            r"backend must be None \(chosen by platform\) or one of "
+            r"\('generic', 'tpu'\); got backend='cuda'",
+        ),
+        ({"backend": "tpu", "block_q": 0}, r"block_q must be a positive integer; got block_q=0"),
+        ({"backend": "tpu", "block_k_bwd": 2.5}, r"block_k_bwd must be a positive integer"),
+        (
+            {"backend": "tpu", "interpret": False},
+            r"head dim H=32 is not supported; supported head "
+            r"dims: \(64, 128, 256\)",
+        ),
+    ],
+)
 def test_bad_inputs_raise(kwargs, match):
     q = jnp.zeros((1, 16, 2, 32))
     with pytest.raises(ValueError, match=match):

@@ -72,8 +72,9 @@ def test_flax_gpt_layout_matches_single_device(name):
     assert losses[-1] < losses[0], "three optimizer steps should lower the loss"
     chex.assert_trees_all_equal_shapes(grads, ref_grads)
     chex.assert_trees_all_close(_scaled(grads, ref_grads), _scaled(ref_grads, ref_grads), rtol=1e-5, atol=1e-5)
-    chex.assert_trees_all_close(jax.tree.map(np.asarray, state.params),
-                                jax.tree.map(np.asarray, ref_state.params), rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, ref_state.params), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_params_are_sharded_by_their_logical_names():
@@ -114,10 +115,12 @@ def test_flax_gpt_resumes_bitwise(tmp_path, monkeypatch):
     train.main(_ckpt_config(mesh), str(tmp_path / "full"))
 
     real_batch = train.data_lib.global_batch
+
     def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
         if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
             raise Interrupted  # the run dies before its 5th step; step 3 was checkpointed
         return real_batch(corpus, sharding, seed, step, *args, **kw)
+
     monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
     with pytest.raises(Interrupted):
         train.main(_ckpt_config(mesh), str(tmp_path / "resumed"))
@@ -241,12 +244,15 @@ def test_flax_kwargs_override_and_round_trip_through_config_json():
 
 
 def test_normal_configs_do_not_import_flax():
-    code = ("import sys, jax; from jaxsys import train; from jaxsys.analysis import report; "
-            "from tests.helpers import program_for, small_config; "
-            "p = program_for(small_config()); p.abstract_state(); "
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'flax'], 'flax imported'")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
-                   env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    code = (
+        "import sys, jax; from jaxsys import train; from jaxsys.analysis import report; "
+        "from tests.helpers import program_for, small_config; "
+        "p = program_for(small_config()); p.abstract_state(); "
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'flax'], 'flax imported'"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, check=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"}
+    )
 
 
 # ----------------------------------------------------------------------------- the nnx wrapper
@@ -284,5 +290,6 @@ def test_jaxsys_transformer_as_nnx_module_gives_the_functional_logits():
     specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     assert specs["lm"]["params"]["layers"]["wq"].out_sharding == ("layers", "embed", "heads", "head_dim")
     grads = nnx.jit(nnx.grad(lambda m, t: m(t).sum()))(model, tokens[:, :-1])
-    chex.assert_trees_all_equal_shapes(nnx.to_pure_dict(grads["lm"]["params"]),
-                                       jax.tree.map(np.asarray, model.lm.to_params()))
+    chex.assert_trees_all_equal_shapes(
+        nnx.to_pure_dict(grads["lm"]["params"]), jax.tree.map(np.asarray, model.lm.to_params())
+    )

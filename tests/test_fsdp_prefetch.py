@@ -34,8 +34,9 @@ LAYOUTS = {
     # two layers per scan step (a linear-attention layer then a softmax one): prefetch within a group
     "data2_fsdp4_hybrid": (dict(data=2, fsdp=4), dict(layer_pattern="linear,softmax", linear_chunk=16)),
 }
-CASES = [(name, remat) for name in LAYOUTS for remat in ("none", "full")
-         if not (name.endswith("hybrid") and remat == "full")] + [("data2_fsdp4_hybrid", "dots")]
+CASES = [
+    (name, remat) for name in LAYOUTS for remat in ("none", "full") if not (name.endswith("hybrid") and remat == "full")
+] + [("data2_fsdp4_hybrid", "dots")]
 
 
 def _config(name, remat, prefetch):
@@ -105,9 +106,25 @@ def test_tpu_schedule_gathers_the_next_layer_beside_this_layers_matmuls(tmp_path
     next iteration. A fresh process, so that no LIBTPU_INIT_ARGS of another test applies."""
     out = tmp_path / "schedule.json"
     env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"}
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fsdp_prefetch_schedule.py"), "--target",
-                    "v5e-8", "--model", "mid", "--remat", "full", "--json", str(out)],
-                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "fsdp_prefetch_schedule.py"),
+            "--target",
+            "v5e-8",
+            "--model",
+            "mid",
+            "--remat",
+            "full",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     results = {r["prefetch"]: r["scopes"]["forward loop"]["summary"]["all_gather"] for r in json.loads(out.read_text())}
     assert results[False]["next_layer_overlapped_bytes"] == 0
     assert results[True]["next_layer_overlapped_bytes"] >= 0.5 * results[True]["bytes"], results[True]

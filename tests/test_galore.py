@@ -83,10 +83,12 @@ def test_update_equals_a_numpy_reference_of_the_algorithm():
     these Gaussian matrices have s_1 / (s_r - s_r+1) < 60 (asserted), so P, R and the normalised
     update agree to ~1e-5 relative; Adam's normalisation keeps |update| <= alpha * O(1) = 0.25 * O(1)
     here. The measured worst error is 1.5e-6 absolute; the bound asserted is 2e-5."""
-    specs = {"left": ParamSpec((6, 10), ("embed", "mlp")),
-             "right": ParamSpec((12, 5), ("embed", "mlp")),
-             "stack": ParamSpec((2, 8, 3, 4), ("layers", "embed", "heads", "head_dim")),
-             "norm": ParamSpec((6,), ("embed",), decay=False)}
+    specs = {
+        "left": ParamSpec((6, 10), ("embed", "mlp")),
+        "right": ParamSpec((12, 5), ("embed", "mlp")),
+        "stack": ParamSpec((2, 8, 3, 4), ("layers", "embed", "heads", "head_dim")),
+        "norm": ParamSpec((6,), ("embed",), decay=False),
+    }
     g = types.SimpleNamespace(rank=3, leaves="left,right,stack")
     plans = galore.plan(g, specs)
     assert [plans[k].side for k in ("left", "right", "stack", "norm")] == ["left", "right", "left", "adam"]
@@ -109,8 +111,9 @@ def test_update_equals_a_numpy_reference_of_the_algorithm():
                 assert s[0] / (s[pl.rank - 1] - s[pl.rank]) < 60, (name, s)
             want = reference([mat[b] for mat in mats], pl.rank, every, b1, b2, eps, scale)
             for t in range(steps):
-                np.testing.assert_allclose(_as_matrix(got[t][name], pl)[b], want[t], rtol=0, atol=2e-5,
-                                           err_msg=f"{name}[{b}] step {t}")
+                np.testing.assert_allclose(
+                    _as_matrix(got[t][name], pl)[b], want[t], rtol=0, atol=2e-5, err_msg=f"{name}[{b}] step {t}"
+                )
     # the leaf left to Adam: optax.scale_by_adam's update, unscaled
     mu = nu = 0.0
     for t, gr in enumerate(grads):
@@ -125,8 +128,7 @@ def test_update_equals_a_numpy_reference_of_the_algorithm():
 
 def test_refresh_changes_the_projection_only_every_k_steps():
     specs = {"w": ParamSpec((6, 10), ("embed", "mlp"))}
-    tx = galore.scale_by_galore_adam(galore.plan(types.SimpleNamespace(rank=2, leaves="w"), specs),
-                                     update_every=3)
+    tx = galore.scale_by_galore_adam(galore.plan(types.SimpleNamespace(rank=2, leaves="w"), specs), update_every=3)
     state = tx.init({"w": jnp.zeros((6, 10))})
     rng = np.random.default_rng(1)
     projections = []
@@ -149,8 +151,10 @@ def test_full_rank_with_scale_one_is_adamw():
         c = _galore(rank=rank)
         c.train.galore.leaves, c.train.galore.scale = leaves, 1.0
         plans = galore.plan(c.train.galore, program_for(c).specs)
-        assert {p.side for p in jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan))} \
-            == {"adam", "full"}
+        assert {p.side for p in jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan))} == {
+            "adam",
+            "full",
+        }
         _, _, losses, state = run(c, steps=3)
         np.testing.assert_array_equal(losses, want_losses)
         chex.assert_trees_all_equal(state.params, want.params)
@@ -196,6 +200,7 @@ def test_sharded_run_equals_one_device(mesh):
 def test_pipeline_run_equals_one_device():
     """pipe2 x data2 x tensor2 (1F1B, 4 micro-batches; the layers' projections split over pipe)."""
     from tests.helpers import pipeline_config
+
     cfg = lambda mesh: _with_galore(pipeline_config(mesh))
     _assert_same_run(run(cfg({}), steps=3), run(cfg(dict(pipe=2, data=2, tensor=2)), steps=3), "pipeline")
 
@@ -223,13 +228,15 @@ def _nbytes(tree, per_device=False):
 COUNTS = 8  # two int32 step counts: GaLore's Adam and the learning-rate schedule's
 
 
-@pytest.mark.parametrize("mesh, zero_stage", [({}, 0), (LAYOUT, 1), (dict(data=4, tensor=2), 2),
-                                              (dict(data=4, fsdp=2), 1)])
+@pytest.mark.parametrize(
+    "mesh, zero_stage", [({}, 0), (LAYOUT, 1), (dict(data=4, tensor=2), 2), (dict(data=4, fsdp=2), 1)]
+)
 def test_state_bytes_equal_the_formula(mesh, zero_stage):
     """Measured: the optimizer state of an initialised program (global) and the shards of its
     abstract state (per device). Formula: galore.state_bytes, m r + 2 r n (left) or n r + 2 m r
     (right) per projected matrix and 2 m n for Adam's leaves, plus the two step counts."""
     from jaxsys.analysis import cost_model
+
     c = _galore(mesh)
     c.train.zero_stage = zero_stage
     program = program_for(c)
@@ -243,10 +250,12 @@ def test_state_bytes_equal_the_formula(mesh, zero_stage):
     # by hand for the test model (D=64, L=2, N=8, K=2, H=16, F=128, V=256), rank 4, one device
     if not mesh:
         r, d, f, kh, nh = 4, 64, 128, 32, 128
-        projected = 2 * (2 * (d * r + 2 * r * nh)      # wq, wo: 64 x 128, left
-                         + 2 * (kh * r + 2 * d * r)    # wk, wv: 64 x 32, right
-                         + 3 * (d * r + 2 * r * f))    # w_gate, w_up, w_down: 64 x 128, left
-        adam = 2 * (2 * 256 * d + d + 2 * 2 * d)     # embed, unembed, final norm, 2 x 2 layer norms
+        projected = 2 * (
+            2 * (d * r + 2 * r * nh)  # wq, wo: 64 x 128, left
+            + 2 * (kh * r + 2 * d * r)  # wk, wv: 64 x 32, right
+            + 3 * (d * r + 2 * r * f)
+        )  # w_gate, w_up, w_down: 64 x 128, left
+        adam = 2 * (2 * 256 * d + d + 2 * 2 * d)  # embed, unembed, final norm, 2 x 2 layer norms
         assert galore.state_bytes(plans) == 4 * (projected + adam)
         adamw = program_for(small_config()).init().opt_state
         assert galore.state_bytes(plans) < _nbytes(adamw) - COUNTS
@@ -254,6 +263,7 @@ def test_state_bytes_equal_the_formula(mesh, zero_stage):
 
 def _collectives(config) -> dict:
     from jaxsys.analysis import collectives, report
+
     program = program_for(config)
     sizes = dict(program.layout.mesh_sizes)
     text = report.lower_unrolled(program).as_text()
@@ -269,13 +279,18 @@ def test_collectives_equal_the_formula(mesh, zero_stage):
     `data` (L=2 does not divide by 4), so the projections are summed over `data` (or (fsdp, data))
     and some refresh gathers run over (tensor, data)."""
     from jaxsys.analysis import cost_model, report
+
     adamw, config = small_config(mesh), _galore(mesh)
     adamw.train.zero_stage = config.train.zero_stage = zero_stage
     base, with_galore = _collectives(adamw), _collectives(config)
-    added = {k: (v[0] - base.get(k, [0, 0])[0], v[1] - base.get(k, [0, 0])[1])
-             for k, v in with_galore.items() if tuple(v) != tuple(base.get(k, [0, 0]))}
-    formula = report.by_kind_axes([dict(kind=r.kind, axes=r.axes, count=r.count, bytes=r.bytes)
-                                   for r in cost_model.galore_rows(config)])
+    added = {
+        k: (v[0] - base.get(k, [0, 0])[0], v[1] - base.get(k, [0, 0])[1])
+        for k, v in with_galore.items()
+        if tuple(v) != tuple(base.get(k, [0, 0]))
+    }
+    formula = report.by_kind_axes(
+        [dict(kind=r.kind, axes=r.axes, count=r.count, bytes=r.bytes) for r in cost_model.galore_rows(config)]
+    )
     assert added == {k: tuple(v) for k, v in formula.items()}
     assert {k[0] for k in added} >= {"reduce_scatter", "all_gather"}
 
@@ -295,6 +310,7 @@ def test_resume_across_a_refresh_is_bitwise(tmp_path, monkeypatch):
     """Checkpoint at step 3 (projections from step 2's refresh, moments in their space), crash,
     resume: steps 4-5, which cross the refresh at step 4, give the uninterrupted run's losses; the
     checkpoint restores onto one device with the same values."""
+
     def config():
         c = _galore(LAYOUT)
         c.train.steps, c.checkpoint.every_steps, c.train.log_every = 5, 3, 1
@@ -349,13 +365,16 @@ def test_unknown_or_unfit_leaf_is_named():
         program_for(c)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("train.galore.rank", 0, "positive integer"),
-    ("train.galore.update_every", 0, "positive integer"),
-    ("train.galore.scale", 0.0, "must be a number > 0"),
-    ("train.galore.leaves", " ", "leaves empty"),
-    ("offload.optimizer", True, "offload.optimizer=False"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("train.galore.rank", 0, "positive integer"),
+        ("train.galore.update_every", 0, "positive integer"),
+        ("train.galore.scale", 0.0, "must be a number > 0"),
+        ("train.galore.leaves", " ", "leaves empty"),
+        ("offload.optimizer", True, "offload.optimizer=False"),
+    ],
+)
 def test_bad_config_is_named(key, value, message):
     c = _galore()
     section, *rest = key.split(".")

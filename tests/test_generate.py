@@ -27,7 +27,7 @@ def _greedy_by_full_forwards(config, params, prompt, n):
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(jnp.argmax(fn(params, jnp.asarray([seq], jnp.int32))[0, -1])))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("mesh", [None, {"tensor": 2, "data": 2}])
@@ -56,8 +56,9 @@ def test_quantized_model_generates_its_own_greedy_tokens():
 def test_sampling_filters_and_seeds():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.float32)
     greedy = np.asarray(jnp.argmax(logits, -1))
-    s = lambda t, k, p, seed: np.asarray(decode.sample(logits, jax.random.key(seed), jnp.float32(t),
-                                                       jnp.int32(k), jnp.float32(p)))
+    s = lambda t, k, p, seed: np.asarray(
+        decode.sample(logits, jax.random.key(seed), jnp.float32(t), jnp.int32(k), jnp.float32(p))
+    )
     np.testing.assert_array_equal(s(0.0, 0, 1.0, 0), greedy)
     np.testing.assert_array_equal(s(1.0, 1, 1.0, 5), greedy)  # top-1 is greedy whatever the draw
     np.testing.assert_array_equal(s(1.0, 0, 1e-6, 5), greedy)  # so is the smallest nucleus
@@ -71,8 +72,9 @@ def test_sampling_filters_and_seeds():
 def test_frequencies_follow_the_softmax():
     logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]], jnp.float32)
     keys = jax.random.split(jax.random.key(0), 4000)
-    draws = np.asarray(jax.vmap(lambda k: decode.sample(logits, k, jnp.float32(1.0), jnp.int32(0),
-                                                        jnp.float32(1.0)))(keys))[:, 0]
+    draws = np.asarray(
+        jax.vmap(lambda k: decode.sample(logits, k, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)))(keys)
+    )[:, 0]
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, np.asarray(jax.nn.softmax(logits[0])), atol=0.03)  # 4000 draws: sd < 0.008
 
@@ -88,20 +90,25 @@ def workdir(tmp_path_factory):
 
 
 def test_generate_command_prints_text(workdir, capsys):
-    assert generate_cli.main(["--workdir", workdir, "--prompt", "def f(", "--max-new-tokens", "8",
-                              "--config.mesh.data=1"]) == 0
+    assert (
+        generate_cli.main(["--workdir", workdir, "--prompt", "def f(", "--max-new-tokens", "8", "--config.mesh.data=1"])
+        == 0
+    )
     out, err = capsys.readouterr()
     assert len(out.rstrip("\n").encode("utf-8", "replace")) >= 1 and "8 tokens in" in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--prompt", ""], "--prompt is empty"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
-    (["--prompt", "x", "--temperature", "-1"], "temperature >= 0"),
-    (["--prompt", "x", "--top-p", "0"], "0 < top_p <= 1"),
-    (["--prompt", "x" * 40, "--max-len", "32"], "exceeds the cache of 32 positions"),
-    (["--prompt", "x", "--config.mesh.pipe=2", "--config.mesh.data=4"], "config.mesh.pipe=2"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "must be >= 1"),
+        (["--prompt", "x", "--temperature", "-1"], "temperature >= 0"),
+        (["--prompt", "x", "--top-p", "0"], "0 < top_p <= 1"),
+        (["--prompt", "x" * 40, "--max-len", "32"], "exceeds the cache of 32 positions"),
+        (["--prompt", "x", "--config.mesh.pipe=2", "--config.mesh.data=4"], "config.mesh.pipe=2"),
+    ],
+)
 def test_generate_command_names_bad_input(workdir, capsys, args, message):
     assert generate_cli.main(["--workdir", workdir, "--config.mesh.data=1", *args]) == 2
     assert message in capsys.readouterr().err
@@ -110,14 +117,15 @@ def test_generate_command_names_bad_input(workdir, capsys, args, message):
 def test_decode_analysis_by_hand():
     """tiny:test (L=2, K=4 kv heads of H=16, fp32) on tensor=2: KV per token 2 L K H 4 B / 2 =
     512 B; the weights' shards are fp32 at rest; at batch 1 the step reads every weight once."""
-    from jaxsys.analysis import cost_model, decode as decode_analysis
+    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import decode as decode_analysis
+
     config = small_config({"tensor": 2}, n_kv_heads=4)
     hw = cost_model.PROFILES["h100"]
     r = decode_analysis.decode_report(config, hw, contexts=[1024], batches=[1, 4])
     assert r["kv_bytes_per_token"] == 2 * 2 * 4 * 16 * 4 // 2
     weights = program_for(config).abstract_state().params
-    per_device = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * 4
-                     for a in jax.tree.leaves(weights))
+    per_device = sum(int(np.prod(a.sharding.shard_shape(a.shape))) * 4 for a in jax.tree.leaves(weights))
     assert r["weight_bytes_per_device"] == per_device
     row = r["rows"][0]
     assert row["memory_s"] == pytest.approx((per_device + 1024 * 512) / hw.hbm_bytes_per_s)
@@ -130,8 +138,10 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
     """tests/golden/hf_llama/<name>/greedy_tokens.npy: 16 tokens `transformers` generated greedily
     (fp32, KV cache) from the first 8 tokens of each golden row (scripts/make_hf_greedy_golden.py)."""
     import os
+
     from jaxsys import convert
     from tests.helpers import ROOT
+
     golden = os.path.join(ROOT, "tests", "golden", "hf_llama", name)
     workdir = str(tmp_path / name)
     config = convert.from_hf(golden, workdir)
@@ -139,6 +149,7 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
         config.mesh[axis] = size
     program = program_for(config)
     from jaxsys.checkpoint import restore_params
+
     params, _ = restore_params(workdir, program.abstract_state().params)
     prompts = np.load(os.path.join(golden, "greedy_prompts.npy")).tolist()
     want = np.load(os.path.join(golden, "greedy_tokens.npy")).tolist()

@@ -42,8 +42,9 @@ def _dequantize(q, s, z, fmt):
     """The reference formats' dequantization: q * s (w8), reference.dequantize_w4 of the packed codes."""
     if fmt == "w8":
         return np.asarray(q, np.float32) * np.asarray(s, np.float32)[None, :]
-    return np.asarray(ref.dequantize_w4(ref.pack_int4(jnp.asarray(q)), jnp.asarray(s),
-                                        None if z is None else jnp.asarray(z)))
+    return np.asarray(
+        ref.dequantize_w4(ref.pack_int4(jnp.asarray(q)), jnp.asarray(s), None if z is None else jnp.asarray(z))
+    )
 
 
 def _bitwise_equal(a, b):
@@ -73,12 +74,15 @@ def test_diagonal_hessian_gives_rtn_bitwise(fmt, group_size, zero_point):
     k, n = 256, 40
     w = _weight(rng, k, n)
     want = _rtn(w, fmt, group_size, zero_point)
-    hessians = [np.eye(k),  # unit-variance uncorrelated inputs
-                np.diag(rng.uniform(0.1, 10.0, k)) * 1000.0]  # uncorrelated, unequal variances
+    hessians = [
+        np.eye(k),  # unit-variance uncorrelated inputs
+        np.diag(rng.uniform(0.1, 10.0, k)) * 1000.0,
+    ]  # uncorrelated, unequal variances
     for h in hessians:
         for act_order in (False, True):  # act_order: another order, static (= RTN's) groups
-            got = gptq.quantize(w, h, 1000, fmt, group_size=group_size, zero_point=zero_point,
-                                block_size=64, act_order=act_order)
+            got = gptq.quantize(
+                w, h, 1000, fmt, group_size=group_size, zero_point=zero_point, block_size=64, act_order=act_order
+            )
             for g, r in zip(got, want):
                 if r is None:
                     assert g is None
@@ -104,12 +108,10 @@ def test_gptq_output_error_is_well_below_rtn_on_correlated_inputs(kind, record_p
         return np.sum((y - x @ _dequantize(q, s, z, fmt).astype(np.float64)) ** 2)
 
     ratios = {}
-    for fmt, group_size, zero_point in [("w4", 32, False), ("w4", 128, False), ("w4", 128, True),
-                                        ("w8", 128, False)]:
+    for fmt, group_size, zero_point in [("w4", 32, False), ("w4", 128, False), ("w4", 128, True), ("w8", 128, False)]:
         rtn = out_error(*_rtn(w, fmt, group_size, zero_point), fmt)
         for act_order in (False, True):
-            got = gptq.quantize(w, h, rows, fmt, group_size=group_size, zero_point=zero_point,
-                                act_order=act_order)
+            got = gptq.quantize(w, h, rows, fmt, group_size=group_size, zero_point=zero_point, act_order=act_order)
             ratios[(fmt, group_size, zero_point, act_order)] = out_error(*got, fmt) / rtn
     for key, ratio in ratios.items():
         print(f"{kind}: GPTQ/RTN held-out output error {key}: {ratio:.3f}")
@@ -128,8 +130,7 @@ def test_codes_in_range_and_dequantize_to_the_tracked_weights(fmt, group_size, z
     w = _weight(rng, k, n)
     x = _activations(rng, k, "outliers")(1024)
     h, rows = gptq.hessian(x)
-    r = gptq.quantize_detailed(w, h, rows, fmt, group_size=group_size, zero_point=zero_point,
-                               block_size=48)
+    r = gptq.quantize_detailed(w, h, rows, fmt, group_size=group_size, zero_point=zero_point, block_size=48)
     assert r.q.dtype == np.int8 and r.q.shape == (k, n)
     assert r.s.dtype == np.float32 and np.all(r.s > 0)
     lo, hi = {"w8": (-127, 127), "w4": (0, 15) if zero_point else (-8, 7)}[fmt]
@@ -191,8 +192,9 @@ def _naive_gptq(w, h, n_rows, fmt, group_size, zero_point, damp, order):
         else:
             g = i // group_size
             if natural and i % group_size == 0:
-                _, s_g, z_g = ref.quantize_w4(jnp.asarray(w_cur[i:i + group_size].astype(np.float32)),
-                                              group_size, zero_point)
+                _, s_g, z_g = ref.quantize_w4(
+                    jnp.asarray(w_cur[i : i + group_size].astype(np.float32)), group_size, zero_point
+                )
                 s_out[g] = np.asarray(s_g)[0]
                 if zero_point:
                     z_out[g] = np.asarray(z_g)[0]
@@ -210,8 +212,8 @@ def _naive_gptq(w, h, n_rows, fmt, group_size, zero_point, damp, order):
             d = q * s
         codes[i], deq[i] = q, d
         delta = w_cur[i] - d.astype(np.float64)
-        rest = order[t + 1:]
-        loss += np.sum(delta ** 2) / h_inv[i, i]
+        rest = order[t + 1 :]
+        loss += np.sum(delta**2) / h_inv[i, i]
         # eq. (2): delta_F = -(w_q - quant(w_q)) / [H_F^-1]_qq * (H_F^-1)_{:, q}
         w_cur[rest] -= np.outer(h_inv[rest, i] / h_inv[i, i], delta)
         # eq. (3): H_{-q}^-1 = H^-1 - H^-1_{:, q} H^-1_{q, :} / [H^-1]_qq
@@ -220,9 +222,17 @@ def _naive_gptq(w, h, n_rows, fmt, group_size, zero_point, damp, order):
     return codes, (s8 if fmt == "w8" else s_out), z_final, deq, loss
 
 
-@pytest.mark.parametrize("fmt,group_size,zero_point,act_order", [
-    ("w8", 128, False, False), ("w4", 32, False, False), ("w4", 32, True, False),
-    ("w4", 64, True, False), ("w4", 32, False, True), ("w8", 128, False, True)])
+@pytest.mark.parametrize(
+    "fmt,group_size,zero_point,act_order",
+    [
+        ("w8", 128, False, False),
+        ("w4", 32, False, False),
+        ("w4", 32, True, False),
+        ("w4", 64, True, False),
+        ("w4", 32, False, True),
+        ("w8", 128, False, True),
+    ],
+)
 def test_lazy_blocks_equal_the_naive_row_by_row_algorithm(fmt, group_size, zero_point, act_order):
     rng = np.random.default_rng(4)
     k, n = 128, 24
@@ -236,8 +246,17 @@ def test_lazy_blocks_equal_the_naive_row_by_row_algorithm(fmt, group_size, zero_
     assert np.abs(want[3] - w).max() > 0  # the feedback did something
     # block sizes: one row, several groups per block, groups straddling blocks, one block
     for block_size in (1, 16, 24, 48, 128):
-        r = gptq.quantize_detailed(w, h, rows, fmt, group_size=group_size, zero_point=zero_point,
-                                   damp=0.01, block_size=block_size, act_order=act_order)
+        r = gptq.quantize_detailed(
+            w,
+            h,
+            rows,
+            fmt,
+            group_size=group_size,
+            zero_point=zero_point,
+            damp=0.01,
+            block_size=block_size,
+            act_order=act_order,
+        )
         np.testing.assert_array_equal(r.q, want[0])
         np.testing.assert_array_equal(r.s, want[1])
         if want[2] is None:
@@ -261,8 +280,9 @@ def test_loss_is_the_proxy_objective_and_dead_inputs_are_zeroed(act_order):
     h, rows = gptq.hessian(x)
     damp = 0.05
     for fmt, zero_point in [("w4", False), ("w4", True), ("w8", False)]:
-        r = gptq.quantize_detailed(w, h, rows, fmt, group_size=32, zero_point=zero_point, damp=damp,
-                                   block_size=32, act_order=act_order)
+        r = gptq.quantize_detailed(
+            w, h, rows, fmt, group_size=32, zero_point=zero_point, damp=damp, block_size=32, act_order=act_order
+        )
         assert np.all(np.isfinite(r.dequantized))
         assert np.all(r.dequantized[dead] == 0)  # dead rows are set to 0 and quantize to 0
         if fmt == "w8" or not zero_point:

@@ -32,15 +32,16 @@ RNG = np.random.default_rng(11)
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_packing_round_trips_and_the_bytes_are_real(bits):
-    codes = jnp.asarray(RNG.integers(0, 2 ** bits, (3, 5, 2, 16)), jnp.uint8)
+    codes = jnp.asarray(RNG.integers(0, 2**bits, (3, 5, 2, 16)), jnp.uint8)
     packed = quant.pack(codes, bits)
     assert packed.dtype == jnp.uint8 and packed.shape == (3, 5, 2, 16 * bits // 8)
     np.testing.assert_array_equal(np.asarray(quant.unpack(packed, bits)), np.asarray(codes))
     # split halves: channel i Hp + j sits in bits [i b, (i + 1) b) of byte j
     n, hp = 8 // bits, 16 * bits // 8
     byte = int(packed[0, 0, 0, 1])
-    assert [(byte >> (bits * i)) & (2 ** bits - 1) for i in range(n)] == [int(codes[0, 0, 0, i * hp + 1])
-                                                                           for i in range(n)]
+    assert [(byte >> (bits * i)) & (2**bits - 1) for i in range(n)] == [
+        int(codes[0, 0, 0, i * hp + 1]) for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -48,12 +49,12 @@ def test_quantize_is_asymmetric_and_within_half_a_step(bits):
     x = jnp.asarray(RNG.standard_normal((4, 8, 2, 16)) * 3 + 1, jnp.float32)
     for axis in (1, 3):
         codes, s, z = quant.quantize(x, bits, axis)
-        assert int(codes.max()) <= 2 ** bits - 1
+        assert int(codes.max()) <= 2**bits - 1
         np.testing.assert_array_equal(np.asarray(z), np.asarray(jnp.min(x, axis=axis, keepdims=True)))
         err = np.abs(np.asarray(quant.dequantize(codes, s, z) - x))
         assert (err <= np.asarray(s) / 2 * (1 + 1e-5) + 1e-6).all()
         # the extremes are represented (up to rounding): min -> code 0, max -> the top code
-        assert (np.asarray(codes.min(axis=axis)) == 0).all() and (np.asarray(codes.max(axis=axis)) == 2 ** bits - 1).all()
+        assert (np.asarray(codes.min(axis=axis)) == 0).all() and (np.asarray(codes.max(axis=axis)) == 2**bits - 1).all()
     # a constant group: scale 1, exact
     c, s, z = quant.quantize(jnp.full((2, 4), 0.3), bits, 1)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(c, s, z)), np.full((2, 4), np.float32(0.3)))
@@ -135,7 +136,7 @@ def test_kernel_bf16_and_the_default_platform_choice():
     args = _case("kivi4", n=4, dtype=jnp.bfloat16)
     want = quant.paged_attention_quant_reference(*args, mode="kivi4", residual=1)
     got = jax.jit(lambda *a: kernel_quant.paged_attention_quant(*a, mode="kivi4", residual=1))(*args)
-    _close(got, want, 2 ** -7)
+    _close(got, want, 2**-7)
 
 
 def test_kernel_never_reads_pages_outside_its_windows():
@@ -171,11 +172,19 @@ def test_lowers_through_triton_for_a_gpu_ahead_of_time(mode):
     Triton lowering accepts the in-tile unpacking. Nothing runs on a GPU here."""
     S = jax.ShapeDtypeStruct
     b, n, k, h, page_size, max_pages, pages = 4, 8, 2, 128, 16, 8, 64
-    qp = {name: S(shape, jnp.uint8 if name in ("kq", "vq") else jnp.bfloat16)
-          for name, shape in quant.page_shapes(mode, pages, page_size, k, h).items()}
-    args = (S((b, n, h), jnp.bfloat16), S((pages, page_size, k, h), jnp.bfloat16),
-            S((pages, page_size, k, h), jnp.bfloat16), qp, S((b, max_pages), jnp.int32),
-            S((b, max_pages), jnp.int32), S((b,), jnp.int32))
+    qp = {
+        name: S(shape, jnp.uint8 if name in ("kq", "vq") else jnp.bfloat16)
+        for name, shape in quant.page_shapes(mode, pages, page_size, k, h).items()
+    }
+    args = (
+        S((b, n, h), jnp.bfloat16),
+        S((pages, page_size, k, h), jnp.bfloat16),
+        S((pages, page_size, k, h), jnp.bfloat16),
+        qp,
+        S((b, max_pages), jnp.int32),
+        S((b, max_pages), jnp.int32),
+        S((b,), jnp.int32),
+    )
     gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
     fn = lambda *a: kernel_quant.paged_attention_quant(*a, mode=mode, residual=1, interpret=False)
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)):
@@ -190,7 +199,7 @@ def test_triton_kernel_on_a_gpu_equals_the_reference(mode):
     args = _case(mode, n=8, k=2, h=128, page_size=16, max_pages=4, residual=1, dtype=jnp.bfloat16)
     want = quant.paged_attention_quant_reference(*args, mode=mode, residual=1)
     got = jax.jit(lambda *a: kernel_quant.paged_attention_quant(*a, mode=mode, residual=1, interpret=False))(*args)
-    _close(got, want, 2 ** -7)
+    _close(got, want, 2**-7)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -222,12 +231,15 @@ def _record(eng):
         logits = run(tokens, positions, table, fp_table)
         steps.append((np.asarray(tokens), np.asarray(positions), np.asarray(table), np.asarray(logits)))
         return logits
+
     eng._run = recording
     return steps
 
 
-@pytest.mark.parametrize("mode,residual", [("kivi4", 0), pytest.param("kivi2", 1, marks=pytest.mark.slow),
-                                           pytest.param("int8", 0, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode,residual",
+    [("kivi4", 0), pytest.param("kivi2", 1, marks=pytest.mark.slow), pytest.param("int8", 0, marks=pytest.mark.slow)],
+)
 def test_engine_logits_equal_a_fake_quantized_contiguous_forward(mode, residual):
     """Requests with chunked prefill and decodes in one batch: every row's logits equal
     transformer.logits over its sequence with each layer's attention replaced by
@@ -250,12 +262,15 @@ def test_engine_logits_equal_a_fake_quantized_contiguous_forward(mode, residual)
             got = np.stack([rows[p][1] for p in range(len(rows))])
             assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # and the quantization mattered: the full-precision forward differs by far more
-    plain = np.asarray(jax.jit(lambda p, ids: transformer.logits(p, ids, m, program.layout, program.specs))(params, ids))[0]
+    plain = np.asarray(
+        jax.jit(lambda p, ids: transformer.logits(p, ids, m, program.layout, program.specs))(params, ids)
+    )[0]
     assert np.abs(plain - want).max() > 100 * np.abs(got - want).max()
 
 
-@pytest.mark.parametrize("mode", ["kivi2", pytest.param("kivi4", marks=pytest.mark.slow),
-                                  pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode", ["kivi2", pytest.param("kivi4", marks=pytest.mark.slow), pytest.param("int8", marks=pytest.mark.slow)]
+)
 def test_sealed_pages_are_the_reference_quantizer_bit_for_bit(mode):
     """With a residual window longer than any sequence every full-precision page stays held, so
     after the run the quantized pool can be checked against quant.quantize_pages of the
@@ -312,8 +327,10 @@ def test_int8_keeps_the_greedy_tokens():
         got = gen["int8"][rid][1]
         diverged = next((j for j in range(len(want)) if got[j] != want[j]), len(want))
         agree, total = agree + diverged, total + len(want)
-        first = {mode: next(k for k, seq in rows[mode].items()
-                             if [seq[t][0] for t in range(len(prompt))] == prompt) for mode in rows}
+        first = {
+            mode: next(k for k, seq in rows[mode].items() if [seq[t][0] for t in range(len(prompt))] == prompt)
+            for mode in rows
+        }
         for j in range(min(diverged + 1, len(want))):  # the logits of the tokens up to the divergence
             pos = len(prompt) - 1 + j
             full, q8 = rows["none"][first["none"]][pos][1], rows["int8"][first["int8"]][pos][1]
@@ -341,7 +358,9 @@ def test_quantized_engine_on_data_2_tensor_2():
 def test_bad_settings_are_named():
     config = small_config(n_kv_heads=4)
     config.serve.kv_quant = "int4"
-    with pytest.raises(ConfigError, match=r"config.serve.kv_quant='int4': choose one of \('none', 'int8', 'kivi4', 'kivi2'\)"):
+    with pytest.raises(
+        ConfigError, match=r"config.serve.kv_quant='int4': choose one of \('none', 'int8', 'kivi4', 'kivi2'\)"
+    ):
         validate(config)
     config.serve.kv_quant, config.serve.kv_residual = "kivi4", -1
     with pytest.raises(ConfigError, match="kv_residual"):

@@ -34,8 +34,12 @@ from tests.helpers import subprocess_env
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 CONFIG = "configs/tiny.py:test"
-OVERRIDES = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-             "--config.model.n_kv_heads=2"]  # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2
+OVERRIDES = [
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
+    "--config.model.n_kv_heads=2",
+]  # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2
 ARGS = ["--config", CONFIG, *OVERRIDES]
 DETECTED = "jaxsys: jax.distributed initialised from SLURM"
 # JAX's SlurmCluster: the coordinator listens on the step's first node at 61440 + SLURM_JOB_ID % 4096.
@@ -57,12 +61,24 @@ def _slurm_port_and_job_id() -> tuple[int, int]:
 
 def slurm_task_env(job_id: int, ntasks: int, procid: int) -> dict[str, str]:
     """What srun sets in task `procid` of a job step of `ntasks` tasks, all on node `localhost`."""
-    return {"SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id), "SLURM_STEP_ID": "0",
-            "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost",
-            "SLURM_STEP_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_STEP_NUM_NODES": "1",
-            "SLURM_NTASKS": str(ntasks), "SLURM_NPROCS": str(ntasks), "SLURM_STEP_NUM_TASKS": str(ntasks),
-            "SLURM_TASKS_PER_NODE": str(ntasks), "SLURM_STEP_TASKS_PER_NODE": str(ntasks),
-            "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(procid), "SLURM_NODEID": "0"}
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOBID": str(job_id),
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NNODES": "1",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NPROCS": str(ntasks),
+        "SLURM_STEP_NUM_TASKS": str(ntasks),
+        "SLURM_TASKS_PER_NODE": str(ntasks),
+        "SLURM_STEP_TASKS_PER_NODE": str(ntasks),
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(procid),
+        "SLURM_NODEID": "0",
+    }
 
 
 def _env(devices: int, slurm: dict[str, str]) -> dict[str, str]:
@@ -83,8 +99,7 @@ def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path, expect_ok: boo
         for i, env in enumerate(envs):
             out, err = open(logdir / f"p{i}.out", "w+"), open(logdir / f"p{i}.err", "w+")
             logs.append((out, err))
-            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err,
-                                          stdin=subprocess.DEVNULL))
+            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs):
             # One that failed leaves the other blocked in jax.distributed or a collective: stop early.
@@ -105,8 +120,10 @@ def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path, expect_ok: boo
         out.close(), err.close()
     if expect_ok and codes != [0] * len(procs):
         why = f"timed out after {TIMEOUT_S}s" if timed_out else "failed"
-        report = "\n".join(f"--- process {i}: exit {'killed' if c is None else c}\n[stdout]\n{o}\n[stderr]\n{e}"
-                           for i, (c, o, e) in enumerate(results))
+        report = "\n".join(
+            f"--- process {i}: exit {'killed' if c is None else c}\n[stdout]\n{o}\n[stderr]\n{e}"
+            for i, (c, o, e) in enumerate(results)
+        )
         pytest.fail(f"jaxsys.train {why}:\n{report}")
     return results
 
@@ -134,8 +151,9 @@ def test_two_slurm_tasks_detect_the_cluster_and_train_like_one_process(tmp_path,
     # (a) 2 tasks x 4 devices, nothing set but what srun would set: JAX finds the coordinator
     # (localhost, the port from SLURM_JOB_ID) and the process ids; only process 0 prints.
     multi = tmp_path / "multi"
-    (_, out0, _), (_, out1, _) = _run([_env(4, slurm_task_env(job_id, 2, i)) for i in range(2)],
-                                      multi, tmp_path / "logs_multi")
+    (_, out0, _), (_, out1, _) = _run(
+        [_env(4, slurm_task_env(job_id, 2, i)) for i in range(2)], multi, tmp_path / "logs_multi"
+    )
     line = next((l for l in out0.splitlines() if l.startswith(DETECTED)), None)
     assert line == f"{DETECTED}: 2 processes, 8 devices, coordinator localhost:{port}", out0
     assert "mesh data=2 fsdp=2 tensor=2" in out0, out0
@@ -179,15 +197,31 @@ def test_sbatch_script_one_process_per_node_sets_dcn_and_trains_the_same(tmp_pat
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
     (bin_dir / "srun").chmod(0o755)
-    batch = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2",
-             "SLURM_JOB_NODELIST": "localhost,127.0.0.1", "SLURM_NODELIST": "localhost,127.0.0.1",
-             "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO),
-             "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
-    env = {**_env(4, batch), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "JAXSYS_PYTHON_BIN": sys.executable}
+    batch = {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "localhost,127.0.0.1",
+        "SLURM_NODELIST": "localhost,127.0.0.1",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }
+    env = {
+        **_env(4, batch),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "JAXSYS_PYTHON_BIN": sys.executable,
+    }
     multi = tmp_path / "multi"
-    [(_, out, err)] = _run([env], multi, tmp_path / "logs_sbatch", command=[
-        "bash", str(REPO / "scripts/launch/slurm.sbatch"), CONFIG, str(multi), *OVERRIDES])
+    [(_, out, err)] = _run(
+        [env],
+        multi,
+        tmp_path / "logs_sbatch",
+        command=["bash", str(REPO / "scripts/launch/slurm.sbatch"), CONFIG, str(multi), *OVERRIDES],
+    )
     assert "jaxsys launch: job" in out and "2 node(s) x 1 process(es)" in out, out
     assert out.count(DETECTED) == 1, out  # process 0 only
     assert f"{DETECTED}: 2 processes, 8 devices, coordinator localhost:{port}" in out, out
@@ -239,6 +273,7 @@ def test_plan_slurm_step_uses_jax_detection_and_the_gpu_of_each_task():
 
 def test_plan_matches_what_jax_reads_from_slurm(monkeypatch):
     from jax._src.clusters import SlurmCluster
+
     for k in [k for k in os.environ if k.startswith("SLURM_")] + ["JAX_COORDINATOR_PORT"]:
         monkeypatch.delenv(k, raising=False)
     for k, v in {**STEP, "SLURM_STEP_NODELIST": "gpu[007-008],gpu010"}.items():
@@ -262,20 +297,27 @@ def test_plan_explicit_settings_win_over_slurm():
     assert distributed_plan(cfg, {**STEP, **explicit})[0] == "config.distributed"
 
 
-@pytest.mark.parametrize("env, names", [
-    # a batch script or salloc shell with 2 tasks: not started by srun
-    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"}, ["SLURM_STEP_NODELIST", "srun", "SLURM_NTASKS=1"]),
-    ({k: v for k, v in STEP.items() if k != "SLURM_PROCID"}, ["SLURM_PROCID is not set", "srun"]),
-    ({k: v for k, v in STEP.items() if k not in ("SLURM_LOCALID", "SLURM_NTASKS")},
-     ["SLURM_NTASKS, SLURM_LOCALID are not set"]),  # the step's count from SLURM_STEP_NUM_TASKS
-    ({**STEP, "SLURM_PROCID": "2"}, ["SLURM_PROCID=2 is not in 0..1"]),
-    ({**STEP, "SLURM_NTASKS": "two"}, ["SLURM_NTASKS='two' is not an integer"]),
-    ({**STEP, "SLURM_NTASKS": "4"}, ["SLURM_NTASKS=4 but SLURM_STEP_NUM_TASKS=2"]),
-    # explicit but half: a coordinator with no process count or id
-    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, ["JAX_NUM_PROCESSES", "JAX_PROCESS_ID"]),
-    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "x"},
-     ["JAX_PROCESS_ID='x' is not an integer"]),
-])
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        # a batch script or salloc shell with 2 tasks: not started by srun
+        ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"}, ["SLURM_STEP_NODELIST", "srun", "SLURM_NTASKS=1"]),
+        ({k: v for k, v in STEP.items() if k != "SLURM_PROCID"}, ["SLURM_PROCID is not set", "srun"]),
+        (
+            {k: v for k, v in STEP.items() if k not in ("SLURM_LOCALID", "SLURM_NTASKS")},
+            ["SLURM_NTASKS, SLURM_LOCALID are not set"],
+        ),  # the step's count from SLURM_STEP_NUM_TASKS
+        ({**STEP, "SLURM_PROCID": "2"}, ["SLURM_PROCID=2 is not in 0..1"]),
+        ({**STEP, "SLURM_NTASKS": "two"}, ["SLURM_NTASKS='two' is not an integer"]),
+        ({**STEP, "SLURM_NTASKS": "4"}, ["SLURM_NTASKS=4 but SLURM_STEP_NUM_TASKS=2"]),
+        # explicit but half: a coordinator with no process count or id
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, ["JAX_NUM_PROCESSES", "JAX_PROCESS_ID"]),
+        (
+            {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "x"},
+            ["JAX_PROCESS_ID='x' is not an integer"],
+        ),
+    ],
+)
 def test_plan_half_environment_names_the_variable_and_the_fix(env, names):
     with pytest.raises(ConfigError) as e:
         distributed_plan(CFG, env)
@@ -288,6 +330,7 @@ def test_plan_cloud_tpu_pod_and_multislice_use_jax_detection(monkeypatch):
     # environment; no metadata server is asked). Single host: one process; 2 hosts x 2 slices: 4.
     from jax._src import cloud_tpu_init
     from jax._src.clusters import cloud_tpu_cluster
+
     monkeypatch.setattr(cloud_tpu_init, "running_in_cloud_tpu_vm", True)
     monkeypatch.setattr(cloud_tpu_cluster, "running_in_cloud_tpu_vm", True)
     monkeypatch.setenv("TPU_WORKER_ID", "0")

@@ -32,7 +32,7 @@ def test_rope_is_complex_rotation_of_half_pairs():
     b, t, n, h = 2, 7, 3, 8
     x, pos = normal(b, t, n, h), np.arange(t) + 3
     freqs = 10000.0 ** (-np.arange(h // 2) / (h // 2))
-    z = (x[..., : h // 2] + 1j * x[..., h // 2:]) * np.exp(1j * pos[None, :, None, None] * freqs)
+    z = (x[..., : h // 2] + 1j * x[..., h // 2 :]) * np.exp(1j * pos[None, :, None, None] * freqs)
     want = np.concatenate([z.real, z.imag], axis=-1)
     np.testing.assert_allclose(layers.rope(x, jnp.asarray(pos), 10000.0), want, rtol=1e-4, atol=1e-5)
 
@@ -73,13 +73,23 @@ def _tensor_mesh():
 def test_vocab_parallel_cross_entropy_and_gradient():
     logits, targets = normal(2, 5, 64) * 3, RNG.integers(0, 64, (2, 5))
     dense = lambda l: optax.softmax_cross_entropy_with_integer_labels(l, targets)
-    sharded = jax.shard_map(lambda l, t: tensor.cross_entropy(l, t, ("tensor",)), mesh=_tensor_mesh(),
-                            in_specs=(P(None, None, "tensor"), P()), out_specs=P(), check_vma=False)
+    sharded = jax.shard_map(
+        lambda l, t: tensor.cross_entropy(l, t, ("tensor",)),
+        mesh=_tensor_mesh(),
+        in_specs=(P(None, None, "tensor"), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
     np.testing.assert_allclose(sharded(logits, targets), dense(logits), rtol=1e-5, atol=1e-6)
     # the gradient is taken per shard, inside the shard_map, as the train step does
     local_grad = lambda l, t: jax.grad(lambda l: jnp.sum(tensor.cross_entropy(l, t, ("tensor",))))(l)
-    g_sharded = jax.shard_map(local_grad, mesh=_tensor_mesh(), in_specs=(P(None, None, "tensor"), P()),
-                              out_specs=P(None, None, "tensor"), check_vma=False)(logits, targets)
+    g_sharded = jax.shard_map(
+        local_grad,
+        mesh=_tensor_mesh(),
+        in_specs=(P(None, None, "tensor"), P()),
+        out_specs=P(None, None, "tensor"),
+        check_vma=False,
+    )(logits, targets)
     g_dense = jax.grad(lambda l: jnp.sum(dense(l)))(logits)
     np.testing.assert_allclose(g_sharded, g_dense, rtol=1e-5, atol=1e-6)
 
@@ -88,9 +98,13 @@ def test_vocab_parallel_cross_entropy_and_gradient():
 def test_vocab_parallel_embedding(sequence_parallel):
     table, ids = normal(64, 8), RNG.integers(0, 64, (2, 16))
     out_spec = P(None, "tensor") if sequence_parallel else P()
-    lookup = jax.shard_map(lambda w, i: tensor.embed_lookup(w, i, ("tensor",), ("tensor",) if sequence_parallel else ()),
-                           mesh=_tensor_mesh(), in_specs=(P("tensor"), P()), out_specs=out_spec,
-                           check_vma=False)
+    lookup = jax.shard_map(
+        lambda w, i: tensor.embed_lookup(w, i, ("tensor",), ("tensor",) if sequence_parallel else ()),
+        mesh=_tensor_mesh(),
+        in_specs=(P("tensor"), P()),
+        out_specs=out_spec,
+        check_vma=False,
+    )
     np.testing.assert_allclose(lookup(table, ids), table[ids], rtol=1e-6)
 
 

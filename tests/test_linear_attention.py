@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxsys.kernels.linear_attention import chunked, linear_attention, recurrent
 
@@ -36,8 +37,9 @@ _chunked = jax.jit(chunked, static_argnames=("scale", "chunk_size"))
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "block_v"))
 def _kernel(q, k, v, log_decay, initial_state, *, scale, chunk_size, block_v=None):
-    return linear_attention(q, k, v, log_decay=log_decay, initial_state=initial_state,
-                            scale=scale, chunk_size=chunk_size, block_v=block_v)
+    return linear_attention(
+        q, k, v, log_decay=log_decay, initial_state=initial_state, scale=scale, chunk_size=chunk_size, block_v=block_v
+    )
 
 
 def _inputs(seed, b=2, t=40, n=2, hv=H, dtype=jnp.float32, decay=True, state=True):
@@ -75,9 +77,11 @@ def test_chunked_equals_recurrent(chunk_size, decay):
 
 def _vjp_all(f, args, cts):
     """(outputs, cotangents of all args) in one jitted program (one forward, one backward)."""
+
     def run(args, cts):
         out, pullback = jax.vjp(f, *args)
         return out, pullback(cts)
+
     return jax.jit(run)(args, cts)
 
 
@@ -89,8 +93,7 @@ def test_chunked_gradients_equal_recurrent():
     q, k, v, ld, s0 = _inputs(1, t=20)
     ct = _inputs(2, t=20)
     cts = (ct[2], ct[4])
-    f_c = lambda q, k, v, ld, s0: chunked(q, k, v, log_decay=ld, initial_state=s0, scale=0.25,
-                                          chunk_size=8)
+    f_c = lambda q, k, v, ld, s0: chunked(q, k, v, log_decay=ld, initial_state=s0, scale=0.25, chunk_size=8)
     _, g_r = _vjp_all(_f_recurrent, (q, k, v, ld, s0), cts)
     _, g_c = _vjp_all(f_c, (q, k, v, ld, s0), cts)
     for a, b in zip(g_c, g_r):
@@ -104,7 +107,9 @@ def test_strong_decay_is_finite():
     o_r, s_r = _recurrent(q, k, v, log_decay=ld, initial_state=s0, scale=0.25)
     (o_c, s_c), g = _vjp_all(
         lambda ld: chunked(q, k, v, chunk_size=8, log_decay=ld, initial_state=s0, scale=0.25),
-        (ld,), (jnp.ones_like(o_r), jnp.ones_like(s_r)))
+        (ld,),
+        (jnp.ones_like(o_r), jnp.ones_like(s_r)),
+    )
     _close(o_c, o_r)
     _close(s_c, s_r)
     assert np.all(np.isfinite(np.asarray(g[0])))
@@ -121,14 +126,13 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "t{t}-c{chunk_size}-hv{hv}-"
-                         "bv{block_v}-decay{decay}-state{state}".format(**c))
+@pytest.mark.parametrize(
+    "case", KERNEL_CASES, ids=lambda c: "t{t}-c{chunk_size}-hv{hv}-bv{block_v}-decay{decay}-state{state}".format(**c)
+)
 def test_kernel_equals_recurrent_fp32(case):
-    q, k, v, ld, s0 = _inputs(4, t=case["t"], hv=case["hv"], decay=case["decay"],
-                              state=case["state"])
+    q, k, v, ld, s0 = _inputs(4, t=case["t"], hv=case["hv"], decay=case["decay"], state=case["state"])
     o_r, s_r = _recurrent(q, k, v, log_decay=ld, initial_state=s0, scale=0.25)
-    o_k, s_k = _kernel(q, k, v, ld, s0, scale=0.25, chunk_size=case["chunk_size"],
-                       block_v=case["block_v"])
+    o_k, s_k = _kernel(q, k, v, ld, s0, scale=0.25, chunk_size=case["chunk_size"], block_v=case["block_v"])
     assert o_k.dtype == jnp.float32 and s_k.dtype == jnp.float32
     _close(o_k, o_r)
     _close(s_k, s_r)
@@ -140,8 +144,9 @@ class KernelVariantsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_kernel_equals_recurrent(self):
         q, k, v, ld, s0 = _inputs(5, b=1, t=24, n=2)
-        attend = self.variant(lambda q, k, v, ld, s0: linear_attention(q, k, v, log_decay=ld, initial_state=s0,
-                                                                       scale=0.25, chunk_size=8))
+        attend = self.variant(
+            lambda q, k, v, ld, s0: linear_attention(q, k, v, log_decay=ld, initial_state=s0, scale=0.25, chunk_size=8)
+        )
         o_k, s_k = attend(q, k, v, ld, s0)
         o_r, s_r = _recurrent(q, k, v, log_decay=ld, initial_state=s0, scale=0.25)
         _close(o_k, o_r)
@@ -164,8 +169,8 @@ def test_kernel_gradients_equal_recurrent(case):
     ct = _inputs(7, t=case["t"], hv=case["hv"])
     cts = (ct[2], ct[4])  # do [B, T, N, Hv], dS_T [B, N, H, Hv]
     f_k = lambda q, k, v, ld, s0: linear_attention(
-        q, k, v, log_decay=ld, initial_state=s0, scale=0.25, chunk_size=case["chunk_size"],
-        block_v=case["block_v"])
+        q, k, v, log_decay=ld, initial_state=s0, scale=0.25, chunk_size=case["chunk_size"], block_v=case["block_v"]
+    )
     _, g_r = _vjp_all(_f_recurrent, (q, k, v, ld, s0), cts)
     _, g_k = _vjp_all(f_k, (q, k, v, ld, s0), cts)
     names = ["dq", "dk", "dv", "dlog_decay", "dinitial_state"]
@@ -182,10 +187,8 @@ def test_split_sequence_carries_state():
     q, k, v, ld, s0 = _inputs(8)
     o_full, s_full = _kernel(q, k, v, ld, s0, scale=0.25, chunk_size=16, block_v=8)
     cut = 24
-    o1, s1 = _kernel(q[:, :cut], k[:, :cut], v[:, :cut], ld, s0, scale=0.25, chunk_size=16,
-                     block_v=8)
-    o2, s2 = _kernel(q[:, cut:], k[:, cut:], v[:, cut:], ld, s1, scale=0.25, chunk_size=16,
-                     block_v=8)
+    o1, s1 = _kernel(q[:, :cut], k[:, :cut], v[:, :cut], ld, s0, scale=0.25, chunk_size=16, block_v=8)
+    o2, s2 = _kernel(q[:, cut:], k[:, cut:], v[:, cut:], ld, s1, scale=0.25, chunk_size=16, block_v=8)
     _close(jnp.concatenate([o1, o2], axis=1), o_full)
     _close(s2, s_full)
 
@@ -198,10 +201,10 @@ def test_shard_map_heads_on_tensor_axis():
     cts = (ct[2], ct[4])
     heads = P(None, None, "tensor", None)
     state = P(None, "tensor", None, None)
-    f = lambda q, k, v, ld, s0: linear_attention(q, k, v, log_decay=ld, initial_state=s0,
-                                                 scale=0.25, chunk_size=8)
-    f_sharded = jax.shard_map(f, mesh=mesh, in_specs=(heads, heads, heads, P("tensor"), state),
-                              out_specs=(heads, state), check_vma=False)
+    f = lambda q, k, v, ld, s0: linear_attention(q, k, v, log_decay=ld, initial_state=s0, scale=0.25, chunk_size=8)
+    f_sharded = jax.shard_map(
+        f, mesh=mesh, in_specs=(heads, heads, heads, P("tensor"), state), out_specs=(heads, state), check_vma=False
+    )
     (o_s, st_s), g_s = _vjp_all(f_sharded, (q, k, v, ld, s0), cts)
     (o_u, st_u), g_u = _vjp_all(f, (q, k, v, ld, s0), cts)
     o_r, st_r = _recurrent(q, k, v, log_decay=ld, initial_state=s0, scale=0.25)
@@ -217,20 +220,25 @@ def test_shard_map_heads_on_tensor_axis():
 # Bad input.
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda a: {**a, "k": a["k"][:, :5]}, r"k\.shape must equal q\.shape"),
-    (lambda a: {**a, "v": a["v"][:, :, :1]}, r"v\.shape\[:3\] must equal q\.shape\[:3\]"),
-    (lambda a: {**a, "q": a["q"][0]}, r"q must be 4-D"),
-    (lambda a: {**a, "v": a["v"].astype(jnp.bfloat16)}, r"share one floating dtype"),
-    (lambda a: {**a, "chunk_size": 12}, r"chunk_size must be a positive multiple of 8, got 12"),
-    (lambda a: {**a, "chunk_size": 0}, r"chunk_size must be a positive multiple of 8, got 0"),
-    (lambda a: {**a, "log_decay": jnp.zeros((3,))}, r"log_decay must have shape \[N\]=\(2,\), got \(3,\)"),
-    (lambda a: {**a, "log_decay": jnp.array([-0.1, 0.2])}, r"log_decay must be <= 0"),
-    (lambda a: {**a, "initial_state": jnp.zeros((2, 2, H, 8))},
-     r"initial_state must have shape \[B, N, H, Hv\]=\(2, 2, 16, 16\), got \(2, 2, 16, 8\)"),
-    (lambda a: {**a, "block_v": 5}, r"block_v must be a positive divisor of Hv=16, got 5"),
-    (lambda a: {**a, "scale": jnp.float32(0.5) * jnp.ones(())}, r"scale must be a Python/NumPy real"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: {**a, "k": a["k"][:, :5]}, r"k\.shape must equal q\.shape"),
+        (lambda a: {**a, "v": a["v"][:, :, :1]}, r"v\.shape\[:3\] must equal q\.shape\[:3\]"),
+        (lambda a: {**a, "q": a["q"][0]}, r"q must be 4-D"),
+        (lambda a: {**a, "v": a["v"].astype(jnp.bfloat16)}, r"share one floating dtype"),
+        (lambda a: {**a, "chunk_size": 12}, r"chunk_size must be a positive multiple of 8, got 12"),
+        (lambda a: {**a, "chunk_size": 0}, r"chunk_size must be a positive multiple of 8, got 0"),
+        (lambda a: {**a, "log_decay": jnp.zeros((3,))}, r"log_decay must have shape \[N\]=\(2,\), got \(3,\)"),
+        (lambda a: {**a, "log_decay": jnp.array([-0.1, 0.2])}, r"log_decay must be <= 0"),
+        (
+            lambda a: {**a, "initial_state": jnp.zeros((2, 2, H, 8))},
+            r"initial_state must have shape \[B, N, H, Hv\]=\(2, 2, 16, 16\), got \(2, 2, 16, 8\)",
+        ),
+        (lambda a: {**a, "block_v": 5}, r"block_v must be a positive divisor of Hv=16, got 5"),
+        (lambda a: {**a, "scale": jnp.float32(0.5) * jnp.ones(())}, r"scale must be a Python/NumPy real"),
+    ],
+)
 def test_bad_input_raises(mutate, match):
     q, k, v, ld, s0 = _inputs(11, t=8)
     args = mutate(dict(q=q, k=k, v=v, log_decay=ld, initial_state=s0, chunk_size=8))

@@ -40,8 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys.analysis import targets
 from jaxsys.kernels.linear_attention import kernel_tpu, linear_attention, recurrent
-from jaxsys.kernels.linear_attention.tpu_compile import (CUSTOM_CALL, compile_case,
-                                                         expected_kernels, tpu_mesh)
+from jaxsys.kernels.linear_attention.tpu_compile import CUSTOM_CALL, compile_case, expected_kernels, tpu_mesh
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 TPU_INTERPRET = dict(backend="tpu", interpret=True)
@@ -79,9 +78,12 @@ def _outputs_and_grads(args, cts, *, impl):
 
 def _tpu(chunk_size, block_t=None):
     return functools.partial(
-        lambda q, k, v, ld, s0, **kw: linear_attention(q, k, v, log_decay=ld, initial_state=s0,
-                                                       **kw),
-        scale=SCALE, chunk_size=chunk_size, block_t=block_t, **TPU_INTERPRET)
+        lambda q, k, v, ld, s0, **kw: linear_attention(q, k, v, log_decay=ld, initial_state=s0, **kw),
+        scale=SCALE,
+        chunk_size=chunk_size,
+        block_t=block_t,
+        **TPU_INTERPRET,
+    )
 
 
 def _reference(q, k, v, ld, s0):
@@ -111,13 +113,11 @@ def test_tpu_variant_matches_recurrence(name):
     assert o.dtype == dtype and st.dtype == jnp.float32
     # The truth: the fp32 recurrence on the same (bf16-rounded) values.
     up = lambda x: None if x is None else x.astype(jnp.float32)
-    (o_r, st_r), grads_r = _outputs_and_grads(tuple(map(up, args)), tuple(map(up, cts)),
-                                              impl=_reference)
+    (o_r, st_r), grads_r = _outputs_and_grads(tuple(map(up, args)), tuple(map(up, cts)), impl=_reference)
     tol = BF16_TOL if dtype == jnp.bfloat16 else FP32_TOL
     _close(o, o_r, tol, "o")
     _close(st, st_r, tol, "final_state")
-    for what, g, g_r, x in zip(("dq", "dk", "dv", "dlog_decay", "dinitial_state"), grads,
-                               grads_r, args):
+    for what, g, g_r, x in zip(("dq", "dk", "dv", "dlog_decay", "dinitial_state"), grads, grads_r, args):
         if x is None:
             assert g is None, what
             continue
@@ -129,9 +129,10 @@ def test_tpu_variant_equals_generic_variant():
     """Both variants on the same input, fp32: the same chunked sums, so they agree to rounding."""
     args, cts = _inputs(3, t=40, hv=32)
     generic = functools.partial(
-        lambda q, k, v, ld, s0: linear_attention(q, k, v, log_decay=ld, initial_state=s0,
-                                                 scale=SCALE, chunk_size=8, backend="generic",
-                                                 interpret=True))
+        lambda q, k, v, ld, s0: linear_attention(
+            q, k, v, log_decay=ld, initial_state=s0, scale=SCALE, chunk_size=8, backend="generic", interpret=True
+        )
+    )
     (o_t, st_t), g_t = _outputs_and_grads(args, cts, impl=_tpu(8, 16))
     (o_g, st_g), g_g = _outputs_and_grads(args, cts, impl=generic)
     for a, b in zip((o_t, st_t, *g_t), (o_g, st_g, *g_g)):
@@ -169,17 +170,24 @@ def test_tpu_interpret_mode_with_memory_simulation():
     between grid steps are detected. Called on kernel_tpu directly (the public `interpret` is a
     bool); one small case, forward and backward."""
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+
     (q, k, v, ld, s0), (do, dst) = _inputs(7, t=40, hv=32)
     cfg = kernel_tpu.tpu_config(chunk_size=8, block_t=16, scale=SCALE, has_decay=True, seq_len=40)
-    cfg = dataclasses.replace(cfg, interpret=pltpu.InterpretParams(
-        uninitialized_memory="nan", out_of_bounds_reads="raise", detect_races=True))
+    cfg = dataclasses.replace(
+        cfg, interpret=pltpu.InterpretParams(uninitialized_memory="nan", out_of_bounds_reads="raise", detect_races=True)
+    )
     o, st = kernel_tpu.forward(q, k, v, s0, ld, cfg)
     dq, dk, dv, ds0 = kernel_tpu.backward(q, k, v, s0, ld, do, dst, cfg)
     assert not interpret_pallas_call.races.races_found
     (o_r, st_r), grads_r = _outputs_and_grads((q, k, v, ld, s0), (do, dst), impl=_reference)
-    for what, got, want in (("o", o, o_r), ("final_state", st, st_r), ("dq", dq, grads_r[0]),
-                            ("dk", dk, grads_r[1]), ("dv", dv, grads_r[2]),
-                            ("dinitial_state", ds0, grads_r[4])):
+    for what, got, want in (
+        ("o", o, o_r),
+        ("final_state", st, st_r),
+        ("dq", dq, grads_r[0]),
+        ("dk", dk, grads_r[1]),
+        ("dv", dv, grads_r[2]),
+        ("dinitial_state", ds0, grads_r[4]),
+    ):
         _close(got, want, FP32_TOL, what)
 
 
@@ -196,8 +204,9 @@ def test_float16_is_computed_in_float32():
 # ----------------------------------------------------------------------------------------------
 # Ahead-of-time compiles for TPU topologies: the public function picks the Mosaic kernels.
 
-needs_libtpu = pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (the TPU "
-                                  "compiler): pip install -e '.[tpu]'")
+needs_libtpu = pytest.mark.skipif(
+    not targets.has_libtpu(), reason="needs libtpu (the TPU compiler): pip install -e '.[tpu]'"
+)
 
 
 @functools.cache
@@ -213,10 +222,13 @@ def _kernel_flops(n, t, chunk, h, hv, backward):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("target, dtype, chunk, t, h, hv", [
-    ("v5p:2x2x1", jnp.bfloat16, 64, 1024, 128, 128),  # the model's default chunk
-    ("v6e:2x2", jnp.float32, 16, 512, 64, 128),  # the model tests' chunk, Hv != H
-])
+@pytest.mark.parametrize(
+    "target, dtype, chunk, t, h, hv",
+    [
+        ("v5p:2x2x1", jnp.bfloat16, 64, 1024, 128, 128),  # the model's default chunk
+        ("v6e:2x2", jnp.float32, 16, 512, 64, 128),  # the model tests' chunk, Hv != H
+    ],
+)
 def test_linear_attention_picks_mosaic_when_lowered_for_tpu(target, dtype, chunk, t, h, hv):
     """linear_attention with no backend argument (as the model calls it), grad through the
     custom_vjp (decay, initial state, both cotangents), compiled for a TPU topology: three Mosaic
@@ -224,12 +236,10 @@ def test_linear_attention_picks_mosaic_when_lowered_for_tpu(target, dtype, chunk
     count includes the kernels' cost estimates (the rest is XLA's elementwise work)."""
     n = 4
     with targets.quiet_libtpu():
-        compiled = compile_case(_mesh(target), t, h, dtype, backward=True, heads=n, hv=hv,
-                                chunk_size=chunk)
+        compiled = compile_case(_mesh(target), t, h, dtype, backward=True, heads=n, hv=hv, chunk_size=chunk)
     text = compiled.as_text()
     assert text.count(CUSTOM_CALL) == 3
-    for name in ("linear_attention_tpu_fwd", "linear_attention_tpu_bwd_dq",
-                 "linear_attention_tpu_bwd_dkdv"):
+    for name in ("linear_attention_tpu_fwd", "linear_attention_tpu_bwd_dq", "linear_attention_tpu_bwd_dkdv"):
         assert name in text
     assert "linear_attention_fwd" not in text and "linear_attention_bwd" not in text
     cost = compiled.cost_analysis()
@@ -239,16 +249,20 @@ def test_linear_attention_picks_mosaic_when_lowered_for_tpu(target, dtype, chunk
 
 
 @needs_libtpu
-@pytest.mark.parametrize("backward, decay, dtype, kwargs", [
-    (False, True, jnp.bfloat16, dict(block_t=256)),  # forward only
-    (True, False, jnp.float32, dict(t=1000)),  # no decay: the forward is dead code in the grad
-    (True, True, jnp.float16, dict(t=256, h=64, chunk_size=8)),  # computed in fp32 inside
-])
+@pytest.mark.parametrize(
+    "backward, decay, dtype, kwargs",
+    [
+        (False, True, jnp.bfloat16, dict(block_t=256)),  # forward only
+        (True, False, jnp.float32, dict(t=1000)),  # no decay: the forward is dead code in the grad
+        (True, True, jnp.float16, dict(t=256, h=64, chunk_size=8)),  # computed in fp32 inside
+    ],
+)
 def test_other_cases_compile_for_tpu(backward, decay, dtype, kwargs):
     kwargs = {"t": 2048, "h": 128, **kwargs}
     with targets.quiet_libtpu():
-        compiled = compile_case(_mesh("v5p:2x2x1"), kwargs.pop("t"), kwargs.pop("h"), dtype,
-                                backward=backward, decay=decay, **kwargs)
+        compiled = compile_case(
+            _mesh("v5p:2x2x1"), kwargs.pop("t"), kwargs.pop("h"), dtype, backward=backward, decay=decay, **kwargs
+        )
     text = compiled.as_text()
     want = expected_kernels(backward, decay)
     assert text.count(CUSTOM_CALL) == len(want)
@@ -258,12 +272,10 @@ def test_other_cases_compile_for_tpu(backward, decay, dtype, kwargs):
 @needs_libtpu
 def test_cpu_lowering_keeps_the_generic_kernel():
     """The same shard_map'd program lowered for CPU devices has no Mosaic call."""
-    cpu_mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2],
-                             axis_types=(jax.sharding.AxisType.Auto,))
+    cpu_mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2], axis_types=(jax.sharding.AxisType.Auto,))
     data = P("data")
     local = lambda q, k, v: linear_attention(q, k, v, chunk_size=16)
-    fn = jax.jit(jax.shard_map(local, mesh=cpu_mesh, in_specs=(data,) * 3,
-                               out_specs=(data, data), check_vma=False))
+    fn = jax.jit(jax.shard_map(local, mesh=cpu_mesh, in_specs=(data,) * 3, out_specs=(data, data), check_vma=False))
     x = jax.ShapeDtypeStruct((2, 64, 2, 16), jnp.float32, sharding=NamedSharding(cpu_mesh, data))
     text = fn.lower(x, x, x).as_text()
     assert "tpu_custom_call" not in text
@@ -272,15 +284,28 @@ def test_cpu_lowering_keeps_the_generic_kernel():
 # ----------------------------------------------------------------------------------------------
 # Errors.
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"backend": "cuda"}, r"backend must be None \(chosen by platform\) or one of "
-                          r"\('generic', 'tpu'\); got backend='cuda'"),
-    ({"backend": "tpu", "block_t": 12}, r"block_t must be a positive multiple of chunk_size=8, "
-                                        r"got block_t=12"),
-    ({"block_t": 0}, r"block_t must be a positive multiple of chunk_size=8, got block_t=0"),
-    ({"backend": "tpu", "chunk_size": 12}, r"chunk_size must be a positive multiple of 8, "
-                                           r"got 12"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"backend": "cuda"},
+            r"backend must be None \(chosen by platform\) or one of "
+            r"\('generic', 'tpu'\); got backend='cuda'",
+        ),
+        (
+            {"backend": "tpu", "block_t": 12},
+            r"block_t must be a positive multiple of chunk_size=8, "
+            r"got block_t=12",
+        ),
+        ({"block_t": 0}, r"block_t must be a positive multiple of chunk_size=8, got block_t=0"),
+        (
+            {"backend": "tpu", "chunk_size": 12},
+            r"chunk_size must be a positive multiple of 8, "
+            r"got 12",
+        ),
+    ],
+)
 def test_bad_inputs_raise(kwargs, match):
     q = jnp.zeros((1, 16, 2, H))
     with pytest.raises(ValueError, match=match):
@@ -288,14 +313,14 @@ def test_bad_inputs_raise(kwargs, match):
 
 
 def test_tpu_config_names_the_mosaic_rule():
-    with pytest.raises(ValueError, match=r"the TPU kernel needs chunk_size to be a positive "
-                                         r"multiple of 8 \(Mosaic's sublane tile\), got "
-                                         r"chunk_size=20"):
-        kernel_tpu.tpu_config(chunk_size=20, block_t=None, scale=1.0, has_decay=False,
-                              seq_len=64)
+    with pytest.raises(
+        ValueError,
+        match=r"the TPU kernel needs chunk_size to be a positive "
+        r"multiple of 8 \(Mosaic's sublane tile\), got "
+        r"chunk_size=20",
+    ):
+        kernel_tpu.tpu_config(chunk_size=20, block_t=None, scale=1.0, has_decay=False, seq_len=64)
     # The default block_t: the chunks spread evenly over the fewest blocks of <= 512 tokens.
-    for chunk, t, block_t in ((64, 40, 64), (64, 32768, 512), (64, 520, 320), (48, 4096, 480),
-                              (1024, 5000, 1024)):
-        cfg = kernel_tpu.tpu_config(chunk_size=chunk, block_t=None, scale=1.0, has_decay=False,
-                                    seq_len=t)
+    for chunk, t, block_t in ((64, 40, 64), (64, 32768, 512), (64, 520, 320), (48, 4096, 480), (1024, 5000, 1024)):
+        cfg = kernel_tpu.tpu_config(chunk_size=chunk, block_t=None, scale=1.0, has_decay=False, seq_len=t)
         assert cfg.block_t == block_t, (chunk, t)

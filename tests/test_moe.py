@@ -59,7 +59,7 @@ def reference_routing(w, h, m):
         scores /= scores.sum(-1, keepdims=True)
     else:
         scores = 1 / (1 + np.exp(-logits))
-    experts = np.argsort(-scores, axis=-1, kind="stable")[..., :m.top_k]
+    experts = np.argsort(-scores, axis=-1, kind="stable")[..., : m.top_k]
     gates = np.take_along_axis(scores, experts, -1)
     if m.renormalize:
         gates = gates / gates.sum(-1, keepdims=True)
@@ -104,8 +104,11 @@ def reference_output(w, h, m, kept=None):
     return out
 
 
-ROUTERS = [dict(router="softmax", renormalize=True), dict(router="softmax", renormalize=False),
-           dict(router="sigmoid", renormalize=True, shared_experts=1)]
+ROUTERS = [
+    dict(router="softmax", renormalize=True),
+    dict(router="softmax", renormalize=False),
+    dict(router="sigmoid", renormalize=True, shared_experts=1),
+]
 
 
 @pytest.mark.parametrize("router", ROUTERS, ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
@@ -186,7 +189,7 @@ def test_balance_and_z_losses_equal_their_formulas(router):
     n = B * T
     aux = 0.3 * E * np.sum(f * probs.reshape(n, E).mean(0))
     lse = np.log(np.exp(logits).sum(-1))
-    z = 0.07 * np.mean(lse ** 2)
+    z = 0.07 * np.mean(lse**2)
     np.testing.assert_allclose(float(stats["aux_loss"]) / n, aux, rtol=1e-5)
     np.testing.assert_allclose(float(stats["z_loss"]) / n, z, rtol=1e-5)
 
@@ -215,15 +218,20 @@ def test_admission_queues_first_choices_first():
     np.testing.assert_array_equal(slot[0], [[0, 2], [1, 4], [6, 3]])
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(mesh=dict(expert=4), experts=6),
-     r"config.model.moe.experts=6 is not divisible by the 4 shards of mesh axis 'expert'"),
-    (dict(top_k=9), r"config.model.moe.top_k=9 is larger than config.model.moe.experts=8"),
-    (dict(router="topk"), r"config.model.moe.router='topk': choose one of"),
-    (dict(top_k=1), r"renormalize with a softmax router and top_k=1"),
-    (dict(mesh=dict(tensor=2), d_ff=13), r"config.model.moe.d_ff=13 is not divisible by the 2 shards"),
-    (dict(capacity_factor=-1.0), r"config.model.moe.capacity_factor must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(mesh=dict(expert=4), experts=6),
+            r"config.model.moe.experts=6 is not divisible by the 4 shards of mesh axis 'expert'",
+        ),
+        (dict(top_k=9), r"config.model.moe.top_k=9 is larger than config.model.moe.experts=8"),
+        (dict(router="topk"), r"config.model.moe.router='topk': choose one of"),
+        (dict(top_k=1), r"renormalize with a softmax router and top_k=1"),
+        (dict(mesh=dict(tensor=2), d_ff=13), r"config.model.moe.d_ff=13 is not divisible by the 2 shards"),
+        (dict(capacity_factor=-1.0), r"config.model.moe.capacity_factor must be >= 0"),
+    ],
+)
 def test_bad_moe_configs_are_refused(changes, message):
     changes = dict(changes)
     c = moe_config(**{k: v for k, v in changes.items() if k != "mesh"})

@@ -28,13 +28,20 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
-ARGS = ["--config", "configs/tiny.py:test",
-        # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2.
-        "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
-        "--config.model.n_kv_heads=2",
-        # constant after warmup, so that a 4-step run is the start of a 6-step one
-        "--config.train.schedule=constant"]
+ARGS = [
+    "--config",
+    "configs/tiny.py:test",
+    # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2.
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
+    "--config.model.n_kv_heads=2",
+    # constant after warmup, so that a 4-step run is the start of a 6-step one
+    "--config.train.schedule=constant",
+]
 BANNER = "jaxsys: "  # printed by process 0 only
+
+
 def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path, extra_args=()) -> list[str]:
     """Start one `jaxsys.train` process per env (all at once); wait for all to exit 0.
     Returns their stdouts. On a failure or the timeout, kills the rest and fails with all logs."""
@@ -44,9 +51,16 @@ def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path, extra_args=())
         for i, env in enumerate(envs):
             out, err = open(logdir / f"p{i}.out", "w+"), open(logdir / f"p{i}.err", "w+")
             logs.append((out, err))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxsys.train", *ARGS, *extra_args, "--workdir", str(workdir)],
-                cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "jaxsys.train", *ARGS, *extra_args, "--workdir", str(workdir)],
+                    cwd=REPO,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs):
             # A process that failed leaves the other one blocked in a collective: stop early.
@@ -67,9 +81,10 @@ def _run(envs: list[dict[str, str]], workdir: Path, logdir: Path, extra_args=())
         out.close(), err.close()
     if codes != [0] * len(procs):
         why = f"timed out after {TIMEOUT_S}s" if timed_out else "failed"
-        report = "\n".join(f"--- process {i}: exit {'killed' if c is None else c}\n"
-                           f"[stdout]\n{o}\n[stderr]\n{e}"
-                           for i, (c, (o, e)) in enumerate(zip(codes, texts)))
+        report = "\n".join(
+            f"--- process {i}: exit {'killed' if c is None else c}\n[stdout]\n{o}\n[stderr]\n{e}"
+            for i, (c, (o, e)) in enumerate(zip(codes, texts))
+        )
         pytest.fail(f"jaxsys.train {why}:\n{report}")
     return [o for o, _ in texts]
 
@@ -89,8 +104,10 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
     # both write their shards of the final checkpoint (step 4).
     multi = tmp_path / "multi"
     address = f"127.0.0.1:{free_port()}"
-    envs = [subprocess_env(4, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
-            for i in range(2)]
+    envs = [
+        subprocess_env(4, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+        for i in range(2)
+    ]
     out0, out1 = _run(envs, multi, tmp_path / "logs_multi")
     # Each process has only 4 local devices, so the 8-device mesh validated only because
     # jax.distributed joined them; the banner shows which process had process_index 0.
@@ -111,9 +128,12 @@ def test_two_processes_match_one_process_and_their_checkpoint_restores_in_one(tm
 
     # The 2-process checkpoint restores in 1 process x 8 devices on another layout (fsdp=8) and
     # training goes on as the single-process run did.
-    [out] = _run([subprocess_env(8)], multi, tmp_path / "logs_restore",
-                 ["--config.train.steps=6", "--config.mesh.data=1", "--config.mesh.tensor=1",
-                  "--config.mesh.fsdp=8"])
+    [out] = _run(
+        [subprocess_env(8)],
+        multi,
+        tmp_path / "logs_restore",
+        ["--config.train.steps=6", "--config.mesh.data=1", "--config.mesh.tensor=1", "--config.mesh.fsdp=8"],
+    )
     assert "resumed from step 4" in out and "mesh fsdp=8" in out, out
     resumed = _records(multi)[4:]
     assert [r["step"] for r in resumed] == [5, 6]

@@ -20,8 +20,7 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 pytest.importorskip("rich")  # jax.debug.visualize_array_sharding draws with rich
 
-NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks",
-                        "quickstart.ipynb")
+NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "quickstart.ipynb")
 
 
 def _text(cell) -> str:
@@ -38,9 +37,15 @@ def _text(cell) -> str:
 def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     spec_dir = tmp_path / "jupyter" / "kernels" / "jaxsys-test"
     spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "jaxsys test", "language": "python"}))
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "jaxsys test",
+                "language": "python",
+            }
+        )
+    )
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     workdir = tmp_path / "cwd"
     workdir.mkdir()
@@ -49,8 +54,8 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the notebook must set the device count itself
     client = nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="jaxsys-test", allow_errors=False,
-        resources={"metadata": {"path": str(workdir)}})  # the kernel's working directory
+        nb, timeout=600, kernel_name="jaxsys-test", allow_errors=False, resources={"metadata": {"path": str(workdir)}}
+    )  # the kernel's working directory
     client.execute(env=env)
 
     for cell in nb.cells:
@@ -64,5 +69,9 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "memory per device        measured       formula (ZeRO)" in text  # format_report
     assert "collectives per step (measured)" in text
     assert "FLOPs per device per step: XLA" in text
-    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert any(
+        o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )

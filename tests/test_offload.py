@@ -82,13 +82,25 @@ def test_offload_gives_the_losses_and_parameters_of_the_run_without(option, layo
 def test_compiled_step_outputs_the_state_in_host_memory():
     program = program_for(_config(dict(data=2, fsdp=2, tensor=2), 1, optimizer=True, params=True))
     state = program.abstract_state()
-    compiled = program.train_step_fn().lower(state, jax.ShapeDtypeStruct(
-        (program.config.train.batch_size, program.config.data.seq_len + 1), np.int32,
-        sharding=program.batch_sharding)).compile()
+    compiled = (
+        program.train_step_fn()
+        .lower(
+            state,
+            jax.ShapeDtypeStruct(
+                (program.config.train.batch_size, program.config.data.seq_len + 1),
+                np.int32,
+                sharding=program.batch_sharding,
+            ),
+        )
+        .compile()
+    )
     out_state, _ = compiled.output_shardings
     assert {s.memory_kind for s in jax.tree.leaves(out_state.params)} == {offload.HOST}
-    moments = [s.memory_kind for s, leaf in zip(jax.tree.leaves(out_state.opt_state), jax.tree.leaves(state.opt_state))
-               if leaf.ndim]
+    moments = [
+        s.memory_kind
+        for s, leaf in zip(jax.tree.leaves(out_state.opt_state), jax.tree.leaves(state.opt_state))
+        if leaf.ndim
+    ]
     assert set(moments) == {offload.HOST}
     assert out_state.step.memory_kind == offload.DEVICE
 
@@ -144,6 +156,7 @@ def test_backend_without_host_memory_is_named():
         def addressable_memories(self):
             class Memory:
                 kind = "device"
+
             return [Memory()]
 
     with pytest.raises(offload.OffloadError, match="pinned_host"):
@@ -151,12 +164,16 @@ def test_backend_without_host_memory_is_named():
 
 
 def test_bad_offload_keys_are_named():
-    for key, value, message in (("activations", "qkv", "unknown name"), ("optimizer_update", "cpu", "choose one"),
-                                ("optimizer_fraction", 1.5, r"\[0, 1\]")):
+    for key, value, message in (
+        ("activations", "qkv", "unknown name"),
+        ("optimizer_update", "cpu", "choose one"),
+        ("optimizer_fraction", 1.5, r"\[0, 1\]"),
+    ):
         c = _config({}, 0)
         c.offload[key] = value
         with pytest.raises(ConfigError, match=message):
             from jaxsys.config import validate
+
             validate(c)
 
 
@@ -165,6 +182,7 @@ def test_bad_offload_keys_are_named():
 
 def _tpu_memory(config, devices):
     from tests.test_tpu_compile import compile_on_tpu
+
     stats = compile_on_tpu(config, devices).memory_analysis()
     return stats
 
@@ -172,6 +190,7 @@ def _tpu_memory(config, devices):
 @pytest.fixture(scope="module")
 def tpu_devices():
     from jaxsys.analysis import targets
+
     if not targets.has_libtpu():
         pytest.skip("libtpu is not installed (bash scripts/bootstrap --test installs it)")
     return targets.devices(targets.parse("v5p:2x2x1"))
@@ -186,9 +205,11 @@ def _tpu_config(remat="none", **options):
 
 def _shard_bytes(tree, pspecs, mesh) -> int:
     """Bytes of one chip's shards of `tree`'s (non-scalar) leaves."""
-    return sum(math.prod(NamedSharding(mesh, spec).shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P)))
-               if leaf.ndim)
+    return sum(
+        math.prod(NamedSharding(mesh, spec).shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(pspecs, is_leaf=lambda x: isinstance(x, P)))
+        if leaf.ndim
+    )
 
 
 # The TPU stores arrays in (8, 128) tiles in a layout of its choosing: shards with a dimension of
@@ -247,6 +268,7 @@ def test_tpu_memory_moves_the_parameters_to_the_host(tpu_devices):
 
 def test_tpu_memory_offloads_the_layer_inputs(tpu_devices):
     from jaxsys.analysis import cost_model
+
     base = _tpu_memory(_tpu_config(remat="full"), tpu_devices)
     config = _tpu_config(remat="full", activations="layer_input")
     off = _tpu_memory(config, tpu_devices)
@@ -258,6 +280,7 @@ def test_tpu_memory_offloads_the_layer_inputs(tpu_devices):
 
 def test_pipeline_with_offload_gives_the_losses_of_the_run_without():
     from tests.helpers import pipeline_config
+
     _, _, ref_losses, ref_state = run(pipeline_config(dict(pipe=2, data=2, tensor=2)), steps=2)
     c = pipeline_config(dict(pipe=2, data=2, tensor=2))
     c.offload.optimizer, c.offload.params, c.offload.activations = True, True, "layer_input"

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from jaxsys.analysis import targets
-from jaxsys.kernels.paged_attention import kernel, reference as ref
+from jaxsys.kernels.paged_attention import kernel
+from jaxsys.kernels.paged_attention import reference as ref
 
 RNG = np.random.default_rng(7)
 
@@ -25,12 +26,11 @@ RNG = np.random.default_rng(7)
 def _close(got, want, dtype):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all()
-    tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+    tol = 1e-5 if dtype == jnp.float32 else 2**-7
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-def _case(b=6, n=4, k=2, h=32, page_size=8, max_pages=4, spare=5, dtype=jnp.float32,
-          lengths=None):
+def _case(b=6, n=4, k=2, h=32, page_size=8, max_pages=4, spare=5, dtype=jnp.float32, lengths=None):
     """A shared pool of b * max_pages + spare pages, shuffled over the sequences; lengths cover one
     token, exactly full pages (one and all), and partial last pages. Table entries past a
     sequence's pages are 0."""
@@ -62,8 +62,9 @@ def test_generic_kernel_equals_reference(group, dtype):
     _close(got, ref.paged_attention_reference(*args), dtype)
 
 
-@pytest.mark.parametrize("group,dtype,h", [(1, jnp.float32, 128), (4, jnp.float32, 128),
-                                           (2, jnp.bfloat16, 128), (2, jnp.float32, 32)])
+@pytest.mark.parametrize(
+    "group,dtype,h", [(1, jnp.float32, 128), (4, jnp.float32, 128), (2, jnp.bfloat16, 128), (2, jnp.float32, 32)]
+)
 def test_tpu_variant_in_interpret_mode_equals_reference(group, dtype, h):
     """kernel_tpu.py's grid (B, K, max_pages), scalar-prefetched page table and index maps, run
     by the Pallas interpreter (its Mosaic compile is tested below; nothing runs on a TPU here).
@@ -78,8 +79,7 @@ def test_scale_mqa_and_the_default_platform_choice():
     """interpret=None: lax.platform_dependent traces the Mosaic branch too (H = 64, K = 2 takes
     its all-heads layout) and runs the interpreted generic one on CPU."""
     args = _case(b=3, n=4, k=1, h=16, page_size=4, max_pages=5)
-    _close(kernel.paged_attention(*args, scale=0.3),
-           ref.paged_attention_reference(*args, scale=0.3), jnp.float32)
+    _close(kernel.paged_attention(*args, scale=0.3), ref.paged_attention_reference(*args, scale=0.3), jnp.float32)
     args = _case(b=3, n=4, k=2, h=64, page_size=4, max_pages=3)
     _close(jax.jit(kernel.paged_attention)(*args), ref.paged_attention_reference(*args), jnp.float32)
 
@@ -94,8 +94,7 @@ def test_pages_past_the_length_are_never_read(backend):
     dead = next(p for p in range(kp.shape[0]) if p not in live)
     poisoned = jnp.asarray(np.where(used, np.asarray(table), dead).astype(np.int32))
     kp_nan, vp_nan = kp.at[dead].set(jnp.nan), vp.at[dead].set(jnp.nan)
-    run = lambda t, k_, v_: kernel.paged_attention(q, k_, v_, t, lengths, backend=backend,
-                                                   interpret=True)
+    run = lambda t, k_, v_: kernel.paged_attention(q, k_, v_, t, lengths, backend=backend, interpret=True)
     want = run(table, kp, vp)
     got = run(poisoned, kp_nan, vp_nan)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -118,15 +117,16 @@ def test_reference_equals_contiguous_attention(dtype):
         kc[i], vc[i] = np.asarray(kp, np.float32)[pages, slots], np.asarray(vp, np.float32)[pages, slots]
     kc, vc = jnp.asarray(kc, dtype), jnp.asarray(vc, dtype)
     want = ref.contiguous_attention(q, kc, vc, lengths)
-    np.testing.assert_array_equal(np.asarray(ref.paged_attention_reference(q, kp, vp, table, lengths),
-                                             np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(ref.paged_attention_reference(q, kp, vp, table, lengths), np.float32), np.asarray(want, np.float32)
+    )
     # and contiguous_attention itself against a per-sequence softmax in numpy (fp64)
     n, h, k = q.shape[1], q.shape[2], kp.shape[2]
     for i in range(b):
         L = int(lengths[i])
         qi = np.asarray(q[i], np.float64).reshape(k, n // k, h)
         ki, vi = np.asarray(kc[i, :L], np.float64), np.asarray(vc[i, :L], np.float64)
-        sc = np.einsum("kgh,skh->kgs", qi, ki) * h ** -0.5
+        sc = np.einsum("kgh,skh->kgs", qi, ki) * h**-0.5
         p = np.exp(sc - sc.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         oi = np.einsum("kgs,skh->kgh", p, vi).reshape(n, h)
@@ -167,23 +167,37 @@ def test_bad_input_is_named():
 
 @pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (bash scripts/bootstrap --test)")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("n,k,page_size,h", [(8, 2, 16, 128), (32, 8, 64, 128), (8, 1, 16, 64),
-                                             (8, 2, 128, 256), (16, 4, 32, 64)])
+@pytest.mark.parametrize(
+    "n,k,page_size,h", [(8, 2, 16, 128), (32, 8, 64, 128), (8, 1, 16, 64), (8, 2, 128, 256), (16, 4, 32, 64)]
+)
 def test_tpu_variant_compiles_for_v5p_with_mosaic(n, k, page_size, h, dtype):
     """interpret=False lowered for a v5p slice inside a shard_map (sequences split over "data",
     the pool replicated): Mosaic accepts the scalar-prefetch grid and the compiled program holds
     its custom call. Nothing runs: there is no TPU here."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jaxsys.kernels.tpu_compile_grid import tpu_mesh
+
     mesh = tpu_mesh("v5p:2x2x1")
     b, max_pages, num_pages = 8 * mesh.size, 8, 128
     arg = lambda shape, dt, spec=P(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
-    args = (arg((b, n, h), dtype, P("data")), arg((num_pages, page_size, k, h), dtype),
-            arg((num_pages, page_size, k, h), dtype), arg((b, max_pages), jnp.int32, P("data")),
-            arg((b,), jnp.int32, P("data")))
-    f = jax.jit(jax.shard_map(lambda *a: kernel.paged_attention(*a, interpret=False), mesh=mesh,
-                              in_specs=(P("data"), P(), P(), P("data"), P("data")),
-                              out_specs=P("data"), check_vma=False))
+    args = (
+        arg((b, n, h), dtype, P("data")),
+        arg((num_pages, page_size, k, h), dtype),
+        arg((num_pages, page_size, k, h), dtype),
+        arg((b, max_pages), jnp.int32, P("data")),
+        arg((b,), jnp.int32, P("data")),
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda *a: kernel.paged_attention(*a, interpret=False),
+            mesh=mesh,
+            in_specs=(P("data"), P(), P(), P("data"), P("data")),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
     assert "tpu_custom_call" in f.lower(*args).compile().as_text()
 
 
@@ -192,8 +206,13 @@ def test_tpu_variant_compiles_for_v5p_with_mosaic(n, k, page_size, h, dtype):
 
 def _gpu_args(dtype, n, k, b=4, h=128, page_size=16, max_pages=8, num_pages=64):
     S = jax.ShapeDtypeStruct
-    return (S((b, n, h), dtype), S((num_pages, page_size, k, h), dtype),
-            S((num_pages, page_size, k, h), dtype), S((b, max_pages), jnp.int32), S((b,), jnp.int32))
+    return (
+        S((b, n, h), dtype),
+        S((num_pages, page_size, k, h), dtype),
+        S((num_pages, page_size, k, h), dtype),
+        S((b, max_pages), jnp.int32),
+        S((b,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -213,16 +232,19 @@ def test_lowers_through_triton_for_a_gpu_ahead_of_time(n, k, dtype):
 def test_compiles_to_sass_for_an_h100_deviceless():
     """Deviceless XLA:GPU compile (docs/gpu_aot_findings.md): Triton's passes and ptxas run for
     sm_90a. Nothing runs: numerics on a GPU are unchecked."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = Mesh(np.array(targets.devices(targets.parse("h100-1"))), ("x",))
     fn = lambda *a: kernel.paged_attention(*a, interpret=False)
-    cases = [_gpu_args(jnp.bfloat16, 8, 2), _gpu_args(jnp.float32, 8, 2),
-             # B, K, max_pages and the pool size need not be powers of two (whole-array refs)
-             _gpu_args(jnp.bfloat16, 6, 3, b=3, h=64, max_pages=5, num_pages=100)]
+    cases = [
+        _gpu_args(jnp.bfloat16, 8, 2),
+        _gpu_args(jnp.float32, 8, 2),
+        # B, K, max_pages and the pool size need not be powers of two (whole-array refs)
+        _gpu_args(jnp.bfloat16, 6, 3, b=3, h=64, max_pages=5, num_pages=100),
+    ]
     for case in cases:
         dtype = case[0].dtype
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P()))
-                for a in case]
-        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                                  check_vma=False))
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())) for a in case]
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False))
         assert "__gpu$xla.gpu.triton" in f.lower(*args).compile().as_text(), dtype

@@ -24,12 +24,18 @@ LAYOUTS = {
     "tensor8": (dict(tensor=8), {}, dict(n_kv_heads=8)),
     "tensor8_sp": (dict(tensor=8), dict(sp=True), dict(n_kv_heads=8)),
     "data2_fsdp2_tensor2": (dict(data=2, fsdp=2, tensor=2), dict(zero_stage=2), {}),
-    "data2_fsdp2_tensor2_sp_tied": (dict(data=2, fsdp=2, tensor=2), dict(zero_stage=1, sp=True),
-                                    dict(tie_embeddings=True)),
+    "data2_fsdp2_tensor2_sp_tied": (
+        dict(data=2, fsdp=2, tensor=2),
+        dict(zero_stage=1, sp=True),
+        dict(tie_embeddings=True),
+    ),
     "fsdp4_expert2": (dict(fsdp=4, expert=2), {}, {}),
     # a linear-attention layer then a softmax one; heads (and their decays) split over tensor
-    "data2_fsdp2_tensor2_hybrid": (dict(data=2, fsdp=2, tensor=2), {},
-                                   dict(layer_pattern="linear,softmax", linear_chunk=16)),
+    "data2_fsdp2_tensor2_hybrid": (
+        dict(data=2, fsdp=2, tensor=2),
+        {},
+        dict(layer_pattern="linear,softmax", linear_chunk=16),
+    ),
 }
 
 _reference_cache = {}

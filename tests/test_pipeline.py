@@ -53,22 +53,30 @@ def test_gradient_accumulation_without_pipeline_matches():
     assert_matches(loss_and_grads(pipeline_config(dict(data=2), microbatches=4)), reference())
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(n_layers=6, mesh=dict(pipe=4)), "n_layers=6 does not split into 4 pipeline stages"),
-    (dict(n_layers=8, mesh=dict(pipe=4), virtual_stages=4, schedule="interleaved_1f1b", m=4),
-     "n_layers=8 does not split into 16 pipeline stages"),
-    (dict(mesh=dict(pipe=4), m=2), "microbatches=2 is fewer than the 4 pipeline stages"),
-    (dict(mesh=dict(pipe=4), m=6, batch=12, schedule="interleaved_1f1b", virtual_stages=2),
-     "microbatches=6 must be a multiple of 4"),
-    (dict(mesh=dict(pipe=2), m=4, virtual_stages=2), "virtual_stages=2 needs config.train.pipeline_schedule"),
-    (dict(mesh=dict(pipe=1), m=1, virtual_stages=2), "virtual_stages=2 needs a pipeline"),
-    (dict(mesh=dict(pipe=2, data=2), m=3), "batch_size=8 does not split into 2 batch shards x 3"),
-    (dict(mesh=dict(pipe=2), m=2, schedule="zero_bubble"), "pipeline_schedule='zero_bubble'"),
-    (dict(mesh=dict(pipe=2, tensor=2), m=2, vocab_parallel=True, vocab_size=258),
-     "vocab_size=258 does not split over the 4 shards of vocabulary parallelism"),
-    (dict(mesh=dict(pipe=2), m=2, layer_pattern="linear,softmax", n_layers=6),
-     "not a whole number of periods"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_layers=6, mesh=dict(pipe=4)), "n_layers=6 does not split into 4 pipeline stages"),
+        (
+            dict(n_layers=8, mesh=dict(pipe=4), virtual_stages=4, schedule="interleaved_1f1b", m=4),
+            "n_layers=8 does not split into 16 pipeline stages",
+        ),
+        (dict(mesh=dict(pipe=4), m=2), "microbatches=2 is fewer than the 4 pipeline stages"),
+        (
+            dict(mesh=dict(pipe=4), m=6, batch=12, schedule="interleaved_1f1b", virtual_stages=2),
+            "microbatches=6 must be a multiple of 4",
+        ),
+        (dict(mesh=dict(pipe=2), m=4, virtual_stages=2), "virtual_stages=2 needs config.train.pipeline_schedule"),
+        (dict(mesh=dict(pipe=1), m=1, virtual_stages=2), "virtual_stages=2 needs a pipeline"),
+        (dict(mesh=dict(pipe=2, data=2), m=3), "batch_size=8 does not split into 2 batch shards x 3"),
+        (dict(mesh=dict(pipe=2), m=2, schedule="zero_bubble"), "pipeline_schedule='zero_bubble'"),
+        (
+            dict(mesh=dict(pipe=2, tensor=2), m=2, vocab_parallel=True, vocab_size=258),
+            "vocab_size=258 does not split over the 4 shards of vocabulary parallelism",
+        ),
+        (dict(mesh=dict(pipe=2), m=2, layer_pattern="linear,softmax", n_layers=6), "not a whole number of periods"),
+    ],
+)
 def test_bad_pipeline_config_is_refused(change, message):
     change = dict(change)
     mesh, m = change.pop("mesh"), change.pop("m", 4)

@@ -20,20 +20,36 @@ CASES = {  # name: (mesh, schedule, micro-batches, virtual stages, vocab paralle
     "pipe2_data2_tensor2_interleaved": (dict(pipe=2, data=2, tensor=2), "interleaved_1f1b", 4, 2, False, {}),
     "pipe4_data2_interleaved": (dict(pipe=4, data=2), "interleaved_1f1b", 4, 2, False, {}),
     "pipe4_tensor2_1f1b": (dict(pipe=4, tensor=2), "1f1b", 4, 1, False, {}),
-    "pipe2_fsdp2_tensor2_sp_zero2": (dict(pipe=2, fsdp=2, tensor=2), "1f1b", 2, 1, False,
-                                     dict(sp=True, zero_stage=2)),
-    "pipe2_seq2_tensor2_allgather": (dict(pipe=2, seq=2, tensor=2), "1f1b", 2, 1, False,
-                                     dict(context_parallel="allgather")),
+    "pipe2_fsdp2_tensor2_sp_zero2": (dict(pipe=2, fsdp=2, tensor=2), "1f1b", 2, 1, False, dict(sp=True, zero_stage=2)),
+    "pipe2_seq2_tensor2_allgather": (
+        dict(pipe=2, seq=2, tensor=2),
+        "1f1b",
+        2,
+        1,
+        False,
+        dict(context_parallel="allgather"),
+    ),
     # 4 layers: deeper stacks of linear layers are ill-conditioned (one device alone moves 9e-6
     # relative at 8 layers when only its chunk size changes), which would blur the tolerance
-    "pipe2_data2_tensor2_hybrid": (dict(pipe=2, data=2, tensor=2), "1f1b", 2, 1, False,
-                                   dict(layer_pattern="linear,softmax", linear_chunk=16, n_layers=4)),
+    "pipe2_data2_tensor2_hybrid": (
+        dict(pipe=2, data=2, tensor=2),
+        "1f1b",
+        2,
+        1,
+        False,
+        dict(layer_pattern="linear,softmax", linear_chunk=16, n_layers=4),
+    ),
     # vocabulary parallelism: embedding and output layer over (pipe, tensor)
     "vp_pipe2_data2_tensor2_1f1b": (dict(pipe=2, data=2, tensor=2), "1f1b", 4, 1, True, {}),
-    "vp_pipe4_tensor2_gpipe_tied": (dict(pipe=4, tensor=2), "gpipe", 4, 1, True,
-                                    dict(tie_embeddings=True)),
-    "vp_pipe2_fsdp2_tensor2_sp_interleaved": (dict(pipe=2, fsdp=2, tensor=2), "interleaved_1f1b", 2, 2,
-                                              True, dict(sp=True)),
+    "vp_pipe4_tensor2_gpipe_tied": (dict(pipe=4, tensor=2), "gpipe", 4, 1, True, dict(tie_embeddings=True)),
+    "vp_pipe2_fsdp2_tensor2_sp_interleaved": (
+        dict(pipe=2, fsdp=2, tensor=2),
+        "interleaved_1f1b",
+        2,
+        2,
+        True,
+        dict(sp=True),
+    ),
     "vp_pipe4_eager": (dict(pipe=4), "eager_1f1b", 4, 1, True, {}),
 }
 
@@ -77,8 +93,7 @@ def _peak_bytes(schedule, m):
     c.train.batch_size = m
     program = program_for(c)
     state = program.abstract_state()
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), np.int32,
-                                 sharding=program.batch_sharding)
+    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), np.int32, sharding=program.batch_sharding)
     compiled = program.train_step_fn().lower(state, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes, program.pipeline_train.act_slots
 

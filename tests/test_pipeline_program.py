@@ -10,9 +10,12 @@ import pytest
 from jaxsys.parallel import pipeline as PL
 from jaxsys.parallel import schedules as S
 
-CASES = [(name, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
-         for name, v in (("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2),
-                         ("interleaved_1f1b", 3))]
+CASES = [
+    (name, p, m, v)
+    for p in (2, 4, 8)
+    for m in (p, 2 * p, 4 * p)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3))
+]
 
 
 def _programs():
@@ -36,8 +39,11 @@ def test_every_action_runs_once_after_its_dependency():
         kinds = ("F", "B") if prog.has_backward else ("F",)
         assert set(ran) == {(k, i, s) for k in kinds for i in range(prog.m) for s in range(last + 1)}
         for (kind, i, s), t in ran.items():
-            need = (("F", i, s - 1) if s > 0 else None) if kind == "F" else \
-                (("B", i, s + 1) if s < last else ("F", i, last))
+            need = (
+                (("F", i, s - 1) if s > 0 else None)
+                if kind == "F"
+                else (("B", i, s + 1) if s < last else ("F", i, last))
+            )
             assert need is None or ran[need] < t, (prog.name, kind, i, s)
 
 

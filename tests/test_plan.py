@@ -48,8 +48,13 @@ def test_every_valid_layout_is_listed_once_and_no_invalid_one(tiny):
         for zero, remat, (micro, schedule) in itertools.product((0, 1, 2), plan_lib.REMATS, pipes):
             if zero and mesh["data"] == 1:
                 continue
-            overrides = {**{f"mesh.{a}": mesh[a] for a in MESH_AXES}, "train.zero_stage": zero, "model.remat": remat,
-                         "train.microbatches": micro, "offload.optimizer": False}
+            overrides = {
+                **{f"mesh.{a}": mesh[a] for a in MESH_AXES},
+                "train.zero_stage": zero,
+                "model.remat": remat,
+                "train.microbatches": micro,
+                "offload.optimizer": False,
+            }
             if mesh["pipe"] > 1:
                 overrides["train.pipeline_schedule"] = schedule
             config = plan_lib._apply(tiny, overrides)
@@ -103,9 +108,18 @@ def test_the_winner_overrides_train(tiny, tmp_path):
     lines = winner.override_lines()
     assert all(line.startswith("--config.") and "=" in line for line in lines)
     # the overrides go to `jaxsys train` as they are
-    args, overrides = train.parse_args(["--config", TINY, "--workdir", str(tmp_path), *lines,
-                              "--config.train.steps=2", "--config.train.progress=False",
-                              "--config.checkpoint.enabled=False"])
+    args, overrides = train.parse_args(
+        [
+            "--config",
+            TINY,
+            "--workdir",
+            str(tmp_path),
+            *lines,
+            "--config.train.steps=2",
+            "--config.train.progress=False",
+            "--config.checkpoint.enabled=False",
+        ]
+    )
     config = load_config(args.config, overrides)
     records = train.main(config, str(tmp_path / "run"))
     assert records[-1]["step"] == 2 and math.isfinite(records[-1]["loss"])

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsys.kernels.quantized_matmul import kernel, reference as ref
+from jaxsys.kernels.quantized_matmul import kernel
+from jaxsys.kernels.quantized_matmul import reference as ref
 
 RNG = np.random.default_rng(1)
 
@@ -31,7 +32,7 @@ def _close(got, want, dtype):
     if dtype == jnp.float32:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     else:
-        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-7 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("m", [1, 5, 32])
@@ -39,8 +40,7 @@ def _close(got, want, dtype):
 def test_w8a16_kernel_equals_reference(m, dtype):
     x, w = _xw(m, 256, 256, dtype)
     q, s = ref.quantize_w8(w)
-    got = jax.jit(lambda x: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=64,
-                                                interpret=True))(x)
+    got = jax.jit(lambda x: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=64, interpret=True))(x)
     assert got.shape == (m, 256) and got.dtype == dtype
     _close(got, ref.matmul_w8a16(x, q, s), dtype)
 
@@ -51,8 +51,7 @@ def test_w4a16_kernel_equals_reference(group_size, zero_point, dtype):
     x, w = _xw(7, 256, 256, dtype)
     q, s, z = ref.quantize_w4(w, group_size, zero_point)
     packed = ref.pack_int4(q)
-    got = kernel.matmul_w4a16(x, ref.repack_w4(packed, group_size), s, z, block_m=8, block_n=128,
-                              interpret=True)
+    got = kernel.matmul_w4a16(x, ref.repack_w4(packed, group_size), s, z, block_m=8, block_n=128, interpret=True)
     assert got.shape == (7, 256) and got.dtype == dtype
     _close(got, ref.matmul_w4a16(x, packed, s, z), dtype)
 
@@ -87,8 +86,8 @@ def test_tiles_divide_the_shape_or_pad_it():
     N narrower than one tile), else the weights are padded. Mosaic (tpu): multiples of 128 or the
     whole dimension (<= 512)."""
     t = lambda m, k, n, variant="generic", **kw: kernel.tiles(
-        m, k, n, **(dict(block_m=16, block_n=128, block_k=128, dtypes=(jnp.bfloat16,)) | kw),
-        variant=variant)
+        m, k, n, **(dict(block_m=16, block_n=128, block_k=128, dtypes=(jnp.bfloat16,)) | kw), variant=variant
+    )
     g = t(1, 4096, 11008)
     assert (g.block_m, g.block_n, g.n_padded, g.block_k, g.k_padded) == (16, 128, 11008, 128, 4096)
     assert (t(5, 320, 192).block_n, t(5, 320, 192).block_k) == (64, 64)
@@ -198,21 +197,27 @@ def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
     """Each kernel, lowered with interpret=False for TPU devices, is accepted by Mosaic (K = N =
     1024, blocks 16 x 128) inside a shard_map over a v5p and a v6e slice, and the compiled program holds the
     Mosaic custom call. Nothing runs: there is no TPU here."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jaxsys.kernels.tpu_compile_grid import tpu_mesh
+
     mesh = tpu_mesh(target)
     k = n = 1024
     dtype = jnp.float32 if case.endswith("fp32") else jnp.bfloat16
     arg = lambda shape, dt, spec=P(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
     x = arg((32 * mesh.size, k), dtype, P("data"))
     if case == "w8a8":
-        args = (arg((32 * mesh.size, k), jnp.int8, P("data")), arg((32 * mesh.size,), jnp.float32, P("data")),
-                arg((k, n), jnp.int8), arg((n,), jnp.float32))
+        args = (
+            arg((32 * mesh.size, k), jnp.int8, P("data")),
+            arg((32 * mesh.size,), jnp.float32, P("data")),
+            arg((k, n), jnp.int8),
+            arg((n,), jnp.float32),
+        )
         local = lambda x, sx, q, s: kernel.matmul_w8a8(x, sx, q, s, block_m=32, interpret=False)
     elif case == "w8a16":
         args = (x, arg((k, n), jnp.int8), arg((n,), jnp.float32))
-        local = lambda x, q, s: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=128,
-                                                    interpret=False)
+        local = lambda x, q, s: kernel.matmul_w8a16(x, q, s, block_m=16, block_n=128, block_k=128, interpret=False)
     else:
         g = int(case.split("_g")[1].split("_")[0])
         args = (x, arg((k // 2, n), jnp.uint8), arg((k // g, n), jnp.float32))  # kernel layout
@@ -220,8 +225,15 @@ def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
             args += (arg((k // g, n), jnp.int8),)
         local = lambda x, p, s, *z: kernel.matmul_w4a16(x, p, s, *z, block_m=16, block_n=128, interpret=False)
     data_args = 2 if case == "w8a8" else 1
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) * data_args + (P(),) * (len(args) - data_args),
-                              out_specs=P("data"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P("data"),) * data_args + (P(),) * (len(args) - data_args),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
     assert "tpu_custom_call" in f.lower(*args).compile().as_text()
 
 
@@ -230,8 +242,11 @@ def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
 def test_kernels_compile_for_a_tpu_with_ragged_shapes(case):
     """K = 320 and N = 200 / 1000 (not multiples of 128), M = 5: the tpu variant's tiles (whole
     dimensions up to 512, else multiples of 128 and padding) are accepted by Mosaic."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from jaxsys.kernels.tpu_compile_grid import tpu_mesh
+
     mesh = tpu_mesh("v5p:2x2x1")
     m, k = 5, 320
     n = 1000 if case == "w4a16_g64" else 200
@@ -248,8 +263,7 @@ def test_kernels_compile_for_a_tpu_with_ragged_shapes(case):
         if "zero_point" in case:
             args += (arg((k // g, n), jnp.int8),)
         f = lambda x, p, s, *z: kernel.matmul_w4a16(x, p, s, *z, interpret=False)
-    sharded = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                                    check_vma=False))
+    sharded = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False))
     assert "tpu_custom_call" in sharded.lower(*args).compile().as_text()
 
 
@@ -261,15 +275,31 @@ def _gpu_cases(m=5):
     S = jax.ShapeDtypeStruct
     k4, n4 = 8192, 200  # W4A16: 256 groups of 32 in one loop body; N padded to 256
     return [
-        ("w8a16", lambda x, q, s: kernel.matmul_w8a16(x, q, s, interpret=False),
-         (S((m, 320), jnp.bfloat16), S((320, 192), jnp.int8), S((192,), jnp.float32))),
-        ("w4a16", lambda x, p, s, z: kernel.matmul_w4a16(x, p, s, z, interpret=False),
-         (S((m, k4), jnp.bfloat16), S((k4 // 2, n4), jnp.uint8), S((k4 // 32, n4), jnp.float32),
-          S((k4 // 32, n4), jnp.int8))),
-        ("w4a16_fp32", lambda x, p, s: kernel.matmul_w4a16(x, p, s, interpret=False),
-         (S((m, 1024), jnp.float32), S((512, 256), jnp.uint8), S((8, 256), jnp.float32))),
-        ("w8a8", lambda x, sx, q, s: kernel.matmul_w8a8(x, sx, q, s, interpret=False),
-         (S((m, 320), jnp.int8), S((m,), jnp.float32), S((320, 200), jnp.int8), S((200,), jnp.float32))),
+        (
+            "w8a16",
+            lambda x, q, s: kernel.matmul_w8a16(x, q, s, interpret=False),
+            (S((m, 320), jnp.bfloat16), S((320, 192), jnp.int8), S((192,), jnp.float32)),
+        ),
+        (
+            "w4a16",
+            lambda x, p, s, z: kernel.matmul_w4a16(x, p, s, z, interpret=False),
+            (
+                S((m, k4), jnp.bfloat16),
+                S((k4 // 2, n4), jnp.uint8),
+                S((k4 // 32, n4), jnp.float32),
+                S((k4 // 32, n4), jnp.int8),
+            ),
+        ),
+        (
+            "w4a16_fp32",
+            lambda x, p, s: kernel.matmul_w4a16(x, p, s, interpret=False),
+            (S((m, 1024), jnp.float32), S((512, 256), jnp.uint8), S((8, 256), jnp.float32)),
+        ),
+        (
+            "w8a8",
+            lambda x, sx, q, s: kernel.matmul_w8a8(x, sx, q, s, interpret=False),
+            (S((m, 320), jnp.int8), S((m,), jnp.float32), S((320, 200), jnp.int8), S((200,), jnp.float32)),
+        ),
     ]
 
 
@@ -290,13 +320,14 @@ def test_lowers_through_triton_for_a_gpu_ahead_of_time(name, fn, args):
 def test_compiles_to_sass_for_an_h100_deviceless():
     """Deviceless XLA:GPU compile (docs/gpu_aot_findings.md) of all kernels: Triton's own passes
     and ptxas run for sm_90a. Nothing runs: numerics on a GPU are unchecked."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = Mesh(np.array(targets.devices(targets.parse("h100-1"))), ("x",))
     for name, fn, args in _gpu_cases():
         args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())) for a in args]
         # inside shard_map: Pallas reads the GPU model from the mesh's devices
-        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
-                                  check_vma=False))
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(), check_vma=False))
         assert "__gpu$xla.gpu.triton" in f.lower(*args).compile().as_text(), name
 
 
@@ -307,6 +338,7 @@ def test_bench_interpret_smoke_writes_checked_rows(tmp_path, capsys):
     """bench.py --interpret-smoke: one tiny shape per format through the timing path in interpret
     mode, results checked against the reference, JSON rows with the roofline fields."""
     from jaxsys.kernels.quantized_matmul import bench
+
     out = tmp_path / "smoke.json"
     assert bench.main(["--interpret-smoke", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
@@ -327,6 +359,7 @@ def test_bench_bytes_and_ideal_by_hand():
     bf16, 1979 TOPS int8)."""
     from jaxsys.analysis import cost_model
     from jaxsys.kernels.quantized_matmul import bench
+
     k = n = 4096
     assert bench.bytes_moved("bf16", 1, k, n)["total"] == 2 * k * n + 2 * k + 2 * n
     # W4A16, G = 128: half a byte per weight plus a 4-byte scale per 128: 0.53125 B per weight

@@ -22,7 +22,6 @@ import pytest
 from jaxsys import data, evaluate, quantize, train
 from jaxsys.checkpoint import CheckpointError
 from jaxsys.config import ConfigError
-from jaxsys.kernels.quantized_matmul import reference as qref
 from jaxsys.models import quant, transformer
 from tests.helpers import program_for, small_config
 
@@ -46,24 +45,28 @@ def _logits(config, params):
 
 
 def _quantized(fmt, group_size=32, zero_point=False, impl="pallas", mesh=None):
-    c = small_config(mesh, quant=fmt, quant_group_size=group_size, quant_zero_point=zero_point,
-                     quant_impl=impl, **MODEL)
+    c = small_config(
+        mesh, quant=fmt, quant_group_size=group_size, quant_zero_point=zero_point, quant_impl=impl, **MODEL
+    )
     return c
 
 
 def _eval_loss(config, params):
     program = program_for(config)
     corpus = data.load_corpus(config.data)
-    batch = data.global_batch(corpus, program.batch_sharding, 0, 0, config.train.batch_size,
-                              config.data.seq_len, "eval")
+    batch = data.global_batch(
+        corpus, program.batch_sharding, 0, 0, config.train.batch_size, config.data.seq_len, "eval"
+    )
     return float(program.eval_loss_fn()(jax.device_put(params, program.param_shardings), batch))
 
 
 # ----------------------------------------------------------------------------- the model
 
 
-@pytest.mark.parametrize("fmt,group_size,zero_point,bound", [
-    ("w8a16", 128, False, 0.02), ("w4a16", 32, False, 0.25), ("w4a16", 64, True, 0.25), ("w8a8", 128, False, 0.03)])
+@pytest.mark.parametrize(
+    "fmt,group_size,zero_point,bound",
+    [("w8a16", 128, False, 0.02), ("w4a16", 32, False, 0.25), ("w4a16", 64, True, 0.25), ("w8a8", 128, False, 0.03)],
+)
 def test_quantized_logits_are_within_the_formats_bound_of_the_float_model(fmt, group_size, zero_point, bound):
     c, params = _float_params()
     want = _logits(c, params)
@@ -127,6 +130,7 @@ def test_analysis_of_a_quantized_config_compiles_its_forward():
     weights, 49,152 B per layer split over 2 ranks, plus fp32 scales per output channel (those of
     wo and w_down are over D, replicated): (128+64+64+128+128)/2 + 64 + 64 = 384 per layer."""
     from jaxsys.analysis import report
+
     c = _quantized("w8a16", mesh={"tensor": 2})
     r = report.analyze(c, "h100", jax.devices()[:2], flops=False)
     assert r["mode"] == "inference"
@@ -137,7 +141,9 @@ def test_analysis_of_a_quantized_config_compiles_its_forward():
 
 
 def test_bad_quantization_configs_are_named():
-    with pytest.raises(ConfigError, match=r"K' of wo is n_heads \* head_dim / tensor = 32 per rank, not a multiple of the group size"):
+    with pytest.raises(
+        ConfigError, match=r"K' of wo is n_heads \* head_dim / tensor = 32 per rank, not a multiple of the group size"
+    ):
         program_for(_quantized("w4a16", 64, mesh={"tensor": 4}))
     with pytest.raises(ConfigError, match="quant_group_size=48"):
         program_for(_quantized("w4a16", 48))
@@ -168,16 +174,29 @@ def float_run(tmp_path_factory):
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_quantize_command_writes_a_workdir_that_evaluates_on_any_mesh(float_run, tmp_path, method, capsys):
     out = str(tmp_path / f"q_{method}")
-    args = ["--workdir", float_run, "--out", out, "--format", "w4a16", "--method", method, "--group-size", "32",
-            "--calibration-batches", "2"]
+    args = [
+        "--workdir",
+        float_run,
+        "--out",
+        out,
+        "--format",
+        "w4a16",
+        "--method",
+        method,
+        "--group-size",
+        "32",
+        "--calibration-batches",
+        "2",
+    ]
     assert quantize.main(args) == 0
     assert "python -m jaxsys.evaluate --workdir" in capsys.readouterr().out
     saved = json.load(open(os.path.join(out, "config.json")))
     assert saved["model"]["quant"] == "w4a16" and saved["model"]["quant_group_size"] == 32
     base = evaluate.evaluate_workdir(float_run, ["--config.train.eval_batches=2"])
     one = evaluate.evaluate_workdir(out, ["--config.train.eval_batches=2", "--config.mesh.data=1"])
-    tp = evaluate.evaluate_workdir(out, ["--config.train.eval_batches=2", "--config.mesh.data=2",
-                                         "--config.mesh.tensor=4"])
+    tp = evaluate.evaluate_workdir(
+        out, ["--config.train.eval_batches=2", "--config.mesh.data=2", "--config.mesh.tensor=4"]
+    )
     assert one["step"] == base["step"] == 12
     assert one["param_bytes"] < 0.6 * base["param_bytes"]  # the dense layers in 4 bits, the rest fp32
     assert tp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
@@ -208,12 +227,17 @@ def test_quantize_and_evaluate_name_bad_input(float_run, tmp_path, capsys):
     with pytest.raises(CheckpointError, match="holds params/layers/w[a-z_]+ quantized"):
         evaluate.evaluate_workdir(out, ["--config.model.quant=none"])
     # group size that does not divide K, caught before any reading
-    assert quantize.main(["--workdir", float_run, "--out", str(tmp_path / "g"), "--format", "w4a16",
-                          "--group-size", "128"]) == 2
+    assert (
+        quantize.main(
+            ["--workdir", float_run, "--out", str(tmp_path / "g"), "--format", "w4a16", "--group-size", "128"]
+        )
+        == 2
+    )
     assert "not a multiple of the group size" in capsys.readouterr().err
     assert not os.path.exists(str(tmp_path / "g" / "checkpoints"))
-    assert quantize.main(["--workdir", str(tmp_path / "missing"), "--out", str(tmp_path / "m"),
-                          "--format", "w8a16"]) == 2
+    assert (
+        quantize.main(["--workdir", str(tmp_path / "missing"), "--out", str(tmp_path / "m"), "--format", "w8a16"]) == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -223,10 +247,12 @@ def test_quantize_and_evaluate_name_bad_input(float_run, tmp_path, capsys):
 def _numpy_int8_product(a, b, a_axis, b_axis):
     """Independent re-statement: a[M, K] and b[K, N] rounded to int8 with symmetric absmax scales
     along `a_axis` / `b_axis`, multiplied exactly (int64), rescaled."""
+
     def q(x, axis):
         s = np.abs(x).max(axis=axis, keepdims=True) / 127.0
         s = np.where(s > 0, s, 1.0)
         return np.clip(np.round(x / s), -127, 127).astype(np.int64), s
+
     qa, sa = q(np.asarray(a, np.float64), a_axis)
     qb, sb = q(np.asarray(b, np.float64), b_axis)
     return (qa @ qb) * sa * sb
@@ -254,6 +280,7 @@ def test_int8_training_follows_float_training(mesh):
     1e-3 of float and gradients within 5% (int8 rounding of each operand, ~0.5% rms, through the
     two layers' matmuls and the backward's requantized gradients)."""
     from tests.helpers import run
+
     l0, g0, losses0, _ = run(small_config(mesh), 3)
     l1, g1, losses1, _ = run(small_config(mesh, quant_train="int8", quant_impl="reference"), 3)
     np.testing.assert_allclose(losses1, losses0, atol=1e-3)

@@ -32,7 +32,7 @@ def test_w8_codes_and_scales_equal_numpy_and_error_is_half_a_step():
     q, s = ref.quantize_w8(jnp.asarray(w))
     absmax = np.abs(w).max(axis=0)
     s_np = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(s), s_np, rtol=2.0 ** -23)  # XLA may divide by reciprocal
+    np.testing.assert_allclose(np.asarray(s), s_np, rtol=2.0**-23)  # XLA may divide by reciprocal
     s_np = np.asarray(s)  # the codes must then be exact given the scales
     q_np = np.clip(_np_round(w / s_np), -127, 127).astype(np.int8)
     np.testing.assert_array_equal(np.asarray(q), q_np)
@@ -62,7 +62,7 @@ def test_w4_codes_pack_and_dequantize_equal_numpy(group_size, zero_point):
     if zero_point:
         lo, hi = g.min(axis=1), g.max(axis=1)
         s_np = np.where(hi - lo > 0, (hi - lo) / np.float32(15.0), 1.0).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(s), s_np, rtol=2.0 ** -23)
+        np.testing.assert_allclose(np.asarray(s), s_np, rtol=2.0**-23)
         s_np = np.asarray(s)  # codes exact given the scales
         z_np = np.clip(_np_round(-lo / s_np), 0, 15)
         q_np = np.clip(_np_round(g / s_np[:, None]) + z_np[:, None], 0, 15)
@@ -71,7 +71,7 @@ def test_w4_codes_pack_and_dequantize_equal_numpy(group_size, zero_point):
     else:
         absmax = np.abs(g).max(axis=1)
         s_np = np.where(absmax > 0, absmax / np.float32(7.0), 1.0).astype(np.float32)
-        np.testing.assert_allclose(np.asarray(s), s_np, rtol=2.0 ** -23)
+        np.testing.assert_allclose(np.asarray(s), s_np, rtol=2.0**-23)
         s_np = np.asarray(s)
         z_np = np.zeros_like(s_np)
         q_np = np.clip(_np_round(g / s_np[:, None]), -8, 7)
@@ -116,13 +116,13 @@ def test_repack_w4_round_trips_and_moves_each_nibble_to_its_kernel_position(grou
             row = repacked[g * half + r]
             np.testing.assert_array_equal(row & 0xF, nib[g * group_size + r])
             np.testing.assert_array_equal(row >> 4, nib[g * group_size + half + r])
-    np.testing.assert_array_equal(np.asarray(ref.unrepack_w4(jnp.asarray(repacked), group_size)),
-                                  np.asarray(packed))
+    np.testing.assert_array_equal(np.asarray(ref.unrepack_w4(jnp.asarray(repacked), group_size)), np.asarray(packed))
     # a shard of whole groups along K (tensor parallelism) is the repacking of that shard
     shard = slice(group_size, 3 * group_size)
     np.testing.assert_array_equal(
-        repacked[shard.start // 2:shard.stop // 2],
-        np.asarray(ref.repack_w4(ref.pack_int4(jnp.asarray(q[shard])), group_size)))
+        repacked[shard.start // 2 : shard.stop // 2],
+        np.asarray(ref.repack_w4(ref.pack_int4(jnp.asarray(q[shard])), group_size)),
+    )
 
 
 def test_repack_w4_by_hand():

@@ -10,7 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    "quantized_decode_roofline", os.path.join(ROOT, "experiments", "quantized_decode_roofline", "run.py"))
+    "quantized_decode_roofline", os.path.join(ROOT, "experiments", "quantized_decode_roofline", "run.py")
+)
 run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(run)
 
@@ -60,8 +61,9 @@ def test_the_crossover_where_4x_stops():
     assert 78 < b4 < 100
     assert run.step("llama-7b", "w4a16", b4 - 1, 0, H100)["bound"] == "memory"
     assert run.step("llama-7b", "w4a16", b4, 0, H100)["bound"] == "compute"
-    at = lambda b: (run.step("llama-7b", "bf16", b, 0, H100)["seconds"]
-                    / run.step("llama-7b", "w4a16", b, 0, H100)["seconds"])
+    at = lambda b: (
+        run.step("llama-7b", "bf16", b, 0, H100)["seconds"] / run.step("llama-7b", "w4a16", b, 0, H100)["seconds"]
+    )
     assert at(16) > 3.4 and at(200) == pytest.approx(run.ideal_crossover_weights_only(2.0, H100) / 200, rel=0.1)
 
 
@@ -71,8 +73,9 @@ def test_kv_cache_bytes_and_its_effect():
     s = run.step("llama-7b", "w4a16", 3, 128, H100)
     assert s["kv_bytes"] == 3 * 64 * 2**20
     assert run.crossover("llama-7b", "w4a16", 128, H100) is None  # 64 MiB per sequence outgrows the FLOPs
-    speedup = lambda ctx: (run.step("llama-7b", "bf16", 16, ctx, H100)["seconds"]
-                           / run.step("llama-7b", "w4a16", 16, ctx, H100)["seconds"])
+    speedup = lambda ctx: (
+        run.step("llama-7b", "bf16", 16, ctx, H100)["seconds"] / run.step("llama-7b", "w4a16", 16, ctx, H100)["seconds"]
+    )
     assert speedup(0) > speedup(128) > speedup(2048) > 1
 
 
@@ -80,8 +83,11 @@ def test_measured_speedups_weight_the_bench_shapes_per_layer(tmp_path):
     """A bench.py record's best times, summed over a layer's matmuls by count (q, k, v, o are 4 of
     4096 x 4096 in Llama-7B, gate and up 2 of 4096 x 11008, down 1 of 11008 x 4096)."""
     us = {"bf16": (10.0, 20.0, 30.0), "w4a16": (4.0, 6.0, 10.0)}
-    rows = [dict(model="llama-7b", K=k, N=n, M=1, format=fmt, us=t, best=True)
-            for fmt, ts in us.items() for (k, n), t in zip([(4096, 4096), (4096, 11008), (11008, 4096)], ts)]
+    rows = [
+        dict(model="llama-7b", K=k, N=n, M=1, format=fmt, us=t, best=True)
+        for fmt, ts in us.items()
+        for (k, n), t in zip([(4096, 4096), (4096, 11008), (11008, 4096)], ts)
+    ]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(device="NVIDIA H100 80GB HBM3", results=rows)))
     got = run.measured_speedups(str(path))

@@ -24,8 +24,11 @@ def _ms_interleaved(p):
 def _all(p, backward_cost=2):
     out = []
     for m in _ms(p):
-        out += [S.gpipe(p, m, backward_cost), S.one_f_one_b(p, m, backward_cost),
-                S.eager_one_f_one_b(p, m, backward_cost)]
+        out += [
+            S.gpipe(p, m, backward_cost),
+            S.one_f_one_b(p, m, backward_cost),
+            S.eager_one_f_one_b(p, m, backward_cost),
+        ]
     for m in _ms_interleaved(p):
         out += [S.interleaved_one_f_one_b(p, m, v, backward_cost) for v in (2, 4)]
     return out
@@ -109,17 +112,20 @@ def test_interleaved_stages_and_chunks():
     assert first == ["F0.0", "F1.0", "F2.0", "F3.0", "F0.1", "F1.1", "F2.1", "F3.1"]
 
 
-@pytest.mark.parametrize("call, constraint", [
-    (lambda: S.one_f_one_b(4, 3), "m >= p"),
-    (lambda: S.interleaved_one_f_one_b(4, 6, 2), "m % p == 0"),
-    (lambda: S.interleaved_one_f_one_b(4, 2, 2), "m >= p"),
-    (lambda: S.interleaved_one_f_one_b(4, 8, 0), "v >= 1"),
-    (lambda: S.gpipe(0, 4), "p >= 1"),
-    (lambda: S.one_f_one_b(0, 4), "p >= 1"),
-    (lambda: S.interleaved_one_f_one_b(0, 4, 2), "p >= 1"),
-    (lambda: S.gpipe(2, 0), "m >= 1"),
-    (lambda: S.gpipe(2, 4, backward_cost=0), "backward_cost must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "call, constraint",
+    [
+        (lambda: S.one_f_one_b(4, 3), "m >= p"),
+        (lambda: S.interleaved_one_f_one_b(4, 6, 2), "m % p == 0"),
+        (lambda: S.interleaved_one_f_one_b(4, 2, 2), "m >= p"),
+        (lambda: S.interleaved_one_f_one_b(4, 8, 0), "v >= 1"),
+        (lambda: S.gpipe(0, 4), "p >= 1"),
+        (lambda: S.one_f_one_b(0, 4), "p >= 1"),
+        (lambda: S.interleaved_one_f_one_b(0, 4, 2), "p >= 1"),
+        (lambda: S.gpipe(2, 0), "m >= 1"),
+        (lambda: S.gpipe(2, 4, backward_cost=0), "backward_cost must be >= 1"),
+    ],
+)
 def test_bad_input_names_the_constraint(call, constraint):
     with pytest.raises(ValueError, match=re.escape(constraint)):
         call()
@@ -141,8 +147,11 @@ def test_validate_names_the_violated_dependency():
     # device 1's F0 moved to tick 0, before device 0 has produced its input
     f0 = s.actions[1][1]
     bad = _replace(_replace(s, 1, 1, None), 0, 1, f0)
-    with pytest.raises(ValueError, match=r"F\(micro-batch 0, stage 1\).* before "
-                                         r"F\(micro-batch 0, stage 0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"F\(micro-batch 0, stage 1\).* before "
+        r"F\(micro-batch 0, stage 0\)",
+    ):
         S.validate(bad)
     # a missing backward
     t, b = next((t, a) for t, a in s.device_order(0) if a.kind == "B")

@@ -57,20 +57,23 @@ def test_streamed_completion_and_concurrent_requests(running):
     [t.join(120) for t in threads]
     for events in results.values():
         assert events[-1] == "data: [DONE]" and len(events) == 6
-        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
         assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
 
 
-@pytest.mark.parametrize("payload,message", [
-    ({"prompt": "", "max_tokens": 4}, "prompt is empty"),
-    ({"prompt": "x" * 300, "max_tokens": 4}, "more than the pool"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens=0"),
-    ({"prompt": "x", "temperature": -1}, "temperature >= 0"),
-    ({"prompt": "x", "top_p": 2}, "0 < top_p <= 1"),
-    ({"prompt": "x", "max_tokens": "many"}, "max_tokens must be int"),
-    ({"prompt": "x", "frequency_penalty": 1}, "unknown fields"),
-    (None, "not JSON"),
-])
+@pytest.mark.parametrize(
+    "payload,message",
+    [
+        ({"prompt": "", "max_tokens": 4}, "prompt is empty"),
+        ({"prompt": "x" * 300, "max_tokens": 4}, "more than the pool"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens=0"),
+        ({"prompt": "x", "temperature": -1}, "temperature >= 0"),
+        ({"prompt": "x", "top_p": 2}, "0 < top_p <= 1"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens must be int"),
+        ({"prompt": "x", "frequency_penalty": 1}, "unknown fields"),
+        (None, "not JSON"),
+    ],
+)
 def test_bad_requests_get_400_and_the_server_keeps_serving(running, payload, message):
     url, _, _ = running
     with pytest.raises(urllib.error.HTTPError) as info:
@@ -90,17 +93,36 @@ def test_serve_command_starts_and_answers(tmp_path):
     import subprocess
     import sys
     import time
+
     from jaxsys import train
     from tests.helpers import ROOT
+
     c = small_config(dict(data=8))
     c.train.steps, c.train.eval_batches = 2, 1
     c.checkpoint.async_save = False
     train.main(c, str(tmp_path / "run"))
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "jaxsys.serve", "--workdir", str(tmp_path / "run"), "--port", "0",
-                             "--pages", "16", "--page-size", "8", "--config.mesh.data=1"],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxsys.serve",
+            "--workdir",
+            str(tmp_path / "run"),
+            "--port",
+            "0",
+            "--pages",
+            "16",
+            "--page-size",
+            "8",
+            "--config.mesh.data=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline, port = time.time() + 120, None
         while port is None and time.time() < deadline:

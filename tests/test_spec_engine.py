@@ -69,8 +69,9 @@ def test_greedy_speculation_in_the_engine_gives_the_plain_engines_tokens(models,
 @pytest.mark.slow
 def test_greedy_speculation_on_two_batch_shards_and_tensor_parallel():
     target = program_for(small_config({"tensor": 2, "data": 2}, n_kv_heads=4))
-    draft = program_for(small_config({"tensor": 2, "data": 2}, n_layers=1, d_model=32, n_heads=2, n_kv_heads=2,
-                                     d_ff=64))
+    draft = program_for(
+        small_config({"tensor": 2, "data": 2}, n_layers=1, d_model=32, n_heads=2, n_kv_heads=2, d_ff=64)
+    )
     tparams, dparams = target.init(3).params, draft.init(5).params
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, size=int(rng.integers(1, 20))).tolist() for _ in range(6)]
@@ -102,17 +103,26 @@ def test_sampled_speculation_keeps_the_targets_distribution(source):
         dec = decode.Decoder(program, 1, 16)
         out = []
         for s in seqs:
-            logits, _ = dec.prefill(params, np.asarray([s], np.int32), np.asarray([len(s)], np.int32),
-                                    dec.init_cache())
+            logits, _ = dec.prefill(params, np.asarray([s], np.int32), np.asarray([len(s)], np.int32), dec.init_cache())
             out.append(np.asarray(jax.nn.softmax(logits[0] / T), np.float64))
         return np.asarray(out)
 
     first = probs(target, tparams, [prompt])[0]
     marginal = first @ probs(target, tparams, [prompt + [x] for x in range(V)])
     # self: pages of 2 tokens, the draft reads the last page only (no sink)
-    eng = spec_engine.SpeculativeEngine(target, tparams, num_pages=1000, page_size=2, token_budget=512,
-                                        chunk_size=64, max_seqs=200, k=2,
-                                        draft=(draft, dparams) if source == "small" else "self", window=1, sink=0)
+    eng = spec_engine.SpeculativeEngine(
+        target,
+        tparams,
+        num_pages=1000,
+        page_size=2,
+        token_budget=512,
+        chunk_size=64,
+        max_seqs=200,
+        k=2,
+        draft=(draft, dparams) if source == "small" else "self",
+        window=1,
+        sink=0,
+    )
     for i in range(N):
         eng.submit(i, prompt, 4, engine.Sampling(temperature=T, seed=i))
     eng.run()
@@ -168,6 +178,7 @@ def test_the_server_loop_streams_a_speculative_decode_token_by_token(models):
     """The HTTP server's engine loop streams a speculative decode's tokens one by one (the last
     marked finished), equal to the plain engine's."""
     from jaxsys.serve import server
+
     target, tparams, _, _ = models
     prompt, n = [5, 6, 7, 8, 9, 10], 9
     plain = engine.Engine(target, tparams, **KW)
@@ -189,10 +200,34 @@ def test_bench_serve_builds_the_speculative_engine_from_the_config(capsys):
     import json
 
     from jaxsys import bench_serve
-    args = ["--config", "configs/tiny.py:test", "--requests", "5", "--rate", "100", "--prompt-len", "3:9",
-            "--output-len", "4:7", "--pages", "32", "--page-size", "4", "--token-budget", "16", "--chunk-size", "4",
-            "--max-seqs", "3", "--json", "--config.model.n_kv_heads=4", "--config.serve.spec_k=2",
-            "--config.serve.draft=self", "--config.serve.spec_window=4"]
+
+    args = [
+        "--config",
+        "configs/tiny.py:test",
+        "--requests",
+        "5",
+        "--rate",
+        "100",
+        "--prompt-len",
+        "3:9",
+        "--output-len",
+        "4:7",
+        "--pages",
+        "32",
+        "--page-size",
+        "4",
+        "--token-budget",
+        "16",
+        "--chunk-size",
+        "4",
+        "--max-seqs",
+        "3",
+        "--json",
+        "--config.model.n_kv_heads=4",
+        "--config.serve.spec_k=2",
+        "--config.serve.draft=self",
+        "--config.serve.spec_window=4",
+    ]
     assert bench_serve.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     trace = bench_serve.make_trace(5, 100.0, (3, 9), (4, 7), seed=0)

@@ -44,7 +44,8 @@ def test_the_rejection_rule_keeps_the_target_distribution():
 
     def first_token(key):
         drafted = jax.vmap(lambda i, qi: jax.random.categorical(jax.random.fold_in(key, 10 + i), jnp.log(qi)))(
-            jnp.arange(2), q)
+            jnp.arange(2), q
+        )
         n, nxt = speculative.accept(p, q, drafted, key)
         return jnp.where(n > 0, drafted[0], nxt)
 
@@ -52,11 +53,13 @@ def test_the_rejection_rule_keeps_the_target_distribution():
     expected = np.asarray(p[0]) * trials
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 18.47, (counts, chi2)
+
     # the same statistic detects a wrong rule: emitting from q after a rejection instead of p - q
     def wrong(key):
         drafted = jax.random.categorical(jax.random.fold_in(key, 10), jnp.log(q[0]))
         ok = jax.random.uniform(key) < jnp.minimum(1.0, p[0, drafted] / q[0, drafted])
         return jnp.where(ok, drafted, jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(q[0])))
+
     bad = np.bincount(np.asarray(jax.vmap(wrong)(keys)), minlength=5)
     assert float(((bad - expected) ** 2 / expected).sum()) > 100
 

@@ -29,18 +29,21 @@ from tests.helpers import ROOT, small_config
 # -------------------------------------------------------------------------------------- names
 
 
-@pytest.mark.parametrize("name, topology, chips", [
-    ("v5p-256", "v5p:4x4x8", 128),  # v5p names count TensorCores: 2 per chip
-    ("v5p-8", "v5p:2x2x1", 4),
-    ("v4-32", "v4:2x2x4", 16),
-    ("v5e-16", "v5e:4x4", 16),  # v5e / v6e names count chips
-    ("v5litepod-16", "v5e:4x4", 16),
-    ("v6e-256", "v6e:16x16", 256),
-    ("v5p:2x2x2", "v5p:2x2x2", 8),
-    ("h100-8", "1x1x8", 8),  # GPUs: 8 per node
-    ("h100-256", "1x32x8", 256),
-    ("h200-4", "1x1x4", 4),
-])
+@pytest.mark.parametrize(
+    "name, topology, chips",
+    [
+        ("v5p-256", "v5p:4x4x8", 128),  # v5p names count TensorCores: 2 per chip
+        ("v5p-8", "v5p:2x2x1", 4),
+        ("v4-32", "v4:2x2x4", 16),
+        ("v5e-16", "v5e:4x4", 16),  # v5e / v6e names count chips
+        ("v5litepod-16", "v5e:4x4", 16),
+        ("v6e-256", "v6e:16x16", 256),
+        ("v5p:2x2x2", "v5p:2x2x2", 8),
+        ("h100-8", "1x1x8", 8),  # GPUs: 8 per node
+        ("h100-256", "1x32x8", 256),
+        ("h200-4", "1x1x4", 4),
+    ],
+)
 def test_target_names(name, topology, chips):
     t = targets.parse(name)
     assert (t.topology, t.chips) == (topology, chips)
@@ -51,12 +54,15 @@ def test_slices_multiply_the_chips():
     assert (t.chips_per_slice, t.chips) == (16, 64)
 
 
-@pytest.mark.parametrize("name, message", [
-    ("v9-8", "unknown target 'v9-8': known targets are v4-N"),
-    ("v5p-12", "v5p-N counts TensorCores, 2 per chip"),
-    ("v6e:2x2x2", "a v6e slice has 2 dimensions"),
-    ("h100-12", "N must be 1, 2, 4 or a multiple of 8"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("v9-8", "unknown target 'v9-8': known targets are v4-N"),
+        ("v5p-12", "v5p-N counts TensorCores, 2 per chip"),
+        ("v6e:2x2x2", "a v6e slice has 2 dimensions"),
+        ("h100-12", "N must be 1, 2, 4 or a multiple of 8"),
+    ],
+)
 def test_bad_target_names_are_refused_with_the_known_ones(name, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         targets.parse(name)
@@ -254,8 +260,9 @@ def _by_axes(rows):
     return out
 
 
-@pytest.mark.parametrize("mesh, model", [(dict(data=8), {}), (dict(tensor=8), dict(n_kv_heads=8))],
-                         ids=["data8", "tensor8"])
+@pytest.mark.parametrize(
+    "mesh, model", [(dict(data=8), {}), (dict(tensor=8), dict(n_kv_heads=8))], ids=["data8", "tensor8"]
+)
 def test_tpu_analysis_has_the_compilers_memory_and_the_formulas_bytes(mesh, model, v5p_16):
     config = _config(mesh, **model)
     r = report.analyze_target(config, v5p_16, jax.devices(), flops=False)
@@ -289,15 +296,17 @@ def test_tpu_compiler_turns_small_reduce_scatters_into_all_reduces(v5p_16):
     formula = report.by_kind_axes(r["collectives_formula"])
     scattered = formula[("reduce_scatter", ("fsdp",))][1]
     assert _by_axes(r["target"]["collectives"])[("fsdp",)] == pytest.approx(
-        _by_axes(r["collectives_formula"])[("fsdp",)] + scattered, rel=1e-3)
+        _by_axes(r["collectives_formula"])[("fsdp",)] + scattered, rel=1e-3
+    )
 
 
 def test_gpu_analysis_keeps_the_formulas_bytes_and_runs_collectives_async():
     r = report.analyze_target(_config(dict(fsdp=8)), targets.parse("h100-8"), None, flops=False)
     t = r["target"]
     assert t["compiler"].startswith("XLA:GPU deviceless") and t["memory"]["device"]["peak_bytes"] > 0
-    assert _by_axes(t["collectives"])[("fsdp",)] == pytest.approx(_by_axes(r["collectives_formula"])[("fsdp",)],
-                                                                  rel=1e-6)
+    assert _by_axes(t["collectives"])[("fsdp",)] == pytest.approx(
+        _by_axes(r["collectives_formula"])[("fsdp",)], rel=1e-6
+    )
     assert all(row["async"] == row["count"] for row in t["collectives"] if not row["scalar"])
     assert t["flops"]["matmul_flops_per_chip"] == pytest.approx(r["model_flops_per_device"], rel=1e-9)
 
@@ -314,17 +323,48 @@ def test_a_program_that_does_not_fit_is_reported_with_the_compilers_numbers():
 def test_cli_json_for_a_target():
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-m", "jaxsys.analyze", "--config", "configs/tiny.py", "--target",
-                          "v5e-8", "--config.mesh.fsdp=-1", "--config.mesh.tensor=2", "--json"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxsys.analyze",
+            "--config",
+            "configs/tiny.py",
+            "--target",
+            "v5e-8",
+            "--config.mesh.fsdp=-1",
+            "--config.mesh.tensor=2",
+            "--json",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TPU_ACCELERATOR_TYPE" not in out.stderr and "TPU_WORKER_HOSTNAMES" not in out.stderr
     r = json.loads(out.stdout)
     assert r["config"]["mesh"]["fsdp"] == 4 and r["target"]["generation"] == "v5e"
     assert r["target"]["memory"]["device"]["peak_bytes"] > 0 and r["memory"]["peak_bytes_per_device"] > 0
-    text = subprocess.run([sys.executable, "-m", "jaxsys.analyze", "--config", "configs/tiny.py", "--target",
-                           "v5e-8", "--config.mesh.fsdp=-1", "--no-cpu"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    text = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxsys.analyze",
+            "--config",
+            "configs/tiny.py",
+            "--target",
+            "v5e-8",
+            "--config.mesh.fsdp=-1",
+            "--no-cpu",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert text.returncode == 0 and "TPU compiler (libtpu" in text.stdout and "HBM 16.00 GiB: fits" in text.stdout
 
 
@@ -333,6 +373,7 @@ def test_what_cpu_refuses_compiles_for_gpu(name):
     """Ring context parallelism under a pipeline and the ragged all-to-all dispatch, refused on CPU,
     compile with XLA:GPU (tests/test_tpu_compile.py does the same for TPU)."""
     from tests.test_tpu_compile import LAYOUTS, compile_on_tpu
+
     config = LAYOUTS[name]()
     text = compile_on_tpu(config, targets.devices(targets.parse("h100-8"))).as_text()
     assert ("ragged-all-to-all" if "ragged" in name else "collective-permute") in text

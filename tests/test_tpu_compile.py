@@ -32,6 +32,7 @@ def _ragged(make):
         c = make()
         c.parallel.expert_dispatch = "ragged"
         return c
+
     return build
 
 
@@ -40,6 +41,7 @@ def _ring_under_pipeline(variant):
         c = pipeline_config(dict(pipe=2, seq=2, tensor=2), "1f1b", 2)
         c.model.context_parallel = variant
         return c
+
     return build
 
 
@@ -50,9 +52,11 @@ def _layouts():
     for layout, mesh in test_context.LAYOUTS.items():
         for variant in context.VARIANTS:
             cases[f"cp-{layout}-{variant}"] = lambda m=mesh, v=variant: small_config(
-                m, context_parallel=v, context_load_balance=True)
+                m, context_parallel=v, context_load_balance=True
+            )
         cases[f"cp-{layout}-lasp2"] = lambda m=mesh: small_config(
-            m, layer_pattern="linear,softmax", linear_chunk=8, context_parallel="allgather")
+            m, layer_pattern="linear,softmax", linear_chunk=8, context_parallel="allgather"
+        )
     for name, (pipe, schedule, m, v) in test_pipeline.CASES.items():
         cases[f"pipe-{name}"] = lambda a=(dict(pipe=pipe), schedule, m, v): pipeline_config(*a)
     for name in test_pipeline_composed.CASES:
@@ -63,16 +67,27 @@ def _layouts():
         if not moe.get("capacity_factor"):  # the dropless path is the one with a ragged dispatch
             cases[f"ep-ragged-{name}"] = _ragged(make)
     # the Pallas kernels (their Mosaic variants on TPU), alone and under ring context parallelism
-    cases["pallas-data2-tensor4"] = lambda: small_config(dict(data=2, tensor=4), n_kv_heads=4,
-                                                         attention_impl="pallas", attention_block=16)
-    cases["pallas-seq8-ring"] = lambda: small_config(dict(seq=8), attention_impl="pallas", attention_block=16,
-                                                     context_parallel="ring")
+    cases["pallas-data2-tensor4"] = lambda: small_config(
+        dict(data=2, tensor=4), n_kv_heads=4, attention_impl="pallas", attention_block=16
+    )
+    cases["pallas-seq8-ring"] = lambda: small_config(
+        dict(seq=8), attention_impl="pallas", attention_block=16, context_parallel="ring"
+    )
     cases["pallas-hybrid-data2-tensor4"] = lambda: small_config(  # both kernels, as test_attention_impl
-        dict(data=2, tensor=4), layer_pattern="linear,softmax", n_kv_heads=4, attention_impl="pallas",
-        attention_block=16, linear_chunk=16)
+        dict(data=2, tensor=4),
+        layer_pattern="linear,softmax",
+        n_kv_heads=4,
+        attention_impl="pallas",
+        attention_block=16,
+        linear_chunk=16,
+    )
     cases["pallas-hybrid-seq2-tensor2-data2-lasp2"] = lambda: small_config(
-        dict(seq=2, tensor=2, data=2), layer_pattern="linear,softmax", linear_chunk=8,
-        context_parallel="allgather", attention_impl="pallas")
+        dict(seq=2, tensor=2, data=2),
+        layer_pattern="linear,softmax",
+        linear_chunk=8,
+        context_parallel="allgather",
+        attention_impl="pallas",
+    )
     cases["pipe2-seq2-tensor2-ring"] = _ring_under_pipeline("ring")
     cases["pipe2-seq2-tensor2-tokenring"] = _ring_under_pipeline("tokenring")
     return cases

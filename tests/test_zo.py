@@ -33,14 +33,18 @@ def _zo_config(mesh=None, **train_keys):
 
 def _batch(program, step=0):
     c = program.config
-    return data.global_batch(data.load_corpus(c.data), program.batch_sharding, c.seed, step,
-                             c.train.batch_size, c.data.seq_len)
+    return data.global_batch(
+        data.load_corpus(c.data), program.batch_sharding, c.seed, step, c.train.batch_size, c.data.seq_len
+    )
 
 
 def _estimate_fn(program, key):
     """(params, tokens) -> (g, metrics at theta + eps z, metrics at theta - eps z), jitted."""
-    return jax.jit(program._shard_map(lambda p, t: zo.projected_gradient(program, p, t, key),
-                                      (program.param_pspecs, program.batch_pspec), P()))
+    return jax.jit(
+        program._shard_map(
+            lambda p, t: zo.projected_gradient(program, p, t, key), (program.param_pspecs, program.batch_pspec), P()
+        )
+    )
 
 
 def _dot(a, b) -> float:
@@ -98,8 +102,11 @@ def test_z_is_jax_random_normal_of_the_leaf_and_any_block_regenerates_exactly():
     np.testing.assert_array_equal(block, np.asarray(whole)[32:48, 4:8])
     assert abs(float(jnp.mean(whole))) < 0.1 and abs(float(jnp.std(whole)) - 1) < 0.05
     # another step, leaf or layer draws another z
-    for other in (zo.leaf_key(zo.step_key(3, 8), "layers/wq", 1), zo.leaf_key(zo.step_key(3, 7), "layers/wk", 1),
-                  zo.leaf_key(zo.step_key(3, 7), "layers/wq", 0)):
+    for other in (
+        zo.leaf_key(zo.step_key(3, 8), "layers/wq", 1),
+        zo.leaf_key(zo.step_key(3, 7), "layers/wk", 1),
+        zo.leaf_key(zo.step_key(3, 7), "layers/wq", 0),
+    ):
         assert not np.array_equal(whole, jax.random.normal(other, (64, 8, 8)))
 
 
@@ -114,9 +121,10 @@ def test_shards_on_data2_fsdp2_tensor2_assemble_to_the_one_device_z():
 
     def from_hook(params):  # every leaf read as the model reads it: layer by layer inside a scan
         out = {k: hook(k, params[k], None) for k in params if k != "layers"}
-        out["layers"] = {k: jax.lax.map(lambda a: hook(f"layers/{k}", a[0], a[1]),
-                                        (v, jnp.arange(v.shape[0], dtype=jnp.int32)))
-                         for k, v in params["layers"].items()}
+        out["layers"] = {
+            k: jax.lax.map(lambda a: hook(f"layers/{k}", a[0], a[1]), (v, jnp.arange(v.shape[0], dtype=jnp.int32)))
+            for k, v in params["layers"].items()
+        }
         return out
 
     def from_update(params):  # theta - 1 * (-1 * z) = z exactly
@@ -158,8 +166,7 @@ def test_steps_on_data2_fsdp2_tensor2_equal_one_device():
     loss = lambda r: [x["loss"] for x in r]
     np.testing.assert_allclose(loss(got), loss(want), rtol=1e-5)
     dg = 2e-6 * max(loss(want)) / (2 * 1e-3)
-    np.testing.assert_allclose([x["projected_grad"] for x in got], [x["projected_grad"] for x in want],
-                               rtol=0, atol=dg)
+    np.testing.assert_allclose([x["projected_grad"] for x in got], [x["projected_grad"] for x in want], rtol=0, atol=dg)
     atol = sum(x["lr"] for x in want) * dg * 6.0  # |z| < 6 for 120K normal draws
     chex.assert_trees_all_close(got_params, want_params, rtol=1e-5, atol=atol)
 
@@ -237,13 +244,32 @@ def test_init_from_starts_zo_from_the_saved_parameters_and_the_loss_falls(tmp_pa
 
 def test_init_from_a_converted_hf_workdir(tmp_path):
     workdir = tmp_path / "hf"
-    assert convert.main(["--from-hf", os.path.join(ROOT, "tests", "golden", "hf_llama", "untied"),
-                         "--workdir", str(workdir), "--config", os.path.join(ROOT, "configs", "tiny.py:test")]) == 0
+    assert (
+        convert.main(
+            [
+                "--from-hf",
+                os.path.join(ROOT, "tests", "golden", "hf_llama", "untied"),
+                "--workdir",
+                str(workdir),
+                "--config",
+                os.path.join(ROOT, "configs", "tiny.py:test"),
+            ]
+        )
+        == 0
+    )
     from jaxsys.config import load_config
-    c = load_config(str(workdir / "config.json"), ["--config.mesh.data=2", "--config.mesh.fsdp=2",
-                                                   "--config.mesh.tensor=2", "--config.train.steps=2",
-                                                   "--config.train.optimizer=zo",
-                                                   f"--config.checkpoint.init_from={workdir}"])
+
+    c = load_config(
+        str(workdir / "config.json"),
+        [
+            "--config.mesh.data=2",
+            "--config.mesh.fsdp=2",
+            "--config.mesh.tensor=2",
+            "--config.train.steps=2",
+            "--config.train.optimizer=zo",
+            f"--config.checkpoint.init_from={workdir}",
+        ],
+    )
     program = program_for(c)
     params, step = restore_params(str(workdir / "checkpoints"), program.abstract_state().params)
     converted = Checkpointer(str(workdir), c.checkpoint, read_only=True)
@@ -305,6 +331,7 @@ def test_analysis_collectives_and_bytes_equal_the_zeroth_order_formula(mesh):
     each of the two forwards, Megatron's all-reduces 2 x (2L + 1), the vocabulary-parallel loss's
     3 per forward; data parallelism sends nothing but the losses)."""
     from jaxsys.analysis import report
+
     c = _zo_config(mesh)
     c.model.n_kv_heads = 8  # tensor=8 splits the kv heads
     r = report.analyze(c, devices=jax.devices()[:8], flops=False)

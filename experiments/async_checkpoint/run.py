@@ -105,14 +105,20 @@ def worker(jobs: list[dict]) -> None:
             return blocked, total
 
         baseline = steps_alone(job["steps"])
-        out = {"size": job["size"], "params": params_lib.count(program.specs), "state_bytes": state_bytes,
-               "steps": job["steps"], "step_s": baseline, "sync": [], "async": []}
+        out = {
+            "size": job["size"],
+            "params": params_lib.count(program.specs),
+            "state_bytes": state_bytes,
+            "steps": job["steps"],
+            "step_s": baseline,
+            "sync": [],
+            "async": [],
+        }
         for rep in range(job["repeats"]):
             for mode in ("sync", "async"):
                 blocked, _ = with_saves(job["steps"], mode == "async", settle=True)
                 every_step_blocked, total = with_saves(job["steps"], mode == "async", settle=False)
-                out[mode].append({"blocked_s": blocked, "every_step_blocked_s": every_step_blocked,
-                                  "total_s": total})
+                out[mode].append({"blocked_s": blocked, "every_step_blocked_s": every_step_blocked, "total_s": total})
         out["step_s"] += steps_alone(job["steps"])  # baseline before and after, against drift
         emit(out)
 
@@ -126,28 +132,35 @@ def summarise(r: dict) -> dict:
         total = statistics.median(rep["total_s"] for rep in r[mode])
         row[f"{mode}_blocked_s"] = statistics.median(blocked)
         row[f"{mode}_every_step_blocked_s"] = statistics.median(
-            b for rep in r[mode] for b in rep["every_step_blocked_s"][1:])
+            b for rep in r[mode] for b in rep["every_step_blocked_s"][1:]
+        )
         row[f"{mode}_slowdown"] = total / (r["steps"] * step)
     row["blocked_ratio"] = row["sync_blocked_s"] / row["async_blocked_s"]
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | params | state | step alone | blocked per save, sync | blocked per save, async | "
-             "sync / async blocked | run time with a save every step, sync | same, async | "
-             "async blocked per save when saving every step |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| model | params | state | step alone | blocked per save, sync | blocked per save, async | "
+        "sync / async blocked | run time with a save every step, sync | same, async | "
+        "async blocked per save when saving every step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['state_gb']:.2f} GB | {r['step_s']:.3f} s "
-                     f"| {r['sync_blocked_s']:.3f} s | {r['async_blocked_s']:.3f} s | {r['blocked_ratio']:.1f}x "
-                     f"| {r['sync_slowdown']:.2f}x | {r['async_slowdown']:.2f}x | {r['async_every_step_blocked_s']:.3f} s |")
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['state_gb']:.2f} GB | {r['step_s']:.3f} s "
+            f"| {r['sync_blocked_s']:.3f} s | {r['async_blocked_s']:.3f} s | {r['blocked_ratio']:.1f}x "
+            f"| {r['sync_slowdown']:.2f}x | {r['async_slowdown']:.2f}x | {r['async_every_step_blocked_s']:.3f} s |"
+        )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     params = [r["params"] / 1e6 for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.loglog(params, [r["sync_blocked_s"] for r in rows], "o-", label="synchronous")
@@ -158,8 +171,7 @@ def plot(rows: list[dict], path: str) -> None:
     b.semilogx(params, [r["sync_slowdown"] for r in rows], "o-", label="synchronous")
     b.semilogx(params, [r["async_slowdown"] for r in rows], "s-", label="asynchronous")
     b.axhline(1.0, color="k", lw=0.5)
-    b.set(xlabel="parameters (M)", ylabel="run time / run time without saves",
-          title="a save after every step")
+    b.set(xlabel="parameters (M)", ylabel="run time / run time without saves", title="a save after every step")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -42,21 +42,28 @@ BURSTS, PER_BURST, PROMPT, OUTPUT = int(os.environ.get("BURSTS", 4)), 8, (128, 1
 WALL_GAP_S, MODEL_GAP_S = 4.0, 0.06  # between bursts, on each clock
 PAGES, PAGE, BUDGET, CHUNK, SEQS = 512, 16, 256, 256, 32  # per batch shard, every engine: the pool never binds
 # (name, placement, decode sub-mesh, clocks); every disaggregated run prefills on tensor=4
-RUNS = [("colocated", None, None, ("model", "wall")),
-        ("disagg", "cost", "data=2,tensor=2", ("model", "wall")),
-        ("disagg-all", "prefill", "data=2,tensor=2", ("model", "wall")),
-        ("disagg-all-t4", "prefill", "tensor=4", ("model",))]
+RUNS = [
+    ("colocated", None, None, ("model", "wall")),
+    ("disagg", "cost", "data=2,tensor=2", ("model", "wall")),
+    ("disagg-all", "prefill", "data=2,tensor=2", ("model", "wall")),
+    ("disagg-all-t4", "prefill", "tensor=4", ("model",)),
+]
 
 
 def bursty_trace(bursts, per_burst, gap_s, prompt_len, output_len, seed=0, spread_s=0.0):
     import numpy as np
+
     rng = np.random.default_rng(seed)
     rows = []
     for b in range(bursts):
         for _ in range(per_burst):
-            rows.append({"arrival_s": b * gap_s + float(rng.uniform(0, spread_s)),
-                         "prompt_len": int(rng.integers(prompt_len[0], prompt_len[1] + 1)),
-                         "output_len": int(rng.integers(output_len[0], output_len[1] + 1))})
+            rows.append(
+                {
+                    "arrival_s": b * gap_s + float(rng.uniform(0, spread_s)),
+                    "prompt_len": int(rng.integers(prompt_len[0], prompt_len[1] + 1)),
+                    "output_len": int(rng.integers(output_len[0], output_len[1] + 1)),
+                }
+            )
     return sorted(rows, key=lambda r: r["arrival_s"])
 
 
@@ -67,6 +74,7 @@ def replay(eng, trace, vocab, clock, timer=None):
     import numpy as np
 
     from jaxsys.serve import disagg
+
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, vocab, size=r["prompt_len"]).tolist() for r in trace]
     pending = list(enumerate(trace))
@@ -160,16 +168,27 @@ def replay(eng, trace, vocab, clock, timer=None):
     ttft = [times[i][0] - arrival[i] for i in times]
     tpot = [(times[i][-1] - times[i][0]) / (len(times[i]) - 1) for i in times if len(times[i]) > 1]
     from jaxsys.bench_serve import percentiles
-    out = {"requests": len(times), "generated_tokens": sum(len(v) for v in times.values()),
-           "makespan_s": makespan, "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
-           "decode_steps": stalls[0], "stalled_decode_steps": stalls[1], "stalled_decode_tokens": stalls[2]}
+
+    out = {
+        "requests": len(times),
+        "generated_tokens": sum(len(v) for v in times.values()),
+        "makespan_s": makespan,
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+        "decode_steps": stalls[0],
+        "stalled_decode_steps": stalls[1],
+        "stalled_decode_tokens": stalls[2],
+    }
     assert all(len(times[i]) == trace[i]["output_len"] for i in times)
     if split:
         moved = [t["bytes"] for t in eng.transfers]
-        out.update(handoffs=len(moved), transfer_bytes_total=sum(moved),
-                   transfer_bytes_match_formula=all(t["bytes"] == t["formula_bytes"] for t in eng.transfers),
-                   placements={k: list(eng.placement.values()).count(k) for k in ("prefill", "colocated")},
-                   leaked_pages=sum(p.used_pages for e in (eng.prefill, eng.decode) for p in e.pools))
+        out.update(
+            handoffs=len(moved),
+            transfer_bytes_total=sum(moved),
+            transfer_bytes_match_formula=all(t["bytes"] == t["formula_bytes"] for t in eng.transfers),
+            placements={k: list(eng.placement.values()).count(k) for k in ("prefill", "colocated")},
+            leaked_pages=sum(p.used_pages for e in (eng.prefill, eng.decode) for p in e.pools),
+        )
     else:
         out.update(leaked_pages=sum(p.used_pages for p in eng.pools))
     return out
@@ -183,24 +202,34 @@ def main() -> int:
     from jaxsys.config import load_config
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh
     from jaxsys.serve import disagg, engine
+
     cpu_unless_accelerator()
     assert jax.device_count() == 8, jax.devices()
     started = time.perf_counter()
     over = ["--config.model.n_kv_heads=4", f"--config.serve.chunk_size={CHUNK}"]
-    served = load_config(os.path.join(ROOT, "configs", "tiny.py"), over + ["--config.mesh.data=2",
-                                                                           "--config.mesh.tensor=4"])
+    served = load_config(
+        os.path.join(ROOT, "configs", "tiny.py"), over + ["--config.mesh.data=2", "--config.mesh.tensor=4"]
+    )
     colo = program_lib.build(served, make_mesh(served, jax.devices()))
     params = colo.init().params
     sides = {}
     for _, placement, decode_mesh, _ in RUNS:
         if placement is not None and decode_mesh not in sides:
-            c = load_config(os.path.join(ROOT, "configs", "tiny.py"), over + [f"--config.serve.decode_mesh={decode_mesh}"])
+            c = load_config(
+                os.path.join(ROOT, "configs", "tiny.py"), over + [f"--config.serve.decode_mesh={decode_mesh}"]
+            )
             sides[decode_mesh] = disagg.build_programs(c)
     # what the model clock prices: configs/llama_8b.py (bf16) in each layout, on H100s
     hw = cost_model.hardware("h100")
-    big_over = ["--config.mesh.fsdp=1", "--config.mesh.data=2", "--config.mesh.tensor=4",
-                "--config.parallel.sequence_parallel=false", "--config.model.param_dtype=bfloat16",
-                f"--config.serve.chunk_size={CHUNK}", f"--config.serve.page_size={PAGE}"]
+    big_over = [
+        "--config.mesh.fsdp=1",
+        "--config.mesh.data=2",
+        "--config.mesh.tensor=4",
+        "--config.parallel.sequence_parallel=false",
+        "--config.model.param_dtype=bfloat16",
+        f"--config.serve.chunk_size={CHUNK}",
+        f"--config.serve.page_size={PAGE}",
+    ]
     big = load_config(os.path.join(ROOT, "configs", "llama_8b.py"), big_over)
     priced = {}
     for mesh in sides:
@@ -232,8 +261,13 @@ def main() -> int:
             else:
                 big_pre, big_dec = priced[decode_mesh]
                 prices = {"prefill": big_pre, "decode": big_dec}
-                cost = disagg.CostModel.for_configs(big_pre, big_dec, hw, placement=placement,
-                                                    interference=float(os.environ.get("INTERFERENCE", big.serve.interference)))
+                cost = disagg.CostModel.for_configs(
+                    big_pre,
+                    big_dec,
+                    hw,
+                    placement=placement,
+                    interference=float(os.environ.get("INTERFERENCE", big.serve.interference)),
+                )
                 eng = disagg.DisaggregatedEngine(*sides[decode_mesh], params, cost=cost, **kw)
                 eng.prefill = reuse(("prefill", decode_mesh), eng.prefill)
                 eng.decode = reuse(("decode", decode_mesh), eng.decode)
@@ -242,18 +276,35 @@ def main() -> int:
                 eng.warmup()  # no compilation on the wall clock
             t0 = time.perf_counter()
             r = replay(eng, trace, served.model.vocab_size, clock, timer)
-            r.update(engine=name, clock=clock, run_s=time.perf_counter() - t0, decode_mesh=decode_mesh or "data=2,tensor=4",
-                     prefill_mesh="tensor=4" if placement else "(shared)")
+            r.update(
+                engine=name,
+                clock=clock,
+                run_s=time.perf_counter() - t0,
+                decode_mesh=decode_mesh or "data=2,tensor=4",
+                prefill_mesh="tensor=4" if placement else "(shared)",
+            )
             rows.append(r)
             ms = lambda d: f"p50 {d['p50'] * 1e3:8.1f} p99 {d['p99'] * 1e3:8.1f} ms"
-            extra = (f" | {r['handoffs']} handoffs, {r['transfer_bytes_total'] / 2**20:.1f} MiB "
-                     f"(== formula: {r['transfer_bytes_match_formula']}), placed {r['placements']}"
-                     if "handoffs" in r else "")
-            print(f"{name:>10} {clock:>5}: TTFT {ms(r['ttft_s'])} | TPOT {ms(r['tpot_s'])} | stalled decode "
-                  f"steps {r['stalled_decode_steps']}/{r['decode_steps']} ({r['stalled_decode_tokens']} tokens)"
-                  f"{extra} | {r['run_s']:.0f}s", flush=True)
-    result = {"trace": wall_trace, "model_gap_s": MODEL_GAP_S, "wall_gap_s": WALL_GAP_S,
-              "engine": kw, "rows": rows, "total_s": time.perf_counter() - started}
+            extra = (
+                f" | {r['handoffs']} handoffs, {r['transfer_bytes_total'] / 2**20:.1f} MiB "
+                f"(== formula: {r['transfer_bytes_match_formula']}), placed {r['placements']}"
+                if "handoffs" in r
+                else ""
+            )
+            print(
+                f"{name:>10} {clock:>5}: TTFT {ms(r['ttft_s'])} | TPOT {ms(r['tpot_s'])} | stalled decode "
+                f"steps {r['stalled_decode_steps']}/{r['decode_steps']} ({r['stalled_decode_tokens']} tokens)"
+                f"{extra} | {r['run_s']:.0f}s",
+                flush=True,
+            )
+    result = {
+        "trace": wall_trace,
+        "model_gap_s": MODEL_GAP_S,
+        "wall_gap_s": WALL_GAP_S,
+        "engine": kw,
+        "rows": rows,
+        "total_s": time.perf_counter() - started,
+    }
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(rows)
@@ -268,6 +319,7 @@ def plot(rows):
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, clock in zip(axes, ("model", "wall")):
         sub = {r["engine"]: r for r in rows if r["clock"] == clock}

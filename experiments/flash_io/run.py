@@ -46,7 +46,6 @@ import collections
 import contextlib
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -79,21 +78,35 @@ DTYPES = {2: jnp.bfloat16, 4: jnp.float32}
 #         "q_group" = over the G heads of the group x the q blocks, bounds _causal_q_range (dk/dv)
 KERNEL_IO = {
     "flash_attention_fwd": dict(
-        args=("q", "k", "v"), outs=("o", "lse"), resident=("q",),
-        streamed={"k": "block_k", "v": "block_k"}, loop="kv", body="_fwd_kernel"),
+        args=("q", "k", "v"),
+        outs=("o", "lse"),
+        resident=("q",),
+        streamed={"k": "block_k", "v": "block_k"},
+        loop="kv",
+        body="_fwd_kernel",
+    ),
     "flash_attention_bwd_dq": dict(
-        args=("q", "k", "v", "do", "lse", "delta"), outs=("dq",),
-        resident=("q", "do", "lse", "delta"), streamed={"k": "block_k", "v": "block_k"},
-        loop="kv", body="_dq_kernel"),
+        args=("q", "k", "v", "do", "lse", "delta"),
+        outs=("dq",),
+        resident=("q", "do", "lse", "delta"),
+        streamed={"k": "block_k", "v": "block_k"},
+        loop="kv",
+        body="_dq_kernel",
+    ),
     "flash_attention_bwd_dkdv": dict(
-        args=("q", "k", "v", "do", "lse", "delta"), outs=("dk", "dv"), resident=("k", "v"),
+        args=("q", "k", "v", "do", "lse", "delta"),
+        outs=("dk", "dv"),
+        resident=("k", "v"),
         streamed={"q": "block_q", "do": "block_q", "lse": "block_q", "delta": "block_q"},
-        loop="q_group", body="_dkdv_kernel"),
+        loop="q_group",
+        body="_dkdv_kernel",
+    ),
 }
 
 
 # ----------------------------------------------------------------------------------------------
 # Intercepting the kernel's pallas_calls.
+
 
 class _Call:
     """One pallas_call as the kernel issued it."""
@@ -123,8 +136,13 @@ class _PlProxy:
         return getattr(pl, name)
 
     def pallas_call(self, kernel, *, grid, in_specs, out_specs, out_shape, name, **kw):
-        real = pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                              out_shape=out_shape, name=name, **kw) if self._run else None
+        real = (
+            pl.pallas_call(
+                kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, name=name, **kw
+            )
+            if self._run
+            else None
+        )
 
         def call(*args):
             self._calls.append(_Call(name, grid, in_specs, out_specs, kernel, args, out_shape))
@@ -133,6 +151,7 @@ class _PlProxy:
             if isinstance(out_shape, (list, tuple)):
                 return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
             return jnp.zeros(out_shape.shape, out_shape.dtype)
+
         return call
 
 
@@ -152,29 +171,52 @@ def _shapes(T, S, H, N, K, B, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def capture(pass_: str, T: int, S: int, H: int, block_q: int, block_k: int, causal: bool,
-            dtype_bytes: int, N: int, K: int, B: int):
+def capture(
+    pass_: str,
+    T: int,
+    S: int,
+    H: int,
+    block_q: int,
+    block_k: int,
+    causal: bool,
+    dtype_bytes: int,
+    N: int,
+    K: int,
+    B: int,
+):
     """(cfg, [_Call]) of the kernel's forward or backward for these shapes, traced abstractly."""
     q, k, v = _shapes(T, S, H, N, K, B, DTYPES[dtype_bytes])
     # _prepare validates and resolves the block sizes (the kernel's _block_size); interpret=True
     # only so that it does not ask for a GPU; the grid and specs do not depend on it.
-    cfg, _, _ = FK._prepare(q, k, v, None, None, causal=causal, softmax_scale=None,
-                            block_q=block_q, block_k=block_k, block_q_bwd=None, block_k_bwd=None,
-                            interpret=True)
+    cfg, _, _ = FK._prepare(
+        q,
+        k,
+        v,
+        None,
+        None,
+        causal=causal,
+        softmax_scale=None,
+        block_q=block_q,
+        block_k=block_k,
+        block_q_bwd=None,
+        block_k_bwd=None,
+        interpret=True,
+    )
     calls: list[_Call] = []
     with _patched(FK, "pl", _PlProxy(calls, run=False)):
         if pass_ == "fwd":
             jax.eval_shape(lambda q, k, v: FK._forward(q, k, v, None, None, cfg), q, k, v)
         else:
             lse = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
-            jax.eval_shape(lambda q, k, v, o, lse, do: FK._backward(q, k, v, None, None, o, lse,
-                                                                     do, None, cfg),
-                           q, k, v, q, lse, q)
+            jax.eval_shape(
+                lambda q, k, v, o, lse, do: FK._backward(q, k, v, None, None, o, lse, do, None, cfg), q, k, v, q, lse, q
+            )
     return cfg, calls
 
 
 # ----------------------------------------------------------------------------------------------
 # The count.
+
 
 def _elems(block, arg_ndim=None) -> int:
     return int(np.prod([d for d in block if d is not None], dtype=np.int64))
@@ -225,8 +267,7 @@ def call_bytes(call: _Call) -> dict:
             reads[name] = 0
     for o, name in enumerate(io["outs"]):
         writes[name] = programs * _elems(call.out_blocks[o]) * call.out_itemsize[o]
-    return dict(name=call.name, grid=call.grid, programs=programs, loop_iterations=visits,
-                reads=reads, writes=writes)
+    return dict(name=call.name, grid=call.grid, programs=programs, loop_iterations=visits, reads=reads, writes=writes)
 
 
 def hbm_bytes(T, H, block_q, block_k, causal, dtype_bytes, N=1, K=1, B=1, pass_="fwd", S=None):
@@ -241,15 +282,22 @@ def hbm_bytes(T, H, block_q, block_k, causal, dtype_bytes, N=1, K=1, B=1, pass_=
     writes = sum(sum(k["writes"].values()) for k in kernels)
     extra = {}
     if pass_ == "bwd":
-        extra = dict(name="xla_delta", reads=2 * B * T * N * H * dtype_bytes,
-                     writes=B * N * T * LSE_BYTES)
+        extra = dict(name="xla_delta", reads=2 * B * T * N * H * dtype_bytes, writes=B * N * T * LSE_BYTES)
         reads, writes = reads + extra["reads"], writes + extra["writes"]
-    return dict(reads=reads, writes=writes, total=reads + writes, kernels=kernels,
-                xla_delta=extra or None, block_q=cfg.block_q, block_k=cfg.block_k)
+    return dict(
+        reads=reads,
+        writes=writes,
+        total=reads + writes,
+        kernels=kernels,
+        xla_delta=extra or None,
+        block_q=cfg.block_q,
+        block_k=cfg.block_k,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Independent closed forms (no kernel code), for the check.
+
 
 def closed_form(T, S, H, bq, bk, causal, isz, N=1, K=1, B=1, pass_="fwd") -> int:
     """Total bytes, from the algorithm on paper. bq, bk: the blocks in use; tp, sp: padded
@@ -287,8 +335,7 @@ def sram_bytes(bq, bk, H, isz, score_tile=True) -> int:
     """On-chip bytes one forward program holds: q (bq H), k and v (2 bk H) tiles in the input
     dtype; the score/probability tile (bq bk), the output accumulator (bq H) and the row max and
     sum (2 bq) in fp32. score_tile=False leaves out the bq bk tile (the 'I/O tiles only' M)."""
-    return ((bq * H + 2 * bk * H) * isz
-            + ((bq * bk if score_tile else 0) + bq * H + 2 * bq) * ACC_BYTES)
+    return (bq * H + 2 * bk * H) * isz + ((bq * bk if score_tile else 0) + bq * H + 2 * bq) * ACC_BYTES
 
 
 def sram_bytes_bwd(bq, bk, H, isz) -> int:
@@ -311,8 +358,8 @@ CHECK_CASES = [
     (1024, 1024, 64, 16, 16, 1, 1, 1),
     (1024, 1024, 128, 128, 32, 1, 1, 1),
     (1024, 1024, 128, 32, 128, 1, 1, 1),
-    (2048, 2048, 64, 64, 256, 8, 2, 2),     # GQA 4:1, B = 2
-    (512, 512, 128, 256, 16, 4, 1, 3),      # MQA
+    (2048, 2048, 64, 64, 256, 8, 2, 2),  # GQA 4:1, B = 2
+    (512, 512, 128, 256, 16, 4, 1, 3),  # MQA
     (4096, 4096, 128, 128, 128, 2, 2, 1),
 ]
 PADDED_CASES = [  # full attention only (closed form with padded lengths)
@@ -337,9 +384,11 @@ def check_closed_forms() -> list[str]:
                 want = closed_form(T, S, H, uq, uk, causal, isz, N, K, B, pass_)
                 n += 1
                 if got["total"] != want or (got["block_q"], got["block_k"]) != (uq, uk):
-                    problems.append(f"closed form: T={T} S={S} H={H} blocks {bq}x{bk} N={N} K={K} "
-                                    f"B={B} causal={causal} {pass_} isz={isz}: count "
-                                    f"{got['total']} != closed form {want}")
+                    problems.append(
+                        f"closed form: T={T} S={S} H={H} blocks {bq}x{bk} N={N} K={K} "
+                        f"B={B} causal={causal} {pass_} isz={isz}: count "
+                        f"{got['total']} != closed form {want}"
+                    )
     print(f"check: count == closed form at {n} points" + ("" if not problems else " -- FAILED"))
     return problems
 
@@ -367,6 +416,7 @@ def interpret_sanity(configs) -> tuple[list[dict], list[str]]:
             def kern(*refs, **kw):  # program ids read at the kernel's top level, as it does
                 pids["ids"] = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
                 return orig(*refs, **kw)
+
             return kern
 
         def fori_loop(lo, hi, body, carry, **kw):
@@ -378,20 +428,21 @@ def interpret_sanity(configs) -> tuple[list[dict], list[str]]:
 
                 def counted(j, c):
                     jax.debug.callback(
-                        lambda *a, tag=tag: visits.append((tag,) + tuple(int(x) for x in a)),
-                        p0, p1, p2, g, j)
+                        lambda *a, tag=tag: visits.append((tag,) + tuple(int(x) for x in a)), p0, p1, p2, g, j
+                    )
                     return body(j, c)
+
                 return jax.lax.fori_loop(lo, hi, counted, carry, **kw)
             return jax.lax.fori_loop(lo, hi, body, carry, **kw)
 
         class LaxProxy:
             def __getattr__(self, name):
                 return getattr(jax.lax, name)
+
         lax_proxy = LaxProxy()
         lax_proxy.fori_loop = fori_loop
 
-        f = functools.partial(FK.flash_attention, causal=causal, block_q=bq, block_k=bk,
-                              interpret=True)
+        f = functools.partial(FK.flash_attention, causal=causal, block_q=bq, block_k=bk, interpret=True)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_patched(FK, "lax", lax_proxy))
             stack.enter_context(_patched(FK, "pl", _PlProxy(calls, run=True)))
@@ -401,8 +452,8 @@ def interpret_sanity(configs) -> tuple[list[dict], list[str]]:
             def fwd_bwd(q, k, v, do):
                 o, vjp = jax.vjp(f, q, k, v)
                 return (o,) + vjp(do)
-            compiled = jax.jit(fwd_bwd).lower(q, k, v, do).compile(
-                {"xla_backend_optimization_level": 0})
+
+            compiled = jax.jit(fwd_bwd).lower(q, k, v, do).compile({"xla_backend_optimization_level": 0})
         o, dq, dk, dv = jax.block_until_ready(compiled(q, k, v, do))
         # numerics unchanged by the instrumentation (bf16 kernel vs fp32 reference; 2e-2 as in
         # tests/test_flash_attention.py)
@@ -410,8 +461,10 @@ def interpret_sanity(configs) -> tuple[list[dict], list[str]]:
         ref = lambda q, k, v: reference_attention(q, k, v, causal=causal)  # noqa: E731
         ro, rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
         rdq, rdk, rdv = rvjp(f32(do))
-        err = max(float(jnp.max(jnp.abs(f32(a) - b) / (1 + jnp.abs(b))))
-                  for a, b in ((o, ro), (dq, rdq), (dk, rdk), (dv, rdv)))
+        err = max(
+            float(jnp.max(jnp.abs(f32(a) - b) / (1 + jnp.abs(b))))
+            for a, b in ((o, ro), (dq, rdq), (dk, rdk), (dv, rdv))
+        )
         if err > 2e-2:
             problems.append(f"sanity {bq}x{bk} causal={causal}: kernel vs reference err {err:.3g}")
         # observed vs counted, per kernel
@@ -425,35 +478,57 @@ def interpret_sanity(configs) -> tuple[list[dict], list[str]]:
                 call = next(c for c in calls if c.name == name)
                 per_prog = collections.Counter(vv[1:4] for vv in seen)
                 trips = trips_per_program(call)
-                expect = {(p0, p1, p2): int(trips[p0]) for p0 in range(call.grid[0])
-                          for p1 in range(call.grid[1]) for p2 in range(call.grid[2])
-                          if trips[p0] > 0}
+                expect = {
+                    (p0, p1, p2): int(trips[p0])
+                    for p0 in range(call.grid[0])
+                    for p1 in range(call.grid[1])
+                    for p2 in range(call.grid[2])
+                    if trips[p0] > 0
+                }
                 distinct = len(set(seen))
                 # bytes implied by the observed iterations (streamed) + per-program loads/stores
-                bytes_seen = (sum(kc["reads"][a] for a in KERNEL_IO[name]["resident"])
-                              + sum(kc["writes"].values())
-                              + sum(kc["reads"][a] for a in KERNEL_IO[name]["streamed"])
-                              // max(kc["loop_iterations"], 1) * len(seen))
+                bytes_seen = (
+                    sum(kc["reads"][a] for a in KERNEL_IO[name]["resident"])
+                    + sum(kc["writes"].values())
+                    + sum(kc["reads"][a] for a in KERNEL_IO[name]["streamed"])
+                    // max(kc["loop_iterations"], 1)
+                    * len(seen)
+                )
                 bytes_counted = sum(kc["reads"].values()) + sum(kc["writes"].values())
-                ok = (dict(per_prog) == expect
-                      and distinct == len(seen) == kc["loop_iterations"]
-                      and call.grid == kc["grid"] and bytes_seen == bytes_counted)
+                ok = (
+                    dict(per_prog) == expect
+                    and distinct == len(seen) == kc["loop_iterations"]
+                    and call.grid == kc["grid"]
+                    and bytes_seen == bytes_counted
+                )
                 row["kernels"][name] = dict(
-                    grid=list(call.grid), programs=kc["programs"],
-                    programs_seen=len(per_prog), iterations_counted=kc["loop_iterations"],
-                    iterations_seen=len(seen), bytes_counted=bytes_counted, bytes_seen=bytes_seen,
-                    ok=ok)
+                    grid=list(call.grid),
+                    programs=kc["programs"],
+                    programs_seen=len(per_prog),
+                    iterations_counted=kc["loop_iterations"],
+                    iterations_seen=len(seen),
+                    bytes_counted=bytes_counted,
+                    bytes_seen=bytes_seen,
+                    ok=ok,
+                )
                 if not ok:
-                    problems.append(f"sanity {bq}x{bk} causal={causal} {name}: seen "
-                                    f"{len(seen)} iterations over {len(per_prog)} programs, "
-                                    f"counted {kc['loop_iterations']} over {kc['programs']}")
+                    problems.append(
+                        f"sanity {bq}x{bk} causal={causal} {name}: seen "
+                        f"{len(seen)} iterations over {len(per_prog)} programs, "
+                        f"counted {kc['loop_iterations']} over {kc['programs']}"
+                    )
         row["seconds"] = time.time() - t0
         out.append(row)
-        print(f"sanity interpret {bq}x{bk} causal={causal}: " + ", ".join(
-            f"{n.replace('flash_attention_', '')} {r['iterations_seen']}/{r['iterations_counted']} "
-            f"iterations, {r['programs_seen']}/{r['programs']} programs"
-            for n, r in row["kernels"].items()) + f"; err {err:.1e}; {row['seconds']:.1f} s",
-            flush=True)
+        print(
+            f"sanity interpret {bq}x{bk} causal={causal}: "
+            + ", ".join(
+                f"{n.replace('flash_attention_', '')} {r['iterations_seen']}/{r['iterations_counted']} "
+                f"iterations, {r['programs_seen']}/{r['programs']} programs"
+                for n, r in row["kernels"].items()
+            )
+            + f"; err {err:.1e}; {row['seconds']:.1f} s",
+            flush=True,
+        )
     return out, problems
 
 
@@ -482,20 +557,37 @@ def sweep(seqs) -> list[dict]:
                         M_bwd = sram_bytes_bwd(bq, bk, H, ISZ)
                         bound = bound_bytes(T, T, H, M, ISZ)
                         std = standard_bytes(T, T, H, ISZ, pass_)
-                        rows.append(dict(
-                            T=T, H=H, block_q=bq, block_k=bk, causal=causal, pass_=pass_,
-                            square=bq == bk, reads=c["reads"], writes=c["writes"],
-                            total=c["total"], kernels=c["kernels"], xla_delta=c["xla_delta"],
-                            M_bytes=M, M_io_bytes=M_io, M_bwd_bytes=M_bwd, bound_bytes=bound,
-                            ratio=c["total"] / bound,
-                            ratio_io=c["total"] / bound_bytes(T, T, H, M_io, ISZ),
-                            ratio_bwd_M=c["total"] / bound_bytes(T, T, H, M_bwd, ISZ),
-                            standard_bytes=std, standard_over_flash=std / c["total"]))
+                        rows.append(
+                            dict(
+                                T=T,
+                                H=H,
+                                block_q=bq,
+                                block_k=bk,
+                                causal=causal,
+                                pass_=pass_,
+                                square=bq == bk,
+                                reads=c["reads"],
+                                writes=c["writes"],
+                                total=c["total"],
+                                kernels=c["kernels"],
+                                xla_delta=c["xla_delta"],
+                                M_bytes=M,
+                                M_io_bytes=M_io,
+                                M_bwd_bytes=M_bwd,
+                                bound_bytes=bound,
+                                ratio=c["total"] / bound,
+                                ratio_io=c["total"] / bound_bytes(T, T, H, M_io, ISZ),
+                                ratio_bwd_M=c["total"] / bound_bytes(T, T, H, M_bwd, ISZ),
+                                standard_bytes=std,
+                                standard_over_flash=std / c["total"],
+                            )
+                        )
     return rows
 
 
 # ----------------------------------------------------------------------------------------------
 # Tables and plot.
+
 
 def _mib(x):
     return f"{x / 2**20:,.1f}"
@@ -514,33 +606,37 @@ def tables(rows: list[dict]) -> str:
     for H in HEAD_DIMS:
         for pass_ in ("fwd", "bwd"):
             for causal in (False, True):
-                out += [f"#### {pass_}, {'causal' if causal else 'full'}, d = {H}: traffic MiB "
-                        f"per (batch, head) and ratio traffic / (N² d² / M), square tiles b", "",
-                        "| N | " + " | ".join(f"b={b}" for b in SQUARE) +
-                        " | 16 → 256 | standard attn. MiB | standard / flash (b=128) |",
-                        "|---:|" + "---:|" * (len(SQUARE) + 3)]
+                out += [
+                    f"#### {pass_}, {'causal' if causal else 'full'}, d = {H}: traffic MiB "
+                    f"per (batch, head) and ratio traffic / (N² d² / M), square tiles b",
+                    "",
+                    "| N | "
+                    + " | ".join(f"b={b}" for b in SQUARE)
+                    + " | 16 → 256 | standard attn. MiB | standard / flash (b=128) |",
+                    "|---:|" + "---:|" * (len(SQUARE) + 3),
+                ]
                 for T in seqs:
                     cells = []
                     for b in SQUARE:
-                        r = _find(rows, T=T, H=H, block_q=b, block_k=b, causal=causal,
-                                  pass_=pass_)
+                        r = _find(rows, T=T, H=H, block_q=b, block_k=b, causal=causal, pass_=pass_)
                         cells.append(f"{_mib(r['total'])} ({r['ratio']:.2f})")
-                    r16 = _find(rows, T=T, H=H, block_q=16, block_k=16, causal=causal,
-                                pass_=pass_)
-                    r256 = _find(rows, T=T, H=H, block_q=256, block_k=256, causal=causal,
-                                 pass_=pass_)
-                    r128 = _find(rows, T=T, H=H, block_q=128, block_k=128, causal=causal,
-                                 pass_=pass_)
-                    out.append(f"| {T // 1024}K | " + " | ".join(cells) +
-                               f" | {r16['total'] / r256['total']:.1f}x | "
-                               f"{_mib(r128['standard_bytes'])} | "
-                               f"{r128['standard_over_flash']:.1f}x |")
+                    r16 = _find(rows, T=T, H=H, block_q=16, block_k=16, causal=causal, pass_=pass_)
+                    r256 = _find(rows, T=T, H=H, block_q=256, block_k=256, causal=causal, pass_=pass_)
+                    r128 = _find(rows, T=T, H=H, block_q=128, block_k=128, causal=causal, pass_=pass_)
+                    out.append(
+                        f"| {T // 1024}K | " + " | ".join(cells) + f" | {r16['total'] / r256['total']:.1f}x | "
+                        f"{_mib(r128['standard_bytes'])} | "
+                        f"{r128['standard_over_flash']:.1f}x |"
+                    )
                 out.append("")
     # rectangular: block_q = 128, block_k varies
-    out += ["#### block_q = 128, block_k varies (N = 32K if run, else the largest): traffic MiB "
-            "per (batch, head), M KiB and ratio", "",
-            "| d | pass | mask | " + " | ".join(f"bk={b}" for b in RECT_BK) + " |",
-            "|---:|---|---|" + "---:|" * len(RECT_BK)]
+    out += [
+        "#### block_q = 128, block_k varies (N = 32K if run, else the largest): traffic MiB "
+        "per (batch, head), M KiB and ratio",
+        "",
+        "| d | pass | mask | " + " | ".join(f"bk={b}" for b in RECT_BK) + " |",
+        "|---:|---|---|" + "---:|" * len(RECT_BK),
+    ]
     T = seqs[-1]
     for H in HEAD_DIMS:
         for pass_ in ("fwd", "bwd"):
@@ -548,33 +644,44 @@ def tables(rows: list[dict]) -> str:
                 cells = []
                 for bk in RECT_BK:
                     r = _find(rows, T=T, H=H, block_q=128, block_k=bk, causal=causal, pass_=pass_)
-                    cells.append(f"{_mib(r['total'])}; M {r['M_bytes'] / 1024:.0f}; "
-                                 f"{r['ratio']:.2f}")
-                out.append(f"| {H} | {pass_} | {'causal' if causal else 'full'} | " +
-                           " | ".join(cells) + " |")
+                    cells.append(f"{_mib(r['total'])}; M {r['M_bytes'] / 1024:.0f}; {r['ratio']:.2f}")
+                out.append(f"| {H} | {pass_} | {'causal' if causal else 'full'} | " + " | ".join(cells) + " |")
     out.append("")
     # ratio summary: spread over N (at fixed tile) and over tiles
-    out += ["#### ratio traffic / (N² d² / M): spread over N at each square tile, and with M "
-            "without the score tile (ratio_io)", "",
-            "| d | pass | mask | b | ratio N=1K | ratio N=32K | max/min over N | ratio_io N=32K |",
-            "|---:|---|---|---:|---:|---:|---:|---:|"]
+    out += [
+        "#### ratio traffic / (N² d² / M): spread over N at each square tile, and with M "
+        "without the score tile (ratio_io)",
+        "",
+        "| d | pass | mask | b | ratio N=1K | ratio N=32K | max/min over N | ratio_io N=32K |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
     for H in HEAD_DIMS:
         for pass_ in ("fwd", "bwd"):
             for causal in (False, True):
                 for b in SQUARE:
-                    rs = [r for r in rows if r["H"] == H and r["pass_"] == pass_ and
-                          r["causal"] == causal and r["block_q"] == b and r["block_k"] == b]
+                    rs = [
+                        r
+                        for r in rows
+                        if r["H"] == H
+                        and r["pass_"] == pass_
+                        and r["causal"] == causal
+                        and r["block_q"] == b
+                        and r["block_k"] == b
+                    ]
                     ratios = [r["ratio"] for r in sorted(rs, key=lambda r: r["T"])]
-                    out.append(f"| {H} | {pass_} | {'causal' if causal else 'full'} | {b} | "
-                               f"{ratios[0]:.2f} | {ratios[-1]:.2f} | "
-                               f"{max(ratios) / min(ratios):.3f} | "
-                               f"{sorted(rs, key=lambda r: r['T'])[-1]['ratio_io']:.2f} |")
+                    out.append(
+                        f"| {H} | {pass_} | {'causal' if causal else 'full'} | {b} | "
+                        f"{ratios[0]:.2f} | {ratios[-1]:.2f} | "
+                        f"{max(ratios) / min(ratios):.3f} | "
+                        f"{sorted(rs, key=lambda r: r['T'])[-1]['ratio_io']:.2f} |"
+                    )
     out.append("")
     return "\n".join(out)
 
 
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -585,8 +692,9 @@ def plot(rows: list[dict], path: str) -> None:
     H = 128
 
     def sq(**kw):
-        return sorted((r for r in rows if r["square"] and all(r[k] == v for k, v in kw.items())),
-                      key=lambda r: r["block_q"])
+        return sorted(
+            (r for r in rows if r["square"] and all(r[k] == v for k, v in kw.items())), key=lambda r: r["block_q"]
+        )
 
     few = [T for T in (1024, 4096, 32768) if T in seqs] or seqs  # fewer lines in the top panels
     for ax, pass_ in ((axes[0][0], "fwd"), (axes[0][1], "bwd")):
@@ -603,45 +711,62 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xticks(SQUARE, [str(b) for b in SQUARE])
         ax.set_xlabel("square tile b = block_q = block_k")
         ax.set_ylabel("HBM bytes per (batch, head)")
-        ax.set_title(f"{pass_}, d = {H}, bf16: counted traffic (o full, □ causal),\n"
-                     "-- N²d²/M (M = tile footprint), -. standard attention")
+        ax.set_title(
+            f"{pass_}, d = {H}, bf16: counted traffic (o full, □ causal),\n"
+            "-- N²d²/M (M = tile footprint), -. standard attention"
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
 
     ax = axes[0][2]
     for T in seqs:
-        rs = sorted((r for r in rows if r["T"] == T and r["H"] == H and r["block_q"] == 128
-                     and not r["causal"]), key=lambda r: r["block_k"])
+        rs = sorted(
+            (r for r in rows if r["T"] == T and r["H"] == H and r["block_q"] == 128 and not r["causal"]),
+            key=lambda r: r["block_k"],
+        )
         for pass_, mk in (("fwd", "o-"), ("bwd", "s--")):
             rr = [r for r in rs if r["pass_"] == pass_]
-            ax.plot([r["block_k"] for r in rr], [r["ratio"] for r in rr], mk, color=color[T],
-                    label=f"N={T // 1024}K" if pass_ == "fwd" else None)
+            ax.plot(
+                [r["block_k"] for r in rr],
+                [r["ratio"] for r in rr],
+                mk,
+                color=color[T],
+                label=f"N={T // 1024}K" if pass_ == "fwd" else None,
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(RECT_BK, [str(b) for b in RECT_BK])
     ax.set_xlabel("block_k (block_q = 128)")
     ax.set_ylabel("traffic / (N²d²/M)")
-    ax.set_title(f"block_q = 128, d = {H}, full: ratio (o fwd, □ bwd);\n"
-                 "fwd traffic does not depend on block_k, M does")
+    ax.set_title(f"block_q = 128, d = {H}, full: ratio (o fwd, □ bwd);\nfwd traffic does not depend on block_k, M does")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
 
     ax = axes[1][0]
     T = seqs[-1]
     for H_, ls in ((64, "-"), (128, "--")):
-        for pass_, causal, c in (("fwd", False, "tab:blue"), ("fwd", True, "tab:cyan"),
-                                 ("bwd", False, "tab:red"), ("bwd", True, "tab:orange")):
+        for pass_, causal, c in (
+            ("fwd", False, "tab:blue"),
+            ("fwd", True, "tab:cyan"),
+            ("bwd", False, "tab:red"),
+            ("bwd", True, "tab:orange"),
+        ):
             rs = sq(T=T, H=H_, causal=causal, pass_=pass_)
-            ax.plot([r["block_q"] for r in rs], [r["ratio"] for r in rs], "o" + ls, color=c,
-                    label=f"{pass_} {'causal' if causal else 'full'} d={H_}")
+            ax.plot(
+                [r["block_q"] for r in rs],
+                [r["ratio"] for r in rs],
+                "o" + ls,
+                color=c,
+                label=f"{pass_} {'causal' if causal else 'full'} d={H_}",
+            )
             if not causal:
-                ax.plot([r["block_q"] for r in rs], [r["ratio_io"] for r in rs], "x" + ls,
-                        color=c, alpha=0.45)
+                ax.plot([r["block_q"] for r in rs], [r["ratio_io"] for r in rs], "x" + ls, color=c, alpha=0.45)
     ax.set_xscale("log", base=2)
     ax.set_xticks(SQUARE, [str(b) for b in SQUARE])
     ax.set_xlabel("square tile b")
     ax.set_ylabel("traffic / (N²d²/M)")
-    ax.set_title(f"ratio vs tile at N = {T // 1024}K (o: M = full tile footprint;\n"
-                 "x faint: M without the b² score tile)")
+    ax.set_title(
+        f"ratio vs tile at N = {T // 1024}K (o: M = full tile footprint;\nx faint: M without the b² score tile)"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
 
@@ -649,28 +774,55 @@ def plot(rows: list[dict], path: str) -> None:
     bcol = {b: plt.get_cmap("plasma")(i / (len(SQUARE) - 1) * 0.85) for i, b in enumerate(SQUARE)}
     for b in SQUARE:
         for pass_, ls in (("fwd", "o-"), ("bwd", "s--")):
-            rs = sorted((r for r in rows if r["H"] == 128 and r["block_q"] == b and
-                         r["block_k"] == b and not r["causal"] and r["pass_"] == pass_),
-                        key=lambda r: r["T"])
-            ax.plot([r["T"] for r in rs], [r["ratio"] for r in rs], ls, color=bcol[b],
-                    label=f"b={b}" if pass_ == "fwd" else None)
+            rs = sorted(
+                (
+                    r
+                    for r in rows
+                    if r["H"] == 128
+                    and r["block_q"] == b
+                    and r["block_k"] == b
+                    and not r["causal"]
+                    and r["pass_"] == pass_
+                ),
+                key=lambda r: r["T"],
+            )
+            ax.plot(
+                [r["T"] for r in rs],
+                [r["ratio"] for r in rs],
+                ls,
+                color=bcol[b],
+                label=f"b={b}" if pass_ == "fwd" else None,
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(seqs, [f"{T // 1024}K" for T in seqs])
     ax.set_xlabel("N (sequence length)")
     ax.set_ylabel("traffic / (N²d²/M)")
-    ax.set_title("ratio vs N, d = 128, full (o fwd, □ bwd):\n"
-                 "constant as N grows (q, o, dq terms are O(Nd))")
+    ax.set_title("ratio vs N, d = 128, full (o fwd, □ bwd):\nconstant as N grows (q, o, dq terms are O(Nd))")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
 
     ax = axes[1][2]
     for b in SQUARE:
         for pass_, ls in (("fwd", "o-"), ("bwd", "s--")):
-            rs = sorted((r for r in rows if r["H"] == 128 and r["block_q"] == b and
-                         r["block_k"] == b and not r["causal"] and r["pass_"] == pass_),
-                        key=lambda r: r["T"])
-            ax.plot([r["T"] for r in rs], [r["standard_over_flash"] for r in rs], ls,
-                    color=bcol[b], label=f"b={b}" if pass_ == "fwd" else None)
+            rs = sorted(
+                (
+                    r
+                    for r in rows
+                    if r["H"] == 128
+                    and r["block_q"] == b
+                    and r["block_k"] == b
+                    and not r["causal"]
+                    and r["pass_"] == pass_
+                ),
+                key=lambda r: r["T"],
+            )
+            ax.plot(
+                [r["T"] for r in rs],
+                [r["standard_over_flash"] for r in rs],
+                ls,
+                color=bcol[b],
+                label=f"b={b}" if pass_ == "fwd" else None,
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(seqs, [f"{T // 1024}K" for T in seqs])
@@ -713,15 +865,16 @@ def main() -> int:
     t0 = time.time()
     rows = sweep(QUICK_SEQS if args.quick else SEQS)
     print(f"sweep: {len(rows)} configurations counted in {time.time() - t0:.1f} s")
-    summary = dict(quick=args.quick, seconds=None, problems=problems, dtype_bytes=ISZ,
-                   sanity=sanity, results=rows)
+    summary = dict(quick=args.quick, seconds=None, problems=problems, dtype_bytes=ISZ, sanity=sanity, results=rows)
     plot(rows, os.path.join(HERE, "flash_io.png"))
     print(tables(rows))
     summary["seconds"] = time.time() - t_start
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print("checks:", "all passed (closed forms, interpret-mode iterations and bytes)"
-          if not problems else "\n".join(problems))
+    print(
+        "checks:",
+        "all passed (closed forms, interpret-mode iterations and bytes)" if not problems else "\n".join(problems),
+    )
     print(f"total {summary['seconds']:.0f} s")
     return 1 if problems else 0
 

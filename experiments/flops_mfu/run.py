@@ -56,8 +56,10 @@ MFU_CASES = [  # (name, config spec, overrides, fake devices)
 # ----------------------------------------------------------------------------- HLO dot FLOPs
 
 _DEF = re.compile(r"%([\w.\-]+) = \(?(\w+)\[([\d,]*)\]")
-_DOT = re.compile(r"%[\w.\-]+ = (\w+)\[([\d,]*)\]\S* dot\((?:\w+\[[\d,]*\]\S* )?%([\w.\-]+), "
-                  r"(?:\w+\[[\d,]*\]\S* )?%([\w.\-]+)\),.*?lhs_contracting_dims=\{([\d,]*)\}")
+_DOT = re.compile(
+    r"%[\w.\-]+ = (\w+)\[([\d,]*)\]\S* dot\((?:\w+\[[\d,]*\]\S* )?%([\w.\-]+), "
+    r"(?:\w+\[[\d,]*\]\S* )?%([\w.\-]+)\),.*?lhs_contracting_dims=\{([\d,]*)\}"
+)
 
 
 def _dims(text: str) -> list[int]:
@@ -99,8 +101,9 @@ def remat_full_dot_flops_per_token(m, seq_len: int) -> float:
 
 
 def _start_jax(devices: int) -> None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={devices}").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    ).strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
@@ -108,11 +111,12 @@ def worker_flops(spec: str, overrides: list[str], devices: int, breakdown_parts:
     _start_jax(devices)
     import jax
     import jax.numpy as jnp
+
+    from jaxsys import train
     from jaxsys.analysis import flops as flops_lib
     from jaxsys.analysis import report
     from jaxsys.config import load_config
     from jaxsys.mesh import make_mesh
-    from jaxsys import train
 
     config = load_config(spec, overrides)
     start = time.perf_counter()
@@ -128,15 +132,15 @@ def worker_flops(spec: str, overrides: list[str], devices: int, breakdown_parts:
     breakdown = None
     if breakdown_parts:  # XLA's count of the forward alone and of forward + backward, same program
         unrolled = train.build(config, make_mesh(config), unroll_layers=True)
-        batch = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), jnp.int32,
-                                     sharding=unrolled.batch_sharding)
+        batch = jax.ShapeDtypeStruct(
+            (config.train.batch_size, config.data.seq_len + 1), jnp.int32, sharding=unrolled.batch_sharding
+        )
         params = unrolled.abstract_state().params
         parts = {"forward": unrolled.eval_loss_fn(), "forward+backward": unrolled.loss_and_grads_fn()}
         breakdown = {}
         for part, fn in parts.items():
             c = fn.lower(params, batch).compile()
-            breakdown[part] = {"flops": float(c.cost_analysis()["flops"]),
-                               "dot_flops": hlo_dot_flops(c.as_text())[0]}
+            breakdown[part] = {"flops": float(c.cost_analysis()["flops"]), "dot_flops": hlo_dot_flops(c.as_text())[0]}
         breakdown["step"] = {"flops": r["flops_per_device"], "dot_flops": dots}
 
     m, T = config.model, config.data.seq_len
@@ -152,8 +156,17 @@ def worker_flops(spec: str, overrides: list[str], devices: int, breakdown_parts:
         "tokens_per_device": tokens_per_device,
         "remat": m.remat,
         "compute_dtype": m.compute_dtype,
-        "shape": dict(V=m.vocab_size, D=m.d_model, L=m.n_layers, N=m.n_heads, K=m.n_kv_heads,
-                      H=m.head_dim, F=m.d_ff, T=T, B=config.train.batch_size),
+        "shape": dict(
+            V=m.vocab_size,
+            D=m.d_model,
+            L=m.n_layers,
+            N=m.n_heads,
+            K=m.n_kv_heads,
+            H=m.head_dim,
+            F=m.d_ff,
+            T=T,
+            B=config.train.batch_size,
+        ),
         "flops_per_device": r["flops_per_device"],  # XLA cost analysis, all ops
         "flops_per_device_analytic": r["flops_per_device_analytic"],  # 6N+attn (+2N+attn_fwd: full)
         "model_flops_per_device": r["model_flops_per_device"],  # 6N+attn
@@ -174,8 +187,12 @@ def worker_mfu(spec: str, overrides: list[str], devices: int) -> dict:
     from jaxsys.analysis import hardware
     from jaxsys.config import base_config, load_config
 
-    overrides = [f"--config.train.steps={MFU_STEPS}", f"--config.train.log_every={MFU_LOG_EVERY}",
-                 "--config.train.eval_every=0", "--config.train.progress=false"] + overrides
+    overrides = [
+        f"--config.train.steps={MFU_STEPS}",
+        f"--config.train.log_every={MFU_LOG_EVERY}",
+        "--config.train.eval_every=0",
+        "--config.train.progress=false",
+    ] + overrides
     if "checkpoint" in base_config():  # the final save is not what this measures
         overrides.append("--config.checkpoint.enabled=false")
     config = load_config(spec, overrides)
@@ -241,9 +258,22 @@ def worker_mfu(spec: str, overrides: list[str], devices: int) -> dict:
 def _subprocess(kind: str, spec: str, overrides: list[str], devices: int, breakdown=False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--spec", spec,
-           "--devices", str(devices), "--out", out] + (["--breakdown"] if breakdown else []) + \
-          ["--", *overrides]
+    cmd = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            kind,
+            "--spec",
+            spec,
+            "--devices",
+            str(devices),
+            "--out",
+            out,
+        ]
+        + (["--breakdown"] if breakdown else [])
+        + ["--", *overrides]
+    )
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     try:
@@ -260,9 +290,12 @@ def run_flops() -> list[dict]:
         print(f"[flops] {name} {' '.join(overrides)} on {devices} device(s)", flush=True)
         r = _subprocess("flops", spec, overrides, devices, breakdown)
         r.update(name=name, spec=spec, overrides=overrides, devices=devices)
-        print(f"  XLA {r['flops_per_device']:.4e}  analytic {r['flops_per_device_analytic']:.4e}  "
-              f"model {r['model_flops_per_device']:.4e}  dots {r['hlo_dot_flops_per_device']:.4e}  "
-              f"({r['analyze_seconds']:.0f} s)", flush=True)
+        print(
+            f"  XLA {r['flops_per_device']:.4e}  analytic {r['flops_per_device_analytic']:.4e}  "
+            f"model {r['model_flops_per_device']:.4e}  dots {r['hlo_dot_flops_per_device']:.4e}  "
+            f"({r['analyze_seconds']:.0f} s)",
+            flush=True,
+        )
         rows.append(r)
     return rows
 
@@ -273,14 +306,18 @@ def run_mfu() -> list[dict]:
         print(f"[mfu] {name}: {MFU_STEPS} steps", flush=True)
         r = _subprocess("mfu", spec, overrides, devices)
         r.update(name=name, spec=spec, overrides=overrides, devices=devices)
-        print(f"  median MFU {r['median_mfu']:.2%}, {r['median_tokens_per_s']:,.0f} tokens/s "
-              f"(peak {r['peak_flops'] / 1e9:.0f} GFLOP/s)", flush=True)
+        print(
+            f"  median MFU {r['median_mfu']:.2%}, {r['median_tokens_per_s']:,.0f} tokens/s "
+            f"(peak {r['peak_flops'] / 1e9:.0f} GFLOP/s)",
+            flush=True,
+        )
         rows.append(r)
     return rows
 
 
 def plot(results: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -294,12 +331,26 @@ def plot(results: dict, path: str) -> None:
         dots = [r["hlo_dot_flops_per_device"] / b for r, b in zip(flops, base)]
         other = [r["non_dot_flops_per_device"] / b for r, b in zip(flops, base)]
         ax.bar(x, dots, color="tab:blue", label="XLA: matmuls (dots in the optimized HLO)")
-        ax.bar(x, other, bottom=dots, color="tab:orange",
-               label="XLA: everything else (softmax, norms, rope, AdamW, loss)")
-        ax.scatter(x, [r["flops_per_device_analytic"] / b for r, b in zip(flops, base)], marker="_",
-                   s=600, color="black", zorder=3, label="analytic (report.analyze): 6N+attn, 8N-style if full")
-        ax.scatter(x, [r["expected_dot_flops_per_device"] / b for r, b in zip(flops, base)], marker="x",
-                   color="red", zorder=3, label="6N+attn + what full remat really recomputes")
+        ax.bar(
+            x, other, bottom=dots, color="tab:orange", label="XLA: everything else (softmax, norms, rope, AdamW, loss)"
+        )
+        ax.scatter(
+            x,
+            [r["flops_per_device_analytic"] / b for r, b in zip(flops, base)],
+            marker="_",
+            s=600,
+            color="black",
+            zorder=3,
+            label="analytic (report.analyze): 6N+attn, 8N-style if full",
+        )
+        ax.scatter(
+            x,
+            [r["expected_dot_flops_per_device"] / b for r, b in zip(flops, base)],
+            marker="x",
+            color="red",
+            zorder=3,
+            label="6N+attn + what full remat really recomputes",
+        )
         ax.set_xticks(list(x), labels, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel("FLOPs per device / model FLOPs (6N + attention)")
         ax.set_ylim(0.8, 1.62)
@@ -310,8 +361,12 @@ def plot(results: dict, path: str) -> None:
     for r in mfu:
         used = [rec for rec in r["records"] if rec["step"] in r["steps_used"]]
         got = f", had {r['cores_obtained']:.2f} of {r['cpu_count']} cores" if r.get("cores_obtained") else ""
-        ax.plot([rec["step"] for rec in used], [rec["mfu"] * 100 for rec in used], marker="o",
-                label=f"{r['name']}: median {r['median_mfu']:.1%}{got}")
+        ax.plot(
+            [rec["step"] for rec in used],
+            [rec["mfu"] * 100 for rec in used],
+            marker="o",
+            label=f"{r['name']}: median {r['median_mfu']:.1%}{got}",
+        )
     if mfu:
         peak = mfu[0]["peak_flops"]
         ax.set_title(f"MFU of the tiny config on this CPU (peak {peak / 1e9:.0f} GFLOP/s)", fontsize=9)
@@ -355,8 +410,13 @@ def main(argv=None) -> int:
         plot(results, os.path.join(args.outdir, "flops_mfu.png"))
         return 0
     import platform
-    results["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "date": time.strftime("%Y-%m-%d"), "python": platform.python_version()}
+
+    results["machine"] = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+        "python": platform.python_version(),
+    }
     if args.only in (None, "flops"):
         results["flops"] = run_flops()
     if args.only in (None, "mfu"):

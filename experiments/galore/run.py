@@ -73,8 +73,10 @@ def memory_rows() -> list[dict]:
     from jaxsys.models import transformer
 
     def measured(optimizer, abstract) -> int:
-        return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(jax.eval_shape(optimizer.init, abstract)))
+        return sum(
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(jax.eval_shape(optimizer.init, abstract))
+        )
 
     rows = []
     for name, (path, model, ranks, paper_rank) in MODELS.items():
@@ -90,15 +92,27 @@ def memory_rows() -> list[dict]:
             chosen = [p for p in flat if p.side != "adam"]
             got = measured(optim.make_optimizer(config.train, specs), abstract)
             formula = galore.state_bytes(plans, 4) + COUNTS
-            rows.append(dict(model=name, params=psi, rank=rank, paper_rank=rank == paper_rank,
-                             measured_bytes=got, formula_bytes=formula, adamw_bytes=adamw,
-                             saving=1 - got / adamw,
-                             projected_params=sum(math.prod(p.shape) for p in chosen),
-                             projected_saving=1 - sum(p.state_elements() for p in chosen)
-                             / sum(2 * math.prod(p.shape) for p in chosen),
-                             sides=sorted({p.side for p in chosen})))
-            print(f"memory {name} r={rank}: {got / 2**30:.3f} GiB vs AdamW {adamw / 2**30:.3f} GiB "
-                  f"({1 - got / adamw:.1%} less); formula {'==' if got == formula else '!='} measured", flush=True)
+            rows.append(
+                dict(
+                    model=name,
+                    params=psi,
+                    rank=rank,
+                    paper_rank=rank == paper_rank,
+                    measured_bytes=got,
+                    formula_bytes=formula,
+                    adamw_bytes=adamw,
+                    saving=1 - got / adamw,
+                    projected_params=sum(math.prod(p.shape) for p in chosen),
+                    projected_saving=1
+                    - sum(p.state_elements() for p in chosen) / sum(2 * math.prod(p.shape) for p in chosen),
+                    sides=sorted({p.side for p in chosen}),
+                )
+            )
+            print(
+                f"memory {name} r={rank}: {got / 2**30:.3f} GiB vs AdamW {adamw / 2**30:.3f} GiB "
+                f"({1 - got / adamw:.1%} less); formula {'==' if got == formula else '!='} measured",
+                flush=True,
+            )
     return rows
 
 
@@ -107,8 +121,9 @@ def memory_rows() -> list[dict]:
 SHARDED = [  # the paper's 7B at its rank on 8 devices
     dict(name="fsdp8", mesh={"mesh.fsdp": 8}),
     dict(name="data8_zero1", mesh={"mesh.data": 8, "train.zero_stage": 1}),
-    dict(name="data2_fsdp2_tensor2_zero1", mesh={"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
-                                                 "train.zero_stage": 1}),
+    dict(
+        name="data2_fsdp2_tensor2_zero1", mesh={"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.zero_stage": 1}
+    ),
 ]
 
 
@@ -123,19 +138,44 @@ def worker(n: int, jobs: list[dict]) -> None:
     from jaxsys.mesh import make_mesh
 
     for job in jobs:
-        config = load_config("configs/llama_8b.py", overrides(PAPER_SHAPE["paper_llama_7b"], {
-            "mesh.fsdp": 1, "mesh.tensor": 1, "parallel.sequence_parallel": False, "train.batch_size": n,
-            "train.optimizer": "galore", "train.galore.rank": 1024, **job["mesh"]}))
+        config = load_config(
+            "configs/llama_8b.py",
+            overrides(
+                PAPER_SHAPE["paper_llama_7b"],
+                {
+                    "mesh.fsdp": 1,
+                    "mesh.tensor": 1,
+                    "parallel.sequence_parallel": False,
+                    "train.batch_size": n,
+                    "train.optimizer": "galore",
+                    "train.galore.rank": 1024,
+                    **job["mesh"],
+                },
+            ),
+        )
         program = train.build(config, make_mesh(config, jax.devices()[:n]))
         opt = program.abstract_state().opt_state
         shards = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(opt))
-        adamw_config = load_config("configs/llama_8b.py", overrides(PAPER_SHAPE["paper_llama_7b"], {
-            "mesh.fsdp": 1, "mesh.tensor": 1, "parallel.sequence_parallel": False, **job["mesh"]}))
-        emit(dict(job, measured_bytes=shards, formula_bytes=cost_model.zero_memory(config)["optimizer"] + COUNTS,
-                  adamw_formula_bytes=cost_model.zero_memory(adamw_config)["optimizer"],
-                  layout_collective_bytes=sum(r.bytes for r in cost_model.predicted_collectives(adamw_config)[0]),
-                  collectives=[dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count,
-                                    bytes=r.bytes) for r in cost_model.galore_rows(config)]))
+        adamw_config = load_config(
+            "configs/llama_8b.py",
+            overrides(
+                PAPER_SHAPE["paper_llama_7b"],
+                {"mesh.fsdp": 1, "mesh.tensor": 1, "parallel.sequence_parallel": False, **job["mesh"]},
+            ),
+        )
+        emit(
+            dict(
+                job,
+                measured_bytes=shards,
+                formula_bytes=cost_model.zero_memory(config)["optimizer"] + COUNTS,
+                adamw_formula_bytes=cost_model.zero_memory(adamw_config)["optimizer"],
+                layout_collective_bytes=sum(r.bytes for r in cost_model.predicted_collectives(adamw_config)[0]),
+                collectives=[
+                    dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count, bytes=r.bytes)
+                    for r in cost_model.galore_rows(config)
+                ],
+            )
+        )
 
 
 # ----------------------------------------------------------------------------- loss curves
@@ -154,62 +194,98 @@ def loss_runs(steps: int) -> dict:
 
     out = {}
     for name, keys in RUNS.items():
-        config = load_config("configs/tiny.py", [f"--config.train.{k}={v}" for k, v in keys.items()] + [
-            f"--config.train.steps={steps}", "--config.train.log_every=10", "--config.train.progress=false",
-            f"--config.train.eval_every={max(steps // 3, 1)}"])
+        config = load_config(
+            "configs/tiny.py",
+            [f"--config.train.{k}={v}" for k, v in keys.items()]
+            + [
+                f"--config.train.steps={steps}",
+                "--config.train.log_every=10",
+                "--config.train.progress=false",
+                f"--config.train.eval_every={max(steps // 3, 1)}",
+            ],
+        )
         with tempfile.TemporaryDirectory() as workdir:
             t0 = time.time()
             records = train.main(config, workdir)
             seconds = time.time() - t0
-        out[name] = dict(overrides=keys, seconds=seconds, steps=steps,
-                         curve=[dict(step=r["step"], loss=r["loss"], **({"eval_loss": r["eval_loss"]}
-                                                                        if "eval_loss" in r else {}))
-                                for r in records])
+        out[name] = dict(
+            overrides=keys,
+            seconds=seconds,
+            steps=steps,
+            curve=[
+                dict(step=r["step"], loss=r["loss"], **({"eval_loss": r["eval_loss"]} if "eval_loss" in r else {}))
+                for r in records
+            ],
+        )
         last = records[-1]
-        print(f"loss {name}: step {last['step']} loss {last['loss']:.3f} "
-              f"eval {last.get('eval_loss', float('nan')):.3f} ({seconds:.0f} s)", flush=True)
+        print(
+            f"loss {name}: step {last['step']} loss {last['loss']:.3f} "
+            f"eval {last.get('eval_loss', float('nan')):.3f} ({seconds:.0f} s)",
+            flush=True,
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- tables and plot
 
 
-SHORT = {"GaLore projection reduce-scatter (every step)": "R reduce-scatter",
-         "GaLore normalised update all-gather (every step)": "N all-gather",
-         "GaLore projection all-reduce (every step)": "R all-reduce",
-         "GaLore refresh all-gather of G for the SVD (1 step in K)": "refresh: G all-gather"}
+SHORT = {
+    "GaLore projection reduce-scatter (every step)": "R reduce-scatter",
+    "GaLore normalised update all-gather (every step)": "N all-gather",
+    "GaLore projection all-reduce (every step)": "R all-reduce",
+    "GaLore refresh all-gather of G for the SVD (1 step in K)": "refresh: G all-gather",
+}
 
 
 def tables(results: dict) -> str:
-    out = ["| model | Ψ | rank | GaLore state (measured) | formula + 8 B | AdamW state | saving | "
-           "saving on the projected weights |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| model | Ψ | rank | GaLore state (measured) | formula + 8 B | AdamW state | saving | "
+        "saving on the projected weights |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results["memory"]:
         mark = " (paper)" if r["paper_rank"] else ""
         size = (lambda x: f"{x / 2**30:.3f} GiB") if r["adamw_bytes"] >= 2**30 else (lambda x: f"{x / 2**20:.3f} MiB")
         params = f"{r['params'] / 1e9:.3f}B" if r["params"] >= 1e8 else f"{r['params'] / 1e6:.2f}M"
-        out.append(f"| {r['model']} | {params} | {r['rank']}{mark} | {size(r['measured_bytes'])} | "
-                   f"{size(r['formula_bytes'])} | {size(r['adamw_bytes'])} | {r['saving']:.1%} | "
-                   f"{r['projected_saving']:.1%} |")
-    out += ["", "| paper 7B, r = 1024, 8 devices | GaLore per device (measured) | formula + 8 B | "
-            "AdamW per device (formula) | saving | GaLore collectives per step (refresh counted once) | "
-            "the layout's own (AdamW) collectives per step |", "|---|---:|---:|---:|---:|---|---:|"]
+        out.append(
+            f"| {r['model']} | {params} | {r['rank']}{mark} | {size(r['measured_bytes'])} | "
+            f"{size(r['formula_bytes'])} | {size(r['adamw_bytes'])} | {r['saving']:.1%} | "
+            f"{r['projected_saving']:.1%} |"
+        )
+    out += [
+        "",
+        "| paper 7B, r = 1024, 8 devices | GaLore per device (measured) | formula + 8 B | "
+        "AdamW per device (formula) | saving | GaLore collectives per step (refresh counted once) | "
+        "the layout's own (AdamW) collectives per step |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
     for r in results.get("sharded", []):
-        coll = "; ".join(f"{SHORT[c['technique']]}: {c['count']} {c['kind']}[{','.join(c['axes'])}] "
-                         f"{c['bytes'] / 2**30:.2f} GiB" for c in r["collectives"]) or "none"
-        out.append(f"| {r['name']} | {r['measured_bytes'] / 2**20:.1f} MiB | {r['formula_bytes'] / 2**20:.1f} MiB | "
-                   f"{r['adamw_formula_bytes'] / 2**20:.1f} MiB | "
-                   f"{1 - r['measured_bytes'] / r['adamw_formula_bytes']:.1%} | {coll} | "
-                   f"{r['layout_collective_bytes'] / 2**30:.2f} GiB |")
+        coll = (
+            "; ".join(
+                f"{SHORT[c['technique']]}: {c['count']} {c['kind']}[{','.join(c['axes'])}] {c['bytes'] / 2**30:.2f} GiB"
+                for c in r["collectives"]
+            )
+            or "none"
+        )
+        out.append(
+            f"| {r['name']} | {r['measured_bytes'] / 2**20:.1f} MiB | {r['formula_bytes'] / 2**20:.1f} MiB | "
+            f"{r['adamw_formula_bytes'] / 2**20:.1f} MiB | "
+            f"{1 - r['measured_bytes'] / r['adamw_formula_bytes']:.1%} | {coll} | "
+            f"{r['layout_collective_bytes'] / 2**30:.2f} GiB |"
+        )
     out += ["", "| run | final train loss | eval loss (last) | eval losses | seconds |", "|---|---:|---:|---|---:|"]
     for name, r in results["loss"].items():
         evals = [p["eval_loss"] for p in r["curve"] if "eval_loss" in p]
-        out.append(f"| {name} | {r['curve'][-1]['loss']:.3f} | {evals[-1]:.3f} | "
-                   f"{', '.join(f'{e:.3f}' for e in evals)} | {r['seconds']:.0f} |")
+        out.append(
+            f"| {name} | {r['curve'][-1]['loss']:.3f} | {evals[-1]:.3f} | "
+            f"{', '.join(f'{e:.3f}' for e in evals)} | {r['seconds']:.0f} |"
+        )
     return "\n".join(out)
 
 
 def plot(results: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -217,12 +293,28 @@ def plot(results: dict, path: str) -> None:
     for i, name in enumerate(MODELS):
         rows = [r for r in results["memory"] if r["model"] == name]
         color = f"C{i}"
-        ax0.plot([r["rank"] for r in rows], [1 - r["formula_bytes"] / r["adamw_bytes"] for r in rows], "-",
-                 color=color, label=f"{name} formula")
-        ax0.plot([r["rank"] for r in rows], [r["saving"] for r in rows], "o", color=color, mfc="none",
-                 label=f"{name} measured")
-        ax0.plot([r["rank"] for r in rows if r["paper_rank"]], [r["saving"] for r in rows if r["paper_rank"]],
-                 "*", color=color, ms=12)
+        ax0.plot(
+            [r["rank"] for r in rows],
+            [1 - r["formula_bytes"] / r["adamw_bytes"] for r in rows],
+            "-",
+            color=color,
+            label=f"{name} formula",
+        )
+        ax0.plot(
+            [r["rank"] for r in rows],
+            [r["saving"] for r in rows],
+            "o",
+            color=color,
+            mfc="none",
+            label=f"{name} measured",
+        )
+        ax0.plot(
+            [r["rank"] for r in rows if r["paper_rank"]],
+            [r["saving"] for r in rows if r["paper_rank"]],
+            "*",
+            color=color,
+            ms=12,
+        )
     ax0.axhline(PAPER_SAVING, color="k", ls=":", label="paper: up to 65.5%")
     ax0.set_xscale("log", base=2)
     ax0.set_xlabel("rank r")
@@ -247,8 +339,9 @@ def check(results: dict) -> list[str]:
     problems = []
     for r in results["memory"]:
         if r["measured_bytes"] != r["formula_bytes"]:
-            problems.append(f"{r['model']} r={r['rank']}: measured {r['measured_bytes']} != "
-                            f"formula {r['formula_bytes']}")
+            problems.append(
+                f"{r['model']} r={r['rank']}: measured {r['measured_bytes']} != formula {r['formula_bytes']}"
+            )
     for r in results.get("sharded", []):
         if r["measured_bytes"] != r["formula_bytes"]:
             problems.append(f"sharded {r['name']}: measured {r['measured_bytes']} != formula {r['formula_bytes']}")

@@ -30,15 +30,20 @@ SHORT = {"float32": "f32", "bfloat16": "bf16"}
 BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def job(t: int, T: int, dtype: str, sp: bool, remat: str = "none", layers: int | None = None,
-        memory: bool = False) -> dict:
-    o = [f"--config.mesh.tensor={t}", "--config.model.n_kv_heads=8", f"--config.data.seq_len={T}",
-         f"--config.model.compute_dtype={dtype}", f"--config.parallel.sequence_parallel={str(sp).lower()}",
-         f"--config.model.remat={remat}"]
+def job(
+    t: int, T: int, dtype: str, sp: bool, remat: str = "none", layers: int | None = None, memory: bool = False
+) -> dict:
+    o = [
+        f"--config.mesh.tensor={t}",
+        "--config.model.n_kv_heads=8",
+        f"--config.data.seq_len={T}",
+        f"--config.model.compute_dtype={dtype}",
+        f"--config.parallel.sequence_parallel={str(sp).lower()}",
+        f"--config.model.remat={remat}",
+    ]
     if layers is not None:
         o.append(f"--config.model.n_layers={layers}")
-    return dict(t=t, T=T, dtype=dtype, sp=sp, remat=remat, layers_override=layers, memory_job=memory,
-                overrides=o)
+    return dict(t=t, T=T, dtype=dtype, sp=sp, remat=remat, layers_override=layers, memory_job=memory, overrides=o)
 
 
 def plan_jobs(quick: bool) -> dict[int, list[dict]]:
@@ -89,20 +94,37 @@ def worker(n: int, jobs: list[dict]) -> None:
             program = train.build(config, make_mesh(config, devices))
             sizes = {a: int(config.mesh[a]) for a in MESH_AXES}
             predicted, caveats = cost_model.predicted_collectives(config)
-            r = dict(memory=None,
-                     collectives=report.measured_collectives(
-                         collectives_lib.parse(report.lower_unrolled(program).as_text()), sizes),
-                     collectives_formula=[dict(technique=p.technique, kind=p.kind, axes=list(p.axes),
-                                               count=p.count, bytes=p.bytes) for p in predicted],
-                     formula_caveats=caveats, metric_scalars_formula=cost_model.metric_collectives(config))
+            r = dict(
+                memory=None,
+                collectives=report.measured_collectives(
+                    collectives_lib.parse(report.lower_unrolled(program).as_text()), sizes
+                ),
+                collectives_formula=[
+                    dict(technique=p.technique, kind=p.kind, axes=list(p.axes), count=p.count, bytes=p.bytes)
+                    for p in predicted
+                ],
+                formula_caveats=caveats,
+                metric_scalars_formula=cost_model.metric_collectives(config),
+            )
         assert len(parsed) == 1, len(parsed)
-        ops = [dict(kind=c.kind, axes=list(c.axes), shape=list(c.shape), dtype=c.dtype,
-                    operand_bytes=c.operand_bytes) for c in parsed[0]]
+        ops = [
+            dict(kind=c.kind, axes=list(c.axes), shape=list(c.shape), dtype=c.dtype, operand_bytes=c.operand_bytes)
+            for c in parsed[0]
+        ]
         m = config.model
-        out = dict(j, seconds=time.time() - t0, B=config.train.batch_size, D=m.d_model, L=m.n_layers,
-                   memory=r["memory"], collectives=r["collectives"],
-                   collectives_formula=r["collectives_formula"], formula_caveats=r["formula_caveats"],
-                   metric_scalars_formula=r["metric_scalars_formula"], ops=ops)
+        out = dict(
+            j,
+            seconds=time.time() - t0,
+            B=config.train.batch_size,
+            D=m.d_model,
+            L=m.n_layers,
+            memory=r["memory"],
+            collectives=r["collectives"],
+            collectives_formula=r["collectives_formula"],
+            formula_caveats=r["formula_caveats"],
+            metric_scalars_formula=r["metric_scalars_formula"],
+            ops=ops,
+        )
         common.emit(out)
 
 
@@ -111,6 +133,7 @@ def worker(n: int, jobs: list[dict]) -> None:
 
 def ring_bytes(kind: str, operand_bytes: float, n: int) -> float:
     from jaxsys.analysis.cost_model import ring_bytes as rb
+
     return rb(kind, operand_bytes, n)
 
 
@@ -119,13 +142,16 @@ def activation_ops(r: dict) -> list[dict]:
     operand [B, T, D] (all-reduce, reduce-scatter) or [B, T/t, D] (SP all-gather)."""
     B, T, D, t = r["B"], r["T"], r["D"], r["t"]
     shapes = {("all_reduce", (B, T, D)), ("reduce_scatter", (B, T, D)), ("all_gather", (B, T // t, D))}
-    return [op for op in r["ops"] if op["axes"] == ["tensor"] and op["dtype"] == SHORT[r["dtype"]]
-            and (op["kind"], tuple(op["shape"])) in shapes]
+    return [
+        op
+        for op in r["ops"]
+        if op["axes"] == ["tensor"] and op["dtype"] == SHORT[r["dtype"]] and (op["kind"], tuple(op["shape"])) in shapes
+    ]
 
 
 def summarise(r: dict) -> dict:
     """Per-layer activation bytes measured vs formula, and the whole step's rows vs formula."""
-    t, B, T, D, L, b_c = r["t"], r["B"], r["T"], r["D"], r["L"], BYTES[r["dtype"]]
+    t, B, T, D, b_c = r["t"], r["B"], r["T"], r["D"], BYTES[r["dtype"]]
     acts = activation_ops(r)
     kinds = collections.Counter(op["kind"] for op in acts)
     act_bytes = sum(ring_bytes(op["kind"], op["operand_bytes"], t) for op in acts)
@@ -135,23 +161,32 @@ def summarise(r: dict) -> dict:
     formula_units = formula_rows[0]["count"]  # 4L + 2
     formula_layer_from_rows = sum(row["bytes"] for row in formula_rows) * 4 / formula_units
     from jaxsys.analysis.report import by_kind_axes
+
     measured, formula = by_kind_axes(r["collectives"]), by_kind_axes(r["collectives_formula"])
     step_exact = set(measured) == set(formula) and all(
-        measured[k][0] == formula[k][0] and math.isclose(measured[k][1], formula[k][1], rel_tol=1e-12)
-        for k in formula)
+        measured[k][0] == formula[k][0] and math.isclose(measured[k][1], formula[k][1], rel_tol=1e-12) for k in formula
+    )
     scalars = sum(row["count"] for row in r["collectives"] if row["scalar"])
     return dict(
-        act_ops=dict(kinds), act_units=units, act_units_formula=formula_units,
+        act_ops=dict(kinds),
+        act_units=units,
+        act_units_formula=formula_units,
         act_ops_same_size=len({(op["kind"], op["operand_bytes"]) for op in acts}) == len(kinds),
-        act_bytes_step=act_bytes, act_bytes_step_formula=sum(row["bytes"] for row in formula_rows),
+        act_bytes_step=act_bytes,
+        act_bytes_step_formula=sum(row["bytes"] for row in formula_rows),
         per_layer_measured=act_bytes * 4 / units if units else 0.0,
-        per_layer_formula=formula_layer, per_layer_formula_from_rows=formula_layer_from_rows,
-        step_rows_exact=step_exact, scalars_ok=scalars == r["metric_scalars_formula"],
-        other_tensor_ops=[dict(kind=op["kind"], shape=op["shape"], dtype=op["dtype"])
-                          for op in r["ops"] if op["axes"] == ["tensor"] and op not in acts
-                          and op["shape"] != []],
+        per_layer_formula=formula_layer,
+        per_layer_formula_from_rows=formula_layer_from_rows,
+        step_rows_exact=step_exact,
+        scalars_ok=scalars == r["metric_scalars_formula"],
+        other_tensor_ops=[
+            dict(kind=op["kind"], shape=op["shape"], dtype=op["dtype"])
+            for op in r["ops"]
+            if op["axes"] == ["tensor"] and op not in acts and op["shape"] != []
+        ],
         measured_rows={f"{k[0]}[{','.join(k[1])}]": v for k, v in measured.items()},
-        formula_rows={f"{k[0]}[{','.join(k[1])}]": v for k, v in formula.items()})
+        formula_rows={f"{k[0]}[{','.join(k[1])}]": v for k, v in formula.items()},
+    )
 
 
 def layer_difference(results: list[dict]) -> list[dict]:
@@ -159,16 +194,29 @@ def layer_difference(results: list[dict]) -> list[dict]:
     classification, and the activation ops alone."""
     out = []
     for short in (r for r in results if r["layers_override"] == 2):
-        full = next(r for r in results if r["layers_override"] is None and r["remat"] == "none"
-                    and all(r[k] == short[k] for k in ("t", "T", "dtype", "sp")))
-        tensor_bytes = lambda r: sum(row["bytes"] for row in r["collectives"]
-                                     if row["axes"] == ["tensor"] and not row["scalar"])
+        full = next(
+            r
+            for r in results
+            if r["layers_override"] is None
+            and r["remat"] == "none"
+            and all(r[k] == short[k] for k in ("t", "T", "dtype", "sp"))
+        )
+        tensor_bytes = lambda r: sum(
+            row["bytes"] for row in r["collectives"] if row["axes"] == ["tensor"] and not row["scalar"]
+        )
         dL = full["L"] - short["L"]
-        out.append(dict(t=full["t"], T=full["T"], dtype=full["dtype"], sp=full["sp"],
-                        all_tensor=(tensor_bytes(full) - tensor_bytes(short)) / dL,
-                        activation=(full["summary"]["act_bytes_step"] - short["summary"]["act_bytes_step"]) / dL,
-                        formula=full["summary"]["per_layer_formula"],
-                        sp_norm_grads=(2 * full["D"] * 4 * 2 * (full["t"] - 1) / full["t"]) if full["sp"] else 0.0))
+        out.append(
+            dict(
+                t=full["t"],
+                T=full["T"],
+                dtype=full["dtype"],
+                sp=full["sp"],
+                all_tensor=(tensor_bytes(full) - tensor_bytes(short)) / dL,
+                activation=(full["summary"]["act_bytes_step"] - short["summary"]["act_bytes_step"]) / dL,
+                formula=full["summary"]["per_layer_formula"],
+                sp_norm_grads=(2 * full["D"] * 4 * 2 * (full["t"] - 1) / full["t"]) if full["sp"] else 0.0,
+            )
+        )
     return out
 
 
@@ -185,6 +233,7 @@ def _mib(x: float) -> str:
 
 def n_heads() -> int:
     from jaxsys.config import load_config
+
     return load_config(CONFIG).model.n_heads
 
 
@@ -200,26 +249,69 @@ def korthikanti_ratio(t: int, s: int, h: int, a: int, remat: str) -> float:
 
 def tables(results: list[dict], diffs: list[dict]) -> str:
     out = ["### Per-layer activation collectives (remat none, L = 4, B = 16, D = 128), KiB sent per device", ""]
-    comm = sorted((r for r in results if r["t"] > 1 and r["remat"] == "none" and r["layers_override"] is None),
-                  key=lambda r: (r["dtype"] != "float32", r["t"], r["T"], r["sp"]))
+    comm = sorted(
+        (r for r in results if r["t"] > 1 and r["remat"] == "none" and r["layers_override"] is None),
+        key=lambda r: (r["dtype"] != "float32", r["t"], r["T"], r["sp"]),
+    )
     rows = []
     for r in comm:
         s = r["summary"]
         ops = ", ".join(f"{v} {k}" for k, v in sorted(s["act_ops"].items()))
-        rows.append([r["dtype"], r["t"], r["T"], "on" if r["sp"] else "off", ops,
-                     f"{s['act_units']} / {s['act_units_formula']}", _kib(s["per_layer_measured"]),
-                     _kib(s["per_layer_formula"]), _kib(s["per_layer_formula_from_rows"]),
-                     "yes" if s["step_rows_exact"] and s["scalars_ok"] else "NO"])
+        rows.append(
+            [
+                r["dtype"],
+                r["t"],
+                r["T"],
+                "on" if r["sp"] else "off",
+                ops,
+                f"{s['act_units']} / {s['act_units_formula']}",
+                _kib(s["per_layer_measured"]),
+                _kib(s["per_layer_formula"]),
+                _kib(s["per_layer_formula_from_rows"]),
+                "yes" if s["step_rows_exact"] and s["scalars_ok"] else "NO",
+            ]
+        )
     out += common.markdown_table(
-        ["dtype", "t", "T", "SP", "ops in step (measured)", "units (measured / 4L+2)", "per layer measured",
-         "per layer formula 8BTDb_c(t−1)/t", "formula row × 4/(4L+2)", "whole step: every tensor row = formula"],
-        "lrrllrrrrl", rows)
+        [
+            "dtype",
+            "t",
+            "T",
+            "SP",
+            "ops in step (measured)",
+            "units (measured / 4L+2)",
+            "per layer measured",
+            "per layer formula 8BTDb_c(t−1)/t",
+            "formula row × 4/(4L+2)",
+            "whole step: every tensor row = formula",
+        ],
+        "lrrllrrrrl",
+        rows,
+    )
     out += ["", "### Per layer by difference, (step at L=4 − step at L=2) / 2, KiB (T = 128)", ""]
     out += common.markdown_table(
-        ["dtype", "t", "SP", "all tensor-axis bytes / layer", "activation ops / layer", "formula",
-         "SP norm-weight grads / layer (2D fp32 all-reduced)"], "lrlrrrr",
-        [[d["dtype"], d["t"], "on" if d["sp"] else "off", _kib(d["all_tensor"]), _kib(d["activation"]),
-          _kib(d["formula"]), _kib(d["sp_norm_grads"])] for d in sorted(diffs, key=lambda d: (d["t"], d["sp"]))])
+        [
+            "dtype",
+            "t",
+            "SP",
+            "all tensor-axis bytes / layer",
+            "activation ops / layer",
+            "formula",
+            "SP norm-weight grads / layer (2D fp32 all-reduced)",
+        ],
+        "lrlrrrr",
+        [
+            [
+                d["dtype"],
+                d["t"],
+                "on" if d["sp"] else "off",
+                _kib(d["all_tensor"]),
+                _kib(d["activation"]),
+                _kib(d["formula"]),
+                _kib(d["sp_norm_grads"]),
+            ]
+            for d in sorted(diffs, key=lambda d: (d["t"], d["sp"]))
+        ],
+    )
     T_mem = max(r["T"] for r in results)
     out += ["", f"### Activation memory per device with and without SP (T = {T_mem}), MiB", ""]
     rows = []
@@ -227,8 +319,12 @@ def tables(results: list[dict], diffs: list[dict]) -> str:
     for dtype in ("float32", "bfloat16"):
         for remat in ("none", "full"):
             for t in (1, 2, 4, 8):
-                off = next((r for r in mem if (r["t"], r["dtype"], r["remat"], r["sp"]) == (t, dtype, remat, False)), None)
-                on = next((r for r in mem if (r["t"], r["dtype"], r["remat"], r["sp"]) == (t, dtype, remat, True)), None)
+                off = next(
+                    (r for r in mem if (r["t"], r["dtype"], r["remat"], r["sp"]) == (t, dtype, remat, False)), None
+                )
+                on = next(
+                    (r for r in mem if (r["t"], r["dtype"], r["remat"], r["sp"]) == (t, dtype, remat, True)), None
+                )
                 if off is None:
                     continue
                 a0, p0 = off["memory"]["activations_and_workspace_bytes"], off["memory"]["peak_bytes_per_device"]
@@ -238,24 +334,60 @@ def tables(results: list[dict], diffs: list[dict]) -> str:
                 a1, p1 = on["memory"]["activations_and_workspace_bytes"], on["memory"]["peak_bytes_per_device"]
                 model = korthikanti_ratio(t, T_mem, off["D"], n_heads(), remat)
                 model = f"{model:.3f}" if remat == "none" else f"({model:.3f}, stored inputs only)"
-                rows.append([dtype, remat, t, _mib(a0), _mib(a1), f"{a1 / a0:.3f}", model, _mib(p0), _mib(p1),
-                             f"{p1 / p0:.3f}"])
+                rows.append(
+                    [dtype, remat, t, _mib(a0), _mib(a1), f"{a1 / a0:.3f}", model, _mib(p0), _mib(p1), f"{p1 / p0:.3f}"]
+                )
     out += common.markdown_table(
-        ["dtype", "remat", "t", "activations+workspace SP off", "SP on", "SP on / off",
-         "Korthikanti et al. per-layer model, on / off", "XLA peak SP off", "SP on", "peak on / off"],
-        "llrrrrrrrr", rows)
+        [
+            "dtype",
+            "remat",
+            "t",
+            "activations+workspace SP off",
+            "SP on",
+            "SP on / off",
+            "Korthikanti et al. per-layer model, on / off",
+            "XLA peak SP off",
+            "SP on",
+            "peak on / off",
+        ],
+        "llrrrrrrrr",
+        rows,
+    )
     full = [r for r in results if r["remat"] == "full" and r["t"] > 1]
     if full:
-        out += ["", f"### Remat full (T = {T_mem}, float32): tensor-axis activation collectives vs the Megatron "
-                "count", ""]
+        out += [
+            "",
+            f"### Remat full (T = {T_mem}, float32): tensor-axis activation collectives vs the Megatron count",
+            "",
+        ]
         rows = []
         for r in sorted(full, key=lambda r: (r["t"], r["sp"])):
             s = r["summary"]
             ops = ", ".join(f"{v} {k}" for k, v in sorted(s["act_ops"].items()))
-            rows.append([r["t"], "on" if r["sp"] else "off", ops, f"{s['act_units']} / {s['act_units_formula']}",
-                         _kib(s["act_bytes_step"]), _kib(s["act_bytes_step_formula"]), "; ".join(r["formula_caveats"])])
-        out += common.markdown_table(["t", "SP", "ops in step (measured)", "units measured / formula 4L+2",
-                                      "step bytes measured", "formula", "caveat"], "rllrrrl", rows)
+            rows.append(
+                [
+                    r["t"],
+                    "on" if r["sp"] else "off",
+                    ops,
+                    f"{s['act_units']} / {s['act_units_formula']}",
+                    _kib(s["act_bytes_step"]),
+                    _kib(s["act_bytes_step_formula"]),
+                    "; ".join(r["formula_caveats"]),
+                ]
+            )
+        out += common.markdown_table(
+            [
+                "t",
+                "SP",
+                "ops in step (measured)",
+                "units measured / formula 4L+2",
+                "step bytes measured",
+                "formula",
+                "caveat",
+            ],
+            "rllrrrl",
+            rows,
+        )
     return "\n".join(out)
 
 
@@ -282,14 +414,17 @@ def check(results: list[dict], diffs: list[dict]) -> list[str]:
         if not math.isclose(d["activation"], d["formula"], rel_tol=1e-12):
             problems.append(f"L-difference t={d['t']} SP={d['sp']}: {d['activation']} != {d['formula']}")
         if not math.isclose(d["all_tensor"], d["formula"] + d["sp_norm_grads"], rel_tol=1e-12):
-            problems.append(f"L-difference t={d['t']} SP={d['sp']}: all tensor bytes {d['all_tensor']} != "
-                            f"{d['formula'] + d['sp_norm_grads']}")
+            problems.append(
+                f"L-difference t={d['t']} SP={d['sp']}: all tensor bytes {d['all_tensor']} != "
+                f"{d['formula'] + d['sp_norm_grads']}"
+            )
     return problems
 
 
 def plot(results: list[dict], path: str) -> None:
     import numpy as np
     from matplotlib.lines import Line2D
+
     plt = common.pyplot()
 
     colors = {1: "tab:gray", 2: "tab:blue", 4: "tab:orange", 8: "tab:green"}
@@ -308,29 +443,65 @@ def plot(results: list[dict], path: str) -> None:
             ax.plot(grid, [8 * B * T * D * b_c * (t - 1) / t for T in grid], "-", color=colors[t], lw=1.2)
             for sp, marker in ((False, "o"), (True, "x")):
                 pts = sorted((r["T"], r["summary"]["per_layer_measured"]) for r in rows if r["sp"] == sp)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=colors[t], ms=9 if sp else 8,
-                        mfc="none", mew=1.8)
-        common.style_axes(ax, "sequence length T", "bytes sent per device per layer (fwd + bwd)",
-                          f"Megatron collectives per layer, {dtype} compute", xlog=2, ylog=2, legend=None)
-        ax.legend(handles=[Line2D([], [], color=colors[t], lw=5, label=f"t = {t}") for t in (2, 4, 8)] + [
-            Line2D([], [], color="k", ls="-", label="formula 8 B T D b_c (t−1)/t"),
-            Line2D([], [], color="k", marker="o", mfc="none", ls="none", label="TP: 4 all-reduces"),
-            Line2D([], [], color="k", marker="x", ls="none", label="TP+SP: 4 AG + 4 RS")], fontsize=8)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    marker,
+                    color=colors[t],
+                    ms=9 if sp else 8,
+                    mfc="none",
+                    mew=1.8,
+                )
+        common.style_axes(
+            ax,
+            "sequence length T",
+            "bytes sent per device per layer (fwd + bwd)",
+            f"Megatron collectives per layer, {dtype} compute",
+            xlog=2,
+            ylog=2,
+            legend=None,
+        )
+        ax.legend(
+            handles=[Line2D([], [], color=colors[t], lw=5, label=f"t = {t}") for t in (2, 4, 8)]
+            + [
+                Line2D([], [], color="k", ls="-", label="formula 8 B T D b_c (t−1)/t"),
+                Line2D([], [], color="k", marker="o", mfc="none", ls="none", label="TP: 4 all-reduces"),
+                Line2D([], [], color="k", marker="x", ls="none", label="TP+SP: 4 AG + 4 RS"),
+            ],
+            fontsize=8,
+        )
     ax = axes[-1]
     T_mem = max(r["T"] for r in results)
     mem = [r for r in results if r["memory"] is not None]
-    styles = {("float32", "none"): ("tab:blue", "fp32, remat none"),
-              ("bfloat16", "none"): ("tab:orange", "bf16, remat none"),
-              ("float32", "full"): ("tab:green", "fp32, remat full")}
+    styles = {
+        ("float32", "none"): ("tab:blue", "fp32, remat none"),
+        ("bfloat16", "none"): ("tab:orange", "bf16, remat none"),
+        ("float32", "full"): ("tab:green", "fp32, remat full"),
+    }
     for (dtype, remat), (color, label) in styles.items():
         for sp, ls, marker in ((False, "-", "o"), (True, "--", "x")):
-            pts = sorted((r["t"], r["memory"]["activations_and_workspace_bytes"]) for r in mem
-                         if r["dtype"] == dtype and r["remat"] == remat and (r["sp"] == sp or (sp and r["t"] == 1)))
+            pts = sorted(
+                (r["t"], r["memory"]["activations_and_workspace_bytes"])
+                for r in mem
+                if r["dtype"] == dtype and r["remat"] == remat and (r["sp"] == sp or (sp and r["t"] == 1))
+            )
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], ls, marker=marker, color=color,
-                        label=f"{label}, SP {'on' if sp else 'off'}")
-    common.style_axes(ax, "tensor-parallel size t", "activations + workspace per device (MiB)",
-                      f"XLA memory per device, T = {T_mem} (t = 1: no TP)", xlog=2, ylog=2)
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] / 2**20 for p in pts],
+                    ls,
+                    marker=marker,
+                    color=color,
+                    label=f"{label}, SP {'on' if sp else 'off'}",
+                )
+    common.style_axes(
+        ax,
+        "tensor-parallel size t",
+        "activations + workspace per device (MiB)",
+        f"XLA memory per device, T = {T_mem} (t = 1: no TP)",
+        xlog=2,
+        ylog=2,
+    )
     common.save_figure(fig, path)
 
 
@@ -347,8 +518,12 @@ def finish(results: list[dict], extra: dict) -> None:
 
 
 def main() -> int:
-    args = common.parse_args(__doc__, worker, quick="T=128, float32 only, no remat full",
-                             replot="recompute tables and plot from results.json, no analysis")
+    args = common.parse_args(
+        __doc__,
+        worker,
+        quick="T=128, float32 only, no remat full",
+        replot="recompute tables and plot from results.json, no analysis",
+    )
     if args.replot:
         old = common.load_results(HERE)
         finish(old["results"], {k: old[k] for k in ("quick", "seconds")})

@@ -47,6 +47,7 @@ PLACEMENTS = ("default", "balanced", "balanced+colocated", "balanced (run stats)
 
 def experiment_config(aux_weight: float, steps: int, rebalance_every: int = 0):
     from jaxsys.config import load_config
+
     c = load_config(os.path.join(ROOT, "configs", "moe.py:ep8"))
     c.model.mlp_pattern = "moe"
     c.model.moe.experts, c.model.moe.d_ff = 32, 48
@@ -59,8 +60,11 @@ def experiment_config(aux_weight: float, steps: int, rebalance_every: int = 0):
 
 
 def _curve(records) -> dict:
-    return {"step": [r["step"] for r in records], "loss": [r["loss"] for r in records],
-            "imbalance_max": [r["moe_device_imbalance_max"] for r in records]}
+    return {
+        "step": [r["step"] for r in records],
+        "loss": [r["loss"] for r in records],
+        "imbalance_max": [r["moe_device_imbalance_max"] for r in records],
+    }
 
 
 def worker(jobs: list[dict]) -> None:
@@ -77,10 +81,17 @@ def worker(jobs: list[dict]) -> None:
         config = experiment_config(job["aux_weight"], job["steps"], job["rebalance_every"])
         workdir = tempfile.mkdtemp(prefix="moe_placement_")
         records = train.main(config, workdir)
-        result = {"aux_weight": job["aux_weight"], "steps": job["steps"],
-                  "rebalance_every": job["rebalance_every"], "curve": _curve(records),
-                  "placement_notes": [{k: v for k, v in r.items() if k.startswith("moe_window")} | {"step": r["step"]}
-                                      for r in records if "moe_window_imbalance_after" in r]}
+        result = {
+            "aux_weight": job["aux_weight"],
+            "steps": job["steps"],
+            "rebalance_every": job["rebalance_every"],
+            "curve": _curve(records),
+            "placement_notes": [
+                {k: v for k, v in r.items() if k.startswith("moe_window")} | {"step": r["step"]}
+                for r in records
+                if "moe_window_imbalance_after" in r
+            ],
+        }
         if job["rebalance_every"]:
             emit(result)
             continue
@@ -91,15 +102,18 @@ def worker(jobs: list[dict]) -> None:
         checkpointer.close()
         ep, n = program.expert_devices, job["batches"]
         corpus = data.load_corpus(config.data)
-        batch = lambda i: data.global_batch(corpus, program.batch_sharding, config.seed, job["steps"] + i,
-                                            config.train.batch_size, config.data.seq_len)
+        batch = lambda i: data.global_batch(
+            corpus, program.batch_sharding, config.seed, job["steps"] + i, config.train.batch_size, config.data.seq_len
+        )
         grads_fn = program.loss_and_grads_fn(metrics=True)
 
         def measure(state, batches):
             totals, losses, per_batch = None, [], []
             for b in batches:
                 loss, _, metrics = grads_fn(state.params, b)
-                metrics = {k: np.asarray(v) for k, v in metrics.items() if k in ("moe_load", "moe_pairs", "moe_traffic")}
+                metrics = {
+                    k: np.asarray(v) for k, v in metrics.items() if k in ("moe_load", "moe_pairs", "moe_traffic")
+                }
                 totals = metrics if totals is None else {k: totals[k] + metrics[k] for k in totals}
                 losses.append(float(loss))
                 per_batch.append(ep_lib.imbalance(metrics["moe_load"], ep))
@@ -108,19 +122,29 @@ def worker(jobs: list[dict]) -> None:
         calibration, _, _ = measure(final, [batch(i) for i in range(n)])
         held_out = [batch(n + i) for i in range(n)]
         experts = config.model.moe.experts
-        perms = {"default": np.tile(np.arange(experts), (calibration["moe_load"].shape[0], 1)),
-                 "balanced": ep_lib.balance(calibration["moe_load"], ep, colocate=False),
-                 "balanced+colocated": ep_lib.balance(calibration["moe_load"], ep, calibration["moe_pairs"]),
-                 "balanced (run stats)": ep_lib.balance(routing["load"], ep, colocate=False)}
+        perms = {
+            "default": np.tile(np.arange(experts), (calibration["moe_load"].shape[0], 1)),
+            "balanced": ep_lib.balance(calibration["moe_load"], ep, colocate=False),
+            "balanced+colocated": ep_lib.balance(calibration["moe_load"], ep, calibration["moe_pairs"]),
+            "balanced (run stats)": ep_lib.balance(routing["load"], ep, colocate=False),
+        }
         place = program.place_experts_fn()
         d, bytes_c = config.model.d_model, 4  # fp32 compute
         padded = [r for r in cost_model.expert_parallel_rows(config) if "dispatch + combine" in r.technique][0]
-        result.update(ep=ep, experts=experts, layers=int(calibration["moe_load"].shape[0]),
-                      final_loss=records[-1]["loss"], run_stats_steps=int(routing["steps"]),
-                      padded_bytes_per_step_device=padded.bytes, placements={},
-                      expert_load_max_over_mean=(calibration["moe_load"].max(1) / calibration["moe_load"].mean(1)).tolist(),
-                      calibration_imbalance={name: ep_lib.imbalance(ep_lib.permute_stats(calibration["moe_load"], None, perm)[0], ep).tolist()
-                                             for name, perm in perms.items()})
+        result.update(
+            ep=ep,
+            experts=experts,
+            layers=int(calibration["moe_load"].shape[0]),
+            final_loss=records[-1]["loss"],
+            run_stats_steps=int(routing["steps"]),
+            padded_bytes_per_step_device=padded.bytes,
+            placements={},
+            expert_load_max_over_mean=(calibration["moe_load"].max(1) / calibration["moe_load"].mean(1)).tolist(),
+            calibration_imbalance={
+                name: ep_lib.imbalance(ep_lib.permute_stats(calibration["moe_load"], None, perm)[0], ep).tolist()
+                for name, perm in perms.items()
+            },
+        )
         for name, perm in perms.items():
             totals, losses, per_batch = measure(place(jax.tree.map(lambda a: a.copy(), final), perm), held_out)
             traffic = totals["moe_traffic"]
@@ -144,37 +168,51 @@ def _table(results: list[dict]) -> str:
     out = []
     for r in [r for r in results if not r["rebalance_every"]]:
         p = r["placements"]
-        out += [f"\n### A. balance-loss weight {r['aux_weight']}: {r['steps']} steps, final loss "
-                f"{r['final_loss']:.3f}; {r['experts']} experts x {r['layers']} layers on ep = {r['ep']}\n",
-                "Device imbalance (max/mean copies per device) on the held-out batches, and the most any device "
-                "receives by a ragged all-to-all per step:\n",
-                "| MoE layer | expert load max/mean | " + " | ".join(f"imbalance {n}" for n in PLACEMENTS)
-                + " | " + " | ".join(f"ragged max received, {n}" for n in PLACEMENTS[:3]) + " |",
-                "| --- | ---: | " + " | ".join(["---:"] * (len(PLACEMENTS) + 3)) + " |"]
+        out += [
+            f"\n### A. balance-loss weight {r['aux_weight']}: {r['steps']} steps, final loss "
+            f"{r['final_loss']:.3f}; {r['experts']} experts x {r['layers']} layers on ep = {r['ep']}\n",
+            "Device imbalance (max/mean copies per device) on the held-out batches, and the most any device "
+            "receives by a ragged all-to-all per step:\n",
+            "| MoE layer | expert load max/mean | "
+            + " | ".join(f"imbalance {n}" for n in PLACEMENTS)
+            + " | "
+            + " | ".join(f"ragged max received, {n}" for n in PLACEMENTS[:3])
+            + " |",
+            "| --- | ---: | " + " | ".join(["---:"] * (len(PLACEMENTS) + 3)) + " |",
+        ]
         for l in range(r["layers"]):
             mib = lambda name: p[name]["ragged_max_received_bytes"][l] / 2**20
-            out.append(f"| {l} | {r['expert_load_max_over_mean'][l]:.2f} | "
-                       + " | ".join(f"{p[n]['imbalance'][l]:.3f}" for n in PLACEMENTS) + " | "
-                       + " | ".join(f"{mib(n):.3f} MiB" for n in PLACEMENTS[:3]) + " |")
+            out.append(
+                f"| {l} | {r['expert_load_max_over_mean'][l]:.2f} | "
+                + " | ".join(f"{p[n]['imbalance'][l]:.3f}" for n in PLACEMENTS)
+                + " | "
+                + " | ".join(f"{mib(n):.3f} MiB" for n in PLACEMENTS[:3])
+                + " |"
+            )
         mean_recv = sum(p["default"]["ragged_mean_received_bytes"]) / 2**20
-        out += ["",
-                f"- padded all-to-all (what runs here): {r['padded_bytes_per_step_device'] / 2**20:.3f} MiB per step "
-                f"and device for all {r['layers']} layers, whatever the placement",
-                f"- ragged all-to-all, mean received per device and step (all layers): {mean_recv:.3f} MiB, every "
-                "placement; remote share of the copies: "
-                + ", ".join(f"{n} {p[n]['remote_fraction']:.3f}" for n in PLACEMENTS[:3]),
-                "- co-location of consecutive layers: " + ", ".join(f"{n} {p[n]['colocation']:.3f}" for n in PLACEMENTS[:3]),
-                "- imbalance on the calibration batches the placements were chosen from: "
-                + "; ".join(f"{n} " + "/".join(f"{x:.3f}" for x in r["calibration_imbalance"][n]) for n in PLACEMENTS[:3]),
-                "- loss on the held-out batches: " + ", ".join(f"{n} {p[n]['loss']:.6f}" for n in PLACEMENTS)]
+        out += [
+            "",
+            f"- padded all-to-all (what runs here): {r['padded_bytes_per_step_device'] / 2**20:.3f} MiB per step "
+            f"and device for all {r['layers']} layers, whatever the placement",
+            f"- ragged all-to-all, mean received per device and step (all layers): {mean_recv:.3f} MiB, every "
+            "placement; remote share of the copies: "
+            + ", ".join(f"{n} {p[n]['remote_fraction']:.3f}" for n in PLACEMENTS[:3]),
+            "- co-location of consecutive layers: "
+            + ", ".join(f"{n} {p[n]['colocation']:.3f}" for n in PLACEMENTS[:3]),
+            "- imbalance on the calibration batches the placements were chosen from: "
+            + "; ".join(f"{n} " + "/".join(f"{x:.3f}" for x in r["calibration_imbalance"][n]) for n in PLACEMENTS[:3]),
+            "- loss on the held-out batches: " + ", ".join(f"{n} {p[n]['loss']:.6f}" for n in PLACEMENTS),
+        ]
     rebalanced = {r["aux_weight"]: r for r in results if r["rebalance_every"]}
     plain = {r["aux_weight"]: r for r in results if not r["rebalance_every"]}
     if rebalanced:
-        out += ["\n### B. re-placement during training (parallel.expert_rebalance_every)\n",
-                "| balance-loss weight | re-placed after steps | mean device imbalance (max over layers) at the "
-                "logged steps after the first re-placement: fixed placement | re-placed | loss bitwise equal "
-                "through step | first loss difference | loss difference at the end |",
-                "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        out += [
+            "\n### B. re-placement during training (parallel.expert_rebalance_every)\n",
+            "| balance-loss weight | re-placed after steps | mean device imbalance (max over layers) at the "
+            "logged steps after the first re-placement: fixed placement | re-placed | loss bitwise equal "
+            "through step | first loss difference | loss difference at the end |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for w, r in rebalanced.items():
             base, curve = plain[w]["curve"], r["curve"]
             replaced = list(range(r["rebalance_every"], r["steps"], r["rebalance_every"]))  # train.main's rule
@@ -183,14 +221,18 @@ def _table(results: list[dict]) -> str:
             diffs = [(s, abs(a - b)) for s, a, b in zip(base["step"], base["loss"], curve["loss"])]
             differ = [(s, d) for s, d in diffs if d > 0]
             equal_through = max((s for s, _ in diffs if all(d == 0 for s2, d in diffs if s2 <= s)), default=0)
-            out.append(f"| {w} | {', '.join(map(str, replaced))} | {sum(after(base)) / len(after(base)):.3f} | "
-                       f"{sum(after(curve)) / len(after(curve)):.3f} | {equal_through} | "
-                       + (f"{differ[0][1]:.1e} at step {differ[0][0]}" if differ else "none") + f" | {diffs[-1][1]:.1e} |")
+            out.append(
+                f"| {w} | {', '.join(map(str, replaced))} | {sum(after(base)) / len(after(base)):.3f} | "
+                f"{sum(after(curve)) / len(after(curve)):.3f} | {equal_through} | "
+                + (f"{differ[0][1]:.1e} at step {differ[0][0]}" if differ else "none")
+                + f" | {diffs[-1][1]:.1e} |"
+            )
     return "\n".join(out)
 
 
 def _plot(results: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -216,8 +258,12 @@ def _plot(results: list[dict], path: str) -> None:
         ax.plot(c["step"], c["imbalance_max"], label=f"weight {r['aux_weight']}, fixed placement")
         if r["aux_weight"] in rebalanced:
             c2 = rebalanced[r["aux_weight"]]["curve"]
-            ax.plot(c2["step"], c2["imbalance_max"], "--",
-                    label=f"weight {r['aux_weight']}, re-placed every {rebalanced[r['aux_weight']]['rebalance_every']}")
+            ax.plot(
+                c2["step"],
+                c2["imbalance_max"],
+                "--",
+                label=f"weight {r['aux_weight']}, re-placed every {rebalanced[r['aux_weight']]['rebalance_every']}",
+            )
     ax.set_title("B. device imbalance during training (max over layers)", fontsize=9)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
@@ -238,8 +284,11 @@ def main() -> None:
         worker(json.load(sys.stdin))
         return
     steps, batches = (30, 4) if args.quick else (args.steps, args.batches)
-    jobs = [dict(aux_weight=w, steps=steps, batches=batches, rebalance_every=every)
-            for w in (0.01, 0.0) for every in (0, steps // 6)]
+    jobs = [
+        dict(aux_weight=w, steps=steps, batches=batches, rebalance_every=every)
+        for w in (0.01, 0.0)
+        for every in (0, steps // 6)
+    ]
     results = []
     for job in jobs:  # one process each: a fresh 8-device runtime
         results += run_worker(__file__, DEVICES, [job], timeout=7200, what="aux_weight")

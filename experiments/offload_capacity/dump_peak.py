@@ -32,7 +32,9 @@ def compile_with_dump(k: int, short: str, dump: str) -> dict:
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
     import run  # noqa: E402  (this experiment's run.py)
+
     from jaxsys.analysis import report, targets
+
     option = {v: o for o, v in run.SHORT.items()}[short]
     target = targets.parse(run.TPU_TARGET)
     config = run.make_config(k, option)
@@ -47,8 +49,7 @@ def _describe(defs: dict, name: str) -> str:
     op = re.search(r'op_name="([^"]*)"', line)
     kind = re.search(r"[\]}] ([a-z][\w-]*)\(%?([\w.-]*)", line)
     target = re.search(r'custom_call_target="([^"]*)"', line)
-    what = (f"custom-call {target.group(1)}" if target else
-            f"{kind.group(1)}({kind.group(2)})" if kind else "")
+    what = f"custom-call {target.group(1)}" if target else f"{kind.group(1)}({kind.group(2)})" if kind else ""
     shape = line.split(" ")[0][:40] if not line.startswith("(") else "(tuple)"
     return f"{shape:40s} {what[:48]:48s} {(op.group(1)[-50:] if op else '')}"
 
@@ -56,8 +57,10 @@ def _describe(defs: dict, name: str) -> str:
 def device_peak(dump: str, top: int = 25) -> str:
     f = glob.glob(f"{dump}/*jit__local_step*after_optimizations-buffer-assignment.txt")[0]
     base = f[: -len("-buffer-assignment.txt")]
-    ranges = {m.group(1): (int(m.group(2)), int(m.group(3)))
-              for m in re.finditer(r"^    (\S+):(\d+)-(\d+)$", open(base + "-live-range.txt").read(), re.M)}
+    ranges = {
+        m.group(1): (int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^    (\S+):(\d+)-(\d+)$", open(base + "-live-range.txt").read(), re.M)
+    }
     end = max(e for _, e in ranges.values()) + 1
     defs = {}
     for line in open(base + ".txt"):
@@ -102,13 +105,17 @@ def device_peak(dump: str, top: int = 25) -> str:
     for aid, off, size, s, e, name in values:
         if s <= peak <= e and (live.get((aid, off), (0,))[0] < size):
             live[(aid, off)] = (size, name)
-    lines = [f"recomputed device peak: {use[peak] / 1e9:.3f} GB at position {peak} of {end} in the schedule",
-             "largest values live there (MB, value, shape, op, source):"]
+    lines = [
+        f"recomputed device peak: {use[peak] / 1e9:.3f} GB at position {peak} of {end} in the schedule",
+        "largest values live there (MB, value, shape, op, source):",
+    ]
     for size, name in sorted(live.values(), reverse=True)[:top]:
         lines.append(f"  {size / 1e6:8.1f}  {name:30s} {_describe(defs, name)}")
     step = max(1, end // 40)
-    lines.append("device bytes along the schedule (GB, every %d positions): " % step
-                 + " ".join(f"{use[t] / 1e9:.2f}" for t in range(0, end, step)))
+    lines.append(
+        "device bytes along the schedule (GB, every %d positions): " % step
+        + " ".join(f"{use[t] / 1e9:.2f}" for t in range(0, end, step))
+    )
     return "\n".join(lines)
 
 
@@ -123,9 +130,10 @@ def main() -> int:
     if not glob.glob(f"{dump}/*jit__local_step*after_optimizations-buffer-assignment.txt"):
         r = compile_with_dump(args.k, args.option, dump)
         m = r["memory"]
-        print(f"{args.option} k={args.k} Ψ={r['psi'] / 1e9:.3f}B, compiled in {r['compile_s']:.0f} s; XLA: "
-              + json.dumps({s: {f: round(v / 1e9, 3) for f, v in m[s].items()} for s in ("device", "host")
-                            if s in m}))
+        print(
+            f"{args.option} k={args.k} Ψ={r['psi'] / 1e9:.3f}B, compiled in {r['compile_s']:.0f} s; XLA: "
+            + json.dumps({s: {f: round(v / 1e9, 3) for f, v in m[s].items()} for s in ("device", "host") if s in m})
+        )
     print(device_peak(dump, args.top))
     print(f"dump: {dump}")
     return 0

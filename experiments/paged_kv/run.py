@@ -53,13 +53,20 @@ def admitted(slots_per_request, pool_slots):
 
 def main() -> int:
     from jaxsys.serve.scheduler import PagePool
+
     prompt, output = trace()
     pool_slots = POOL_BYTES // KV_BYTES_PER_TOKEN
     live = prompt + output / 2.0  # tokens present, averaged over a request's life
     rows = []
     contiguous = np.full(len(prompt), MAX_LEN)
-    rows.append({"allocator": "contiguous (max_len)", "page_size": None,
-                 "waste": float(1 - live.sum() / contiguous.sum()), "batch": admitted(contiguous, pool_slots)})
+    rows.append(
+        {
+            "allocator": "contiguous (max_len)",
+            "page_size": None,
+            "waste": float(1 - live.sum() / contiguous.sum()),
+            "batch": admitted(contiguous, pool_slots),
+        }
+    )
     for ps in (8, 16, 32, 64, 128):
         pool = PagePool(pool_slots // ps, ps)
         n = 0
@@ -70,23 +77,44 @@ def main() -> int:
                 break
             n += 1
         reserved = np.ceil((prompt + output) / ps) * ps
-        rows.append({"allocator": "paged, reserve at admission", "page_size": ps,
-                     "waste": float(1 - live.sum() / reserved.sum()), "batch": n})
+        rows.append(
+            {
+                "allocator": "paged, reserve at admission",
+                "page_size": ps,
+                "waste": float(1 - live.sum() / reserved.sum()),
+                "batch": n,
+            }
+        )
         demand = np.ceil(live / ps) * ps
-        rows.append({"allocator": "paged, on demand", "page_size": ps,
-                     "waste": float(1 - live.sum() / demand.sum()), "batch": admitted(demand, pool_slots)})
-    result = {"requests": len(prompt), "prompt_median": float(np.median(prompt)),
-              "output_median": float(np.median(output)), "pool_tokens": int(pool_slots), "rows": rows}
+        rows.append(
+            {
+                "allocator": "paged, on demand",
+                "page_size": ps,
+                "waste": float(1 - live.sum() / demand.sum()),
+                "batch": admitted(demand, pool_slots),
+            }
+        )
+    result = {
+        "requests": len(prompt),
+        "prompt_median": float(np.median(prompt)),
+        "output_median": float(np.median(output)),
+        "pool_tokens": int(pool_slots),
+        "rows": rows,
+    }
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     base = rows[0]["batch"]
-    print(f"{len(prompt)} requests, median prompt {result['prompt_median']:.0f}, output "
-          f"{result['output_median']:.0f} tokens; pool {pool_slots:,} tokens (40 GiB at 0.5 MiB/token)\n")
+    print(
+        f"{len(prompt)} requests, median prompt {result['prompt_median']:.0f}, output "
+        f"{result['output_median']:.0f} tokens; pool {pool_slots:,} tokens (40 GiB at 0.5 MiB/token)\n"
+    )
     print("| allocator | page size | KV wasted | requests that fit | vs contiguous |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['allocator']} | {r['page_size'] or '-'} | {r['waste']:.1%} | {r['batch']} | "
-              f"{r['batch'] / base:.2f}x |")
+        print(
+            f"| {r['allocator']} | {r['page_size'] or '-'} | {r['waste']:.1%} | {r['batch']} | "
+            f"{r['batch'] / base:.2f}x |"
+        )
     return 0
 
 

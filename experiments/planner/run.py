@@ -30,24 +30,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from experiments import common  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = {"llama_1b": "configs/llama_1b.py", "llama_8b": "configs/llama_8b.py",
-           "mixtral_8x7b": "configs/mixtral_8x7b.py"}
+CONFIGS = {
+    "llama_1b": "configs/llama_1b.py",
+    "llama_8b": "configs/llama_8b.py",
+    "mixtral_8x7b": "configs/mixtral_8x7b.py",
+}
 MEASURED = {"tiny": "configs/tiny.py", "llama_1b_cpu": "configs/llama_1b.py:cpu"}
 N_MEASURED = 12
 
 
 def spearman(a, b) -> float:
     import numpy as np
+
     rank = lambda x: np.argsort(np.argsort(np.asarray(x))).astype(float)
     ra, rb = rank(a), rank(b)
     ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / np.sqrt((ra ** 2).sum() * (rb ** 2).sum()))
+    return float((ra * rb).sum() / np.sqrt((ra**2).sum() * (rb**2).sum()))
 
 
 def part_a(devices_list) -> list[dict]:
     from jaxsys import plan as plan_lib
     from jaxsys.analysis import cost_model
     from jaxsys.config import ConfigError, load_config, validate
+
     hw = cost_model.hardware("h100")
     rows = []
     for name, path in CONFIGS.items():
@@ -61,24 +66,37 @@ def part_a(devices_list) -> list[dict]:
                 rows.append({**entry, "error": str(e)[:300]})
                 continue
             ranked = result["ranked"]
-            entry["top"] = [dict(layout=c.name, step_ms=c.step["step_s"] * 1e3, mfu=c.step["mfu"],
-                                 memory_gib=c.memory["total"] / 2**30) for c in ranked[:5]]
+            entry["top"] = [
+                dict(
+                    layout=c.name,
+                    step_ms=c.step["step_s"] * 1e3,
+                    mfu=c.step["mfu"],
+                    memory_gib=c.memory["total"] / 2**30,
+                )
+                for c in ranked[:5]
+            ]
             entry["valid"], entry["fit"] = len(ranked) + len(result["too_big"]), len(ranked)
             hand = load_config(os.path.join(common.ROOT, path))
             try:
                 validate(hand, num_devices=n)
                 step, memory = cost_model.predicted_step(hand, hw), cost_model.predicted_memory(hand)
                 axes = " x ".join(f"{a}={hand.mesh[a]}" for a in hand.mesh if hand.mesh[a] > 1)
-                entry["hand"] = dict(layout=f"{axes} (remat={hand.model.remat}, zero{hand.train.zero_stage})",
-                                     step_ms=step["step_s"] * 1e3, mfu=step["mfu"],
-                                     memory_gib=memory["total"] / 2**30,
-                                     rank=1 + sum(c.step["step_s"] < step["step_s"] for c in ranked),
-                                     fits=memory["total"] <= hw.hbm_bytes)
+                entry["hand"] = dict(
+                    layout=f"{axes} (remat={hand.model.remat}, zero{hand.train.zero_stage})",
+                    step_ms=step["step_s"] * 1e3,
+                    mfu=step["mfu"],
+                    memory_gib=memory["total"] / 2**30,
+                    rank=1 + sum(c.step["step_s"] < step["step_s"] for c in ranked),
+                    fits=memory["total"] <= hw.hbm_bytes,
+                )
             except ConfigError as e:
                 entry["hand"] = {"error": str(e).splitlines()[0][:200]}
             entry["seconds"] = time.perf_counter() - start
-            print(f"part A: {name} on {n}: {entry['fit']} fit, top {entry['top'][0]['layout']}, "
-                  f"hand rank {entry['hand'].get('rank', '-')} ({entry['seconds']:.0f}s)", flush=True)
+            print(
+                f"part A: {name} on {n}: {entry['fit']} fit, top {entry['top'][0]['layout']}, "
+                f"hand rank {entry['hand'].get('rank', '-')} ({entry['seconds']:.0f}s)",
+                flush=True,
+            )
             rows.append(entry)
     return rows
 
@@ -86,6 +104,7 @@ def part_a(devices_list) -> list[dict]:
 def pick_layouts(ranked, k: int):
     """k layouts spread evenly over the ranking, one per (mesh, remat, micro-batches)."""
     from jaxsys.config import MESH_AXES
+
     seen, distinct = set(), []
     for c in ranked:
         o = c.overrides
@@ -110,6 +129,7 @@ def worker(n: int, jobs: list) -> None:
     from jaxsys.analysis import cost_model
     from jaxsys.config import load_config
     from jaxsys.mesh import make_mesh
+
     hw = cost_model.hardware("cpu")
     for job in jobs:
         base = load_config(os.path.join(common.ROOT, job["path"]))
@@ -118,8 +138,9 @@ def worker(n: int, jobs: list) -> None:
             program = program_lib.build(c.config, make_mesh(c.config, jax.devices()[:n]))
             state = program.init()
             cfg = c.config
-            tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size,
-                                                       (cfg.train.batch_size, cfg.data.seq_len + 1), dtype=np.int32)
+            tokens = np.random.default_rng(0).integers(
+                0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), dtype=np.int32
+            )
             batch = jax.device_put(tokens, program.batch_sharding)
             step = program.train_step_fn().lower(state, batch).compile()
             for _ in range(2):
@@ -132,8 +153,15 @@ def worker(n: int, jobs: list) -> None:
                     state, metrics = step(state, batch)
                 jax.block_until_ready(state)
                 runs.append((time.process_time() - start) / 5)
-            common.emit(dict(model=job["name"], layout=c.name, predicted_ms=c.step["step_s"] * 1e3,
-                             measured_ms=min(runs) * 1e3, memory_gib=c.memory["total"] / 2**30))
+            common.emit(
+                dict(
+                    model=job["name"],
+                    layout=c.name,
+                    predicted_ms=c.step["step_s"] * 1e3,
+                    measured_ms=min(runs) * 1e3,
+                    memory_gib=c.memory["total"] / 2**30,
+                )
+            )
 
 
 def tables(results) -> list[str]:
@@ -144,19 +172,31 @@ def tables(results) -> list[str]:
             continue
         out.append(f"**{e['model']} on {e['devices']} devices**: {e['valid']} valid layouts, {e['fit']} fit 80 GB")
         out.append("")
-        rows = [[i, t["layout"], f"{t['step_ms']:.0f}", f"{t['mfu']:.1%}", f"{t['memory_gib']:.1f}"]
-                for i, t in enumerate(e["top"], 1)]
+        rows = [
+            [i, t["layout"], f"{t['step_ms']:.0f}", f"{t['mfu']:.1%}", f"{t['memory_gib']:.1f}"]
+            for i, t in enumerate(e["top"], 1)
+        ]
         h = e["hand"]
         if "error" in h:
             rows.append(["hand", f"not valid here: {h['error']}", "-", "-", "-"])
         else:
-            rows.append([f"hand (#{h['rank']})", h["layout"], f"{h['step_ms']:.0f}", f"{h['mfu']:.1%}",
-                         f"{h['memory_gib']:.1f}" + ("" if h["fits"] else " (does not fit)")])
+            rows.append(
+                [
+                    f"hand (#{h['rank']})",
+                    h["layout"],
+                    f"{h['step_ms']:.0f}",
+                    f"{h['mfu']:.1%}",
+                    f"{h['memory_gib']:.1f}" + ("" if h["fits"] else " (does not fit)"),
+                ]
+            )
         out += common.markdown_table(["#", "layout", "step ms", "MFU", "GiB"], "rlrrr", rows) + [""]
     out += ["## Part B: predicted vs measured step time, 8 simulated CPU devices", ""]
     for name, rho in results["spearman"].items():
-        rows = [[r["layout"], f"{r['predicted_ms']:.1f}", f"{r['measured_ms']:.1f}"]
-                for r in results["part_b"] if r["model"] == name]
+        rows = [
+            [r["layout"], f"{r['predicted_ms']:.1f}", f"{r['measured_ms']:.1f}"]
+            for r in results["part_b"]
+            if r["model"] == name
+        ]
         out += [f"**{name}**: Spearman rho = {rho:.2f} over {len(rows)} layouts", ""]
         out += common.markdown_table(["layout", "predicted ms", "measured CPU ms"], "lrr", rows) + [""]
     return out
@@ -169,8 +209,15 @@ def plot(results, path: str) -> None:
     for ax, (name, rho) in zip(axes, results["spearman"].items()):
         rows = [r for r in results["part_b"] if r["model"] == name]
         ax.scatter([r["predicted_ms"] for r in rows], [r["measured_ms"] for r in rows])
-        common.style_axes(ax, "predicted step (ms, cpu profile)", "measured step (CPU ms of the process)",
-                          f"{name}: Spearman {rho:.2f}", xlog=10, ylog=10, legend=None)
+        common.style_axes(
+            ax,
+            "predicted step (ms, cpu profile)",
+            "measured step (CPU ms of the process)",
+            f"{name}: Spearman {rho:.2f}",
+            xlog=10,
+            ylog=10,
+            legend=None,
+        )
     common.save_figure(fig, path)
 
 
@@ -178,12 +225,20 @@ def main() -> int:
     args = common.parse_args(__doc__, worker, quick="64 devices in part A; tiny only in part B")
     if not args.replot:
         part_a_rows = part_a([64] if args.quick else [8, 64, 256])
-        jobs = [dict(name=name, path=path, k=N_MEASURED) for name, path in MEASURED.items()
-                if not (args.quick and name != "tiny")]
+        jobs = [
+            dict(name=name, path=path, k=N_MEASURED)
+            for name, path in MEASURED.items()
+            if not (args.quick and name != "tiny")
+        ]
         part_b = common.run_worker(__file__, 8, jobs, timeout=3600)
         names = sorted({r["model"] for r in part_b})
-        rho = {name: spearman([r["predicted_ms"] for r in part_b if r["model"] == name],
-                              [r["measured_ms"] for r in part_b if r["model"] == name]) for name in names}
+        rho = {
+            name: spearman(
+                [r["predicted_ms"] for r in part_b if r["model"] == name],
+                [r["measured_ms"] for r in part_b if r["model"] == name],
+            )
+            for name in names
+        }
         common.save_results(HERE, {"part_a": part_a_rows, "part_b": part_b, "spearman": rho})
     results = common.load_results(HERE)
     print("\n".join(tables(results)))

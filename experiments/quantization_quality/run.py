@@ -30,9 +30,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 MODELS = {
     "tiny": ["--config.train.progress=false"],
-    "small": ["--config.model.d_model=256", "--config.model.n_heads=8", "--config.model.n_kv_heads=4",
-              "--config.model.head_dim=32", "--config.model.d_ff=768", "--config.train.steps=400",
-              "--config.train.eval_every=200", "--config.train.progress=false"],
+    "small": [
+        "--config.model.d_model=256",
+        "--config.model.n_heads=8",
+        "--config.model.n_kv_heads=4",
+        "--config.model.head_dim=32",
+        "--config.model.d_ff=768",
+        "--config.train.steps=400",
+        "--config.train.eval_every=200",
+        "--config.train.progress=false",
+    ],
 }
 # (format, method, group size, zero point)
 ROWS = [("w8a16", "rtn", 128, False), ("w8a16", "gptq", 128, False)]
@@ -44,6 +51,7 @@ ROWS += [("w8a8", "rtn", 128, False), ("w8a8", "gptq", 128, False)]
 def _train(name: str, workdir: str, steps_scale: float) -> None:
     from jaxsys import train
     from jaxsys.config import load_config
+
     overrides = list(MODELS[name]) + ["--config.checkpoint.async_save=false"]
     config = load_config(os.path.join(ROOT, "configs", "tiny.py"), overrides)
     config.train.steps = max(int(config.train.steps * steps_scale), 10)
@@ -52,6 +60,7 @@ def _train(name: str, workdir: str, steps_scale: float) -> None:
 
 def _convert_hf(workdir: str) -> None:
     from jaxsys import convert
+
     convert.from_hf(os.path.join(ROOT, "tests", "golden", "hf_llama", "untied"), workdir)
 
 
@@ -82,9 +91,16 @@ def main(argv=None) -> int:
         base = [f"--config.train.eval_batches={args.eval_batches}"]
         bf16 = base + ["--config.model.compute_dtype=bfloat16"]
         fp32 = evaluate.evaluate_workdir(source, base)
-        rows = [dict(model=name, format="float", method="-", activations="fp32", **_summary(fp32, None)),
-                dict(model=name, format="float", method="-", activations="bf16",
-                     **_summary(evaluate.evaluate_workdir(source, bf16), None))]
+        rows = [
+            dict(model=name, format="float", method="-", activations="fp32", **_summary(fp32, None)),
+            dict(
+                model=name,
+                format="float",
+                method="-",
+                activations="bf16",
+                **_summary(evaluate.evaluate_workdir(source, bf16), None),
+            ),
+        ]
         for fmt, method, group, zero in ROWS:
             out = os.path.join(args.cache, f"{name}_{fmt}_{method}_g{group}{'_z' if zero else ''}")
             shutil.rmtree(out, ignore_errors=True)
@@ -92,21 +108,32 @@ def main(argv=None) -> int:
             try:
                 info = quantize.quantize_workdir(source, out, fmt, method, group, zero, 8, log=None)
             except ConfigError as e:  # the group size does not divide this model's matmuls
-                rows.append(dict(model=name, format=fmt, method=method, group_size=group, zero_point=zero,
-                                 refused=str(e)))
+                rows.append(
+                    dict(model=name, format=fmt, method=method, group_size=group, zero_point=zero, refused=str(e))
+                )
                 print(f"{name} {fmt} {method} G={group}: refused ({e})", flush=True)
                 continue
             seconds = time.perf_counter() - start
             ev = evaluate.evaluate_workdir(out, bf16 + ["--config.model.quant_impl=reference"])
-            row = dict(model=name, format=fmt, method=method, group_size=group if fmt == "w4a16" else None,
-                       zero_point=zero, activations="int8/token" if fmt == "w8a8" else "bf16",
-                       quantize_seconds=seconds, **_summary(ev, info),
-                       bits_per_dense_weight=quant.bits_per_weight(fmt, group, zero))
+            row = dict(
+                model=name,
+                format=fmt,
+                method=method,
+                group_size=group if fmt == "w4a16" else None,
+                zero_point=zero,
+                activations="int8/token" if fmt == "w8a8" else "bf16",
+                quantize_seconds=seconds,
+                **_summary(ev, info),
+                bits_per_dense_weight=quant.bits_per_weight(fmt, group, zero),
+            )
             if (fmt, method, group, zero) == ("w4a16", "gptq", 32, False):  # the kernels themselves
                 row["eval_loss_pallas"] = evaluate.evaluate_workdir(out, bf16)["eval_loss"]
             rows.append(row)
-            print(f"{name} {fmt} {method} G={group}{' z' if zero else ''}: loss {ev['eval_loss']:.4f} "
-                  f"(float {fp32['eval_loss']:.4f})", flush=True)
+            print(
+                f"{name} {fmt} {method} G={group}{' z' if zero else ''}: loss {ev['eval_loss']:.4f} "
+                f"(float {fp32['eval_loss']:.4f})",
+                flush=True,
+            )
         results += rows
     with open(args.out, "w") as f:
         json.dump({"eval_batches": args.eval_batches, "rows": results}, f, indent=1)
@@ -115,16 +142,23 @@ def main(argv=None) -> int:
 
 
 def _summary(ev: dict, info: dict | None) -> dict:
-    out = {"eval_loss": ev["eval_loss"], "perplexity": ev["perplexity"], "param_bytes": ev["param_bytes"],
-           "tokens": ev["tokens"]}
+    out = {
+        "eval_loss": ev["eval_loss"],
+        "perplexity": ev["perplexity"],
+        "param_bytes": ev["param_bytes"],
+        "tokens": ev["tokens"],
+    }
     if info:
         out.update(dense_bytes_before=info["dense_bytes_before"], dense_bytes_after=info["dense_bytes_after"])
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | format | method | G | activations | eval loss | perplexity | vs float (bf16) | "
-             "bits / dense weight | all params (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | format | method | G | activations | eval loss | perplexity | vs float (bf16) | "
+        "bits / dense weight | all params (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     reference = {}
     for r in rows:
         if r["format"] == "float" and r["activations"] == "bf16":
@@ -132,15 +166,18 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "refused" in r:
             group = f"{r['group_size']}{' +z' if r.get('zero_point') else ''}"
-            lines.append(f"| {r['model']} | {r['format']} | {r['method']} | {group} | | refused: "
-                         f"G does not divide K' | | | | |")
+            lines.append(
+                f"| {r['model']} | {r['format']} | {r['method']} | {group} | | refused: G does not divide K' | | | | |"
+            )
             continue
-        group = (f"{r['group_size']}{' +z' if r.get('zero_point') else ''}" if r.get("group_size") else "-")
+        group = f"{r['group_size']}{' +z' if r.get('zero_point') else ''}" if r.get("group_size") else "-"
         bits = r.get("bits_per_dense_weight", 32)
         ratio = r["perplexity"] / reference[r["model"]]
-        lines.append(f"| {r['model']} | {r['format']} | {r['method']} | {group} | {r['activations']} | "
-                     f"{r['eval_loss']:.4f} | {r['perplexity']:.3f} | {ratio:.4f}x | {bits:.2f} | "
-                     f"{r['param_bytes'] / 2**20:.2f} |")
+        lines.append(
+            f"| {r['model']} | {r['format']} | {r['method']} | {group} | {r['activations']} | "
+            f"{r['eval_loss']:.4f} | {r['perplexity']:.3f} | {ratio:.4f}x | {bits:.2f} | "
+            f"{r['param_bytes'] / 2**20:.2f} |"
+        )
     return "\n".join(lines)
 
 

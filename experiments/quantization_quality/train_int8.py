@@ -20,9 +20,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-RUNS = {"fp32": [], "bf16": ["--config.model.compute_dtype=bfloat16"],
-        "bf16+int8": ["--config.model.compute_dtype=bfloat16", "--config.model.quant_train=int8",
-                      "--config.model.quant_impl=reference"]}
+RUNS = {
+    "fp32": [],
+    "bf16": ["--config.model.compute_dtype=bfloat16"],
+    "bf16+int8": [
+        "--config.model.compute_dtype=bfloat16",
+        "--config.model.quant_train=int8",
+        "--config.model.quant_impl=reference",
+    ],
+}
 
 
 def main(argv=None) -> int:
@@ -31,16 +37,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from jaxsys import train
     from jaxsys.config import load_config
+
     out = {}
     for name, overrides in RUNS.items():
         workdir = os.path.join(args.workdir, name)
         shutil.rmtree(workdir, ignore_errors=True)
-        config = load_config(os.path.join(ROOT, "configs", "tiny.py"), overrides + [
-            "--config.train.progress=false", "--config.checkpoint.enabled=false"])
+        config = load_config(
+            os.path.join(ROOT, "configs", "tiny.py"),
+            overrides + ["--config.train.progress=false", "--config.checkpoint.enabled=false"],
+        )
         records = train.main(config, workdir)
-        out[name] = {"eval_loss": [r["eval_loss"] for r in records if "eval_loss" in r][-1],
-                     "curve": [(r["step"], r["loss"]) for r in records],
-                     "tokens_per_s_cpu": records[-1]["tokens_per_s"]}
+        out[name] = {
+            "eval_loss": [r["eval_loss"] for r in records if "eval_loss" in r][-1],
+            "curve": [(r["step"], r["loss"]) for r in records],
+            "tokens_per_s_cpu": records[-1]["tokens_per_s"],
+        }
         print(f"{name}: eval loss {out[name]['eval_loss']:.4f}", flush=True)
     with open(os.path.join(HERE, "training.json"), "w") as f:
         json.dump(out, f, indent=1)

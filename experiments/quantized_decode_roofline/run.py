@@ -56,15 +56,17 @@ MODELS = {  # Llama-2 shapes (the bench's layer shapes)
     "llama-7b": dict(layers=32, d=4096, f=11008, heads=32, kv_heads=32, head_dim=128, vocab=32000),
     "llama-70b": dict(layers=80, d=8192, f=28672, heads=64, kv_heads=8, head_dim=128, vocab=32000),
 }
-A10 = cost_model.Hardware("NVIDIA A10 (MARLIN's GPU; datasheet)", {"bfloat16": 125e12, "int8": 250e12},
-                          600e9, 24e9, 1, 0.0, 0.0)
+A10 = cost_model.Hardware(
+    "NVIDIA A10 (MARLIN's GPU; datasheet)", {"bfloat16": 125e12, "int8": 250e12}, 600e9, 24e9, 1, 0.0, 0.0
+)
 CHIPS = {"h100": cost_model.PROFILES["h100"], "tpu_v5p": cost_model.PROFILES["tpu_v5p"], "a10": A10}
 MARLIN = dict(
     source="Frantar et al., MARLIN, PPoPP 2025 (abstract) and github.com/IST-DASLab/marlin README",
     kernel="close to the maximum (4x) quantization speed-up up to batch 16-32 (README: the 'optimal "
-           "3.87x' with 0.125 bits of group-scale overhead, on an A10); gradually decreasing but "
-           "significant speed-up to batch 64-128",
-    end_to_end="up to 2.8x end-to-end in vLLM")
+    "3.87x' with 0.125 bits of group-scale overhead, on an A10); gradually decreasing but "
+    "significant speed-up to batch 64-128",
+    end_to_end="up to 2.8x end-to-end in vLLM",
+)
 
 
 def matmuls(model: dict) -> list[tuple[int, int, int]]:
@@ -106,12 +108,23 @@ def step(name: str, fmt: str, batch: int, context: int, hw, group_size: int = GR
     seconds = max(memory, compute)
     # the stricter variant: each kernel at its own roofline, attention reading the KV cache apart
     per_kernel += max(head["total"] / bw, head_flops / hw.peak("bfloat16")) + (kv + 2 * batch * model["d"]) / bw
-    return dict(model=name, format=fmt, batch=batch, context=context, chip=hw.name,
-                weight_bytes=weights, kv_bytes=kv, activation_bytes=acts, memory_s=memory,
-                compute_s=compute, seconds=seconds, tokens_per_s=batch / seconds,
-                per_kernel_s=per_kernel,
-                bound="compute" if compute > memory else "memory",
-                fits=weights + kv <= hw.hbm_bytes)
+    return dict(
+        model=name,
+        format=fmt,
+        batch=batch,
+        context=context,
+        chip=hw.name,
+        weight_bytes=weights,
+        kv_bytes=kv,
+        activation_bytes=acts,
+        memory_s=memory,
+        compute_s=compute,
+        seconds=seconds,
+        tokens_per_s=batch / seconds,
+        per_kernel_s=per_kernel,
+        bound="compute" if compute > memory else "memory",
+        fits=weights + kv <= hw.hbm_bytes,
+    )
 
 
 def crossover(name: str, fmt: str, context: int, hw, group_size: int = GROUP_SIZE, limit: int = 1 << 14):
@@ -157,8 +170,15 @@ def crossovers(contexts=CONTEXTS, chips=("h100", "tpu_v5p", "a10")) -> list[dict
         for name in MODELS:
             for context in contexts:
                 for fmt in FORMATS:
-                    out.append(dict(chip_key=chip, model=name, context=context, format=fmt,
-                                    batch=crossover(name, fmt, context, CHIPS[chip])))
+                    out.append(
+                        dict(
+                            chip_key=chip,
+                            model=name,
+                            context=context,
+                            format=fmt,
+                            batch=crossover(name, fmt, context, CHIPS[chip]),
+                        )
+                    )
     return out
 
 
@@ -174,8 +194,11 @@ def measured_speedups(path: str) -> dict:
     kind = record["device"].lower()
     chip = next((c for c in ("h100", "h200", "v5p") if c in kind), kind)
     chip = {"v5p": "tpu_v5p"}.get(chip, chip)
-    best = {(r["model"], r["K"], r["N"], r["M"], r["format"]): r["us"]
-            for r in record["results"] if r.get("best") and "us" in r}
+    best = {
+        (r["model"], r["K"], r["N"], r["M"], r["format"]): r["us"]
+        for r in record["results"]
+        if r.get("best") and "us" in r
+    }
     out = {}
     for name, model in MODELS.items():
         for m in sorted({key[3] for key in best if key[0] == name}):
@@ -194,12 +217,17 @@ def measured_speedups(path: str) -> dict:
 
 
 def markdown_tokens(rows, chip, name, context, measured=None) -> str:
-    sel = {(r["batch"], r["format"]): r for r in rows
-           if r["chip_key"] == chip and r["model"] == name and r["context"] == context}
+    sel = {
+        (r["batch"], r["format"]): r
+        for r in rows
+        if r["chip_key"] == chip and r["model"] == name and r["context"] == context
+    }
     batches = sorted({b for b, _ in sel})
     head = "| batch | bf16 tok/s | " + " | ".join(f"{f} tok/s (× bf16)" for f in FORMATS[1:])
-    lines = [head + " | bound (bf16 / w4a16) | fits (bf16) |",
-             "|---:|---:|" + "---:|" * (len(FORMATS) - 1) + "---|---|"]
+    lines = [
+        head + " | bound (bf16 / w4a16) | fits (bf16) |",
+        "|---:|---:|" + "---:|" * (len(FORMATS) - 1) + "---|---|",
+    ]
     for b in batches:
         cells = []
         for fmt in FORMATS[1:]:
@@ -209,21 +237,28 @@ def markdown_tokens(rows, chip, name, context, measured=None) -> str:
                 got = measured.get((chip, name, b, fmt))
                 cell += f" [meas. {got:.2f}]" if got else " [meas. –]"
             cells.append(cell)
-        lines.append(f"| {b} | {sel[(b, 'bf16')]['tokens_per_s']:,.0f} | " + " | ".join(cells)
-                     + f" | {sel[(b, 'bf16')]['bound']} / {sel[(b, 'w4a16')]['bound']} "
-                     f"| {'yes' if sel[(b, 'bf16')]['fits'] else 'no'} |")
+        lines.append(
+            f"| {b} | {sel[(b, 'bf16')]['tokens_per_s']:,.0f} | "
+            + " | ".join(cells)
+            + f" | {sel[(b, 'bf16')]['bound']} / {sel[(b, 'w4a16')]['bound']} "
+            f"| {'yes' if sel[(b, 'bf16')]['fits'] else 'no'} |"
+        )
     return "\n".join(lines)
 
 
 def markdown_crossovers(xs) -> str:
-    lines = ["| chip | model | context | " + " | ".join(FORMATS) + " |",
-             "|---|---|---:|" + "---:|" * len(FORMATS)]
+    lines = ["| chip | model | context | " + " | ".join(FORMATS) + " |", "|---|---|---:|" + "---:|" * len(FORMATS)]
     keyed = {(x["chip_key"], x["model"], x["context"], x["format"]): x["batch"] for x in xs}
     order = list(dict.fromkeys(k[:3] for k in keyed))  # as computed: chip, model, context
     for chip, name, context in order:
-        lines.append(f"| {chip} | {name} | {context} | " + " | ".join(
-            "never" if keyed[(chip, name, context, f)] is None else str(keyed[(chip, name, context, f)])
-            for f in FORMATS) + " |")
+        lines.append(
+            f"| {chip} | {name} | {context} | "
+            + " | ".join(
+                "never" if keyed[(chip, name, context, f)] is None else str(keyed[(chip, name, context, f)])
+                for f in FORMATS
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -233,6 +268,7 @@ def plot(path, measured=None) -> None:
     rows = sweep(batches=sorted({round(2 ** (i / 8)) for i in range(65)}), chips=("h100",))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -244,11 +280,18 @@ def plot(path, measured=None) -> None:
     for ax, name in zip(axes, MODELS):
         for fmt in FORMATS[1:]:
             for context, ls in styles.items():
-                sel = sorted((r["batch"], r["speedup_vs_bf16"]) for r in rows if r["chip_key"] == "h100"
-                             and r["model"] == name and r["format"] == fmt and r["context"] == context)
+                sel = sorted(
+                    (r["batch"], r["speedup_vs_bf16"])
+                    for r in rows
+                    if r["chip_key"] == "h100" and r["model"] == name and r["format"] == fmt and r["context"] == context
+                )
                 if sel:
-                    ax.plot(*zip(*sel), ls, color=colors[fmt],
-                            label=f"{fmt}, context {context}" if context else f"{fmt}, weights only")
+                    ax.plot(
+                        *zip(*sel),
+                        ls,
+                        color=colors[fmt],
+                        label=f"{fmt}, context {context}" if context else f"{fmt}, weights only",
+                    )
             if measured:
                 pts = sorted((m, s) for (c, n, m, f), s in measured.items() if c == "h100" and n == name and f == fmt)
                 if pts:
@@ -279,29 +322,48 @@ def main(argv=None) -> int:
     for chip in ("h100", "tpu_v5p"):
         for name in MODELS:
             for context in CONTEXTS:
-                print(f"\n{name} on {CHIPS[chip].name}, context {context} "
-                      f"({'weights only' if not context else 'tokens of KV cache per sequence'})\n")
+                print(
+                    f"\n{name} on {CHIPS[chip].name}, context {context} "
+                    f"({'weights only' if not context else 'tokens of KV cache per sequence'})\n"
+                )
                 print(markdown_tokens(rows, chip, name, context, measured))
     print("\nbatch at which the step turns compute bound\n")
     print(markdown_crossovers(xs))
-    closed = {chip: {fmt: ideal_crossover_weights_only(bpw, CHIPS[chip], "int8" if fmt == "w8a8" else "bfloat16")
-                     for fmt, bpw in (("bf16", 2.0), ("w8a16", 1.0), ("w4a16", 0.5 + 4 / GROUP_SIZE),
-                                      ("w4a16_fp16_scales", 0.5 + 2 / GROUP_SIZE), ("w8a8", 1.0))}
-              for chip in CHIPS}
+    closed = {
+        chip: {
+            fmt: ideal_crossover_weights_only(bpw, CHIPS[chip], "int8" if fmt == "w8a8" else "bfloat16")
+            for fmt, bpw in (
+                ("bf16", 2.0),
+                ("w8a16", 1.0),
+                ("w4a16", 0.5 + 4 / GROUP_SIZE),
+                ("w4a16_fp16_scales", 0.5 + 2 / GROUP_SIZE),
+                ("w8a8", 1.0),
+            )
+        }
+        for chip in CHIPS
+    }
     print("\nclosed form, weights only: bytes per weight x peak / (2 x HBM bandwidth)")
     for chip, by_fmt in closed.items():
         print(f"  {chip}: " + ", ".join(f"{f} {b:.0f}" for f, b in by_fmt.items()))
     record = dict(
-        claim=MARLIN, measured_on_accelerator=False,
+        claim=MARLIN,
+        measured_on_accelerator=False,
         note="roofline only: no GPU or TPU was lent to this session; pass --measured F.json "
-             "(bench.py on a GPU) to add the kernels' measured speed-ups",
+        "(bench.py on a GPU) to add the kernels' measured speed-ups",
         model="time = max((weights + KV + activations) / HBM BW, matmul FLOPs / peak)",
-        chips={k: dict(name=hw.name, hbm_bytes_per_s=hw.hbm_bytes_per_s, peak=hw.peak_flops,
-                       hbm_bytes=hw.hbm_bytes) for k, hw in CHIPS.items()},
-        models={k: dict(v, params=params(v)) for k, v in MODELS.items()}, group_size=GROUP_SIZE,
-        steps=rows, crossovers=xs, closed_form_crossovers=closed,
-        measured=None if measured is None else [dict(chip=c, model=n, batch=m, format=f, speedup=s)
-                                                 for (c, n, m, f), s in measured.items()])
+        chips={
+            k: dict(name=hw.name, hbm_bytes_per_s=hw.hbm_bytes_per_s, peak=hw.peak_flops, hbm_bytes=hw.hbm_bytes)
+            for k, hw in CHIPS.items()
+        },
+        models={k: dict(v, params=params(v)) for k, v in MODELS.items()},
+        group_size=GROUP_SIZE,
+        steps=rows,
+        crossovers=xs,
+        closed_form_crossovers=closed,
+        measured=None
+        if measured is None
+        else [dict(chip=c, model=n, batch=m, format=f, speedup=s) for (c, n, m, f), s in measured.items()],
+    )
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(record, f, indent=1)
     print(f"\nwrote {os.path.join(HERE, 'results.json')}")

@@ -51,15 +51,23 @@ VARIANTS = {  # name -> overrides
     "tokenring": ["--config.model.context_parallel=tokenring", "--config.model.context_load_balance=true"],
     "lasp2": ["--config.model.layer_pattern=linear", "--config.model.context_load_balance=false"],
 }
-LABELS = {"ring": "ring (K/V round the ring)", "allgather": "all-gather K/V",
-          "tokenring": "TokenRing (Q out, O/LSE back)", "lasp2": "LASP-2 (linear layers)"}
+LABELS = {
+    "ring": "ring (K/V round the ring)",
+    "allgather": "all-gather K/V",
+    "tokenring": "TokenRing (Q out, O/LSE back)",
+    "lasp2": "LASP-2 (linear layers)",
+}
 MiB = 2**20
 
 
 def overrides(variant, T, dtype, p=P, remat="none"):
-    return VARIANTS[variant] + [f"--config.mesh.seq={p}", f"--config.data.seq_len={T}",
-                                f"--config.train.batch_size={BATCH}", f"--config.model.compute_dtype={dtype}",
-                                f"--config.model.remat={remat}"]
+    return VARIANTS[variant] + [
+        f"--config.mesh.seq={p}",
+        f"--config.data.seq_len={T}",
+        f"--config.train.batch_size={BATCH}",
+        f"--config.model.compute_dtype={dtype}",
+        f"--config.model.remat={remat}",
+    ]
 
 
 # ----------------------------------------------------------------------------- worker
@@ -91,16 +99,23 @@ def worker(n: int, jobs: list[dict]) -> None:
         ops = []
         k = 0
         for c in found:
-            op = dict(kind=c.kind, axes=list(c.axes), shape=list(c.shape), dtype=c.dtype,
-                      operand_bytes=c.operand_bytes,
-                      bytes=cost_model.ring_bytes(c.kind, c.operand_bytes, math.prod(sizes[a] for a in c.axes)))
+            op = dict(
+                kind=c.kind,
+                axes=list(c.axes),
+                shape=list(c.shape),
+                dtype=c.dtype,
+                operand_bytes=c.operand_bytes,
+                bytes=cost_model.ring_bytes(c.kind, c.operand_bytes, math.prod(sizes[a] for a in c.axes)),
+            )
             if c.kind == "collective_permute":
                 src, dst = pairs[k][0]
                 op["shift"] = (dst - src) % n
                 k += 1
             ops.append(op)
-        formula = [dict(technique=r.technique, kind=r.kind, count=r.count, bytes=r.bytes)
-                   for r in cost_model.context_parallel_rows(config)]
+        formula = [
+            dict(technique=r.technique, kind=r.kind, count=r.count, bytes=r.bytes)
+            for r in cost_model.context_parallel_rows(config)
+        ]
         common.emit(dict(j, P=n, seconds=time.time() - t0, ops=ops, formula=formula))
 
 
@@ -109,6 +124,7 @@ def worker(n: int, jobs: list[dict]) -> None:
 
 def model_shapes():
     from jaxsys.config import load_config
+
     m = load_config(CONFIG, []).model
     return dict(N=m.n_heads, K=m.n_kv_heads, H=m.head_dim, L=m.n_layers, D=m.d_model)
 
@@ -117,9 +133,12 @@ def formula_rows(variant, T, dtype, p=P, remat="none"):
     """cost_model.context_parallel_rows for this point, as dicts."""
     from jaxsys.analysis import cost_model
     from jaxsys.config import load_config
+
     config = load_config(CONFIG, overrides(variant, T, dtype, p, remat))
-    return [dict(technique=r.technique, kind=r.kind, count=r.count, bytes=r.bytes)
-            for r in cost_model.context_parallel_rows(config)]
+    return [
+        dict(technique=r.technique, kind=r.kind, count=r.count, bytes=r.bytes)
+        for r in cost_model.context_parallel_rows(config)
+    ]
 
 
 def library_formula(variant, T, dtype, p=P, remat="none"):
@@ -131,7 +150,9 @@ def grad_allreduce_bytes(p=P):
     """The CP gradient all-reduce over `seq` (fp32 parameters): 2 Psi 4 (P-1)/P, any T."""
     from jaxsys.analysis import cost_model
     from jaxsys.config import load_config
-    from jaxsys.models import params as params_lib, transformer
+    from jaxsys.models import params as params_lib
+    from jaxsys.models import transformer
+
     config = load_config(CONFIG, [])
     psi = params_lib.count(transformer.param_specs(config.model))
     return cost_model.ring_bytes("all_reduce", psi * 4, p), psi
@@ -152,12 +173,16 @@ def summarise(r):
         if o["kind"] == "collective_permute":
             shifts[o["shift"]] += o["bytes"]
     formula = sum(f["bytes"] for f in r["formula"])
-    return dict(attention_bytes=sum(o["bytes"] for o in attention), attention_ops=len(attention),
-                formula_ops=sum(f["count"] for f in r["formula"]), formula_bytes=formula,
-                by_kind_dtype={k: v for k, v in sorted(by.items())},
-                permute_bytes_by_shift={str(k): v for k, v in sorted(shifts.items())},
-                gather_shapes=sorted({f"{o['dtype']}{o['shape']}" for o in attention if o["kind"] == "all_gather"}),
-                grad_allreduce_bytes=sum(o["bytes"] for o in seq if o["kind"] == "all_reduce"))
+    return dict(
+        attention_bytes=sum(o["bytes"] for o in attention),
+        attention_ops=len(attention),
+        formula_ops=sum(f["count"] for f in r["formula"]),
+        formula_bytes=formula,
+        by_kind_dtype={k: v for k, v in sorted(by.items())},
+        permute_bytes_by_shift={str(k): v for k, v in sorted(shifts.items())},
+        gather_shapes=sorted({f"{o['dtype']}{o['shape']}" for o in attention if o["kind"] == "all_gather"}),
+        grad_allreduce_bytes=sum(o["bytes"] for o in seq if o["kind"] == "all_reduce"),
+    )
 
 
 def formula_tables():
@@ -184,6 +209,7 @@ STEP_SHAPES = dict(N=32, K=8, H=64, B=1, b_c=2)
 def step_costs(T, p, hw, shapes=STEP_SHAPES):
     """One ring step of one layer, forward and backward: FLOPs of the visible blocks, bytes sent."""
     from jaxsys.analysis import cost_model
+
     N, K, H, B, bc = (shapes[k] for k in ("N", "K", "H", "B", "b_c"))
     tl = T / p
     pairs = tl * tl / 2  # zigzag: every device sees half of the (T/P)^2 pairs each step
@@ -194,9 +220,18 @@ def step_costs(T, p, hw, shapes=STEP_SHAPES):
     tok_q, tok_o = B * tl * N * H * bc, B * tl * N * (H + 1) * 4  # q; fp32 o and lse
     bw = cost_model.axis_bandwidth({"seq": p}, hw)["seq"]
     peak = hw.peak("bfloat16")
-    out = dict(T=T, P=p, tokens_per_device=tl, link_bytes_per_s=bw, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-               ring_fwd_bytes=ring_fwd, ring_bwd_bytes=ring_bwd, tokenring_q_bytes=tok_q,
-               tokenring_o_bytes=tok_o)
+    out = dict(
+        T=T,
+        P=p,
+        tokens_per_device=tl,
+        link_bytes_per_s=bw,
+        fwd_flops=fwd_flops,
+        bwd_flops=bwd_flops,
+        ring_fwd_bytes=ring_fwd,
+        ring_bwd_bytes=ring_bwd,
+        tokenring_q_bytes=tok_q,
+        tokenring_o_bytes=tok_o,
+    )
     out["compute_fwd_s"], out["compute_bwd_s"] = fwd_flops / peak, bwd_flops / peak
     out["ring_fwd_s"], out["ring_bwd_s"] = ring_fwd / bw, ring_bwd / bw
     out["tokenring_egress_s"] = (tok_q + tok_o) / bw  # one switch port: all of it leaves this device
@@ -208,7 +243,6 @@ def step_costs(T, p, hw, shapes=STEP_SHAPES):
 
 def thresholds(hw, shapes=STEP_SHAPES):
     """Tokens per device T/P above which one step's compute covers its communication."""
-    from jaxsys.analysis import cost_model
     N, K, H, bc = (shapes[k] for k in ("N", "K", "H", "b_c"))
     out = {}
     for where, bw in (("NVLink", hw.intra_node_bytes_per_s), ("inter-node", hw.inter_node_bytes_per_s)):
@@ -220,17 +254,25 @@ def thresholds(hw, shapes=STEP_SHAPES):
             ring_bwd=(K / N) * 2 * (bc + 4) / 5 * r,  # 5 N H (T/P)^2 vs 2 (T/P) K H (bc + 4)
             ring_fwd_mha=bc * r,
             tokenring_egress=(bc + 4 * (H + 1) / H) / 2 * r,  # (N H bc + 4 N (H+1)) / (2 N H)
-            tokenring_maxlink=max(bc, 4 * (H + 1) / H) / 2 * r)
+            tokenring_maxlink=max(bc, 4 * (H + 1) / H) / 2 * r,
+        )
     return out
 
 
 def step_tables(hw_name="h100"):
     from jaxsys.analysis import cost_model
+
     hw = cost_model.PROFILES[hw_name]
     rows = [step_costs(T, p, hw) for T in (8192, 32768, 131072, 1048576) for p in (2, 4, 8, 16, 32, 64)]
-    return dict(hardware=hw.name, peak_bf16=hw.peak("bfloat16"), nvlink=hw.intra_node_bytes_per_s,
-                inter_node=hw.inter_node_bytes_per_s, shapes=STEP_SHAPES, rows=rows,
-                thresholds=thresholds(hw))
+    return dict(
+        hardware=hw.name,
+        peak_bf16=hw.peak("bfloat16"),
+        nvlink=hw.intra_node_bytes_per_s,
+        inter_node=hw.inter_node_bytes_per_s,
+        shapes=STEP_SHAPES,
+        rows=rows,
+        thresholds=thresholds(hw),
+    )
 
 
 # ----------------------------------------------------------------------------- output
@@ -244,17 +286,30 @@ def check(measured):
         s = r["summary"]
         same_ops = s["attention_ops"] == s["formula_ops"]
         same_bytes = math.isclose(s["attention_bytes"], s["formula_bytes"], rel_tol=1e-12)
-        rows.append(dict(variant=r["variant"], T=r["T"], dtype=r["dtype"], remat=r.get("remat", "none"),
-                         ops=s["attention_ops"], formula_ops=s["formula_ops"], measured=s["attention_bytes"],
-                         formula=s["formula_bytes"], exact=same_ops and same_bytes,
-                         by_kind_dtype=s["by_kind_dtype"],
-                         by_shift=s["permute_bytes_by_shift"], grad=s["grad_allreduce_bytes"],
-                         gather_shapes=s["gather_shapes"],
-                         gathers=s["by_kind_dtype"].get("all_gather f32", [0])[0] if r["variant"] == "lasp2" else None))
+        rows.append(
+            dict(
+                variant=r["variant"],
+                T=r["T"],
+                dtype=r["dtype"],
+                remat=r.get("remat", "none"),
+                ops=s["attention_ops"],
+                formula_ops=s["formula_ops"],
+                measured=s["attention_bytes"],
+                formula=s["formula_bytes"],
+                exact=same_ops and same_bytes,
+                by_kind_dtype=s["by_kind_dtype"],
+                by_shift=s["permute_bytes_by_shift"],
+                grad=s["grad_allreduce_bytes"],
+                gather_shapes=s["gather_shapes"],
+                gathers=s["by_kind_dtype"].get("all_gather f32", [0])[0] if r["variant"] == "lasp2" else None,
+            )
+        )
         if not (same_ops and same_bytes):
-            problems.append(f"{r['variant']} T={r['T']} {r['dtype']} remat {r.get('remat', 'none')}: measured "
-                            f"{s['attention_ops']} collectives, {s['attention_bytes']} B; formula "
-                            f"{s['formula_ops']}, {s['formula_bytes']} B")
+            problems.append(
+                f"{r['variant']} T={r['T']} {r['dtype']} remat {r.get('remat', 'none')}: measured "
+                f"{s['attention_ops']} collectives, {s['attention_bytes']} B; formula "
+                f"{s['formula_ops']}, {s['formula_bytes']} B"
+            )
     return rows, problems
 
 
@@ -266,59 +321,152 @@ def tables(res):
     out = []
     f = res["formula"]
     s = f["shapes"]
-    out += [f"Attention communication per device per step (MiB sent, bf16, remat none), llama_1b:cpu shapes "
-            f"(L={s['L']}, N={s['N']}, K={s['K']}, H={s['H']}), B={BATCH}, P={P}. Formula = "
-            "cost_model.context_parallel_rows.", ""]
+    out += [
+        f"Attention communication per device per step (MiB sent, bf16, remat none), llama_1b:cpu shapes "
+        f"(L={s['L']}, N={s['N']}, K={s['K']}, H={s['H']}), B={BATCH}, P={P}. Formula = "
+        "cost_model.context_parallel_rows.",
+        "",
+    ]
     cell = lambda row, k: fmt_b(row[k]) if k in row else "–"
     out += common.markdown_table(
-        ["T", "ring", "all-gather", "TokenRing", "LASP-2", "ring / LASP-2"], "rrrrrr",
-        [[f"{row['T']:,}"] + [cell(row, k) for k in ("ring", "allgather", "tokenring", "lasp2")]
-         + [f"{row['ring'] / row['lasp2']:.1f}"] for row in f["rows"]])
+        ["T", "ring", "all-gather", "TokenRing", "LASP-2", "ring / LASP-2"],
+        "rrrrrr",
+        [
+            [f"{row['T']:,}"]
+            + [cell(row, k) for k in ("ring", "allgather", "tokenring", "lasp2")]
+            + [f"{row['ring'] / row['lasp2']:.1f}"]
+            for row in f["rows"]
+        ],
+    )
     c = f["claim"]
-    out += ["", f"LASP-2's headline point, T = {c['T']:,} tokens on P = {c['P']} (same shapes, formula): ring "
-            f"{fmt_b(c['ring'])}, all-gather {fmt_b(c['allgather'])}, TokenRing {fmt_b(c['tokenring'])}, "
-            f"LASP-2 {fmt_b(c['lasp2'])} MiB per device per step (ring / LASP-2 = {c['ring'] / c['lasp2']:,.0f})"]
-    out += ["", f"Plus, for every variant and T, the CP gradient all-reduce over seq: "
-            f"{fmt_b(f['grad_allreduce_bytes'])} MiB (Psi = {f['params']:,} fp32 parameters).", ""]
+    out += [
+        "",
+        f"LASP-2's headline point, T = {c['T']:,} tokens on P = {c['P']} (same shapes, formula): ring "
+        f"{fmt_b(c['ring'])}, all-gather {fmt_b(c['allgather'])}, TokenRing {fmt_b(c['tokenring'])}, "
+        f"LASP-2 {fmt_b(c['lasp2'])} MiB per device per step (ring / LASP-2 = {c['ring'] / c['lasp2']:,.0f})",
+    ]
+    out += [
+        "",
+        f"Plus, for every variant and T, the CP gradient all-reduce over seq: "
+        f"{fmt_b(f['grad_allreduce_bytes'])} MiB (Psi = {f['params']:,} fp32 parameters).",
+        "",
+    ]
     out += ["Measured (lowered, written-out step) vs formula:", ""]
     name = lambda c: c["variant"] + (f" (remat {c['remat']})" if c["remat"] != "none" else "")
     out += common.markdown_table(
-        ["variant", "dtype", "T", "collectives measured / formula", "measured MiB", "formula MiB", "equal",
-         "by kind and dtype (count, MiB)"], "llrrrrll",
-        [[name(c), c["dtype"], f"{c['T']:,}", f"{c['ops']} / {c['formula_ops']}", f"{c['measured'] / MiB:.4f}",
-          f"{c['formula'] / MiB:.4f}", "yes" if c["exact"] else "NO",
-          "; ".join(f"{k}: {v[0]}, {v[1] / MiB:.3f}" for k, v in c["by_kind_dtype"].items())]
-         for c in res["checks"]])
+        [
+            "variant",
+            "dtype",
+            "T",
+            "collectives measured / formula",
+            "measured MiB",
+            "formula MiB",
+            "equal",
+            "by kind and dtype (count, MiB)",
+        ],
+        "llrrrrll",
+        [
+            [
+                name(c),
+                c["dtype"],
+                f"{c['T']:,}",
+                f"{c['ops']} / {c['formula_ops']}",
+                f"{c['measured'] / MiB:.4f}",
+                f"{c['formula'] / MiB:.4f}",
+                "yes" if c["exact"] else "NO",
+                "; ".join(f"{k}: {v[0]}, {v[1] / MiB:.3f}" for k, v in c["by_kind_dtype"].items()),
+            ]
+            for c in res["checks"]
+        ],
+    )
     out += ["", "LASP-2's all-gathers per step (measured): count and operand shapes [c, B, N, H, H]:", ""]
     for c in res["checks"]:
         if c["variant"] == "lasp2":
             out.append(f"* {c['dtype']}, T = {c['T']:,}: {c['gathers']} all-gathers of {', '.join(c['gather_shapes'])}")
     out += ["", "Permute bytes by destination shift (dst - src mod P), measured, MiB:", ""]
     out += common.markdown_table(
-        ["variant", "dtype", "T"] + [f"shift {k}" for k in range(1, P)], "llr" + "r" * (P - 1),
-        [[name(c), c["dtype"], f"{c['T']:,}"] + [f"{c['by_shift'].get(str(k), 0) / MiB:.3f}" for k in range(1, P)]
-         for c in res["checks"] if c["by_shift"]])
+        ["variant", "dtype", "T"] + [f"shift {k}" for k in range(1, P)],
+        "llr" + "r" * (P - 1),
+        [
+            [name(c), c["dtype"], f"{c['T']:,}"] + [f"{c['by_shift'].get(str(k), 0) / MiB:.3f}" for k in range(1, P)]
+            for c in res["checks"]
+            if c["by_shift"]
+        ],
+    )
     st = res["steps"]
     th = st["thresholds"]
-    out += ["", f"Per ring step, one layer, llama_1b full shapes (N={STEP_SHAPES['N']}, K={STEP_SHAPES['K']}, "
-            f"H={STEP_SHAPES['H']}, bf16, B=1), {st['hardware']}: {st['peak_bf16'] / 1e12:.0f} TFLOP/s, "
-            f"NVLink {st['nvlink'] / 1e9:.0f} GB/s (P <= 8), inter-node {st['inter_node'] / 1e9:.0f} GB/s (P > 8)", ""]
+    out += [
+        "",
+        f"Per ring step, one layer, llama_1b full shapes (N={STEP_SHAPES['N']}, K={STEP_SHAPES['K']}, "
+        f"H={STEP_SHAPES['H']}, bf16, B=1), {st['hardware']}: {st['peak_bf16'] / 1e12:.0f} TFLOP/s, "
+        f"NVLink {st['nvlink'] / 1e9:.0f} GB/s (P <= 8), inter-node {st['inter_node'] / 1e9:.0f} GB/s (P > 8)",
+        "",
+    ]
     us = lambda seconds: f"{seconds * 1e6:,.1f}"
     out += common.markdown_table(
-        ["T", "P", "T/P", "fwd block GFLOP", "K/V block MiB", "compute fwd us", "ring fwd comm us", "fwd hidden",
-         "compute bwd us", "ring bwd comm us (K,V + fp32 dK,dV)", "bwd hidden", "TokenRing fwd egress us",
-         "max-link us"], "rrrrrrrlrrlrr",
-        [[f"{r['T']:,}", r["P"], f"{r['tokens_per_device']:,.0f}", f"{r['fwd_flops'] / 1e9:,.2f}",
-          f"{r['ring_fwd_bytes'] / MiB:,.3f}", us(r["compute_fwd_s"]), us(r["ring_fwd_s"]),
-          "yes" if r["ring_fwd_hidden"] else "no", us(r["compute_bwd_s"]), us(r["ring_bwd_s"]),
-          "yes" if r["ring_bwd_hidden"] else "no", us(r["tokenring_egress_s"]), us(r["tokenring_maxlink_s"])]
-         for r in st["rows"]])
+        [
+            "T",
+            "P",
+            "T/P",
+            "fwd block GFLOP",
+            "K/V block MiB",
+            "compute fwd us",
+            "ring fwd comm us",
+            "fwd hidden",
+            "compute bwd us",
+            "ring bwd comm us (K,V + fp32 dK,dV)",
+            "bwd hidden",
+            "TokenRing fwd egress us",
+            "max-link us",
+        ],
+        "rrrrrrrlrrlrr",
+        [
+            [
+                f"{r['T']:,}",
+                r["P"],
+                f"{r['tokens_per_device']:,.0f}",
+                f"{r['fwd_flops'] / 1e9:,.2f}",
+                f"{r['ring_fwd_bytes'] / MiB:,.3f}",
+                us(r["compute_fwd_s"]),
+                us(r["ring_fwd_s"]),
+                "yes" if r["ring_fwd_hidden"] else "no",
+                us(r["compute_bwd_s"]),
+                us(r["ring_bwd_s"]),
+                "yes" if r["ring_bwd_hidden"] else "no",
+                us(r["tokenring_egress_s"]),
+                us(r["tokenring_maxlink_s"]),
+            ]
+            for r in st["rows"]
+        ],
+    )
     out += ["", "Tokens per device T/P above which one step's attention compute covers its communication:", ""]
     out += common.markdown_table(
-        ["link", "peak/bw (FLOP/B)", "ring fwd (GQA 4:1)", "ring bwd (fp32 dK/dV)", "ring fwd if MHA",
-         "TokenRing egress", "TokenRing max link"], "lrrrrrr",
-        [[where] + [f"{t[k]:,.0f}" for k in ("flop_per_byte", "ring_fwd", "ring_bwd", "ring_fwd_mha",
-                                            "tokenring_egress", "tokenring_maxlink")] for where, t in th.items()])
+        [
+            "link",
+            "peak/bw (FLOP/B)",
+            "ring fwd (GQA 4:1)",
+            "ring bwd (fp32 dK/dV)",
+            "ring fwd if MHA",
+            "TokenRing egress",
+            "TokenRing max link",
+        ],
+        "lrrrrrr",
+        [
+            [where]
+            + [
+                f"{t[k]:,.0f}"
+                for k in (
+                    "flop_per_byte",
+                    "ring_fwd",
+                    "ring_bwd",
+                    "ring_fwd_mha",
+                    "tokenring_egress",
+                    "tokenring_maxlink",
+                )
+            ]
+            for where, t in th.items()
+        ],
+    )
     return "\n".join(out)
 
 
@@ -330,15 +478,29 @@ def plot(res, here):
     for v in VARIANTS:
         pts = [(r["T"], r[v]) for r in rows if v in r]
         ax.plot([t for t, _ in pts], [b / MiB for _, b in pts], "-", color=colors[v], label=LABELS[v])
-        meas = [(c["T"], c["measured"]) for c in res["checks"] if c["variant"] == v and c["dtype"] == "bfloat16"
-                and c["remat"] == "none"]
+        meas = [
+            (c["T"], c["measured"])
+            for c in res["checks"]
+            if c["variant"] == v and c["dtype"] == "bfloat16" and c["remat"] == "none"
+        ]
         ax.plot([t for t, _ in meas], [b / MiB for _, b in meas], "o", mfc="none", ms=9, mew=1.6, color=colors[v])
-    ax.axhline(res["formula"]["grad_allreduce_bytes"] / MiB, color="gray", ls="--", lw=1,
-               label="CP gradient all-reduce (any T)")
+    ax.axhline(
+        res["formula"]["grad_allreduce_bytes"] / MiB,
+        color="gray",
+        ls="--",
+        lw=1,
+        label="CP gradient all-reduce (any T)",
+    )
     ax.plot([], [], "k-", label="cost_model.context_parallel_rows")
     ax.plot([], [], "ko", mfc="none", label="measured (lowered step)")
-    common.style_axes(ax, "sequence length T (tokens)", "attention bytes sent per device per step (MiB)",
-                      f"context parallelism over P = {P}, llama_1b:cpu shapes, bf16, B = {BATCH}", xlog=2, ylog=2)
+    common.style_axes(
+        ax,
+        "sequence length T (tokens)",
+        "attention bytes sent per device per step (MiB)",
+        f"context parallelism over P = {P}, llama_1b:cpu shapes, bf16, B = {BATCH}",
+        xlog=2,
+        ylog=2,
+    )
     common.save_figure(fig, os.path.join(here, "ring_vs_lasp2.png"))
 
     st = res["steps"]
@@ -346,16 +508,37 @@ def plot(res, here):
     for ax, T in zip(axes, (32768, 131072)):
         rs = [r for r in st["rows"] if r["T"] == T]
         Ps = [r["P"] for r in rs]
-        ax.plot(Ps, [r["compute_fwd_s"] * 1e6 for r in rs], "o-", color="k", label="attention compute, fwd (block FLOPs / peak)")
+        ax.plot(
+            Ps,
+            [r["compute_fwd_s"] * 1e6 for r in rs],
+            "o-",
+            color="k",
+            label="attention compute, fwd (block FLOPs / peak)",
+        )
         ax.plot(Ps, [r["compute_bwd_s"] * 1e6 for r in rs], "o--", color="k", label="attention compute, bwd")
         ax.plot(Ps, [r["ring_fwd_s"] * 1e6 for r in rs], "s-", color="tab:red", label="ring K/V block, fwd")
         ax.plot(Ps, [r["ring_bwd_s"] * 1e6 for r in rs], "s--", color="tab:red", label="ring K,V + fp32 dK,dV, bwd")
-        ax.plot(Ps, [r["tokenring_egress_s"] * 1e6 for r in rs], "^-", color="tab:purple", label="TokenRing Q + O/LSE egress")
-        ax.plot(Ps, [r["tokenring_maxlink_s"] * 1e6 for r in rs], "^:", color="tab:purple", label="TokenRing busiest link")
+        ax.plot(
+            Ps,
+            [r["tokenring_egress_s"] * 1e6 for r in rs],
+            "^-",
+            color="tab:purple",
+            label="TokenRing Q + O/LSE egress",
+        )
+        ax.plot(
+            Ps, [r["tokenring_maxlink_s"] * 1e6 for r in rs], "^:", color="tab:purple", label="TokenRing busiest link"
+        )
         ax.axvline(8.5, color="gray", lw=0.8)
         ax.text(8.7, max(r["compute_fwd_s"] for r in rs) * 1e6, "NVLink | IB", fontsize=8, color="gray", va="top")
-        common.style_axes(ax, "devices P on seq", "time per ring step per layer (us)",
-                          f"T = {T // 1024}K, llama_1b shapes, H100 profile", xlog=2, ylog=10, legend=7)
+        common.style_axes(
+            ax,
+            "devices P on seq",
+            "time per ring step per layer (us)",
+            f"T = {T // 1024}K, llama_1b shapes, H100 profile",
+            xlog=2,
+            ylog=10,
+            legend=7,
+        )
         ax.set_xticks(Ps, [str(p) for p in Ps])
     common.save_figure(fig, os.path.join(here, "ring_step_overlap.png"))
 
@@ -373,13 +556,18 @@ def finish(measured, extra):
     common.save_results(HERE, res)
     plot(res, HERE)
     print(tables(res))
-    print("checks:", f"all {len(checks)} measured points equal cost_model.context_parallel_rows (count and bytes)"
-          if not problems else "PROBLEMS\n" + "\n".join(problems))
+    print(
+        "checks:",
+        f"all {len(checks)} measured points equal cost_model.context_parallel_rows (count and bytes)"
+        if not problems
+        else "PROBLEMS\n" + "\n".join(problems),
+    )
 
 
 def main() -> int:
-    args = common.parse_args(__doc__, worker, quick="measured at T = 1K only",
-                             replot="tables and plots from results.json")
+    args = common.parse_args(
+        __doc__, worker, quick="measured at T = 1K only", replot="tables and plots from results.json"
+    )
     if args.replot:
         old = common.load_results(HERE)
         finish(old["measured_raw"], {k: old[k] for k in ("quick", "seconds", "measured_raw")})

@@ -42,11 +42,19 @@ BUDGET = 256 * 2**20
 BATCH = 8
 BASE = ["--config.model.n_kv_heads=8", "--config.model.remat=full", f"--config.train.batch_size={BATCH}"]
 LAYOUTS = {
-    "ring": ("seq=P, ring, zigzag", lambda p: [f"--config.mesh.seq={p}", "--config.model.context_parallel=ring",
-                                               "--config.model.context_load_balance=true"]),
+    "ring": (
+        "seq=P, ring, zigzag",
+        lambda p: [
+            f"--config.mesh.seq={p}",
+            "--config.model.context_parallel=ring",
+            "--config.model.context_load_balance=true",
+        ],
+    ),
     "tp": ("tensor=P (TP)", lambda p: [f"--config.mesh.tensor={p}"]),
-    "tp_sp": ("tensor=P + Megatron SP", lambda p: [f"--config.mesh.tensor={p}",
-                                                   "--config.parallel.sequence_parallel=true"]),
+    "tp_sp": (
+        "tensor=P + Megatron SP",
+        lambda p: [f"--config.mesh.tensor={p}", "--config.parallel.sequence_parallel=true"],
+    ),
     "dp": ("data=P (baseline)", lambda p: [f"--config.mesh.data={p}"]),
 }
 MiB = 2**20
@@ -59,9 +67,10 @@ def fit_quadratic(points):
     """peak(T) ~ a T^2 + b T + c through the (T, peak) points (least squares; with two points c is
     fixed at the first point's state bytes, passed as a third point at T = 0)."""
     import numpy as np
+
     Ts = np.array([p[0] for p in points], float)
     ys = np.array([p[1] for p in points], float)
-    A = np.stack([Ts ** 2, Ts, np.ones_like(Ts)], 1)
+    A = np.stack([Ts**2, Ts, np.ones_like(Ts)], 1)
     coef, *_ = np.linalg.lstsq(A, ys, rcond=None)
     return coef
 
@@ -108,7 +117,11 @@ def search(peak_of, unit, state_bytes, budget, start):
             # inside the bracket; the model's guess and the step above it pin the answer in two
             # compiles when the model is right; otherwise bisect
             if not lo < cand < hi or cand in points:
-                cand = cand + unit if lo < cand + unit < hi and cand + unit not in points else (lo + hi) // 2 // unit * unit
+                cand = (
+                    cand + unit
+                    if lo < cand + unit < hi and cand + unit not in points
+                    else (lo + hi) // 2 // unit * unit
+                )
             if cand in points or not lo < cand < hi:
                 cand = (lo + hi) // 2 // unit * unit
         T = max(unit, cand)
@@ -141,8 +154,12 @@ def worker(n: int, jobs: list[dict]) -> None:
             mem.pop("formula")
             state.setdefault("bytes", mem["params_bytes"] + mem["optimizer_bytes"] + mem["grads_bytes"])
             log.append(dict(T=T, seconds=time.time() - t0, **mem))
-            print(f"  P={n} {layout:6s} T={T:6d} peak {mem['peak_bytes_per_device'] / MiB:8.1f} MiB "
-                  f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"  P={n} {layout:6s} T={T:6d} peak {mem['peak_bytes_per_device'] / MiB:8.1f} MiB "
+                f"({time.time() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             cache[T] = mem["peak_bytes_per_device"]
             return cache[T]
 
@@ -158,20 +175,24 @@ def fit_ab(r):
     """peak(T) - state = a T^2 + b T, least squares over the compiled points of one search (the
     state bytes, params + optimizer + gradients, are the T-independent part). None below 2 points."""
     import numpy as np
+
     pts = [(e["T"], e["peak_bytes_per_device"]) for e in r["evaluations"]]
     if len(pts) < 2:
         return None
     T = np.array([p[0] for p in pts], float)
     y = np.array([p[1] for p in pts], float) - r["state_bytes"]
-    A = np.stack([T ** 2, T], 1)
+    A = np.stack([T**2, T], 1)
     (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
     return float(a), float(b), float(np.abs(y - A @ np.array([a, b])).max())
 
 
 def table(results):
     Ps = sorted({r["P"] for r in results})
-    out = [f"Longest T with XLA peak <= {BUDGET / MiB:.0f} MiB per device (global batch {BATCH}, "
-           f"tiny model, remat full), resolution {results[0]['unit']} tokens", ""]
+    out = [
+        f"Longest T with XLA peak <= {BUDGET / MiB:.0f} MiB per device (global batch {BATCH}, "
+        f"tiny model, remat full), resolution {results[0]['unit']} tokens",
+        "",
+    ]
     rows = []
     for key, (label, _) in LAYOUTS.items():
         row = [next((r for r in results if r["layout"] == key and r["P"] == p), None) for p in Ps]
@@ -185,27 +206,62 @@ def table(results):
             r = next((x for x in results if x["layout"] == key and x["P"] == p), None)
             d = next((x for x in results if x["layout"] == "dp" and x["P"] == p), None)
             t = next((x for x in results if x["layout"] == "tp" and x["P"] == p), None)
-            cells.append(f"{r['max_T'] / d['max_T']:.2f} / {r['max_T'] / t['max_T']:.2f}"
-                         if r and d and t and r["max_T"] and d["max_T"] and t["max_T"] else "–")
+            cells.append(
+                f"{r['max_T'] / d['max_T']:.2f} / {r['max_T'] / t['max_T']:.2f}"
+                if r and d and t and r["max_T"] and d["max_T"] and t["max_T"]
+                else "–"
+            )
         rows.append([label] + cells)
     out += common.markdown_table(["layout"] + [f"P = {p} vs DP / vs TP" for p in Ps], "l" + "r" * len(Ps), rows)
     out += ["", "Every compiled point (peak, temporaries, activations+workspace in MiB):", ""]
     ordered = sorted(results, key=lambda r: (r["P"], list(LAYOUTS).index(r["layout"])))
     out += common.markdown_table(
-        ["P", "layout", "T", "peak", "temp", "act+ws", "compile s"], "rlrrrrr",
-        [[r["P"], r["layout"], f"{e['T']:,}", f"{e['peak_bytes_per_device'] / MiB:.1f}", f"{e['temp_bytes'] / MiB:.1f}",
-          f"{e['activations_and_workspace_bytes'] / MiB:.1f}", f"{e['seconds']:.0f}"]
-         for r in ordered for e in sorted(r["evaluations"], key=lambda e: e["T"])])
+        ["P", "layout", "T", "peak", "temp", "act+ws", "compile s"],
+        "rlrrrrr",
+        [
+            [
+                r["P"],
+                r["layout"],
+                f"{e['T']:,}",
+                f"{e['peak_bytes_per_device'] / MiB:.1f}",
+                f"{e['temp_bytes'] / MiB:.1f}",
+                f"{e['activations_and_workspace_bytes'] / MiB:.1f}",
+                f"{e['seconds']:.0f}",
+            ]
+            for r in ordered
+            for e in sorted(r["evaluations"], key=lambda e: e["T"])
+        ],
+    )
     out += ["", "Fit peak = state + a T^2 + b T over the compiled points of each search:", ""]
     rows = []
     for r in ordered:
         f = fit_ab(r)
         if f:
             a, b, res = f
-            rows.append([r["P"], r["layout"], len(r["evaluations"]), f"{a:.1f}", f"{b / 1024:.1f}", f"{res / MiB:.2f}",
-                         f"{r['state_bytes'] / MiB:.1f}"])
-    out += common.markdown_table(["P", "layout", "points", "a (B/token^2)", "b (KiB/token)", "max residual (MiB)",
-                                  "state (params+opt+grads, MiB)"], "rlrrrrr", rows)
+            rows.append(
+                [
+                    r["P"],
+                    r["layout"],
+                    len(r["evaluations"]),
+                    f"{a:.1f}",
+                    f"{b / 1024:.1f}",
+                    f"{res / MiB:.2f}",
+                    f"{r['state_bytes'] / MiB:.1f}",
+                ]
+            )
+    out += common.markdown_table(
+        [
+            "P",
+            "layout",
+            "points",
+            "a (B/token^2)",
+            "b (KiB/token)",
+            "max residual (MiB)",
+            "state (params+opt+grads, MiB)",
+        ],
+        "rlrrrrr",
+        rows,
+    )
     return "\n".join(out)
 
 
@@ -218,10 +274,23 @@ def plot(results, path):
     Ps = sorted({r["P"] for r in results})
     for key, (label, _) in LAYOUTS.items():
         pts = sorted((r["P"], r["max_T"]) for r in results if r["layout"] == key and r["max_T"])
-        ax.plot([p for p, _ in pts], [t for _, t in pts], styles[key], color=colors[key], label=label, ms=8,
-                mfc="none" if key == "tp" else None)
-    common.style_axes(ax, "devices P", "longest sequence T that fits",
-                      f"max T with XLA peak <= {BUDGET / MiB:.0f} MiB/device (B = {BATCH})", xlog=2, grid="major")
+        ax.plot(
+            [p for p, _ in pts],
+            [t for _, t in pts],
+            styles[key],
+            color=colors[key],
+            label=label,
+            ms=8,
+            mfc="none" if key == "tp" else None,
+        )
+    common.style_axes(
+        ax,
+        "devices P",
+        "longest sequence T that fits",
+        f"max T with XLA peak <= {BUDGET / MiB:.0f} MiB/device (B = {BATCH})",
+        xlog=2,
+        grid="major",
+    )
     ax.set_xticks(Ps, [str(p) for p in Ps])
     ax = axes[1]
     Pmax = max(Ps)
@@ -230,18 +299,30 @@ def plot(results, path):
         if not r:
             continue
         pts = sorted((e["T"], e["peak_bytes_per_device"] / MiB) for e in r["evaluations"])
-        ax.plot([t for t, _ in pts], [m for _, m in pts], styles[key][0], color=colors[key], label=label, ms=8,
-                mfc="none" if key == "tp" else None)
+        ax.plot(
+            [t for t, _ in pts],
+            [m for _, m in pts],
+            styles[key][0],
+            color=colors[key],
+            label=label,
+            ms=8,
+            mfc="none" if key == "tp" else None,
+        )
         f = fit_ab(r)
         if f:
             import numpy as np
+
             grid = np.linspace(0, max(t for t, _ in pts) * 1.1, 100)
             a, b, _ = f
-            ax.plot(grid, (a * grid ** 2 + b * grid + r["state_bytes"]) / MiB, "-", color=colors[key], lw=1,
-                    alpha=0.6)
+            ax.plot(grid, (a * grid**2 + b * grid + r["state_bytes"]) / MiB, "-", color=colors[key], lw=1, alpha=0.6)
     ax.axhline(BUDGET / MiB, color="k", ls="--", lw=1, label="budget")
-    common.style_axes(ax, "sequence length T", "XLA peak per device (MiB)",
-                      f"compiled points of the search, P = {Pmax} (lines: state + a T^2 + b T)", grid="major")
+    common.style_axes(
+        ax,
+        "sequence length T",
+        "XLA peak per device (MiB)",
+        f"compiled points of the search, P = {Pmax} (lines: state + a T^2 + b T)",
+        grid="major",
+    )
     ax.set_ylim(0, BUDGET / MiB * 1.6)
     common.save_figure(fig, path)
 
@@ -249,8 +330,9 @@ def plot(results, path):
 def finish(results, extra):
     for r in results:
         r.pop("coef", None)  # older results.json: a 3-parameter fit, replaced by fit_ab
-    common.save_results(HERE, dict(extra, budget_bytes=BUDGET, batch=BATCH, config=CONFIG, base_overrides=BASE,
-                                   results=results))
+    common.save_results(
+        HERE, dict(extra, budget_bytes=BUDGET, batch=BATCH, config=CONFIG, base_overrides=BASE, results=results)
+    )
     plot(results, os.path.join(HERE, "sp_vs_tp_memory.png"))
     print(table(results))
 
@@ -264,12 +346,14 @@ def main() -> int:
     t_start = time.time()
     unit = 256 if args.quick else 64
     results = []
-    for p in ([8] if args.quick else [2, 4, 8]):
+    for p in [8] if args.quick else [2, 4, 8]:
         t0 = time.time()
         jobs = [dict(layout=key, unit=unit, budget=BUDGET, start=1024) for key in LAYOUTS]
         results += common.run_worker(__file__, p, jobs, what="P")
-        print(f"P={p}: {sum(len(r['evaluations']) for r in results if r['P'] == p)} compiles in "
-              f"{time.time() - t0:.0f} s", flush=True)
+        print(
+            f"P={p}: {sum(len(r['evaluations']) for r in results if r['P'] == p)} compiles in {time.time() - t0:.0f} s",
+            flush=True,
+        )
     finish(results, dict(quick=args.quick, seconds=time.time() - t_start))
     print(f"total {time.time() - t_start:.0f} s")
     return 0

@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as Ps  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as Ps
 
 from jaxsys.parallel import context  # noqa: E402
 
@@ -50,7 +51,7 @@ def loss(x, ws, use_scan):
     else:
         for i in range(ws.shape[0]):
             x = layer(x, ws[i])
-    return jnp.sum(x ** 2)
+    return jnp.sum(x**2)
 
 
 def case_ops(text):
@@ -65,16 +66,23 @@ def case_ops(text):
 for T in (2048, 4096):
     block = B * N * (T // (2 * P)) ** 2 * 4
     for use_scan in (False, True):
-        grad = jax.shard_map(jax.grad(lambda x, w: loss(x, w, use_scan), argnums=(0, 1)), mesh=mesh,
-                             in_specs=(Ps(None, "seq"), Ps()), out_specs=(Ps(None, "seq"), Ps()),
-                             check_vma=False)
+        grad = jax.shard_map(
+            jax.grad(lambda x, w: loss(x, w, use_scan), argnums=(0, 1)),
+            mesh=mesh,
+            in_specs=(Ps(None, "seq"), Ps()),
+            out_specs=(Ps(None, "seq"), Ps()),
+            check_vma=False,
+        )
         x = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32, sharding=NamedSharding(mesh, Ps(None, "seq")))
         w = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(mesh, Ps()))
         lowered = jax.jit(grad).lower(x, w)
         temp = lowered.compile().memory_analysis().temp_size_in_bytes
-        print(f"T={T:5d} {'lax.scan   ' if use_scan else 'python loop'} temp {temp / 2**20:6.1f} MiB "
-              f"= {temp / block:5.1f} score blocks of [B,N,T/2P,T/2P] fp32; case ops by #results "
-              f"{case_ops(lowered.as_text())}", flush=True)
+        print(
+            f"T={T:5d} {'lax.scan   ' if use_scan else 'python loop'} temp {temp / 2**20:6.1f} MiB "
+            f"= {temp / block:5.1f} score blocks of [B,N,T/2P,T/2P] fp32; case ops by #results "
+            f"{case_ops(lowered.as_text())}",
+            flush=True,
+        )
 
 
 def python_loop_scan(f, init, xs, length=None, unroll=1, **_):
@@ -107,9 +115,17 @@ def model_peaks(T=2048, n=8):
         def __getattr__(self, name):
             return getattr(jax, name)
 
-    config = load_config("configs/tiny.py", ["--config.model.n_kv_heads=8", "--config.model.remat=full",
-                                             "--config.train.batch_size=8", f"--config.mesh.seq={n}",
-                                             "--config.model.context_parallel=ring", f"--config.data.seq_len={T}"])
+    config = load_config(
+        "configs/tiny.py",
+        [
+            "--config.model.n_kv_heads=8",
+            "--config.model.remat=full",
+            "--config.train.batch_size=8",
+            f"--config.mesh.seq={n}",
+            "--config.model.context_parallel=ring",
+            f"--config.data.seq_len={T}",
+        ],
+    )
     for label, patched in (("layer lax.scan (jaxsys)", False), ("layers as a Python loop", True)):
         saved = transformer.jax
         if patched:
@@ -121,8 +137,11 @@ def model_peaks(T=2048, n=8):
             mem = report.memory_report(program, compiled)
         finally:
             transformer.jax = saved
-        print(f"train step, seq={n}, T={T}, {label:24s}: XLA peak {mem['peak_bytes_per_device'] / 2**20:6.1f} MiB, "
-              f"temp {mem['temp_bytes'] / 2**20:6.1f} MiB ({time.time() - t0:.0f} s)", flush=True)
+        print(
+            f"train step, seq={n}, T={T}, {label:24s}: XLA peak {mem['peak_bytes_per_device'] / 2**20:6.1f} MiB, "
+            f"temp {mem['temp_bytes'] / 2**20:6.1f} MiB ({time.time() - t0:.0f} s)",
+            flush=True,
+        )
 
 
 if "--model" in sys.argv:

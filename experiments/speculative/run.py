@@ -49,35 +49,48 @@ def main(argv=None) -> int:
     from jaxsys import data as data_lib
     from jaxsys import generate as gen
     from jaxsys.serve import decode, speculative
+
     target, tparams, tconfig = gen.load_program(args.target)
     draft, dparams, _ = gen.load_program(args.draft)
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
     ratio = nbytes(dparams) / nbytes(tparams)
     corpus = data_lib.load_corpus(tconfig.data)
     held = corpus.split("eval")
-    prompts = [held[i * 4000:i * 4000 + 32].astype(int).tolist() for i in range(8)]
+    prompts = [held[i * 4000 : i * 4000 + 32].astype(int).tolist() for i in range(8)]
     rows = []
-    for draft_name, (d_prog, d_params, r) in {"small draft": (draft, dparams, ratio),
-                                               "self (target)": (target, tparams, 1.0)}.items():
+    for draft_name, (d_prog, d_params, r) in {
+        "small draft": (draft, dparams, ratio),
+        "self (target)": (target, tparams, 1.0),
+    }.items():
         for temperature in (0.0, 1.0):
             for k in (1, 2, 4, 8):
                 t_dec, d_dec = decode.Decoder(target, 1, 96), decode.Decoder(d_prog, 1, 96)
                 total = {"tokens": 0, "forwards": 0, "accepted": 0, "drafted": 0}
                 for i, prompt in enumerate(prompts):
-                    out, stats = speculative.generate(t_dec, tparams, d_dec, d_params, prompt, 48, k=k,
-                                                      temperature=temperature, seed=i)
+                    out, stats = speculative.generate(
+                        t_dec, tparams, d_dec, d_params, prompt, 48, k=k, temperature=temperature, seed=i
+                    )
                     total["tokens"] += len(out)
                     total["forwards"] += stats["target_forwards"]
                     total["accepted"] += stats["accepted"]
                     total["drafted"] += stats["drafted"]
                 acc = total["accepted"] / total["drafted"]
                 per_round = total["accepted"] / max(total["forwards"] - len(prompts), 1)
-                row = {"draft": draft_name, "temperature": temperature, "k": k,
-                       "tokens_per_target_forward": total["tokens"] / total["forwards"], "acceptance": acc,
-                       "roofline_speedup": (per_round + 1) / (1 + k * r), "draft_bytes_ratio": r}
+                row = {
+                    "draft": draft_name,
+                    "temperature": temperature,
+                    "k": k,
+                    "tokens_per_target_forward": total["tokens"] / total["forwards"],
+                    "acceptance": acc,
+                    "roofline_speedup": (per_round + 1) / (1 + k * r),
+                    "draft_bytes_ratio": r,
+                }
                 rows.append(row)
-                print(f"{draft_name:>14} T={temperature} k={k}: {row['tokens_per_target_forward']:.2f} tokens/forward, "
-                      f"acceptance {acc:.1%}, roofline x{row['roofline_speedup']:.2f}", flush=True)
+                print(
+                    f"{draft_name:>14} T={temperature} k={k}: {row['tokens_per_target_forward']:.2f} tokens/forward, "
+                    f"acceptance {acc:.1%}, roofline x{row['roofline_speedup']:.2f}",
+                    flush=True,
+                )
     with open(os.path.join(HERE, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
     return 0
@@ -90,6 +103,7 @@ def engine_part(args) -> None:
     from jaxsys import data as data_lib
     from jaxsys import generate as gen
     from jaxsys.serve import engine, spec_engine
+
     target, tparams, tconfig = gen.load_program(args.target)
     draft, dparams, _ = gen.load_program(args.draft)
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
@@ -98,7 +112,7 @@ def engine_part(args) -> None:
     m = tconfig.model
     kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * np.dtype(m.compute_dtype).itemsize
     held = data_lib.load_corpus(tconfig.data).split("eval")
-    prompts = [held[i * 4000:i * 4000 + 64].astype(int).tolist() for i in range(8)]
+    prompts = [held[i * 4000 : i * 4000 + 64].astype(int).tolist() for i in range(8)]
     ks, new = (1, 2, 4, 8), 48
     kw = dict(num_pages=512, page_size=4, token_budget=256, chunk_size=64, max_seqs=32)
     rows = []
@@ -117,19 +131,31 @@ def engine_part(args) -> None:
             stats = [s for rid, s in eng.per_request.items() if rid[:4] == (name, temperature, window, k)]
             rounds, acc, drafted = (sum(s[key] for s in stats) for key in ("rounds", "accepted", "drafted"))
             n = acc / rounds
-            row = {"draft": name, "temperature": temperature, "window": window, "k": k,
-                   "tokens_per_target_forward": 1 + n, "acceptance": acc / drafted}
+            row = {
+                "draft": name,
+                "temperature": temperature,
+                "window": window,
+                "k": k,
+                "tokens_per_target_forward": 1 + n,
+                "acceptance": acc / drafted,
+            }
             if window is None:
                 row["roofline_speedup"] = (1 + n) / (1 + k * ratio)
             else:  # the batch's KV: 8 sequences at their mean context (prompt + half the output)
                 rho = len(prompts) * (len(prompts[0]) + new / 2) * kv_per_token / weights
-                row.update(draft_read_fraction=f, rho=rho,
-                           roofline_speedup=(1 + n) * (1 + rho) / (1 + rho + k * (1 + rho * f)),
-                           roofline_speedup_kv_bound=(1 + n) / (1 + k * f))
+                row.update(
+                    draft_read_fraction=f,
+                    rho=rho,
+                    roofline_speedup=(1 + n) * (1 + rho) / (1 + rho + k * (1 + rho * f)),
+                    roofline_speedup_kv_bound=(1 + n) / (1 + k * f),
+                )
             rows.append(row)
-            print(f"engine {name:>5} T={temperature} W={window} k={k}: {1 + n:.2f} tokens/forward, acceptance "
-                  f"{row['acceptance']:.1%}, roofline x{row['roofline_speedup']:.2f}"
-                  + (f" (f={f:.2f}, KV-bound x{row['roofline_speedup_kv_bound']:.2f})" if window else ""), flush=True)
+            print(
+                f"engine {name:>5} T={temperature} W={window} k={k}: {1 + n:.2f} tokens/forward, acceptance "
+                f"{row['acceptance']:.1%}, roofline x{row['roofline_speedup']:.2f}"
+                + (f" (f={f:.2f}, KV-bound x{row['roofline_speedup_kv_bound']:.2f})" if window else ""),
+                flush=True,
+            )
 
     small = spec_engine.SpeculativeEngine(target, tparams, **kw, k=1, draft=(draft, dparams))
     for temperature in (0.0, 1.0):
@@ -139,29 +165,44 @@ def engine_part(args) -> None:
     for window, temperature in ((8, 0.0), (16, 0.0), (32, 0.0), (16, 1.0)):
         run(self_eng, "self", temperature, window)
     with open(os.path.join(HERE, "results_engine.json"), "w") as f:
-        json.dump({"draft_bytes_ratio": ratio, "kv_bytes_per_token": kv_per_token, "weight_bytes": weights,
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {"draft_bytes_ratio": ratio, "kv_bytes_per_token": kv_per_token, "weight_bytes": weights, "rows": rows},
+            f,
+            indent=1,
+        )
     plot(rows)
 
 
 def plot(rows) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     series = {}
     for r in rows:
-        label = (f"small draft, T={r['temperature']:g}" if r["window"] is None
-                 else f"self, sink 4 + window {r['window']}, T={r['temperature']:g}")
+        label = (
+            f"small draft, T={r['temperature']:g}"
+            if r["window"] is None
+            else f"self, sink 4 + window {r['window']}, T={r['temperature']:g}"
+        )
         series.setdefault(label, []).append(r)
     for label, rs in series.items():
         ax.plot([r["k"] for r in rs], [r["tokens_per_target_forward"] for r in rs], "o-", label=label)
-        line, = bx.plot([r["k"] for r in rs], [r["roofline_speedup"] for r in rs], "o-", label=label)
+        (line,) = bx.plot([r["k"] for r in rs], [r["roofline_speedup"] for r in rs], "o-", label=label)
         if "roofline_speedup_kv_bound" in rs[0]:  # self-speculation when the KV cache dominates the bytes
-            bx.plot([r["k"] for r in rs], [r["roofline_speedup_kv_bound"] for r in rs], "x--", color=line.get_color(),
-                    lw=0.8)
-    for a, title in ((ax, "tokens per target forward (in the engine)"),
-                     (bx, "roofline speed-up (dashed: self, KV-bound)")):
+            bx.plot(
+                [r["k"] for r in rs],
+                [r["roofline_speedup_kv_bound"] for r in rs],
+                "x--",
+                color=line.get_color(),
+                lw=0.8,
+            )
+    for a, title in (
+        (ax, "tokens per target forward (in the engine)"),
+        (bx, "roofline speed-up (dashed: self, KV-bound)"),
+    ):
         a.set_xscale("log", base=2)
         a.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         a.set_xlabel("k (drafted tokens per step)")

@@ -16,8 +16,20 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective
 _OP = re.compile(r'"stablehlo\.(' + "|".join(KINDS) + r')"\(')
 _AXES = re.compile(r'axis_ref<name = "([^"]+)"')
 _TENSOR = re.compile(r"tensor<([^>]*)>")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "i32": 4, "i64": 8, "i8": 1, "ui8": 1,
-          "i16": 2, "ui16": 2, "ui32": 4, "i1": 1}
+_BYTES = {
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "f64": 8,
+    "i32": 4,
+    "i64": 8,
+    "i8": 1,
+    "ui8": 1,
+    "i16": 2,
+    "ui16": 2,
+    "ui32": 4,
+    "i1": 1,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +92,7 @@ def parse(stablehlo: str, mesh_sizes=None) -> list[Collective]:
         pairs = _PAIRS.search(line)
         if match.group(1) == "collective_permute" and pairs and mesh_sizes:
             import json
+
             axes = permute_axes(json.loads(pairs.group(1)), mesh_sizes)
         found.append(Collective(match.group(1), axes, shape, dtype))
     return found

@@ -74,12 +74,31 @@ class Hardware:
 # Approximate by nature: they set the scale, not the decimals.
 PROFILES = {
     # H100/H200 hosts: PCIe Gen5 x16 per GPU (64 GB/s per direction), ~300 GB/s DRAM per 8-GPU host
-    "h100": Hardware("NVIDIA H100 SXM", {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
-                     3.35e12, 80e9, 8, 450e9, 50e9, 64e9, 300e9),
-    "h200": Hardware("NVIDIA H200 SXM", {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
-                     4.8e12, 141e9, 8, 450e9, 50e9, 64e9, 300e9),
-    "tpu_v5p": Hardware("TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2, "int8": 918e12},
-                        2.76e12, 95e9, 4, 100e9, 100e9),
+    "h100": Hardware(
+        "NVIDIA H100 SXM",
+        {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
+        3.35e12,
+        80e9,
+        8,
+        450e9,
+        50e9,
+        64e9,
+        300e9,
+    ),
+    "h200": Hardware(
+        "NVIDIA H200 SXM",
+        {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
+        4.8e12,
+        141e9,
+        8,
+        450e9,
+        50e9,
+        64e9,
+        300e9,
+    ),
+    "tpu_v5p": Hardware(
+        "TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2, "int8": 918e12}, 2.76e12, 95e9, 4, 100e9, 100e9
+    ),
     "cpu": Hardware("this CPU (simulated devices share it)", {}, 20e9, 24e9, 1 << 30, 10e9, 10e9),
 }
 
@@ -90,6 +109,7 @@ def hardware(name: str) -> Hardware:
     hw = PROFILES[name]
     if name == "cpu":
         from jaxsys.analysis.hardware import cpu_peak_flops
+
         peak = cpu_peak_flops()
         hw = dataclasses.replace(hw, peak_flops={"bfloat16": peak, "float32": peak})
     return hw
@@ -114,11 +134,13 @@ def ring_bytes(kind: str, operand_bytes: float, n: int) -> float:
     """Bytes one device sends for one collective over n devices (ring algorithm)."""
     if n <= 1:
         return 0.0
-    return {"all_reduce": 2 * operand_bytes * (n - 1) / n,
-            "all_gather": operand_bytes * (n - 1),
-            "reduce_scatter": operand_bytes * (n - 1) / n,
-            "all_to_all": operand_bytes * (n - 1) / n,
-            "collective_permute": operand_bytes}[kind]
+    return {
+        "all_reduce": 2 * operand_bytes * (n - 1) / n,
+        "all_gather": operand_bytes * (n - 1),
+        "reduce_scatter": operand_bytes * (n - 1) / n,
+        "all_to_all": operand_bytes * (n - 1) / n,
+        "collective_permute": operand_bytes,
+    }[kind]
 
 
 def _dtype_bytes(name: str) -> int:
@@ -128,6 +150,7 @@ def _dtype_bytes(name: str) -> int:
 def _specs(config) -> list[ParamSpec]:
     if config.model.kind == "flax":  # a Flax module's parameters (models/flax_model.py)
         from jaxsys.models import flax_model
+
         return jax.tree.leaves(flax_model.specs_for(config), is_leaf=lambda x: isinstance(x, ParamSpec))
     return jax.tree.leaves(transformer.param_specs(config.model), is_leaf=lambda x: isinstance(x, ParamSpec))
 
@@ -189,64 +212,146 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
     T = T // cp  # tokens per device along the sequence
     rows, caveats = [], []
     if sum(a > 1 for a in (d, f, e, t, cp)) > 1:
-        caveats.append("combined layouts: gradient sums over several axes run as one collective over "
-                       "those axes; the per-axis rows below are an estimate")
+        caveats.append(
+            "combined layouts: gradient sums over several axes run as one collective over "
+            "those axes; the per-axis rows below are an estimate"
+        )
     if m.remat != "none" and t > 1:
-        caveats.append(f"remat={m.remat}: the backward recomputes tensor-parallel forward collectives, "
-                       "which the Megatron count (no recomputation) leaves out")
+        caveats.append(
+            f"remat={m.remat}: the backward recomputes tensor-parallel forward collectives, "
+            "which the Megatron count (no recomputation) leaves out"
+        )
 
     if cp > 1:  # every device saw T/cp of the tokens: gradients are summed over `seq` as over `data`
-        rows.append(Row("CP gradient all-reduce", "all_reduce", ("seq",), leaves,
-                        ring_bytes("all_reduce", (psi_l + psi_r) / f * b_p, cp)))
+        rows.append(
+            Row(
+                "CP gradient all-reduce",
+                "all_reduce",
+                ("seq",),
+                leaves,
+                ring_bytes("all_reduce", (psi_l + psi_r) / f * b_p, cp),
+            )
+        )
         rows += context_parallel_rows(config)
     if d > 1:  # data parallelism / ZeRO over `data`; FSDP leaves are already 1/f
         grad_bytes = (psi_l + psi_r) / f * b_p
         if stage == 2:
-            rows.append(Row("ZeRO-2 gradient reduce-scatter", "reduce_scatter", ("data",), leaves,
-                            ring_bytes("reduce_scatter", grad_bytes, d)))
+            rows.append(
+                Row(
+                    "ZeRO-2 gradient reduce-scatter",
+                    "reduce_scatter",
+                    ("data",),
+                    leaves,
+                    ring_bytes("reduce_scatter", grad_bytes, d),
+                )
+            )
         else:
-            rows.append(Row("DP gradient all-reduce", "all_reduce", ("data",), leaves,
-                            ring_bytes("all_reduce", grad_bytes, d)))
+            rows.append(
+                Row("DP gradient all-reduce", "all_reduce", ("data",), leaves, ring_bytes("all_reduce", grad_bytes, d))
+            )
         if stage >= 1:
-            rows.append(Row(f"ZeRO-{stage} parameter all-gather", "all_gather", ("data",), leaves,
-                            ring_bytes("all_gather", grad_bytes / d, d)))
+            rows.append(
+                Row(
+                    f"ZeRO-{stage} parameter all-gather",
+                    "all_gather",
+                    ("data",),
+                    leaves,
+                    ring_bytes("all_gather", grad_bytes / d, d),
+                )
+            )
     if e > 1:  # the expert axis splits the batch: leaves not split over experts sum their gradient
         shared = [s for s in _specs(config) if "experts" not in s.axes]
-        rows.append(Row("EP axis as DP: gradient all-reduce (leaves not split over experts)", "all_reduce",
-                        ("expert",), len(shared),
-                        ring_bytes("all_reduce", sum(_local_numel(config, s) for s in shared) / f * b_p, e)))
+        rows.append(
+            Row(
+                "EP axis as DP: gradient all-reduce (leaves not split over experts)",
+                "all_reduce",
+                ("expert",),
+                len(shared),
+                ring_bytes("all_reduce", sum(_local_numel(config, s) for s in shared) / f * b_p, e),
+            )
+        )
     if f > 1:
         gather_bytes = (2 * psi_l + psi_r) * b_c / f  # local shards in, twice for the layers
         uses = layer_leaf_executions(config)
-        rows.append(Row("FSDP weight all-gather (forward + backward re-gather)", "all_gather", ("fsdp",),
-                        2 * uses + n_r, ring_bytes("all_gather", gather_bytes, f)))
-        rows.append(Row("FSDP gradient reduce-scatter", "reduce_scatter", ("fsdp",), uses + n_r,
-                        ring_bytes("reduce_scatter", (psi_l + psi_r) * b_c, f)))
+        rows.append(
+            Row(
+                "FSDP weight all-gather (forward + backward re-gather)",
+                "all_gather",
+                ("fsdp",),
+                2 * uses + n_r,
+                ring_bytes("all_gather", gather_bytes, f),
+            )
+        )
+        rows.append(
+            Row(
+                "FSDP gradient reduce-scatter",
+                "reduce_scatter",
+                ("fsdp",),
+                uses + n_r,
+                ring_bytes("reduce_scatter", (psi_l + psi_r) * b_c, f),
+            )
+        )
     rows += expert_parallel_rows(config)
     if t > 1:
         act = B_local * T * D * b_c
         n_act = 4 * L + 2  # 4 per layer + embedding (forward) + final projection (backward)
         if sp:
-            rows.append(Row("Megatron SP all-gather", "all_gather", ("tensor",), n_act,
-                            n_act * ring_bytes("all_gather", act / t, t)))
-            rows.append(Row("Megatron SP reduce-scatter", "reduce_scatter", ("tensor",), n_act,
-                            n_act * ring_bytes("reduce_scatter", act, t)))
+            rows.append(
+                Row(
+                    "Megatron SP all-gather",
+                    "all_gather",
+                    ("tensor",),
+                    n_act,
+                    n_act * ring_bytes("all_gather", act / t, t),
+                )
+            )
+            rows.append(
+                Row(
+                    "Megatron SP reduce-scatter",
+                    "reduce_scatter",
+                    ("tensor",),
+                    n_act,
+                    n_act * ring_bytes("reduce_scatter", act, t),
+                )
+            )
             replicated = [s for s in _specs(config) if not any(a in TP_LOGICAL for a in s.axes)]
-            rows.append(Row("SP replicated-weight (norms, routers) gradient all-reduce", "all_reduce",
-                            ("tensor",), len(replicated),
-                            ring_bytes("all_reduce", sum(math.prod(s.shape) for s in replicated) / f * b_p, t)))
+            rows.append(
+                Row(
+                    "SP replicated-weight (norms, routers) gradient all-reduce",
+                    "all_reduce",
+                    ("tensor",),
+                    len(replicated),
+                    ring_bytes("all_reduce", sum(math.prod(s.shape) for s in replicated) / f * b_p, t),
+                )
+            )
         else:
-            rows.append(Row("Megatron TP activation all-reduce", "all_reduce", ("tensor",), n_act,
-                            n_act * ring_bytes("all_reduce", act, t)))
-        rows.append(Row("vocab-parallel cross-entropy (max, sum, target)", "all_reduce", ("tensor",), 3,
-                        3 * ring_bytes("all_reduce", B_local * T * 4, t)))
+            rows.append(
+                Row(
+                    "Megatron TP activation all-reduce",
+                    "all_reduce",
+                    ("tensor",),
+                    n_act,
+                    n_act * ring_bytes("all_reduce", act, t),
+                )
+            )
+        rows.append(
+            Row(
+                "vocab-parallel cross-entropy (max, sum, target)",
+                "all_reduce",
+                ("tensor",),
+                3,
+                3 * ring_bytes("all_reduce", B_local * T * 4, t),
+            )
+        )
         rows += moe_tensor_rows(config)
     if config.train.optimizer == "zo":
         return zeroth_order_rows(config, rows, caveats)
     galore = galore_rows(config)
     if any(r.kind == "all_gather" for r in galore):
-        caveats.append(f"GaLore's refresh all-gathers run one step in train.galore.update_every="
-                       f"{config.train.galore.update_every}; the program holds them once, and so do these rows")
+        caveats.append(
+            f"GaLore's refresh all-gathers run one step in train.galore.update_every="
+            f"{config.train.galore.update_every}; the program holds them once, and so do these rows"
+        )
     return rows + galore, caveats
 
 
@@ -261,23 +366,29 @@ def zeroth_order_rows(config, rows: list[Row], caveats: list[str]) -> tuple[list
     forwards match only roughly (a caveat says so)."""
     mesh, m = config.mesh, config.model
     psi_l, psi_r, _, n_r = params_per_device_after_tp(config)
-    f, t, b_c = mesh.fsdp, mesh.tensor, _dtype_bytes(m.compute_dtype)
+    f, b_c = mesh.fsdp, _dtype_bytes(m.compute_dtype)
     out = []
     for r in rows:
         if "gradient" in r.technique or r.technique.startswith("ZeRO-"):
             continue
         if r.technique.startswith("FSDP weight all-gather"):
-            r = Row("FSDP weight all-gather (each of the two forwards)", "all_gather", ("fsdp",),
-                    2 * (layer_leaf_executions(config) + n_r),
-                    ring_bytes("all_gather", 2 * (psi_l + psi_r) * b_c / f, f))
+            r = Row(
+                "FSDP weight all-gather (each of the two forwards)",
+                "all_gather",
+                ("fsdp",),
+                2 * (layer_leaf_executions(config) + n_r),
+                ring_bytes("all_gather", 2 * (psi_l + psi_r) * b_c / f, f),
+            )
         elif r.technique.startswith("vocab-parallel cross-entropy"):
             r = dataclasses.replace(r, count=2 * r.count, bytes=2 * r.bytes)
         out.append(r)
     # no backward: nothing recomputed, and no gradient sums over combined axes
     caveats = [c for c in caveats if not c.startswith(("remat=", "combined layouts"))]
     if mesh.seq > 1 or mesh.expert > 1:
-        caveats.append("train.optimizer='zo': the context- and expert-parallel rows count a forward and a "
-                       "backward; the step runs two forwards")
+        caveats.append(
+            "train.optimizer='zo': the context- and expert-parallel rows count a forward and a "
+            "backward; the step runs two forwards"
+        )
     return out, caveats
 
 
@@ -304,6 +415,7 @@ def expert_parallel_rows(config) -> list[Row]:
     A remat policy other than `none` recomputes the forward's all-to-alls (data and int32) and the
     load all-reduce in the backward."""
     from jaxsys.models import moe
+
     mesh, m = config.mesh, config.model
     lm, experts, k = _moe(config)
     if not lm:
@@ -316,29 +428,69 @@ def expert_parallel_rows(config) -> list[Row]:
     if ep > 1:
         if m.moe.capacity_factor > 0:
             buffer = b * experts * moe.capacity(tokens, m.moe) * d * b_c
-            rows.append(Row("EP capacity dispatch + combine all-to-all (GShard)", "all_to_all", ("expert",),
-                            lm * (4 + 2 * again), lm * (4 + 2 * again) * ring_bytes("all_to_all", buffer, ep)))
+            rows.append(
+                Row(
+                    "EP capacity dispatch + combine all-to-all (GShard)",
+                    "all_to_all",
+                    ("expert",),
+                    lm * (4 + 2 * again),
+                    lm * (4 + 2 * again) * ring_bytes("all_to_all", buffer, ep),
+                )
+            )
         else:
             buffer = ep * b * tokens * k * d * b_c
-            rows.append(Row("EP dropless dispatch + combine all-to-all (padded to M rows per slice)",
-                            "all_to_all", ("expert",), lm * (4 + 2 * again),
-                            lm * (4 + 2 * again) * ring_bytes("all_to_all", buffer, ep)))
+            rows.append(
+                Row(
+                    "EP dropless dispatch + combine all-to-all (padded to M rows per slice)",
+                    "all_to_all",
+                    ("expert",),
+                    lm * (4 + 2 * again),
+                    lm * (4 + 2 * again) * ring_bytes("all_to_all", buffer, ep),
+                )
+            )
             sizes = (ep * (experts // ep) + 3 * ep) * 4
-            rows.append(Row("EP dropless sizes and offsets all-to-all (int32)", "all_to_all", ("expert",),
-                            lm * 4 * (1 + again), lm * (1 + again) * ring_bytes("all_to_all", sizes, ep)))
+            rows.append(
+                Row(
+                    "EP dropless sizes and offsets all-to-all (int32)",
+                    "all_to_all",
+                    ("expert",),
+                    lm * 4 * (1 + again),
+                    lm * (1 + again) * ring_bytes("all_to_all", sizes, ep),
+                )
+            )
     token_axes = tuple(a for a in ("data", "fsdp", "expert", "seq") if mesh[a] > 1)
     if ep > 1:
-        rows.append(Row("MoE traffic matrix all-gather", "all_gather", ("expert",), lm,
-                        lm * ring_bytes("all_gather", ep * 4, ep)))
+        rows.append(
+            Row(
+                "MoE traffic matrix all-gather",
+                "all_gather",
+                ("expert",),
+                lm,
+                lm * ring_bytes("all_gather", ep * 4, ep),
+            )
+        )
         others = tuple(a for a in token_axes if a != "expert")
         if others:
-            rows.append(Row("MoE traffic matrix all-reduce", "all_reduce", others, lm,
-                            lm * ring_bytes("all_reduce", ep * ep * 4, math.prod(mesh[a] for a in others))))
+            rows.append(
+                Row(
+                    "MoE traffic matrix all-reduce",
+                    "all_reduce",
+                    others,
+                    lm,
+                    lm * ring_bytes("all_reduce", ep * ep * 4, math.prod(mesh[a] for a in others)),
+                )
+            )
     if token_axes:
         n = math.prod(mesh[a] for a in token_axes)
-        rows.append(Row("MoE routing statistics all-reduce (loads, co-routing)", "all_reduce", token_axes,
-                        lm * (2 + again),
-                        lm * ring_bytes("all_reduce", (experts + experts * experts + again * experts) * 4, n)))
+        rows.append(
+            Row(
+                "MoE routing statistics all-reduce (loads, co-routing)",
+                "all_reduce",
+                token_axes,
+                lm * (2 + again),
+                lm * ring_bytes("all_reduce", (experts + experts * experts + again * experts) * 4, n),
+            )
+        )
     return rows
 
 
@@ -356,12 +508,31 @@ def moe_tensor_rows(config) -> list[Row]:
     b = local_batch(config)
     gates = b * (config.data.seq_len // mesh.seq) * k * 4  # [B, T, k] fp32 (int32 experts alike)
     if not (config.parallel.sequence_parallel and t > 1):
-        return [Row("MoE gates Megatron f (backward all-reduce)", "all_reduce", ("tensor",), lm,
-                    lm * ring_bytes("all_reduce", gates, t))]
-    return [Row("MoE gates and experts all-gather over T (SP)", "all_gather", ("tensor",), 2 * lm,
-                2 * lm * ring_bytes("all_gather", gates / t, t)),
-            Row("MoE gates gradient reduce-scatter over T (SP)", "reduce_scatter", ("tensor",), lm,
-                lm * ring_bytes("reduce_scatter", gates, t))]
+        return [
+            Row(
+                "MoE gates Megatron f (backward all-reduce)",
+                "all_reduce",
+                ("tensor",),
+                lm,
+                lm * ring_bytes("all_reduce", gates, t),
+            )
+        ]
+    return [
+        Row(
+            "MoE gates and experts all-gather over T (SP)",
+            "all_gather",
+            ("tensor",),
+            2 * lm,
+            2 * lm * ring_bytes("all_gather", gates / t, t),
+        ),
+        Row(
+            "MoE gates gradient reduce-scatter over T (SP)",
+            "reduce_scatter",
+            ("tensor",),
+            lm,
+            lm * ring_bytes("reduce_scatter", gates, t),
+        ),
+    ]
 
 
 def context_parallel_rows(config) -> list[Row]:
@@ -378,6 +549,7 @@ def context_parallel_rows(config) -> list[Row]:
                  its reduce-scatter backward: 2 (P-1) c B N H^2 4 bytes, independent of T
     A remat policy other than `none` recomputes the forward's share in the backward."""
     from jaxsys.models import attention
+
     mesh, m = config.mesh, config.model
     p, t = mesh.seq, mesh.tensor
     b = local_batch(config)
@@ -393,26 +565,67 @@ def context_parallel_rows(config) -> list[Row]:
             s_grad = b * tl * k * h * 4  # dK, dV accumulate (and travel) in fp32
             fwd = 2 * (p - 1)
             bwd_bytes = 2 * (p - 1) * s_kv + (2 * (p - 1) + 2) * s_grad
-            rows.append(Row("ring attention K/V (+dK/dV) permutes", "collective_permute", ("seq",),
-                            softmax * (fwd * (1 + forward_again) + 4 * (p - 1) + 2),
-                            softmax * (fwd * (1 + forward_again) * s_kv + bwd_bytes)))
+            rows.append(
+                Row(
+                    "ring attention K/V (+dK/dV) permutes",
+                    "collective_permute",
+                    ("seq",),
+                    softmax * (fwd * (1 + forward_again) + 4 * (p - 1) + 2),
+                    softmax * (fwd * (1 + forward_again) * s_kv + bwd_bytes),
+                )
+            )
         elif m.context_parallel == "allgather":
-            rows.append(Row("all-gather CP: K, V all-gather", "all_gather", ("seq",),
-                            2 * softmax * (1 + forward_again), 2 * softmax * (1 + forward_again) * (p - 1) * s_kv))
-            rows.append(Row("all-gather CP: dK, dV reduce-scatter", "reduce_scatter", ("seq",),
-                            2 * softmax, 2 * softmax * (p - 1) * s_kv))
+            rows.append(
+                Row(
+                    "all-gather CP: K, V all-gather",
+                    "all_gather",
+                    ("seq",),
+                    2 * softmax * (1 + forward_again),
+                    2 * softmax * (1 + forward_again) * (p - 1) * s_kv,
+                )
+            )
+            rows.append(
+                Row(
+                    "all-gather CP: dK, dV reduce-scatter",
+                    "reduce_scatter",
+                    ("seq",),
+                    2 * softmax,
+                    2 * softmax * (p - 1) * s_kv,
+                )
+            )
         else:
             per_hop = b * tl * n * h * bc + b * tl * n * h * 4 + b * n * tl * 4  # q; o, lse in fp32
             hops = (p - 1) * (2 + forward_again)
-            rows.append(Row("TokenRing: queries forward, partial outputs back", "collective_permute",
-                            ("seq",), 3 * hops * softmax, hops * softmax * per_hop))
+            rows.append(
+                Row(
+                    "TokenRing: queries forward, partial outputs back",
+                    "collective_permute",
+                    ("seq",),
+                    3 * hops * softmax,
+                    hops * softmax * per_hop,
+                )
+            )
     if linear:
         c = 2 if m.context_load_balance else 1
         states = c * b * n * h * h * 4
-        rows.append(Row("LASP-2 chunk-state all-gather", "all_gather", ("seq",), linear * (1 + forward_again),
-                        linear * (1 + forward_again) * ring_bytes("all_gather", states, p)))
-        rows.append(Row("LASP-2 chunk-state reduce-scatter (backward)", "reduce_scatter", ("seq",), linear,
-                        linear * ring_bytes("reduce_scatter", p * states, p)))
+        rows.append(
+            Row(
+                "LASP-2 chunk-state all-gather",
+                "all_gather",
+                ("seq",),
+                linear * (1 + forward_again),
+                linear * (1 + forward_again) * ring_bytes("all_gather", states, p),
+            )
+        )
+        rows.append(
+            Row(
+                "LASP-2 chunk-state reduce-scatter (backward)",
+                "reduce_scatter",
+                ("seq",),
+                linear,
+                linear * ring_bytes("reduce_scatter", p * states, p),
+            )
+        )
     return rows
 
 
@@ -448,9 +661,7 @@ def zero_memory(config) -> dict:
         optimizer = galore_optimizer_bytes(config)
     if config.train.optimizer == "zo":  # two forwards: no gradients, no optimizer state
         return {"params": b_p * psi, "grads": 0.0, "optimizer": 0.0}
-    return {"params": b_p * psi,
-            "grads": b_p * psi / (n if stage >= 2 else 1),
-            "optimizer": optimizer}
+    return {"params": b_p * psi, "grads": b_p * psi / (n if stage >= 2 else 1), "optimizer": optimizer}
 
 
 def _galore_plans(config):
@@ -459,10 +670,12 @@ def _galore_plans(config):
     from jaxsys import galore
     from jaxsys.parallel import zero
     from jaxsys.sharding import Layout
+
     layout, t = Layout.from_config(config), config.train
     specs = transformer.param_specs(config.model, chunks=t.virtual_stages if config.mesh.pipe > 1 else 1)
-    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, t.zero_stage), specs,
-                               is_leaf=lambda x: isinstance(x, ParamSpec))
+    grad_pspecs = jax.tree.map(
+        lambda s: zero.grad_spec(layout, s, t.zero_stage), specs, is_leaf=lambda x: isinstance(x, ParamSpec)
+    )
     plans = galore.plan(t.galore, specs, grad_pspecs, layout.mesh_sizes)
     return jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan)), dict(layout.mesh_sizes)
 
@@ -473,6 +686,7 @@ def galore_optimizer_bytes(config) -> float:
     (`galore.state_bytes`), each dimension split over the mesh axes the train step's gradient
     specs give it (so ZeRO's `data` slicing, fsdp, tensor and pipe are counted)."""
     from jaxsys import galore
+
     plans, sizes = _galore_plans(config)
     return float(galore.state_bytes(plans, _dtype_bytes(config.model.param_dtype), sizes))
 
@@ -509,8 +723,12 @@ def galore_rows(config) -> list[Row]:
         r_bytes = (b * pl.rank * n_l if pl.side == "left" else b * m_l * pl.rank) * b_p  # R before the sum
         if pl.rank_axes:  # the moments are split along r: reduce-scatter R, all-gather N back
             add("GaLore projection reduce-scatter (every step)", "reduce_scatter", pl.rank_axes, r_bytes)
-            add("GaLore normalised update all-gather (every step)", "all_gather", pl.rank_axes,
-                r_bytes / size(pl.rank_axes))
+            add(
+                "GaLore normalised update all-gather (every step)",
+                "all_gather",
+                pl.rank_axes,
+                r_bytes / size(pl.rank_axes),
+            )
         elif pl.sum_axes:
             add("GaLore projection all-reduce (every step)", "all_reduce", pl.sum_axes, r_bytes)
         held = b * m_l * n_l * b_p
@@ -527,11 +745,9 @@ def offload_memory(config) -> dict:
     actually chosen (`offload.choose`) reach at least that share."""
     z, o = zero_memory(config), config.offload
     f = float(o.optimizer_fraction) if o.optimizer else 0.0
-    device = {"params": 0.0 if o.params else z["params"], "grads": z["grads"],
-              "optimizer": z["optimizer"] * (1 - f)}
+    device = {"params": 0.0 if o.params else z["params"], "grads": z["grads"], "optimizer": z["optimizer"] * (1 - f)}
     host = {"params": z["params"] if o.params else 0.0, "grads": 0.0, "optimizer": z["optimizer"] * f}
-    return {"device": device, "host": host, "device_total": sum(device.values()),
-            "host_total": sum(host.values())}
+    return {"device": device, "host": host, "device_total": sum(device.values()), "host_total": sum(host.values())}
 
 
 def offloaded_activation_bytes(config) -> float:
@@ -539,10 +755,14 @@ def offloaded_activation_bytes(config) -> float:
     each named value of every layer ([B, T, D] layer input, [B, T, N, H] attention output,
     [B, T, F] SwiGLU hidden; heads and F split over tensor, T over seq)."""
     from jaxsys.config import offloaded_activations
+
     m, mesh = config.model, config.mesh
     tokens = local_batch(config) * config.data.seq_len / mesh.seq
-    width = {"layer_input": m.d_model, "attention_output": m.n_heads * m.head_dim / mesh.tensor,
-             "mlp_hidden": m.d_ff / mesh.tensor}
+    width = {
+        "layer_input": m.d_model,
+        "attention_output": m.n_heads * m.head_dim / mesh.tensor,
+        "mlp_hidden": m.d_ff / mesh.tensor,
+    }
     return sum(tokens * width[n] for n in offloaded_activations(config)) * m.n_layers * _dtype_bytes(m.compute_dtype)
 
 
@@ -567,15 +787,20 @@ def offload_traffic(config, hw: "Hardware") -> dict:
         link["optimizer"] = 2 * z["optimizer"] * f
     if host_update:
         link["optimizer"] = (z["grads"] + z["params"]) * f
-        host_update_s = ADAM_BYTES_PER_PARAM * z["optimizer"] / (2 * b_p) * f / (
-            hw.host_memory_bytes_per_s / hw.host_sharers)
+        host_update_s = (
+            ADAM_BYTES_PER_PARAM * z["optimizer"] / (2 * b_p) * f / (hw.host_memory_bytes_per_s / hw.host_sharers)
+        )
     if o.params and config.train.optimizer == "zo":  # in for each forward, in and out for the update
         link["params"] = 4 * z["params"]
     elif o.params:
         link["params"] = 2 * z["params"] + z["grads"] + (0.0 if host_update and f == 1.0 else 2 * z["params"])
     total = sum(link.values())
-    return {"link_bytes": link, "link_bytes_total": total, "link_s": total / hw.host_link_bytes_per_s,
-            "host_update_s": host_update_s}
+    return {
+        "link_bytes": link,
+        "link_bytes_total": total,
+        "link_s": total / hw.host_link_bytes_per_s,
+        "host_update_s": host_update_s,
+    }
 
 
 def paper_zero_offload_memory(psi: float, k: int = 12) -> dict:
@@ -589,15 +814,15 @@ def paper_zero_offload_memory(psi: float, k: int = 12) -> dict:
 
 def paper_zero_memory(psi: float, n: int, stage: int, k: int = 12) -> float:
     """The ZeRO paper's per-device model-state bytes, mixed precision: (2 + 2 + K) Ψ split by stage."""
-    return {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
-            3: (2 + 2 + k) * psi / n}[stage]
+    return {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n, 3: (2 + 2 + k) * psi / n}[
+        stage
+    ]
 
 
 # ----------------------------------------------------------------------------- time
 
 
-def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: float,
-             collective_bytes: dict) -> dict:
+def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: float, collective_bytes: dict) -> dict:
     """Step time and MFU by the roofline: compute at peak, memory at HBM bandwidth, and each mesh
     axis's collectives at its link bandwidth; `serial` adds communication, `overlapped` hides it."""
     peak = hw.peak(config.model.compute_dtype)
@@ -611,9 +836,15 @@ def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: floa
     devices = math.prod(config.mesh[a] for a in config.mesh)
     model_flops = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens
     mfu = lambda s: model_flops / (s * peak * devices) if s > 0 else 0.0
-    return {"compute_s": compute_s, "memory_s": memory_s, "comm_s": comm_s,
-            "step_s_serial": serial, "step_s_overlapped": overlapped,
-            "mfu_serial": mfu(serial), "mfu_overlapped": mfu(overlapped)}
+    return {
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "comm_s": comm_s,
+        "step_s_serial": serial,
+        "step_s_overlapped": overlapped,
+        "mfu_serial": mfu(serial),
+        "mfu_overlapped": mfu(overlapped),
+    }
 
 
 # ----------------------------------------------------------------------------- a whole step, before compiling
@@ -643,11 +874,14 @@ def activation_bytes(config) -> float:
     s = 1.0 / t if (config.parallel.sequence_parallel and t > 1) else 1.0
     scores = 8.0 * (T / mesh.seq) * N / t if m.attention_impl == "reference" else 0.0
     full_set = b_c * (4 * D * s + (2 * N * H + 2 * K * H + 3 * F) / t) + scores
-    per_token_layer = b_c * D * s + {
-        "none": full_set,
-        "dots": b_c * ((N * H + 2 * K * H + 2 * F) / t + 2 * D * s) + scores,
-        "full": 0.0,
-    }[m.remat]
+    per_token_layer = (
+        b_c * D * s
+        + {
+            "none": full_set,
+            "dots": b_c * ((N * H + 2 * K * H + 2 * F) / t + 2 * D * s) + scores,
+            "full": 0.0,
+        }[m.remat]
+    )
     tokens = local_batch(config) * T / mesh.seq
     p, micro = mesh.pipe, max(1, config.train.microbatches)
     layers = L / p
@@ -673,8 +907,12 @@ def predicted_memory(config) -> dict:
         state["optimizer"] *= 1.0 - float(config.offload.optimizer_fraction)
     m = config.model
     gathered = 2 * psi_l / m.n_layers * _dtype_bytes(m.compute_dtype) if config.mesh.fsdp > 1 else 0.0
-    out = {**state, "fsdp_gathered": gathered, "activations": activation_bytes(config),
-           "batch": 4.0 * local_batch(config) * (config.data.seq_len + 1)}
+    out = {
+        **state,
+        "fsdp_gathered": gathered,
+        "activations": activation_bytes(config),
+        "batch": 4.0 * local_batch(config) * (config.data.seq_len + 1),
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -708,7 +946,11 @@ def predicted_step(config, hw: Hardware) -> dict:
     compute = max(roof["compute_s"], roof["memory_s"]) * bubble
     step = compute + roof["comm_s"]
     model_flops = flops_lib.step_flops_per_token(config) * tokens
-    return {"step_s": step, "compute_s": roof["compute_s"] * bubble, "memory_s": roof["memory_s"],
-            "comm_s": roof["comm_s"], "bubble": bubble,
-            "mfu": model_flops / (step * hw.peak(m.compute_dtype) * devices) if step > 0 else 0.0}
-
+    return {
+        "step_s": step,
+        "compute_s": roof["compute_s"] * bubble,
+        "memory_s": roof["memory_s"],
+        "comm_s": roof["comm_s"],
+        "bubble": bubble,
+        "mfu": model_flops / (step * hw.peak(m.compute_dtype) * devices) if step > 0 else 0.0,
+    }

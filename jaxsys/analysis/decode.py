@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-from jaxsys.analysis import cost_model, flops as flops_lib
+from jaxsys.analysis import cost_model
+from jaxsys.analysis import flops as flops_lib
 from jaxsys.models import transformer
 from jaxsys.models.params import is_spec
 from jaxsys.sharding import Layout
@@ -39,6 +40,7 @@ BATCHES = (1, 8, 32, 128)
 def weight_bytes_per_device(config) -> int:
     """Parameter bytes one device holds at rest (its shards, in each leaf's stored dtype)."""
     import jax
+
     layout = Layout.from_config(config)
     specs = transformer.param_specs(config.model)
     total = 0
@@ -76,36 +78,65 @@ def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BA
             local_b = max(b // data, 1)
             memory_s = (weights + local_b * S * kv_per_token) / hw.hbm_bytes_per_s
             compute_s = (2 * matmul * local_b + 4 * m.n_layers * local_b * S * m.n_heads * m.head_dim / t) / peak
-            comm_s = 0.0 if t == 1 else (2 * m.n_layers * cost_model.ring_bytes(
-                "all_reduce", local_b * m.d_model * compute_bytes, t) / tensor_bw)
+            comm_s = (
+                0.0
+                if t == 1
+                else (
+                    2
+                    * m.n_layers
+                    * cost_model.ring_bytes("all_reduce", local_b * m.d_model * compute_bytes, t)
+                    / tensor_bw
+                )
+            )
             latency = max(memory_s, compute_s) + comm_s
-            rows.append({"context": S, "batch": b, "batch_per_device": local_b,
-                         "fits": local_b <= fits, "memory_s": memory_s, "compute_s": compute_s,
-                         "comm_s": comm_s, "latency_s": latency, "tokens_per_s": b / latency,
-                         "bound": "memory" if memory_s >= compute_s else "compute"})
-    return {"mode": "decode", "hardware": hw.name,
-            "mesh": {a: s for a, s in layout.mesh_sizes.items() if s > 1},
-            "quant": m.quant, "compute_dtype": m.compute_dtype, "param_dtype": m.param_dtype,
-            "kv_bytes_per_token": kv_per_token, "weight_bytes_per_device": weights,
-            "hbm_bytes": hw.hbm_bytes,
-            "kv_bytes_per_sequence": {S: S * kv_per_token for S in contexts},
-            # disaggregated serving: a prompt of S tokens' KV moved prefill -> decode mesh (all devices)
-            "transfer_bytes_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) for S in contexts},
-            "transfer_s_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) / hw.intra_node_bytes_per_s
-                                       for S in contexts},
-            "max_batch_per_device": {S: max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
-                                     for S in contexts},
-            "rows": rows}
+            rows.append(
+                {
+                    "context": S,
+                    "batch": b,
+                    "batch_per_device": local_b,
+                    "fits": local_b <= fits,
+                    "memory_s": memory_s,
+                    "compute_s": compute_s,
+                    "comm_s": comm_s,
+                    "latency_s": latency,
+                    "tokens_per_s": b / latency,
+                    "bound": "memory" if memory_s >= compute_s else "compute",
+                }
+            )
+    return {
+        "mode": "decode",
+        "hardware": hw.name,
+        "mesh": {a: s for a, s in layout.mesh_sizes.items() if s > 1},
+        "quant": m.quant,
+        "compute_dtype": m.compute_dtype,
+        "param_dtype": m.param_dtype,
+        "kv_bytes_per_token": kv_per_token,
+        "weight_bytes_per_device": weights,
+        "hbm_bytes": hw.hbm_bytes,
+        "kv_bytes_per_sequence": {S: S * kv_per_token for S in contexts},
+        # disaggregated serving: a prompt of S tokens' KV moved prefill -> decode mesh (all devices)
+        "transfer_bytes_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) for S in contexts},
+        "transfer_s_per_request": {
+            S: kv_transfer_bytes(m, S, config.serve.page_size) / hw.intra_node_bytes_per_s for S in contexts
+        },
+        "max_batch_per_device": {S: max(int(free // (S * kv_per_token)), 0) if free > 0 else 0 for S in contexts},
+        "rows": rows,
+    }
 
 
 def format_decode_report(r: dict) -> str:
     from jaxsys.analysis.report import _b
+
     layout = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "1 device"
-    out = [f"decode on {layout}, {r['hardware']}; weights {r['quant'] if r['quant'] != 'none' else r['param_dtype']}"
-           f", KV cache {r['compute_dtype']}", "",
-           f"KV cache per token per device: {_b(r['kv_bytes_per_token'])}; weights per device "
-           f"{_b(r['weight_bytes_per_device'])} of {_b(r['hbm_bytes'])}", "",
-           "context   KV per sequence   sequences that fit per device   prefill->decode transfer (one link)"]
+    out = [
+        f"decode on {layout}, {r['hardware']}; weights {r['quant'] if r['quant'] != 'none' else r['param_dtype']}"
+        f", KV cache {r['compute_dtype']}",
+        "",
+        f"KV cache per token per device: {_b(r['kv_bytes_per_token'])}; weights per device "
+        f"{_b(r['weight_bytes_per_device'])} of {_b(r['hbm_bytes'])}",
+        "",
+        "context   KV per sequence   sequences that fit per device   prefill->decode transfer (one link)",
+    ]
     for S, per_seq in r["kv_bytes_per_sequence"].items():
         xfer = r.get("transfer_bytes_per_request", {}).get(S)
         note = f"   {_b(xfer):>12} {r['transfer_s_per_request'][S] * 1e3:8.3f} ms" if xfer is not None else ""
@@ -113,7 +144,9 @@ def format_decode_report(r: dict) -> str:
     out += ["", "context  batch   latency/step   tokens/s   bound     (memory / compute / comm ms)"]
     for row in r["rows"]:
         note = "" if row["fits"] else "  does not fit"
-        out.append(f"{row['context']:>7} {row['batch']:>6} {row['latency_s'] * 1e3:>11.3f} ms "
-                   f"{row['tokens_per_s']:>10,.0f}   {row['bound']:<8}  ({row['memory_s'] * 1e3:.3f} / "
-                   f"{row['compute_s'] * 1e3:.3f} / {row['comm_s'] * 1e3:.3f}){note}")
+        out.append(
+            f"{row['context']:>7} {row['batch']:>6} {row['latency_s'] * 1e3:>11.3f} ms "
+            f"{row['tokens_per_s']:>10,.0f}   {row['bound']:<8}  ({row['memory_s'] * 1e3:.3f} / "
+            f"{row['compute_s'] * 1e3:.3f} / {row['comm_s'] * 1e3:.3f}){note}"
+        )
     return "\n".join(out)

@@ -11,6 +11,7 @@ def matmul_params(m) -> int:
 
     if m.kind == "flax":  # a Flax module (docs/flax.md): every parameter, as C = 6N counts them
         from jaxsys.models import flax_model, params
+
         return params.count(flax_model.describe(m).specs)
     D, N, K, H, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     counts = transformer.layer_counts(m)

@@ -29,21 +29,59 @@ import re
 import numpy as np
 
 # Bytes per element; sub-byte types round up per element, which is wrong only for packed int4.
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-               "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2,
-               "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-               "c128": 16}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^{}]*\})?")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
 _NAME_EQ = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
 _OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
 
-COLLECTIVE_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-                    "all-to-all": "all_to_all", "collective-permute": "collective_permute",
-                    "ragged-all-to-all": "ragged_all_to_all"}
+COLLECTIVE_KINDS = {
+    "all-reduce": "all_reduce",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-to-all": "all_to_all",
+    "collective-permute": "collective_permute",
+    "ragged-all-to-all": "ragged_all_to_all",
+}
 # Instructions that do work a collective can hide behind (fusions hold the matmuls on TPU).
-_COMPUTE = {"fusion", "convolution", "dot", "custom-call", "while", "call", "conditional", "sort",
-            "reduce", "scatter", "gather", "select-and-scatter", "reduce-window"}
+_COMPUTE = {
+    "fusion",
+    "convolution",
+    "dot",
+    "custom-call",
+    "while",
+    "call",
+    "conditional",
+    "sort",
+    "reduce",
+    "scatter",
+    "gather",
+    "select-and-scatter",
+    "reduce-window",
+}
 
 
 @dataclasses.dataclass
@@ -122,10 +160,10 @@ def _parse_instruction(line: str) -> Instruction | None:
     m = _NAME_EQ.match(line)
     if not m:
         return None
-    rest = line[m.end():]
+    rest = line[m.end() :]
     if rest.startswith("("):  # tuple shape
         end = _matching(rest, 0)
-        shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
     else:
         shape, _, rest = rest.partition(" ")
     op = _OPCODE.match(rest)
@@ -133,9 +171,9 @@ def _parse_instruction(line: str) -> Instruction | None:
         return None
     open_at = op.end() - 1
     close = _matching(rest, open_at)
-    listed = re.sub(r"/\*.*?\*/", "", rest[open_at + 1:close])  # /*index=5*/ markers
+    listed = re.sub(r"/\*.*?\*/", "", rest[open_at + 1 : close])  # /*index=5*/ markers
     operands = [o.strip().split(" ")[-1].lstrip("%") for o in listed.split(",") if o.strip()]
-    attrs = rest[close + 1:].lstrip(", ")
+    attrs = rest[close + 1 :].lstrip(", ")
     return Instruction(m.group(2), shape, op.group(1), operands, attrs, root=bool(m.group(1)))
 
 
@@ -251,8 +289,16 @@ class Module:
                         visit(max(branches, key=self.branch_cost), times)
                 else:
                     for callee in inst.called():
-                        if inst.opcode in ("all-reduce", "reduce-scatter", "reduce", "sort", "scatter",
-                                           "reduce-window", "select-and-scatter", "map"):
+                        if inst.opcode in (
+                            "all-reduce",
+                            "reduce-scatter",
+                            "reduce",
+                            "sort",
+                            "scatter",
+                            "reduce-window",
+                            "select-and-scatter",
+                            "map",
+                        ):
                             self.fused.add(callee)
                             continue  # reduction regions: scalar code, not program structure
                         if inst.opcode == "fusion":
@@ -332,12 +378,17 @@ class Module:
         window = _window(inst.attr("window") or "", len(spatial))
         counts = []
         for s, w in zip(spatial, window):
-            counts.append(_valid_positions(lhs.dims[lhs_l.index(s)], rhs.dims[rhs_l.index(s)],
-                                           out.dims[out_l.index(s)], **w))
+            counts.append(
+                _valid_positions(lhs.dims[lhs_l.index(s)], rhs.dims[rhs_l.index(s)], out.dims[out_l.index(s)], **w)
+            )
         groups = int(inst.attr("feature_group_count") or 1)
         batch_groups = int(inst.attr("batch_group_count") or 1)
-        fma = (lhs.dims[lhs_l.index("f")] // groups) * out.dims[out_l.index("f")] \
-            * (lhs.dims[lhs_l.index("b")] // batch_groups) * math.prod(counts)
+        fma = (
+            (lhs.dims[lhs_l.index("f")] // groups)
+            * out.dims[out_l.index("f")]
+            * (lhs.dims[lhs_l.index("b")] // batch_groups)
+            * math.prod(counts)
+        )
         return 2.0 * fma
 
     def matmul_flops(self) -> float:
@@ -360,9 +411,24 @@ class Module:
         return total
 
     # -- memory traffic
-    _NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
-                   "conditional", "call", "after-all", "partition-id", "replica-id", "copy-done",
-                   "async-start", "async-done", "async-update", "opt-barrier"}
+    _NO_TRAFFIC = {
+        "parameter",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "constant",
+        "while",
+        "conditional",
+        "call",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "copy-done",
+        "async-start",
+        "async-done",
+        "async-update",
+        "opt-barrier",
+    }
     _SLICING = {"dynamic-slice", "slice", "gather"}
 
     def _hbm(self, shape_text: str) -> float:
@@ -444,11 +510,18 @@ class Module:
                 if inst.opcode == "copy-start":  # a prefetch into (or eviction out of) on-chip memory
                     src = names.get(inst.operands[0]) if inst.operands else None
                     dst = arrays(inst.shape)[:1]
-                    total += times * ((self._hbm(src.shape) if src is not None else 0.0)
-                                      + sum(a.bytes for a in dst if a.memory_space == 0))
+                    total += times * (
+                        (self._hbm(src.shape) if src is not None else 0.0)
+                        + sum(a.bytes for a in dst if a.memory_space == 0)
+                    )
                     continue
-                if inst.opcode in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                                   "collective-permute") or inst.opcode.endswith("-start"):
+                if inst.opcode in (
+                    "all-reduce",
+                    "all-gather",
+                    "reduce-scatter",
+                    "all-to-all",
+                    "collective-permute",
+                ) or inst.opcode.endswith("-start"):
                     continue  # the wire, not HBM bandwidth, bounds a collective
                 total += times * self._kernel_traffic(comp, inst)
         return total
@@ -469,14 +542,32 @@ class Module:
             for k, inst in enumerate(insts):
                 megascale = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs)
                 if inst.opcode == "send" and megascale:
-                    done = next((later.name for later in insts[k + 1:]
-                                 if later.opcode == "send-done" and inst.name in later.operands), None)
-                    between = insts[k + 1:position[done]] if done is not None else []
+                    done = next(
+                        (
+                            later.name
+                            for later in insts[k + 1 :]
+                            if later.opcode == "send-done" and inst.name in later.operands
+                        ),
+                        None,
+                    )
+                    between = insts[k + 1 : position[done]] if done is not None else []
                     compute = [b for b in between if b.opcode in _COMPUTE]
                     operand_bytes, dtype = self._operand_bytes(comp, inst, arrays_only=True)
-                    out.append(Collective(megascale.group(1).lower(), dcn_axes, slices, operand_bytes, dtype,
-                                          times, done is not None, len(compute),
-                                          sum(self._flops_of(comp, b) for b in compute), comp, inst.name))
+                    out.append(
+                        Collective(
+                            megascale.group(1).lower(),
+                            dcn_axes,
+                            slices,
+                            operand_bytes,
+                            dtype,
+                            times,
+                            done is not None,
+                            len(compute),
+                            sum(self._flops_of(comp, b) for b in compute),
+                            comp,
+                            inst.name,
+                        )
+                    )
                     continue
                 kind, body = self._collective_kind(inst)
                 if kind is None:
@@ -486,21 +577,33 @@ class Module:
                     # kernel that moves a reduce-scatter's bytes
                     kind = "reduce_scatter"
                 done = self._done_of(insts, k, inst)
-                between = insts[k + 1:position[done]] if done is not None else []
+                between = insts[k + 1 : position[done]] if done is not None else []
                 compute = [b for b in between if b.opcode in _COMPUTE]
                 source = body or inst
                 operand_bytes, dtype = self._operand_bytes(comp, inst)
                 axes, size = _group(source, mesh_sizes)
-                out.append(Collective(kind, axes, size, operand_bytes, dtype, times, done is not None,
-                                      len(compute), sum(self._flops_of(comp, b) for b in compute),
-                                      comp, inst.name))
+                out.append(
+                    Collective(
+                        kind,
+                        axes,
+                        size,
+                        operand_bytes,
+                        dtype,
+                        times,
+                        done is not None,
+                        len(compute),
+                        sum(self._flops_of(comp, b) for b in compute),
+                        comp,
+                        inst.name,
+                    )
+                )
         return out
 
     def _collective_kind(self, inst: Instruction):
         op = inst.opcode
         if op.endswith("-done"):
             return None, None
-        base = op[:-len("-start")] if op.endswith("-start") else op
+        base = op[: -len("-start")] if op.endswith("-start") else op
         if base in COLLECTIVE_KINDS:
             return COLLECTIVE_KINDS[base], None
         if op == "async-start":
@@ -514,7 +617,7 @@ class Module:
     def _done_of(insts, k, start):
         if not (start.opcode.endswith("-start")):
             return None
-        for later in insts[k + 1:]:
+        for later in insts[k + 1 :]:
             if later.opcode.endswith("-done") and start.name in later.operands:
                 return later.name
         return None
@@ -540,16 +643,17 @@ def _window(text: str, n: int) -> list[dict]:
             return [default] * n
         return [cast(v) for v in fields[key].split("x")]
 
-    pads = [tuple(int(p) for p in v.split("_")) for v in fields["pad"].split("x")] if "pad" in fields \
-        else [(0, 0)] * n
+    pads = [tuple(int(p) for p in v.split("_")) for v in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
     sizes = split("size", 1)
-    return [dict(stride=st, pad_low=p[0], base_dilation=bd, window_dilation=wd)
-            for _, st, p, bd, wd in zip(sizes, split("stride", 1), pads, split("lhs_dilate", 1),
-                                        split("rhs_dilate", 1))]
+    return [
+        dict(stride=st, pad_low=p[0], base_dilation=bd, window_dilation=wd)
+        for _, st, p, bd, wd in zip(sizes, split("stride", 1), pads, split("lhs_dilate", 1), split("rhs_dilate", 1))
+    ]
 
 
-def _valid_positions(n_in: int, n_kernel: int, n_out: int, *, stride: int, pad_low: int,
-                     base_dilation: int, window_dilation: int) -> int:
+def _valid_positions(
+    n_in: int, n_kernel: int, n_out: int, *, stride: int, pad_low: int, base_dilation: int, window_dilation: int
+) -> int:
     """(output, kernel) index pairs of one spatial dimension that read a real input element."""
     o = np.arange(n_out, dtype=np.int64)[None, :]
     k = np.arange(n_kernel, dtype=np.int64)[:, None]
@@ -567,6 +671,7 @@ def _group(inst: Instruction, mesh_sizes: dict) -> tuple[tuple[str, ...], int]:
     explicit `{{0,1},...}` / iota forms (axes from the devices' mesh coordinates), or a
     collective-permute's source-target pairs (the axes its pairs move along; group size 2)."""
     from jaxsys.analysis.collectives import permute_axes
+
     names = list(mesh_sizes)
     m = _MESH_GROUPS.search(inst.attrs)
     if m:

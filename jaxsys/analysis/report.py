@@ -33,8 +33,11 @@ def _shard_bytes(abstract_tree) -> int:
 
 def _host_bytes(abstract_tree) -> int:
     """Bytes one device holds in host memory (memory kind pinned_host) of a tree of sharded structs."""
-    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-               for leaf in jax.tree.leaves(abstract_tree) if leaf.sharding.memory_kind == "pinned_host")
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(abstract_tree)
+        if leaf.sharding.memory_kind == "pinned_host"
+    )
 
 
 def offload_report(config, hw: cost_model.Hardware, program=None) -> dict | None:
@@ -44,18 +47,23 @@ def offload_report(config, hw: cost_model.Hardware, program=None) -> dict | None
     o = config.offload
     if not (o.optimizer or o.params or o.activations):
         return None
-    out = {"options": {"optimizer": bool(o.optimizer), "optimizer_update": o.optimizer_update,
-                       "optimizer_fraction": float(o.optimizer_fraction), "params": bool(o.params),
-                       "activations": o.activations},
-           "formula": cost_model.offload_memory(config),
-           "activations_to_host_bytes": cost_model.offloaded_activation_bytes(config),
-           "traffic": cost_model.offload_traffic(config, hw)}
+    out = {
+        "options": {
+            "optimizer": bool(o.optimizer),
+            "optimizer_update": o.optimizer_update,
+            "optimizer_fraction": float(o.optimizer_fraction),
+            "params": bool(o.params),
+            "activations": o.activations,
+        },
+        "formula": cost_model.offload_memory(config),
+        "activations_to_host_bytes": cost_model.offloaded_activation_bytes(config),
+        "traffic": cost_model.offload_traffic(config, hw),
+    }
     psi = cost_model.zero_memory(config)["params"] / np.dtype(config.model.param_dtype).itemsize
     out["paper_zero_offload"] = {"psi_per_device": psi, **cost_model.paper_zero_offload_memory(psi)}
     if program is not None:
         state = program.abstract_state()
-        out["placed"] = {"host_bytes": _host_bytes(state),
-                         "device_bytes": _shard_bytes(state) - _host_bytes(state)}
+        out["placed"] = {"host_bytes": _host_bytes(state), "device_bytes": _shard_bytes(state) - _host_bytes(state)}
     return out
 
 
@@ -70,27 +78,35 @@ def _format_offload(off: dict | None) -> list[str]:
         what.append("parameters")
     if o["activations"]:
         what.append(f"activations {o['activations']}")
-    out = ["", "host offload: " + ", ".join(what),
-           f"  model states per device    formula: device {_b(f['device_total'])}, host {_b(f['host_total'])}"]
+    out = [
+        "",
+        "host offload: " + ", ".join(what),
+        f"  model states per device    formula: device {_b(f['device_total'])}, host {_b(f['host_total'])}",
+    ]
     if "placed" in off:
-        out.append(f"                             as placed: device {_b(off['placed']['device_bytes'])}, "
-                   f"host {_b(off['placed']['host_bytes'])}")
+        out.append(
+            f"                             as placed: device {_b(off['placed']['device_bytes'])}, "
+            f"host {_b(off['placed']['host_bytes'])}"
+        )
     p = off["paper_zero_offload"]
-    out.append(f"  ZeRO-Offload's split for these {p['psi_per_device'] / 1e6:,.2f}M parameters per device: "
-               f"device 2 psi = {_b(p['device'])} (fp16 params), host 14 psi = {_b(p['host'])} "
-               "(fp16 grads + fp32 master weights and Adam moments)")
+    out.append(
+        f"  ZeRO-Offload's split for these {p['psi_per_device'] / 1e6:,.2f}M parameters per device: "
+        f"device 2 psi = {_b(p['device'])} (fp16 params), host 14 psi = {_b(p['host'])} "
+        "(fp16 grads + fp32 master weights and Adam moments)"
+    )
     if o["activations"]:
         out.append(f"  activations to host per step: {_b(off['activations_to_host_bytes'])}")
     link = ", ".join(f"{k} {_b(v)}" for k, v in t["link_bytes"].items() if v)
-    out.append(f"  host link per step: {_b(t['link_bytes_total'])} ({link or 'none'}) -> "
-               f"{t['link_s'] * 1e3:.1f} ms; host update {t['host_update_s'] * 1e3:.1f} ms")
+    out.append(
+        f"  host link per step: {_b(t['link_bytes_total'])} ({link or 'none'}) -> "
+        f"{t['link_s'] * 1e3:.1f} ms; host update {t['host_update_s'] * 1e3:.1f} ms"
+    )
     return out
 
 
 def _batch(program):
     c = program.config
-    return jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), np.int32,
-                                sharding=program.batch_sharding)
+    return jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), np.int32, sharding=program.batch_sharding)
 
 
 def measured_collectives(found, mesh_sizes) -> list[dict]:
@@ -100,8 +116,18 @@ def measured_collectives(found, mesh_sizes) -> list[dict]:
         scalar = c.shape == ()  # the loss and the gradient norm, kept apart from the techniques
         key = (c.kind, c.axes, c.dtype, scalar)
         n = math.prod(mesh_sizes[a] for a in c.axes)
-        row = groups.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "dtype": c.dtype,
-                                      "scalar": scalar, "count": 0, "operand_bytes": 0, "bytes": 0.0})
+        row = groups.setdefault(
+            key,
+            {
+                "kind": c.kind,
+                "axes": list(c.axes),
+                "dtype": c.dtype,
+                "scalar": scalar,
+                "count": 0,
+                "operand_bytes": 0,
+                "bytes": 0.0,
+            },
+        )
         row["count"] += 1
         row["operand_bytes"] += c.operand_bytes
         row["bytes"] += cost_model.ring_bytes(c.kind, c.operand_bytes, n)
@@ -130,15 +156,20 @@ def memory_report(program, compiled) -> dict:
     itemsize = np.dtype(config.model.param_dtype).itemsize
     # gradients after the reduction: full at stages 0-1, the 1/N slice after ZeRO-2's reduce-scatter
     grad_pspecs = program.grad_pspecs if config.train.zero_stage == 2 else program.param_pspecs
-    grads_b = sum(math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(s.shape)) * itemsize
-                  for s, spec in zip(jax.tree.leaves(program.specs, is_leaf=params_lib.is_spec),
-                                     jax.tree.leaves(grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))))
+    grads_b = sum(
+        math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(s.shape)) * itemsize
+        for s, spec in zip(
+            jax.tree.leaves(program.specs, is_leaf=params_lib.is_spec),
+            jax.tree.leaves(grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+        )
+    )
     if config.train.optimizer == "zo":  # two forwards: no gradient exists (jaxsys/zo.py)
         grads_b = 0
     # XLA:CPU's peak_memory_in_bytes leaves temporaries out; live arguments + outputs + temporaries
     # (less what the outputs alias from the donated arguments) is the bound XLA's own tools report.
-    peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-               + stats.temp_size_in_bytes)
+    peak = int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
     batch_b = _shard_bytes(_batch(program))
     return {
         "peak_bytes_per_device": peak,
@@ -158,6 +189,7 @@ def lower_unrolled(program):
     """The step with the layer scan written out: each executed collective appears once per
     execution in its text, and XLA's cost analysis (which counts a loop body once) sees every layer."""
     from jaxsys import program as program_lib
+
     unrolled = program_lib.build(program.config, program.mesh, unroll_layers=True)
     return unrolled.train_step_fn().lower(program.abstract_state(), _batch(unrolled))
 
@@ -187,16 +219,27 @@ def analyze_inference(config, hw: cost_model.Hardware, devices=None, flops: bool
     dense = {k: v for k, v in params["layers"].items() if k in quant.CONTRACTED}
     compute_s = max(xla_flops, analytic) / hw.peak(config.model.compute_dtype)
     weights_s = params_b / hw.hbm_bytes_per_s
-    peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-               + stats.temp_size_in_bytes)
+    peak = int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
     return {
         "mode": "inference",
-        "config": {"mesh": sizes, "devices": n_devices, "hardware": hw.name, "quant": config.model.quant,
-                   "quant_group_size": config.model.quant_group_size, "quant_impl": config.model.quant_impl,
-                   "batch_tokens": tokens},
+        "config": {
+            "mesh": sizes,
+            "devices": n_devices,
+            "hardware": hw.name,
+            "quant": config.model.quant,
+            "quant_group_size": config.model.quant_group_size,
+            "quant_impl": config.model.quant_impl,
+            "batch_tokens": tokens,
+        },
         "params_count": sum(math.prod(a.shape) for a in jax.tree.leaves(params)),
-        "memory": {"peak_bytes_per_device": peak, "params_bytes": params_b,
-                   "dense_weight_bytes": _shard_bytes(dense), "temp_bytes": int(stats.temp_size_in_bytes)},
+        "memory": {
+            "peak_bytes_per_device": peak,
+            "params_bytes": params_b,
+            "dense_weight_bytes": _shard_bytes(dense),
+            "temp_bytes": int(stats.temp_size_in_bytes),
+        },
         "collectives": measured,
         "flops_per_device": xla_flops,
         "flops_per_device_analytic": analytic,
@@ -218,19 +261,27 @@ def format_inference_report(r: dict) -> str:
     c, m, rl = r["config"], r["memory"], r["roofline"]
     layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
     quant = c["quant"] + (f" (G={c['quant_group_size']})" if c["quant"] == "w4a16" else "")
-    out = [f"inference forward of a {quant} checkpoint's model on {layout} ({c['devices']} devices), "
-           f"{c['batch_tokens']:,} tokens per forward; hardware profile {c['hardware']}", "",
-           f"memory per device: parameters {_b(m['params_bytes'])} (dense weights {_b(m['dense_weight_bytes'])}), "
-           f"peak {_b(m['peak_bytes_per_device'])} ({'fits' if r['fits'] else 'DOES NOT FIT'})", "",
-           "collectives per forward (measured)   count   operand bytes   ring bytes/device"]
+    out = [
+        f"inference forward of a {quant} checkpoint's model on {layout} ({c['devices']} devices), "
+        f"{c['batch_tokens']:,} tokens per forward; hardware profile {c['hardware']}",
+        "",
+        f"memory per device: parameters {_b(m['params_bytes'])} (dense weights {_b(m['dense_weight_bytes'])}), "
+        f"peak {_b(m['peak_bytes_per_device'])} ({'fits' if r['fits'] else 'DOES NOT FIT'})",
+        "",
+        "collectives per forward (measured)   count   operand bytes   ring bytes/device",
+    ]
     out += _collective_lines(r["collectives"])
-    out += ["", f"FLOPs per device per forward: XLA {r['flops_per_device']:.3e}, analytic "
-                f"{r['flops_per_device_analytic']:.3e}",
-            f"roofline: compute {rl['compute_s'] * 1e3:.3f} ms, reading the weights {rl['weights_s'] * 1e3:.3f} ms "
-            f"-> forward {rl['forward_s'] * 1e3:.3f} ms"]
+    out += [
+        "",
+        f"FLOPs per device per forward: XLA {r['flops_per_device']:.3e}, analytic {r['flops_per_device_analytic']:.3e}",
+        f"roofline: compute {rl['compute_s'] * 1e3:.3f} ms, reading the weights {rl['weights_s'] * 1e3:.3f} ms "
+        f"-> forward {rl['forward_s'] * 1e3:.3f} ms",
+    ]
     if c["quant_impl"] == "pallas":
-        out.append("  caveat: XLA counts the FLOPs inside a Pallas kernel's loops once (interpret mode on "
-                   "CPU), so its figure misses most of the quantized matmuls; the analytic one counts them")
+        out.append(
+            "  caveat: XLA counts the FLOPs inside a Pallas kernel's loops once (interpret mode on "
+            "CPU), so its figure misses most of the quantized matmuls; the analytic one counts them"
+        )
     return "\n".join(out)
 
 
@@ -266,19 +317,23 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     per_axes = collections.defaultdict(float)
     for row in measured:
         per_axes[tuple(row["axes"])] += row["bytes"]
-    roofline = cost_model.roofline(config, hw, xla_flops or analytic,
-                                   float(cost.get("bytes accessed", 0.0)), per_axes)
+    roofline = cost_model.roofline(config, hw, xla_flops or analytic, float(cost.get("bytes accessed", 0.0)), per_axes)
     return {
-        "config": {"mesh": sizes, "dcn": {a: int(config.dcn[a]) for a in MESH_AXES}, "devices": n_devices,
-                   "hardware": hw.name,
-                   "zero_stage": config.train.zero_stage,
-                   "sequence_parallel": bool(config.parallel.sequence_parallel),
-                   "remat": config.model.remat},
+        "config": {
+            "mesh": sizes,
+            "dcn": {a: int(config.dcn[a]) for a in MESH_AXES},
+            "devices": n_devices,
+            "hardware": hw.name,
+            "zero_stage": config.train.zero_stage,
+            "sequence_parallel": bool(config.parallel.sequence_parallel),
+            "remat": config.model.remat,
+        },
         "params_count": params_lib.count(program.specs),
         "memory": memory,
         "collectives": measured,
-        "collectives_formula": [dict(technique=r.technique, kind=r.kind, axes=list(r.axes),
-                                     count=r.count, bytes=r.bytes) for r in predicted],
+        "collectives_formula": [
+            dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count, bytes=r.bytes) for r in predicted
+        ],
         "formula_caveats": caveats,
         "metric_scalars_formula": cost_model.metric_collectives(config),
         "flops_per_device": xla_flops,
@@ -309,9 +364,21 @@ def collective_rows(found: list) -> list[dict]:
     for c in found:
         scalar = c.operand_bytes <= 8  # the loss and gradient norm, kept apart from the techniques
         key = (c.kind, c.axes, c.dtype, scalar)
-        row = groups.setdefault(key, {"kind": c.kind, "axes": list(c.axes), "dtype": c.dtype, "scalar": scalar,
-                                      "count": 0, "operand_bytes": 0.0, "bytes": 0.0, "async": 0,
-                                      "overlapped": 0, "overlapped_flops": 0.0})
+        row = groups.setdefault(
+            key,
+            {
+                "kind": c.kind,
+                "axes": list(c.axes),
+                "dtype": c.dtype,
+                "scalar": scalar,
+                "count": 0,
+                "operand_bytes": 0.0,
+                "bytes": 0.0,
+                "async": 0,
+                "overlapped": 0,
+                "overlapped_flops": 0.0,
+            },
+        )
         row["count"] += c.executions
         row["operand_bytes"] += c.executions * c.operand_bytes
         row["bytes"] += c.executions * _ring_bytes(c)
@@ -351,6 +418,7 @@ def _cost_analysis(compiled) -> dict:
         return cost[0] if isinstance(cost, list) else cost
     try:
         from jax._src.lib import _jax
+
         module = compiled.runtime_executable().hlo_modules()[0]
         return dict(_jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
     except Exception:
@@ -379,25 +447,45 @@ def target_analysis(config, target, devices=None) -> dict:
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) or "HBM" not in str(e):
             raise
-        return {**info, "compile_s": time.perf_counter() - start,
-                "memory": {**_out_of_memory(str(e)), "hbm_bytes": hw.hbm_bytes}}
+        return {
+            **info,
+            "compile_s": time.perf_counter() - start,
+            "memory": {**_out_of_memory(str(e)), "hbm_bytes": hw.hbm_bytes},
+        }
     compile_s = time.perf_counter() - start
     stats = compiled.memory_analysis()
     field = lambda name: int(getattr(stats, name, 0) or 0)
-    device_peak = (field("argument_size_in_bytes") + field("output_size_in_bytes") - field("alias_size_in_bytes")
-                   + field("temp_size_in_bytes"))
-    host_peak = (field("host_argument_size_in_bytes") + field("host_output_size_in_bytes")
-                 - field("host_alias_size_in_bytes") + field("host_temp_size_in_bytes"))
+    device_peak = (
+        field("argument_size_in_bytes")
+        + field("output_size_in_bytes")
+        - field("alias_size_in_bytes")
+        + field("temp_size_in_bytes")
+    )
+    host_peak = (
+        field("host_argument_size_in_bytes")
+        + field("host_output_size_in_bytes")
+        - field("host_alias_size_in_bytes")
+        + field("host_temp_size_in_bytes")
+    )
     memory = {
-        "device": {"argument_bytes": field("argument_size_in_bytes"), "output_bytes": field("output_size_in_bytes"),
-                   "alias_bytes": field("alias_size_in_bytes"), "temp_bytes": field("temp_size_in_bytes"),
-                   "peak_bytes": device_peak},
-        "host": {"argument_bytes": field("host_argument_size_in_bytes"),
-                 "output_bytes": field("host_output_size_in_bytes"),
-                 "alias_bytes": field("host_alias_size_in_bytes"), "temp_bytes": field("host_temp_size_in_bytes"),
-                 "peak_bytes": host_peak},
-        "peak_bytes_per_chip": device_peak, "hbm_bytes": hw.hbm_bytes,
-        "fits": device_peak <= hw.hbm_bytes, "headroom_bytes": hw.hbm_bytes - device_peak,
+        "device": {
+            "argument_bytes": field("argument_size_in_bytes"),
+            "output_bytes": field("output_size_in_bytes"),
+            "alias_bytes": field("alias_size_in_bytes"),
+            "temp_bytes": field("temp_size_in_bytes"),
+            "peak_bytes": device_peak,
+        },
+        "host": {
+            "argument_bytes": field("host_argument_size_in_bytes"),
+            "output_bytes": field("host_output_size_in_bytes"),
+            "alias_bytes": field("host_alias_size_in_bytes"),
+            "temp_bytes": field("host_temp_size_in_bytes"),
+            "peak_bytes": host_peak,
+        },
+        "peak_bytes_per_chip": device_peak,
+        "hbm_bytes": hw.hbm_bytes,
+        "fits": device_peak <= hw.hbm_bytes,
+        "headroom_bytes": hw.hbm_bytes - device_peak,
     }
     module = hlo.parse(compiled.as_text())
     found = module.collectives(sizes, {a: int(config.dcn[a]) for a in MESH_AXES})
@@ -422,22 +510,33 @@ def target_analysis(config, target, devices=None) -> dict:
         "compile_s": compile_s,
         "memory": memory,
         "collectives": rows,
-        "flops": {"matmul_flops_per_chip": matmul,
-                  "cost_analysis_flops": float(cost.get("flops", 0.0)),
-                  "cost_analysis_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-                  "hbm_bytes_per_chip": traffic,
-                  "unknown_trip_counts": module.unknown_trip_counts,
-                  "conditionals_heaviest_branch": module.conditionals},
+        "flops": {
+            "matmul_flops_per_chip": matmul,
+            "cost_analysis_flops": float(cost.get("flops", 0.0)),
+            "cost_analysis_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+            "hbm_bytes_per_chip": traffic,
+            "unknown_trip_counts": module.unknown_trip_counts,
+            "conditionals_heaviest_branch": module.conditionals,
+        },
         "roofline": roofline,
     }
 
 
 def _target_info(target, hw) -> dict:
     from jaxsys.analysis import targets
-    return {"name": target.name, "platform": target.platform, "topology": target.topology,
-            "slices": target.slices, "chips": target.chips, "chips_per_slice": target.chips_per_slice,
-            "generation": target.chip.generation, "hbm_bytes": hw.hbm_bytes, "profile": hw.name,
-            "compiler": targets.compiler_name(target)}
+
+    return {
+        "name": target.name,
+        "platform": target.platform,
+        "topology": target.topology,
+        "slices": target.slices,
+        "chips": target.chips,
+        "chips_per_slice": target.chips_per_slice,
+        "generation": target.chip.generation,
+        "hbm_bytes": hw.hbm_bytes,
+        "profile": hw.name,
+        "compiler": targets.compiler_name(target),
+    }
 
 
 def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict:
@@ -446,20 +545,31 @@ def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict
     A -1 mesh axis is resolved from the target's chip count, in `config` itself."""
     from jaxsys.analysis import targets
     from jaxsys.config import validate
+
     hw = targets.hardware(target)
     validate(config, num_devices=target.chips)
     compiled = target_analysis(config, target)
     if cpu_devices is None:
         predicted, caveats = cost_model.predicted_collectives(config)
-        out = {"config": {"mesh": {a: int(config.mesh[a]) for a in MESH_AXES},
-                          "dcn": {a: int(config.dcn[a]) for a in MESH_AXES},
-                          "devices": target.chips, "hardware": hw.name, "zero_stage": config.train.zero_stage,
-                          "sequence_parallel": bool(config.parallel.sequence_parallel), "remat": config.model.remat},
-               "params_count": params_lib.count(train_specs(config)),
-               "collectives_formula": [dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count,
-                                            bytes=r.bytes) for r in predicted],
-               "formula_caveats": caveats, "memory_formula": cost_model.zero_memory(config),
-               "offload": offload_report(config, hw)}
+        out = {
+            "config": {
+                "mesh": {a: int(config.mesh[a]) for a in MESH_AXES},
+                "dcn": {a: int(config.dcn[a]) for a in MESH_AXES},
+                "devices": target.chips,
+                "hardware": hw.name,
+                "zero_stage": config.train.zero_stage,
+                "sequence_parallel": bool(config.parallel.sequence_parallel),
+                "remat": config.model.remat,
+            },
+            "params_count": params_lib.count(train_specs(config)),
+            "collectives_formula": [
+                dict(technique=r.technique, kind=r.kind, axes=list(r.axes), count=r.count, bytes=r.bytes)
+                for r in predicted
+            ],
+            "formula_caveats": caveats,
+            "memory_formula": cost_model.zero_memory(config),
+            "offload": offload_report(config, hw),
+        }
     else:
         out = analyze(config, hw, cpu_devices, flops=flops)
         out["memory_formula"] = out["memory"]["formula"]
@@ -472,8 +582,10 @@ def analyze_target(config, target, cpu_devices=None, flops: bool = True) -> dict
 def train_specs(config):
     """The parameter specs of `config`'s model (as program.build makes them)."""
     from jaxsys.models import transformer
+
     if config.model.kind == "flax":
         from jaxsys.models import flax_model
+
         return flax_model.specs_for(config)
     p = config.mesh.pipe
     return transformer.param_specs(config.model, chunks=config.train.virtual_stages if p > 1 else 1)
@@ -487,9 +599,11 @@ def startup_summary(program, compiled) -> str:
     rows = measured_collectives(collectives_lib.parse(lower_unrolled(program).as_text(), sizes), sizes)
     comm = sum(row["bytes"] for row in rows)
     kinds = ", ".join(f"{row['count']} {row['kind']}[{','.join(row['axes'])}]" for row in rows) or "no collectives"
-    return (f"analysis: peak {_b(memory['peak_bytes_per_device'])}/device (params "
-            f"{_b(memory['params_bytes'])}, optimizer {_b(memory['optimizer_bytes'])}); per step {kinds}; "
-            f"{_b(comm)} sent/device")
+    return (
+        f"analysis: peak {_b(memory['peak_bytes_per_device'])}/device (params "
+        f"{_b(memory['params_bytes'])}, optimizer {_b(memory['optimizer_bytes'])}); per step {kinds}; "
+        f"{_b(comm)} sent/device"
+    )
 
 
 # ----------------------------------------------------------------------------- printing
@@ -505,18 +619,24 @@ def _b(x: float) -> str:
 def format_report(r: dict) -> str:
     c, m = r["config"], r["memory"]
     layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
-    out = [f"{r['params_count'] / 1e6:,.1f}M parameters on {layout} ({c['devices']} devices), "
-           f"ZeRO stage {c['zero_stage']}, SP {c['sequence_parallel']}, remat {c['remat']}; "
-           f"hardware profile {c['hardware']}", "",
-           "memory per device        measured       formula (ZeRO)"]
+    out = [
+        f"{r['params_count'] / 1e6:,.1f}M parameters on {layout} ({c['devices']} devices), "
+        f"ZeRO stage {c['zero_stage']}, SP {c['sequence_parallel']}, remat {c['remat']}; "
+        f"hardware profile {c['hardware']}",
+        "",
+        "memory per device        measured       formula (ZeRO)",
+    ]
     f = m["formula"]
-    out += [f"  parameters             {_b(m['params_bytes']):>12}   {_b(f['params']):>12}",
-            f"  optimizer state        {_b(m['optimizer_bytes']):>12}   {_b(f['optimizer']):>12}",
-            f"  gradients (as held)    {_b(m['grads_bytes']):>12}   {_b(f['grads']):>12}",
-            f"  activations+workspace  {_b(m['activations_and_workspace_bytes']):>12}",
-            f"  peak (XLA)             {_b(m['peak_bytes_per_device']):>12}   "
-            f"{'fits' if r['fits'] else 'DOES NOT FIT'} in the device memory", "",
-            "collectives per step (measured)      count   operand bytes   ring bytes/device"]
+    out += [
+        f"  parameters             {_b(m['params_bytes']):>12}   {_b(f['params']):>12}",
+        f"  optimizer state        {_b(m['optimizer_bytes']):>12}   {_b(f['optimizer']):>12}",
+        f"  gradients (as held)    {_b(m['grads_bytes']):>12}   {_b(f['grads']):>12}",
+        f"  activations+workspace  {_b(m['activations_and_workspace_bytes']):>12}",
+        f"  peak (XLA)             {_b(m['peak_bytes_per_device']):>12}   "
+        f"{'fits' if r['fits'] else 'DOES NOT FIT'} in the device memory",
+        "",
+        "collectives per step (measured)      count   operand bytes   ring bytes/device",
+    ]
     out += _collective_lines(r["collectives"])
     out += ["", "collectives per step (formula)"]
     for row in r["collectives_formula"]:
@@ -525,12 +645,15 @@ def format_report(r: dict) -> str:
     out += [f"  (+ {r['metric_scalars_formula']} scalar all-reduces: loss and gradient norm)"]
     out += [f"  caveat: {text}" for text in r["formula_caveats"]]
     rl = r["roofline"]
-    out += ["", f"FLOPs per device per step: XLA {r['flops_per_device']:.3e}, analytic "
-                f"{r['flops_per_device_analytic']:.3e} (model FLOPs {r['model_flops_per_device']:.3e})",
-            f"roofline: compute {rl['compute_s'] * 1e3:.2f} ms, memory {rl['memory_s'] * 1e3:.2f} ms, "
-            f"communication {rl['comm_s'] * 1e3:.2f} ms -> step {rl['step_s_overlapped'] * 1e3:.2f} ms "
-            f"(overlapped) .. {rl['step_s_serial'] * 1e3:.2f} ms (serial); MFU "
-            f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_serial']:.1%}"]
+    out += [
+        "",
+        f"FLOPs per device per step: XLA {r['flops_per_device']:.3e}, analytic "
+        f"{r['flops_per_device_analytic']:.3e} (model FLOPs {r['model_flops_per_device']:.3e})",
+        f"roofline: compute {rl['compute_s'] * 1e3:.2f} ms, memory {rl['memory_s'] * 1e3:.2f} ms, "
+        f"communication {rl['comm_s'] * 1e3:.2f} ms -> step {rl['step_s_overlapped'] * 1e3:.2f} ms "
+        f"(overlapped) .. {rl['step_s_serial'] * 1e3:.2f} ms (serial); MFU "
+        f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_serial']:.1%}",
+    ]
     return "\n".join(out + _format_offload(r.get("offload")))
 
 
@@ -539,32 +662,42 @@ def format_target_report(r: dict) -> str:
     tgt, c = r["target"], r["config"]
     layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
     dcn = ", ".join(f"{a}={s}" for a, s in c.get("dcn", {}).items() if s > 1)
-    where = (f"{tgt['topology']}" + (f" x {tgt['slices']} slices" if tgt["slices"] > 1 else "")
-             if tgt["platform"] == "tpu" else f"{tgt['chips'] // tgt['chips_per_slice']} node(s) of "
-             f"{tgt['chips_per_slice']}")
+    where = (
+        f"{tgt['topology']}" + (f" x {tgt['slices']} slices" if tgt["slices"] > 1 else "")
+        if tgt["platform"] == "tpu"
+        else f"{tgt['chips'] // tgt['chips_per_slice']} node(s) of {tgt['chips_per_slice']}"
+    )
     chip = "chip" if tgt["platform"] == "tpu" else "GPU"
-    out = [f"{r['params_count'] / 1e6:,.1f}M parameters, {layout}{f' (across slices/nodes: {dcn})' if dcn else ''} "
-           f"on {tgt['name']} ({where}, {tgt['chips']} {chip}s, {_b(tgt['hbm_bytes'])} HBM each); "
-           f"{tgt['compiler']}: {tgt['compile_s']:.1f} s", ""]
+    out = [
+        f"{r['params_count'] / 1e6:,.1f}M parameters, {layout}{f' (across slices/nodes: {dcn})' if dcn else ''} "
+        f"on {tgt['name']} ({where}, {tgt['chips']} {chip}s, {_b(tgt['hbm_bytes'])} HBM each); "
+        f"{tgt['compiler']}: {tgt['compile_s']:.1f} s",
+        "",
+    ]
     m, cpu = tgt["memory"], r.get("memory")
     f = r["memory_formula"]
     if "device" not in m:
-        need = (f"needs {_b(m['required_bytes'])}, has {_b(m['available_bytes'])} (over by "
-                f"{_b(m['over_bytes'])})") if "required_bytes" in m else ""
+        need = (
+            (f"needs {_b(m['required_bytes'])}, has {_b(m['available_bytes'])} (over by {_b(m['over_bytes'])})")
+            if "required_bytes" in m
+            else ""
+        )
         out += [f"memory: DOES NOT FIT: the compiler refused the program: {need}", f"  {m['error']}"]
     else:
         d, h = m["device"], m["host"]
         col = lambda key: _b(cpu[key]) if cpu else "-"
         state = _b(cpu["params_bytes"] + cpu["optimizer_bytes"]) if cpu else "-"
-        out += [f"memory per {chip}                target compiler     fake CPU    formula (ZeRO)",
-                f"  parameters + optimizer     (in the arguments)  {state:>12}  {_b(f['params'] + f['optimizer']):>14}",
-                f"  arguments (device)       {_b(d['argument_bytes']):>14}  {col('argument_bytes'):>14}",
-                f"  temporaries (device)     {_b(d['temp_bytes']):>14}  {col('temp_bytes'):>14}",
-                f"  peak (device)            {_b(d['peak_bytes']):>14}  {col('peak_bytes_per_device'):>14}",
-                f"  host memory (pinned)     {_b(h['peak_bytes']):>14}   (arguments {_b(h['argument_bytes'])}, "
-                f"temporaries {_b(h['temp_bytes'])})",
-                f"  HBM {_b(m['hbm_bytes'])}: " + (f"fits, {_b(m['headroom_bytes'])} free" if m["fits"] else
-                                                   f"DOES NOT FIT by {_b(-m['headroom_bytes'])}")]
+        out += [
+            f"memory per {chip}                target compiler     fake CPU    formula (ZeRO)",
+            f"  parameters + optimizer     (in the arguments)  {state:>12}  {_b(f['params'] + f['optimizer']):>14}",
+            f"  arguments (device)       {_b(d['argument_bytes']):>14}  {col('argument_bytes'):>14}",
+            f"  temporaries (device)     {_b(d['temp_bytes']):>14}  {col('temp_bytes'):>14}",
+            f"  peak (device)            {_b(d['peak_bytes']):>14}  {col('peak_bytes_per_device'):>14}",
+            f"  host memory (pinned)     {_b(h['peak_bytes']):>14}   (arguments {_b(h['argument_bytes'])}, "
+            f"temporaries {_b(h['temp_bytes'])})",
+            f"  HBM {_b(m['hbm_bytes'])}: "
+            + (f"fits, {_b(m['headroom_bytes'])} free" if m["fits"] else f"DOES NOT FIT by {_b(-m['headroom_bytes'])}"),
+        ]
     if "collectives" in tgt:
         compiled_rows = by_kind_axes(tgt["collectives"])
         cpu_rows = by_kind_axes(r["collectives"]) if "collectives" in r else {}
@@ -575,28 +708,36 @@ def format_target_report(r: dict) -> str:
                 key = (row["kind"], tuple(row["axes"]))
                 sync[key][0] += row["async"]
                 sync[key][1] += row["overlapped"]
-        out += ["", f"collectives per step and {chip}   compiled: count  async  overlapped   ring bytes  |  "
-                    "fake CPU: count  ring bytes  |  formula: count  ring bytes"]
+        out += [
+            "",
+            f"collectives per step and {chip}   compiled: count  async  overlapped   ring bytes  |  "
+            "fake CPU: count  ring bytes  |  formula: count  ring bytes",
+        ]
         for key in sorted(set(compiled_rows) | set(cpu_rows) | set(formula)):
             name = f"{key[0]}[{','.join(key[1])}]"
             tc, tb = compiled_rows.get(key, (0, 0.0))
             cc, cb = cpu_rows.get(key, (0, 0.0))
             fc, fb = formula.get(key, (0, 0.0))
-            out.append(f"  {name:<30} {tc:>14} {sync[key][0]:>6} {sync[key][1]:>11} {_b(tb):>12}  |  "
-                       f"{cc:>15} {_b(cb):>11}  |  {fc:>14} {_b(fb):>11}")
+            out.append(
+                f"  {name:<30} {tc:>14} {sync[key][0]:>6} {sync[key][1]:>11} {_b(tb):>12}  |  "
+                f"{cc:>15} {_b(cb):>11}  |  {fc:>14} {_b(fb):>11}"
+            )
         scalars = sum(row["count"] for row in tgt["collectives"] if row["scalar"])
         out.append(f"  (+ {scalars} scalar all-reduces: loss and gradient norm)")
         out += [f"  caveat: {text}" for text in r.get("formula_caveats", [])]
         fl, rl = tgt["flops"], tgt["roofline"]
         cpu_flops = f"{r['flops_per_device']:.3e}" if r.get("flops_per_device") else "-"
-        out += ["", f"FLOPs per {chip} and step: compiled matmuls {fl['matmul_flops_per_chip']:.3e} (loop trip "
-                    f"counts applied) | compiler's cost analysis {fl['cost_analysis_flops']:.3e} (each loop body "
-                    f"once) | XLA:CPU {cpu_flops} | model {r['model_flops_per_device']:.3e}",
-                f"roofline on {tgt['profile']}: compute {rl['compute_s'] * 1e3:.1f} ms, HBM "
-                f"{rl['memory_s'] * 1e3:.1f} ms ({_b(fl['hbm_bytes_per_chip'])} moved, estimated), communication "
-                f"{rl['comm_s'] * 1e3:.1f} ms, of which the compiled schedule leaves exposed "
-                f"{rl['comm_s_exposed'] * 1e3:.1f} ms",
-                f"  step {rl['step_s_overlapped'] * 1e3:.1f} ms (all hidden) .. {rl['step_s_schedule'] * 1e3:.1f} ms "
-                f"(the compiler's overlap) .. {rl['step_s_serial'] * 1e3:.1f} ms (none hidden); MFU "
-                f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_schedule']:.1%} .. {rl['mfu_serial']:.1%}"]
+        out += [
+            "",
+            f"FLOPs per {chip} and step: compiled matmuls {fl['matmul_flops_per_chip']:.3e} (loop trip "
+            f"counts applied) | compiler's cost analysis {fl['cost_analysis_flops']:.3e} (each loop body "
+            f"once) | XLA:CPU {cpu_flops} | model {r['model_flops_per_device']:.3e}",
+            f"roofline on {tgt['profile']}: compute {rl['compute_s'] * 1e3:.1f} ms, HBM "
+            f"{rl['memory_s'] * 1e3:.1f} ms ({_b(fl['hbm_bytes_per_chip'])} moved, estimated), communication "
+            f"{rl['comm_s'] * 1e3:.1f} ms, of which the compiled schedule leaves exposed "
+            f"{rl['comm_s_exposed'] * 1e3:.1f} ms",
+            f"  step {rl['step_s_overlapped'] * 1e3:.1f} ms (all hidden) .. {rl['step_s_schedule'] * 1e3:.1f} ms "
+            f"(the compiler's overlap) .. {rl['step_s_serial'] * 1e3:.1f} ms (none hidden); MFU "
+            f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_schedule']:.1%} .. {rl['mfu_serial']:.1%}",
+        ]
     return "\n".join(out + _format_offload(r.get("offload")))

@@ -27,11 +27,15 @@ import tempfile
 
 from jaxsys.config import ConfigError
 
-INSTALL_HINT = ("--target needs libtpu (the TPU compiler, a ~690 MB wheel): install it with "
-                "`.venv/bin/pip install -e '.[tpu]'` (or `pip install 'jax[tpu]==0.11.2'`)")
-GPU_INSTALL_HINT = ("a GPU --target needs the CUDA plugin and ptxas (~270 MB): install them with "
-                    "`.venv/bin/pip install -e '.[gpu-aot]'` (jax-cuda13-plugin, jax-cuda13-pjrt, "
-                    "nvidia-cuda-nvcc)")
+INSTALL_HINT = (
+    "--target needs libtpu (the TPU compiler, a ~690 MB wheel): install it with "
+    "`.venv/bin/pip install -e '.[tpu]'` (or `pip install 'jax[tpu]==0.11.2'`)"
+)
+GPU_INSTALL_HINT = (
+    "a GPU --target needs the CUDA plugin and ptxas (~270 MB): install them with "
+    "`.venv/bin/pip install -e '.[gpu-aot]'` (jax-cuda13-plugin, jax-cuda13-pjrt, "
+    "nvidia-cuda-nvcc)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +58,22 @@ class Chip:
         return self.shapes[chips]
 
 
-_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
-       256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_3D = {
+    4: "2x2x1",
+    8: "2x2x2",
+    16: "2x2x4",
+    32: "2x4x4",
+    64: "4x4x4",
+    128: "4x4x8",
+    256: "4x8x8",
+    512: "8x8x8",
+    1024: "8x8x16",
+    2048: "8x16x16",
+    4096: "16x16x16",
+}
 _2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 
-GiB = 2 ** 30
+GiB = 2**30
 CHIPS = {
     "v4": Chip("v4", "v4", True, 3, 32 * GiB, 1.2e12, 275e12, 4.5e10, 6.25e9, _3D),
     "v5p": Chip("v5p", "v5p", True, 3, 95.74 * GiB, 2.76e12, 459e12, 9e10, 6.25e9, _3D),
@@ -148,11 +163,13 @@ def known_names() -> list[str]:
 
 
 def _known_text() -> str:
-    sizes = {gen: ", ".join(str(c * (2 if chip.megacore else 1)) for c in chip.shapes)
-             for gen, chip in CHIPS.items()}
-    return ("; ".join(f"{gen}-N for N in {{{s}}}" for gen, s in sizes.items())
-            + "; or a topology such as v5p:4x4x8 or v6e:4x4; GPUs: "
-            + ", ".join(f"{g}-N" for g in GPUS) + " for N GPUs (1, 2, 4, or a multiple of 8: N/8 nodes of 8)")
+    sizes = {gen: ", ".join(str(c * (2 if chip.megacore else 1)) for c in chip.shapes) for gen, chip in CHIPS.items()}
+    return (
+        "; ".join(f"{gen}-N for N in {{{s}}}" for gen, s in sizes.items())
+        + "; or a topology such as v5p:4x4x8 or v6e:4x4; GPUs: "
+        + ", ".join(f"{g}-N" for g in GPUS)
+        + " for N GPUs (1, 2, 4, or a multiple of 8: N/8 nodes of 8)"
+    )
 
 
 def parse(name: str, slices: int = 1) -> Target:
@@ -164,8 +181,9 @@ def parse(name: str, slices: int = 1) -> Target:
     if gpu and gpu.group(1) in GPUS:
         n = int(gpu.group(2))
         if slices != 1:
-            raise ConfigError(f"--slices is for TPU targets; GPU nodes are in the name ({name!r}: "
-                              f"{n} GPUs, 8 per node)")
+            raise ConfigError(
+                f"--slices is for TPU targets; GPU nodes are in the name ({name!r}: {n} GPUs, 8 per node)"
+            )
         if n in (1, 2, 4):
             return Target(name, GPUS[gpu.group(1)], f"1x1x{n}")
         if n < 1 or n % GPUS_PER_NODE:
@@ -181,17 +199,21 @@ def parse(name: str, slices: int = 1) -> Target:
     if topo:
         dims = topo.group(2).split("x")
         if len(dims) != chip.torus_dims:
-            raise ConfigError(f"TPU target {name!r}: a {chip.generation} slice has {chip.torus_dims} "
-                              f"dimensions, e.g. {chip.generation}:{chip.shapes[max(chip.shapes)]}")
+            raise ConfigError(
+                f"TPU target {name!r}: a {chip.generation} slice has {chip.torus_dims} "
+                f"dimensions, e.g. {chip.generation}:{chip.shapes[max(chip.shapes)]}"
+            )
         return Target(name, chip, f"{chip.topology_prefix}:{topo.group(2)}", slices)
     count = int(typed.group(2))
     per = 2 if chip.megacore else 1
     if count % per or count // per not in chip.shapes:
         sizes = ", ".join(str(c * per) for c in chip.shapes)
         unit = "TensorCores, 2 per chip" if chip.megacore else "chips"
-        raise ConfigError(f"unknown TPU target {name!r}: {chip.generation}-N counts {unit}; N is one of "
-                          f"{sizes} (or give a topology such as {chip.generation}:"
-                          f"{chip.shapes[max(chip.shapes)]})")
+        raise ConfigError(
+            f"unknown TPU target {name!r}: {chip.generation}-N counts {unit}; N is one of "
+            f"{sizes} (or give a topology such as {chip.generation}:"
+            f"{chip.shapes[max(chip.shapes)]})"
+        )
     return Target(name, chip, f"{chip.topology_prefix}:{chip.shape(count // per)}", slices)
 
 
@@ -203,22 +225,30 @@ def hardware(target: Target):
     (`cost_model.PROFILES`, 8 per NVLink node). TPUs: a slice is one "node" whose mesh axes run over
     ICI (a bidirectional ring along a torus axis: 2 links' worth per direction); axes with a DCN
     factor cross slices at the chip's DCN share."""
-    from jaxsys.analysis.cost_model import Hardware, hardware as profile
+    from jaxsys.analysis.cost_model import Hardware
+    from jaxsys.analysis.cost_model import hardware as profile
+
     chip = target.chip
     if target.platform == "gpu":
         return profile(chip.profile)
     # fp32 matmuls on the MXU take several bf16 passes; half the bf16 peak is the usual planning figure
     peak = {"bfloat16": chip.peak_flops_bf16, "float32": chip.peak_flops_bf16 / 2}
-    return Hardware(f"TPU {chip.generation} ({target.topology}"
-                    + (f" x {target.slices} slices)" if target.slices > 1 else ")"),
-                    peak, chip.hbm_bytes_per_s, chip.hbm_bytes, target.chips_per_slice,
-                    2 * chip.ici_link_bytes_per_s, chip.dcn_bytes_per_s,
-                    devices_per_host=min(TPU_CHIPS_PER_HOST, target.chips_per_slice))
+    return Hardware(
+        f"TPU {chip.generation} ({target.topology}" + (f" x {target.slices} slices)" if target.slices > 1 else ")"),
+        peak,
+        chip.hbm_bytes_per_s,
+        chip.hbm_bytes,
+        target.chips_per_slice,
+        2 * chip.ici_link_bytes_per_s,
+        chip.dcn_bytes_per_s,
+        devices_per_host=min(TPU_CHIPS_PER_HOST, target.chips_per_slice),
+    )
 
 
 def libtpu_version() -> str:
     try:
         from importlib.metadata import version
+
         return version("libtpu")
     except Exception:  # not installed
         return "none"
@@ -229,13 +259,16 @@ def has_libtpu() -> bool:
 
 
 def has_cuda_plugin() -> bool:
-    return (importlib.util.find_spec("jax_cuda13_plugin") is not None
-            and importlib.util.find_spec("jax_plugins") is not None)
+    return (
+        importlib.util.find_spec("jax_cuda13_plugin") is not None
+        and importlib.util.find_spec("jax_plugins") is not None
+    )
 
 
 def compiler_name(target: Target) -> str:
     if target.platform == "gpu":
         from importlib.metadata import version
+
         try:
             return f"XLA:GPU deviceless (jax-cuda13-plugin {version('jax-cuda13-plugin')})"
         except Exception:
@@ -251,8 +284,17 @@ def require_compiler(target: Target) -> None:
         raise ConfigError(INSTALL_HINT)
 
 
-_HARMLESS = ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "host bounds", "Source Location Trace",
-             "libtpu_init_utils", "InitGoogle", "metadata", "TPU_WORKER_ID", "=== ")
+_HARMLESS = (
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_WORKER_HOSTNAMES",
+    "host bounds",
+    "Source Location Trace",
+    "libtpu_init_utils",
+    "InitGoogle",
+    "metadata",
+    "TPU_WORKER_ID",
+    "=== ",
+)
 
 
 @contextlib.contextmanager
@@ -270,8 +312,11 @@ def quiet_libtpu():
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = [line for line in captured.read().decode(errors="replace").splitlines()
-                    if line.strip() and not any(h in line for h in _HARMLESS)]
+            kept = [
+                line
+                for line in captured.read().decode(errors="replace").splitlines()
+                if line.strip() and not any(h in line for h in _HARMLESS)
+            ]
             if kept:
                 print("\n".join(kept), file=sys.stderr)
 
@@ -279,17 +324,23 @@ def quiet_libtpu():
 def _gpu_devices(target: Target) -> list:
     import jax
     from jax.experimental import topologies
+
     # The CUDA plugin checks its CUDA libraries when it becomes a backend; with the CPU as the only
     # backend it still registers the topology factory that deviceless compilation needs.
     if "cuda" in (jax.config.jax_platforms or "") or "gpu" in (jax.config.jax_platforms or ""):
-        raise ConfigError("a GPU --target compiles from the CPU: set JAX_PLATFORMS=cpu (a real GPU "
-                          "backend has no target description to compile against)")
+        raise ConfigError(
+            "a GPU --target compiles from the CPU: set JAX_PLATFORMS=cpu (a real GPU "
+            "backend has no target description to compile against)"
+        )
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
     try:
         with quiet_libtpu():
-            return list(topologies.get_topology_desc(platform="cuda", topology=target.topology,
-                                                     target_config=target.chip.target_config()).devices)
+            return list(
+                topologies.get_topology_desc(
+                    platform="cuda", topology=target.topology, target_config=target.chip.target_config()
+                ).devices
+            )
     except Exception as e:
         raise ConfigError(f"the CUDA plugin cannot describe GPU target {target.describe()}: {e}") from e
 
@@ -305,15 +356,19 @@ def devices(target: Target) -> list:
     # chips; compile-only processes share none, and tests run several at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
+
     dims = [int(d) for d in target.topology.split(":")[1].split("x")] + [1]
     # hosts of 2x2x1 chips (Cloud's VM shapes); a smaller slice is one host
     bounds = tuple(min(b, d) for b, d in zip((2, 2, 1), dims[:3]))
-    kwargs = dict(chip_config_name="megacore" if target.chip.megacore else "default",
-                  chips_per_host_bounds=bounds, num_slices=target.slices)
+    kwargs = dict(
+        chip_config_name="megacore" if target.chip.megacore else "default",
+        chips_per_host_bounds=bounds,
+        num_slices=target.slices,
+    )
     try:
         with quiet_libtpu():
-            return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
-                                                     **kwargs).devices)
+            return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **kwargs).devices)
     except Exception as e:  # libtpu's INVALID_ARGUMENT for shapes it does not know
-        raise ConfigError(f"libtpu cannot describe TPU target {target.describe()}: {e}. Known targets: "
-                          f"{_known_text()}") from e
+        raise ConfigError(
+            f"libtpu cannot describe TPU target {target.describe()}: {e}. Known targets: {_known_text()}"
+        ) from e

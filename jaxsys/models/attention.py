@@ -26,7 +26,6 @@ from jaxsys.models import layers
 from jaxsys.parallel import context, tensor
 
 
-
 def pattern(m) -> tuple[str, ...]:
     """`layer_pattern` is a comma-separated list of layer types repeated over the layers:
     "softmax"; "linear"; "linear,linear,linear,softmax" (one softmax layer in 4)."""
@@ -46,6 +45,7 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout):
         return context.attention(q, k, v, seq, context.BlockAttention(impl, m.attention_block))
     if m.attention_impl == "pallas":
         from jaxsys.kernels.flash_attention import flash_attention
+
         return flash_attention(q, k, v, causal=True, block_q=m.attention_block, block_k=m.attention_block)
     if m.attention_impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -62,13 +62,13 @@ def linear_attention(q, k, v, m, heads_axes: tuple[str, ...], seq: context.SeqLa
     """Causal linear attention of one layer: q[B, T, N, H], k/v[B, T, K, H] -> [B, T, N, H];
     LASP-2 over the sequence split on `seq` when there is one."""
     from jaxsys.kernels import linear_attention as lin
+
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     log_decay = head_log_decay(q.shape[2], heads_axes)
     scale = q.shape[-1] ** -0.5
     kernel = lin.chunked if m.attention_impl == "reference" else lin.linear_attention
-    chunk_attention = lambda q, k, v: kernel(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay,
-                                             scale=scale)
+    chunk_attention = lambda q, k, v: kernel(q, k, v, chunk_size=m.linear_chunk, log_decay=log_decay, scale=scale)
     if seq.axes:
         o = context.lasp2(q, k, v, log_decay, scale, seq, chunk_attention)
     else:

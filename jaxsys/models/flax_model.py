@@ -76,8 +76,10 @@ def _import_module(name: str):
             sys.modules[name] = module
             spec.loader.exec_module(module)
             return module
-    raise ConfigError(f"config.model.flax_module: module {name!r} cannot be imported (not on sys.path, "
-                      f"and no {name.replace('.', '/')}.py under {os.getcwd()} or {_REPO})")
+    raise ConfigError(
+        f"config.model.flax_module: module {name!r} cannot be imported (not on sys.path, "
+        f"and no {name.replace('.', '/')}.py under {os.getcwd()} or {_REPO})"
+    )
 
 
 def load_class(path: str):
@@ -92,9 +94,12 @@ def load_class(path: str):
             raise ConfigError(f"config.model.flax_module={path!r}: {module_name} has no {attr!r}")
         obj = getattr(obj, part)
     from flax import nnx
+
     if not (isinstance(obj, type) and issubclass(obj, nnx.Module)):
-        raise ConfigError(f"config.model.flax_module={path!r} is not an nnx.Module class (Flax NNX; a "
-                          "Linen module can be wrapped with flax.nnx.bridge.ToNNX in an NNX class)")
+        raise ConfigError(
+            f"config.model.flax_module={path!r} is not an nnx.Module class (Flax NNX; a "
+            "Linen module can be wrapped with flax.nnx.bridge.ToNNX in an NNX class)"
+        )
     return obj
 
 
@@ -152,6 +157,7 @@ class FlaxModel:
 
 def _nnx():
     from flax import nnx
+
     return nnx
 
 
@@ -164,12 +170,16 @@ def _leaf_axes(path: str, variable, shape) -> tuple[str | None, ...]:
         return (None,) * len(shape)
     names = tuple(names)
     if len(names) != len(shape):
-        raise ConfigError(f"Flax parameter {path} has shape {tuple(shape)} but {len(names)} logical axis "
-                          f"names {names}: give one name (or None) per dimension")
+        raise ConfigError(
+            f"Flax parameter {path} has shape {tuple(shape)} but {len(names)} logical axis "
+            f"names {names}: give one name (or None) per dimension"
+        )
     for name in names:
         if name is not None and not isinstance(name, str):
-            raise ConfigError(f"Flax parameter {path}: logical axis names {names} must be strings or None, "
-                              "one per dimension (jaxsys maps each name to mesh axes by config.sharding)")
+            raise ConfigError(
+                f"Flax parameter {path}: logical axis names {names} must be strings or None, "
+                "one per dimension (jaxsys maps each name to mesh axes by config.sharding)"
+            )
     return names
 
 
@@ -187,14 +197,18 @@ def describe(m) -> FlaxModel:
         try:
             abstract = nnx.eval_shape(lambda: cls(**kwargs, rngs=nnx.Rngs(0)))
         except TypeError as e:
-            raise ConfigError(f"config.model.flax_module={m.flax_module!r} could not be built as "
-                              f"{cls.__name__}(**config.model.flax_kwargs, rngs=nnx.Rngs(key)): {e}") from e
+            raise ConfigError(
+                f"config.model.flax_module={m.flax_module!r} could not be built as "
+                f"{cls.__name__}(**config.model.flax_kwargs, rngs=nnx.Rngs(key)): {e}"
+            ) from e
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     others = [".".join(map(str, p)) + f" ({type(v).__name__})" for p, v in nnx.to_flat_state(rest)]
     if others:
-        raise ConfigError(f"{cls.__name__} holds state that is not an nnx.Param: {', '.join(others[:8])}. "
-                          "jaxsys trains parameters only (no dropout RNG streams, batch statistics or "
-                          "caches held by the module)")
+        raise ConfigError(
+            f"{cls.__name__} holds state that is not an nnx.Param: {', '.join(others[:8])}. "
+            "jaxsys trains parameters only (no dropout RNG streams, batch statistics or "
+            "caches held by the module)"
+        )
     specs = {}
     for path, variable in nnx.to_flat_state(params):
         name = "/".join(map(str, path))
@@ -204,9 +218,13 @@ def describe(m) -> FlaxModel:
         for part in path[:-1]:
             node = node.setdefault(str(part), {})
         # AdamW's decay on matrices, not on vectors (norm scales, biases), as jaxsys's own model
-        node[str(path[-1])] = ParamSpec(tuple(value.shape), axes, init=FLAX_INIT, decay=value.ndim >= 2,
-                                        dtype=None if jnp.issubdtype(value.dtype, jnp.floating)
-                                        else str(value.dtype))
+        node[str(path[-1])] = ParamSpec(
+            tuple(value.shape),
+            axes,
+            init=FLAX_INIT,
+            decay=value.ndim >= 2,
+            dtype=None if jnp.issubdtype(value.dtype, jnp.floating) else str(value.dtype),
+        )
     template = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), nnx.to_pure_dict(params))
     model = FlaxModel(cls, kwargs, graphdef, template, specs)
     _MODELS[key] = model
@@ -228,37 +246,44 @@ def check_layout(specs, config) -> None:
             if logical is None:
                 continue
             if logical not in params_rules:
-                what = ("names activations, not parameters" if logical in ACTIVATION_ONLY else
-                        "is not in the rules table")
+                what = (
+                    "names activations, not parameters" if logical in ACTIVATION_ONLY else "is not in the rules table"
+                )
                 raise ConfigError(
                     f"Flax parameter {name} {spec.shape} names logical axis {logical!r} (dimension {dim}), "
                     f"which {what}: the known parameter axes are {', '.join(known)} (config.sharding.params, "
-                    "docs/flax.md). Rename the axis in the model (or None to replicate the dimension)")
+                    "docs/flax.md). Rename the axis in the model (or None to replicate the dimension)"
+                )
             rule = axes_of(params_rules[logical])
             shards = math.prod(max(sizes[a], 1) for a in rule)
             if size % shards:
                 raise ConfigError(
                     f"Flax parameter {name} {spec.shape}: dimension {dim} ({logical!r}, size {size}) is not "
                     f"divisible by the {shards} shards of mesh axes {rule} (config.sharding.params.{logical}); "
-                    "change the model's size or the mesh")
+                    "change the model's size or the mesh"
+                )
 
 
 def check_output(model: FlaxModel, config) -> None:
     """The module maps tokens[B, T] to logits[B, T, config.model.vocab_size] (traced, not run)."""
     B, T, V = 2, config.data.seq_len, config.model.vocab_size
     try:
-        out = jax.eval_shape(lambda p, x: _forward(model, p, x), model.abstract_params,
-                             jax.ShapeDtypeStruct((B, T), jnp.int32))
+        out = jax.eval_shape(
+            lambda p, x: _forward(model, p, x), model.abstract_params, jax.ShapeDtypeStruct((B, T), jnp.int32)
+        )
     except ConfigError:
         raise
     except Exception as e:  # the model's own error, named with what was asked of it
-        raise ConfigError(f"{model.cls.__name__}(tokens[{B}, {T}]) failed while tracing its forward: "
-                          f"{type(e).__name__}: {e}") from e
+        raise ConfigError(
+            f"{model.cls.__name__}(tokens[{B}, {T}]) failed while tracing its forward: {type(e).__name__}: {e}"
+        ) from e
     shape = getattr(out, "shape", None)
     if shape != (B, T, V):
-        raise ConfigError(f"{model.cls.__name__}(tokens[{B}, {T}]) returned {shape}, not logits [{B}, {T}, {V}]: "
-                          "the model's vocabulary must equal config.model.vocab_size, and it must return "
-                          "one array of logits")
+        raise ConfigError(
+            f"{model.cls.__name__}(tokens[{B}, {T}]) returned {shape}, not logits [{B}, {T}, {V}]: "
+            "the model's vocabulary must equal config.model.vocab_size, and it must return "
+            "one array of logits"
+        )
 
 
 def specs_for(config) -> dict:

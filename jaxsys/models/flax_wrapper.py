@@ -61,10 +61,15 @@ class JaxsysTransformer(nnx.Module):
         if m.get("kind", "jaxsys") != "jaxsys":
             raise ValueError(f"JaxsysTransformer wraps jaxsys's own transformer, not config.model.kind={m.kind!r}")
         if m.quant != "none":
-            raise ValueError(f"config.model.quant={m.quant!r}: wrap a float model (the quantized leaves are "
-                             "inference codes, not parameters)")
-        self.model_config = nnx.static(ml_collections.FrozenConfigDict(m)) if hasattr(nnx, "static") \
+            raise ValueError(
+                f"config.model.quant={m.quant!r}: wrap a float model (the quantized leaves are "
+                "inference codes, not parameters)"
+            )
+        self.model_config = (
+            nnx.static(ml_collections.FrozenConfigDict(m))
+            if hasattr(nnx, "static")
             else ml_collections.FrozenConfigDict(m)
+        )
         specs = transformer.param_specs(m)
         if params is None:
             if rngs is None:

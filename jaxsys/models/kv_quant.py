@@ -65,9 +65,17 @@ def paged_attention(q, k, v, kv, positions):
     sealed = quant.quantize_pages(out["k"][fp_page], out["v"][fp_page], mode, kv["ks"].dtype)
     for name in QUANT_LEAVES:
         out[name] = out[name].at[dst].set(sealed[name])
-    o = paged_attention_quant(q[:, 0], out["k"].astype(q.dtype), out["v"].astype(q.dtype),
-                              {name: out[name] for name in QUANT_LEAVES}, tq, tf, pos + 1,
-                              mode=mode, residual=residual)
+    o = paged_attention_quant(
+        q[:, 0],
+        out["k"].astype(q.dtype),
+        out["v"].astype(q.dtype),
+        {name: out[name] for name in QUANT_LEAVES},
+        tq,
+        tf,
+        pos + 1,
+        mode=mode,
+        residual=residual,
+    )
     return o[:, None], out
 
 
@@ -82,7 +90,7 @@ def kivi_attention(q, k, v, *, k_quant, v_quant, group: int, residual: int = 0):
     kh = k.shape[2]
     fq = lambda x, spec: x.astype(jnp.float32) if spec is None else quant.fake_quant(x, spec[0], spec[1], group)
     kf, vf = fq(k, k_quant), fq(v, v_quant)
-    qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32) * h ** -0.5
+    qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32) * h**-0.5
     dot = lambda a, c: jnp.einsum("bpkgh,btkh->bkgpt", a, c.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     p_idx, t_idx = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     quantized = t_idx // group < quant.n_quant(p_idx + 1, group, residual)  # [T (query), T (key)]
@@ -90,8 +98,9 @@ def kivi_attention(q, k, v, *, k_quant, v_quant, group: int, residual: int = 0):
     s = jnp.where(t_idx <= p_idx, s, -jnp.inf)
     w = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     w = w / jnp.sum(w, axis=-1, keepdims=True)
-    mix = lambda weights, vals: jnp.einsum("bkgpt,btkh->bpkgh", weights, vals.astype(jnp.float32),
-                                           precision=lax.Precision.HIGHEST)
+    mix = lambda weights, vals: jnp.einsum(
+        "bkgpt,btkh->bpkgh", weights, vals.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
     o = mix(jnp.where(quantized, w, 0.0), vf) + mix(jnp.where(quantized, 0.0, w), v)
     return o.reshape(b, t, n, h).astype(q.dtype)
 
@@ -99,5 +108,6 @@ def kivi_attention(q, k, v, *, k_quant, v_quant, group: int, residual: int = 0):
 def mode_attention(mode: str, page_size: int, residual: int = 0):
     """`kivi_attention` as the engine's cache format `mode` quantizes (for transformer.attention_override)."""
     bits, k_axis, v_axis = quant.MODES[mode]
-    return lambda q, k, v: kivi_attention(q, k, v, k_quant=(bits, k_axis), v_quant=(bits, v_axis),
-                                          group=page_size, residual=residual)
+    return lambda q, k, v: kivi_attention(
+        q, k, v, k_quant=(bits, k_axis), v_quant=(bits, v_axis), group=page_size, residual=residual
+    )

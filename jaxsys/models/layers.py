@@ -4,8 +4,8 @@ K key/value heads, H head dim, F MLP hidden. No communication happens here."""
 from __future__ import annotations
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 
 def rms_norm(x, scale, eps: float):
@@ -36,7 +36,7 @@ def attention(q, k, v, causal: bool = True, q_positions=None):
     kv = k.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (h ** -0.5)
+    scores = scores * (h**-0.5)
     if q_positions is not None:
         mask = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)

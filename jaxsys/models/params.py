@@ -34,8 +34,9 @@ def init_params(specs, key, dtype):
     for i, spec in enumerate(leaves):
         leaf_dtype = spec.dtype or dtype
         if spec.init == "flax":
-            raise ValueError("a Flax model's parameters are initialised by the module itself: "
-                             "jaxsys.models.flax_model.init_params")
+            raise ValueError(
+                "a Flax model's parameters are initialised by the module itself: jaxsys.models.flax_model.init_params"
+            )
         if spec.init == "ones":
             values.append(jnp.ones(spec.shape, leaf_dtype))
         elif spec.init == "zeros":

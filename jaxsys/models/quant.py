@@ -66,20 +66,23 @@ def quantized_spec(spec: ParamSpec, name: str, fmt: str, group_size: int, zero_p
     lead = _lead(spec.axes)
     c = CONTRACTED[name]
     shape, axes = spec.shape, spec.axes
-    k_dims, k_axes = shape[lead:lead + c], axes[lead:lead + c]
-    out_dims, out_axes = shape[lead + c:], axes[lead + c:]
+    k_dims, k_axes = shape[lead : lead + c], axes[lead : lead + c]
+    out_dims, out_axes = shape[lead + c :], axes[lead + c :]
     lead_dims, lead_axes = shape[:lead], axes[:lead]
     codes = functools.partial(ParamSpec, init="zeros", decay=False)
     if fmt in ("w8a16", "w8a8"):
-        return {"q": codes(shape, axes, dtype="int8"),
-                "scale": ParamSpec(lead_dims + out_dims, lead_axes + out_axes, init="ones", decay=False,
-                                   dtype="float32")}
+        return {
+            "q": codes(shape, axes, dtype="int8"),
+            "scale": ParamSpec(lead_dims + out_dims, lead_axes + out_axes, init="ones", decay=False, dtype="float32"),
+        }
     group_axis = None if k_axes[0] == "embed" else k_axes[0]
     packed_shape = lead_dims + k_dims[:-1] + (k_dims[-1] // 2,) + out_dims
     group_shape = lead_dims + (math.prod(k_dims) // group_size,) + out_dims
     group_axes = lead_axes + (group_axis,) + out_axes
-    out = {"packed": codes(packed_shape, axes, dtype="uint8"),
-           "scale": ParamSpec(group_shape, group_axes, init="ones", decay=False, dtype="float32")}
+    out = {
+        "packed": codes(packed_shape, axes, dtype="uint8"),
+        "scale": ParamSpec(group_shape, group_axes, init="ones", decay=False, dtype="float32"),
+    }
     if zero_point:
         out["zero"] = codes(group_shape, group_axes, dtype="int8")
     return out
@@ -90,8 +93,10 @@ def quantize_specs(layer_specs: dict, m) -> dict:
     quantized form (config.model.quant)."""
     if m.quant == "none":
         return layer_specs
-    return {name: quantized_spec(s, name, m.quant, m.quant_group_size, m.quant_zero_point)
-            if name in CONTRACTED else s for name, s in layer_specs.items()}
+    return {
+        name: quantized_spec(s, name, m.quant, m.quant_group_size, m.quant_zero_point) if name in CONTRACTED else s
+        for name, s in layer_specs.items()
+    }
 
 
 # ----------------------------------------------------------------------------- the matmuls
@@ -123,10 +128,13 @@ def _parse(eq: str) -> _Einsum:
     inputs, out = eq.split("->")
     xs, ws = inputs.split(",")
     contracted = "".join(l for l in ws if l in xs)
-    if not (ws.startswith(contracted) and xs.endswith(contracted)
-            and out == xs[:len(xs) - len(contracted)] + ws[len(contracted):]):
+    if not (
+        ws.startswith(contracted)
+        and xs.endswith(contracted)
+        and out == xs[: len(xs) - len(contracted)] + ws[len(contracted) :]
+    ):
         raise ValueError(f"linear({eq!r}): the contracted letters must lead the weight and end the input")
-    return _Einsum(tuple(xs[:len(xs) - len(contracted)]), len(contracted))
+    return _Einsum(tuple(xs[: len(xs) - len(contracted)]), len(contracted))
 
 
 def block_m(rows: int, minimum: int = 16) -> int:
@@ -147,8 +155,7 @@ def _quantized_matmul(x2, w, fmt: str, impl: str):
         xq, sx = qref.quantize_per_token(x2)
         if impl == "reference":
             return qref.matmul_w8a8(xq, sx, q, s, x2.dtype)
-        return qkernel.matmul_w8a8(xq, sx, q, s, x2.dtype, block_m=block_m(x2.shape[0], 32),
-                                   interpret=interpret)
+        return qkernel.matmul_w8a8(xq, sx, q, s, x2.dtype, block_m=block_m(x2.shape[0], 32), interpret=interpret)
     packed, s, z = w["packed"], w["scale"], w.get("zero")
     if impl == "reference":
         group_size = 2 * packed.shape[0] // s.shape[0]
@@ -181,13 +188,13 @@ def linear(eq: str, x, w, m, name: str = ""):
     if not quantized and m.quant_train == "none":
         return jnp.einsum(eq, x, w)
     form = _parse(eq)
-    batch_dims = x.shape[:len(form.batch)]
+    batch_dims = x.shape[: len(form.batch)]
     x2 = x.reshape(math.prod(batch_dims), -1)
     if quantized:
         mat, out_dims = _as_matrix(w, form.contracted, m.quant)
         y2 = _quantized_matmul(x2, mat, m.quant, m.quant_impl)
     else:
-        out_dims = w.shape[form.contracted:]
+        out_dims = w.shape[form.contracted :]
         w2 = w.reshape(x2.shape[1], -1)
         y2 = int8_matmul(x2, w2, m.quant_impl == "pallas").astype(x.dtype)
     return y2.reshape(*batch_dims, *out_dims)

@@ -29,16 +29,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys.config import block_pattern
 from jaxsys.kernels.paged_attention.kernel import paged_attention
 from jaxsys.models import attention, layers, moe, quant
 from jaxsys.models.params import ParamSpec
-from jax.ad_checkpoint import checkpoint_name
-
 from jaxsys.parallel import context, fsdp, offload, tensor
 from jaxsys.sharding import Layout
-
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")  # leaves of the dense-MLP layers only
 # a cache's per-layer leaves [L, ...] (`layer_stack(kv=...)`; the quantized ones: models/kv_quant.py)
@@ -64,8 +62,11 @@ def attention_override(fn):
 def layer_counts(m) -> dict:
     """Layers each kind of layer leaf holds: every layer, the dense-MLP ones, the MoE ones."""
     pattern, periods = block_pattern(m), m.n_layers // len(block_pattern(m))
-    return {"all": m.n_layers, "dense": periods * sum(mlp == "dense" for _, mlp in pattern),
-            "moe": periods * sum(mlp == "moe" for _, mlp in pattern)}
+    return {
+        "all": m.n_layers,
+        "dense": periods * sum(mlp == "dense" for _, mlp in pattern),
+        "moe": periods * sum(mlp == "moe" for _, mlp in pattern),
+    }
 
 
 def param_specs(m, chunks: int = 1) -> dict:
@@ -101,9 +102,12 @@ def param_specs(m, chunks: int = 1) -> dict:
         specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), std=std)
     if chunks > 1:
         specs["layers"] = jax.tree.map(
-            lambda s: dataclasses.replace(s, shape=(chunks, s.shape[0] // chunks) + s.shape[1:],
-                                          axes=("chunks",) + s.axes),
-            specs["layers"], is_leaf=lambda x: isinstance(x, ParamSpec))
+            lambda s: dataclasses.replace(
+                s, shape=(chunks, s.shape[0] // chunks) + s.shape[1:], axes=("chunks",) + s.axes
+            ),
+            specs["layers"],
+            is_leaf=lambda x: isinstance(x, ParamSpec),
+        )
     return specs
 
 
@@ -149,13 +153,18 @@ def _paged_attention(q, k, v, kv, positions):
     the rows of one prefill chunk see each other causally."""
     if "kv_quant" in kv:  # the quantized cache (config.serve.kv_quant, models/kv_quant.py)
         from jaxsys.models import kv_quant
+
         return kv_quant.paged_attention(q, k, v, kv, positions)
     pages, page_size = kv["k"].shape[:2]
     table = kv["page_table"]
     pos = positions[:, 0]
     slot = jnp.take_along_axis(table, (pos // page_size)[:, None], axis=1)[:, 0] * page_size + pos % page_size
-    write = lambda cache, new: cache.reshape(pages * page_size, *cache.shape[2:]).at[slot].set(
-        new[:, 0].astype(cache.dtype)).reshape(cache.shape)
+    write = lambda cache, new: (
+        cache.reshape(pages * page_size, *cache.shape[2:])
+        .at[slot]
+        .set(new[:, 0].astype(cache.dtype))
+        .reshape(cache.shape)
+    )
     out = dict(kv, k=write(kv["k"], k), v=write(kv["v"], v))
     # self-speculation's sparse draft (serve/spec_engine.py) reads through another table of the same
     # pages (its attention sinks and recent window) with its own lengths; the writes above use the full one
@@ -167,12 +176,25 @@ def _paged_attention(q, k, v, kv, positions):
 def _qkv(linear, h, ws):
     """The attention's column-parallel projections of h: q, k, v."""
     wq, wk, wv = ws
-    return (linear("btd,dnh->btnh", h, wq, name="wq"), linear("btd,dkh->btkh", h, wk, name="wk"),
-            linear("btd,dkh->btkh", h, wv, name="wv"))
+    return (
+        linear("btd,dnh->btnh", h, wq, name="wq"),
+        linear("btd,dkh->btkh", h, wk, name="wk"),
+        linear("btd,dkh->btkh", h, wv, name="wv"),
+    )
 
 
-def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: str = "dense",
-           previous=None, dispatch: str = "padded", kv=None):
+def _block(
+    x,
+    w,
+    positions,
+    m,
+    layout: Layout,
+    kind: str = "softmax",
+    mlp_kind: str = "dense",
+    previous=None,
+    dispatch: str = "padded",
+    kv=None,
+):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
     `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py); `mlp_kind`
     its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes `previous`, the experts the last
@@ -187,12 +209,20 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
     x = checkpoint_name(x, "layer_input")  # host-offloadable residual (config.offload.activations)
     linear = functools.partial(quant.linear, m=m)  # einsum, or the quantized kernels (config.model.quant)
     cm = layout.collective_matmul  # the TP matmuls beside their SP collectives (config.parallel.collective_matmul)
-    q, k, v = tensor.enter_matmul(functools.partial(_qkv, linear), layers.rms_norm(x, w["attn_norm"], m.norm_eps),
-                                  (w["wq"], w["wk"], w["wv"]), heads, sp, cm)
+    q, k, v = tensor.enter_matmul(
+        functools.partial(_qkv, linear),
+        layers.rms_norm(x, w["attn_norm"], m.norm_eps),
+        (w["wq"], w["wk"], w["wv"]),
+        heads,
+        sp,
+        cm,
+    )
     if kind == "linear":
         if kv is not None:
-            raise ValueError("decoding with a KV cache needs softmax attention layers; linear-attention "
-                             "layers keep a recurrent state instead (not implemented)")
+            raise ValueError(
+                "decoding with a KV cache needs softmax attention layers; linear-attention "
+                "layers keep a recurrent state instead (not implemented)"
+            )
         o = attention.linear_attention(q, k, v, m, heads, seq)
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
@@ -210,10 +240,12 @@ def _block(x, w, positions, m, layout: Layout, kind: str = "softmax", mlp_kind: 
         y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
         out = (x + y, experts, stats)
     else:
-        gate, up = tensor.enter_matmul(lambda h, ws: layers.swiglu_up(h, *ws, linear), h,
-                                       (w["w_gate"], w["w_up"]), mlp, sp, cm)
-        y = tensor.leave_matmul(lambda a, wd: layers.swiglu_down(a, wd, linear), layers.swiglu_hidden(gate, up),
-                                w["w_down"], mlp, sp, cm)
+        gate, up = tensor.enter_matmul(
+            lambda h, ws: layers.swiglu_up(h, ws[0], ws[1], linear), h, (w["w_gate"], w["w_up"]), mlp, sp, cm
+        )
+        y = tensor.leave_matmul(
+            lambda a, wd: layers.swiglu_down(a, wd, linear), layers.swiglu_hidden(gate, up), w["w_down"], mlp, sp, cm
+        )
         out = (x + y, previous, None)
     return out if kv is None else out + (kv,)
 
@@ -238,8 +270,18 @@ def _leaf_kind(name: str) -> str:
     return "moe" if name == "moe" else "dense" if name in DENSE_MLP else "all"
 
 
-def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unroll: bool = False,
-                dispatch: str = "padded", hook=None, kv=None):
+def layer_stack(
+    layer_params,
+    x,
+    positions,
+    m,
+    layout: Layout,
+    specs=None,
+    unroll: bool = False,
+    dispatch: str = "padded",
+    hook=None,
+    kv=None,
+):
     """Run the layers of `layer_params` (this device's shards of a run of whole periods of the
     layer and MLP patterns, starting at the pattern's first layer) on x[B, T, D].
 
@@ -251,8 +293,9 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     `kv` (decoding): {"k", "v"} caches [L, B, S, K, H] of these layers, with `positions` [B, T];
     then the updated caches are returned as a third value (and no layer is rematerialised)."""
     axes = _axes(specs if specs is not None else param_specs(m))
-    layer_axes = jax.tree.map(lambda a: a[a.index("layers") + 1:], axes["layers"],
-                              is_leaf=lambda a: isinstance(a, tuple))
+    layer_axes = jax.tree.map(
+        lambda a: a[a.index("layers") + 1 :], axes["layers"], is_leaf=lambda a: isinstance(a, tuple)
+    )
     pattern = block_pattern(m)
     period = len(pattern)
     n_groups = layer_params["attn_norm"].shape[0] // period
@@ -268,8 +311,11 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         one layer per period the scan slices the stacks themselves (`group` is one layer)."""
         if period == 1:
             return {name: leaf for name, leaf in group.items() if _leaf_kind(name) in ("all", mlp_kind)}
-        return {name: jax.tree.map(lambda a: a[index[_leaf_kind(name)]], leaf)
-                for name, leaf in group.items() if _leaf_kind(name) in ("all", mlp_kind)}
+        return {
+            name: jax.tree.map(lambda a: a[index[_leaf_kind(name)]], leaf)
+            for name, leaf in group.items()
+            if _leaf_kind(name) in ("all", mlp_kind)
+        }
 
     # The layer input is the remat'd function's own argument, which remat always keeps; to put it in
     # host memory it is moved there before the call and back at the layer's start, so the scan
@@ -278,8 +324,12 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
 
     def gather(w, g, index):
         """A layer's picked weights as it uses them (`_weights`: cast, FSDP all-gather)."""
-        return {k: _weights(w[k], layer_axes[k], m, layout, hook, f"layers/{k}",
-                            g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]) for k in w}
+        return {
+            k: _weights(
+                w[k], layer_axes[k], m, layout, hook, f"layers/{k}", g * offsets[_leaf_kind(k)] + index[_leaf_kind(k)]
+            )
+            for k in w
+        }
 
     def layer(x, previous, group, g, kind, mlp_kind, index, kv_layer=None):
         if input_to_host:
@@ -288,18 +338,30 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         return _block(x, gathered, positions, m, layout, kind, mlp_kind, previous, dispatch, kv_layer)
 
     if kv is None:
-        remat = [jax.checkpoint(lambda x, prev, w, g, spec=spec: layer(x, prev, w, g, *spec),
-                                policy=remat_policy(m.remat, layout.offload_activations), prevent_cse=False)
-                 for spec in per_layer]
+        remat = [
+            jax.checkpoint(
+                lambda x, prev, w, g, spec=spec: layer(x, prev, w, g, *spec),
+                policy=remat_policy(m.remat, layout.offload_activations),
+                prevent_cse=False,
+            )
+            for spec in per_layer
+        ]
     else:  # inference: nothing to rematerialise
-        remat = [lambda x, prev, w, g, kv_layer, spec=spec: layer(x, prev, w, g, *spec, kv_layer)
-                 for spec in per_layer]
+        remat = [
+            lambda x, prev, w, g, kv_layer, spec=spec: layer(x, prev, w, g, *spec, kv_layer=kv_layer)
+            for spec in per_layer
+        ]
     # Each kind of leaf is [groups x (its layers per period), ...]: scan over the groups. With one
     # layer per period the stacks are scanned as they are: no reshape, which the TPU compiler
     # cannot do to a buffer in host memory (config.offload.params).
-    groups = layer_params if period == 1 else {
-        name: jax.tree.map(lambda a: a.reshape(n_groups, a.shape[0] // n_groups, *a.shape[1:]), leaf)
-        for name, leaf in layer_params.items()}
+    groups = (
+        layer_params
+        if period == 1
+        else {
+            name: jax.tree.map(lambda a: a.reshape(n_groups, a.shape[0] // n_groups, *a.shape[1:]), leaf)
+            for name, leaf in layer_params.items()
+        }
+    )
     n_moe = offsets["moe"]
     # experts of the previous MoE layer per token (none yet), over the full T under sequence parallelism
     previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
@@ -307,8 +369,13 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
     # the caches [L, ...] scan as [groups, period, ...] beside the weights
     # (a paged cache's page table is the same for every layer: it is not scanned)
     shared = {} if kv is None else {k: a for k, a in kv.items() if k not in CACHE_LEAVES}
-    kv_groups = None if kv is None else jax.tree.map(
-        lambda a: a.reshape(n_groups, period, *a.shape[1:]), {k: a for k, a in kv.items() if k in CACHE_LEAVES})
+    kv_groups = (
+        None
+        if kv is None
+        else jax.tree.map(
+            lambda a: a.reshape(n_groups, period, *a.shape[1:]), {k: a for k, a in kv.items() if k in CACHE_LEAVES}
+        )
+    )
 
     # FSDP prefetch (config.parallel.fsdp_prefetch): the scan carries the next layer's gathered
     # weights; each layer first issues the all-gather of the layer after it, then computes on the
@@ -327,8 +394,10 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
             if input_to_host:
                 x = offload.to_device(x)
             return _block(x, w, positions, m, layout, kind, mlp_kind, prev, dispatch)
-        run = fsdp.prefetched(block, lambda local: gather(local[0], local[1], index),
-                              remat_policy(m.remat, layout.offload_activations))
+
+        run = fsdp.prefetched(
+            block, lambda local: gather(local[0], local[1], index), remat_policy(m.remat, layout.offload_activations)
+        )
         return lambda x, prev, group, g, w: run(x, prev, (pick(group, g, mlp_kind, index), g), w)
 
     runs = [prefetched(*spec) for spec in per_layer] if prefetch else None
@@ -350,7 +419,8 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
                 x, previous, layer_stats = remat[i](*args)
             else:
                 x, previous, layer_stats, kv_layer = remat[i](
-                    *args, {**jax.tree.map(lambda a: a[i], kv_group), **shared})
+                    *args, {**jax.tree.map(lambda a: a[i], kv_group), **shared}
+                )
                 kv_out.append({k: kv_layer[k] for k in kv_group})
             if layer_stats is not None:
                 stats.append(layer_stats)
@@ -358,15 +428,19 @@ def layer_stack(layer_params, x, positions, m, layout: Layout, specs=None, unrol
         return (x, previous, gathered), (stack(stats), stack(kv_out))
 
     first = ahead(jax.tree.map(lambda a: a[0], groups), jnp.int32(0), 0) if prefetch else None
-    (x, *_), (stats, kv_new) = jax.lax.scan(body, (x, previous, first), (groups, jnp.arange(n_groups), kv_groups),
-                                            unroll=n_groups if unroll else 1)
+    (x, *_), (stats, kv_new) = jax.lax.scan(
+        body, (x, previous, first), (groups, jnp.arange(n_groups), kv_groups), unroll=n_groups if unroll else 1
+    )
     if kv is not None:
         kv_new = jax.tree.map(lambda a: a.reshape(n_groups * period, *a.shape[2:]), kv_new)
     if not n_moe:
         return (x, {}) if kv is None else (x, {}, kv_new)
     per_moe_layer = jax.tree.map(lambda a: a.reshape(n_groups * n_moe, *a.shape[2:]), stats)
-    moe_stats = {"aux_loss": jnp.sum(per_moe_layer["aux_loss"]), "z_loss": jnp.sum(per_moe_layer["z_loss"]),
-                 **{key: per_moe_layer[key] for key in moe.ROUTING_STATISTICS}}
+    moe_stats = {
+        "aux_loss": jnp.sum(per_moe_layer["aux_loss"]),
+        "z_loss": jnp.sum(per_moe_layer["z_loss"]),
+        **{key: per_moe_layer[key] for key in moe.ROUTING_STATISTICS},
+    }
     return (x, moe_stats) if kv is None else (x, moe_stats, kv_new)
 
 
@@ -383,14 +457,14 @@ def output_logits(params, h, m, layout: Layout, specs=None, hook=None):
         w, eq = _weights(params["embed"], axes["embed"], m, layout, hook, "embed"), "btd,vd->btv"
     else:
         w, eq = _weights(params["unembed"], axes["unembed"], m, layout, hook, "unembed"), "btd,dv->btv"
-    return tensor.enter_matmul(functools.partial(jnp.einsum, eq), h, w, layout.compute_axes("vocab"),
-                               layout.sp_axes, layout.collective_matmul)
+    return tensor.enter_matmul(
+        functools.partial(jnp.einsum, eq), h, w, layout.compute_axes("vocab"), layout.sp_axes, layout.collective_matmul
+    )
 
 
 def output_loss(params, h, targets, m, layout: Layout, specs=None, hook=None):
     """Per-token cross-entropy [B, T] of normed h[B, T, D] against targets[B, T]."""
-    return tensor.cross_entropy(output_logits(params, h, m, layout, specs, hook), targets,
-                                layout.compute_axes("vocab"))
+    return tensor.cross_entropy(output_logits(params, h, m, layout, specs, hook), targets, layout.compute_axes("vocab"))
 
 
 def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False, positions=None):
@@ -412,13 +486,23 @@ def split_tokens(tokens, m, layout: Layout):
     return inputs, targets, context.positions(tokens.shape[1] - 1, seq)
 
 
-def token_losses(params, tokens, m, layout: Layout, specs=None, unroll: bool = False,
-                 dispatch: str = "padded", hook=None):
+def token_losses(
+    params, tokens, m, layout: Layout, specs=None, unroll: bool = False, dispatch: str = "padded", hook=None
+):
     """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]
     (under context parallelism: of this device's T/P positions of them), and the MoE layers' loss
     sums and routing statistics (`layer_stack`; {} for a dense model). `hook`: see `_weights`."""
     inputs, targets, positions = split_tokens(tokens, m, layout)
-    x, moe_stats = layer_stack(params["layers"], embed(params, inputs, m, layout, specs, hook), positions,
-                               m, layout, specs, unroll, dispatch, hook)
+    x, moe_stats = layer_stack(
+        params["layers"],
+        embed(params, inputs, m, layout, specs, hook),
+        positions,
+        m,
+        layout,
+        specs,
+        unroll,
+        dispatch,
+        hook,
+    )
     h = final_norm(params, x, m, layout, specs, hook)
     return output_loss(params, h, targets, m, layout, specs, hook), moe_stats

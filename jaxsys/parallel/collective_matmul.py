@@ -73,12 +73,13 @@ def _scatter_steps(axes, part):
 
 
 def _place(buffers, values, c, size: int, dim: int):
-    return jax.tree.map(lambda b, v: lax.dynamic_update_slice_in_dim(b, v.astype(b.dtype), c * size, axis=dim),
-                        buffers, values)
+    return jax.tree.map(
+        lambda b, v: lax.dynamic_update_slice_in_dim(b, v.astype(b.dtype), c * size, axis=dim), buffers, values
+    )
 
 
 def _zeros_full(tree, t: int, dim: int):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape[:dim] + (a.shape[dim] * t,) + a.shape[dim + 1:], a.dtype), tree)
+    return jax.tree.map(lambda a: jnp.zeros(a.shape[:dim] + (a.shape[dim] * t,) + a.shape[dim + 1 :], a.dtype), tree)
 
 
 def _add(a, b):

@@ -116,4 +116,3 @@ def sum_over_batch_shards(tree, axes):
     into the global value on every device: one all-reduce for the whole pytree. No gradient
     flows through it (the step sums its metrics after differentiating)."""
     return lax.psum(tree, axes) if axes else tree
-

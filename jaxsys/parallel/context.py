@@ -86,8 +86,9 @@ def shard_sequence(x, seq: SeqLayout, dim: int = SEQ_DIM):
         return x
     tc = x.shape[dim] // seq.n_chunks
     ids = _my_chunks(seq)
-    return jnp.concatenate([lax.dynamic_slice_in_dim(x, ids[i] * tc, tc, axis=dim)
-                            for i in range(seq.chunks_per_device)], axis=dim)
+    return jnp.concatenate(
+        [lax.dynamic_slice_in_dim(x, ids[i] * tc, tc, axis=dim) for i in range(seq.chunks_per_device)], axis=dim
+    )
 
 
 def positions(seq_len: int, seq: SeqLayout):
@@ -116,19 +117,22 @@ class BlockAttention:
     def forward(self, q, k, v, causal: bool):
         if self.impl == "pallas":
             from jaxsys.kernels.flash_attention import flash_attention_forward
+
             o, lse = flash_attention_forward(q, k, v, causal=causal, block_q=self.block, block_k=self.block)
         else:
             from jaxsys.kernels.flash_attention import reference_attention
+
             o, lse = reference_attention(q, k, v, causal=causal, return_lse=True)
         return o.astype(jnp.float32), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool):
         if self.impl == "pallas":
             from jaxsys.kernels.flash_attention import flash_attention_backward
-            grads = flash_attention_backward(q, k, v, o, lse, do, causal=causal, block_q=self.block,
-                                             block_k=self.block)
+
+            grads = flash_attention_backward(q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block)
         else:
             from jaxsys.kernels.flash_attention import reference_attention_backward
+
             grads = reference_attention_backward(q, k, v, o, lse, do, causal=causal)
         return tuple(g.astype(jnp.float32) for g in grads)
 
@@ -163,10 +167,14 @@ def _attend_chunks(q, k, v, q_ids, kv_ids, blocks: BlockAttention):
     for i, qi in enumerate(qs):
         o = lse = None
         for j, (kj, vj) in enumerate(zip(ks, vs)):
-            branches = (lambda q, k, v: blocks.forward(q, k, v, False),
-                        lambda q, k, v: blocks.forward(q, k, v, True),
-                        lambda q, k, v: (jnp.zeros(q.shape, jnp.float32),
-                                         jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf)))
+            branches = (
+                lambda q, k, v: blocks.forward(q, k, v, False),
+                lambda q, k, v: blocks.forward(q, k, v, True),
+                lambda q, k, v: (
+                    jnp.zeros(q.shape, jnp.float32),
+                    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf),
+                ),
+            )
             ob, lb = lax.switch(_case(q_ids[i], kv_ids[j]), branches, qi, kj, vj)
             o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)
         outs.append(o)
@@ -218,12 +226,18 @@ def _ring_bwd(seq, blocks, residuals, do):
         dks, dvs = _split(dk, c), _split(dv, c)
         for i in range(c):
             for j in range(c):
-                branches = (lambda *a: blocks.backward(*a, False), lambda *a: blocks.backward(*a, True),
-                            lambda q, k, v, *_: (jnp.zeros(q.shape, jnp.float32),
-                                                 jnp.zeros(k.shape, jnp.float32),
-                                                 jnp.zeros(v.shape, jnp.float32)))
-                dqb, dkb, dvb = lax.switch(_case(q_ids[i], kv_ids[j]), branches,
-                                           qs[i], ks[j], vs[j], os_[i], lses[i], dos[i])
+                branches = (
+                    lambda *a: blocks.backward(*a, False),
+                    lambda *a: blocks.backward(*a, True),
+                    lambda q, k, v, *_: (
+                        jnp.zeros(q.shape, jnp.float32),
+                        jnp.zeros(k.shape, jnp.float32),
+                        jnp.zeros(v.shape, jnp.float32),
+                    ),
+                )
+                dqb, dkb, dvb = lax.switch(
+                    _case(q_ids[i], kv_ids[j]), branches, qs[i], ks[j], vs[j], os_[i], lses[i], dos[i]
+                )
                 dq[i], dks[j], dvs[j] = dq[i] + dqb, dks[j] + dkb, dvs[j] + dvb
         dk, dv = jnp.concatenate(dks, axis=SEQ_DIM), jnp.concatenate(dvs, axis=SEQ_DIM)
         # dK/dV travel with their K/V; after the last step one more hop takes them home.
@@ -242,8 +256,9 @@ def allgather_attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
     table = chunk_table(seq.size, seq.balance)
     k_all = all_gather_fwd_reduce_scatter_bwd(k, seq.axes, SEQ_DIM)
     v_all = all_gather_fwd_reduce_scatter_bwd(v, seq.axes, SEQ_DIM)
-    o, _ = _attend_chunks(q, k_all, v_all, jnp.asarray(table)[axis_index(seq.axes)],
-                          jnp.asarray(table.reshape(-1)), blocks)
+    o, _ = _attend_chunks(
+        q, k_all, v_all, jnp.asarray(table)[axis_index(seq.axes)], jnp.asarray(table.reshape(-1)), blocks
+    )
     return o.astype(q.dtype)
 
 
@@ -267,8 +282,9 @@ def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
     chex.assert_rank([q, k, v], 4, custom_message=shapes)
     chex.assert_equal_shape([k, v], custom_message=shapes)
     chex.assert_equal_shape_prefix([q, k], 2, custom_message=shapes)
-    return {"ring": ring_attention, "allgather": allgather_attention,
-            "tokenring": tokenring_attention}[seq.variant](q, k, v, seq, blocks)
+    return {"ring": ring_attention, "allgather": allgather_attention, "tokenring": tokenring_attention}[seq.variant](
+        q, k, v, seq, blocks
+    )
 
 
 # ----------------------------------------------------------------------------- LASP-2
@@ -302,7 +318,6 @@ def lasp2(q, k, v, log_decay, scale: float, seq: SeqLayout, chunk_attention):
     my_ids = _my_chunks(seq)
     t_decay = jnp.exp(log_decay.astype(jnp.float32)[None, :] * jnp.arange(1, tc + 1, dtype=jnp.float32)[:, None])
     for i, qi in enumerate(_split(q, c)):
-        inter = jnp.einsum("btnh,bnhv->btnv", qi.astype(jnp.float32) * t_decay[None, :, :, None],
-                           entering[my_ids[i]])
+        inter = jnp.einsum("btnh,bnhv->btnv", qi.astype(jnp.float32) * t_decay[None, :, :, None], entering[my_ids[i]])
         outs[i] = outs[i] + scale * inter
     return jnp.concatenate(outs, axis=SEQ_DIM).astype(q.dtype)

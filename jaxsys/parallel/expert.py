@@ -117,8 +117,7 @@ def combine(out, plan, gates):
 
 
 def _inverse(permutation):
-    return jnp.zeros_like(permutation).at[permutation].set(
-        jnp.arange(permutation.shape[0], dtype=permutation.dtype))
+    return jnp.zeros_like(permutation).at[permutation].set(jnp.arange(permutation.shape[0], dtype=permutation.dtype))
 
 
 # ----------------------------------------------------------------------------- routing statistics
@@ -157,12 +156,14 @@ def routing_statistics(routed: Routed, counts, moe, layout: Layout) -> dict:
         dropped = jnp.zeros((), jnp.int32)
     else:
         dropped = global_sum(jnp.sum(routed.slot == moe.experts * routed.capacity, dtype=jnp.int32), layout)
-    return {"aux_loss": sum_over_sequence_shards(aux, layout),
-            "z_loss": sum_over_sequence_shards(z, layout),
-            "load": load,
-            "dropped": dropped,
-            "pairs": global_sum(co_routing(routed.previous, routed.experts, moe.experts), layout),
-            "traffic": traffic(counts, layout)}
+    return {
+        "aux_loss": sum_over_sequence_shards(aux, layout),
+        "z_loss": sum_over_sequence_shards(z, layout),
+        "load": load,
+        "dropped": dropped,
+        "pairs": global_sum(co_routing(routed.previous, routed.experts, moe.experts), layout),
+        "traffic": traffic(counts, layout),
+    }
 
 
 def expert_axes(layout: Layout) -> tuple[str, ...]:
@@ -258,8 +259,12 @@ def _dispatch_dropless(x, experts, counts, axes: tuple[str, ...], impl: str, sta
     bounds = jnp.cumsum(received_counts, axis=1)  # [ep, E_l]
     local = jax.vmap(lambda bd: jnp.searchsorted(bd, jnp.arange(n), side="right"))(bounds)
     regroup = jnp.argsort(local.reshape(-1), stable=True)
-    return Dispatched(received[regroup], jnp.sum(received_counts, axis=0),
-                      _DroplessPlan(order, regroup, route, axes, impl, x.dtype), stats)
+    return Dispatched(
+        received[regroup],
+        jnp.sum(received_counts, axis=0),
+        _DroplessPlan(order, regroup, route, axes, impl, x.dtype),
+        stats,
+    )
 
 
 def _combine_dropless(out, plan: _DroplessPlan, gates_shape):
@@ -271,16 +276,18 @@ def _combine_dropless(out, plan: _DroplessPlan, gates_shape):
     return out[_inverse(plan.order)].reshape(b, t, k, -1)
 
 
-def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                      axes: tuple[str, ...], impl: str = "padded"):
+def ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axes: tuple[str, ...], impl: str = "padded"
+):
     """`lax.ragged_all_to_all`'s contract (one slice per device of `axes`; `output_offsets` are
     where the *sent* slices land on their receivers), by `impl`: "ragged" calls it, "padded"
     emulates it with one dense all-to-all of slices padded to the most rows a slice can hold."""
     if not axes:
         raise ValueError("ragged_all_to_all needs mesh axes")
     if impl == "ragged":
-        return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                     recv_sizes, axis_name=axes)
+        return lax.ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axes
+        )
     if impl != "padded":
         raise ValueError(f"expert dispatch {impl!r}: choose one of {EXPERT_DISPATCH}")
     chunk = min(operand.shape[0], output.shape[0])
@@ -322,8 +329,9 @@ def dropless_dispatch(rows, counts, axes: tuple[str, ...], impl: str = "padded")
     recv_sizes = received_counts.sum(1)
     output_offsets = jnp.full((ep,), axis_index(axes) * m, jnp.int32)
     output = jnp.zeros((ep * m,) + rows.shape[1:], rows.dtype)
-    route = RaggedRoute(input_offsets.astype(jnp.int32), send_sizes.astype(jnp.int32), output_offsets,
-                        recv_sizes.astype(jnp.int32))
+    route = RaggedRoute(
+        input_offsets.astype(jnp.int32), send_sizes.astype(jnp.int32), output_offsets, recv_sizes.astype(jnp.int32)
+    )
     received = ragged_all_to_all(rows, output, *route, axes, impl)
     return received, received_counts, route
 
@@ -336,5 +344,4 @@ def dropless_combine(results, route: RaggedRoute, m: int, axes: tuple[str, ...],
     home_offsets = exchange(route.input_offsets, axes)  # where device i's slice for us came from
     output = jnp.zeros((m,) + results.shape[1:], results.dtype)
     starts = jnp.arange(ep, dtype=jnp.int32) * m
-    return ragged_all_to_all(results, output, starts, route.recv_sizes, home_offsets,
-                             route.send_sizes, axes, impl)
+    return ragged_all_to_all(results, output, starts, route.recv_sizes, home_offsets, route.send_sizes, axes, impl)

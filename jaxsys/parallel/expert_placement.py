@@ -156,8 +156,12 @@ def _swap_for_locality(groups, weights, affinity) -> list[list[int]]:
     while True:
         here = affinity[np.arange(e), device]
         # gain[a, b] of swapping a and b: a moves to b's device, b to a's
-        gain = affinity[np.arange(e)[:, None], device[None, :]] + affinity[np.arange(e)[None, :], device[:, None]] \
-            - here[:, None] - here[None, :]
+        gain = (
+            affinity[np.arange(e)[:, None], device[None, :]]
+            + affinity[np.arange(e)[None, :], device[:, None]]
+            - here[:, None]
+            - here[None, :]
+        )
         moved = weights[None, :] - weights[:, None]  # load change of a's device when a and b swap
         feasible = (totals[device][:, None] + moved <= bound) & (totals[device][None, :] - moved <= bound)
         feasible &= device[:, None] != device[None, :]
@@ -190,8 +194,7 @@ def permute_leaf(leaf, spec: ParamSpec, perm):
         return leaf
     lead = spec.axes.index("layers") + 1
     index = jnp.asarray(perm).reshape(leaf.shape[:lead] + (perm.shape[-1],))
-    index = index.reshape(index.shape[:lead] + (1,) * (dim - lead) + index.shape[-1:]
-                          + (1,) * (leaf.ndim - dim - 1))
+    index = index.reshape(index.shape[:lead] + (1,) * (dim - lead) + index.shape[-1:] + (1,) * (leaf.ndim - dim - 1))
     return jnp.take_along_axis(leaf, index, axis=dim)
 
 
@@ -199,8 +202,12 @@ def permute_params(params, specs, perm):
     """Every MoE leaf of a parameter-shaped tree (parameters, gradients, an Adam moment)."""
     if "moe" not in specs["layers"]:
         return params
-    moe = jax.tree.map(lambda leaf, spec: permute_leaf(leaf, spec, perm), params["layers"]["moe"],
-                       specs["layers"]["moe"], is_leaf=lambda x: is_spec(x))
+    moe = jax.tree.map(
+        lambda leaf, spec: permute_leaf(leaf, spec, perm),
+        params["layers"]["moe"],
+        specs["layers"]["moe"],
+        is_leaf=lambda x: is_spec(x),
+    )
     return {**params, "layers": {**params["layers"], "moe": moe}}
 
 
@@ -209,7 +216,7 @@ def n_moe_layers(specs) -> int:
     if "moe" not in specs.get("layers", {}):  # a dense model (or a Flax module without jaxsys's layers)
         return 0
     router = specs["layers"]["moe"]["router"]
-    return math.prod(router.shape[:router.axes.index("layers") + 1])
+    return math.prod(router.shape[: router.axes.index("layers") + 1])
 
 
 # ----------------------------------------------------------------------------- during training
@@ -236,25 +243,31 @@ class RoutingLog:
         load = np.asarray(load, np.float64)
         copies = np.maximum(load.sum(-1), 1)
         per_layer = imbalance(load, self.ep)
-        return {"moe_dropped_fraction": float(np.sum(dropped) / copies.sum()),
-                "moe_device_imbalance_max": float(per_layer.max()),
-                "moe_device_imbalance": [round(float(x), 4) for x in per_layer],
-                "moe_dropped_fraction_per_layer": [round(float(x), 5) for x in np.asarray(dropped) / copies],
-                "moe_expert_load": [[round(float(x), 5) for x in row] for row in load / copies[:, None]]}
+        return {
+            "moe_dropped_fraction": float(np.sum(dropped) / copies.sum()),
+            "moe_device_imbalance_max": float(per_layer.max()),
+            "moe_device_imbalance": [round(float(x), 4) for x in per_layer],
+            "moe_dropped_fraction_per_layer": [round(float(x), 5) for x in np.asarray(dropped) / copies],
+            "moe_expert_load": [[round(float(x), 5) for x in row] for row in load / copies[:, None]],
+        }
 
     def rebalance(self, colocate: bool) -> tuple[np.ndarray, dict]:
         """A placement from the totals since the last one, what it should do to them (imbalance and
         co-location, before and after), and a fresh window."""
         perm = balance(self.load, self.ep, self.pairs, colocate)
         load, pairs = permute_stats(self.load, self.pairs, perm)
-        summary = {"moe_rebalanced_after_steps": self.steps,
-                   "moe_window_imbalance_before": round(float(imbalance(self.load, self.ep).max()), 4),
-                   "moe_window_imbalance_after": round(float(imbalance(load, self.ep).max()), 4)}
+        summary = {
+            "moe_rebalanced_after_steps": self.steps,
+            "moe_window_imbalance_before": round(float(imbalance(self.load, self.ep).max()), 4),
+            "moe_window_imbalance_after": round(float(imbalance(load, self.ep).max()), 4),
+        }
         # co-location is between consecutive MoE layers; under a pipeline with one MoE layer per
         # stage there are no pairs (choices are not sent between stages)
         if self.pairs[1:].any():
-            summary.update(moe_window_colocation_before=round(colocation(self.pairs, self.ep), 4),
-                           moe_window_colocation_after=round(colocation(pairs, self.ep), 4))
+            summary.update(
+                moe_window_colocation_before=round(colocation(self.pairs, self.ep), 4),
+                moe_window_colocation_after=round(colocation(pairs, self.ep), 4),
+            )
         self.load[:], self.pairs[:], self.steps = 0, 0, 0
         return perm, summary
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import chex
 import jax
-from jax.ad_checkpoint import checkpoint_name
-
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys.sharding import Layout
 
@@ -92,8 +91,9 @@ def prefetched(block, regather, policy):
         kept, local = residuals
         weights, transpose = jax.vjp(regather, local)
         weights = jax.tree.leaves(weights)
-        vjp = jax.tree.unflatten(static["tree"], [weights[s] if s is not None else leaf
-                                                  for leaf, s in zip(kept, static["slots"])])
+        vjp = jax.tree.unflatten(
+            static["tree"], [weights[s] if s is not None else leaf for leaf, s in zip(kept, static["slots"])]
+        )
         ct_x, ct_previous, ct_weights = vjp(ct)
         (ct_local,) = transpose(ct_weights)
         return ct_x, ct_previous, ct_local, None

@@ -44,9 +44,11 @@ def require_host_memory(devices, what: str) -> None:
     except Exception:  # noqa: BLE001 - backends without memories raise various errors
         kinds = set()
     if HOST not in kinds:
-        raise OffloadError(f"{what} needs host memory kinds, but {device.platform} devices have "
-                           f"{sorted(kinds) or 'none'}: turn the offload option off (TPU, GPU and CPU "
-                           "devices have pinned_host)")
+        raise OffloadError(
+            f"{what} needs host memory kinds, but {device.platform} devices have "
+            f"{sorted(kinds) or 'none'}: turn the offload option off (TPU, GPU and CPU "
+            "devices have pinned_host)"
+        )
 
 
 def _move(space, back):
@@ -129,8 +131,7 @@ def hidden_fraction(compute_s: float, state_bytes: float, link_bytes_per_s: floa
     return min(1.0, compute_s * link_bytes_per_s / (2.0 * state_bytes))
 
 
-def state_kinds(optimizer: optax.GradientTransformation, abstract_params, param_bytes_tree,
-                fraction: float):
+def state_kinds(optimizer: optax.GradientTransformation, abstract_params, param_bytes_tree, fraction: float):
     """Memory kind of every optimizer-state leaf: the param-shaped leaves (moments) of the params
     `choose` picks go to HOST, the rest (step counts, non-param state) stay on DEVICE. The choice is
     made per parameter from the bytes of its state (`param_bytes_tree`: bytes of one state leaf of
@@ -138,8 +139,9 @@ def state_kinds(optimizer: optax.GradientTransformation, abstract_params, param_
     leaves, treedef = jax.tree.flatten(param_bytes_tree)
     picked = jax.tree.unflatten(treedef, choose(leaves, fraction))
     opt_shapes = jax.eval_shape(optimizer.init, abstract_params)
-    return optax.tree_map_params(optimizer, lambda _, host: HOST if host else DEVICE, opt_shapes, picked,
-                                 transform_non_params=lambda _: DEVICE)
+    return optax.tree_map_params(
+        optimizer, lambda _, host: HOST if host else DEVICE, opt_shapes, picked, transform_non_params=lambda _: DEVICE
+    )
 
 
 # ----------------------------------------------------------------------------- the update
@@ -149,8 +151,18 @@ def _empty(x):
     return jnp.zeros((0,) * x.ndim, x.dtype)
 
 
-def split_update(optimizer: optax.GradientTransformation, grads, opt_state, params, opt_kinds, param_kinds,
-                 on_host_update: bool, leafwise: bool = False, grad_scale=None, tpu_tiles: bool = False):
+def split_update(
+    optimizer: optax.GradientTransformation,
+    grads,
+    opt_state,
+    params,
+    opt_kinds,
+    param_kinds,
+    on_host_update: bool,
+    leafwise: bool = False,
+    grad_scale=None,
+    tpu_tiles: bool = False,
+):
     """One optimizer update of local shards where some optimizer-state leaves (`opt_kinds`) live on
     the host. Returns (new params, new optimizer state), each leaf in the memory its kind names
     (params by `param_kinds`).
@@ -170,8 +182,7 @@ def split_update(optimizer: optax.GradientTransformation, grads, opt_state, para
     `grad_scale` (a scalar or None): the gradients are multiplied by it first (gradient clipping).
     `tpu_tiles`: the program is for a TPU (`_block_rows`)."""
     if not on_host_update and leafwise:
-        return streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds, grad_scale,
-                               tpu_tiles)
+        return streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds, grad_scale, tpu_tiles)
     if grad_scale is not None:
         grads = jax.tree.map(lambda g: g * grad_scale.astype(g.dtype), grads)
     if not on_host_update:
@@ -183,8 +194,9 @@ def split_update(optimizer: optax.GradientTransformation, grads, opt_state, para
     half = lambda tree, host: jax.tree.map(lambda x, h: x if h == host else _empty(x), tree, on_host)
     state_half = lambda host: _state_half(optimizer, opt_state, on_host, host)
 
-    d_updates, d_state = optimizer.update(half(grads, False), to_device(state_half(False)),
-                                          to_device(half(params, False)))
+    d_updates, d_state = optimizer.update(
+        half(grads, False), to_device(state_half(False)), to_device(half(params, False))
+    )
     d_params = optax.apply_updates(to_device(half(params, False)), d_updates)
 
     @compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
@@ -193,8 +205,7 @@ def split_update(optimizer: optax.GradientTransformation, grads, opt_state, para
         u, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    h_params, h_state = host_update(to_host(half(grads, True)), to_host(state_half(True)),
-                                    to_host(half(params, True)))
+    h_params, h_state = host_update(to_host(half(grads, True)), to_host(state_half(True)), to_host(half(params, True)))
     new_params = jax.tree.map(lambda h, d, k: h if k else d, h_params, d_params, on_host)
     new_state = _merge_state(optimizer, d_state, h_state, opt_kinds)
     return place(new_params, param_kinds), place(new_state, opt_kinds)
@@ -210,8 +221,7 @@ def _state_owners(optimizer, params, opt_state) -> list:
     params) it is a copy of (AdamW's moments), or None (step counts, other non-param state)."""
     flat_params, treedef = jax.tree.flatten(params)
     index_tree = jax.tree.unflatten(treedef, list(range(len(flat_params))))
-    owners = optax.tree_map_params(optimizer, lambda _, i: i, opt_state, index_tree,
-                                   transform_non_params=lambda _: -1)
+    owners = optax.tree_map_params(optimizer, lambda _, i: i, opt_state, index_tree, transform_non_params=lambda _: -1)
     return [None if o < 0 else o for o in jax.tree.leaves(owners)]
 
 
@@ -225,13 +235,19 @@ def _block_rows(shape, blocks: int, tpu_tiles: bool) -> int:
     if not shape or shape[0] % blocks:
         return 0
     rows = shape[0] // blocks
-    if not tpu_tiles or rows % 128 == 0 or len(shape) >= 3 or (len(shape) == 2 and rows % 8 == 0 and shape[1] % 128 == 0):
+    if (
+        not tpu_tiles
+        or rows % 128 == 0
+        or len(shape) >= 3
+        or (len(shape) == 2 and rows % 8 == 0 and shape[1] % 128 == 0)
+    ):
         return rows
     return 0
 
 
-def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds, grad_scale=None,
-                    tpu_tiles: bool = False):
+def streamed_update(
+    optimizer, grads, opt_state, params, opt_kinds, param_kinds, grad_scale=None, tpu_tiles: bool = False
+):
     """The device update of a leafwise optimizer (AdamW), streamed layer by layer as ZeRO-Offload
     and Deep Optimizer States stream it. A loop over the stack of layers (the `layers` subtree,
     leading dimension the layers) updates one layer's slice of every stacked leaf per iteration:
@@ -274,8 +290,10 @@ def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds,
         ps = [pieces[j][0] if j in pieces else _empty(x) for j, x in enumerate(flat_p)]
         gs = [pieces[j][1] if j in pieces else _empty(x) for j, x in enumerate(flat_g)]
         states = {k: v for j, (_, _, vs) in pieces.items() for k, v in zip(mine[j], vs)}
-        ss = [states[k] if o in pieces else (x if o is None else _empty(x))
-              for k, (o, x) in enumerate(zip(owners, flat_s))]
+        ss = [
+            states[k] if o in pieces else (x if o is None else _empty(x))
+            for k, (o, x) in enumerate(zip(owners, flat_s))
+        ]
         updates, new = optimizer.update(ptree.unflatten(gs), stree.unflatten(ss), ptree.unflatten(ps))
         new_p = ptree.flatten_up_to(optax.apply_updates(ptree.unflatten(ps), updates))
         new = jax.tree.leaves(new)
@@ -290,8 +308,7 @@ def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds,
     stacks: dict[int, list[int]] = {}  # number of layers -> the stacked leaves with that many
     rest = []
     for i, (path, p) in enumerate(zip(paths, flat_p)):
-        (stacks.setdefault(p.shape[0], []) if _stacked(path) and p.ndim >= 1 and p.shape[0] > 0
-         else rest).append(i)
+        (stacks.setdefault(p.shape[0], []) if _stacked(path) and p.ndim >= 1 and p.shape[0] > 0 else rest).append(i)
 
     def layer(l, stacked, chunked, whole, carry):
         """Update layer `l` of the `stacked` leaves, row block `l` of the `chunked` leaves ({leaf:
@@ -310,8 +327,10 @@ def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds,
                 return lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), l * chunked[i], axis=0)
             return lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), l, 0) if i in stacked else v
 
-        pieces = {i: (take(i, p_all[i]), scaled(take(i, flat_g[i])), [to_device(take(i, s)) for s in s_all[i]])
-                  for i in [*stacked, *chunked, *whole]}
+        pieces = {
+            i: (take(i, p_all[i]), scaled(take(i, flat_g[i])), [to_device(take(i, s)) for s in s_all[i]])
+            for i in [*stacked, *chunked, *whole]
+        }
         done, _ = update(pieces)
         for i, (p, vs) in done.items():
             p_all[i] = put(i, p_all[i], p)
@@ -329,13 +348,14 @@ def streamed_update(optimizer, grads, opt_state, params, opt_kinds, param_kinds,
         rest = [i for i in rest if i not in chunked]
         first = min(len(rest), n_layers)
         for l in range(first):
-            carry = layer(l, stacked, chunked, rest[l:l + 1] if l < first - 1 else rest[l:], carry)
+            carry = layer(l, stacked, chunked, rest[l : l + 1] if l < first - 1 else rest[l:], carry)
         rest = []
         if first < n_layers:
             members = [*stacked, *chunked]
             sub = ({i: carry[0][i] for i in members}, {i: carry[1][i] for i in members})
-            sub = lax.fori_loop(first, n_layers,
-                                lambda l, c, stacked=stacked, chunked=chunked: layer(l, stacked, chunked, [], c), sub)
+            sub = lax.fori_loop(
+                first, n_layers, lambda l, c, stacked=stacked, chunked=chunked: layer(l, stacked, chunked, [], c), sub
+            )
             carry = ({**carry[0], **sub[0]}, {**carry[1], **sub[1]})
 
     carry = ([carry[0][i] for i in range(len(flat_p))], [carry[1][i] for i in range(len(flat_p))])
@@ -358,15 +378,17 @@ def _param_mask(optimizer, params, opt_kinds):
             marks[index] = True
         return kind
 
-    optax.tree_map_params(optimizer, mark, opt_kinds, index_tree, transform_non_params=lambda x: x,
-                          is_leaf=lambda x: isinstance(x, str))
+    optax.tree_map_params(
+        optimizer, mark, opt_kinds, index_tree, transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, str)
+    )
     return jax.tree.unflatten(treedef, marks)
 
 
 def _state_half(optimizer, opt_state, on_host, host: bool):
     """The optimizer state with the param-shaped leaves of the other half made zero-size."""
-    return optax.tree_map_params(optimizer, lambda x, h: x if h == host else _empty(x), opt_state, on_host,
-                                 transform_non_params=lambda x: x)
+    return optax.tree_map_params(
+        optimizer, lambda x, h: x if h == host else _empty(x), opt_state, on_host, transform_non_params=lambda x: x
+    )
 
 
 def _merge_state(optimizer, d_state, h_state, opt_kinds):
@@ -385,8 +407,8 @@ def remat_policy(base, names: tuple[str, ...]):
     if not names:
         return base
     offload = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-        offload_src=DEVICE, offload_dst=HOST)
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names), offload_src=DEVICE, offload_dst=HOST
+    )
 
     def policy(prim, *args, **params):
         decision = offload(prim, *args, **params)
@@ -414,7 +436,12 @@ class Plan:
     @classmethod
     def from_config(cls, config) -> "Plan":
         from jaxsys.config import offloaded_activations
-        o = config.offload
-        return cls(bool(o.optimizer), o.optimizer_update == "host", float(o.optimizer_fraction),
-                   bool(o.params), offloaded_activations(config))
 
+        o = config.offload
+        return cls(
+            bool(o.optimizer),
+            o.optimizer_update == "host",
+            float(o.optimizer_fraction),
+            bool(o.params),
+            offloaded_activations(config),
+        )

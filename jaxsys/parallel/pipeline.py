@@ -66,8 +66,7 @@ def make_schedule(name: str, p: int, m: int, v: int = 1) -> schedules.Schedule:
         return schedules.eager_one_f_one_b(p, m)
     if name == "interleaved_1f1b":
         return schedules.interleaved_one_f_one_b(p, m, v)
-    raise ValueError(f"unknown pipeline schedule {name!r}: choose gpipe, 1f1b, eager_1f1b or "
-                     "interleaved_1f1b")
+    raise ValueError(f"unknown pipeline schedule {name!r}: choose gpipe, 1f1b, eager_1f1b or interleaved_1f1b")
 
 
 # --------------------------------------------------------------------------- lockstep program
@@ -115,8 +114,7 @@ def _allocate(intervals: dict) -> tuple[dict, int]:
     return slot_of, len(free_at)
 
 
-def lockstep(schedule: schedules.Schedule, backward: bool = True,
-             vocab_parallel: bool = False) -> Program:
+def lockstep(schedule: schedules.Schedule, backward: bool = True, vocab_parallel: bool = False) -> Program:
     """Pack each device's action order of `schedule` into ticks: a device takes the next action of
     its order when the action it depends on ran in an earlier tick, at most one forward and one
     backward per tick. `backward=False` keeps the forwards only (evaluation)."""
@@ -167,8 +165,21 @@ def lockstep(schedule: schedules.Schedule, backward: bool = True,
     act_slot = lambda d, key: act_alloc[d][0].get(key, act_slots)  # missing -> the spare slot
     grad_slot = lambda d, key: grad_alloc[d][0].get(key, grad_slots)
 
-    per_device = ("f_kind", "f_mb", "f_chunk", "f_slot", "f_stash", "b_kind", "b_mb", "b_chunk",
-                  "b_act", "b_grad", "recv_act", "recv_grad", "own_grad")
+    per_device = (
+        "f_kind",
+        "f_mb",
+        "f_chunk",
+        "f_slot",
+        "f_stash",
+        "b_kind",
+        "b_mb",
+        "b_chunk",
+        "b_act",
+        "b_grad",
+        "recv_act",
+        "recv_grad",
+        "own_grad",
+    )
     tables = {k: np.zeros((ticks, p), np.int32) for k in per_device}
     for k in ("f_stash", "recv_act"):
         tables[k][:] = act_slots
@@ -207,16 +218,20 @@ def lockstep(schedule: schedules.Schedule, backward: bool = True,
                     tables["recv_grad"][t, (d - 1) % p] = grad_slot((d - 1) % p, (i, s - 1))
                 elif vocab_parallel:
                     tables["embed_bwd_mb"][t] = i
-    return Program(schedule.name, p, m, v, tuple(fwd), tuple(bwd), act_slots, grad_slots,
-                   vocab_parallel, tables)
+    return Program(schedule.name, p, m, v, tuple(fwd), tuple(bwd), act_slots, grad_slots, vocab_parallel, tables)
 
 
 def lockstep_time(program: Program, backward_cost: float = 2) -> float:
     """Duration of the program when each tick lasts as long as its busiest device: a forward of a
     chunk costs 1, a backward `backward_cost` (3 with the stage recomputation here). In units of
     one chunk's forward (divide by v for a whole device's forward)."""
-    return sum(max((program.forward[t][d] is not None) + backward_cost * (program.backward[t][d] is not None)
-                   for d in range(program.p)) for t in range(program.ticks))
+    return sum(
+        max(
+            (program.forward[t][d] is not None) + backward_cost * (program.backward[t][d] is not None)
+            for d in range(program.p)
+        )
+        for t in range(program.ticks)
+    )
 
 
 def render(program: Program) -> str:
@@ -230,10 +245,13 @@ def render(program: Program) -> str:
             row.append("+".join(parts) or ".")
         cells.append(row)
     width = max(len(c) for row in cells for c in row)
-    head = (f"{program.name} in lockstep: p={program.p} m={program.m} v={program.v} "
-            f"ticks={program.ticks} act_slots={program.act_slots} grad_slots={program.grad_slots}")
-    return "\n".join([head] + [f"dev {d}: " + " ".join(c.ljust(width) for c in row).rstrip()
-                               for d, row in enumerate(cells)])
+    head = (
+        f"{program.name} in lockstep: p={program.p} m={program.m} v={program.v} "
+        f"ticks={program.ticks} act_slots={program.act_slots} grad_slots={program.grad_slots}"
+    )
+    return "\n".join(
+        [head] + [f"dev {d}: " + " ".join(c.ljust(width) for c in row).rstrip() for d, row in enumerate(cells)]
+    )
 
 
 # --------------------------------------------------------------------------- executor
@@ -335,8 +353,7 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         dw, dx = pull(dy)
         g_chunks = add_to_chunk(g_chunks, j, dw)
         if not vp:
-            g_shared = lax.cond(row["b_kind"] == FIRST, lambda g: embed_grad(g, mb, dx), lambda g: g,
-                                g_shared)
+            g_shared = lax.cond(row["b_kind"] == FIRST, lambda g: embed_grad(g, mb, dx), lambda g: g, g_shared)
         return dx, g_chunks, g_shared
 
     def uniform(flag, on, off, *args):
@@ -351,28 +368,45 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         row = {k: (a[d] if a.ndim == 1 else a) for k, a in row_all.items()}  # [p] -> this device
         x0 = zeros_x()
         if vp:
-            x0 = uniform(row["embed_mb"] >= 0, lambda mb: fns.embed(shared, take(inputs, mb)),
-                         lambda mb: zeros_x(), jnp.maximum(row["embed_mb"], 0))
+            x0 = uniform(
+                row["embed_mb"] >= 0,
+                lambda mb: fns.embed(shared, take(inputs, mb)),
+                lambda mb: zeros_x(),
+                jnp.maximum(row["embed_mb"], 0),
+            )
         # Slots are read here, outside the conds, so that XLA updates the buffers in place (as a
         # cond operand the whole buffer was copied every tick: twice the stash).
         send_f, stash, loss, stats = lax.cond(
-            row["f_kind"] != NONE, forward, lambda x, x0, loss, stats, row: (zeros_x(), zeros_x(), loss, stats),
-            take(act, row["f_slot"]), x0, loss, stats, row)
+            row["f_kind"] != NONE,
+            forward,
+            lambda x, x0, loss, stats, row: (zeros_x(), zeros_x(), loss, stats),
+            take(act, row["f_slot"]),
+            x0,
+            loss,
+            stats,
+            row,
+        )
         send_b = zeros_x()
         if backward:
             send_b, g_chunks, g_shared = lax.cond(
-                row["b_kind"] != NONE, backward_step, lambda x, dy, gc, gs, row: (zeros_x(), gc, gs),
-                take(act, row["b_act"]), take(grad, row["b_grad"]), g_chunks, g_shared, row)
+                row["b_kind"] != NONE,
+                backward_step,
+                lambda x, dy, gc, gs, row: (zeros_x(), gc, gs),
+                take(act, row["b_act"]),
+                take(grad, row["b_grad"]),
+                g_chunks,
+                g_shared,
+                row,
+            )
 
-        recv_f = uniform(row["send_fwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, +1)),
-                         jnp.zeros_like, send_f)
+        recv_f = uniform(row["send_fwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, +1)), jnp.zeros_like, send_f)
         act = put(put(act, row["recv_act"], recv_f), row["f_stash"], stash)
         if backward:
-            recv_b = uniform(row["send_bwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, -1)),
-                             jnp.zeros_like, send_b)
+            recv_b = uniform(row["send_bwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, -1)), jnp.zeros_like, send_b)
             grad = put(grad, row["recv_grad"], recv_b)
 
         if vp:
+
             def output_pass(g_shared, loss, mb):
                 h, tgt = broadcast_from(p - 1, send_f), take(targets, mb)
                 if backward:
@@ -383,14 +417,23 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                     value, dh = fns.loss(shared, h, tgt), zeros_x()
                 return g_shared, loss + jnp.where(d == p - 1, value, 0.0), dh.astype(x_struct.dtype)
 
-            g_shared, loss, dh = uniform(row["out_mb"] >= 0, output_pass,
-                                         lambda g, l, mb: (g, l, zeros_x()),
-                                         g_shared, loss, jnp.maximum(row["out_mb"], 0))
+            g_shared, loss, dh = uniform(
+                row["out_mb"] >= 0,
+                output_pass,
+                lambda g, l, mb: (g, l, zeros_x()),
+                g_shared,
+                loss,
+                jnp.maximum(row["out_mb"], 0),
+            )
             if backward:
                 grad = put(grad, row["own_grad"], dh)
-                g_shared = uniform(row["embed_bwd_mb"] >= 0,
-                                   lambda g, mb: embed_grad(g, mb, broadcast_from(0, send_b)),
-                                   lambda g, mb: g, g_shared, jnp.maximum(row["embed_bwd_mb"], 0))
+                g_shared = uniform(
+                    row["embed_bwd_mb"] >= 0,
+                    lambda g, mb: embed_grad(g, mb, broadcast_from(0, send_b)),
+                    lambda g, mb: g,
+                    g_shared,
+                    jnp.maximum(row["embed_bwd_mb"], 0),
+                )
         return (act, grad, g_chunks, g_shared, loss, stats), None
 
     act = jnp.zeros((program.act_slots + 1,) + x_struct.shape, x_struct.dtype)
@@ -412,7 +455,7 @@ def _over_stages(x, p: int, v: int):
     if x.ndim == (1 if v > 1 else 0):
         return lax.psum(jnp.sum(x), PIPE)
     gathered = lax.all_gather(x if v > 1 else x[None], PIPE)  # [p, v, L_stage, ...]
-    return jnp.swapaxes(gathered, 0, 1).reshape(-1, *x.shape[2 if v > 1 else 1:])
+    return jnp.swapaxes(gathered, 0, 1).reshape(-1, *x.shape[2 if v > 1 else 1 :])
 
 
 def _ring(p: int, step: int) -> list[tuple[int, int]]:

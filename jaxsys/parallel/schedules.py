@@ -109,8 +109,9 @@ def _check_sizes(p: int, m: int, v: int = 1, backward_cost: int = 2) -> None:
 # --------------------------------------------------------------------------- simulation
 
 
-def simulate(name: str, p: int, m: int, v: int, orders: Sequence[Sequence[tuple[Kind, int, int]]],
-             backward_cost: int = 2) -> Schedule:
+def simulate(
+    name: str, p: int, m: int, v: int, orders: Sequence[Sequence[tuple[Kind, int, int]]], backward_cost: int = 2
+) -> Schedule:
     """Place each device's ordered (kind, micro-batch, chunk) list at the earliest ticks allowed.
 
     An action starts when its device has finished the previous action of its list and all its
@@ -144,8 +145,7 @@ def simulate(name: str, p: int, m: int, v: int, orders: Sequence[Sequence[tuple[
                 start = max([free[d]] + [finish[k] for k in need])
                 key = (kind, i, s)
                 if key in finish:
-                    raise ValueError(f"{name}: {kind} of micro-batch {i}, stage {s} is listed "
-                                     f"twice")
+                    raise ValueError(f"{name}: {kind} of micro-batch {i}, stage {s} is listed twice")
                 finish[key] = start + cost[kind]
                 free[d] = finish[key]
                 placed[d].append((start, Action(kind, i, j, s)))
@@ -185,8 +185,9 @@ def one_f_one_b(p: int, m: int, backward_cost: int = 2) -> Schedule:
     warm-up of the first devices would already hold every micro-batch: use `gpipe`)."""
     _check_sizes(p, m, 1, backward_cost)
     if m < p:
-        raise ValueError(f"1F1B needs at least as many micro-batches as stages: m >= p "
-                         f"(got m={m}, p={p}); use gpipe for m < p")
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: m >= p (got m={m}, p={p}); use gpipe for m < p"
+        )
     return simulate("1f1b", p, m, 1, _one_f_one_b_orders(p, m, lambda d: p - d - 1), backward_cost)
 
 
@@ -199,10 +200,10 @@ def eager_one_f_one_b(p: int, m: int, backward_cost: int = 2) -> Schedule:
     (GPipe holds all m). Requires m >= p."""
     _check_sizes(p, m, 1, backward_cost)
     if m < p:
-        raise ValueError(f"1F1B needs at least as many micro-batches as stages: m >= p "
-                         f"(got m={m}, p={p}); use gpipe for m < p")
-    return simulate("eager_1f1b", p, m, 1, _one_f_one_b_orders(p, m, lambda d: 2 * (p - d) - 1),
-                    backward_cost)
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: m >= p (got m={m}, p={p}); use gpipe for m < p"
+        )
+    return simulate("eager_1f1b", p, m, 1, _one_f_one_b_orders(p, m, lambda d: 2 * (p - d) - 1), backward_cost)
 
 
 def _one_f_one_b_orders(p: int, m: int, warmup_of) -> list:
@@ -239,8 +240,10 @@ def interleaved_one_f_one_b(p: int, m: int, v: int, backward_cost: int = 2) -> S
     all forwards first on every device when m == p. The bubble is the same either way (tested)."""
     _check_sizes(p, m, v, backward_cost)
     if m < p or m % p:
-        raise ValueError(f"the interleaved schedule needs the micro-batches to be a multiple of "
-                         f"the stages: m % p == 0 and m >= p (got m={m}, p={p})")
+        raise ValueError(
+            f"the interleaved schedule needs the micro-batches to be a multiple of "
+            f"the stages: m % p == 0 and m >= p (got m={m}, p={p})"
+        )
     if v == 1:
         return one_f_one_b(p, m, backward_cost)
     total = v * m
@@ -252,7 +255,7 @@ def interleaved_one_f_one_b(p: int, m: int, v: int, backward_cost: int = 2) -> S
         order = f[:warmup]
         for k in range(total - warmup):
             order += [f[warmup + k], b[k]]
-        order += b[total - warmup:]
+        order += b[total - warmup :]
         orders.append(order)
     return simulate("interleaved_1f1b", p, m, v, orders, backward_cost)
 
@@ -276,22 +279,23 @@ def validate(schedule: Schedule) -> None:
                 t += 1
                 continue
             if a.kind not in ("F", "B"):
-                raise ValueError(f"{s.name}: unknown action kind {a.kind!r} at tick {t}, "
-                                 f"device {d}")
+                raise ValueError(f"{s.name}: unknown action kind {a.kind!r} at tick {t}, device {d}")
             c = s.cost(a.kind)
             if not (0 <= a.microbatch < s.m and 0 <= a.chunk < s.v):
                 raise ValueError(f"{s.name}: {a} at tick {t} is outside m={s.m}, v={s.v}")
             if a.stage != a.chunk * s.p + d:
-                raise ValueError(f"{s.name}: {a} on device {d} at tick {t}: stage must be "
-                                 f"chunk * p + device = {a.chunk * s.p + d}")
+                raise ValueError(
+                    f"{s.name}: {a} on device {d} at tick {t}: stage must be chunk * p + device = {a.chunk * s.p + d}"
+                )
             run = [s.actions[u][d] for u in range(t, min(t + c, s.ticks))]
             if len(run) < c or any(x != a for x in run):
-                raise ValueError(f"{s.name}: {a} on device {d} from tick {t} must occupy {c} "
-                                 f"consecutive ticks")
+                raise ValueError(f"{s.name}: {a} on device {d} from tick {t} must occupy {c} consecutive ticks")
             key = (a.kind, a.microbatch, a.stage)
             if key in start:
-                raise ValueError(f"{s.name}: {a.kind} of micro-batch {a.microbatch}, stage "
-                                 f"{a.stage} runs twice (ticks {start[key]} and {t})")
+                raise ValueError(
+                    f"{s.name}: {a.kind} of micro-batch {a.microbatch}, stage "
+                    f"{a.stage} runs twice (ticks {start[key]} and {t})"
+                )
             start[key] = t
             t += c
     for kind in ("F", "B"):
@@ -309,9 +313,11 @@ def validate(schedule: Schedule) -> None:
         else:
             need = ("B", i, st + 1) if st < n_stages - 1 else ("F", i, st)
         if need is not None and done(*need) > t:
-            raise ValueError(f"{s.name}: {kind}(micro-batch {i}, stage {st}) starts at tick {t} "
-                             f"before {need[0]}(micro-batch {i}, stage {need[2]}) finishes at "
-                             f"tick {done(*need)}")
+            raise ValueError(
+                f"{s.name}: {kind}(micro-batch {i}, stage {st}) starts at tick {t} "
+                f"before {need[0]}(micro-batch {i}, stage {need[2]}) finishes at "
+                f"tick {done(*need)}"
+            )
 
 
 def bubble_fraction(schedule: Schedule) -> Fraction:
@@ -319,7 +325,7 @@ def bubble_fraction(schedule: Schedule) -> Fraction:
     busy = [t for t, row in enumerate(schedule.actions) if any(a is not None for a in row)]
     if not busy:
         return Fraction(0)
-    rows = schedule.actions[busy[0]:busy[-1] + 1]
+    rows = schedule.actions[busy[0] : busy[-1] + 1]
     idle = sum(a is None for row in rows for a in row)
     return Fraction(idle, len(rows) * schedule.p)
 
@@ -355,7 +361,8 @@ def render(schedule: Schedule) -> str:
             for t in range(start + 1, start + s.cost(a.kind)):
                 cells[d][t] = "--"
     width = max([len(c) for row in cells for c in row] + [1])
-    head = (f"{s.name}: p={s.p} m={s.m} v={s.v} backward_cost={s.backward_cost} "
-            f"ticks={s.ticks} bubble={bubble_fraction(s)}")
+    head = (
+        f"{s.name}: p={s.p} m={s.m} v={s.v} backward_cost={s.backward_cost} ticks={s.ticks} bubble={bubble_fraction(s)}"
+    )
     rows = [f"dev {d}: " + " ".join(c.ljust(width) for c in cells[d]).rstrip() for d in range(s.p)]
     return "\n".join([head] + rows)

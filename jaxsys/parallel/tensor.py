@@ -26,14 +26,17 @@ ppermute steps beside chunks of the matmul (collective_matmul.py, docs/comm_over
 from __future__ import annotations
 
 import chex
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsys.parallel.collectives import (all_gather_fwd_reduce_scatter_bwd, axis_index,
-                                         copy_fwd_psum_bwd, psum_fwd_copy_bwd,
-                                         reduce_scatter_fwd_all_gather_bwd)
 from jaxsys.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jaxsys.parallel.collectives import (
+    all_gather_fwd_reduce_scatter_bwd,
+    axis_index,
+    copy_fwd_psum_bwd,
+    psum_fwd_copy_bwd,
+    reduce_scatter_fwd_all_gather_bwd,
+)
 
 SEQ_DIM = 1  # activations are [B, T, D]
 
@@ -114,8 +117,9 @@ def cross_entropy(logits, targets, axes: tuple[str, ...]):
     """Vocabulary-parallel cross-entropy: logits[B, T, V/tp] (this rank's vocabulary slice),
     targets[B, T] -> per-token loss[B, T] (fp32), equal on every rank. Never gathers the logits:
     three [B, T] all-reduces (max, sum of exponentials, target logit)."""
-    chex.assert_shape(targets, logits.shape[:-1],
-                      custom_message="tensor.cross_entropy takes targets[B, T] for logits[B, T, V/tp]")
+    chex.assert_shape(
+        targets, logits.shape[:-1], custom_message="tensor.cross_entropy takes targets[B, T] for logits[B, T, V/tp]"
+    )
     chex.assert_type(targets, int, custom_message="tensor.cross_entropy takes integer targets")
     logits = logits.astype(jnp.float32)
     width = logits.shape[-1]

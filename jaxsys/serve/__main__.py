@@ -25,14 +25,21 @@ def main(argv=None) -> int:
     from jaxsys import generate
     from jaxsys.mesh import cpu_unless_accelerator
     from jaxsys.serve import server, spec_engine
+
     cpu_unless_accelerator()
-    flags = {"pages": args.pages, "page_size": args.page_size, "token_budget": args.token_budget,
-             "chunk_size": args.chunk_size, "max_seqs": args.max_seqs}
+    flags = {
+        "pages": args.pages,
+        "page_size": args.page_size,
+        "token_budget": args.token_budget,
+        "chunk_size": args.chunk_size,
+        "max_seqs": args.max_seqs,
+    }
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     try:
         program, params, config = generate.load_program(args.workdir, overrides, args.step)
         if config.serve.disaggregate:  # prefill and decode on two sub-meshes (serve/disagg.py)
             from jaxsys.serve import disagg
+
             eng = disagg.DisaggregatedEngine.from_config(config, params)
         else:
             eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
@@ -41,9 +48,13 @@ def main(argv=None) -> int:
         return 2
     httpd, loop = server.serve(eng, config.data.source in generate.BYTE_SOURCES, args.workdir, args.host, args.port)
     sv = config.serve
-    print(f"jaxsys.serve: {args.workdir} on http://{args.host}:{httpd.server_address[1]}/v1/completions "
-          f"({sv.pages} pages of {sv.page_size} tokens, budget {sv.token_budget}, chunk {sv.chunk_size}, "
-          f"{sv.policy})", file=sys.stderr, flush=True)
+    print(
+        f"jaxsys.serve: {args.workdir} on http://{args.host}:{httpd.server_address[1]}/v1/completions "
+        f"({sv.pages} pages of {sv.page_size} tokens, budget {sv.token_budget}, chunk {sv.chunk_size}, "
+        f"{sv.policy})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

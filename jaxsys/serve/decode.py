@@ -22,17 +22,18 @@ top-p (nucleus) filter before a categorical draw; one PRNG key per step from `se
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxsys.config import ConfigError, layer_pattern
 from jaxsys.models import transformer
+
+if TYPE_CHECKING:  # the program is built by jaxsys.program, which the serving code does not import
+    from jaxsys.program import Program
 
 MIN_BUCKET = 16
 
@@ -41,15 +42,21 @@ def check_servable(config) -> None:
     """Generation runs on the data and tensor axes; name what it does not support."""
     m = config.model
     if config.mesh.pipe > 1 or config.mesh.seq > 1:
-        raise ConfigError(f"generation runs on the data/fsdp and tensor axes; config.mesh.pipe="
-                          f"{config.mesh.pipe} and config.mesh.seq={config.mesh.seq} must be 1 "
-                          "(override them: --config.mesh.pipe=1 --config.mesh.seq=1)")
+        raise ConfigError(
+            f"generation runs on the data/fsdp and tensor axes; config.mesh.pipe="
+            f"{config.mesh.pipe} and config.mesh.seq={config.mesh.seq} must be 1 "
+            "(override them: --config.mesh.pipe=1 --config.mesh.seq=1)"
+        )
     if config.parallel.sequence_parallel:
-        raise ConfigError("generation decodes one token per sequence, which sequence parallelism cannot "
-                          "split: set --config.parallel.sequence_parallel=false")
+        raise ConfigError(
+            "generation decodes one token per sequence, which sequence parallelism cannot "
+            "split: set --config.parallel.sequence_parallel=false"
+        )
     if "linear" in layer_pattern(m):
-        raise ConfigError(f"config.model.layer_pattern={m.layer_pattern!r}: KV-cache generation needs "
-                          "softmax attention layers (linear layers' recurrent state is not implemented)")
+        raise ConfigError(
+            f"config.model.layer_pattern={m.layer_pattern!r}: KV-cache generation needs "
+            "softmax attention layers (linear layers' recurrent state is not implemented)"
+        )
 
 
 def bucket(length: int, max_len: int) -> int:
@@ -89,7 +96,7 @@ class Decoder:
     """The compiled prefill and decode of `program`'s model for `batch` sequences of up to
     `max_len` tokens (prompt and continuation)."""
 
-    program: object  # train.Program
+    program: Program
     batch: int
     max_len: int
 
@@ -98,8 +105,10 @@ class Decoder:
         layout = self.program.layout
         shards = layout.size(layout.compute_axes("batch"))
         if self.batch % shards:
-            raise ConfigError(f"a generation batch of {self.batch} does not split over the {shards} batch "
-                              "shards of the mesh: pad it (Decoder.padded_batch) or shrink config.mesh.data")
+            raise ConfigError(
+                f"a generation batch of {self.batch} does not split over the {shards} batch "
+                "shards of the mesh: pad it (Decoder.padded_batch) or shrink config.mesh.data"
+            )
         m = self.program.config.model
         self.cache_pspec = layout.compute_spec(("layers", "batch", None, "kv_heads", None))
         self.rows_pspec = layout.compute_spec(("batch", None))
@@ -155,24 +164,30 @@ class Decoder:
         (logits [B, T, V], cache). Compiled once per T."""
         if self._extend is None:
             p = self.program
-            fn = jax.shard_map(self._local_extend, mesh=p.mesh,
-                               in_specs=(p.param_pspecs, self.rows_pspec, self.batch_pspec, self.cache_pspec,
-                                         self.cache_pspec),
-                               out_specs=(p.layout.compute_spec(("batch", None, None)), self.cache_pspec,
-                                          self.cache_pspec), check_vma=False)
+            fn = jax.shard_map(
+                self._local_extend,
+                mesh=p.mesh,
+                in_specs=(p.param_pspecs, self.rows_pspec, self.batch_pspec, self.cache_pspec, self.cache_pspec),
+                out_specs=(p.layout.compute_spec(("batch", None, None)), self.cache_pspec, self.cache_pspec),
+                check_vma=False,
+            )
             self._extend = jax.jit(fn, donate_argnums=(3, 4))
-        logits, k, v = self._extend(params, self.put(tokens, self.rows_pspec), self.put(start, self.batch_pspec),
-                                    *cache)
+        logits, k, v = self._extend(
+            params, self.put(tokens, self.rows_pspec), self.put(start, self.batch_pspec), *cache
+        )
         return logits, (k, v)
 
     def _compile(self, prefill: bool):
         program = self.program
         local = self._local_prefill if prefill else self._local_decode
         tokens_spec = self.rows_pspec if prefill else self.batch_pspec
-        fn = jax.shard_map(local, mesh=program.mesh,
-                           in_specs=(program.param_pspecs, tokens_spec, self.batch_pspec, self.cache_pspec,
-                                     self.cache_pspec),
-                           out_specs=(self.rows_pspec, self.cache_pspec, self.cache_pspec), check_vma=False)
+        fn = jax.shard_map(
+            local,
+            mesh=program.mesh,
+            in_specs=(program.param_pspecs, tokens_spec, self.batch_pspec, self.cache_pspec, self.cache_pspec),
+            out_specs=(self.rows_pspec, self.cache_pspec, self.cache_pspec),
+            check_vma=False,
+        )
         return jax.jit(fn, donate_argnums=(3, 4))
 
     # -- global
@@ -186,21 +201,32 @@ class Decoder:
 
     def prefill(self, params, tokens, lengths, cache):
         """tokens [B, Tb] (right-padded), lengths [B] -> (logits [B, V], cache)."""
-        logits, k, v = self._prefill(params, self.put(tokens, self.rows_pspec),
-                                     self.put(lengths, self.batch_pspec), *cache)
+        logits, k, v = self._prefill(
+            params, self.put(tokens, self.rows_pspec), self.put(lengths, self.batch_pspec), *cache
+        )
         return logits, (k, v)
 
     def decode(self, params, tokens, positions, cache):
-        logits, k, v = self._decode(params, self.put(tokens, self.batch_pspec),
-                                    self.put(positions, self.batch_pspec), *cache)
+        logits, k, v = self._decode(
+            params, self.put(tokens, self.batch_pspec), self.put(positions, self.batch_pspec), *cache
+        )
         return logits, (k, v)
 
 
 _sample = jax.jit(sample)
 
 
-def generate(decoder: Decoder, params, prompts: list, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, on_token=None) -> list[list[int]]:
+def generate(
+    decoder: Decoder,
+    params,
+    prompts: list,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    on_token=None,
+) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by `max_new_tokens` tokens. `on_token(step,
     tokens[B])` sees each step's tokens as they come (streaming). Returns the new tokens per prompt."""
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -208,19 +234,23 @@ def generate(decoder: Decoder, params, prompts: list, max_new_tokens: int, tempe
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
-                         f"temperature={temperature}, top_k={top_k}, top_p={top_p}")
+        raise ValueError(
+            f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
+            f"temperature={temperature}, top_k={top_k}, top_p={top_p}"
+        )
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > decoder.max_len:
-        raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the cache of "
-                         f"{decoder.max_len} positions: shorten the prompt or lower --max-new-tokens")
+        raise ValueError(
+            f"a prompt of {longest} tokens plus {max_new_tokens} new ones exceeds the cache of "
+            f"{decoder.max_len} positions: shorten the prompt or lower --max-new-tokens"
+        )
     if len(prompts) > decoder.batch:
         raise ValueError(f"{len(prompts)} prompts for a decoder of batch {decoder.batch}")
     width = bucket(longest, decoder.max_len)
     rows = np.zeros((decoder.batch, width), np.int32)
     lengths = np.ones(decoder.batch, np.int32)  # padding rows: a one-token dummy prompt
     for i, p in enumerate(prompts):
-        rows[i, :len(p)] = p
+        rows[i, : len(p)] = p
         lengths[i] = len(p)
     cache = decoder.init_cache()
     logits, cache = decoder.prefill(params, rows, lengths, cache)
@@ -232,7 +262,7 @@ def generate(decoder: Decoder, params, prompts: list, max_new_tokens: int, tempe
         host = np.asarray(tokens)
         out.append(host)
         if on_token is not None:
-            on_token(step, host[:len(prompts)])
+            on_token(step, host[: len(prompts)])
         if step + 1 < max_new_tokens:
             logits, cache = decoder.decode(params, host, lengths + step, cache)
     new = np.stack(out, axis=1)

@@ -55,8 +55,9 @@ PLACEMENTS = ("cost", "prefill", "colocated")
 
 # ----------------------------------------------------------------------------- config
 
+
 def parse_mesh(text: str, key: str) -> dict:
-    """"data=2,tensor=2" -> {axis: size} over every mesh axis (unnamed axes 1); ConfigError naming `key`."""
+    """ "data=2,tensor=2" -> {axis: size} over every mesh axis (unnamed axes 1); ConfigError naming `key`."""
     sizes = {a: 1 for a in MESH_AXES}
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
@@ -64,8 +65,10 @@ def parse_mesh(text: str, key: str) -> dict:
         axis, eq, value = part.partition("=")
         axis = axis.strip()
         if not eq or axis not in MESH_AXES:
-            raise ConfigError(f"{key}={text!r}: give axis=size pairs separated by commas, axes from {MESH_AXES} "
-                              "(e.g. 'data=2,tensor=2')")
+            raise ConfigError(
+                f"{key}={text!r}: give axis=size pairs separated by commas, axes from {MESH_AXES} "
+                "(e.g. 'data=2,tensor=2')"
+            )
         try:
             sizes[axis] = int(value)
         except ValueError:
@@ -81,18 +84,23 @@ def _model_divides(config, key: str) -> None:
     from jaxsys.models import transformer
     from jaxsys.models.params import is_spec
     from jaxsys.sharding import Layout
+
     layout = Layout.from_config(config)
     m = config.model
-    checks = [("n_kv_heads", m.n_kv_heads, layout.compute_axes("kv_heads")),
-              ("n_heads", m.n_heads, layout.compute_axes("heads"))]
+    checks = [
+        ("n_kv_heads", m.n_kv_heads, layout.compute_axes("kv_heads")),
+        ("n_heads", m.n_heads, layout.compute_axes("heads")),
+    ]
     for spec in jax.tree.leaves(transformer.param_specs(m), is_leaf=is_spec):
         for dim, logical in zip(spec.shape, spec.axes):
             checks.append((f"a {logical} dimension", dim, layout.param_axes(logical)))
     for what, dim, axes in checks:
         n = layout.size(axes)
         if n > 1 and dim % n:
-            raise ConfigError(f"{key}: the layout splits {what} of the model ({dim}) {n} ways over "
-                              f"{'x'.join(axes)}, which does not divide it: choose sizes that divide it")
+            raise ConfigError(
+                f"{key}: the layout splits {what} of the model ({dim}) {n} ways over "
+                f"{'x'.join(axes)}, which does not divide it: choose sizes that divide it"
+            )
 
 
 def side_configs(config, num_devices: int | None = None) -> tuple:
@@ -106,12 +114,16 @@ def side_configs(config, num_devices: int | None = None) -> tuple:
         raise ConfigError(f"config.serve.interference={sv.interference!r} must be a number >= 0")
     cost_lib.hardware(sv.hardware) if sv.hardware in cost_lib.PROFILES else _bad_hardware(sv.hardware)
     if sv.get("kv_quant", "none") != "none":  # its full-precision residual pages have their own bookkeeping
-        raise ConfigError(f"config.serve.disaggregate with config.serve.kv_quant={sv.kv_quant!r} is not "
-                          "implemented: the page methods move every cache leaf, but the residual window's "
-                          "page state (serve/kv_quant.ResidualPages) is not handed over yet; use kv_quant=none")
+        raise ConfigError(
+            f"config.serve.disaggregate with config.serve.kv_quant={sv.kv_quant!r} is not "
+            "implemented: the page methods move every cache leaf, but the residual window's "
+            "page state (serve/kv_quant.ResidualPages) is not handed over yet; use kv_quant=none"
+        )
     if sv.get("spec_k", 0):
-        raise ConfigError(f"config.serve.disaggregate with config.serve.spec_k={sv.spec_k} is not implemented: "
-                          "the decode side is a plain Engine; set spec_k=0")
+        raise ConfigError(
+            f"config.serve.disaggregate with config.serve.spec_k={sv.spec_k} is not implemented: "
+            "the decode side is a plain Engine; set spec_k=0"
+        )
     num_devices = jax.device_count() if num_devices is None else num_devices
     out = []
     sizes = {}
@@ -120,10 +132,12 @@ def side_configs(config, num_devices: int | None = None) -> tuple:
         sizes[side] = parse_mesh(sv[f"{side}_mesh"], key)
     n = {side: math.prod(s.values()) for side, s in sizes.items()}
     if n["prefill"] + n["decode"] != num_devices:
-        raise ConfigError(f"config.serve.prefill_mesh={sv.prefill_mesh!r} ({n['prefill']} devices) and "
-                          f"config.serve.decode_mesh={sv.decode_mesh!r} ({n['decode']} devices) use "
-                          f"{n['prefill'] + n['decode']} devices, but {num_devices} are available: their "
-                          f"device counts must add up to {num_devices}")
+        raise ConfigError(
+            f"config.serve.prefill_mesh={sv.prefill_mesh!r} ({n['prefill']} devices) and "
+            f"config.serve.decode_mesh={sv.decode_mesh!r} ({n['decode']} devices) use "
+            f"{n['prefill'] + n['decode']} devices, but {num_devices} are available: their "
+            f"device counts must add up to {num_devices}"
+        )
     for side in ("prefill", "decode"):
         key = f"config.serve.{side}_mesh={sv[f'{side}_mesh']!r}"
         c = copy.deepcopy(config)
@@ -148,11 +162,14 @@ def build_programs(config, devices=None) -> tuple:
     """(prefill Program, decode Program) on the first and the next devices of `devices`."""
     from jaxsys import program as program_lib
     from jaxsys.mesh import make_mesh
+
     devices = list(jax.devices() if devices is None else devices)
     pre, dec = side_configs(config, len(devices))
     n_pre = math.prod(pre.mesh[a] for a in MESH_AXES)
-    return (program_lib.build(pre, make_mesh(pre, devices[:n_pre])),
-            program_lib.build(dec, make_mesh(dec, devices[n_pre:])))
+    return (
+        program_lib.build(pre, make_mesh(pre, devices[:n_pre])),
+        program_lib.build(dec, make_mesh(dec, devices[n_pre:])),
+    )
 
 
 def reshard(params, program):
@@ -161,6 +178,7 @@ def reshard(params, program):
 
 
 # ----------------------------------------------------------------------------- cost model
+
 
 @dataclasses.dataclass
 class CostModel:
@@ -202,6 +220,7 @@ class CostModel:
     def for_configs(cls, prefill_config, decode_config, hw=None, mfu: float = 0.5, **kw) -> "CostModel":
         """Priced on hardware profile `hw` (default config.serve.hardware) for the two layouts."""
         from jaxsys.sharding import Layout
+
         hw = hw or cost_lib.hardware(prefill_config.serve.hardware)
         peak = hw.peak(prefill_config.model.compute_dtype) * mfu
         n_pre = math.prod(prefill_config.mesh[a] for a in MESH_AXES)
@@ -211,9 +230,17 @@ class CostModel:
         sv = prefill_config.serve
         kw.setdefault("interference", float(sv.interference))
         kw.setdefault("placement", sv.placement)
-        return cls(prefill_config.model, sv.page_size, sv.chunk_size, peak * n_pre, peak * n_dec / shards,
-                   _weights(prefill_config) / hw.hbm_bytes_per_s, _weights(decode_config) / hw.hbm_bytes_per_s,
-                   hw.intra_node_bytes_per_s, **kw)
+        return cls(
+            prefill_config.model,
+            sv.page_size,
+            sv.chunk_size,
+            peak * n_pre,
+            peak * n_dec / shards,
+            _weights(prefill_config) / hw.hbm_bytes_per_s,
+            _weights(decode_config) / hw.hbm_bytes_per_s,
+            hw.intra_node_bytes_per_s,
+            **kw,
+        )
 
     def prefill_flops(self, tokens: float) -> float:
         return tokens * flops_lib.forward_flops_per_token(self.model, tokens / 2)
@@ -231,13 +258,19 @@ class CostModel:
     def costs(self, tokens: int, prefill_queue: int, shards: list[tuple[int, int]]) -> dict:
         """{"prefill": s, ("colocated", d): s}: `shards[d]` = (prompt tokens queued, running decodes)."""
         f, chunks = self.prefill_flops(tokens), math.ceil(tokens / self.chunk_size)
-        out = {"prefill": (self.queue_flops(prefill_queue) / self.prefill_flops_per_s
-                           + max(f / self.prefill_flops_per_s, chunks * self.prefill_floor_s) + self.transfer_s(tokens))}
+        out = {
+            "prefill": (
+                self.queue_flops(prefill_queue) / self.prefill_flops_per_s
+                + max(f / self.prefill_flops_per_s, chunks * self.prefill_floor_s)
+                + self.transfer_s(tokens)
+            )
+        }
         own = max(f / self.decode_shard_flops_per_s, chunks * self.decode_floor_s)
         stall = max(0.0, f / self.decode_shard_flops_per_s - chunks * self.decode_floor_s)
         for d, (queued, running) in enumerate(shards):
-            out[("colocated", d)] = (self.queue_flops(queued) / self.decode_shard_flops_per_s + own
-                                     + self.interference * running * stall)
+            out[("colocated", d)] = (
+                self.queue_flops(queued) / self.decode_shard_flops_per_s + own + self.interference * running * stall
+            )
         return out
 
     def place(self, tokens: int, prefill_queue: int, shards: list[tuple[int, int]]) -> tuple[str, int | None]:
@@ -256,6 +289,7 @@ def step_seconds(config, hw, shard_rows: list[tuple[int, int]], mfu: float = 0.5
     KV read) + two tensor all-reduces per layer (the decode analysis's step, analysis/decode.py,
     with prefill rows in it). For replays on a virtual clock (experiments/disaggregation)."""
     from jaxsys.sharding import Layout
+
     m = config.model
     layout = Layout.from_config(config)
     t = layout.size(layout.compute_axes("kv_heads"))
@@ -269,7 +303,8 @@ def step_seconds(config, hw, shard_rows: list[tuple[int, int]], mfu: float = 0.5
         if rows == 0:
             continue
         compute = (2 * matmul * rows + 4 * m.n_layers * context * m.n_heads * m.head_dim / t) / (
-            hw.peak(m.compute_dtype) * mfu)
+            hw.peak(m.compute_dtype) * mfu
+        )
         memory = (weights + context * kv_token) / hw.hbm_bytes_per_s
         comm = 0.0 if t == 1 else 2 * m.n_layers * cost_lib.ring_bytes("all_reduce", rows * m.d_model * b, t) / bw
         worst = max(worst, max(compute, memory) + comm)
@@ -298,6 +333,7 @@ def step_rows(work: list[Work], shard_of: dict, shards: int) -> list[tuple[int, 
 
 # ----------------------------------------------------------------------------- the engine pair
 
+
 @dataclasses.dataclass
 class _Pending:
     request: Request  # what the caller sees: prompt, max_new_tokens, generated
@@ -309,17 +345,40 @@ class _Pending:
 
 class DisaggregatedEngine:
     @classmethod
-    def from_config(cls, config, params, devices=None, max_len: int | None = None,
-                    cost: CostModel | None = None) -> "DisaggregatedEngine":
+    def from_config(
+        cls, config, params, devices=None, max_len: int | None = None, cost: CostModel | None = None
+    ) -> "DisaggregatedEngine":
         """Both sides as `config.serve` describes (pages, budget, ... per batch shard of each)."""
         pre, dec = build_programs(config, devices)
         sv = config.serve
-        return cls(pre, dec, params, sv.pages, sv.page_size, sv.token_budget, sv.chunk_size, sv.max_seqs,
-                   sv.policy, max_len, cost)
+        return cls(
+            pre,
+            dec,
+            params,
+            sv.pages,
+            sv.page_size,
+            sv.token_budget,
+            sv.chunk_size,
+            sv.max_seqs,
+            sv.policy,
+            max_len,
+            cost,
+        )
 
-    def __init__(self, prefill_program, decode_program, params, num_pages: int, page_size: int,
-                 token_budget: int, chunk_size: int, max_seqs: int, policy: str = "chunked",
-                 max_len: int | None = None, cost: CostModel | None = None):
+    def __init__(
+        self,
+        prefill_program,
+        decode_program,
+        params,
+        num_pages: int,
+        page_size: int,
+        token_budget: int,
+        chunk_size: int,
+        max_seqs: int,
+        policy: str = "chunked",
+        max_len: int | None = None,
+        cost: CostModel | None = None,
+    ):
         args = (num_pages, page_size, token_budget, chunk_size, max_seqs, policy, max_len)
         self.program = decode_program  # what callers read the model's config from (server.py)
         self.prefill = Engine(prefill_program, reshard(params, prefill_program), *args)
@@ -343,8 +402,7 @@ class DisaggregatedEngine:
     # -- state
     @property
     def idle(self) -> bool:
-        return (self.prefill.idle and self.decode.idle and not self.waiting and not self.in_prefill
-                and not self.inbox)
+        return self.prefill.idle and self.decode.idle and not self.waiting and not self.in_prefill and not self.inbox
 
     @property
     def finished(self) -> list[Request]:
@@ -371,12 +429,16 @@ class DisaggregatedEngine:
         total = len(prompt) + max_new_tokens
         pool = self.decode.pools[0]
         if pool.pages_for(total) > pool.num_pages or total > self.decode.max_len:
-            raise ValueError(f"request {request_id!r} needs {total} tokens of cache ({pool.pages_for(total)} pages), "
-                             f"more than the pool's {pool.num_pages} pages or the {self.decode.max_len}-token limit")
+            raise ValueError(
+                f"request {request_id!r} needs {total} tokens of cache ({pool.pages_for(total)} pages), "
+                f"more than the pool's {pool.num_pages} pages or the {self.decode.max_len}-token limit"
+            )
         budget = self.decode.budget
         if self.decode.schedulers[0].policy != "chunked" and len(prompt) > budget:
-            raise ValueError(f"request {request_id!r}: a {len(prompt)}-token prompt exceeds the token budget of "
-                             f"{budget} under policy {self.decode.schedulers[0].policy!r}; use policy='chunked'")
+            raise ValueError(
+                f"request {request_id!r}: a {len(prompt)}-token prompt exceeds the token budget of "
+                f"{budget} under policy {self.decode.schedulers[0].policy!r}; use policy='chunked'"
+            )
         request = Request(request_id, prompt, max_new_tokens)
         self.waiting.append(_Pending(request, sampling or Sampling()))
         self._dispatch()
@@ -388,8 +450,10 @@ class DisaggregatedEngine:
         while self.waiting:
             p = self.waiting[0]
             r = p.request
-            shards = [(self._queued_prefill([s]), sum(x.prefilled == len(x.prompt) for x in s.running))
-                      for s in dec.schedulers]
+            shards = [
+                (self._queued_prefill([s]), sum(x.prefilled == len(x.prompt) for x in s.running))
+                for s in dec.schedulers
+            ]
             side, shard = self.cost.place(len(r.prompt), self._queued_prefill(self.prefill.schedulers), shards)
             if side == "colocated":
                 dec.schedulers[shard].add(r)
@@ -397,10 +461,15 @@ class DisaggregatedEngine:
                 dec.sampling[r.id] = p.sampling
             else:
                 # decode pages now, on the shard with the most free pages that has a sequence slot
-                busy = lambda d: len(dec.schedulers[d].running) + len(dec.schedulers[d].waiting) + sum(
-                    q.shard == d for q in list(self.in_prefill.values()) + self.inbox)
+                busy = lambda d: (
+                    len(dec.schedulers[d].running)
+                    + len(dec.schedulers[d].waiting)
+                    + sum(q.shard == d for q in list(self.in_prefill.values()) + self.inbox)
+                )
                 order = sorted(range(dec.shards), key=lambda d: -dec.pools[d].free_pages)
-                shard = next((d for d in order if busy(d) < dec.schedulers[d].max_seqs and not dec.schedulers[d].waiting), None)
+                shard = next(
+                    (d for d in order if busy(d) < dec.schedulers[d].max_seqs and not dec.schedulers[d].waiting), None
+                )
                 if shard is None:
                     return
                 try:
@@ -423,8 +492,11 @@ class DisaggregatedEngine:
             return [], {}
         for s in self.prefill.schedulers:
             s._admit()  # admit now what the step would (its plan admits again: no-op), to see its pages
-        pages = {r.id: (self.prefill.shard_of[r.id], self.prefill.pools[self.prefill.shard_of[r.id]].table(r.id))
-                 for s in self.prefill.schedulers for r in s.running}
+        pages = {
+            r.id: (self.prefill.shard_of[r.id], self.prefill.pools[self.prefill.shard_of[r.id]].table(r.id))
+            for s in self.prefill.schedulers
+            for r in s.running
+        }
         shard_of = dict(self.prefill.shard_of)
         work, sampled = self.prefill.step()
         self.last_shard_rows = ("prefill", step_rows(work, shard_of, self.prefill.shards))
@@ -444,13 +516,19 @@ class DisaggregatedEngine:
                 self._done.append(r)
                 continue
             shard, table = pages[r.id]
-            ids = table[:math.ceil(len(r.prompt) / self.page_size)]
+            ids = table[: math.ceil(len(r.prompt) / self.page_size)]
             block = self.prefill.export_pages(shard, ids)
             p.placed, moved = self.decode.receive_pages(p.shard, block)
             tokens = len(r.prompt)
-            self.transfers.append({"id": r.id, "tokens": tokens, "pages": len(ids), "bytes": moved,
-                                   "formula_bytes": kv_transfer_bytes(self.decode.program.config.model, tokens,
-                                                                      self.page_size)})
+            self.transfers.append(
+                {
+                    "id": r.id,
+                    "tokens": tokens,
+                    "pages": len(ids),
+                    "bytes": moved,
+                    "formula_bytes": kv_transfer_bytes(self.decode.program.config.model, tokens, self.page_size),
+                }
+            )
             p.ready_at = None if now is None else now + self.cost.transfer_s(tokens)
             self.inbox.append(p)
         return out, sampled
@@ -473,7 +551,7 @@ class DisaggregatedEngine:
         for p in [p for p in self.inbox if now is None or (p.ready_at or 0.0) <= now]:
             self.inbox.remove(p)
             r = p.request
-            ids = dec.pools[p.shard].table(r.id)[:math.ceil(len(r.prompt) / self.page_size)]
+            ids = dec.pools[p.shard].table(r.id)[: math.ceil(len(r.prompt) / self.page_size)]
             dec.import_pages(p.shard, ids, p.placed)
             p.placed = None
             dec.schedulers[p.shard].running.append(r)

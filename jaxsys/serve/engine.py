@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxsys.models import transformer
 from jaxsys.kernels.paged_attention.quant import MODES as KV_QUANT_MODES
+from jaxsys.models import transformer
 from jaxsys.models.kv_quant import layer_shapes as kv_quant_shapes
 from jaxsys.serve import decode
 from jaxsys.serve.kv_quant import ResidualPages, fp_pages
@@ -44,8 +44,13 @@ from jaxsys.serve.scheduler import PagePool, Request, Scheduler
 MIN_ROWS = 8
 
 # per sequence: its own settings, and a key folded from its seed and its token index
-_sample_rows = jax.jit(jax.vmap(lambda logits, seed, n, t, k, p: decode.sample(
-    logits[None], jax.random.fold_in(jax.random.key(seed), n), t, k, p)[0]))
+_sample_rows = jax.jit(
+    jax.vmap(
+        lambda logits, seed, n, t, k, p: decode.sample(
+            logits[None], jax.random.fold_in(jax.random.key(seed), n), t, k, p
+        )[0]
+    )
+)
 
 
 @dataclasses.dataclass
@@ -61,12 +66,34 @@ class Engine:
     def from_config(cls, program, params, max_len: int | None = None) -> "Engine":
         """The engine `program.config.serve` describes."""
         sv = program.config.serve
-        return cls(program, params, sv.pages, sv.page_size, sv.token_budget, sv.chunk_size, sv.max_seqs,
-                   sv.policy, max_len, kv_quant=sv.kv_quant, kv_residual=sv.kv_residual)
+        return cls(
+            program,
+            params,
+            sv.pages,
+            sv.page_size,
+            sv.token_budget,
+            sv.chunk_size,
+            sv.max_seqs,
+            sv.policy,
+            max_len,
+            kv_quant=sv.kv_quant,
+            kv_residual=sv.kv_residual,
+        )
 
-    def __init__(self, program, params, num_pages: int, page_size: int, token_budget: int, chunk_size: int,
-                 max_seqs: int, policy: str = "chunked", max_len: int | None = None, kv_quant: str = "none",
-                 kv_residual: int = 0):
+    def __init__(
+        self,
+        program,
+        params,
+        num_pages: int,
+        page_size: int,
+        token_budget: int,
+        chunk_size: int,
+        max_seqs: int,
+        policy: str = "chunked",
+        max_len: int | None = None,
+        kv_quant: str = "none",
+        kv_residual: int = 0,
+    ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve); `kv_quant`
         and `kv_residual` (full-precision pages before the open one) choose a quantized cache."""
         config = program.config
@@ -77,8 +104,9 @@ class Engine:
         self.pools = [PagePool(num_pages, page_size) for _ in range(self.shards)]
         self.max_len = max_len or num_pages * page_size
         self.max_pages = math.ceil(self.max_len / page_size)
-        self.schedulers = [Scheduler(pool, token_budget, chunk_size, max_seqs, policy, self.max_len)
-                           for pool in self.pools]
+        self.schedulers = [
+            Scheduler(pool, token_budget, chunk_size, max_seqs, policy, self.max_len) for pool in self.pools
+        ]
         self.budget = token_budget
         self.shard_of: dict = {}
         self.sampling: dict = {}
@@ -133,13 +161,21 @@ class Engine:
         p = self.program
         rows, table = self.rows_pspec, self.table_pspec
         if self.kv_quant != "none":
-            fn = jax.shard_map(self._local_quant, mesh=p.mesh,
-                               in_specs=(p.param_pspecs, rows, rows, table, table, self.cache_pspec),
-                               out_specs=(table, self.cache_pspec), check_vma=False)
+            fn = jax.shard_map(
+                self._local_quant,
+                mesh=p.mesh,
+                in_specs=(p.param_pspecs, rows, rows, table, table, self.cache_pspec),
+                out_specs=(table, self.cache_pspec),
+                check_vma=False,
+            )
             return jax.jit(fn, donate_argnums=(5,))
-        fn = jax.shard_map(self._local, mesh=p.mesh,
-                           in_specs=(p.param_pspecs, rows, rows, table, self.cache_pspec, self.cache_pspec),
-                           out_specs=(table, self.cache_pspec, self.cache_pspec), check_vma=False)
+        fn = jax.shard_map(
+            self._local,
+            mesh=p.mesh,
+            in_specs=(p.param_pspecs, rows, rows, table, self.cache_pspec, self.cache_pspec),
+            out_specs=(table, self.cache_pspec, self.cache_pspec),
+            check_vma=False,
+        )
         return jax.jit(fn, donate_argnums=(4, 5))
 
     def widths(self) -> list[int]:
@@ -160,12 +196,20 @@ class Engine:
         if self.kv_quant != "none":
             if fp_table is None:
                 fp_table = np.full(np.shape(table), self.fp_scratch, np.int32)
-            logits, self.cache = self._step(self.params, *(self._put(a, self.rows_pspec) for a in (tokens, positions)),
-                                            *(self._put(a, self.table_pspec) for a in (table, fp_table)), self.cache)
+            logits, self.cache = self._step(
+                self.params,
+                *(self._put(a, self.rows_pspec) for a in (tokens, positions)),
+                *(self._put(a, self.table_pspec) for a in (table, fp_table)),
+                self.cache,
+            )
             return logits
-        logits, k, v = self._step(self.params, self._put(tokens, self.rows_pspec),
-                                  self._put(positions, self.rows_pspec), self._put(table, self.table_pspec),
-                                  *self.cache)
+        logits, k, v = self._step(
+            self.params,
+            self._put(tokens, self.rows_pspec),
+            self._put(positions, self.rows_pspec),
+            self._put(table, self.table_pspec),
+            *self.cache,
+        )
         self.cache = (k, v)
         return logits
 
@@ -184,8 +228,9 @@ class Engine:
         vocab = self.program.config.model.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"request {request_id!r}: token ids outside [0, {vocab})")
-        load = lambda d: sum(len(r.prompt) + r.max_new_tokens
-                             for r in self.schedulers[d].waiting + self.schedulers[d].running)
+        load = lambda d: sum(
+            len(r.prompt) + r.max_new_tokens for r in self.schedulers[d].waiting + self.schedulers[d].running
+        )
         shard = min(range(self.shards), key=load)
         self.schedulers[shard].add(request)  # raises ValueError for a request that can never fit
         self.shard_of[request_id] = shard
@@ -209,7 +254,7 @@ class Engine:
             r = 0
             for w in work:
                 req = w.request
-                pages = self.pools[d].table(req.id)[:self.max_pages]
+                pages = self.pools[d].table(req.id)[: self.max_pages]
                 if fp_table is not None:  # kv_quant: the full-precision pages these rows write and read
                     self.residual[d].prepare(req.id, w.start, w.tokens)
                     fp_row = self.residual[d].table(req.id, self.max_pages, self.fp_scratch)
@@ -217,24 +262,30 @@ class Engine:
                     pos = w.start + i
                     tokens[d, r] = req.prompt[pos] if w.kind == "prefill" else req.generated[-1]
                     positions[d, r] = pos
-                    table[d, r, :len(pages)] = pages
+                    table[d, r, : len(pages)] = pages
                     if fp_table is not None:
                         fp_table[d, r] = fp_row
                     r += 1
                 if w.kind == "decode" or w.start + w.tokens == len(req.prompt):
                     sample_rows[req.id] = (d * width + r - 1, req)
-        logits = self._run(tokens.reshape(-1), positions.reshape(-1), table.reshape(-1, self.max_pages),
-                           None if fp_table is None else fp_table.reshape(-1, self.max_pages))
+        logits = self._run(
+            tokens.reshape(-1),
+            positions.reshape(-1),
+            table.reshape(-1, self.max_pages),
+            None if fp_table is None else fp_table.reshape(-1, self.max_pages),
+        )
         sampled = {}
         if sample_rows:  # one call for every sequence that gets a token this step
             ids = list(sample_rows)
             settings = [self.sampling[rid] for rid in ids]
-            tokens = _sample_rows(logits[np.asarray([sample_rows[rid][0] for rid in ids])],
-                                  np.asarray([s.seed for s in settings], np.int32),
-                                  np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
-                                  np.asarray([s.temperature for s in settings], np.float32),
-                                  np.asarray([s.top_k for s in settings], np.int32),
-                                  np.asarray([s.top_p for s in settings], np.float32))
+            tokens = _sample_rows(
+                logits[np.asarray([sample_rows[rid][0] for rid in ids])],
+                np.asarray([s.seed for s in settings], np.int32),
+                np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
+                np.asarray([s.temperature for s in settings], np.float32),
+                np.asarray([s.top_k for s in settings], np.int32),
+                np.asarray([s.top_p for s in settings], np.float32),
+            )
             sampled = dict(zip(ids, np.asarray(tokens).tolist()))
         for scheduler, work in zip(self.schedulers, plans):
             for req in scheduler.commit(work, sampled):
@@ -261,6 +312,7 @@ class Engine:
     # -- the quantized KV cache (kv_quant != "none"; docs/kv_quant.md)
     def _init_quant_cache(self, num_pages: int, page_size: int, token_budget: int, max_seqs: int) -> None:
         from jaxsys.config import KV_QUANT
+
         m = self.program.config.model
         if self.kv_quant not in KV_QUANT:
             raise ValueError(f"kv_quant={self.kv_quant!r}: choose one of {KV_QUANT}")
@@ -268,16 +320,18 @@ class Engine:
             raise ValueError(f"kv_residual={self.kv_residual!r} must be an integer >= 0 (pages)")
         per_byte = 8 // KV_QUANT_MODES[self.kv_quant][0]
         if m.head_dim % per_byte:
-            raise ValueError(f"kv_quant={self.kv_quant!r} packs {per_byte} codes per byte along the head dim: "
-                             f"head_dim={m.head_dim} must be a multiple of {per_byte}")
+            raise ValueError(
+                f"kv_quant={self.kv_quant!r} packs {per_byte} codes per byte along the head dim: "
+                f"head_dim={m.head_dim} must be a multiple of {per_byte}"
+            )
         n_fp = fp_pages(max_seqs, token_budget, page_size, self.kv_residual)
         self.residual = [ResidualPages(n_fp, page_size, self.kv_residual) for _ in range(self.shards)]
         self.fp_scratch = n_fp  # a shard's local id of its full-precision scratch page
-        shapes = kv_quant_shapes(self.kv_quant, self.shards * (num_pages + 1), self.shards * (n_fp + 1),
-                                 page_size, m.n_kv_heads, m.head_dim)
+        shapes = kv_quant_shapes(
+            self.kv_quant, self.shards * (num_pages + 1), self.shards * (n_fp + 1), page_size, m.n_kv_heads, m.head_dim
+        )
         sharding = NamedSharding(self.program.mesh, self.cache_pspec)
-        make = lambda shape, dtype: jax.jit(lambda: jnp.zeros((m.n_layers, *shape), dtype),
-                                            out_shardings=sharding)()
+        make = lambda shape, dtype: jax.jit(lambda: jnp.zeros((m.n_layers, *shape), dtype), out_shardings=sharding)()
         self.cache = {name: make(shape, dtype or jnp.dtype(m.compute_dtype)) for name, (shape, dtype) in shapes.items()}
 
     def request_pages(self, request_id):
@@ -304,8 +358,9 @@ class Engine:
     def _leaf_pages(self, pages):
         if isinstance(pages, (list, np.ndarray)) and all(np.ndim(p) == 0 for p in pages):
             return jax.tree.map(lambda _: [int(p) for p in pages], self.cache)
-        return jax.tree.map(lambda _, p: [int(i) for i in p], self.cache, pages,
-                            is_leaf=lambda x: isinstance(x, (list, np.ndarray)))
+        return jax.tree.map(
+            lambda _, p: [int(i) for i in p], self.cache, pages, is_leaf=lambda x: isinstance(x, (list, np.ndarray))
+        )
 
     def _page_fn(self, kind: str, shard: int, counts):
         fns = self.__dict__.setdefault("_page_fns", {})
@@ -319,22 +374,30 @@ class Engine:
             local = lambda cache, ids: jax.tree.map(lambda a, i: jnp.take(a, i, axis=1), cache, ids)
             gather = jax.shard_map(local, mesh=mesh, in_specs=(specs, id_specs), out_specs=specs, check_vma=False)
             whole = jax.tree.map(lambda a: NamedSharding(mesh, _pages_unsplit(a.sharding.spec, a.ndim)), self.cache)
-            fn = jax.jit(lambda cache, ids: jax.tree.map(lambda a, n: a[:, shard * n:(shard + 1) * n],
-                                                         gather(cache, ids), counts), out_shardings=whole)
+            fn = jax.jit(
+                lambda cache, ids: jax.tree.map(
+                    lambda a, n: a[:, shard * n : (shard + 1) * n], gather(cache, ids), counts
+                ),
+                out_shardings=whole,
+            )
         else:  # import: each shard writes its block of x into its ids (the other shards: zeros to scratch)
             local = lambda cache, x, ids: jax.tree.map(lambda a, b, i: a.at[:, i].set(b.astype(a.dtype)), cache, x, ids)
-            fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, specs, id_specs), out_specs=specs,
-                                       check_vma=False), donate_argnums=0)
+            fn = jax.jit(
+                jax.shard_map(local, mesh=mesh, in_specs=(specs, specs, id_specs), out_specs=specs, check_vma=False),
+                donate_argnums=0,
+            )
         fns[key] = fn
         return fn
 
     def _page_ids(self, shard: int, pages):
         """Per leaf: ids [D n] (block `shard` = its pages, the other blocks that leaf's scratch page), and n."""
+
         def ids(a, p):
             scratch = a.shape[1] // self.shards - 1
             out = np.full((self.shards, len(p)), scratch, np.int32)
             out[shard] = p
             return self._put(out.reshape(-1), self.rows_pspec)
+
         pages = self._leaf_pages(pages)
         counts = jax.tree.map(lambda _, p: len(p), self.cache, pages, is_leaf=lambda x: isinstance(x, list))
         return jax.tree.map(ids, self.cache, pages, is_leaf=lambda x: isinstance(x, list)), counts
@@ -380,6 +443,7 @@ class Engine:
 def _pages_unsplit(spec, ndim: int):
     """`spec` (of a cache leaf) with its page dimension (axis 1) not split."""
     from jax.sharding import PartitionSpec
+
     entries = list(spec) + [None] * (ndim - len(spec))
     entries[1] = None
     return PartitionSpec(*entries)

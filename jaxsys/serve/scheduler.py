@@ -88,6 +88,7 @@ class Work:
     kind "prefill" (a prompt chunk; its last chunk also yields the first generated token) or
     "decode" (the last generated token at position `start`, and under speculative decoding
     `tokens` - 1 drafted tokens after it)."""
+
     request: Request
     kind: str
     start: int
@@ -95,13 +96,26 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, token_budget: int, chunk_size: int, max_seqs: int,
-                 policy: str = "chunked", max_len: int | None = None):
+    def __init__(
+        self,
+        pool: PagePool,
+        token_budget: int,
+        chunk_size: int,
+        max_seqs: int,
+        policy: str = "chunked",
+        max_len: int | None = None,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
         if token_budget < 1 or chunk_size < 1 or max_seqs < 1:
             raise ValueError("token_budget, chunk_size and max_seqs must be >= 1")
-        self.pool, self.budget, self.chunk, self.max_seqs, self.policy = pool, token_budget, chunk_size, max_seqs, policy
+        self.pool, self.budget, self.chunk, self.max_seqs, self.policy = (
+            pool,
+            token_budget,
+            chunk_size,
+            max_seqs,
+            policy,
+        )
         self.max_len = max_len
         self.waiting: list[Request] = []  # arrived, no pages yet
         self.running: list[Request] = []  # pages reserved: prefilling or decoding
@@ -113,13 +127,17 @@ class Scheduler:
         if not request.prompt or request.max_new_tokens < 1:
             raise ValueError(f"request {request.id!r}: needs a non-empty prompt and max_new_tokens >= 1")
         if self.pool.pages_for(total) > self.pool.num_pages or (self.max_len and total > self.max_len):
-            raise ValueError(f"request {request.id!r} needs {total} tokens of cache ({self.pool.pages_for(total)} "
-                             f"pages), more than the pool's {self.pool.num_pages} pages"
-                             + (f" or the {self.max_len}-token limit" if self.max_len else ""))
+            raise ValueError(
+                f"request {request.id!r} needs {total} tokens of cache ({self.pool.pages_for(total)} "
+                f"pages), more than the pool's {self.pool.num_pages} pages"
+                + (f" or the {self.max_len}-token limit" if self.max_len else "")
+            )
         if self.policy != "chunked" and len(request.prompt) > self.budget:
-            raise ValueError(f"request {request.id!r}: a {len(request.prompt)}-token prompt exceeds the token "
-                             f"budget of {self.budget}, and policy {self.policy!r} prefills whole prompts; raise "
-                             "the budget or use policy='chunked'")
+            raise ValueError(
+                f"request {request.id!r}: a {len(request.prompt)}-token prompt exceeds the token "
+                f"budget of {self.budget}, and policy {self.policy!r} prefills whole prompts; raise "
+                "the budget or use policy='chunked'"
+            )
         self.waiting.append(request)
 
     def _admit(self) -> None:

@@ -103,14 +103,24 @@ def parse_request(body: bytes, byte_level: bool, vocab: int) -> dict:
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = prompt
     else:
-        raise BadRequest("prompt must be a string" + (" or " if byte_level else ": no, ") +
-                         "a list of token ids" + ("" if byte_level else " (this model has no text tokenizer)"))
+        raise BadRequest(
+            "prompt must be a string"
+            + (" or " if byte_level else ": no, ")
+            + "a list of token ids"
+            + ("" if byte_level else " (this model has no text tokenizer)")
+        )
     if not ids:
         raise BadRequest("prompt is empty: give at least one token of context")
     if any(not 0 <= t < vocab for t in ids):
         raise BadRequest(f"token ids must lie in [0, {vocab})")
-    fields = {"max_tokens": (int, 16), "temperature": ((int, float), 0.0), "top_p": ((int, float), 1.0),
-              "top_k": (int, 0), "seed": (int, 0), "stream": (bool, False)}
+    fields = {
+        "max_tokens": (int, 16),
+        "temperature": ((int, float), 0.0),
+        "top_p": ((int, float), 1.0),
+        "top_k": (int, 0),
+        "seed": (int, 0),
+        "stream": (bool, False),
+    }
     out = {"prompt": ids}
     for name, (kind, default) in fields.items():
         value = req.get(name, default)
@@ -177,9 +187,20 @@ def make_handler(loop: EngineLoop, byte_level: bool, vocab: int, model_name: str
                 token, done = item
                 ids.append(token)
                 if req["stream"]:
-                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                             "choices": [{"index": 0, "text": text_of([token]), "token_ids": [token],
-                                          "finish_reason": "length" if done else None}]}
+                    chunk = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model_name,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "text": text_of([token]),
+                                "token_ids": [token],
+                                "finish_reason": "length" if done else None,
+                            }
+                        ],
+                    }
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                 if done:
@@ -188,11 +209,21 @@ def make_handler(loop: EngineLoop, byte_level: bool, vocab: int, model_name: str
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
                 return
-            self._json(200, {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                             "choices": [{"index": 0, "text": text_of(ids), "token_ids": ids,
-                                          "finish_reason": "length"}],
-                             "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": len(ids),
-                                       "total_tokens": len(req["prompt"]) + len(ids)}})
+            self._json(
+                200,
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [{"index": 0, "text": text_of(ids), "token_ids": ids, "finish_reason": "length"}],
+                    "usage": {
+                        "prompt_tokens": len(req["prompt"]),
+                        "completion_tokens": len(ids),
+                        "total_tokens": len(req["prompt"]) + len(ids),
+                    },
+                },
+            )
 
     return Handler
 

@@ -77,12 +77,14 @@ def _draft_rows(q_buffer, logits, at, dest, seed, n, i, temperature, top_k, top_
     """Draft tokens for rows logits[at] [R, V]: argmax where temperature == 0, else a draw from the
     filtered distribution (the draft's i-th proposal of the sequence's n-th token); their
     distributions q go to rows `dest` of q_buffer. Returns (tokens, q_buffer)."""
+
     def one(lg, seed, n, i, t, tk, tp):
         scaled = decode.filtered_logits(lg[None], t, tk, tp)[0]
         key = jax.random.fold_in(jax.random.fold_in(_base_key(seed, n), 1), i)
         drawn = jax.random.categorical(key, scaled)
         token = jnp.where(t > 0, drawn, jnp.argmax(lg)).astype(jnp.int32)
         return token, jax.nn.softmax(scaled)
+
     tokens, q = jax.vmap(one)(logits[at], seed, n, i, temperature, top_k, top_p)
     return tokens, q_buffer.at[dest].set(q)
 
@@ -91,9 +93,11 @@ def _draft_rows(q_buffer, logits, at, dest, seed, n, i, temperature, top_k, top_
 def _accept_rows(logits, rows, q_buffer, q_rows, drafted, seed, n, temperature, top_k, top_p, greedy: bool):
     """`speculative.accept` for S sequences of one k: the target's logits at rows [S, k + 1] (the
     verify rows), q at q_buffer rows [S, k], drafted [S, k] -> (accepted [S], next token [S])."""
+
     def one(lg, q, d, seed, n, t, tk, tp):
         p = lg if greedy else jax.nn.softmax(decode.filtered_logits(lg, t, tk, tp), axis=-1)
         return speculative.accept(p, q, d, jax.random.fold_in(_base_key(seed, n), 2), greedy=greedy)
+
     return jax.vmap(one)(logits[rows], q_buffer[q_rows], drafted, seed, n, temperature, top_k, top_p)
 
 
@@ -106,8 +110,8 @@ def sparse_view(pages: list, length: int, page_size: int, sink_pages: int, windo
     first page whole). The whole cache when the two overlap."""
     first = max(length - window, 0) // page_size
     if first <= sink_pages:
-        return pages[:math.ceil(length / page_size)], length
-    view = pages[:sink_pages] + pages[first:math.ceil(length / page_size)]
+        return pages[: math.ceil(length / page_size)], length
+    view = pages[:sink_pages] + pages[first : math.ceil(length / page_size)]
     return view, sink_pages * page_size + length - first * page_size
 
 
@@ -126,30 +130,64 @@ class SpeculativeEngine(Engine):
         (loaded here unless `draft` = (program, params) is given)."""
         sv = program.config.serve
         if sv.spec_k < 1 or sv.draft == "none":
-            raise ValueError(f"config.serve.spec_k={sv.spec_k}, config.serve.draft={sv.draft!r}: the speculative "
-                             "engine needs spec_k >= 1 and a draft ('self' or a workdir); use Engine otherwise")
+            raise ValueError(
+                f"config.serve.spec_k={sv.spec_k}, config.serve.draft={sv.draft!r}: the speculative "
+                "engine needs spec_k >= 1 and a draft ('self' or a workdir); use Engine otherwise"
+            )
         if sv.get("kv_quant", "none") != "none":
-            raise ValueError(f"config.serve.kv_quant={sv.kv_quant!r}: speculative decoding runs on the full-precision "
-                             "cache only (set kv_quant='none' or spec_k=0)")
+            raise ValueError(
+                f"config.serve.kv_quant={sv.kv_quant!r}: speculative decoding runs on the full-precision "
+                "cache only (set kv_quant='none' or spec_k=0)"
+            )
         if draft is None:
             if sv.draft == "self":
                 draft = "self"
             else:
                 from jaxsys import generate
+
                 d_program, d_params, _ = generate.load_program(sv.draft)
                 draft = (d_program, d_params)
-        return cls(program, params, sv.pages, sv.page_size, sv.token_budget, sv.chunk_size, sv.max_seqs,
-                   sv.policy, max_len, k=sv.spec_k, draft=draft, window=sv.spec_window, sink=sv.spec_sink)
+        return cls(
+            program,
+            params,
+            sv.pages,
+            sv.page_size,
+            sv.token_budget,
+            sv.chunk_size,
+            sv.max_seqs,
+            sv.policy,
+            max_len,
+            k=sv.spec_k,
+            draft=draft,
+            window=sv.spec_window,
+            sink=sv.spec_sink,
+        )
 
-    def __init__(self, program, params, num_pages: int, page_size: int, token_budget: int, chunk_size: int,
-                 max_seqs: int, policy: str = "chunked", max_len: int | None = None, *, k: int, draft,
-                 window: int = 64, sink: int = 4):
+    def __init__(
+        self,
+        program,
+        params,
+        num_pages: int,
+        page_size: int,
+        token_budget: int,
+        chunk_size: int,
+        max_seqs: int,
+        policy: str = "chunked",
+        max_len: int | None = None,
+        *,
+        k: int,
+        draft,
+        window: int = 64,
+        sink: int = 4,
+    ):
         """`k`: tokens drafted per decode step for requests that do not name their own (>= 1).
         `draft`: "self" (self-speculation over `sink` + `window` tokens of the cache) or
         (program, params) of a model with the target's vocabulary."""
         if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k={k!r}: speculative decoding drafts at least one token per step (k >= 1); "
-                             "use Engine for plain decoding")
+            raise ValueError(
+                f"k={k!r}: speculative decoding drafts at least one token per step (k >= 1); "
+                "use Engine for plain decoding"
+            )
         super().__init__(program, params, num_pages, page_size, token_budget, chunk_size, max_seqs, policy, max_len)
         self.k = k
         self.drafter = None
@@ -164,19 +202,32 @@ class SpeculativeEngine(Engine):
             d_program, d_params = draft
             vt, vd = program.config.model.vocab_size, d_program.config.model.vocab_size
             if vt != vd:
-                raise ValueError(f"the draft's vocabulary ({vd} tokens) differs from the target's ({vt}): "
-                                 "speculative decoding needs the same vocabulary")
-            self.drafter = Engine(d_program, d_params, num_pages, page_size, token_budget, chunk_size, max_seqs,
-                                  policy, self.max_len)
+                raise ValueError(
+                    f"the draft's vocabulary ({vd} tokens) differs from the target's ({vt}): "
+                    "speculative decoding needs the same vocabulary"
+                )
+            self.drafter = Engine(
+                d_program, d_params, num_pages, page_size, token_budget, chunk_size, max_seqs, policy, self.max_len
+            )
             if self.drafter.shards != self.shards:
-                raise ValueError(f"the draft runs on {self.drafter.shards} batch shards, the target on "
-                                 f"{self.shards}: build both on the same mesh layout")
+                raise ValueError(
+                    f"the draft runs on {self.drafter.shards} batch shards, the target on "
+                    f"{self.shards}: build both on the same mesh layout"
+                )
         self.drafted_len: dict = {}  # small draft: tokens in its cache per sequence
         # totals: target and draft steps; speculative rounds (one per speculating sequence and
         # step), drafted and accepted tokens; tokens emitted; self-speculation's slots read by the
         # draft and what the whole cache would have been
-        self.stats = {"target_steps": 0, "draft_steps": 0, "rounds": 0, "drafted": 0, "accepted": 0,
-                      "tokens": 0, "draft_read": 0, "full_read": 0}
+        self.stats = {
+            "target_steps": 0,
+            "draft_steps": 0,
+            "rounds": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "tokens": 0,
+            "draft_read": 0,
+            "full_read": 0,
+        }
         self.per_request: dict = {}  # request id -> its own rounds, drafted, accepted, decode steps
 
     # -- the self-speculation draft step: the target's own step reading a second page table
@@ -185,20 +236,27 @@ class SpeculativeEngine(Engine):
         rows, table = self.rows_pspec, self.table_pspec
 
         def local(params, tokens, positions, table, read_table, read_lengths, k, v):
-            return self._local(params, tokens, positions, table, k, v, read_table=read_table,
-                               read_lengths=read_lengths)
+            return self._local(params, tokens, positions, table, k, v, read_table=read_table, read_lengths=read_lengths)
 
-        fn = jax.shard_map(local, mesh=p.mesh,
-                           in_specs=(p.param_pspecs, rows, rows, table, table, rows, self.cache_pspec,
-                                     self.cache_pspec),
-                           out_specs=(table, self.cache_pspec, self.cache_pspec), check_vma=False)
+        fn = jax.shard_map(
+            local,
+            mesh=p.mesh,
+            in_specs=(p.param_pspecs, rows, rows, table, table, rows, self.cache_pspec, self.cache_pspec),
+            out_specs=(table, self.cache_pspec, self.cache_pspec),
+            check_vma=False,
+        )
         return jax.jit(fn, donate_argnums=(6, 7))
 
     def _run_sparse(self, tokens, positions, table, read_table, read_lengths):
-        logits, k, v = self._sparse_step(self.params, self._put(tokens, self.rows_pspec),
-                                         self._put(positions, self.rows_pspec), self._put(table, self.table_pspec),
-                                         self._put(read_table, self.table_pspec),
-                                         self._put(read_lengths, self.rows_pspec), *self.cache)
+        logits, k, v = self._sparse_step(
+            self.params,
+            self._put(tokens, self.rows_pspec),
+            self._put(positions, self.rows_pspec),
+            self._put(table, self.table_pspec),
+            self._put(read_table, self.table_pspec),
+            self._put(read_lengths, self.rows_pspec),
+            *self.cache,
+        )
         self.cache = (k, v)
         return logits
 
@@ -219,8 +277,9 @@ class SpeculativeEngine(Engine):
         return next((w for w in self.widths() if w >= n), 1 << (n - 1).bit_length())
 
     # -- requests
-    def submit(self, request_id, prompt: list, max_new_tokens: int, sampling: Sampling | None = None,
-               k: int | None = None):
+    def submit(
+        self, request_id, prompt: list, max_new_tokens: int, sampling: Sampling | None = None, k: int | None = None
+    ):
         """As `Engine.submit`, with this request's own k (None: the engine's; 0: plain decoding)."""
         k = self.k if k is None else k
         if not isinstance(k, (int, np.integer)) or k < 0:
@@ -244,7 +303,7 @@ class SpeculativeEngine(Engine):
             for d, work in enumerate(plans):
                 for w in work:
                     req = w.request
-                    pages = self.pools[d].table(req.id)[:self.max_pages]
+                    pages = self.pools[d].table(req.id)[: self.max_pages]
                     if self.drafter is not None and i == 0 and w.kind == "prefill" and req.spec_k > 0:
                         rows[d] += [(req.prompt[pos], pos, pages) for pos in range(w.start, w.start + w.tokens)]
                         self.drafted_len[req.id] = w.start + w.tokens  # the draft's own prefill
@@ -253,8 +312,9 @@ class SpeculativeEngine(Engine):
                         continue
                     if i == 0 and self.drafter is not None:  # catch up on unseen tokens, then the last
                         sequence = req.prompt + req.generated
-                        rows[d] += [(sequence[pos], pos, pages)
-                                    for pos in range(self.drafted_len.get(req.id, 0), w.start + 1)]
+                        rows[d] += [
+                            (sequence[pos], pos, pages) for pos in range(self.drafted_len.get(req.id, 0), w.start + 1)
+                        ]
                         self.drafted_len[req.id] = w.start + 1
                     else:
                         rows[d].append((req.generated[-1] if i == 0 else drafted[req.id][-1], w.start + i, pages))
@@ -267,11 +327,12 @@ class SpeculativeEngine(Engine):
             for d, shard_rows in enumerate(rows):
                 for r, (token, pos, pages) in enumerate(shard_rows):
                     tokens[d, r], positions[d, r] = token, pos
-                    table[d, r, :len(pages)] = pages
+                    table[d, r, : len(pages)] = pages
                     if self.drafter is None:
-                        view, length = sparse_view(pages, pos + 1, self.pools[d].page_size, self.sink_pages,
-                                                   self.window)
-                        read_table[d, r, :len(view)] = view
+                        view, length = sparse_view(
+                            pages, pos + 1, self.pools[d].page_size, self.sink_pages, self.window
+                        )
+                        read_table[d, r, : len(view)] = view
                         read_lengths[d, r] = length
                         self.stats["draft_read"] += length
                         self.stats["full_read"] += pos + 1
@@ -284,14 +345,19 @@ class SpeculativeEngine(Engine):
             padded = _pad(samples)
             settings = [self.sampling[w.request.id] for _, _, w in padded]
             dest = np.full(len(padded), self.budget, np.int32)
-            dest[:len(samples)] = offset + np.arange(len(samples))
-            toks, q_buffer = _draft_rows(q_buffer, logits, np.asarray([d * width + r for d, r, _ in padded], np.int32),
-                                         dest, np.asarray([s.seed for s in settings], np.int32),
-                                         np.asarray([len(w.request.generated) for _, _, w in padded], np.int32),
-                                         np.full(len(padded), i, np.int32),
-                                         np.asarray([s.temperature for s in settings], np.float32),
-                                         np.asarray([s.top_k for s in settings], np.int32),
-                                         np.asarray([s.top_p for s in settings], np.float32))
+            dest[: len(samples)] = offset + np.arange(len(samples))
+            toks, q_buffer = _draft_rows(
+                q_buffer,
+                logits,
+                np.asarray([d * width + r for d, r, _ in padded], np.int32),
+                dest,
+                np.asarray([s.seed for s in settings], np.int32),
+                np.asarray([len(w.request.generated) for _, _, w in padded], np.int32),
+                np.full(len(padded), i, np.int32),
+                np.asarray([s.temperature for s in settings], np.float32),
+                np.asarray([s.top_k for s in settings], np.int32),
+                np.asarray([s.top_p for s in settings], np.float32),
+            )
             for j, (token, (_, _, w)) in enumerate(zip(np.asarray(toks).tolist(), samples)):
                 drafted[w.request.id].append(token)
                 q_index[(w.request.id, i)] = offset + j
@@ -321,14 +387,14 @@ class SpeculativeEngine(Engine):
             r = 0
             for w in work:
                 req = w.request
-                pages = self.pools[d].table(req.id)[:self.max_pages]
+                pages = self.pools[d].table(req.id)[: self.max_pages]
                 for i in range(w.tokens):
                     if w.kind == "prefill":
                         tokens[d, r] = req.prompt[w.start + i]
                     else:
                         tokens[d, r] = req.generated[-1] if i == 0 else drafted[req.id][i - 1]
                     positions[d, r] = w.start + i
-                    table[d, r, :len(pages)] = pages
+                    table[d, r, : len(pages)] = pages
                     r += 1
                 if w.kind == "decode" and w.tokens > 1:
                     verify_rows[req.id] = (d * width + r - w.tokens, w)
@@ -340,13 +406,16 @@ class SpeculativeEngine(Engine):
         if sample_rows:  # as Engine.step: one call for every sequence that gets one token
             ids = _pad(list(sample_rows))
             settings = [self.sampling[rid] for rid in ids]
-            out = _sample_at(logits, np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
-                             np.asarray([s.seed for s in settings], np.int32),
-                             np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
-                             np.asarray([s.temperature for s in settings], np.float32),
-                             np.asarray([s.top_k for s in settings], np.int32),
-                             np.asarray([s.top_p for s in settings], np.float32))
-            sampled = dict(zip(ids[:len(sample_rows)], np.asarray(out).tolist()))
+            out = _sample_at(
+                logits,
+                np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
+                np.asarray([s.seed for s in settings], np.int32),
+                np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
+                np.asarray([s.temperature for s in settings], np.float32),
+                np.asarray([s.top_k for s in settings], np.int32),
+                np.asarray([s.top_p for s in settings], np.float32),
+            )
+            sampled = dict(zip(ids[: len(sample_rows)], np.asarray(out).tolist()))
         sampled.update(self._verify(logits, verify_rows, drafted, q_all, q_index) if verify_rows else {})
         for scheduler, work in zip(self.schedulers, plans):
             for req in scheduler.commit(work, sampled):
@@ -364,9 +433,15 @@ class SpeculativeEngine(Engine):
     def _draft_prefill(self, plans):
         """The draft's prefill of the speculating requests' chunks in a step without speculating
         decodes (one draft step; nothing sampled)."""
-        rows = [[(w.request.prompt[pos], pos, self.pools[d].table(w.request.id)[:self.max_pages])
-                 for w in work if w.kind == "prefill" and w.request.spec_k > 0
-                 for pos in range(w.start, w.start + w.tokens)] for d, work in enumerate(plans)]
+        rows = [
+            [
+                (w.request.prompt[pos], pos, self.pools[d].table(w.request.id)[: self.max_pages])
+                for w in work
+                if w.kind == "prefill" and w.request.spec_k > 0
+                for pos in range(w.start, w.start + w.tokens)
+            ]
+            for d, work in enumerate(plans)
+        ]
         if not any(rows):
             return
         width = self._width(max(len(r) for r in rows))
@@ -376,7 +451,7 @@ class SpeculativeEngine(Engine):
         for d, shard_rows in enumerate(rows):
             for r, (token, pos, pages) in enumerate(shard_rows):
                 tokens[d, r], positions[d, r] = token, pos
-                table[d, r, :len(pages)] = pages
+                table[d, r, : len(pages)] = pages
         self.drafter._run(tokens.reshape(-1), positions.reshape(-1), table.reshape(-1, self.max_pages))
         self.stats["draft_steps"] += 1
         for work in plans:
@@ -397,12 +472,19 @@ class SpeculativeEngine(Engine):
             q_rows = np.asarray([[q_index[(rid, i)] for i in range(k)] for rid in padded], np.int32)
             settings = [self.sampling[rid] for rid in padded]
             tokens = np.asarray([drafted[rid][:k] for rid in padded], np.int32)
-            n, nxt = _accept_rows(logits, rows, q_all, q_rows, tokens,
-                                  np.asarray([s.seed for s in settings], np.int32),
-                                  np.asarray([len(verify_rows[rid][1].request.generated) for rid in padded], np.int32),
-                                  np.asarray([s.temperature for s in settings], np.float32),
-                                  np.asarray([s.top_k for s in settings], np.int32),
-                                  np.asarray([s.top_p for s in settings], np.float32), greedy=greedy)
+            n, nxt = _accept_rows(
+                logits,
+                rows,
+                q_all,
+                q_rows,
+                tokens,
+                np.asarray([s.seed for s in settings], np.int32),
+                np.asarray([len(verify_rows[rid][1].request.generated) for rid in padded], np.int32),
+                np.asarray([s.temperature for s in settings], np.float32),
+                np.asarray([s.top_k for s in settings], np.int32),
+                np.asarray([s.top_p for s in settings], np.float32),
+                greedy=greedy,
+            )
             for rid, a, t in zip(ids, np.asarray(n).tolist(), np.asarray(nxt).tolist()):
                 out[rid] = drafted[rid][:a] + [t]
                 for counts in (self.stats, self.per_request[rid]):

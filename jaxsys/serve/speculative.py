@@ -51,8 +51,17 @@ def _probs(logits, temperature: float):
     return jax.nn.softmax(logits / temperature, axis=-1)
 
 
-def generate(target, target_params, draft, draft_params, prompt: list, max_new_tokens: int, k: int = 4,
-             temperature: float = 0.0, seed: int = 0) -> tuple[list[int], dict]:
+def generate(
+    target,
+    target_params,
+    draft,
+    draft_params,
+    prompt: list,
+    max_new_tokens: int,
+    k: int = 4,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[int], dict]:
     """Continue `prompt` by `max_new_tokens` tokens with `draft` proposing `k` at a time and
     `target` (decode.Decoder, batch 1 each) verifying. Returns (tokens, stats: rounds, drafted,
     accepted, target_forwards)."""
@@ -82,14 +91,18 @@ def generate(target, target_params, draft, draft_params, prompt: list, max_new_t
         for i in range(k):
             d_logits, d_cache = draft.decode(draft_params, np.asarray([token]), np.asarray([pos + i]), d_cache)
             qi = _probs(d_logits[0], temperature)
-            token = int(jnp.argmax(qi)) if greedy else int(
-                jax.random.categorical(jax.random.fold_in(draft_key, stats["rounds"] * k + i), jnp.log(qi)))
+            token = (
+                int(jnp.argmax(qi))
+                if greedy
+                else int(jax.random.categorical(jax.random.fold_in(draft_key, stats["rounds"] * k + i), jnp.log(qi)))
+            )
             drafted.append(token)
             q.append(qi)
         t_logits, t_cache = target.extend(target_params, rows([last] + drafted), np.asarray([pos], np.int32), t_cache)
         p = _probs(t_logits[0], temperature)
-        n, nxt = _accept(p, jnp.stack(q), jnp.asarray(drafted), jax.random.fold_in(accept_key, stats["rounds"]),
-                         greedy=greedy)
+        n, nxt = _accept(
+            p, jnp.stack(q), jnp.asarray(drafted), jax.random.fold_in(accept_key, stats["rounds"]), greedy=greedy
+        )
         n, nxt = int(n), int(nxt)
         out += drafted[:n] + [nxt]
         if n == k:

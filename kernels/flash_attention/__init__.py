@@ -6,5 +6,10 @@ from .kernel import flash_attention, flash_attention_backward, flash_attention_f
 from .reference import attention as reference_attention
 from .reference import attention_backward as reference_attention_backward
 
-__all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward",
-           "reference_attention", "reference_attention_backward"]
+__all__ = [
+    "flash_attention",
+    "flash_attention_forward",
+    "flash_attention_backward",
+    "reference_attention",
+    "reference_attention_backward",
+]

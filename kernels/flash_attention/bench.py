@@ -52,13 +52,19 @@ def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
 def attention_fn(impl: str, causal: bool, args):
     """q, k, v -> o for one implementation."""
     if impl == "pallas":
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=args.block_q,
-                                               block_k=args.block_k, block_q_bwd=args.block_q_bwd,
-                                               block_k_bwd=args.block_k_bwd,
-                                               interpret=args.interpret_smoke or None)
+        return lambda q, k, v: flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            block_q=args.block_q,
+            block_k=args.block_k,
+            block_q_bwd=args.block_q_bwd,
+            block_k_bwd=args.block_k_bwd,
+            interpret=args.interpret_smoke or None,
+        )
     if impl == "cudnn":
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                                            implementation="cudnn")
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     if impl == "xla":
         return lambda q, k, v: reference_attention(q, k, v, causal=causal)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
@@ -103,33 +109,35 @@ def measure(impl, t, h, causal, args):
     forward_backward = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
     try:
         fwd_s = median_seconds(forward, (q, k, v), args.repeats, args.min_time)
-        row |= dict(fwd_ms=fwd_s * 1e3,
-                    fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
+        row |= dict(fwd_ms=fwd_s * 1e3, fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
         if impl == "pallas" and "xla" in args.impls and scores_gib <= args.xla_max_gib:
             want = jax.jit(attention_fn("xla", causal, args))(q, k, v)
             got = forward(q, k, v)
-            row["max_abs_err_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32)
-                                                              - want.astype(jnp.float32))))
+            row["max_abs_err_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         bwd_s = median_seconds(forward_backward, (q, k, v, do), args.repeats, args.min_time)
-        row |= dict(fwd_bwd_ms=bwd_s * 1e3,
-                    fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
+        row |= dict(fwd_bwd_ms=bwd_s * 1e3, fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
     except Exception as e:  # one failing configuration must not lose the others
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return row
 
 
 def markdown(rows) -> str:
-    lines = ["| T | H | B | N | K | causal | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms "
-             "| fwd+bwd TFLOP/s | note |",
-             "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| T | H | B | N | K | causal | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | note |",
+        "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
+    ]
     fmt = lambda r, key, spec: format(r[key], spec) if key in r else "-"
     for r in rows:
-        note = r.get("skipped") or r.get("error") or (
-            f"max err vs xla {r['max_abs_err_vs_xla']:.1e}" if "max_abs_err_vs_xla" in r else "")
+        note = (
+            r.get("skipped")
+            or r.get("error")
+            or (f"max err vs xla {r['max_abs_err_vs_xla']:.1e}" if "max_abs_err_vs_xla" in r else "")
+        )
         lines.append(
             f"| {r['T']} | {r['H']} | {r['B']} | {r['N']} | {r['K']} | {r['causal']} "
             f"| {r['impl']} | {fmt(r, 'fwd_ms', '.3f')} | {fmt(r, 'fwd_tflops', '.1f')} "
-            f"| {fmt(r, 'fwd_bwd_ms', '.3f')} | {fmt(r, 'fwd_bwd_tflops', '.1f')} | {note} |")
+            f"| {fmt(r, 'fwd_bwd_ms', '.3f')} | {fmt(r, 'fwd_bwd_tflops', '.1f')} | {note} |"
+        )
     return "\n".join(lines)
 
 
@@ -152,8 +160,9 @@ def parse_args(argv=None):
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timing sample")
     p.add_argument("--xla-max-gib", type=float, default=8.0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--interpret-smoke", action="store_true",
-                   help="no GPU needed: one tiny shape in Pallas interpret mode")
+    p.add_argument(
+        "--interpret-smoke", action="store_true", help="no GPU needed: one tiny shape in Pallas interpret mode"
+    )
     return p.parse_args(argv)
 
 
@@ -165,9 +174,11 @@ def main(argv=None) -> int:
         args.block_q = args.block_k = 32
         args.repeats, args.min_time = 1, 0.0
     elif backend != "gpu":
-        print(f"bench.py measures GPU kernels; the default JAX backend here is {backend!r}, so "
-              "nothing was measured. Run it on a GPU machine, or pass --interpret-smoke to check "
-              "the script in Pallas interpret mode.")
+        print(
+            f"bench.py measures GPU kernels; the default JAX backend here is {backend!r}, so "
+            "nothing was measured. Run it on a GPU machine, or pass --interpret-smoke to check "
+            "the script in Pallas interpret mode."
+        )
         return 0
     device = jax.devices()[0]
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
@@ -180,16 +191,24 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
     table = markdown(rows)
-    print(f"\n{device.device_kind} ({backend}), jax {jax.__version__}, {args.dtype}; "
-          "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved\n")
+    print(
+        f"\n{device.device_kind} ({backend}), jax {jax.__version__}, {args.dtype}; "
+        "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved\n"
+    )
     print(table)
     if args.out:
         record = dict(
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=device.device_kind, backend=backend, jax=jax.__version__,
-            numpy=np.__version__, command=" ".join(sys.argv),
+            device=device.device_kind,
+            backend=backend,
+            jax=jax.__version__,
+            numpy=np.__version__,
+            command=" ".join(sys.argv),
             flop_convention="fwd 4*B*N*T*S*H (x0.5 causal); fwd+bwd 3.5x fwd",
-            interpret_smoke=args.interpret_smoke, args=vars(args), results=rows)
+            interpret_smoke=args.interpret_smoke,
+            args=vars(args),
+            results=rows,
+        )
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         print(f"\nwrote {args.out}")

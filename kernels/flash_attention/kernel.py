@@ -58,6 +58,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Static (hashable) parameters of one call; the custom_vjp's non-differentiable argument."""
+
     scale: float
     causal: bool
     block_q: int  # the tiles of the kernel being run; the backward runs with bwd_block_*
@@ -70,10 +71,10 @@ class _Config:
 # ----------------------------------------------------------------------------------------------
 # Shared pieces of the kernels.
 
+
 def _dot(a, b, contract_a: int, contract_b: int):
     """2-D matmul contracting a's dim contract_a with b's dim contract_b, fp32 accumulation."""
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
-                           preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _visible(q_start, k_start, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
@@ -112,12 +113,13 @@ def _split_refs(refs, n_in: int, has_segments: bool):
     """Split a kernel's refs into (inputs, q_seg_ref, kv_seg_ref, outputs)."""
     ins = refs[:n_in]
     if has_segments:
-        return ins, refs[n_in], refs[n_in + 1], refs[n_in + 2:]
+        return ins, refs[n_in], refs[n_in + 1], refs[n_in + 2 :]
     return ins, None, None, refs[n_in:]
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward kernel: grid (q blocks, B, N).
+
 
 def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bool):
     (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _split_refs(refs, 3, has_segments)
@@ -133,8 +135,15 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s = _dot(q, k, 1, 1) * cfg.scale  # [bq, bk]
-        mask = _visible(i * bq, start, (bq, bk), causal=causal_mask, kv_len=kv_len, q_seg=q_seg,
-                        kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)])
+        mask = _visible(
+            i * bq,
+            start,
+            (bq, bk),
+            causal=causal_mask,
+            kv_len=kv_len,
+            q_seg=q_seg,
+            kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)],
+        )
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -146,8 +155,7 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, 1, 0)
         return acc, m_new, l
 
-    carry = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
-             jnp.zeros((bq,), jnp.float32))
+    carry = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
     if cfg.causal:
         n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
         carry = lax.fori_loop(0, n_full, functools.partial(body, causal_mask=False), carry)
@@ -163,6 +171,7 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
 
 # ----------------------------------------------------------------------------------------------
 # Backward kernels.
+
 
 def _p_and_ds(q, k, v, do, lse, delta, mask, scale):
     """P = exp(s - lse) (0 where masked) and dS = P * (dO V^T - Delta), both [bq, bk] fp32."""
@@ -187,8 +196,15 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        mask = _visible(i * bq, start, (bq, bk), causal=causal_mask, kv_len=kv_len, q_seg=q_seg,
-                        kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)])
+        mask = _visible(
+            i * bq,
+            start,
+            (bq, bk),
+            causal=causal_mask,
+            kv_len=kv_len,
+            q_seg=q_seg,
+            kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)],
+        )
         _, ds = _p_and_ds(q, k, v, do, lse, delta, mask, cfg.scale)
         return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
@@ -202,8 +218,7 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int,
-                 has_segments: bool):
+def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has_segments: bool):
     """Grid (kv blocks, B, K): dk, dv for one kv block of one kv head, summed over the G query
     heads that read it (their q, dO, lse, Delta blocks span the group: [T, G, H] / [G, T])."""
     ins, qs_ref, ks_ref, (dk_ref, dv_ref) = _split_refs(refs, 6, has_segments)
@@ -220,8 +235,15 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int,
         rows = pl.ds(start, bq)
         q = q_ref[rows, g, :]
         do = do_ref[rows, g, :]
-        mask = _visible(start, k_start, (bq, bk), causal=causal_mask, kv_len=kv_len,
-                        q_seg=None if qs_ref is None else qs_ref[rows], kv_seg=kv_seg)
+        mask = _visible(
+            start,
+            k_start,
+            (bq, bk),
+            causal=causal_mask,
+            kv_len=kv_len,
+            q_seg=None if qs_ref is None else qs_ref[rows],
+            kv_seg=kv_seg,
+        )
         p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], mask, cfg.scale)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
         dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
@@ -230,12 +252,9 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int,
     def group_body(g, carry):
         if cfg.causal:
             n_start, n_full = _causal_q_range(j, bq, bk, num_q_blocks)
-            carry = lax.fori_loop(n_start, n_full,
-                                  functools.partial(body, g=g, causal_mask=True), carry)
-            return lax.fori_loop(n_full, num_q_blocks,
-                                 functools.partial(body, g=g, causal_mask=False), carry)
-        return lax.fori_loop(0, num_q_blocks, functools.partial(body, g=g, causal_mask=False),
-                             carry)
+            carry = lax.fori_loop(n_start, n_full, functools.partial(body, g=g, causal_mask=True), carry)
+            return lax.fori_loop(n_full, num_q_blocks, functools.partial(body, g=g, causal_mask=False), carry)
+        return lax.fori_loop(0, num_q_blocks, functools.partial(body, g=g, causal_mask=False), carry)
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, group, group_body, carry)
@@ -246,6 +265,7 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int,
 # ----------------------------------------------------------------------------------------------
 # pallas_call wrappers (padded inputs in, padded outputs out).
 
+
 def _compiler_params(head_dim: int, interpret: bool):
     """Triton launch parameters on GPU (JAX's own Triton attention uses the same for H <= 128;
     one pipeline stage for H = 256 keeps the tiles within shared memory). Only the tiles were swept
@@ -253,8 +273,8 @@ def _compiler_params(head_dim: int, interpret: bool):
     if interpret or jax.default_backend() != "gpu":
         return None
     from jax.experimental.pallas import triton as pl_triton
-    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8,
-                                    num_stages=2 if head_dim <= 128 else 1)
+
+    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2 if head_dim <= 128 else 1)
 
 
 def _segment_specs(q_seg, kv_seg, q_block: int, kv_block: int, *, grid_over_q: bool):
@@ -263,11 +283,15 @@ def _segment_specs(q_seg, kv_seg, q_block: int, kv_block: int, *, grid_over_q: b
     if q_seg is None:
         return [], []
     if grid_over_q:  # q segment block i, all kv segment ids
-        specs = [pl.BlockSpec((None, q_block), lambda i, b, h: (b, i)),
-                 pl.BlockSpec((None, kv_block), lambda i, b, h: (b, 0))]
+        specs = [
+            pl.BlockSpec((None, q_block), lambda i, b, h: (b, i)),
+            pl.BlockSpec((None, kv_block), lambda i, b, h: (b, 0)),
+        ]
     else:  # grid over kv blocks: all q segment ids, kv segment block j
-        specs = [pl.BlockSpec((None, q_block), lambda j, b, h: (b, 0)),
-                 pl.BlockSpec((None, kv_block), lambda j, b, h: (b, j))]
+        specs = [
+            pl.BlockSpec((None, q_block), lambda j, b, h: (b, 0)),
+            pl.BlockSpec((None, kv_block), lambda j, b, h: (b, j)),
+        ]
     return specs, [q_seg, kv_seg]
 
 
@@ -276,18 +300,19 @@ def _forward_padded(q, k, v, q_seg, kv_seg, cfg: _Config, kv_len):
     sp, kh = k.shape[1], k.shape[2]
     bq, bk, g = cfg.block_q, cfg.block_k, n // kh
     seg_specs, seg_args = _segment_specs(q_seg, kv_seg, bq, sp, grid_over_q=True)
-    kernel = functools.partial(_fwd_kernel, cfg=cfg, kv_len=kv_len, num_kv_blocks=sp // bk,
-                               has_segments=q_seg is not None)
+    kernel = functools.partial(
+        _fwd_kernel, cfg=cfg, kv_len=kv_len, num_kv_blocks=sp // bk, has_segments=q_seg is not None
+    )
     kv_spec = pl.BlockSpec((None, sp, None, h), lambda i, b_, n_: (b_, 0, lax.div(n_, g), 0))
     return pl.pallas_call(
         kernel,
         grid=(tp // bq, b, n),
-        in_specs=[pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0)),
-                  kv_spec, kv_spec, *seg_specs],
-        out_specs=[pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
+        in_specs=[pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0)), kv_spec, kv_spec, *seg_specs],
+        out_specs=[
+            pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
         compiler_params=_compiler_params(h, cfg.interpret),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
@@ -306,8 +331,7 @@ def _backward_padded(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: _Config, kv_le
     kv_all = pl.BlockSpec((None, sp, None, h), lambda i, b_, n_: (b_, 0, lax.div(n_, g), 0))
     row_blk = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, kv_len=kv_len, num_kv_blocks=sp // bk,
-                          has_segments=has_segments),
+        functools.partial(_dq_kernel, cfg=cfg, kv_len=kv_len, num_kv_blocks=sp // bk, has_segments=has_segments),
         grid=(tp // bq, b, n),
         in_specs=[q_blk, kv_all, kv_all, q_blk, row_blk, row_blk, *seg_specs],
         out_specs=q_blk,
@@ -322,8 +346,9 @@ def _backward_padded(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: _Config, kv_le
     kv_blk = pl.BlockSpec((None, bk, None, h), lambda j, b_, k_: (b_, j, k_, 0))
     row_group = pl.BlockSpec((None, g, tp), lambda j, b_, k_: (b_, k_, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, kv_len=kv_len, num_q_blocks=tp // bq, group=g,
-                          has_segments=has_segments),
+        functools.partial(
+            _dkdv_kernel, cfg=cfg, kv_len=kv_len, num_q_blocks=tp // bq, group=g, has_segments=has_segments
+        ),
         grid=(sp // bk, b, kh),
         in_specs=[q_group, kv_blk, kv_blk, q_group, row_group, row_group, *seg_specs],
         out_specs=[kv_blk, kv_blk],
@@ -356,42 +381,68 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, softmax_scale, block_q, block_k,
-             block_q_bwd, block_k_bwd, interpret, backend):
+def _prepare(
+    q,
+    k,
+    v,
+    q_segment_ids,
+    kv_segment_ids,
+    *,
+    causal,
+    softmax_scale,
+    block_q,
+    block_k,
+    block_q_bwd,
+    block_k_bwd,
+    interpret,
+    backend,
+):
     """Validate, resolve defaults and build the static plan."""
     platforms.check_backend(backend)
     if interpret is None:
         compiled_here = jax.default_backend() != "cpu"
     else:
         compiled_here = not interpret
-    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids,
-                 head_dims=KERNEL_HEAD_DIMS if compiled_here else INTERPRET_HEAD_DIMS)
+    check_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        head_dims=KERNEL_HEAD_DIMS if compiled_here else INTERPRET_HEAD_DIMS,
+    )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
     t, s, h = q.shape[1], k.shape[1], q.shape[3]
     block_q_bwd = block_q if block_q_bwd is None else block_q_bwd
     block_k_bwd = block_k if block_k_bwd is None else block_k_bwd
-    scale = float(h ** -0.5 if softmax_scale is None else softmax_scale)
+    scale = float(h**-0.5 if softmax_scale is None else softmax_scale)
     generic_cfg = tpu_cfg = None
     if backend != "tpu":  # Triton's tile rules (powers of two >= 16)
         # At H > 64 a 128-key tile needs more shared memory than an H100/H200 block has (256 KiB
         # against 227 KiB at 128 x 128), and (128, 64) measured fastest on an H200
         # (docs/benchmarks/h200_2026-11-26.md): cap the key tile at 64 there.
         cap_k = lambda b: min(b, GPU_MAX_BLOCK_K_WIDE_HEADS) if h > 64 else b
-        generic_cfg = _Config(scale=scale, causal=bool(causal),
-                              block_q=_block_size(block_q, t, "block_q"),
-                              block_k=cap_k(_block_size(block_k, s, "block_k")),
-                              bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
-                              bwd_block_k=cap_k(_block_size(block_k_bwd, s, "block_k_bwd")),
-                              interpret=True)
+        generic_cfg = _Config(
+            scale=scale,
+            causal=bool(causal),
+            block_q=_block_size(block_q, t, "block_q"),
+            block_k=cap_k(_block_size(block_k, s, "block_k")),
+            bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
+            bwd_block_k=cap_k(_block_size(block_k_bwd, s, "block_k_bwd")),
+            interpret=True,
+        )
     if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused)
-        tpu_cfg = kernel_tpu.TpuConfig(scale=scale, causal=bool(causal),
-                                       block_q=kernel_tpu.tile(block_q, t, "block_q"),
-                                       block_k=kernel_tpu.tile(block_k, s, "block_k"),
-                                       bwd_block_q=kernel_tpu.tile(block_q_bwd, t, "block_q_bwd"),
-                                       bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
-                                       interpret=True)
+        tpu_cfg = kernel_tpu.TpuConfig(
+            scale=scale,
+            causal=bool(causal),
+            block_q=kernel_tpu.tile(block_q, t, "block_q"),
+            block_k=kernel_tpu.tile(block_k, s, "block_k"),
+            bwd_block_q=kernel_tpu.tile(block_q_bwd, t, "block_q_bwd"),
+            bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
+            interpret=True,
+        )
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
@@ -402,9 +453,15 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
     """Unpadded in, unpadded out: (o[B, T, N, H], lse[B, N, T])."""
     t, s = q.shape[1], k.shape[1]
     tp, sp = -(-t // cfg.block_q) * cfg.block_q, -(-s // cfg.block_k) * cfg.block_k
-    o, lse = _forward_padded(_pad_axis(q, 1, tp), _pad_axis(k, 1, sp), _pad_axis(v, 1, sp),
-                             _pad_axis(q_seg, 1, tp), _pad_axis(kv_seg, 1, sp), cfg,
-                             kv_len=s if sp != s else None)
+    o, lse = _forward_padded(
+        _pad_axis(q, 1, tp),
+        _pad_axis(k, 1, sp),
+        _pad_axis(v, 1, sp),
+        _pad_axis(q_seg, 1, tp),
+        _pad_axis(kv_seg, 1, sp),
+        cfg,
+        kv_len=s if sp != s else None,
+    )
     return o[:, :t], lse[:, :, :t]
 
 
@@ -420,10 +477,17 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
         delta = delta - dlse.astype(jnp.float32)
     # Padded query rows get dO = 0 and Delta = 0, so their dS = 0; lse = 0 keeps their P finite.
     dq, dk, dv = _backward_padded(
-        _pad_axis(q, 1, tp), _pad_axis(k, 1, sp), _pad_axis(v, 1, sp),
-        _pad_axis(q_seg, 1, tp), _pad_axis(kv_seg, 1, sp), _pad_axis(do.astype(q.dtype), 1, tp),
-        _pad_axis(lse.astype(jnp.float32), 2, tp), _pad_axis(delta, 2, tp), cfg,
-        kv_len=s if sp != s else None)
+        _pad_axis(q, 1, tp),
+        _pad_axis(k, 1, sp),
+        _pad_axis(v, 1, sp),
+        _pad_axis(q_seg, 1, tp),
+        _pad_axis(kv_seg, 1, sp),
+        _pad_axis(do.astype(q.dtype), 1, tp),
+        _pad_axis(lse.astype(jnp.float32), 2, tp),
+        _pad_axis(delta, 2, tp),
+        cfg,
+        kv_len=s if sp != s else None,
+    )
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
@@ -457,9 +521,24 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ----------------------------------------------------------------------------------------------
 # Public API.
 
-def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
-                    softmax_scale=None, return_lse=False, block_q=128, block_k=128,
-                    interpret=None, block_q_bwd=None, block_k_bwd=None, backend=None):
+
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale=None,
+    return_lse=False,
+    block_q=128,
+    block_k=128,
+    interpret=None,
+    block_q_bwd=None,
+    block_k_bwd=None,
+    backend=None,
+):
     """Attention over q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] (and lse[B, N, T] fp32 when
     return_lse), differentiable (custom_vjp; the lse cotangent is honoured). Same semantics as
     `reference.attention`.
@@ -471,42 +550,106 @@ def flash_attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids
     generic kernels elsewhere), "tpu" or "generic" forces one. interpret: None interprets when
     lowered for CPU and compiles elsewhere; True / False force it (True with backend None is the
     generic kernel interpreted everywhere)."""
-    plan, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
-                                   softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
-                                   block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd,
-                                   interpret=interpret, backend=backend)
+    plan, q_seg, kv_seg = _prepare(
+        q,
+        k,
+        v,
+        q_segment_ids,
+        kv_segment_ids,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        block_q=block_q,
+        block_k=block_k,
+        block_q_bwd=block_q_bwd,
+        block_k_bwd=block_k_bwd,
+        interpret=interpret,
+        backend=backend,
+    )
     o, lse = _flash(q, k, v, q_seg, kv_seg, plan)
     return (o, lse) if return_lse else o
 
 
-def flash_attention_forward(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
-                            softmax_scale=None, block_q=128, block_k=128, interpret=None,
-                            block_q_bwd=None, block_k_bwd=None, backend=None):
+def flash_attention_forward(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale=None,
+    block_q=128,
+    block_k=128,
+    interpret=None,
+    block_q_bwd=None,
+    block_k_bwd=None,
+    backend=None,
+):
     """(o, lse) for one block of attention; the building block of context parallelism.
     Differentiable like flash_attention(..., return_lse=True)."""
-    return flash_attention(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
-                           kv_segment_ids=kv_segment_ids, softmax_scale=softmax_scale,
-                           return_lse=True, block_q=block_q, block_k=block_k, interpret=interpret,
-                           block_q_bwd=block_q_bwd, block_k_bwd=block_k_bwd, backend=backend)
+    return flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_scale=softmax_scale,
+        return_lse=True,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        block_q_bwd=block_q_bwd,
+        block_k_bwd=block_k_bwd,
+        backend=backend,
+    )
 
 
-def flash_attention_backward(q, k, v, o, lse, do, dlse=None, *, causal=False, q_segment_ids=None,
-                             kv_segment_ids=None, softmax_scale=None, block_q=128, block_k=128,
-                             interpret=None, backend=None):
+def flash_attention_backward(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    dlse=None,
+    *,
+    causal=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale=None,
+    block_q=128,
+    block_k=128,
+    interpret=None,
+    backend=None,
+):
     """(dq, dk, dv) of attention given the output o[B, T, N, H], its lse[B, N, T] and the
     cotangents do (and dlse, optional). Only P = exp(s - lse) is recomputed, so with the *final*
     o and lse of a longer attention (e.g. merged over ring steps) and a block of its keys, the
     results are that block's contributions to dq, dk, dv: summing them over the blocks gives the
     gradients of the whole. Returned in the dtypes of q, k, v. block_q, block_k are the tiles of
     the backward kernels here; backend and interpret as in flash_attention."""
-    plan, q_seg, kv_seg = _prepare(q, k, v, q_segment_ids, kv_segment_ids, causal=causal,
-                                   softmax_scale=softmax_scale, block_q=block_q, block_k=block_k,
-                                   block_q_bwd=None, block_k_bwd=None, interpret=interpret,
-                                   backend=backend)
+    plan, q_seg, kv_seg = _prepare(
+        q,
+        k,
+        v,
+        q_segment_ids,
+        kv_segment_ids,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        block_q=block_q,
+        block_k=block_k,
+        block_q_bwd=None,
+        block_k_bwd=None,
+        interpret=interpret,
+        backend=backend,
+    )
     b, t, n, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape:
         raise ValueError(f"o and do must have q's shape {q.shape}; got o{o.shape}, do{do.shape}")
     if lse.shape != (b, n, t) or (dlse is not None and dlse.shape != (b, n, t)):
-        raise ValueError(f"lse and dlse must have shape [B, N, T] = {(b, n, t)}; got "
-                         f"lse{lse.shape}, dlse{None if dlse is None else dlse.shape}")
+        raise ValueError(
+            f"lse and dlse must have shape [B, N, T] = {(b, n, t)}; got "
+            f"lse{lse.shape}, dlse{None if dlse is None else dlse.shape}"
+        )
     return _dispatch(plan, 1, q, k, v, q_seg, kv_seg, o, lse, do, dlse)

@@ -66,6 +66,7 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
     """Static parameters of one call (hashable: part of the custom_vjp's static argument)."""
+
     scale: float
     causal: bool
     block_q: int
@@ -88,6 +89,7 @@ def tile(requested: int, length: int, name: str) -> int:
 # ----------------------------------------------------------------------------------------------
 # Pieces shared by the kernels.
 
+
 def _dot(a, b, dims):
     """fp32-accumulated matmul. bf16 operands always take DEFAULT precision: a higher one (e.g.
     from jax_default_matmul_precision="highest") makes Mosaic ask for an fp32 contraction, which
@@ -102,8 +104,7 @@ def _runs(i, j, bq: int, bk: int):
     return (i + 1) * bq - 1 >= j * bk
 
 
-def _needs_mask(i, j, bq: int, bk: int, *, causal: bool, padded_kv: bool, nk: int,
-                segments: bool):
+def _needs_mask(i, j, bq: int, bk: int, *, causal: bool, padded_kv: bool, nk: int, segments: bool):
     """Python True/False, or a traced bool: whether tile (i, j) needs the element mask."""
     if segments:
         return True
@@ -158,6 +159,7 @@ def _nbytes(*arrays) -> int:
 # ----------------------------------------------------------------------------------------------
 # Forward.
 
+
 def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padded_kv: bool):
     if has_segments:
         q_ref, k_ref, v_ref, qs_ref, ks_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
@@ -178,10 +180,16 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
         s = _dot(q, k, _NT) * cfg.scale  # [bq, bk]
         mask = None
         if masked:
-            mask = _mask(i * bq, j * bk, (bq, bk), keys_on_rows=False, causal=cfg.causal,
-                         kv_len=kv_len if padded_kv else None,
-                         q_seg=None if qs_ref is None else qs_ref[0][:, None],
-                         kv_seg=None if ks_ref is None else ks_ref[...])
+            mask = _mask(
+                i * bq,
+                j * bk,
+                (bq, bk),
+                keys_on_rows=False,
+                causal=cfg.causal,
+                kv_len=kv_len if padded_kv else None,
+                q_seg=None if qs_ref is None else qs_ref[0][:, None],
+                kv_seg=None if ks_ref is None else ks_ref[...],
+            )
             s = jnp.where(mask, s, MASK_VALUE)
         m_prev, l_prev = m_ref[...], l_ref[...]  # [bq, 128]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -194,8 +202,9 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
         acc_ref[...] = acc_ref[...] * platforms.lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
-    _run_tile(runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk,
-                                segments=has_segments), step)
+    _run_tile(
+        runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
+    )
 
     @pl.when(j == nk - 1)
     def _finish():
@@ -220,31 +229,36 @@ def _forward_padded(qt, kt, vt, q_seg, kv_seg, cfg: TpuConfig, kv_len: int):
         return lax.select(_runs(i, j, bq, bk), j, 0) if cfg.causal else j
 
     q_spec = pl.BlockSpec((None, None, bq, h), lambda n_, b_, i, j: (b_, n_, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, h),
-                           lambda n_, b_, i, j: (b_, lax.div(n_, g), kv_index(i, j), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, h), lambda n_, b_, i, j: (b_, lax.div(n_, g), kv_index(i, j), 0))
     row_spec = pl.BlockSpec((None, None, 1, bq), lambda n_, b_, i, j: (b_, n_, 0, i))
     in_specs, args = [q_spec, kv_spec, kv_spec], [qt, kt, vt]
     if q_seg is not None:
-        in_specs += [pl.BlockSpec((None, 1, bq), lambda n_, b_, i, j: (b_, 0, i)),
-                     pl.BlockSpec((None, 1, bk), lambda n_, b_, i, j: (b_, 0, kv_index(i, j)))]
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda n_, b_, i, j: (b_, 0, i)),
+            pl.BlockSpec((None, 1, bk), lambda n_, b_, i, j: (b_, 0, kv_index(i, j))),
+        ]
         args += [q_seg, kv_seg]
-    out_shape = [jax.ShapeDtypeStruct(qt.shape, qt.dtype),
-                 jax.ShapeDtypeStruct((b, n, 1, tp), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct(qt.shape, qt.dtype), jax.ShapeDtypeStruct((b, n, 1, tp), jnp.float32)]
     tiles = b * n * _visited(nq, nk, bq, bk, cfg.causal)
     cost = pl.CostEstimate(
         flops=4 * tiles * bq * bk * h,  # S = Q K^T and P V on every tile that runs
         transcendentals=tiles * bq * bk,
-        bytes_accessed=_nbytes(qt, *out_shape) + 2 * tiles * bk * h * kt.dtype.itemsize)
-    kernel = functools.partial(_fwd_kernel, cfg=cfg, kv_len=kv_len, nk=nk,
-                               has_segments=q_seg is not None, padded_kv=padded_kv)
+        bytes_accessed=_nbytes(qt, *out_shape) + 2 * tiles * bk * h * kt.dtype.itemsize,
+    )
+    kernel = functools.partial(
+        _fwd_kernel, cfg=cfg, kv_len=kv_len, nk=nk, has_segments=q_seg is not None, padded_kv=padded_kv
+    )
     return pl.pallas_call(
         kernel,
         grid=(n, b, nq, nk),  # heads first: see the module docstring (megacore)
         in_specs=in_specs,
         out_specs=[q_spec, row_spec],
         out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32),
-                        pltpu.VMEM((bq, h), jnp.float32)],
+        scratch_shapes=[
+            pltpu.VMEM((bq, LANES), jnp.float32),
+            pltpu.VMEM((bq, LANES), jnp.float32),
+            pltpu.VMEM((bq, h), jnp.float32),
+        ],
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=cfg.interpret,
@@ -255,10 +269,10 @@ def _forward_padded(qt, kt, vt, q_seg, kv_seg, cfg: TpuConfig, kv_len: int):
 # ----------------------------------------------------------------------------------------------
 # Backward.
 
+
 def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padded_kv: bool):
     if has_segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref,
-         acc_ref) = refs
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dq_ref, acc_ref) = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref = refs
         qs_ref = ks_ref = None
@@ -275,28 +289,33 @@ def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padde
         delta = delta_ref[0][:, None]
         p = jnp.exp(_dot(q, k, _NT) * cfg.scale - lse)  # [bq, bk]
         if masked:
-            mask = _mask(i * bq, j * bk, (bq, bk), keys_on_rows=False, causal=cfg.causal,
-                         kv_len=kv_len if padded_kv else None,
-                         q_seg=None if qs_ref is None else qs_ref[0][:, None],
-                         kv_seg=None if ks_ref is None else ks_ref[...])
+            mask = _mask(
+                i * bq,
+                j * bk,
+                (bq, bk),
+                keys_on_rows=False,
+                causal=cfg.causal,
+                kv_len=kv_len if padded_kv else None,
+                q_seg=None if qs_ref is None else qs_ref[0][:, None],
+                kv_seg=None if ks_ref is None else ks_ref[...],
+            )
             p = jnp.where(mask, p, 0.0)
         ds = p * (_dot(do, v, _NT) - delta)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
-    _run_tile(runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk,
-                                segments=has_segments), step)
+    _run_tile(
+        runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
+    )
 
     @pl.when(j == nk - 1)
     def _finish():
         dq_ref[...] = (acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int,
-                 has_segments: bool, padded_kv: bool):
+def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int, has_segments: bool, padded_kv: bool):
     if has_segments:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref,
-         dk_acc, dv_acc) = refs
+        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qs_ref, ks_ref, dk_ref, dv_ref, dk_acc, dv_acc) = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
         qs_ref = ks_ref = None
@@ -312,18 +331,25 @@ def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int,
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         pt = jnp.exp(_dot(k, q, _NT) * cfg.scale - lse_ref[...])  # P^T [bk, bq]
         if masked:
-            mask = _mask(i * bq, j * bk, (bk, bq), keys_on_rows=True, causal=cfg.causal,
-                         kv_len=kv_len if padded_kv else None,
-                         q_seg=None if qs_ref is None else qs_ref[...],
-                         kv_seg=None if ks_ref is None else ks_ref[0][:, None])
+            mask = _mask(
+                i * bq,
+                j * bk,
+                (bk, bq),
+                keys_on_rows=True,
+                causal=cfg.causal,
+                kv_len=kv_len if padded_kv else None,
+                q_seg=None if qs_ref is None else qs_ref[...],
+                kv_seg=None if ks_ref is None else ks_ref[0][:, None],
+            )
             pt = jnp.where(mask, pt, 0.0)
         dv_acc[...] += _dot(pt.astype(do.dtype), do, _NN)
         dst = pt * (_dot(v, do, _NT) - delta_ref[...])  # dS^T [bk, bq]
         dk_acc[...] += _dot(dst.astype(q.dtype), q, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
-    _run_tile(runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk,
-                                segments=has_segments), step)
+    _run_tile(
+        runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
+    )
 
     @pl.when(jnp.logical_and(gi == group - 1, i == nq - 1))
     def _finish():
@@ -347,18 +373,18 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
         return lax.select(_runs(i, j, bq, bk), j, 0) if cfg.causal else j
 
     q_spec = pl.BlockSpec((None, None, bq, h), lambda n_, b_, i, j: (b_, n_, i, 0))
-    kv_spec = pl.BlockSpec((None, None, bk, h),
-                           lambda n_, b_, i, j: (b_, lax.div(n_, g), kv_index(i, j), 0))
+    kv_spec = pl.BlockSpec((None, None, bk, h), lambda n_, b_, i, j: (b_, lax.div(n_, g), kv_index(i, j), 0))
     row_spec = pl.BlockSpec((None, None, 1, bq), lambda n_, b_, i, j: (b_, n_, 0, i))
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     args = [qt, kt, vt, dot_, lse, delta]
     if has_segments:
-        in_specs += [pl.BlockSpec((None, 1, bq), lambda n_, b_, i, j: (b_, 0, i)),
-                     pl.BlockSpec((None, 1, bk), lambda n_, b_, i, j: (b_, 0, kv_index(i, j)))]
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda n_, b_, i, j: (b_, 0, i)),
+            pl.BlockSpec((None, 1, bk), lambda n_, b_, i, j: (b_, 0, kv_index(i, j))),
+        ]
         args += [q_seg, kv_seg]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, kv_len=kv_len, nk=nk, has_segments=has_segments,
-                          padded_kv=padded_kv),
+        functools.partial(_dq_kernel, cfg=cfg, kv_len=kv_len, nk=nk, has_segments=has_segments, padded_kv=padded_kv),
         grid=(n, b, nq, nk),
         in_specs=in_specs,
         out_specs=q_spec,
@@ -366,8 +392,10 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
         scratch_shapes=[pltpu.VMEM((bq, h), jnp.float32)],
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(  # S, dP = dO V^T, dQ += dS K
-            flops=6 * tiles * bq * bk * h, transcendentals=tiles * bq * bk,
-            bytes_accessed=_nbytes(qt, dot_, lse, delta, qt) + 2 * tiles * bk * h * isz),
+            flops=6 * tiles * bq * bk * h,
+            transcendentals=tiles * bq * bk,
+            bytes_accessed=_nbytes(qt, dot_, lse, delta, qt) + 2 * tiles * bk * h * isz,
+        ),
         interpret=cfg.interpret,
         name="flash_attention_tpu_bwd_dq",
     )(*args)
@@ -379,31 +407,32 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
             return i
         return lax.select(_runs(i, j, bq, bk), i, lax.div(j * bk, bq))
 
-    qg_spec = pl.BlockSpec((None, None, bq, h),
-                           lambda k_, b_, j, gi, i: (b_, k_ * g + gi, q_index(j, i), 0))
+    qg_spec = pl.BlockSpec((None, None, bq, h), lambda k_, b_, j, gi, i: (b_, k_ * g + gi, q_index(j, i), 0))
     kvb_spec = pl.BlockSpec((None, None, bk, h), lambda k_, b_, j, gi, i: (b_, k_, j, 0))
-    rowg_spec = pl.BlockSpec((None, None, 1, bq),
-                             lambda k_, b_, j, gi, i: (b_, k_ * g + gi, 0, q_index(j, i)))
+    rowg_spec = pl.BlockSpec((None, None, 1, bq), lambda k_, b_, j, gi, i: (b_, k_ * g + gi, 0, q_index(j, i)))
     in_specs = [qg_spec, kvb_spec, kvb_spec, qg_spec, rowg_spec, rowg_spec]
     args = [qt, kt, vt, dot_, lse, delta]
     if has_segments:
-        in_specs += [pl.BlockSpec((None, 1, bq), lambda k_, b_, j, gi, i: (b_, 0, q_index(j, i))),
-                     pl.BlockSpec((None, 1, bk), lambda k_, b_, j, gi, i: (b_, 0, j))]
+        in_specs += [
+            pl.BlockSpec((None, 1, bq), lambda k_, b_, j, gi, i: (b_, 0, q_index(j, i))),
+            pl.BlockSpec((None, 1, bk), lambda k_, b_, j, gi, i: (b_, 0, j)),
+        ]
         args += [q_seg, kv_seg]
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, kv_len=kv_len, nq=nq, nk=nk, group=g,
-                          has_segments=has_segments, padded_kv=padded_kv),
+        functools.partial(
+            _dkdv_kernel, cfg=cfg, kv_len=kv_len, nq=nq, nk=nk, group=g, has_segments=has_segments, padded_kv=padded_kv
+        ),
         grid=(kh, b, nk, g, nq),
         in_specs=in_specs,
         out_specs=[kvb_spec, kvb_spec],
-        out_shape=[jax.ShapeDtypeStruct(kt.shape, kt.dtype),
-                   jax.ShapeDtypeStruct(vt.shape, vt.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(kt.shape, kt.dtype), jax.ShapeDtypeStruct(vt.shape, vt.dtype)],
         scratch_shapes=[pltpu.VMEM((bk, h), jnp.float32), pltpu.VMEM((bk, h), jnp.float32)],
-        compiler_params=_params(
-            ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
         cost_estimate=pl.CostEstimate(  # S^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q
-            flops=8 * tiles * bq * bk * h, transcendentals=tiles * bq * bk,
-            bytes_accessed=_nbytes(kt, vt, kt, vt) + tiles * (2 * bq * h * isz + 2 * bq * 4)),
+            flops=8 * tiles * bq * bk * h,
+            transcendentals=tiles * bq * bk,
+            bytes_accessed=_nbytes(kt, vt, kt, vt) + tiles * (2 * bq * h * isz + 2 * bq * 4),
+        ),
         interpret=cfg.interpret,
         name="flash_attention_tpu_bwd_dkdv",
     )(*args)
@@ -413,11 +442,11 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
 # ----------------------------------------------------------------------------------------------
 # Layout, padding, entry points (unpadded [B, T, N, H] in and out, as kernel.py's).
 
+
 def _heads_major(x, length: int):
     """[B, L, heads, H] -> [B, heads, Lp, H], padded along L with zeros."""
     x = jnp.swapaxes(x, 1, 2)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))) if length != x.shape[2] \
-        else x
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0))) if length != x.shape[2] else x
 
 
 def _seg_row(seg, length: int):
@@ -438,8 +467,15 @@ def forward(q, k, v, q_seg, kv_seg, cfg: TpuConfig):
     """q[B, T, N, H], k/v[B, S, K, H] -> (o[B, T, N, H], lse[B, N, T] fp32)."""
     t, s = q.shape[1], k.shape[1]
     tp, sp = _padded(t, cfg.block_q), _padded(s, cfg.block_k)
-    o, lse = _forward_padded(_heads_major(q, tp), _heads_major(k, sp), _heads_major(v, sp),
-                             _seg_row(q_seg, tp), _seg_row(kv_seg, sp), cfg, kv_len=s)
+    o, lse = _forward_padded(
+        _heads_major(q, tp),
+        _heads_major(k, sp),
+        _heads_major(v, sp),
+        _seg_row(q_seg, tp),
+        _seg_row(kv_seg, sp),
+        cfg,
+        kv_len=s,
+    )
     return jnp.swapaxes(o[:, :, :t], 1, 2), lse[:, :, 0, :t]
 
 
@@ -457,8 +493,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: TpuConfig):
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     row = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, tp - t)))[:, :, None, :]  # [B, N, 1, Tp]
     dq, dk, dv = _backward_padded(
-        _heads_major(q, tp), _heads_major(k, sp), _heads_major(v, sp), _seg_row(q_seg, tp),
-        _seg_row(kv_seg, sp), _heads_major(do.astype(q.dtype), tp), row(lse), row(delta), cfg,
-        kv_len=s)
-    return (jnp.swapaxes(dq[:, :, :t], 1, 2), jnp.swapaxes(dk[:, :, :s], 1, 2),
-            jnp.swapaxes(dv[:, :, :s], 1, 2))
+        _heads_major(q, tp),
+        _heads_major(k, sp),
+        _heads_major(v, sp),
+        _seg_row(q_seg, tp),
+        _seg_row(kv_seg, sp),
+        _heads_major(do.astype(q.dtype), tp),
+        row(lse),
+        row(delta),
+        cfg,
+        kv_len=s,
+    )
+    return (jnp.swapaxes(dq[:, :, :t], 1, 2), jnp.swapaxes(dk[:, :, :s], 1, 2), jnp.swapaxes(dv[:, :, :s], 1, 2))

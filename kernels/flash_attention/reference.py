@@ -30,8 +30,8 @@ def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=No
     """Raise ValueError, naming the constraint and the values, for inputs attention cannot take."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
-            f"q, k, v must be rank 4 (q[B, T, N, H], k/v[B, S, K, H]); got shapes "
-            f"q{q.shape}, k{k.shape}, v{v.shape}")
+            f"q, k, v must be rank 4 (q[B, T, N, H], k/v[B, S, K, H]); got shapes q{q.shape}, k{k.shape}, v{v.shape}"
+        )
     b, t, n, h = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k{k.shape}, v{v.shape}")
@@ -42,11 +42,10 @@ def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=No
         raise ValueError(f"head dims differ: q has H={h}, k/v have H={hk}")
     if kh == 0 or n % kh != 0:
         raise ValueError(
-            f"the number of query heads N must be a multiple of the number of kv heads K; "
-            f"got N={n}, K={kh}")
+            f"the number of query heads N must be a multiple of the number of kv heads K; got N={n}, K={kh}"
+        )
     if causal and t != s:
-        raise ValueError(
-            f"causal attention is top-left aligned and needs T == S; got T={t}, S={s}")
+        raise ValueError(f"causal attention is top-left aligned and needs T == S; got T={t}, S={s}")
     if head_dims is not None and h not in head_dims:
         raise ValueError(f"head dim H={h} is not supported; supported head dims: {head_dims}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -59,11 +58,9 @@ def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=No
             if not jnp.issubdtype(ids.dtype, jnp.integer):
                 raise ValueError(f"{name} must be integers; got {ids.dtype}")
         if q_segment_ids.shape != (b, t):
-            raise ValueError(
-                f"q_segment_ids must have shape [B, T] = {(b, t)}; got {q_segment_ids.shape}")
+            raise ValueError(f"q_segment_ids must have shape [B, T] = {(b, t)}; got {q_segment_ids.shape}")
         if kv_segment_ids.shape != (b, s):
-            raise ValueError(
-                f"kv_segment_ids must have shape [B, S] = {(b, s)}; got {kv_segment_ids.shape}")
+            raise ValueError(f"kv_segment_ids must have shape [B, S] = {(b, s)}; got {kv_segment_ids.shape}")
 
 
 def make_mask(t, s, *, causal, q_segment_ids=None, kv_segment_ids=None):
@@ -77,20 +74,17 @@ def make_mask(t, s, *, causal, q_segment_ids=None, kv_segment_ids=None):
     return mask
 
 
-def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
-              softmax_scale=None, return_lse=False):
+def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, return_lse=False):
     """softmax(scale * q k^T + mask) v for q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q.dtype,
     and lse[B, N, T] in fp32 when return_lse. See the module docstring for the conventions."""
-    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids)
+    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    scale = h ** -0.5 if softmax_scale is None else softmax_scale
+    scale = h**-0.5 if softmax_scale is None else softmax_scale
     qg = q.reshape(b, t, kh, n // kh, h)  # query head n = kv head * G + g
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, n, t, s) * scale
-    mask = make_mask(t, s, causal=causal, q_segment_ids=q_segment_ids,
-                     kv_segment_ids=kv_segment_ids)
+    mask = make_mask(t, s, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     if mask is None:
         mask = jnp.ones((1, 1, t, s), dtype=bool)
     # A masked entry contributes exp(-inf) = 0 and, being a constant branch of `where`, no gradient;
@@ -102,8 +96,7 @@ def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
     nonempty = l > 0
     l_safe = jnp.where(nonempty, l, 1.0)
     probs = (p / l_safe).reshape(b, kh, n // kh, t, s)
-    o = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
-                   preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32), preferred_element_type=jnp.float32)
     o = o.reshape(b, t, n, h).astype(q.dtype)
     if not return_lse:
         return o
@@ -119,7 +112,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, softmax_scale=None)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
-    scale = h ** -0.5 if softmax_scale is None else softmax_scale
+    scale = h**-0.5 if softmax_scale is None else softmax_scale
     f32 = lambda x: x.astype(jnp.float32)
     qg, dog, og = (f32(x).reshape(b, t, kh, g, h) for x in (q, do, o))
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, f32(k)) * scale

@@ -33,22 +33,35 @@ from jaxsys.kernels.flash_attention import flash_attention  # noqa: E402
 from jaxsys.kernels.tpu_compile_grid import CUSTOM_CALL, add_grid_arguments, run_grid, tpu_mesh  # noqa: E402,F401
 
 
-def compile_case(mesh, t: int, h: int, dtype, *, backward: bool, heads: int = 8,
-                 kv_heads: int = 2, batch: int = 1, causal: bool = True, segments: bool = False,
-                 block_q: int = 128, block_k: int = 128, **kwargs):
+def compile_case(
+    mesh,
+    t: int,
+    h: int,
+    dtype,
+    *,
+    backward: bool,
+    heads: int = 8,
+    kv_heads: int = 2,
+    batch: int = 1,
+    causal: bool = True,
+    segments: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+    **kwargs,
+):
     """Lower and compile flash attention on q[B, T, N, H] with B = batch per device; returns the
     compiled executable. kwargs go to flash_attention (e.g. backend=, interpret=)."""
     b = batch * mesh.size
     data = P("data")
-    attend = functools.partial(flash_attention, causal=causal, return_lse=True, block_q=block_q,
-                               block_k=block_k, **kwargs)
+    attend = functools.partial(
+        flash_attention, causal=causal, return_lse=True, block_q=block_q, block_k=block_k, **kwargs
+    )
 
     def local(q, k, v, seg):
         segs = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
         return attend(q, k, v, **segs)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(data,) * 4, out_specs=(data, data),
-                            check_vma=False)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(data,) * 4, out_specs=(data, data), check_vma=False)
 
     def loss(q, k, v, seg):  # both cotangents (o and lse) reach the backward
         o, lse = sharded(q, k, v, seg)
@@ -56,8 +69,12 @@ def compile_case(mesh, t: int, h: int, dtype, *, backward: bool, heads: int = 8,
 
     fn = jax.grad(loss, argnums=(0, 1, 2)) if backward else sharded
     spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, data))
-    args = (spec((b, t, heads, h), dtype), spec((b, t, kv_heads, h), dtype),
-            spec((b, t, kv_heads, h), dtype), spec((b, t), jnp.int32))
+    args = (
+        spec((b, t, heads, h), dtype),
+        spec((b, t, kv_heads, h), dtype),
+        spec((b, t, kv_heads, h), dtype),
+        spec((b, t), jnp.int32),
+    )
     return jax.jit(fn).lower(*args).compile()
 
 
@@ -74,16 +91,29 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def check(mesh, t, h, dtype, backward):
-        compiled = compile_case(mesh, t, h, dtype, backward=backward, heads=args.heads,
-                                kv_heads=args.kv_heads, batch=args.batch, causal=not args.full,
-                                segments=args.segments, block_q=args.block_q, block_k=args.block_k)
+        compiled = compile_case(
+            mesh,
+            t,
+            h,
+            dtype,
+            backward=backward,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            batch=args.batch,
+            causal=not args.full,
+            segments=args.segments,
+            block_q=args.block_q,
+            block_k=args.block_k,
+        )
         calls = compiled.as_text().count(CUSTOM_CALL)
         if calls != (3 if backward else 1):
             raise AssertionError(f"{calls} Mosaic custom calls in the HLO")
 
-    title = (f"TPU compile of flash_attention; per device B={args.batch}, N={args.heads}, "
-             f"K={args.kv_heads}, {'full' if args.full else 'causal'}"
-             f"{', segment ids' if args.segments else ''}, block_q={args.block_q}, block_k={args.block_k}")
+    title = (
+        f"TPU compile of flash_attention; per device B={args.batch}, N={args.heads}, "
+        f"K={args.kv_heads}, {'full' if args.full else 'causal'}"
+        f"{', segment ids' if args.segments else ''}, block_q={args.block_q}, block_k={args.block_k}"
+    )
     return run_grid(args, check, title)
 
 

@@ -47,22 +47,22 @@ def _flops_per_token_head(c, h, hv):
 
 def bench_one(*, b, t, n, h, chunk_size, decay, dtype, warmup, repeats, interpret):
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = (jax.random.normal(kq, (b, t, n, h), jnp.float32) * h ** -0.5).astype(dtype)
-    k = (jax.random.normal(kk, (b, t, n, h), jnp.float32) * h ** -0.5).astype(dtype)
+    q = (jax.random.normal(kq, (b, t, n, h), jnp.float32) * h**-0.5).astype(dtype)
+    k = (jax.random.normal(kk, (b, t, n, h), jnp.float32) * h**-0.5).astype(dtype)
     v = jax.random.normal(kv, (b, t, n, h), jnp.float32).astype(dtype)
     ld = jnp.log(1.0 - 2.0 ** (-5.0 - jnp.arange(n, dtype=jnp.float32))) if decay else None
 
     impls = {
-        "pallas": lambda q, k, v: linear_attention(q, k, v, log_decay=ld, chunk_size=chunk_size,
-                                                   interpret=interpret),
+        "pallas": lambda q, k, v: linear_attention(q, k, v, log_decay=ld, chunk_size=chunk_size, interpret=interpret),
         "xla_chunked": lambda q, k, v: chunked(q, k, v, log_decay=ld, chunk_size=chunk_size),
     }
     row = dict(B=b, T=t, N=n, H=h, chunk_size=chunk_size, decay=decay, dtype=jnp.dtype(dtype).name)
     outs = {}
     for name, f in impls.items():
         fwd = jax.jit(f)
-        fwd_bwd = jax.jit(jax.value_and_grad(
-            lambda q, k, v, f=f: jnp.sum(f(q, k, v)[0].astype(jnp.float32)), argnums=(0, 1, 2)))
+        fwd_bwd = jax.jit(
+            jax.value_and_grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)[0].astype(jnp.float32)), argnums=(0, 1, 2))
+        )
         outs[name] = fwd(q, k, v)[0]
         row[f"{name}_fwd_s"] = _time(fwd, (q, k, v), warmup, repeats)
         row[f"{name}_fwdbwd_s"] = _time(fwd_bwd, (q, k, v), warmup, repeats)
@@ -79,8 +79,10 @@ def bench_one(*, b, t, n, h, chunk_size, decay, dtype, warmup, repeats, interpre
 
 
 def _table(rows):
-    head = ("| T | B | H | pallas fwd tok/s | xla fwd tok/s | fwd speed-up | pallas fwd+bwd tok/s "
-            "| xla fwd+bwd tok/s | fwd+bwd speed-up | pallas fwd TFLOP/s | max abs diff o |")
+    head = (
+        "| T | B | H | pallas fwd tok/s | xla fwd tok/s | fwd speed-up | pallas fwd+bwd tok/s "
+        "| xla fwd+bwd tok/s | fwd+bwd speed-up | pallas fwd TFLOP/s | max abs diff o |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -89,7 +91,8 @@ def _table(rows):
             f"{r['xla_chunked_fwd_s'] / r['pallas_fwd_s']:.2f}x | "
             f"{r['pallas_fwdbwd_tok_s']:.3g} | {r['xla_chunked_fwdbwd_tok_s']:.3g} | "
             f"{r['xla_chunked_fwdbwd_s'] / r['pallas_fwdbwd_s']:.2f}x | "
-            f"{r['pallas_fwd_tflops']:.3g} | {r['max_abs_diff_o']:.2g} |")
+            f"{r['pallas_fwd_tflops']:.3g} | {r['max_abs_diff_o']:.2g} |"
+        )
     return "\n".join(lines)
 
 
@@ -104,8 +107,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", help="write the rows and the environment as JSON here")
-    p.add_argument("--interpret-smoke", action="store_true",
-                   help="on CPU: run one tiny shape in Pallas interpret mode (checks the script)")
+    p.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="on CPU: run one tiny shape in Pallas interpret mode (checks the script)",
+    )
     args = p.parse_args(argv)
 
     backend = jax.default_backend()
@@ -116,29 +122,52 @@ def main(argv=None):
         args.heads, args.tokens, args.chunk_size = 2, 64, 16
         args.warmup, args.repeats = 1, 2
     elif backend not in ("gpu", "tpu"):
-        print(f"bench.py measures the Pallas kernel on a GPU or TPU; the backend here is "
-              f"'{backend}', so there is nothing to measure. Run it on a GPU or TPU, or pass "
-              "--interpret-smoke to check that the script works.")
+        print(
+            f"bench.py measures the Pallas kernel on a GPU or TPU; the backend here is "
+            f"'{backend}', so there is nothing to measure. Run it on a GPU or TPU, or pass "
+            "--interpret-smoke to check that the script works."
+        )
         return 0
     else:
-        configs = [dict(t=int(t), h=int(h)) for h in args.head_dims.split(",")
-                   for t in args.seq_lens.split(",")]
+        configs = [dict(t=int(t), h=int(h)) for h in args.head_dims.split(",") for t in args.seq_lens.split(",")]
 
     rows = []
     for cfg in configs:
-        rows.append(bench_one(b=max(1, args.tokens // cfg["t"]), t=cfg["t"], n=args.heads,
-                              h=cfg["h"], chunk_size=args.chunk_size, decay=not args.no_decay,
-                              dtype=jnp.bfloat16, warmup=args.warmup, repeats=args.repeats,
-                              interpret=interpret))
+        rows.append(
+            bench_one(
+                b=max(1, args.tokens // cfg["t"]),
+                t=cfg["t"],
+                n=args.heads,
+                h=cfg["h"],
+                chunk_size=args.chunk_size,
+                decay=not args.no_decay,
+                dtype=jnp.bfloat16,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                interpret=interpret,
+            )
+        )
     device = jax.devices()[0]
-    print(f"linear attention, bf16, N={args.heads}, C={args.chunk_size}, decay={not args.no_decay}, "
-          f"device={device.device_kind}, interpret={interpret}, jax {jax.__version__}\n")
+    print(
+        f"linear attention, bf16, N={args.heads}, C={args.chunk_size}, decay={not args.no_decay}, "
+        f"device={device.device_kind}, interpret={interpret}, jax {jax.__version__}\n"
+    )
     print(_table(rows))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                           device=device.device_kind, backend=backend, jax=jax.__version__,
-                           interpret=interpret, command=" ".join(sys.argv), rows=rows), f, indent=1)
+            json.dump(
+                dict(
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    device=device.device_kind,
+                    backend=backend,
+                    jax=jax.__version__,
+                    interpret=interpret,
+                    command=" ".join(sys.argv),
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -82,8 +82,7 @@ class _Cfg:
 
 def _mm(a, b, ca, cb, precision):
     """a @ b contracting dim ca of a with dim cb of b (2-D), fp32 result."""
-    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision,
-                           preferred_element_type=F32)
+    return lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), precision=precision, preferred_element_type=F32)
 
 
 def _chunk_decay(a, c, chunk, seq_len, causal):
@@ -135,12 +134,10 @@ def _fwd_kernel(*refs, cfg: _Cfg, seq_len: int, n_chunks: int, precision):
 
 def _bwd_kernel(*refs, cfg: _Cfg, seq_len: int, n_chunks: int, precision):
     if cfg.has_decay:
-        (q_ref, k_ref, v_ref, s0_ref, ld_ref, do_ref, dst_ref,
-         dq_ref, dk_ref, dv_ref, ds0_ref) = refs
+        (q_ref, k_ref, v_ref, s0_ref, ld_ref, do_ref, dst_ref, dq_ref, dk_ref, dv_ref, ds0_ref) = refs
         a = ld_ref[()].astype(F32)
     else:
-        (q_ref, k_ref, v_ref, s0_ref, do_ref, dst_ref,
-         dq_ref, dk_ref, dv_ref, ds0_ref) = refs
+        (q_ref, k_ref, v_ref, s0_ref, do_ref, dst_ref, dq_ref, dk_ref, dv_ref, ds0_ref) = refs
         a = None
     chunk, cd, scale = cfg.chunk, q_ref.dtype, cfg.scale
     row = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
@@ -232,15 +229,15 @@ def _forward_call(q, k, v, s0, ld, cfg: _Cfg, seq_len: int):
     qk, vo, st, lds = _specs(b, tp, n, h, hv, cfg)
     in_specs = [qk, qk, vo, st] + ([lds] if cfg.has_decay else [])
     args = (q, k, v, s0) + ((ld,) if cfg.has_decay else ())
-    kernel = functools.partial(_fwd_kernel, cfg=cfg, seq_len=seq_len, n_chunks=n_chunks,
-                               precision=_mm_precision(q.dtype))
+    kernel = functools.partial(
+        _fwd_kernel, cfg=cfg, seq_len=seq_len, n_chunks=n_chunks, precision=_mm_precision(q.dtype)
+    )
     return pl.pallas_call(
         kernel,
         grid=(b, n, hv // cfg.block_v),
         in_specs=in_specs,
         out_specs=[vo, st],
-        out_shape=[jax.ShapeDtypeStruct((b, tp, n, hv), q.dtype),
-                   jax.ShapeDtypeStruct((b, n, h, hv), F32)],
+        out_shape=[jax.ShapeDtypeStruct((b, tp, n, hv), q.dtype), jax.ShapeDtypeStruct((b, n, h, hv), F32)],
         compiler_params=_compiler_params(cfg, h),
         interpret=cfg.interpret,
         name="linear_attention_fwd",
@@ -257,17 +254,20 @@ def _backward_call(q, k, v, s0, ld, do, dst, cfg: _Cfg, seq_len: int):
     part = pl.BlockSpec((None, None, tp, None, h), lambda ib, i_n, j: (j, ib, 0, i_n, 0))
     in_specs = [qk, qk, vo, st] + ([lds] if cfg.has_decay else []) + [vo, st]
     args = (q, k, v, s0) + ((ld,) if cfg.has_decay else ()) + (do, dst)
-    kernel = functools.partial(_bwd_kernel, cfg=cfg, seq_len=seq_len, n_chunks=n_chunks,
-                               precision=_mm_precision(q.dtype))
+    kernel = functools.partial(
+        _bwd_kernel, cfg=cfg, seq_len=seq_len, n_chunks=n_chunks, precision=_mm_precision(q.dtype)
+    )
     return pl.pallas_call(
         kernel,
         grid=(b, n, nv),
         in_specs=in_specs,
         out_specs=[part, part, vo, st],
-        out_shape=[jax.ShapeDtypeStruct((nv, b, tp, n, h), F32),
-                   jax.ShapeDtypeStruct((nv, b, tp, n, h), F32),
-                   jax.ShapeDtypeStruct((b, tp, n, hv), v.dtype),
-                   jax.ShapeDtypeStruct((b, n, h, hv), F32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((nv, b, tp, n, h), F32),
+            jax.ShapeDtypeStruct((nv, b, tp, n, h), F32),
+            jax.ShapeDtypeStruct((b, tp, n, hv), v.dtype),
+            jax.ShapeDtypeStruct((b, n, h, hv), F32),
+        ],
         compiler_params=_compiler_params(cfg, h),
         interpret=cfg.interpret,
         name="linear_attention_bwd",
@@ -301,18 +301,18 @@ def _generic_backward(q, k, v, s0, ld, do, dst, cfg: _Cfg):
     t = q.shape[1]
     tp = -(-t // cfg.chunk) * cfg.chunk
     dq_p, dk_p, dv, ds0 = _backward_call(
-        _pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), s0, ld, _pad_t(do.astype(q.dtype), tp),
-        dst.astype(F32), cfg, t)
+        _pad_t(q, tp), _pad_t(k, tp), _pad_t(v, tp), s0, ld, _pad_t(do.astype(q.dtype), tp), dst.astype(F32), cfg, t
+    )
     return jnp.sum(dq_p, axis=0)[:, :t], jnp.sum(dk_p, axis=0)[:, :t], dv[:, :t], ds0
 
 
-_VARIANTS = {"generic": (_generic_forward, _generic_backward),
-             "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
+_VARIANTS = {"generic": (_generic_forward, _generic_backward), "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """The custom_vjp's static argument: the platform plan, and whether there is a decay."""
+
     plan: platforms.Plan
     has_decay: bool
 
@@ -366,47 +366,58 @@ def _is_pow2(x: int) -> bool:
 def _validate(q, k, v, log_decay, initial_state, scale, chunk_size, block_v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must be 4-D [B, T, N, H], got shape "
-                             f"{getattr(x, 'shape', None)}")
+            raise ValueError(f"{name} must be 4-D [B, T, N, H], got shape {getattr(x, 'shape', None)}")
     if k.shape != q.shape:
-        raise ValueError(f"k.shape must equal q.shape [B, T, N, H], got q {q.shape} and "
-                         f"k {k.shape}")
+        raise ValueError(f"k.shape must equal q.shape [B, T, N, H], got q {q.shape} and k {k.shape}")
     if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v.shape[:3] must equal q.shape[:3] (B, T, N), got q {q.shape} and "
-                         f"v {v.shape}")
+        raise ValueError(f"v.shape[:3] must equal q.shape[:3] (B, T, N), got q {q.shape} and v {v.shape}")
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     b, t, n, h = q.shape
     hv = v.shape[-1]
     if t < 1:
         raise ValueError(f"sequence length T must be >= 1, got T={t}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) \
-            or chunk_size <= 0 or chunk_size % 8:
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size <= 0
+        or chunk_size % 8
+    ):
         raise ValueError(f"chunk_size must be a positive multiple of 8, got {chunk_size!r}")
-    if isinstance(block_v, bool) or not isinstance(block_v, numbers.Integral) or block_v <= 0 \
-            or hv % block_v:
+    if isinstance(block_v, bool) or not isinstance(block_v, numbers.Integral) or block_v <= 0 or hv % block_v:
         raise ValueError(f"block_v must be a positive divisor of Hv={hv}, got {block_v!r}")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise ValueError(f"scale must be a Python/NumPy real number (static), got {type(scale)}")
     if log_decay is not None:
         if getattr(log_decay, "shape", None) != (n,):
-            raise ValueError(f"log_decay must have shape [N]=({n},), got "
-                             f"{getattr(log_decay, 'shape', None)}")
+            raise ValueError(f"log_decay must have shape [N]=({n},), got {getattr(log_decay, 'shape', None)}")
         if not jnp.issubdtype(log_decay.dtype, jnp.floating):
             raise ValueError(f"log_decay must be floating, got dtype {log_decay.dtype}")
         if not isinstance(log_decay, jax.core.Tracer):
             mx = float(np.max(np.asarray(log_decay)))
             if not mx <= 0.0:
-                raise ValueError(f"log_decay must be <= 0 (gamma = exp(log_decay) in (0, 1]), "
-                                 f"got max {mx}")
+                raise ValueError(f"log_decay must be <= 0 (gamma = exp(log_decay) in (0, 1]), got max {mx}")
     if initial_state is not None and getattr(initial_state, "shape", None) != (b, n, h, hv):
-        raise ValueError(f"initial_state must have shape [B, N, H, Hv]=({b}, {n}, {h}, {hv}), got "
-                         f"{getattr(initial_state, 'shape', None)}")
+        raise ValueError(
+            f"initial_state must have shape [B, N, H, Hv]=({b}, {n}, {h}, {hv}), got "
+            f"{getattr(initial_state, 'shape', None)}"
+        )
 
 
-def linear_attention(q, k, v, *, log_decay=None, initial_state=None, scale=1.0, chunk_size=64,
-                     block_v=None, interpret=None, block_t=None, backend=None):
+def linear_attention(
+    q,
+    k,
+    v,
+    *,
+    log_decay=None,
+    initial_state=None,
+    scale=1.0,
+    chunk_size=64,
+    block_v=None,
+    interpret=None,
+    block_t=None,
+    backend=None,
+):
     """Causal linear attention, chunked Pallas kernel with a custom_vjp.
 
     o_t = scale * sum_{s<=t} gamma^(t-s) (q_t . k_s) v_s  (+ the initial-state term), that is
@@ -447,16 +458,14 @@ def linear_attention(q, k, v, *, log_decay=None, initial_state=None, scale=1.0, 
     if backend != "tpu" and interpret is not True and jax.default_backend() == "gpu":
         for name, val in (("chunk_size", chunk_size), ("H", h), ("block_v", block_v)):
             if not (_is_pow2(val) and val >= 16):
-                raise ValueError(f"the Triton kernel needs {name} to be a power of two >= 16, "
-                                 f"got {name}={val}")
+                raise ValueError(f"the Triton kernel needs {name} to be a power of two >= 16, got {name}={val}")
     has_decay = log_decay is not None
     # Every variant in the plan is traced, so its rules are checked here whatever runs.
-    generic_cfg = _Cfg(chunk=int(chunk_size), block_v=int(block_v), scale=float(scale),
-                       has_decay=has_decay, interpret=True)
-    tpu_cfg = kernel_tpu.tpu_config(chunk_size=chunk_size, block_t=block_t, scale=scale,
-                                    has_decay=has_decay, seq_len=t)
+    generic_cfg = _Cfg(
+        chunk=int(chunk_size), block_v=int(block_v), scale=float(scale), has_decay=has_decay, interpret=True
+    )
+    tpu_cfg = kernel_tpu.tpu_config(chunk_size=chunk_size, block_t=block_t, scale=scale, has_decay=has_decay, seq_len=t)
     static = _Static(platforms.plan(backend, interpret, generic_cfg, tpu_cfg), has_decay)
-    s0 = (jnp.zeros((b, n, h, hv), F32) if initial_state is None
-          else jnp.asarray(initial_state).astype(F32))
+    s0 = jnp.zeros((b, n, h, hv), F32) if initial_state is None else jnp.asarray(initial_state).astype(F32)
     ld = jnp.zeros((n,), F32) if log_decay is None else jnp.asarray(log_decay)
     return _linear_attention(q, k, v, s0, ld, static)

@@ -73,6 +73,7 @@ _TN = (((0,), (0,)), ((), ()))  # a^T @ b (contracts the token rows)
 @dataclasses.dataclass(frozen=True)
 class TpuConfig:
     """Static parameters of one call (hashable: part of the custom_vjp's static argument)."""
+
     chunk: int
     block_t: int
     scale: float
@@ -84,32 +85,37 @@ def tpu_config(*, chunk_size, block_t, scale, has_decay, seq_len, interpret=True
     """Check the TPU chunk rules and resolve block_t. None: the fewest blocks of at most
     max(C, DEFAULT_BLOCK_T) tokens, the chunks spread evenly over them (so T is padded by less than
     one chunk per block). Raises ValueError naming the rule."""
-    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
-            or chunk_size <= 0 or chunk_size % 8):
-        raise ValueError(f"the TPU kernel needs chunk_size to be a positive multiple of 8 "
-                         f"(Mosaic's sublane tile), got chunk_size={chunk_size!r}")
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size <= 0
+        or chunk_size % 8
+    ):
+        raise ValueError(
+            f"the TPU kernel needs chunk_size to be a positive multiple of 8 "
+            f"(Mosaic's sublane tile), got chunk_size={chunk_size!r}"
+        )
     c = int(chunk_size)
     if block_t is None:
         n_chunks = -(-seq_len // c)
         n_blocks = -(-n_chunks // max(1, DEFAULT_BLOCK_T // c))
         block_t = c * -(-n_chunks // n_blocks)
-    elif (isinstance(block_t, bool) or not isinstance(block_t, numbers.Integral) or block_t <= 0
-          or block_t % c):
-        raise ValueError(f"block_t must be a positive multiple of chunk_size={c}, got "
-                         f"block_t={block_t!r}")
-    return TpuConfig(chunk=c, block_t=int(block_t), scale=float(scale), has_decay=bool(has_decay),
-                     interpret=bool(interpret))
+    elif isinstance(block_t, bool) or not isinstance(block_t, numbers.Integral) or block_t <= 0 or block_t % c:
+        raise ValueError(f"block_t must be a positive multiple of chunk_size={c}, got block_t={block_t!r}")
+    return TpuConfig(
+        chunk=c, block_t=int(block_t), scale=float(scale), has_decay=bool(has_decay), interpret=bool(interpret)
+    )
 
 
 def compute_dtype(dtype):
     """The dtype the kernels compute in: float32 and bfloat16 as given; any other floating dtype
     (float16: Mosaic fails on its packed loads) in float32, cast back on the way out."""
-    return jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)) \
-        else jnp.dtype(F32)
+    return jnp.dtype(dtype) if jnp.dtype(dtype) in (jnp.dtype(F32), jnp.dtype(jnp.bfloat16)) else jnp.dtype(F32)
 
 
 # ----------------------------------------------------------------------------------------------
 # Pieces shared by the kernels.
+
 
 def _dot(a, b, dims):
     """fp32-accumulated matmul; fp32 operands at full fp32 precision (see the module docstring)."""
@@ -136,8 +142,7 @@ class _Decay:
             self.dmat = None
             self.eb = None
         else:
-            self.dmat = jnp.where(self.visible, jnp.exp(jnp.minimum(a * dist.astype(F32), 0.0)),
-                                  0.0)
+            self.dmat = jnp.where(self.visible, jnp.exp(jnp.minimum(a * dist.astype(F32), 0.0)), 0.0)
             i = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(F32)
             self.eb = jnp.exp(a * (i + 1.0))  # exp(b_i), [C, 1]
 
@@ -178,8 +183,10 @@ def _nbytes(*arrays) -> int:
 # ----------------------------------------------------------------------------------------------
 # Kernels. Refs per program: ld [N] (SMEM), token blocks [block_t, H or Hv], states [H, Hv].
 
-def _fwd_kernel(ld_ref, q_ref, k_ref, v_ref, s0_ref, o_ref, st_ref, s_scr, *, cfg: TpuConfig,
-                seq_len: int, n_blocks: int):
+
+def _fwd_kernel(
+    ld_ref, q_ref, k_ref, v_ref, s0_ref, o_ref, st_ref, s_scr, *, cfg: TpuConfig, seq_len: int, n_blocks: int
+):
     n, c = pl.program_id(0), pl.program_id(2)
     chunk, scale = cfg.chunk, cfg.scale
 
@@ -216,8 +223,7 @@ def _fwd_kernel(ld_ref, q_ref, k_ref, v_ref, s0_ref, o_ref, st_ref, s_scr, *, cf
         st_ref[...] = s_scr[...]
 
 
-def _dq_kernel(ld_ref, k_ref, v_ref, do_ref, s0_ref, dq_ref, s_scr, *, cfg: TpuConfig,
-               seq_len: int):
+def _dq_kernel(ld_ref, k_ref, v_ref, do_ref, s0_ref, dq_ref, s_scr, *, cfg: TpuConfig, seq_len: int):
     n, c = pl.program_id(0), pl.program_id(2)
     chunk, scale = cfg.chunk, cfg.scale
 
@@ -250,8 +256,22 @@ def _dq_kernel(ld_ref, k_ref, v_ref, do_ref, s0_ref, dq_ref, s_scr, *, cfg: TpuC
     _chunk_loop(cfg.block_t // chunk, chunk, c * cfg.block_t, seq_len, body)
 
 
-def _dkdv_kernel(ld_ref, q_ref, k_ref, v_ref, do_ref, dst_ref, dk_ref, dv_ref, ds0_ref, ds_scr, *,
-                 cfg: TpuConfig, seq_len: int, n_blocks: int):
+def _dkdv_kernel(
+    ld_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    dst_ref,
+    dk_ref,
+    dv_ref,
+    ds0_ref,
+    ds_scr,
+    *,
+    cfg: TpuConfig,
+    seq_len: int,
+    n_blocks: int,
+):
     n, c = pl.program_id(0), pl.program_id(2)
     chunk, scale = cfg.chunk, cfg.scale
 
@@ -278,8 +298,7 @@ def _dkdv_kernel(ld_ref, q_ref, k_ref, v_ref, do_ref, dst_ref, dk_ref, dv_ref, d
             else:
                 kd, qd = k, q
             dk_ref[rows, :] = scale * _dot(dovt, q, _NN) + dk_state
-            dv_ref[rows, :] = (scale * _dot(attt, do, _NN) + _dot(kd, dsc, _NN)).astype(
-                dv_ref.dtype)
+            dv_ref[rows, :] = (scale * _dot(attt, do, _NN) + _dot(kd, dsc, _NN)).astype(dv_ref.dtype)
             ds_prev = scale * _dot(qd, do, _TN)  # [H, Hv]
             ds_scr[...] = (eblast * ds if cfg.has_decay else ds) + ds_prev
 
@@ -298,6 +317,7 @@ def _dkdv_kernel(ld_ref, q_ref, k_ref, v_ref, do_ref, dst_ref, dk_ref, dv_ref, d
 
 # ----------------------------------------------------------------------------------------------
 # pallas_calls on padded heads-major arrays.
+
 
 def _flops(b, n, n_real_chunks, chunk, h, hv, intra: int, state: int) -> int:
     """intra [C, C]-sized matmuls (2 C^2 x width each, width H or Hv in pairs) and state
@@ -327,18 +347,22 @@ def _forward_padded(ld, qt, kt, vt, s0, cfg: TpuConfig, seq_len: int):
     hv = vt.shape[-1]
     n_blocks, n_real = tp // cfg.block_t, -(-seq_len // cfg.chunk)
     qk, vo, st = _specs(cfg, h, hv, False, n_blocks)
-    out_shape = [jax.ShapeDtypeStruct((b, n, tp, hv), qt.dtype),
-                 jax.ShapeDtypeStruct((b, n, h, hv), F32)]
+    out_shape = [jax.ShapeDtypeStruct((b, n, tp, hv), qt.dtype), jax.ShapeDtypeStruct((b, n, h, hv), F32)]
     cost = pl.CostEstimate(  # q k^T, att v; q S, k^T v
         flops=_flops(b, n, n_real, cfg.chunk, h, hv, intra=2, state=2),
         transcendentals=_transcendentals(b, n, n_blocks, n_real, cfg.chunk, cfg.has_decay),
-        bytes_accessed=_nbytes(qt, kt, vt, s0, *out_shape))
+        bytes_accessed=_nbytes(qt, kt, vt, s0, *out_shape),
+    )
     kernel = functools.partial(_fwd_kernel, cfg=cfg, seq_len=seq_len, n_blocks=n_blocks)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(n, b, n_blocks), in_specs=[qk, qk, vo, st],
-            out_specs=[vo, st], scratch_shapes=[pltpu.VMEM((h, hv), F32)]),
+            num_scalar_prefetch=1,
+            grid=(n, b, n_blocks),
+            in_specs=[qk, qk, vo, st],
+            out_specs=[vo, st],
+            scratch_shapes=[pltpu.VMEM((h, hv), F32)],
+        ),
         out_shape=out_shape,
         compiler_params=_params(),
         cost_estimate=cost,
@@ -358,32 +382,45 @@ def _backward_padded(ld, qt, kt, vt, s0, dot_, dst, cfg: TpuConfig, seq_len: int
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, seq_len=seq_len),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(n, b, n_blocks), in_specs=[qk, vo, vo, st],
-            out_specs=qk, scratch_shapes=[pltpu.VMEM((h, hv), F32)]),
+            num_scalar_prefetch=1,
+            grid=(n, b, n_blocks),
+            in_specs=[qk, vo, vo, st],
+            out_specs=qk,
+            scratch_shapes=[pltpu.VMEM((h, hv), F32)],
+        ),
         out_shape=dq_shape,
         compiler_params=_params(),
         cost_estimate=pl.CostEstimate(  # dO v^T, dov k; dO S^T, k^T v
             flops=_flops(b, n, n_real, cfg.chunk, h, hv, intra=2, state=2),
-            transcendentals=trans, bytes_accessed=_nbytes(kt, vt, dot_, s0, dq_shape)),
+            transcendentals=trans,
+            bytes_accessed=_nbytes(kt, vt, dot_, s0, dq_shape),
+        ),
         interpret=cfg.interpret,
         name="linear_attention_tpu_bwd_dq",
     )(ld, kt, vt, dot_, s0)
 
     qk, vo, st = _specs(cfg, h, hv, True, n_blocks)
-    out_shape = [jax.ShapeDtypeStruct((b, n, tp, h), F32),
-                 jax.ShapeDtypeStruct((b, n, tp, hv), vt.dtype),
-                 jax.ShapeDtypeStruct((b, n, h, hv), F32)]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, n, tp, h), F32),
+        jax.ShapeDtypeStruct((b, n, tp, hv), vt.dtype),
+        jax.ShapeDtypeStruct((b, n, h, hv), F32),
+    ]
     dk, dv, ds0 = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg, seq_len=seq_len, n_blocks=n_blocks),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(n, b, n_blocks), in_specs=[qk, qk, vo, vo, st],
-            out_specs=[qk, vo, st], scratch_shapes=[pltpu.VMEM((h, hv), F32)]),
+            num_scalar_prefetch=1,
+            grid=(n, b, n_blocks),
+            in_specs=[qk, qk, vo, vo, st],
+            out_specs=[qk, vo, st],
+            scratch_shapes=[pltpu.VMEM((h, hv), F32)],
+        ),
         out_shape=out_shape,
         compiler_params=_params(),
         cost_estimate=pl.CostEstimate(  # v dO^T, k q^T, dovt q, attt dO; v dS^T, kd dS, qd^T dO
             flops=_flops(b, n, n_real, cfg.chunk, h, hv, intra=4, state=3),
             transcendentals=trans,
-            bytes_accessed=_nbytes(qt, kt, vt, dot_, dst, *out_shape)),
+            bytes_accessed=_nbytes(qt, kt, vt, dot_, dst, *out_shape),
+        ),
         interpret=cfg.interpret,
         name="linear_attention_tpu_bwd_dkdv",
     )(ld, qt, kt, vt, dot_, dst)
@@ -392,6 +429,7 @@ def _backward_padded(ld, qt, kt, vt, s0, dot_, dst, cfg: TpuConfig, seq_len: int
 
 # ----------------------------------------------------------------------------------------------
 # Layout, padding, entry points ([B, T, N, *] in and out, as kernel.py's generic variant).
+
 
 def _heads_major(x, tp: int):
     """[B, T, N, D] -> [B, N, Tp, D], padded along T with zero rows."""
@@ -414,9 +452,15 @@ def forward(q, k, v, s0, ld, cfg: TpuConfig):
     q's dtype, final_state [B, N, H, Hv] fp32)."""
     t, cd = q.shape[1], compute_dtype(q.dtype)
     tp = _padded(t, cfg)
-    o, st = _forward_padded(ld.astype(F32), _heads_major(q.astype(cd), tp),
-                            _heads_major(k.astype(cd), tp), _heads_major(v.astype(cd), tp), s0,
-                            cfg, t)
+    o, st = _forward_padded(
+        ld.astype(F32),
+        _heads_major(q.astype(cd), tp),
+        _heads_major(k.astype(cd), tp),
+        _heads_major(v.astype(cd), tp),
+        s0,
+        cfg,
+        t,
+    )
     return _tokens_major(o, t).astype(q.dtype), st
 
 
@@ -425,7 +469,7 @@ def backward(q, k, v, s0, ld, do, dst, cfg: TpuConfig):
     t, cd = q.shape[1], compute_dtype(q.dtype)
     tp = _padded(t, cfg)
     qh, kh, vh = (_heads_major(x.astype(cd), tp) for x in (q, k, v))
-    dq, dk, dv, ds0 = _backward_padded(ld.astype(F32), qh, kh, vh, s0, _heads_major(do.astype(cd), tp),
-                                       dst.astype(F32), cfg, t)
-    return (_tokens_major(dq, t), _tokens_major(dk, t), _tokens_major(dv, t).astype(v.dtype),
-            ds0)
+    dq, dk, dv, ds0 = _backward_padded(
+        ld.astype(F32), qh, kh, vh, s0, _heads_major(do.astype(cd), tp), dst.astype(F32), cfg, t
+    )
+    return (_tokens_major(dq, t), _tokens_major(dk, t), _tokens_major(dv, t).astype(v.dtype), ds0)

@@ -18,7 +18,6 @@ array argument, log_decay included.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -99,13 +98,13 @@ def chunked(q, k, v, *, chunk_size, log_decay=None, initial_state=None, scale=1.
     causal = jnp.tril(jnp.ones((c, c), bool))
 
     if log_decay is None:
+
         def step(s, xs):
             qi, ki, vi = xs
             a = jnp.einsum("bnch,bndh->bncd", qi, ki, precision=prec, preferred_element_type=F32)
             a = jnp.where(causal, a, 0.0).astype(cd)
             o = jnp.einsum("bncd,bndv->bncv", a, vi, precision=prec, preferred_element_type=F32)
-            o = o + jnp.einsum("bnch,bnhv->bncv", qi, s.astype(cd), precision=prec,
-                               preferred_element_type=F32)
+            o = o + jnp.einsum("bnch,bnhv->bncv", qi, s.astype(cd), precision=prec, preferred_element_type=F32)
             s = s + jnp.einsum("bnch,bncv->bnhv", ki, vi, precision=prec, preferred_element_type=F32)
             return s, scale * o
 
@@ -124,12 +123,12 @@ def chunked(q, k, v, *, chunk_size, log_decay=None, initial_state=None, scale=1.
             dmat = jnp.exp(jnp.where(causal, b[:, :, None] - b[:, None, :], -jnp.inf))
             a = (a * dmat[None]).astype(cd)
             o = jnp.einsum("bncd,bndv->bncv", a, vi, precision=prec, preferred_element_type=F32)
-            inter = jnp.einsum("bnch,bnhv->bncv", qi, s.astype(cd), precision=prec,
-                               preferred_element_type=F32)
+            inter = jnp.einsum("bnch,bnhv->bncv", qi, s.astype(cd), precision=prec, preferred_element_type=F32)
             o = o + jnp.exp(b)[None, :, :, None] * inter
             kd = (ki.astype(F32) * jnp.exp(blast[:, None] - b)[None, :, :, None]).astype(cd)
             s = jnp.exp(blast)[None, :, None, None] * s + jnp.einsum(
-                "bnch,bncv->bnhv", kd, vi, precision=prec, preferred_element_type=F32)
+                "bnch,bncv->bnhv", kd, vi, precision=prec, preferred_element_type=F32
+            )
             return s, scale * o
 
         s_final, oc = lax.scan(step, s0, (qc, kc, vc, bcum))

@@ -34,8 +34,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxsys.kernels.linear_attention import linear_attention  # noqa: E402
 from jaxsys.kernels.tpu_compile_grid import CUSTOM_CALL, add_grid_arguments, run_grid, tpu_mesh  # noqa: E402,F401
-KERNELS = ("linear_attention_tpu_fwd", "linear_attention_tpu_bwd_dq",
-           "linear_attention_tpu_bwd_dkdv")
+
+KERNELS = ("linear_attention_tpu_fwd", "linear_attention_tpu_bwd_dq", "linear_attention_tpu_bwd_dkdv")
 
 
 def expected_kernels(backward: bool, decay: bool) -> tuple[str, ...]:
@@ -46,32 +46,48 @@ def expected_kernels(backward: bool, decay: bool) -> tuple[str, ...]:
     return KERNELS if decay else KERNELS[1:]
 
 
-def compile_case(mesh, t: int, h: int, dtype, *, backward: bool, heads: int = 4, batch: int = 1,
-                 hv: int | None = None, chunk_size: int = 64, decay: bool = True, **kwargs):
+def compile_case(
+    mesh,
+    t: int,
+    h: int,
+    dtype,
+    *,
+    backward: bool,
+    heads: int = 4,
+    batch: int = 1,
+    hv: int | None = None,
+    chunk_size: int = 64,
+    decay: bool = True,
+    **kwargs,
+):
     """Lower and compile linear attention on q, k [B, T, N, H], v [B, T, N, Hv] with B = batch
     per device (and an initial state); returns the compiled executable. kwargs go to
     linear_attention (e.g. block_t=, backend=, interpret=)."""
     hv = h if hv is None else hv
     b = batch * mesh.size
     data = P("data")
-    attend = functools.partial(linear_attention, chunk_size=chunk_size, scale=h ** -0.5, **kwargs)
+    attend = functools.partial(linear_attention, chunk_size=chunk_size, scale=h**-0.5, **kwargs)
 
     def local(q, k, v, ld, s0):
         return attend(q, k, v, log_decay=ld if decay else None, initial_state=s0)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(data, data, data, P(), data),
-                            out_specs=(data, data), check_vma=False)
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(data, data, data, P(), data), out_specs=(data, data), check_vma=False
+    )
 
     def loss(q, k, v, ld, s0):  # both cotangents (o and final_state) reach the backward
         o, st = sharded(q, k, v, ld, s0)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(st)
 
     fn = jax.grad(loss, argnums=(0, 1, 2, 3, 4)) if backward else sharded
-    spec = lambda shape, dt, s=data: jax.ShapeDtypeStruct(shape, dt,
-                                                          sharding=NamedSharding(mesh, s))
-    args = (spec((b, t, heads, h), dtype), spec((b, t, heads, h), dtype),
-            spec((b, t, heads, hv), dtype), spec((heads,), jnp.float32, P()),
-            spec((b, heads, h, hv), jnp.float32))
+    spec = lambda shape, dt, s=data: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, s))
+    args = (
+        spec((b, t, heads, h), dtype),
+        spec((b, t, heads, h), dtype),
+        spec((b, t, heads, hv), dtype),
+        spec((heads,), jnp.float32, P()),
+        spec((b, heads, h, hv), jnp.float32),
+    )
     return jax.jit(fn).lower(*args).compile()
 
 
@@ -81,15 +97,23 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=4, help="heads N per device")
     p.add_argument("--batch", type=int, default=1, help="B per device")
     p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--block-t", type=int, default=None, help="tokens per grid step (default: "
-                   "the kernel's)")
+    p.add_argument("--block-t", type=int, default=None, help="tokens per grid step (default: the kernel's)")
     p.add_argument("--no-decay", action="store_true")
     args = p.parse_args(argv)
 
     def check(mesh, t, h, dtype, backward):
-        compiled = compile_case(mesh, t, h, dtype, backward=backward, heads=args.heads,
-                                batch=args.batch, chunk_size=args.chunk_size,
-                                decay=not args.no_decay, block_t=args.block_t)
+        compiled = compile_case(
+            mesh,
+            t,
+            h,
+            dtype,
+            backward=backward,
+            heads=args.heads,
+            batch=args.batch,
+            chunk_size=args.chunk_size,
+            decay=not args.no_decay,
+            block_t=args.block_t,
+        )
         text = compiled.as_text()
         want = expected_kernels(backward, not args.no_decay)
         calls = text.count(CUSTOM_CALL)
@@ -97,9 +121,11 @@ def main(argv=None) -> int:
         if calls != len(want) or missing:
             raise AssertionError(f"{calls} Mosaic custom calls in the HLO, want {want}; missing {missing}")
 
-    title = (f"TPU compile of linear_attention; per device B={args.batch}, N={args.heads}, H = Hv, "
-             f"chunk_size={args.chunk_size}, block_t={args.block_t or 'default'}, "
-             f"{'no decay' if args.no_decay else 'per-head decay'}, initial state")
+    title = (
+        f"TPU compile of linear_attention; per device B={args.batch}, N={args.heads}, H = Hv, "
+        f"chunk_size={args.chunk_size}, block_t={args.block_t or 'default'}, "
+        f"{'no decay' if args.no_decay else 'per-head decay'}, initial state"
+    )
     return run_grid(args, check, title)
 
 

@@ -78,8 +78,7 @@ def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: i
         acc = alpha[:, None] * acc + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
         return m_new, l, acc
 
-    carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32),
-             jnp.zeros((g, h), jnp.float32))
+    carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, h), jnp.float32))
     _, l, acc = lax.fori_loop(0, n_pages, body, carry)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
@@ -92,19 +91,20 @@ def _generic(q, k_pages, v_pages, page_table, lengths, *, cfg: GenericConfig):
     if not cfg.interpret:
         bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
         if bad:
-            raise ValueError(f"the Triton paged-attention kernel needs page_size and the head dim H "
-                             f"to be powers of two (Triton tensor shapes); got {bad}")
+            raise ValueError(
+                f"the Triton paged-attention kernel needs page_size and the head dim H "
+                f"to be powers of two (Triton tensor shapes); got {bad}"
+            )
         if cfg.num_warps is not None or cfg.num_stages is not None:
             from jax.experimental.pallas import triton as pl_triton
-            compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps,
-                                                       num_stages=cfg.num_stages)
+
+            compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     whole = lambda shape: pl.BlockSpec(shape, lambda bi, hi: (0,) * len(shape))
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     return pl.pallas_call(
         functools.partial(_generic_kernel, page_size=page_size, scale=cfg.scale),
         grid=(b, kh),
-        in_specs=[whole(page_table.shape), whole(lengths.shape), q_spec, whole(k_pages.shape),
-                  whole(v_pages.shape)],
+        in_specs=[whole(page_table.shape), whole(lengths.shape), q_spec, whole(k_pages.shape), whole(v_pages.shape)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=compiler_params,
@@ -122,22 +122,36 @@ def _pad_rows(x, rows: int):
 def _variant(fn, rows_for):
     """fn on q [B, K, G, H] padded to rows_for(G, dtype) rows, sliced back (each variant pads
     differently; lax.platform_dependent's branches must agree in output shape)."""
+
     def run(q, k_pages, v_pages, page_table, lengths, *, cfg):
         g = q.shape[2]
         out = fn(_pad_rows(q, rows_for(g, q.dtype)), k_pages, v_pages, page_table, lengths, cfg=cfg)
         return out[:, :, :g]
+
     return run
 
 
 _VARIANTS = {
     "generic": (_variant(_generic, lambda g, dtype: int(pl.next_power_of_2(g))),),
-    "tpu": (_variant(kernel_tpu.forward,
-                     lambda g, dtype: -(-g // kernel_tpu.sublanes(dtype)) * kernel_tpu.sublanes(dtype)),),
+    "tpu": (
+        _variant(kernel_tpu.forward, lambda g, dtype: -(-g // kernel_tpu.sublanes(dtype)) * kernel_tpu.sublanes(dtype)),
+    ),
 }
 
 
-def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None, interpret=None,
-                    backend=None, num_warps=None, num_stages=None):
+def paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    lengths,
+    *,
+    scale=None,
+    interpret=None,
+    backend=None,
+    num_warps=None,
+    num_stages=None,
+):
     """Decode attention over a paged KV cache, as `reference.paged_attention_reference`.
 
     q [B, N, H]; k_pages, v_pages [P, page_size, K, H]; page_table [B, max_pages] int32 (page ids
@@ -151,11 +165,15 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, scale=None, int
     check_inputs(q, k_pages, v_pages, page_table, lengths)
     b, n, h = q.shape
     kh = k_pages.shape[2]
-    scale = float(h ** -0.5 if scale is None else scale)
-    plan = platforms.plan(backend, interpret,
-                          GenericConfig(scale, num_warps=num_warps, num_stages=num_stages),
-                          kernel_tpu.TpuConfig(scale))
+    scale = float(h**-0.5 if scale is None else scale)
+    plan = platforms.plan(
+        backend,
+        interpret,
+        GenericConfig(scale, num_warps=num_warps, num_stages=num_stages),
+        kernel_tpu.TpuConfig(scale),
+    )
     qg = q.reshape(b, kh, n // kh, h)
-    out = platforms.dispatch(plan, _VARIANTS, 0, qg, k_pages, v_pages,
-                             page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    out = platforms.dispatch(
+        plan, _VARIANTS, 0, qg, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32)
+    )
     return out.reshape(b, n, h)

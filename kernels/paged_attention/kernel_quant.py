@@ -46,8 +46,26 @@ class QuantConfig:
     num_stages: int | None = None
 
 
-def _kernel(tq_ref, tf_ref, len_ref, q_ref, k_ref, v_ref, kq_ref, vq_ref, ks_ref, kz_ref, vs_ref, vz_ref,
-            o_ref, *, page_size: int, scale: float, bits: int, residual: int):
+def _kernel(
+    tq_ref,
+    tf_ref,
+    len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    kq_ref,
+    vq_ref,
+    ks_ref,
+    kz_ref,
+    vs_ref,
+    vz_ref,
+    o_ref,
+    *,
+    page_size: int,
+    scale: float,
+    bits: int,
+    residual: int,
+):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     n_pages = lax.div(length + page_size - 1, page_size)
@@ -57,7 +75,7 @@ def _kernel(tq_ref, tf_ref, len_ref, q_ref, k_ref, v_ref, kq_ref, vq_ref, ks_ref
     hp = h // n
     parts = [pl.ds(i * hp, hp) for i in range(n)]
     qs = [q_ref[:, part].astype(jnp.float32) * scale for part in parts]  # n x [G, Hp]
-    mask = 2 ** bits - 1
+    mask = 2**bits - 1
 
     def stat(ref, page, part):
         """A scale / zero tile: [1, Hp] of part `part` (per channel) or [page_size, 1] (per token)."""
@@ -68,16 +86,22 @@ def _kernel(tq_ref, tf_ref, len_ref, q_ref, k_ref, v_ref, kq_ref, vq_ref, ks_ref
         page = tq_ref[b, i]
         kb = kq_ref[page, :, kh, :].astype(jnp.int32)  # [page_size, Hp]
         vb = vq_ref[page, :, kh, :].astype(jnp.int32)
-        ks = [((kb >> (bits * j)) & mask).astype(jnp.float32) * stat(ks_ref, page, j) + stat(kz_ref, page, j)
-              for j in range(n)]
-        vs = [((vb >> (bits * j)) & mask).astype(jnp.float32) * stat(vs_ref, page, j) + stat(vz_ref, page, j)
-              for j in range(n)]
+        ks = [
+            ((kb >> (bits * j)) & mask).astype(jnp.float32) * stat(ks_ref, page, j) + stat(kz_ref, page, j)
+            for j in range(n)
+        ]
+        vs = [
+            ((vb >> (bits * j)) & mask).astype(jnp.float32) * stat(vs_ref, page, j) + stat(vz_ref, page, j)
+            for j in range(n)
+        ]
         return ks, vs
 
     def fp_page(i):
         page = tf_ref[b, i]
-        return ([k_ref[page, :, kh, part].astype(jnp.float32) for part in parts],
-                [v_ref[page, :, kh, part].astype(jnp.float32) for part in parts])
+        return (
+            [k_ref[page, :, kh, part].astype(jnp.float32) for part in parts],
+            [v_ref[page, :, kh, part].astype(jnp.float32) for part in parts],
+        )
 
     def body(load):
         def step(i, carry):
@@ -91,13 +115,16 @@ def _kernel(tq_ref, tf_ref, len_ref, q_ref, k_ref, v_ref, kq_ref, vq_ref, ks_ref
             alpha = jnp.exp(m - m_new)
             p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
             l = alpha * l + jnp.sum(p, axis=1)
-            acc = tuple(alpha[:, None] * a + jnp.sum(p[:, :, None] * vj[None, :, :], axis=1)
-                        for a, vj in zip(acc, vs))
+            acc = tuple(alpha[:, None] * a + jnp.sum(p[:, :, None] * vj[None, :, :], axis=1) for a, vj in zip(acc, vs))
             return m_new, l, acc
+
         return step
 
-    carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32),
-             tuple(jnp.zeros((g, hp), jnp.float32) for _ in range(n)))
+    carry = (
+        jnp.full((g,), MASK_VALUE, jnp.float32),
+        jnp.zeros((g,), jnp.float32),
+        tuple(jnp.zeros((g, hp), jnp.float32) for _ in range(n)),
+    )
     carry = lax.fori_loop(0, n_q, body(quant_page), carry)
     _, l, acc = lax.fori_loop(n_q, n_pages, body(fp_page), carry)
     for part, a in zip(parts, acc):
@@ -112,16 +139,25 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg: Qu
     if not cfg.interpret:
         bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
         if bad:
-            raise ValueError(f"the Triton paged-attention kernel needs page_size and the head dim H "
-                             f"to be powers of two (Triton tensor shapes); got {bad}")
+            raise ValueError(
+                f"the Triton paged-attention kernel needs page_size and the head dim H "
+                f"to be powers of two (Triton tensor shapes); got {bad}"
+            )
         if cfg.num_warps is not None or cfg.num_stages is not None:
             from jax.experimental.pallas import triton as pl_triton
+
             compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     whole = lambda a: pl.BlockSpec(a.shape, lambda bi, hi, nd=a.ndim: (0,) * nd)
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     names = ("kq", "vq", "ks", "kz", "vs", "vz")
-    operands = (quant_table.astype(jnp.int32), fp_table.astype(jnp.int32), lengths.astype(jnp.int32), q,
-                k_pages, v_pages) + tuple(qp[name] for name in names)
+    operands = (
+        quant_table.astype(jnp.int32),
+        fp_table.astype(jnp.int32),
+        lengths.astype(jnp.int32),
+        q,
+        k_pages,
+        v_pages,
+    ) + tuple(qp[name] for name in names)
     return pl.pallas_call(
         functools.partial(_kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits, residual=cfg.residual),
         grid=(b, kh),
@@ -136,8 +172,9 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg: Qu
 
 def _run(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg):
     g = q.shape[2]
-    out = _generic(_pad_rows(q, int(pl.next_power_of_2(g))), k_pages, v_pages, qp, quant_table, fp_table,
-                   lengths, cfg=cfg)
+    out = _generic(
+        _pad_rows(q, int(pl.next_power_of_2(g))), k_pages, v_pages, qp, quant_table, fp_table, lengths, cfg=cfg
+    )
     return out[:, :, :g]
 
 
@@ -148,15 +185,31 @@ def check_quant_inputs(k_pages, qp: dict, mode: str) -> None:
     want = quant.page_shapes(mode, pq, page_size, kh, h)
     got = {name: tuple(qp[name].shape) for name in want}
     if got != want:
-        raise ValueError(f"quantized pages for mode {mode!r} with page_size={page_size}, K={kh}, H={h} "
-                         f"must have shapes {want}; got {got}")
+        raise ValueError(
+            f"quantized pages for mode {mode!r} with page_size={page_size}, K={kh}, H={h} "
+            f"must have shapes {want}; got {got}"
+        )
     for name in ("kq", "vq"):
         if qp[name].dtype != jnp.uint8:
             raise ValueError(f"{name} (packed codes) must be uint8; got {qp[name].dtype}")
 
 
-def paged_attention_quant(q, k_pages, v_pages, qp: dict, quant_table, fp_table, lengths, *, mode: str,
-                          residual: int = 0, scale=None, interpret=None, num_warps=None, num_stages=None):
+def paged_attention_quant(
+    q,
+    k_pages,
+    v_pages,
+    qp: dict,
+    quant_table,
+    fp_table,
+    lengths,
+    *,
+    mode: str,
+    residual: int = 0,
+    scale=None,
+    interpret=None,
+    num_warps=None,
+    num_stages=None,
+):
     """Decode attention over a quantized paged cache, as `quant.paged_attention_quant_reference`.
 
     q [B, N, H]; k_pages, v_pages [Pf, page_size, K, H] the full-precision pool; qp the quantized
@@ -171,10 +224,20 @@ def paged_attention_quant(q, k_pages, v_pages, qp: dict, quant_table, fp_table, 
         raise ValueError(f"fp_table must have quant_table's shape {quant_table.shape}; got {fp_table.shape}")
     b, n, h = q.shape
     kh = k_pages.shape[2]
-    scale = float(h ** -0.5 if scale is None else scale)
+    scale = float(h**-0.5 if scale is None else scale)
     cfg = QuantConfig(scale, quant.MODES[mode][0], int(residual), num_warps=num_warps, num_stages=num_stages)
     plan = platforms.plan("generic", interpret, cfg, None)
     qg = q.reshape(b, kh, n // kh, h)
-    out = platforms.dispatch(plan, {"generic": (_run,)}, 0, qg, k_pages, v_pages, qp,
-                             quant_table.astype(jnp.int32), fp_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    out = platforms.dispatch(
+        plan,
+        {"generic": (_run,)},
+        0,
+        qg,
+        k_pages,
+        v_pages,
+        qp,
+        quant_table.astype(jnp.int32),
+        fp_table.astype(jnp.int32),
+        lengths.astype(jnp.int32),
+    )
     return out.reshape(b, n, h)

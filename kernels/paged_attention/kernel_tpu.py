@@ -62,8 +62,9 @@ def sublanes(dtype) -> int:
     return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
-def _kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float,
-            page_size: int, max_pages: int):
+def _kernel(
+    pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float, page_size: int, max_pages: int
+):
     """q_ref/o_ref [heads, G, H]; k_ref/v_ref [page_size, heads * H] (one page of `heads` kv
     heads); scratch m, l [heads, G, 128], acc [heads, G, H]."""
     del pt_ref  # read by the index maps
@@ -81,7 +82,7 @@ def _kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, 
     def _step():
         kv_k, kv_v = k_ref[...], v_ref[...]
         for j in range(heads):  # static lane slices of the page
-            q, k, v = q_ref[j], kv_k[:, j * h:(j + 1) * h], kv_v[:, j * h:(j + 1) * h]
+            q, k, v = q_ref[j], kv_k[:, j * h : (j + 1) * h], kv_v[:, j * h : (j + 1) * h]
             s = _dot(q, k, _NT) * scale  # [G, page_size]
             pos = i * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             visible = pos < length
@@ -124,21 +125,23 @@ def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
         grid=(b, kh // heads, max_pages),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=q_spec,
-        scratch_shapes=[pltpu.VMEM((heads, g, LANES), jnp.float32),
-                        pltpu.VMEM((heads, g, LANES), jnp.float32),
-                        pltpu.VMEM((heads, g, h), jnp.float32)],
+        scratch_shapes=[
+            pltpu.VMEM((heads, g, LANES), jnp.float32),
+            pltpu.VMEM((heads, g, LANES), jnp.float32),
+            pltpu.VMEM((heads, g, h), jnp.float32),
+        ],
     )
     itemsize = jnp.dtype(k_pages.dtype).itemsize
-    cost = pl.CostEstimate(flops=4 * b * kh * g * max_pages * page_size * h,
-                           transcendentals=b * kh * g * max_pages * page_size,
-                           bytes_accessed=2 * b * kh * max_pages * page_size * h * itemsize
-                           + 2 * q.size * q.dtype.itemsize)
+    cost = pl.CostEstimate(
+        flops=4 * b * kh * g * max_pages * page_size * h,
+        transcendentals=b * kh * g * max_pages * page_size,
+        bytes_accessed=2 * b * kh * max_pages * page_size * h * itemsize + 2 * q.size * q.dtype.itemsize,
+    )
     return pl.pallas_call(
         functools.partial(_kernel, scale=cfg.scale, page_size=page_size, max_pages=max_pages),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=cfg.interpret,
         name="paged_attention_tpu",

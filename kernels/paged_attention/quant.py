@@ -36,14 +36,26 @@ attention as reference.py.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.kernels.paged_attention.reference import contiguous_attention
 
-__all__ = ["MODES", "AXES", "quantize", "dequantize", "fake_quant", "pack", "unpack", "quantize_pages",
-           "dequantize_pages", "page_shapes", "bytes_per_token", "n_quant", "paged_attention_quant_reference"]
+__all__ = [
+    "MODES",
+    "AXES",
+    "quantize",
+    "dequantize",
+    "fake_quant",
+    "pack",
+    "unpack",
+    "quantize_pages",
+    "dequantize_pages",
+    "page_shapes",
+    "bytes_per_token",
+    "n_quant",
+    "paged_attention_quant_reference",
+]
 
 AXES = ("channel", "token")
 # cache format -> (bits, key axis, value axis)
@@ -61,7 +73,7 @@ def quantize(x, bits: int, axis, scale_dtype=jnp.float32):
     `axis` (an int or a tuple; kept as size-1 dims), scale and zero in `scale_dtype`."""
     _check_bits(bits)
     x = x.astype(jnp.float32)
-    top = float(2 ** bits - 1)
+    top = float(2**bits - 1)
     mn, mx = jnp.min(x, axis=axis, keepdims=True), jnp.max(x, axis=axis, keepdims=True)
     s = jnp.where(mx > mn, (mx - mn) / top, 1.0).astype(scale_dtype)
     z = mn.astype(scale_dtype)
@@ -113,7 +125,7 @@ def unpack(packed, bits: int):
     """The inverse of `pack`: uint8 [..., Hp] -> codes uint8 [..., Hp * 8 / bits]."""
     _check_bits(bits)
     n = 8 // bits
-    mask = jnp.uint8(2 ** bits - 1)
+    mask = jnp.uint8(2**bits - 1)
     parts = [(packed >> jnp.uint8(bits * i)) & mask for i in range(n)]
     return jnp.concatenate(parts, axis=-1)
 
@@ -129,11 +141,9 @@ def _stat_axis(axis: str):
 def page_shapes(mode: str, num_pages: int, page_size: int, kv_heads: int, head_dim: int) -> dict:
     """Shapes of one layer's quantized pool: {"kq", "vq" (codes), "ks", "kz", "vs", "vz"}."""
     bits, k_axis, v_axis = MODES[mode]
-    stat = lambda axis: ((num_pages, 1, kv_heads, head_dim) if axis == "channel"
-                         else (num_pages, page_size, kv_heads, 1))
+    stat = lambda axis: (num_pages, 1, kv_heads, head_dim) if axis == "channel" else (num_pages, page_size, kv_heads, 1)
     codes = (num_pages, page_size, kv_heads, head_dim * bits // 8)
-    return {"kq": codes, "vq": codes, "ks": stat(k_axis), "kz": stat(k_axis),
-            "vs": stat(v_axis), "vz": stat(v_axis)}
+    return {"kq": codes, "vq": codes, "ks": stat(k_axis), "kz": stat(k_axis), "vs": stat(v_axis), "vz": stat(v_axis)}
 
 
 def quantize_pages(k_pages, v_pages, mode: str, scale_dtype) -> dict:
@@ -148,12 +158,15 @@ def quantize_pages(k_pages, v_pages, mode: str, scale_dtype) -> dict:
 def dequantize_pages(pages: dict, mode: str):
     """The quantized pages of `page_shapes` -> fp32 (k, v) [P, page_size, K, H]."""
     bits = MODES[mode][0]
-    return (dequantize(unpack(pages["kq"], bits), pages["ks"], pages["kz"]),
-            dequantize(unpack(pages["vq"], bits), pages["vs"], pages["vz"]))
+    return (
+        dequantize(unpack(pages["kq"], bits), pages["ks"], pages["kz"]),
+        dequantize(unpack(pages["vq"], bits), pages["vs"], pages["vz"]),
+    )
 
 
-def bytes_per_token(mode: str, page_size: int, kv_heads: int, head_dim: int, layers: int = 1,
-                    fp_bytes: int = 2, scale_bytes: int = 2) -> float:
+def bytes_per_token(
+    mode: str, page_size: int, kv_heads: int, head_dim: int, layers: int = 1, fp_bytes: int = 2, scale_bytes: int = 2
+) -> float:
     """KV bytes per cached token (keys and values, all layers), scales and zeros amortised over
     their page; mode "none" stores fp_bytes per element."""
     if mode == "none":
@@ -169,8 +182,9 @@ def n_quant(lengths, page_size: int, residual: int):
     return jnp.maximum(lengths // page_size - residual, 0)
 
 
-def paged_attention_quant_reference(q, k_pages, v_pages, quant: dict, quant_table, fp_table, lengths, *,
-                                    mode: str, residual: int = 0, scale=None):
+def paged_attention_quant_reference(
+    q, k_pages, v_pages, quant: dict, quant_table, fp_table, lengths, *, mode: str, residual: int = 0, scale=None
+):
     """Decode attention over a quantized paged cache (module docstring): q [B, N, H]; k/v_pages
     [Pf, page_size, K, H] the full-precision pool; `quant` the quantized pool (`page_shapes`, Pq
     pages); quant_table, fp_table [B, max_pages]; lengths [B]. Returns [B, N, H] in q.dtype."""
@@ -178,7 +192,7 @@ def paged_attention_quant_reference(q, k_pages, v_pages, quant: dict, quant_tabl
     page_size = k_pages.shape[1]
     kd, vd = dequantize_pages(quant, mode)
     use_q = jnp.arange(max_pages)[None, :] < n_quant(lengths, page_size, residual)[:, None]  # [B, max_pages]
-    sel = lambda deq, fp: jnp.where(use_q[:, :, None, None, None], deq[quant_table],
-                                    fp.astype(jnp.float32)[fp_table]).reshape(b, max_pages * page_size,
-                                                                             *fp.shape[2:])
+    sel = lambda deq, fp: jnp.where(
+        use_q[:, :, None, None, None], deq[quant_table], fp.astype(jnp.float32)[fp_table]
+    ).reshape(b, max_pages * page_size, *fp.shape[2:])
     return contiguous_attention(q, sel(kd, k_pages), sel(vd, v_pages), lengths, scale)

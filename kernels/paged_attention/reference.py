@@ -27,23 +27,26 @@ def check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
     """Raise ValueError, naming the constraint and the values, for inputs paged attention cannot
     take. Lengths above max_pages * page_size are caught when `lengths` is concrete (not traced)."""
     if q.ndim != 3 or k_pages.ndim != 4:
-        raise ValueError(f"paged attention takes q[B, N, H] and k_pages/v_pages[P, page_size, K, H]; "
-                         f"got q{q.shape}, k_pages{k_pages.shape}")
+        raise ValueError(
+            f"paged attention takes q[B, N, H] and k_pages/v_pages[P, page_size, K, H]; "
+            f"got q{q.shape}, k_pages{k_pages.shape}"
+        )
     if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages and v_pages must have the same shape; got {k_pages.shape}, "
-                         f"{v_pages.shape}")
+        raise ValueError(f"k_pages and v_pages must have the same shape; got {k_pages.shape}, {v_pages.shape}")
     b, n, h = q.shape
     _, page_size, kh, hk = k_pages.shape
     if hk != h:
         raise ValueError(f"head dims differ: q has H={h}, k_pages/v_pages have H={hk}")
     if kh == 0 or n % kh:
-        raise ValueError(f"the number of query heads N must be a multiple of the number of kv heads "
-                         f"K; got N={n}, K={kh}")
+        raise ValueError(
+            f"the number of query heads N must be a multiple of the number of kv heads K; got N={n}, K={kh}"
+        )
     if k_pages.dtype != v_pages.dtype:
         raise ValueError(f"k_pages and v_pages must share a dtype; got {k_pages.dtype}, {v_pages.dtype}")
     if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] == 0:
-        raise ValueError(f"page_table must have shape [B, max_pages] with B={b}, max_pages >= 1; "
-                         f"got {page_table.shape}")
+        raise ValueError(
+            f"page_table must have shape [B, max_pages] with B={b}, max_pages >= 1; got {page_table.shape}"
+        )
     if lengths.shape != (b,):
         raise ValueError(f"lengths must have shape [B] = {(b,)}; got {lengths.shape}")
     for name, a in (("page_table", page_table), ("lengths", lengths)):
@@ -55,9 +58,11 @@ def check_inputs(q, k_pages, v_pages, page_table, lengths) -> None:
         return
     cap = page_table.shape[1] * page_size
     if lens.size and (lens.min() < 1 or lens.max() > cap):
-        raise ValueError(f"lengths must lie in [1, max_pages * page_size] = [1, {cap}] "
-                         f"(max_pages={page_table.shape[1]}, page_size={page_size}); got "
-                         f"min {lens.min()}, max {lens.max()}")
+        raise ValueError(
+            f"lengths must lie in [1, max_pages * page_size] = [1, {cap}] "
+            f"(max_pages={page_table.shape[1]}, page_size={page_size}); got "
+            f"min {lens.min()}, max {lens.max()}"
+        )
 
 
 def gather_pages(pages, page_table):
@@ -74,10 +79,9 @@ def contiguous_attention(q, k, v, lengths, scale=None):
     b, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
-    scale = h ** -0.5 if scale is None else scale
+    scale = h**-0.5 if scale is None else scale
     qg = q.reshape(b, kh, g, h).astype(jnp.float32)
-    scores = jnp.einsum("bkgh,bskh->bkgs", qg, k.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST) * scale
+    scores = jnp.einsum("bkgh,bskh->bkgs", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
     visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
@@ -90,5 +94,4 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, scale=No
     """Gather each sequence's pages into a contiguous [B, max_pages * page_size, K, H] cache, mask
     positions >= length, softmax in fp32 -> [B, N, H] in q.dtype (module docstring)."""
     check_inputs(q, k_pages, v_pages, page_table, lengths)
-    return contiguous_attention(q, gather_pages(k_pages, page_table),
-                                gather_pages(v_pages, page_table), lengths, scale)
+    return contiguous_attention(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table), lengths, scale)

@@ -55,7 +55,8 @@ from jax import lax
 
 from jaxsys.analysis import cost_model
 from jaxsys.kernels.flash_attention.bench import median_seconds
-from jaxsys.kernels.quantized_matmul import kernel, reference as ref
+from jaxsys.kernels.quantized_matmul import kernel
+from jaxsys.kernels.quantized_matmul import reference as ref
 
 FORMATS = ("bf16", "w8a16", "w4a16", "w8a8")
 SHAPES = {  # (K, N) of the transformer blocks' matmuls: qkv/o projection, gate/up, down
@@ -64,14 +65,13 @@ SHAPES = {  # (K, N) of the transformer blocks' matmuls: qkv/o projection, gate/
 }
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 SMOKE_SHAPES = {"smoke": [(256, 192)]}
-TOLERANCE = 2.0 ** -7  # max |error| / max |reference|: bf16 outputs, one rounding each
+TOLERANCE = 2.0**-7  # max |error| / max |reference|: bf16 outputs, one rounding each
 
 
 # ----------------------------------------------------------------------------- the roofline
 
 
-def bytes_moved(fmt: str, m: int, k: int, n: int, group_size: int = 128,
-                zero_point: bool = False) -> dict:
+def bytes_moved(fmt: str, m: int, k: int, n: int, group_size: int = 128, zero_point: bool = False) -> dict:
     """HBM bytes of one x[M, K] @ W[K, N] in `fmt`, each operand read once and y written once:
     weights = codes + scales (+ zero points); activations in (bf16 x, or int8 x and fp32
     per-token scales for W8A8); out = bf16 y."""
@@ -97,8 +97,7 @@ def ideal_seconds(fmt: str, m: int, k: int, n: int, hw, group_size: int = 128) -
     """max(bytes moved / HBM bandwidth, FLOPs / peak): int8 peak for W8A8, bf16 otherwise (the
     A16 kernels dot bf16 codes)."""
     peak = hw.peak("int8" if fmt == "w8a8" else "bfloat16")
-    return max(bytes_moved(fmt, m, k, n, group_size)["total"] / hw.hbm_bytes_per_s,
-               flops(m, k, n) / peak)
+    return max(bytes_moved(fmt, m, k, n, group_size)["total"] / hw.hbm_bytes_per_s, flops(m, k, n) / peak)
 
 
 def hardware_for(device):
@@ -149,14 +148,14 @@ def call_fn(fmt, m, block_n, args):
         return lambda data, w: kernel.matmul_w8a16(data[0], *w, block_m=block_m_for(m), **common)
     if fmt == "w4a16":
         return lambda data, w: kernel.matmul_w4a16(data[0], *w, block_m=block_m_for(m), **common)
-    return lambda data, w: kernel.matmul_w8a8(*data, *w, jnp.bfloat16,
-                                              block_m=max(32, block_m_for(m)), **common)
+    return lambda data, w: kernel.matmul_w8a8(*data, *w, jnp.bfloat16, block_m=max(32, block_m_for(m)), **common)
 
 
 def reference_fn(fmt, group_size):
     if fmt == "bf16":
-        return lambda data, w: jnp.dot(data[0].astype(jnp.float32), w[0].astype(jnp.float32),
-                                       precision=lax.Precision.HIGHEST).astype(jnp.bfloat16)
+        return lambda data, w: jnp.dot(
+            data[0].astype(jnp.float32), w[0].astype(jnp.float32), precision=lax.Precision.HIGHEST
+        ).astype(jnp.bfloat16)
     if fmt == "w8a16":
         return lambda data, w: ref.matmul_w8a16(data[0], *w)
     if fmt == "w4a16":
@@ -167,8 +166,7 @@ def reference_fn(fmt, group_size):
 def copies_for(fmt, k, n, args) -> int:
     """Weight copies per timed program: together over twice the L2, at least --min-copies."""
     weight_bytes = bytes_moved(fmt, 1, k, n, args.group_size)["weights"]
-    return int(min(args.max_copies, max(args.min_copies,
-                                        math.ceil(2 * args.l2_mib * 2**20 / weight_bytes))))
+    return int(min(args.max_copies, max(args.min_copies, math.ceil(2 * args.l2_mib * 2**20 / weight_bytes))))
 
 
 def rel_err(got, want) -> float:
@@ -189,8 +187,16 @@ def measure_shape(model, k, n, args, hw, key):
         for m in args.batches:
             data = make_data(fmt, m, k, keys[-1])
             moved = bytes_moved(fmt, m, k, n, args.group_size)
-            base = dict(model=model, K=k, N=n, M=m, format=fmt, copies=copies,
-                        bytes=moved["total"], weight_bytes=moved["weights"])
+            base = dict(
+                model=model,
+                K=k,
+                N=n,
+                M=m,
+                format=fmt,
+                copies=copies,
+                bytes=moved["total"],
+                weight_bytes=moved["weights"],
+            )
             if hw is not None:
                 base["ideal_us"] = ideal_seconds(fmt, m, k, n, hw, args.group_size) * 1e6
             block_ns = [None] if fmt == "bf16" else args.block_ns
@@ -201,12 +207,14 @@ def measure_shape(model, k, n, args, hw, key):
                 many = jax.jit(lambda d, ws, fn=fn: [fn(*lax.optimization_barrier((d, w))) for w in ws])
                 try:
                     if check:
-                        row["max_rel_err"] = rel_err(jax.jit(fn)(data, weights[0]),
-                                                     jax.jit(reference_fn(fmt, args.group_size))(data, weights[0]))
+                        row["max_rel_err"] = rel_err(
+                            jax.jit(fn)(data, weights[0]), jax.jit(reference_fn(fmt, args.group_size))(data, weights[0])
+                        )
                         check = False  # one block_n is enough: the kernel body is the same
                     seconds = median_seconds(many, (data, weights), args.repeats, args.min_time) / copies
-                    row |= dict(us=seconds * 1e6, tflops=flops(m, k, n) / seconds / 1e12,
-                                gbps=moved["total"] / seconds / 1e9)
+                    row |= dict(
+                        us=seconds * 1e6, tflops=flops(m, k, n) / seconds / 1e12, gbps=moved["total"] / seconds / 1e9
+                    )
                     if "ideal_us" in row:
                         row["roofline_frac"] = row["ideal_us"] / row["us"]
                 except Exception as e:  # one failing configuration must not lose the others
@@ -248,8 +256,11 @@ def per_model(rows):
     for r in rows:
         if not r.get("best"):
             continue
-        cell = out.setdefault(r["model"], {}).setdefault(r["format"], {}).setdefault(
-            r["M"], dict(us=0.0, ideal_us=0.0, shapes=0))
+        cell = (
+            out.setdefault(r["model"], {})
+            .setdefault(r["format"], {})
+            .setdefault(r["M"], dict(us=0.0, ideal_us=0.0, shapes=0))
+        )
         cell["us"] += r["us"]
         cell["ideal_us"] += r.get("ideal_us", float("nan"))
         cell["shapes"] += 1
@@ -267,22 +278,27 @@ def per_model(rows):
 
 
 def markdown(rows) -> str:
-    lines = ["| model | K | N | M | format | block_n | µs | TFLOP/s | GB/s | × bf16 | ideal µs "
-             "| ideal × | of roofline | note |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| model | K | N | M | format | block_n | µs | TFLOP/s | GB/s | × bf16 | ideal µs "
+        "| ideal × | of roofline | note |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     f = lambda r, key, spec: format(r[key], spec) if r.get(key) is not None else "-"
     for r in rows:
         if not r.get("best") and "error" not in r:
             continue
         note = r.get("error", "")
         if "max_rel_err" in r:
-            note = (note + f" err {r['max_rel_err']:.1e}"
-                    + (" MISMATCH" if r["max_rel_err"] > TOLERANCE else "")).strip()
-        lines.append(f"| {r['model']} | {r['K']} | {r['N']} | {r['M']} | {r['format']} "
-                     f"| {f(r, 'block_n', 'd')} | {f(r, 'us', '.1f')} | {f(r, 'tflops', '.2f')} "
-                     f"| {f(r, 'gbps', '.0f')} | {f(r, 'speedup_vs_bf16', '.2f')} "
-                     f"| {f(r, 'ideal_us', '.1f')} | {f(r, 'ideal_speedup', '.2f')} "
-                     f"| {f(r, 'roofline_frac', '.0%')} | {note} |")
+            note = (
+                note + f" err {r['max_rel_err']:.1e}" + (" MISMATCH" if r["max_rel_err"] > TOLERANCE else "")
+            ).strip()
+        lines.append(
+            f"| {r['model']} | {r['K']} | {r['N']} | {r['M']} | {r['format']} "
+            f"| {f(r, 'block_n', 'd')} | {f(r, 'us', '.1f')} | {f(r, 'tflops', '.2f')} "
+            f"| {f(r, 'gbps', '.0f')} | {f(r, 'speedup_vs_bf16', '.2f')} "
+            f"| {f(r, 'ideal_us', '.1f')} | {f(r, 'ideal_speedup', '.2f')} "
+            f"| {f(r, 'roofline_frac', '.0%')} | {note} |"
+        )
     return "\n".join(lines)
 
 
@@ -291,9 +307,11 @@ def markdown_models(summary) -> str:
     for model, fmts in summary.items():
         quant = [f for f in FORMATS if f in fmts and f != "bf16"]
         batches = sorted({m for f in fmts.values() for m in f})
-        lines += [f"\n{model}: speed-up over bf16 of the summed layer times, measured (ideal)\n",
-                  "| M | bf16 µs | " + " | ".join(quant) + " |",
-                  "|---:|---:|" + "---:|" * len(quant)]
+        lines += [
+            f"\n{model}: speed-up over bf16 of the summed layer times, measured (ideal)\n",
+            "| M | bf16 µs | " + " | ".join(quant) + " |",
+            "|---:|---:|" + "---:|" * len(quant),
+        ]
         for m in batches:
             base = fmts.get("bf16", {}).get(m, {})
             cells = []
@@ -309,6 +327,7 @@ def plot(record, path) -> bool:
     format. Returns False (and says so) without matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -352,14 +371,19 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write a speed-up vs batch plot here (matplotlib)")
     p.add_argument("--from-json", default=None, help="no measuring: table and plot from this JSON")
-    p.add_argument("--interpret-smoke", action="store_true",
-                   help="no GPU needed: one tiny shape per format in Pallas interpret mode")
+    p.add_argument(
+        "--interpret-smoke",
+        action="store_true",
+        help="no GPU needed: one tiny shape per format in Pallas interpret mode",
+    )
     return p.parse_args(argv)
 
 
 def report(record, plot_path=None) -> None:
-    print(f"\n{record['device']} ({record['backend']}), jax {record['jax']}; W4A16 group size "
-          f"{record['args']['group_size']}; ideal = max(bytes / HBM BW, FLOPs / peak)\n")
+    print(
+        f"\n{record['device']} ({record['backend']}), jax {record['jax']}; W4A16 group size "
+        f"{record['args']['group_size']}; ideal = max(bytes / HBM BW, FLOPs / peak)\n"
+    )
     print(markdown(record["results"]))
     print(markdown_models(per_model(record["results"])))
     if plot_path:
@@ -381,9 +405,11 @@ def main(argv=None) -> int:
         shapes, args.batches, args.block_ns = SMOKE_SHAPES, [1, 5], [64]
         args.repeats, args.min_time, args.min_copies, args.max_copies = 1, 0.0, 2, 2
     elif backend != "gpu":
-        print(f"bench.py measures GPU kernels; the default JAX backend here is {backend!r}, so "
-              "nothing was measured. Run it on a GPU machine, or pass --interpret-smoke to check "
-              "the script in Pallas interpret mode.")
+        print(
+            f"bench.py measures GPU kernels; the default JAX backend here is {backend!r}, so "
+            "nothing was measured. Run it on a GPU machine, or pass --interpret-smoke to check "
+            "the script in Pallas interpret mode."
+        )
         return 0
     device = jax.devices()[0]
     hw = hardware_for(device)
@@ -395,14 +421,20 @@ def main(argv=None) -> int:
     finish(rows)
     record = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=device.device_kind, backend=backend, jax=jax.__version__, numpy=np.__version__,
-        command="python -m jaxsys.kernels.quantized_matmul.bench "
-                + " ".join(sys.argv[1:] if argv is None else argv),
-        hardware=None if hw is None else dict(name=hw.name, hbm_bytes_per_s=hw.hbm_bytes_per_s,
-                                              peak_flops=hw.peak_flops),
+        device=device.device_kind,
+        backend=backend,
+        jax=jax.__version__,
+        numpy=np.__version__,
+        command="python -m jaxsys.kernels.quantized_matmul.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        hardware=None
+        if hw is None
+        else dict(name=hw.name, hbm_bytes_per_s=hw.hbm_bytes_per_s, peak_flops=hw.peak_flops),
         bytes_convention="weights (codes + scales [+ zeros]) + activations in + bf16 out, once each",
-        interpret_smoke=args.interpret_smoke, args=vars(args), results=rows,
-        per_model=per_model(rows))
+        interpret_smoke=args.interpret_smoke,
+        args=vars(args),
+        results=rows,
+        per_model=per_model(rows),
+    )
     report(record, args.plot)
     if args.out:
         with open(args.out, "w") as f:

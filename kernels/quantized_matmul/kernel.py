@@ -71,6 +71,7 @@ class Tiles:
     """The tiling one variant ("generic" or "tpu") uses for one call (hashable: a static kernel
     argument). block_k: the K step of W8A16 / W8A8 (W4A16 steps one group). k_padded / n_padded:
     the padded K and N (== K, N unless no allowed tile divides them)."""
+
     variant: str
     block_m: int
     block_n: int
@@ -126,8 +127,20 @@ def _sublanes(*dtypes) -> int:
     return max(8 * 4 // jnp.dtype(d).itemsize for d in dtypes)
 
 
-def tiles(m: int, k: int, n: int, *, block_m: int, block_n: int, block_k: int, dtypes=(),
-          variant: str = "generic", interpret: bool = True, num_warps=None, num_stages=None) -> Tiles:
+def tiles(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    dtypes=(),
+    variant: str = "generic",
+    interpret: bool = True,
+    num_warps=None,
+    num_stages=None,
+) -> Tiles:
     """The tiles a kernel uses for x[M, K] @ W[K, N] under `variant` ("generic": Triton's rules,
     also used in interpret mode; "tpu": Mosaic's). block_k = 0: K is not tiled here (W4A16). Row
     tiles shrink to M rounded up (a decode step of M = 1 gets 16 rows, not the requested 64)."""
@@ -146,15 +159,23 @@ def tiles(m: int, k: int, n: int, *, block_m: int, block_n: int, block_k: int, d
         bk, kp = _mosaic_lane_tile(block_k, k) if block_k else (k, k)
     else:
         raise ValueError(f"variant must be 'generic' or 'tpu'; got {variant!r}")
-    return Tiles(variant, bm, bn, bk, np_, kp, interpret=interpret,
-                 num_warps=num_warps, num_stages=num_stages)
+    return Tiles(variant, bm, bn, bk, np_, kp, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
 def _plan(m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num_warps, num_stages):
     platforms.check_backend(backend)
-    make = lambda variant: tiles(m, k, n, block_m=block_m, block_n=block_n, block_k=block_k,
-                                 dtypes=dtypes, variant=variant, num_warps=num_warps,
-                                 num_stages=num_stages)
+    make = lambda variant: tiles(
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        dtypes=dtypes,
+        variant=variant,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return platforms.plan(backend, interpret, make("generic"), make("tpu"))
 
 
@@ -163,6 +184,7 @@ def _compiler_params(cfg: Tiles):
     if cfg.interpret or cfg.variant != "generic" or (cfg.num_warps is None and cfg.num_stages is None):
         return None
     from jax.experimental.pallas import triton as pl_triton
+
     return pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -215,9 +237,11 @@ def _w8a16(x, q, s, *, cfg: Tiles):
     return pl.pallas_call(
         functools.partial(_w8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k),
         grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((bn,), lambda i, j: (j,))],
+        in_specs=[
+            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
+            pl.BlockSpec((bn,), lambda i, j: (j,)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
         compiler_params=_compiler_params(cfg),
@@ -225,20 +249,43 @@ def _w8a16(x, q, s, *, cfg: Tiles):
     )(x, q, s)
 
 
-def matmul_w8a16(x, q, s, *, block_m: int = 16, block_n: int = 128, block_k: int = 128,
-                 interpret=None, backend=None, num_warps=None, num_stages=None):
+def matmul_w8a16(
+    x,
+    q,
+    s,
+    *,
+    block_m: int = 16,
+    block_n: int = 128,
+    block_k: int = 128,
+    interpret=None,
+    backend=None,
+    num_warps=None,
+    num_stages=None,
+):
     """x[M, K] @ (int8 q[K, N] * s[N]) as `reference.matmul_w8a16`, tiled (block_m, block_n) with a
     K loop of block_k inside the kernel; blocks are adjusted to the shape and the variant (module
     docstring). interpret / backend as in kernels/platforms.py: None interprets when lowered for
     CPU and compiles elsewhere (Mosaic on TPU, Triton otherwise)."""
     if x.ndim != 2 or q.ndim != 2 or q.dtype != jnp.int8 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
-        raise ValueError(f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, "
-                         f"q{q.shape} {q.dtype}, s{s.shape}")
+        raise ValueError(
+            f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, q{q.shape} {q.dtype}, s{s.shape}"
+        )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"matmul_w8a16 takes floating-point activations; got {x.dtype}")
     (m, k), n = x.shape, q.shape[1]
-    plan = _plan(m, k, n, block_m=block_m, block_n=block_n, block_k=block_k, dtypes=(x.dtype,),
-                 interpret=interpret, backend=backend, num_warps=num_warps, num_stages=num_stages)
+    plan = _plan(
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        dtypes=(x.dtype,),
+        interpret=interpret,
+        backend=backend,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return _run(plan, _w8a16, m, n, x, q, s)
 
 
@@ -272,13 +319,21 @@ def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bo
     if unroll:  # Mosaic: static offsets, whose alignment it can see
         for g in range(n_groups):
             k0 = g * group_size
-            acc = group(g, slice(g * half, (g + 1) * half), slice(k0, k0 + half),
-                        slice(k0 + half, k0 + group_size), acc)
+            acc = group(
+                g, slice(g * half, (g + 1) * half), slice(k0, k0 + half), slice(k0 + half, k0 + group_size), acc
+            )
     else:  # Triton: one loop body, whatever K / G
+
         def body(g, acc):
             k0 = pl.multiple_of(g * group_size, group_size)
-            return group(g, pl.ds(pl.multiple_of(g * half, half), half), pl.ds(k0, half),
-                         pl.ds(pl.multiple_of(k0 + half, half), half), acc)
+            return group(
+                g,
+                pl.ds(pl.multiple_of(g * half, half), half),
+                pl.ds(k0, half),
+                pl.ds(pl.multiple_of(k0 + half, half), half),
+                acc,
+            )
+
         acc = lax.fori_loop(0, n_groups, body, acc)
     o_ref[...] = acc.astype(o_ref.dtype)
 
@@ -289,15 +344,23 @@ def _w4a16(x, packed, s, z, *, cfg: Tiles):
     mp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.n_padded, cfg.block_m, cfg.block_n
     x = _pad(x, 0, mp)
     args = [x, _pad(packed, 1, np_), _pad(s.astype(jnp.float32), 1, np_)]
-    in_specs = [pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                pl.BlockSpec((k // 2, bn), lambda i, j: (0, j)),
-                pl.BlockSpec((groups, bn), lambda i, j: (0, j))]
+    in_specs = [
+        pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+        pl.BlockSpec((k // 2, bn), lambda i, j: (0, j)),
+        pl.BlockSpec((groups, bn), lambda i, j: (0, j)),
+    ]
     if z is not None:
         in_specs.append(pl.BlockSpec((groups, bn), lambda i, j: (0, j)))
         args.append(_pad(z.astype(jnp.int8), 1, np_))
     return pl.pallas_call(
-        functools.partial(_w4_kernel, group_size=k // groups, n_groups=groups, signed=z is None,
-                          has_zero=z is not None, unroll=cfg.variant == "tpu"),
+        functools.partial(
+            _w4_kernel,
+            group_size=k // groups,
+            n_groups=groups,
+            signed=z is None,
+            has_zero=z is not None,
+            unroll=cfg.variant == "tpu",
+        ),
         grid=(mp // bm, np_ // bn),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
@@ -307,8 +370,19 @@ def _w4a16(x, packed, s, z, *, cfg: Tiles):
     )(*args)
 
 
-def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128, interpret=None,
-                 backend=None, num_warps=None, num_stages=None):
+def matmul_w4a16(
+    x,
+    packed,
+    s,
+    z=None,
+    *,
+    block_m: int = 16,
+    block_n: int = 128,
+    interpret=None,
+    backend=None,
+    num_warps=None,
+    num_stages=None,
+):
     """x[M, K] @ W as `reference.matmul_w4a16(x, reference.unrepack_w4(packed, G), s, z)`.
 
     `packed` [K / 2, N] uint8 MUST BE IN THE KERNEL LAYOUT, `reference.repack_w4(pack_int4(q), G)`,
@@ -318,25 +392,39 @@ def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128,
     K / s.shape[0]. s [K / G, N] fp32 scales; z [K / G, N] integer zero points, or None for
     symmetric codes. One group per K step inside the kernel; blocks as in `matmul_w8a16`."""
     if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
-        raise ValueError(f"matmul_w4a16 takes x[M, K] and uint8 packed[K / 2, N]; got x{x.shape}, "
-                         f"packed{packed.shape} {packed.dtype}")
+        raise ValueError(
+            f"matmul_w4a16 takes x[M, K] and uint8 packed[K / 2, N]; got x{x.shape}, "
+            f"packed{packed.shape} {packed.dtype}"
+        )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"matmul_w4a16 takes floating-point activations; got {x.dtype}")
     k, n = 2 * packed.shape[0], packed.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"matmul_w4a16: x has K={x.shape[1]}, the packed weights K={k}")
-    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (
-            z is not None and z.shape != s.shape):
-        raise ValueError(f"matmul_w4a16: scales {s.shape} (zero points {None if z is None else z.shape}) "
-                         f"do not match weights [K={k}, N={n}] in groups along K")
+    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (z is not None and z.shape != s.shape):
+        raise ValueError(
+            f"matmul_w4a16: scales {s.shape} (zero points {None if z is None else z.shape}) "
+            f"do not match weights [K={k}, N={n}] in groups along K"
+        )
     if z is not None and not jnp.issubdtype(z.dtype, jnp.integer):  # the kernel casts them to int8
         raise ValueError(f"matmul_w4a16 takes integer zero points; got {z.dtype}")
     group_size = k // s.shape[0]
     if group_size not in ref.GROUP_SIZES:
         raise ValueError(f"matmul_w4a16: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
     m = x.shape[0]
-    plan = _plan(m, k, n, block_m=block_m, block_n=block_n, block_k=0, dtypes=(x.dtype,),
-                 interpret=interpret, backend=backend, num_warps=num_warps, num_stages=num_stages)
+    plan = _plan(
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=0,
+        dtypes=(x.dtype,),
+        interpret=interpret,
+        backend=backend,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return _run(plan, _w4a16, m, n, x, packed, s, z)
 
 
@@ -346,8 +434,9 @@ def matmul_w4a16(x, packed, s, z=None, *, block_m: int = 16, block_n: int = 128,
 def _w8a8_kernel(x_ref, q_ref, sx_ref, sw_ref, o_ref, *, block_k: int, n_k: int):
     def body(i, acc):
         cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-        return acc + jnp.dot(x_ref[:, cols], q_ref[cols, :], precision=lax.Precision.DEFAULT,
-                             preferred_element_type=jnp.int32)
+        return acc + jnp.dot(
+            x_ref[:, cols], q_ref[cols, :], precision=lax.Precision.DEFAULT, preferred_element_type=jnp.int32
+        )
 
     acc = lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, jnp.int32))
     o_ref[...] = (acc.astype(jnp.float32) * sx_ref[...][:, None] * sw_ref[...][None, :]).astype(o_ref.dtype)
@@ -359,32 +448,68 @@ def _w8a8(xq, sx, wq, sw, *, cfg: Tiles, out_dtype):
     return pl.pallas_call(
         functools.partial(_w8a8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k),
         grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((bm,), lambda i, j: (i,)),
-                  pl.BlockSpec((bn,), lambda i, j: (j,))],
+        in_specs=[
+            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
+            pl.BlockSpec((bm,), lambda i, j: (i,)),
+            pl.BlockSpec((bn,), lambda i, j: (j,)),
+        ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-    )(_pad(_pad(xq, 0, mp), 1, kp), _pad(_pad(wq, 0, kp), 1, np_),
-      _pad(sx.astype(jnp.float32), 0, mp), _pad(sw.astype(jnp.float32), 0, np_))
+    )(
+        _pad(_pad(xq, 0, mp), 1, kp),
+        _pad(_pad(wq, 0, kp), 1, np_),
+        _pad(sx.astype(jnp.float32), 0, mp),
+        _pad(sw.astype(jnp.float32), 0, np_),
+    )
 
 
-def matmul_w8a8(xq, sx, wq, sw, out_dtype=jnp.bfloat16, *, block_m: int = 32, block_n: int = 128,
-                block_k: int = 128, interpret=None, backend=None, num_warps=None, num_stages=None):
+def matmul_w8a8(
+    xq,
+    sx,
+    wq,
+    sw,
+    out_dtype=jnp.bfloat16,
+    *,
+    block_m: int = 32,
+    block_n: int = 128,
+    block_k: int = 128,
+    interpret=None,
+    backend=None,
+    num_warps=None,
+    num_stages=None,
+):
     """int8 xq[M, K] @ int8 wq[K, N] with an int32 accumulator, times sx[M] and sw[N], as
     `reference.matmul_w8a8` (bit for bit). Blocks as in `matmul_w8a16` (block_m 32: int8 tiles on
     TPU are (32, 128))."""
     if xq.dtype != jnp.int8 or wq.dtype != jnp.int8:
         raise ValueError(f"matmul_w8a8 takes int8 operands; got {xq.dtype} and {wq.dtype}")
-    if (xq.ndim != 2 or wq.ndim != 2 or xq.shape[1] != wq.shape[0] or sx.shape != (xq.shape[0],)
-            or sw.shape != (wq.shape[1],)):
-        raise ValueError(f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
-                         f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}")
+    if (
+        xq.ndim != 2
+        or wq.ndim != 2
+        or xq.shape[1] != wq.shape[0]
+        or sx.shape != (xq.shape[0],)
+        or sw.shape != (wq.shape[1],)
+    ):
+        raise ValueError(
+            f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
+            f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}"
+        )
     (m, k), n = xq.shape, wq.shape[1]
     out_dtype = jnp.dtype(out_dtype)
-    plan = _plan(m, k, n, block_m=block_m, block_n=block_n, block_k=block_k,
-                 dtypes=(jnp.int8, out_dtype), interpret=interpret, backend=backend,
-                 num_warps=num_warps, num_stages=num_stages)
+    plan = _plan(
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        dtypes=(jnp.int8, out_dtype),
+        interpret=interpret,
+        backend=backend,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return _run(plan, functools.partial(_w8a8, out_dtype=out_dtype), m, n, xq, sx, wq, sw)

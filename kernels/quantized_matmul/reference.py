@@ -30,8 +30,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["quantize_w8", "matmul_w8a16", "quantize_w4", "pack_int4", "unpack_int4", "repack_w4",
-           "unrepack_w4", "dequantize_w4", "matmul_w4a16", "quantize_per_token", "matmul_w8a8", "GROUP_SIZES"]
+__all__ = [
+    "quantize_w8",
+    "matmul_w8a16",
+    "quantize_w4",
+    "pack_int4",
+    "unpack_int4",
+    "repack_w4",
+    "unrepack_w4",
+    "dequantize_w4",
+    "matmul_w4a16",
+    "quantize_per_token",
+    "matmul_w8a8",
+    "GROUP_SIZES",
+]
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -61,8 +73,9 @@ def matmul_w8a16(x, q, s):
     _check_2d("x", x)
     _check_2d("q", q)
     if q.dtype != jnp.int8 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
-        raise ValueError(f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, "
-                         f"q{q.shape} {q.dtype}, s{s.shape}")
+        raise ValueError(
+            f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, q{q.shape} {q.dtype}, s{s.shape}"
+        )
     acc = jnp.dot(x.astype(jnp.float32), q.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return (acc * s[None, :]).astype(x.dtype)
 
@@ -74,8 +87,9 @@ def _check_groups(k, group_size):
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size={group_size}: choose one of {GROUP_SIZES}")
     if k % group_size:
-        raise ValueError(f"K={k} is not a multiple of group_size={group_size}: pick a group size that "
-                         "divides the input dimension")
+        raise ValueError(
+            f"K={k} is not a multiple of group_size={group_size}: pick a group size that divides the input dimension"
+        )
 
 
 def quantize_w4(w, group_size: int = 128, zero_point: bool = False):
@@ -148,8 +162,10 @@ def dequantize_w4(packed, s, z=None):
     k, n = q.shape
     groups = s.shape[0]
     if s.shape[1] != n or k % groups or (z is not None and z.shape != s.shape):
-        raise ValueError(f"scales {s.shape} (and zero points {None if z is None else z.shape}) do not "
-                         f"match weights [K={k}, N={n}] in groups along K")
+        raise ValueError(
+            f"scales {s.shape} (and zero points {None if z is None else z.shape}) do not "
+            f"match weights [K={k}, N={n}] in groups along K"
+        )
     q = q.reshape(groups, k // groups, n)
     if z is not None:
         q = q - z.astype(jnp.float32)[:, None]
@@ -181,7 +197,9 @@ def matmul_w8a8(xq, sx, wq, sw, out_dtype=jnp.bfloat16):
     if xq.dtype != jnp.int8 or wq.dtype != jnp.int8:
         raise ValueError(f"matmul_w8a8 takes int8 operands; got {xq.dtype} and {wq.dtype}")
     if xq.shape[1] != wq.shape[0] or sx.shape != (xq.shape[0],) or sw.shape != (wq.shape[1],):
-        raise ValueError(f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
-                         f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}")
+        raise ValueError(
+            f"matmul_w8a8 takes xq[M, K], sx[M], wq[K, N], sw[N]; got xq{xq.shape}, "
+            f"sx{sx.shape}, wq{wq.shape}, sw{sw.shape}"
+        )
     acc = lax.dot(xq, wq, preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * sx[:, None] * sw[None, :]).astype(out_dtype)
