@@ -47,7 +47,7 @@ from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis.decode import kv_transfer_bytes, weight_bytes_per_device
 from jaxsys.config import MESH_AXES, ConfigError, validate
 from jaxsys.serve import decode
-from jaxsys.serve.engine import Engine, Sampling
+from jaxsys.serve.engine import Engine, Sampling, pool_settings
 from jaxsys.serve.scheduler import PoolExhausted, Request, Work
 
 PLACEMENTS = ("cost", "prefill", "colocated")
@@ -351,19 +351,7 @@ class DisaggregatedEngine:
         """Both sides as `config.serve` describes (pages, budget, ... per batch shard of each)."""
         pre, dec = build_programs(config, devices)
         sv = config.serve
-        return cls(
-            pre,
-            dec,
-            params,
-            sv.pages,
-            sv.page_size,
-            sv.token_budget,
-            sv.chunk_size,
-            sv.max_seqs,
-            sv.policy,
-            max_len,
-            cost,
-        )
+        return cls(pre, dec, params, **pool_settings(sv), max_len=max_len, cost=cost)
 
     def __init__(
         self,

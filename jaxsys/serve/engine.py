@@ -61,23 +61,20 @@ class Sampling:
     seed: int = 0
 
 
+def pool_settings(sv) -> dict:
+    """config.serve's pool and schedule settings (per batch shard) as every engine's constructor
+    takes them: num_pages, page_size, token_budget, chunk_size, max_seqs, policy."""
+    keys = ("page_size", "token_budget", "chunk_size", "max_seqs", "policy")
+    return {"num_pages": sv.pages, **{key: sv[key] for key in keys}}
+
+
 class Engine:
     @classmethod
     def from_config(cls, program, params, max_len: int | None = None) -> "Engine":
         """The engine `program.config.serve` describes."""
         sv = program.config.serve
         return cls(
-            program,
-            params,
-            sv.pages,
-            sv.page_size,
-            sv.token_budget,
-            sv.chunk_size,
-            sv.max_seqs,
-            sv.policy,
-            max_len,
-            kv_quant=sv.kv_quant,
-            kv_residual=sv.kv_residual,
+            program, params, **pool_settings(sv), max_len=max_len, kv_quant=sv.kv_quant, kv_residual=sv.kv_residual
         )
 
     def __init__(

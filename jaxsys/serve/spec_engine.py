@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.serve import decode, speculative
-from jaxsys.serve.engine import Engine, Sampling, _sample_rows
+from jaxsys.serve.engine import Engine, Sampling, _sample_rows, pool_settings
 
 
 def _base_key(seed, n):
@@ -150,13 +150,8 @@ class SpeculativeEngine(Engine):
         return cls(
             program,
             params,
-            sv.pages,
-            sv.page_size,
-            sv.token_budget,
-            sv.chunk_size,
-            sv.max_seqs,
-            sv.policy,
-            max_len,
+            **pool_settings(sv),
+            max_len=max_len,
             k=sv.spec_k,
             draft=draft,
             window=sv.spec_window,

@@ -83,22 +83,30 @@ def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: i
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
+def triton_params(cfg, page_size: int, h: int):
+    """Triton's launch parameters for a compiled (not interpreted) generic kernel, after checking
+    that its tile shapes are powers of two; None when interpreted or left to Triton's defaults.
+    `cfg` has interpret, num_warps and num_stages (GenericConfig, kernel_quant.QuantConfig)."""
+    if cfg.interpret:
+        return None
+    bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
+    if bad:
+        raise ValueError(
+            f"the Triton paged-attention kernel needs page_size and the head dim H "
+            f"to be powers of two (Triton tensor shapes); got {bad}"
+        )
+    if cfg.num_warps is None and cfg.num_stages is None:
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _generic(q, k_pages, v_pages, page_table, lengths, *, cfg: GenericConfig):
     """q [B, K, G, H] -> o [B, K, G, H] (G padded by the caller)."""
     b, kh, g, h = q.shape
     page_size = k_pages.shape[1]
-    compiler_params = None
-    if not cfg.interpret:
-        bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
-        if bad:
-            raise ValueError(
-                f"the Triton paged-attention kernel needs page_size and the head dim H "
-                f"to be powers of two (Triton tensor shapes); got {bad}"
-            )
-        if cfg.num_warps is not None or cfg.num_stages is not None:
-            from jax.experimental.pallas import triton as pl_triton
-
-            compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    compiler_params = triton_params(cfg, page_size, h)
     whole = lambda shape: pl.BlockSpec(shape, lambda bi, hi: (0,) * len(shape))
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     return pl.pallas_call(

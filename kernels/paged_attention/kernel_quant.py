@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from jaxsys.kernels import platforms
 from jaxsys.kernels.paged_attention import quant
-from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, _pad_rows, _pow2
+from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, _pad_rows, triton_params
 from jaxsys.kernels.paged_attention.reference import check_inputs
 
 __all__ = ["paged_attention_quant"]
@@ -135,18 +135,7 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg: Qu
     """q [B, K, G, H] (G padded by the caller) -> o [B, K, G, H]."""
     b, kh, g, h = q.shape
     page_size = k_pages.shape[1]
-    compiler_params = None
-    if not cfg.interpret:
-        bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
-        if bad:
-            raise ValueError(
-                f"the Triton paged-attention kernel needs page_size and the head dim H "
-                f"to be powers of two (Triton tensor shapes); got {bad}"
-            )
-        if cfg.num_warps is not None or cfg.num_stages is not None:
-            from jax.experimental.pallas import triton as pl_triton
-
-            compiler_params = pl_triton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    compiler_params = triton_params(cfg, page_size, h)
     whole = lambda a: pl.BlockSpec(a.shape, lambda bi, hi, nd=a.ndim: (0,) * nd)
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     names = ("kq", "vq", "ks", "kz", "vs", "vz")
