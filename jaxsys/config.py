@@ -175,6 +175,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.expert_rebalance_every = 0  # re-place experts on devices every N steps by their load; 0: never
     c.parallel.expert_colocate = True  # rebalancing also co-locates experts consecutive layers route to together
     c.parallel.fsdp_prefetch = False  # all-gather layer i+1's FSDP weights while layer i computes
+    # pipeline sends issued outside the per-tick conds, beside the other compute (a tick's activations
+    # beside its backward, its gradients beside the next tick's forward); every tick then sends, zeros
+    # when idle: +15-50% transfers for the 1F1B schedules, +100% and nothing hidden for gpipe
+    # (docs/comm_overlap.md). Same numerics. Needs mesh.pipe > 1
+    c.parallel.pipeline_overlap = False
 
     # Logical axis -> mesh axis ("" = replicated). `params` is where parameters live at rest;
     # `compute` is where they are used (FSDP is the difference: embed is gathered before use).
@@ -900,6 +905,10 @@ def _validate_pipeline(config) -> None:
         t.pipeline_schedule in PIPELINE_SCHEDULES,
         f"config.train.pipeline_schedule={t.pipeline_schedule!r}: choose one of {PIPELINE_SCHEDULES}",
     )
+    _require(
+        isinstance(config.parallel.pipeline_overlap, bool),
+        f"config.parallel.pipeline_overlap={config.parallel.pipeline_overlap!r}: choose True or False",
+    )
     batch_shards = math.prod(config.mesh[a] for a in axes_of(config.sharding.compute.batch))
     _require(
         t.batch_size % (batch_shards * mb) == 0,
@@ -910,6 +919,11 @@ def _validate_pipeline(config) -> None:
     if p == 1:
         _require(
             v == 1, f"config.train.virtual_stages={v} needs a pipeline: set config.mesh.pipe > 1 or virtual_stages=1"
+        )
+        _require(
+            not config.parallel.pipeline_overlap,
+            "config.parallel.pipeline_overlap=True needs a pipeline (it overlaps the sends between "
+            "pipeline stages): set config.mesh.pipe > 1 or pipeline_overlap=False",
         )
         return
     stages = p * v

@@ -376,8 +376,9 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     if p > 1:
         schedule = pipeline.make_schedule(t.pipeline_schedule, p, t.microbatches, t.virtual_stages)
         vp = bool(config.parallel.vocab_parallel)
-        pipeline_train = pipeline.lockstep(schedule, backward=True, vocab_parallel=vp)
-        pipeline_eval = pipeline.lockstep(schedule, backward=False, vocab_parallel=vp)
+        overlap = config.parallel.pipeline_overlap
+        pipeline_train = pipeline.lockstep(schedule, backward=True, vocab_parallel=vp, overlap=overlap)
+        pipeline_eval = pipeline.lockstep(schedule, backward=False, vocab_parallel=vp, overlap=overlap)
     return Program(
         config,
         mesh,

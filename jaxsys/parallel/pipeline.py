@@ -37,6 +37,21 @@ output layer are split over (pipe, tensor) instead of living on the first and la
 
 These passes are tick-uniform (every device runs them at the same ticks), so they may hold `pipe`
 collectives.
+
+Send/receive overlap (`config.parallel.pipeline_overlap`, `lockstep(..., overlap=True)`). Without
+it each ppermute sits in a tick-uniform cond after both computes of its tick, and a conditional is
+one instruction to XLA: nothing can run beside the transfer. With it both ppermutes are issued
+unconditionally (zeros on ticks without a send) where they can run beside the other compute:
+
+    activations  sent right after the tick's forward, beside the same tick's backward (another
+                 micro-batch); received into the buffer after it (its first reader is a forward
+                 of the next tick at the earliest)
+    gradients    the tick's dx is carried to the next tick and sent at its start, beside that
+                 tick's forward (which reads no gradient); written into the buffer before that
+                 tick's backward, the earliest reader of a gradient sent a tick before
+
+The values, slots and computes are the same; only when a gradient is written into its slot moves,
+from the end of tick t to the start of tick t+1, before any read of it.
 """
 
 from __future__ import annotations
@@ -88,6 +103,7 @@ class Program:
     grad_slots: int  # received output gradients waiting for their backward
     vocab_parallel: bool
     tables: dict
+    overlap: bool = False  # sends issued beside the other compute (module docstring); shifts `recv_grad`
 
     @property
     def ticks(self) -> int:
@@ -114,10 +130,14 @@ def _allocate(intervals: dict) -> tuple[dict, int]:
     return slot_of, len(free_at)
 
 
-def lockstep(schedule: schedules.Schedule, backward: bool = True, vocab_parallel: bool = False) -> Program:
+def lockstep(
+    schedule: schedules.Schedule, backward: bool = True, vocab_parallel: bool = False, overlap: bool = False
+) -> Program:
     """Pack each device's action order of `schedule` into ticks: a device takes the next action of
     its order when the action it depends on ran in an earlier tick, at most one forward and one
-    backward per tick. `backward=False` keeps the forwards only (evaluation)."""
+    backward per tick. `backward=False` keeps the forwards only (evaluation). `overlap=True`: the
+    executor sends a tick's gradients at the start of the next tick, so `recv_grad` row t names the
+    slot of the gradient sent at tick t-1."""
     p, m, v = schedule.p, schedule.m, schedule.v
     n_stages, last = p * v, p * v - 1
     orders = [[a for _, a in schedule.device_order(d) if backward or a.kind == "F"] for d in range(p)]
@@ -218,7 +238,40 @@ def lockstep(schedule: schedules.Schedule, backward: bool = True, vocab_parallel
                     tables["recv_grad"][t, (d - 1) % p] = grad_slot((d - 1) % p, (i, s - 1))
                 elif vocab_parallel:
                     tables["embed_bwd_mb"][t] = i
-    return Program(schedule.name, p, m, v, tuple(fwd), tuple(bwd), act_slots, grad_slots, vocab_parallel, tables)
+    if overlap:
+        # a gradient is sent at tick t >= 1 only for a backward that runs later, never at the last tick:
+        # the send carried out of the scan is always empty
+        assert tables["send_bwd"][-1] == 0, schedule.name
+        tables["recv_grad"] = np.concatenate([np.full((1, p), grad_slots, np.int32), tables["recv_grad"][:-1]])
+    return Program(
+        schedule.name, p, m, v, tuple(fwd), tuple(bwd), act_slots, grad_slots, vocab_parallel, tables, overlap
+    )
+
+
+def pipe_transfers(program: Program) -> dict[str, int]:
+    """The ppermutes over `pipe` of one step, each one x[Bm, T, D] per device: ticks with something
+    to send (`*_sends`), ppermutes run (`*_permutes`: the sends without overlap; with it one of each
+    every tick, the others carrying zeros), and the sends that overlap can hide behind compute: an
+    activation sent in a tick where some device runs a backward, a gradient sent in a tick followed
+    by one where some device runs a forward."""
+    tb, ticks = program.tables, program.ticks
+    busy = lambda actions, t: t < ticks and any(a is not None for a in actions[t])
+    out = {
+        "activation_sends": int(tb["send_fwd"].sum()),
+        "activation_sends_beside_backward": sum(
+            int(tb["send_fwd"][t]) for t in range(ticks) if busy(program.backward, t)
+        ),
+        "gradient_sends": 0,
+        "gradient_sends_beside_forward": 0,
+    }
+    if program.has_backward:
+        out["gradient_sends"] = int(tb["send_bwd"].sum())
+        out["gradient_sends_beside_forward"] = sum(
+            int(tb["send_bwd"][t]) for t in range(ticks) if busy(program.forward, t + 1)
+        )
+    out["activation_permutes"] = ticks if program.overlap else out["activation_sends"]
+    out["gradient_permutes"] = ticks if program.overlap and program.has_backward else out["gradient_sends"]
+    return out
 
 
 def lockstep_time(program: Program, backward_cost: float = 2) -> float:
@@ -285,7 +338,7 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
 
     inputs, targets: [m, Bm, T] this shard's micro-batches."""
     p, v, vp = program.p, program.v, program.vocab_parallel
-    backward = program.has_backward
+    backward, overlap = program.has_backward, program.overlap
     d = lax.axis_index(PIPE)
     shared = {k: a for k, a in params.items() if k != "layers"}
     layers = params["layers"]  # leaves [v, L/(v p), ...], or [L/p, ...] when v = 1
@@ -364,7 +417,7 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
         return lax.psum(jnp.where(d == device, x, jnp.zeros_like(x)), PIPE)
 
     def tick(carry, row_all):
-        act, grad, g_chunks, g_shared, loss, stats = carry
+        act, grad, last_send_b, g_chunks, g_shared, loss, stats = carry
         row = {k: (a[d] if a.ndim == 1 else a) for k, a in row_all.items()}  # [p] -> this device
         x0 = zeros_x()
         if vp:
@@ -374,6 +427,8 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                 lambda mb: zeros_x(),
                 jnp.maximum(row["embed_mb"], 0),
             )
+        if backward and overlap:  # the last tick's gradients, sent beside this tick's forward
+            recv_b = lax.ppermute(last_send_b, PIPE, _ring(p, -1))
         # Slots are read here, outside the conds, so that XLA updates the buffers in place (as a
         # cond operand the whole buffer was copied every tick: twice the stash).
         send_f, stash, loss, stats = lax.cond(
@@ -386,8 +441,12 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
             stats,
             row,
         )
+        if overlap:  # right after the forward, outside any cond: it can run beside the backward
+            recv_f = lax.ppermute(send_f, PIPE, _ring(p, +1))
         send_b = zeros_x()
         if backward:
+            if overlap:  # before the backward, the first reader of a gradient sent last tick
+                grad = put(grad, row["recv_grad"], recv_b)
             send_b, g_chunks, g_shared = lax.cond(
                 row["b_kind"] != NONE,
                 backward_step,
@@ -399,13 +458,18 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                 row,
             )
 
-        recv_f = uniform(row["send_fwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, +1)), jnp.zeros_like, send_f)
+        if not overlap:
+            recv_f = uniform(row["send_fwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, +1)), jnp.zeros_like, send_f)
         act = put(put(act, row["recv_act"], recv_f), row["f_stash"], stash)
-        if backward:
+        if backward and not overlap:
             recv_b = uniform(row["send_bwd"] > 0, lambda x: lax.ppermute(x, PIPE, _ring(p, -1)), jnp.zeros_like, send_b)
             grad = put(grad, row["recv_grad"], recv_b)
 
         if vp:
+            if backward and overlap:
+                # the passes after both sends have landed: else the TPU scheduler ran the backward
+                # before the forward, and the activation send after the passes, beside nothing
+                send_f, send_b, _ = lax.optimization_barrier((send_f, send_b, recv_f))
 
             def output_pass(g_shared, loss, mb):
                 h, tgt = broadcast_from(p - 1, send_f), take(targets, mb)
@@ -434,7 +498,8 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                     g_shared,
                     jnp.maximum(row["embed_bwd_mb"], 0),
                 )
-        return (act, grad, g_chunks, g_shared, loss, stats), None
+        last_send_b = send_b if backward and overlap else None
+        return (act, grad, last_send_b, g_chunks, g_shared, loss, stats), None
 
     act = jnp.zeros((program.act_slots + 1,) + x_struct.shape, x_struct.dtype)
     grad = jnp.zeros((program.grad_slots + 1,) + x_struct.shape, x_struct.dtype) if backward else act[:0]
@@ -442,8 +507,10 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     g_shared = jax.tree.map(jnp.zeros_like, shared) if backward else None
     stats = jax.tree.map(lambda a: jnp.zeros(((v,) if v > 1 else ()) + a.shape, a.dtype), stats_struct)
     xs = {k: jnp.asarray(a) for k, a in program.tables.items()}
-    carry = (act, grad, g_chunks, g_shared, f32_zero, stats)
-    (_, _, g_chunks, g_shared, loss, stats), _ = lax.scan(tick, carry, xs)
+    last_send_b = zeros_x() if backward and overlap else None  # tick 0 receives zeros
+    carry = (act, grad, last_send_b, g_chunks, g_shared, f32_zero, stats)
+    # the last tick sends no gradient (`lockstep`): the carried send_b is empty
+    (_, _, _, g_chunks, g_shared, loss, stats), _ = lax.scan(tick, carry, xs)
     loss = lax.psum(loss, PIPE)
     stats = jax.tree.map(lambda a: _over_stages(a, p, v), stats)
     return loss, ({"layers": g_chunks, **g_shared} if backward else None), stats
