@@ -1,10 +1,11 @@
 """FSDP prefetch in the TPU compiler's schedule (config.parallel.fsdp_prefetch; docs/comm_overlap.md).
 
 Compiles the train step of a small FSDP model ahead of time for a TPU target (libtpu, no TPU) with
-and without prefetch and reads the scheduled HLO: for every collective over the fsdp axis, whether
-it is asynchronous (a `*-start`/`*-done` pair, or the TPU's `async-collective-start` /
-`async-collective-done` fusions) and which matmuls are scheduled between its start and done. Prints
-one line per program and, with --json, the figures.
+and without prefetch and reads the scheduled HLO with `jaxsys.analysis.hlo` (which pairs the starts
+and dones, also of the TPU's async collective fusions): for every collective over the fsdp axis,
+whether it is asynchronous, which matmuls are scheduled between its start and done, and whether it
+gathers the next layer's weights; times from `report.overlap_summary`. Prints one line per program
+and, with --json, the figures.
 
     python scripts/fsdp_prefetch_schedule.py --target v5e-8 [--model big --batch 16 --seq-len 512]
 
@@ -28,7 +29,6 @@ ASYNC_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
     "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
 )
-KINDS = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce"}
 MODELS = {
     "tiny": {},
     "mid": dict(d_model=256, n_heads=8, n_kv_heads=8, d_ff=1024, n_layers=4),
@@ -36,105 +36,48 @@ MODELS = {
 }
 
 
-def fsdp_collectives(text: str, mesh_sizes: dict) -> list[dict]:
-    """Each collective over the fsdp axis in scheduled HLO `text`: kind, bytes per step (the
-    gathered result of an all-gather, the operand of a reduction), async, and the matmul FLOPs
-    scheduled between its start and done (per execution)."""
-    from jaxsys.analysis import hlo
-
-    m = hlo.parse(text)
-    starts, inside = {}, set()  # computation called by an async start -> (its computation, the start)
-    for comp in m.executions:
-        for inst in m.computations[comp]:
-            if inst.opcode == "async-start" or inst.name.startswith("async-collective-start"):
-                for callee in inst.called():
-                    starts[callee] = (comp, inst)
-            elif inst.name.startswith("async-collective-done") or comp in inside:
-                inside.update(inst.called())
-            elif inst.name.startswith("async-collective-start") is False and any(
-                c.startswith("async_collective_fusion") for c in inst.called()
-            ):
-                inside.update(inst.called())  # a continuation step of an async collective fusion
-    inside.update(c for c in m.computations if c.startswith("async_collective_fusion"))
+def fsdp_collectives(module, mesh_sizes: dict) -> tuple[list, list[dict]]:
+    """The collectives over the fsdp axis of a parsed scheduled HLO module (`hlo.Collective`, read
+    by `jaxsys.analysis.hlo`: async or not, compute between start and done) and one row each: kind,
+    bytes per step (the gathered result of an all-gather, the operand of a reduction), async, the
+    matmul FLOPs scheduled between its start and done (per execution), the scope (forward or
+    backward layer loop, or the step outside them) and whether it gathers the next layer's weights."""
     # the train step's loop bodies in schedule order: the layer scan's forward, then its backward
     loops = [
         inst.attr("body").lstrip("%")
-        for comp, times in m.executions.items()
+        for comp, times in module.executions.items()
         if times == 1
-        for inst in m.computations[comp]
+        for inst in module.computations[comp]
         if inst.opcode == "while"
     ] + [None]
-    out = []
-    for comp, times in m.executions.items():
-        if comp in inside:  # a later step of a collective counted at its start
-            continue
-        insts = m.computations[comp]
-        for k, inst in enumerate(insts):
-            base = inst.opcode[: -len("-start")] if inst.opcode.endswith("-start") else inst.opcode
-            if base not in KINDS or inst.opcode.endswith("-done"):
-                continue
-            axes, _ = hlo._group(inst, mesh_sizes)
-            if "fsdp" not in axes:
-                continue
-            if comp in starts:  # inside an async fusion: time it from the fusion's start to its done
-                host, start = starts[comp]
-                host_insts = m.computations[host]
-                position = next(i for i, x in enumerate(host_insts) if x.name == start.name)
-                if start.name.startswith("async-collective-start"):  # TPU: paired by name suffix
-                    done_name = start.name.replace("async-collective-start", "async-collective-done")
-                else:
-                    done_name = hlo.Module._done_of(host_insts, position, start)
-                done = next((i for i, x in enumerate(host_insts) if x.name == done_name), None)
-                between, times = host_insts[position + 1 : done] if done else [], m.executions[host]
-                where = host
-            elif inst.opcode.endswith("-start"):
-                done = hlo.Module._done_of(insts, k, inst)
-                done_name = done
-                end = next(i for i, x in enumerate(insts) if x.name == done) if done else k
-                between, where = insts[k + 1 : end], comp
-            else:
-                between, where, done_name = None, comp, None
-            shape = inst.shape if base == "all-gather" else m.by_name[comp][inst.operands[0]].shape
-            nbytes = sum(a.bytes for a in hlo.arrays(shape))
-            flops = sum(m._flops_of(where, b) for b in between) if between else 0.0
-            prefetched = between is not None and times > 1 and _feeds_only_the_carry(m, where, done_name)
-            scope = (
-                "step"
-                if times == 1
-                else "forward loop"
-                if where == loops[0]
-                else "backward loop"
-                if len(loops) > 1 and where == loops[1]
-                else "other loop"
+    found = [c for c in module.collectives(mesh_sizes) if "fsdp" in c.axes]
+    rows = []
+    for c in found:
+        where, times = c.computation, c.executions
+        scope = (
+            "step"
+            if times == 1
+            else "forward loop"
+            if where == loops[0]
+            else "backward loop"
+            if len(loops) > 1 and where == loops[1]
+            else "other loop"
+        )
+        rows.append(
+            dict(
+                kind=c.kind,
+                name=c.name,
+                computation=where,
+                scope=scope,
+                executions=times,
+                bytes=c.operand_bytes * (c.group_size if c.kind == "all_gather" else 1) * times,
+                group=c.group_size,
+                is_async=c.is_async,
+                overlapped_flops=c.overlapped_flops,
+                next_layer=c.is_async and times > 1 and _feeds_only_the_carry(module, where, c.done),
             )
-            out.append(
-                dict(
-                    kind=KINDS[base],
-                    name=inst.name,
-                    computation=comp,
-                    scope=scope,
-                    executions=times,
-                    bytes=nbytes * times,
-                    group=_,
-                    is_async=between is not None,
-                    overlapped_flops=flops,
-                    next_layer=prefetched,
-                )
-            )
-    return out
-
-
-def hidden_time(rows: list[dict], link_bytes_per_s: float, peak_flops: float) -> tuple[float, float]:
-    """(communication seconds, of which hidden) per step: each collective's ring time over the two
-    links of its torus axis, hidden up to the matmul time scheduled between its start and done."""
-    total = hidden = 0.0
-    for r in rows:
-        n = r["group"]
-        t = r["bytes"] * (n - 1) / n / (2 * link_bytes_per_s)
-        total += t
-        if r["is_async"]:
-            hidden += min(t, r["executions"] * r["overlapped_flops"] / peak_flops)
-    return total, hidden
+        )
+    return found, rows
 
 
 def _feeds_only_the_carry(m, comp: str, done: str | None) -> bool:
@@ -156,7 +99,7 @@ def _feeds_only_the_carry(m, comp: str, done: str | None) -> bool:
             seen.add(u.name)
             if u.root:
                 to_root = True
-            elif m._flops_of(comp, u) > 0:
+            elif m.window_flops(comp, u) > 0:
                 return False
             else:
                 todo.append(u.name)
@@ -196,12 +139,14 @@ def main(argv=None):
     import numpy as np
 
     from jaxsys import train
-    from jaxsys.analysis import report, targets
+    from jaxsys.analysis import hlo, report, targets
+    from jaxsys.analysis.report import overlap_summary
     from jaxsys.mesh import make_mesh
     from tests.helpers import small_config
 
     target = targets.parse(args.target)
     devices = targets.devices(target)
+    hw = targets.hardware(target)
     mesh = dict(fsdp=8)
     sizes = {a: mesh.get(a, 1) for a in ("data", "pipe", "fsdp", "expert", "seq", "tensor")}
     results = []
@@ -217,7 +162,7 @@ def main(argv=None):
             with targets.quiet_libtpu():
                 compiled = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile()
             seconds = time.time() - t
-            rows = fsdp_collectives(compiled.as_text(), sizes)
+            found, rows = fsdp_collectives(hlo.parse(compiled.as_text()), sizes)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 with open(
@@ -244,11 +189,19 @@ def main(argv=None):
             )
             for scope in ("all", "forward loop", "backward loop", "step"):
                 chosen = [r for r in rows if scope == "all" or r["scope"] == scope]
-                comm, hidden = hidden_time(
-                    [r for r in chosen if r["kind"] == "all_gather"],
-                    target.chip.ici_link_bytes_per_s,
-                    target.chip.peak_flops_bf16,
+                # ring time on the fsdp axis's links, hidden up to the matmuls between start and done
+                # at the bf16 peak (TPU dots at default precision read bf16, also in an fp32 program)
+                gathers = overlap_summary(
+                    [
+                        k
+                        for k, r in zip(found, rows)
+                        if k.kind == "all_gather" and (scope == "all" or r["scope"] == scope)
+                    ],
+                    c,
+                    hw,
+                    peak_flops=target.chip.peak_flops_bf16,
                 )
+                comm, hidden = gathers["time_s"], gathers["hidden_s"]
                 summary = summarize(chosen)
                 result["scopes"][scope] = dict(summary=summary, all_gather_s=comm, all_gather_hidden_s=hidden)
                 line = "; ".join(

@@ -9,9 +9,17 @@ Two things a compiler's own summaries get wrong for a training step, and this mo
 - XLA's cost analysis counts a while loop's body once; the layer scan runs it L times. Every
   instruction here carries its execution count: the product of the trip counts of the loops
   around it (read from each loop's condition, `i < N`).
-- A collective that the compiler made asynchronous (`*-start` ... `*-done`) runs while the
-  instructions scheduled between its start and done compute; those are listed, so the analysis can
-  say whether, and behind how many FLOPs, each collective hides.
+- A collective that the compiler made asynchronous runs while the instructions scheduled between
+  its start and done compute; those are listed, so the analysis can say whether, and behind how many
+  FLOPs, each collective hides. Three forms: `*-start` / `*-done` pairs (all-gather-start,
+  collective-permute-start, ...; XLA:GPU's `"is_sync":true` ones are synchronous), `async-start`
+  wrapping a collective, and the TPU's async collective fusions (v5e): a start fusion (the gather's
+  first step and an `AsyncCollectiveStart` custom-call), continuation fusions (one step of the gather
+  fused with a matmul that does not need it) and a done fusion (`AsyncCollectiveDone`), chained by
+  data flow. Each is one collective; the matmuls in its own continuation fusions count as hidden.
+- Compute between a start and its done counts with everything it calls: a loop by its trip count,
+  a fusion or call by its body, a conditional by its cheapest branch (the lower bound every device
+  hides behind whichever branch it takes).
 
 Conditionals (the pipeline's per-stage branches, ring attention's block cases) count their
 heaviest branch per execution (most matmul FLOPs, then most collective bytes): in a lockstep SPMD
@@ -66,8 +74,10 @@ COLLECTIVE_KINDS = {
     "collective-permute": "collective_permute",
     "ragged-all-to-all": "ragged_all_to_all",
 }
-# Instructions that do work a collective can hide behind (fusions hold the matmuls on TPU).
+# Instructions that do work a collective can hide behind (fusions hold the matmuls on TPU; GPU's
+# fusion-start runs a fusion asynchronously).
 _COMPUTE = {
+    "fusion-start",
     "fusion",
     "convolution",
     "dot",
@@ -190,6 +200,10 @@ class Collective:
     overlapped_flops: float  # their matmul FLOPs, per execution
     computation: str
     name: str
+    # how the schedule issues it: "sync", "start-done" (`*-start`/`*-done`, `async-start`),
+    # "async-fusion" (the TPU's async collective fusions), "send" (a megascale DCN transfer)
+    form: str = "sync"
+    done: str | None = None  # the instruction that completes it (its result), when asynchronous
 
 
 class Module:
@@ -215,6 +229,15 @@ class Module:
                 if inst is not None:
                     self.computations[current].append(inst)
         self.by_name = {c: {i.name: i for i in insts} for c, insts in self.computations.items()}
+        # bodies of the TPU's async collective fusions and of async-starts wrapping a collective: their
+        # collectives are counted once, at the start
+        self.async_bodies = {
+            c
+            for insts in self.computations.values()
+            for i in insts
+            if self.async_fusion_role(i) or (i.opcode == "async-start" and self._collective_kind(i)[0])
+            for c in i.called()
+        }
         self.unknown_trip_counts = 0
         self.fused: set[str] = set()  # computations inlined into one kernel (fusion bodies, regions)
         self.executions = self._executions()
@@ -400,15 +423,25 @@ class Module:
                 total += times * self.instruction_flops(comp, inst)
         return total
 
-    def _flops_of(self, comp: str, inst: Instruction) -> float:
-        """Matmul FLOPs of one execution of `inst` including the computations it calls."""
-        total = self.instruction_flops(comp, inst)
+    def window_flops(self, comp: str, inst: Instruction) -> float:
+        """Matmul FLOPs that one execution of `inst` surely does, everything it calls included: a
+        loop times its trip count (1 when unknown), a conditional its cheapest branch. What a
+        collective whose start and done enclose `inst` can hide behind."""
         if inst.opcode == "while":
-            return total  # a loop between a start and a done: counted without its trip count
-        for callee in inst.called():
-            for sub in self.computations.get(callee, []):
-                total += self._flops_of(callee, sub)
-        return total
+            trip = self.trip_count(comp, inst) or 1
+            return trip * self.computation_flops((inst.attr("body") or "").lstrip("%"))
+        callees = [c for c in inst.called() if c in self.computations]
+        if inst.opcode == "conditional":
+            return min((self.computation_flops(c) for c in callees), default=0.0)
+        return self.instruction_flops(comp, inst) + sum(self.computation_flops(c) for c in callees)
+
+    def computation_flops(self, comp: str) -> float:
+        """`window_flops` of every instruction of `comp`, summed (one execution of `comp`)."""
+        cache = self.__dict__.setdefault("_computation_flops", {})
+        if comp not in cache:
+            cache[comp] = 0.0  # a recursion guard; HLO has no recursion
+            cache[comp] = sum(self.window_flops(comp, i) for i in self.computations.get(comp, []))
+        return cache[comp]
 
     # -- memory traffic
     _NO_TRAFFIC = {
@@ -527,9 +560,74 @@ class Module:
         return total
 
     # -- collectives
+    def async_fusion_role(self, inst: Instruction) -> str | None:
+        """Which part of a TPU async collective fusion `inst` is ("start", "continuation" or "done"),
+        or None: a continuation says so in its backend config, a start or done by the custom-call
+        (`AsyncCollectiveStart` / `AsyncCollectiveDone`) in its body."""
+        if inst.opcode != "fusion":
+            return None
+        if "continuation_config" in inst.attrs:
+            return "continuation"
+        roles = self.__dict__.get("_async_roles")
+        if roles is None:  # the bodies holding the custom-calls, found once
+            roles = self._async_roles = {}
+            for comp, insts in self.computations.items():
+                for sub in insts:
+                    if sub.opcode == "custom-call" and 'custom_call_target="AsyncCollectiveStart"' in sub.attrs:
+                        roles[comp] = "start"
+                    elif sub.opcode == "custom-call" and 'custom_call_target="AsyncCollectiveDone"' in sub.attrs:
+                        roles[comp] = "done"
+        return next((roles[c] for c in inst.called() if c in roles), None)
+
+    def _is_compute(self, inst: Instruction) -> bool:
+        """Whether `inst` does work a collective in flight can hide behind (not another collective)."""
+        if self.async_fusion_role(inst) in ("start", "done"):
+            return False
+        if inst.opcode == "async-start":
+            return self._collective_kind(inst)[0] is None
+        return inst.opcode in _COMPUTE
+
+    def _fusion_done(self, insts: list[Instruction], k: int) -> str | None:
+        """The done fusion of the async collective fusion started by insts[k], followed through the
+        data flow of the collective's state (get-tuple-element, bitcast, continuation fusions), not
+        by name. A continuation fusion also carries its matmul's operands and result (its
+        `continuation_config` names their index ranges): those lead to other chains, not followed."""
+        by_name = {i.name: i for i in insts}
+
+        def ranges(inst: Instruction, key: str) -> range:
+            m = re.search(rf'"{key}_original_start":"(\d+)","{key}_original_end":"(\d+)"', inst.attrs)
+            return range(int(m.group(1)), int(m.group(2)) + 1) if m else range(0)
+
+        users: dict[str, list[Instruction]] = {}
+        for later in insts[k + 1 :]:
+            for o in later.operands:
+                users.setdefault(o, []).append(later)
+        todo, seen = [insts[k].name], set()
+        while todo:
+            name = todo.pop()
+            for user in users.get(name, []):
+                role = self.async_fusion_role(user)
+                if role == "continuation":
+                    matmul_operands = ranges(user, "operand")
+                    if all(i in matmul_operands for i, o in enumerate(user.operands) if o == name):
+                        continue
+                elif user.opcode == "get-tuple-element":
+                    source = by_name.get(user.operands[0])
+                    if source is not None and self.async_fusion_role(source) == "continuation":
+                        if int(user.attr("index") or 0) in ranges(source, "output_tuple"):
+                            continue
+                elif role == "done":
+                    return user.name
+                elif user.opcode != "bitcast":
+                    continue
+                if user.name not in seen:
+                    seen.add(user.name)
+                    todo.append(user.name)
+        return None
+
     def collectives(self, mesh_sizes: dict, dcn: dict | None = None) -> list[Collective]:
         """Every collective of the step: kind, mesh axes, bytes, executions, and for asynchronous
-        ones (`*-start`/`*-done`, `async-start` wrapping a collective) what is scheduled between.
+        ones what is scheduled between start and done (the module docstring's three forms).
         Across TPU slices the compiler hands the DCN part of a collective to the megascale runtime
         as a host-transfer `send` (frontend attribute `_xla_megascale_transfer_type`); it is
         counted over the mesh axes with a `dcn` factor, among the slices."""
@@ -537,8 +635,18 @@ class Module:
         slices = math.prod((dcn or {}).get(a, 1) for a in dcn_axes)
         out = []
         for comp, times in self.executions.items():
+            if comp in self.async_bodies:  # counted at the start that wraps them
+                continue
             insts = self.computations[comp]
             position = {inst.name: k for k, inst in enumerate(insts)}
+
+            def window(k: int, done: str | None) -> tuple[int, float]:
+                """(compute instructions, their matmul FLOPs) from insts[k] to `done`: to the end of
+                the computation when the done lies elsewhere (a collective carried across a loop)."""
+                between = insts[k + 1 : position[done]] if done in position else insts[k + 1 :]
+                compute = [b for b in between if self._is_compute(b)]
+                return len(compute), sum(self.window_flops(comp, b) for b in compute)
+
             for k, inst in enumerate(insts):
                 megascale = re.search(r'_xla_megascale_transfer_type="(\w+)"', inst.attrs)
                 if inst.opcode == "send" and megascale:
@@ -550,8 +658,7 @@ class Module:
                         ),
                         None,
                     )
-                    between = insts[k + 1 : position[done]] if done is not None else []
-                    compute = [b for b in between if b.opcode in _COMPUTE]
+                    ops, flops = window(k, done) if done is not None else (0, 0.0)
                     operand_bytes, dtype = self._operand_bytes(comp, inst, arrays_only=True)
                     out.append(
                         Collective(
@@ -562,10 +669,40 @@ class Module:
                             dtype,
                             times,
                             done is not None,
-                            len(compute),
-                            sum(self._flops_of(comp, b) for b in compute),
+                            ops,
+                            flops,
                             comp,
                             inst.name,
+                            "send",
+                            done,
+                        )
+                    )
+                    continue
+                if self.async_fusion_role(inst) == "start":
+                    body = next((c for c in inst.called() if c in self.computations), "")
+                    steps = [sub for sub in self.computations.get(body, []) if sub.opcode in COLLECTIVE_KINDS]
+                    if not steps:
+                        continue
+                    first = steps[0]
+                    done = self._fusion_done(insts, k)
+                    ops, flops = window(k, done)
+                    operand_bytes, dtype = self._operand_bytes(body, first)
+                    axes, size = _group(first, mesh_sizes)
+                    out.append(
+                        Collective(
+                            COLLECTIVE_KINDS[first.opcode],
+                            axes,
+                            size,
+                            operand_bytes,
+                            dtype,
+                            times,
+                            True,
+                            ops,
+                            flops,
+                            comp,
+                            inst.name,
+                            "async-fusion",
+                            done,
                         )
                     )
                     continue
@@ -576,12 +713,13 @@ class Module:
                     # XLA TPU's reduce-scatter emitter: all-reduce + dynamic-slice fused into one
                     # kernel that moves a reduce-scatter's bytes
                     kind = "reduce_scatter"
-                done = self._done_of(insts, k, inst)
-                between = insts[k + 1 : position[done]] if done is not None else []
-                compute = [b for b in between if b.opcode in _COMPUTE]
-                source = body or inst
+                started = inst.opcode.endswith("-start")
+                done = self._done_of(insts, k, inst) if started else None
+                # XLA:GPU marks start/done pairs it runs synchronously (is_sync): nothing overlaps them
+                is_async = started and '"is_sync":true' not in inst.attrs
+                ops, flops = window(k, done) if is_async else (0, 0.0)
                 operand_bytes, dtype = self._operand_bytes(comp, inst)
-                axes, size = _group(source, mesh_sizes)
+                axes, size = _group(body or inst, mesh_sizes)
                 out.append(
                     Collective(
                         kind,
@@ -590,11 +728,13 @@ class Module:
                         operand_bytes,
                         dtype,
                         times,
-                        done is not None,
-                        len(compute),
-                        sum(self._flops_of(comp, b) for b in compute),
+                        is_async,
+                        ops,
+                        flops,
                         comp,
                         inst.name,
+                        "start-done" if is_async else "sync",
+                        done,
                     )
                 )
         return out

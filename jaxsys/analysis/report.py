@@ -291,6 +291,7 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     `flops=False` skips compiling the written-out step (FLOPs then come from the formula).
     A -1 mesh axis is resolved from the device count, in `config` itself."""
     from jaxsys import program as program_lib
+    from jaxsys.analysis import hlo
 
     hw = hardware if isinstance(hardware, cost_model.Hardware) else cost_model.hardware(hardware)
     if config.model.quant != "none":
@@ -318,6 +319,7 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     for row in measured:
         per_axes[tuple(row["axes"])] += row["bytes"]
     roofline = cost_model.roofline(config, hw, xla_flops or analytic, float(cost.get("bytes accessed", 0.0)), per_axes)
+    scheduled = hlo.parse(compiled.as_text()).collectives(sizes, {a: int(config.dcn[a]) for a in MESH_AXES})
     return {
         "config": {
             "mesh": sizes,
@@ -340,6 +342,7 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
         "flops_per_device_analytic": analytic,
         "model_flops_per_device": model_flops,
         "roofline": roofline,
+        "overlap": overlap_report(scheduled, config, hw, predicted, "XLA:CPU"),
         "fits": memory["peak_bytes_per_device"] <= hw.hbm_bytes,
         "offload": offload_report(config, hw, program),
     }
@@ -393,20 +396,102 @@ def _ring_bytes(c) -> float:
     return cost_model.ring_bytes(kind, c.operand_bytes, c.group_size)
 
 
+def collective_seconds(found: list, config, hw: cost_model.Hardware, peak_flops: float | None = None) -> list[dict]:
+    """Per compiled collective (hlo.Collective), per step (its executions included): its ring
+    time on its axes' links (`cost_model.axis_bandwidth`, the roofline's), the part hidden behind
+    the matmuls scheduled between its start and done at `peak_flops` (default: the compute dtype's
+    peak) and the rest, exposed. A synchronous collective hides nothing."""
+    bandwidth = cost_model.axis_bandwidth({a: config.mesh[a] for a in MESH_AXES}, hw, dict(config.dcn))
+    peak = peak_flops or hw.peak(config.model.compute_dtype)
+    out = []
+    for c in found:
+        t = _ring_bytes(c) / min(bandwidth[a] for a in c.axes) if c.axes else 0.0
+        hidden = min(t, c.overlapped_flops / peak) if c.is_async else 0.0
+        out.append(
+            {
+                "time_s": c.executions * t,
+                "hidden_s": c.executions * hidden,
+                "exposed_s": c.executions * (t - hidden),
+                "ring_bytes": c.executions * _ring_bytes(c),
+            }
+        )
+    return out
+
+
 def exposed_comm_s(found: list, config, hw: cost_model.Hardware) -> float:
     """Communication time the compiled schedule leaves exposed: each collective's ring time on its
     axes' links, less the matmul time of the compute scheduled between its start and done (all of
     it for a synchronous one)."""
-    bandwidth = cost_model.axis_bandwidth({a: config.mesh[a] for a in MESH_AXES}, hw, dict(config.dcn))
-    peak = hw.peak(config.model.compute_dtype)
-    total = 0.0
-    for c in found:
-        if not c.axes:
-            continue
-        t = _ring_bytes(c) / min(bandwidth[a] for a in c.axes)
-        hidden = min(t, c.overlapped_flops / peak) if c.is_async else 0.0
-        total += c.executions * (t - hidden)
-    return total
+    return sum(row["exposed_s"] for row in collective_seconds(found, config, hw))
+
+
+def overlap_summary(source, config, hw: cost_model.Hardware, *, select=None, peak_flops: float | None = None) -> dict:
+    """What a compiled schedule hides of its communication, per step and device: `source` is the
+    compiled HLO text, an `hlo.Module` or a list of `hlo.Collective`; `select(collective) -> bool`
+    keeps some (e.g. one axis, one loop). Per kind x axes (`rows`) and in total: executions, how
+    many were asynchronous and had compute between start and done ("overlapped"), ring bytes, time
+    at the links, hidden and exposed time (`collective_seconds`); `overlapped_fraction` is the share
+    of ring bytes in asynchronous collectives with any compute between start and done,
+    `beside_matmul_fraction` the share with matmul FLOPs there (what can hide a transfer)."""
+    from jaxsys.analysis import hlo
+
+    if isinstance(source, str):
+        source = hlo.parse(source)
+    if isinstance(source, hlo.Module):
+        source = source.collectives({a: int(config.mesh[a]) for a in MESH_AXES}, dict(config.dcn))
+    found = [c for c in source if select is None or select(c)]
+    fields = ("count", "async", "overlapped", "ring_bytes", "async_bytes", "overlapped_bytes", "beside_matmul_bytes")
+    times = ("time_s", "hidden_s", "exposed_s")
+    groups: dict = collections.OrderedDict()
+    total = dict.fromkeys(fields + times, 0.0)
+    for c, sec in zip(found, collective_seconds(found, config, hw, peak_flops)):
+        row = groups.setdefault(
+            (c.kind, c.axes), {"kind": c.kind, "axes": list(c.axes), **dict.fromkeys(fields + times, 0.0)}
+        )
+        overlapped = c.is_async and c.overlapped_ops > 0
+        add = {
+            "count": c.executions,
+            "async": c.executions * c.is_async,
+            "overlapped": c.executions * overlapped,
+            "ring_bytes": sec["ring_bytes"],
+            "async_bytes": sec["ring_bytes"] * c.is_async,
+            "overlapped_bytes": sec["ring_bytes"] * overlapped,
+            "beside_matmul_bytes": sec["ring_bytes"] * (c.is_async and c.overlapped_flops > 0),
+            **{k: sec[k] for k in times},
+        }
+        for key, value in add.items():
+            row[key] += value
+            total[key] += value
+    for row in (*groups.values(), total):
+        for key in ("count", "async", "overlapped"):
+            row[key] = int(row[key])
+    for key in ("overlapped", "beside_matmul"):
+        total[f"{key}_fraction"] = total[f"{key}_bytes"] / total["ring_bytes"] if total["ring_bytes"] else 0.0
+    return {"rows": sorted(groups.values(), key=lambda r: (r["kind"], r["axes"])), **total}
+
+
+def overlap_report(found: list, config, hw: cost_model.Hardware, predicted: list, schedule: str) -> dict:
+    """`overlap_summary` of a compiled step (`schedule` names whose), beside the cost model's
+    communication time for the formula's collectives (`predicted`, cost_model.Row), which assumes
+    all of it exposed: per kind x axes and in total (`cost_model.roofline`'s comm_s)."""
+    summary = overlap_summary(found, config, hw)
+    per_axes: dict = collections.defaultdict(float)
+    by_kind: dict = collections.defaultdict(lambda: [0, 0.0])
+    for r in predicted:
+        per_axes[tuple(r.axes)] += r.bytes
+        by_kind[(r.kind, tuple(r.axes))][0] += r.count
+        by_kind[(r.kind, tuple(r.axes))][1] += r.bytes
+    comm = lambda axes_bytes: cost_model.roofline(config, hw, 0.0, 0.0, axes_bytes)["comm_s"]
+    summary["schedule"] = schedule
+    summary["cost_model"] = {
+        "comm_s": comm(per_axes),
+        "exposed_s": comm(per_axes),  # the cost model hides nothing
+        "rows": [
+            {"kind": k, "axes": list(a), "count": n, "ring_bytes": b, "time_s": comm({a: b})}
+            for (k, a), (n, b) in sorted(by_kind.items())
+        ],
+    }
+    return summary
 
 
 def _cost_analysis(compiled) -> dict:
@@ -497,7 +582,8 @@ def target_analysis(config, target, devices=None) -> dict:
     for row in rows:
         per_axes[tuple(row["axes"])] += row["bytes"]
     roofline = cost_model.roofline(config, hw, matmul, traffic, per_axes)
-    exposed = exposed_comm_s(found, config, hw)
+    overlap = overlap_report(found, config, hw, cost_model.predicted_collectives(config)[0], info["compiler"])
+    exposed = overlap["exposed_s"]
     roofline["comm_s_exposed"] = exposed
     roofline["step_s_schedule"] = max(roofline["compute_s"], roofline["memory_s"]) + exposed
     tokens = config.train.batch_size * config.data.seq_len
@@ -519,6 +605,7 @@ def target_analysis(config, target, devices=None) -> dict:
             "conditionals_heaviest_branch": module.conditionals,
         },
         "roofline": roofline,
+        "overlap": overlap,
     }
 
 
@@ -616,6 +703,44 @@ def _b(x: float) -> str:
     return f"{x:.0f} B"
 
 
+def _t(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
+
+
+def _overlap_lines(ov: dict | None) -> list[str]:
+    """The "overlap" table: per kind x axes of the compiled schedule, executions, asynchronous ones,
+    those with compute between start and done, ring bytes, time at the links, hidden and exposed;
+    beside the cost model's time for the formula's collectives, all exposed."""
+    if not ov:
+        return []
+    model = {(row["kind"], tuple(row["axes"])): row for row in ov["cost_model"]["rows"]}
+    out = [
+        "",
+        f"overlap ({ov['schedule']} schedule; hidden = min(ring time, matmul FLOPs between start and done / peak))",
+        "  collective                 count  async  overlapped    ring bytes        time      hidden     exposed"
+        "  |  cost model: count    time (all exposed)",
+    ]
+    keys = [(row["kind"], tuple(row["axes"])) for row in ov["rows"]]
+    rows = {key: row for key, row in zip(keys, ov["rows"])}
+    for key in keys + sorted(set(model) - set(rows)):
+        row, m = rows.get(key), model.get(key)
+        name = f"{key[0]}[{','.join(key[1])}]"
+        left = (
+            f"{row['count']:>6} {row['async']:>6} {row['overlapped']:>11} {_b(row['ring_bytes']):>13} "
+            f"{_t(row['time_s']):>11} {_t(row['hidden_s']):>11} {_t(row['exposed_s']):>11}"
+            if row
+            else f"{'-':>6} {'':>6} {'':>11} {'':>13} {'':>11} {'':>11} {'':>11}"
+        )
+        right = f"{m['count']:>17} {_t(m['time_s']):>11}" if m else f"{'-':>17}"
+        out.append(f"  {name:<24} {left}  |  {right}")
+    out.append(
+        f"  per step: {_t(ov['time_s'])} of communication, {_t(ov['hidden_s'])} hidden, {_t(ov['exposed_s'])} "
+        f"exposed; {ov['overlapped_fraction']:.0%} of ring bytes overlapped | cost model: "
+        f"{_t(ov['cost_model']['comm_s'])}, all exposed"
+    )
+    return out
+
+
 def format_report(r: dict) -> str:
     c, m = r["config"], r["memory"]
     layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
@@ -654,6 +779,7 @@ def format_report(r: dict) -> str:
         f"(overlapped) .. {rl['step_s_serial'] * 1e3:.2f} ms (serial); MFU "
         f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_serial']:.1%}",
     ]
+    out += _overlap_lines(r.get("overlap"))
     return "\n".join(out + _format_offload(r.get("offload")))
 
 
@@ -740,4 +866,11 @@ def format_target_report(r: dict) -> str:
             f"(the compiler's overlap) .. {rl['step_s_serial'] * 1e3:.1f} ms (none hidden); MFU "
             f"{rl['mfu_overlapped']:.1%} .. {rl['mfu_schedule']:.1%} .. {rl['mfu_serial']:.1%}",
         ]
+        out += _overlap_lines(tgt.get("overlap"))
+        cpu_overlap = r.get("overlap")
+        if cpu_overlap:
+            out.append(
+                f"  the same step on fake CPU devices (XLA:CPU schedule): {cpu_overlap['count']} collectives, "
+                f"{cpu_overlap['async']} async, {_t(cpu_overlap['exposed_s'])} exposed of {_t(cpu_overlap['time_s'])}"
+            )
     return "\n".join(out + _format_offload(r.get("offload")))
