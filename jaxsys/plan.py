@@ -9,13 +9,17 @@ compile the best few, and write the winner as config overrides.
 1. Enumerate: every assignment of the mesh axes (data, pipe, fsdp, expert, seq, tensor) whose
    product is N; for each, ZeRO stage 0-2 (with data > 1), remat none / dots / full, with a
    pipeline m in {p, 2p, 4p} micro-batches under 1F1B, and optionally the optimizer state on the
-   host (`--offload`, where the device has host memory). `config.validate` decides what divides
+   host (`--offload`, where the device has host memory), and the overlap options where valid
+   (`overlap_options`: collective matmul, FSDP prefetch, pipeline overlap, each off and on).
+   `config.validate` decides what divides
    the model (heads, kv heads, layers, batch, sequence); what it refuses is pruned with its
    reason, grouped by the family of axes in use.
 2. Prune by memory: `cost_model.predicted_memory` (ZeRO formula + FSDP's gathered layers +
    activations after Korthikanti et al. + batch) against the device's HBM (`--hbm` to override).
-3. Rank by `cost_model.predicted_step`: compute and HBM time by the roofline, every collective of
-   `predicted_collectives` exposed at its axis's bandwidth, and the pipeline bubble.
+3. Rank by `cost_model.predicted_step`: compute and HBM time by the roofline, the pipeline
+   bubble, every collective of `predicted_collectives` and the pipeline sends at its axis's
+   bandwidth plus its latency (alpha-beta), less what the layout's overlap options hide, and a
+   cost per kernel (docs/planner.md).
 4. Compile the top k (`--top`): on N fake CPU devices (XLA:CPU's buffer assignment), or with the
    target's own compiler (`--target`, the TPU compiler through libtpu). A layout whose compiled
    memory passes the budget is marked, and the first that fits is the winner.
@@ -37,6 +41,9 @@ import time
 from jaxsys.config import MESH_AXES, ConfigError, load_config, validate
 
 REMATS = ("none", "dots", "full")
+# The overlap variants (docs/comm_overlap.md), enumerated where valid (`overlap_options`)
+OVERLAPS = ("parallel.collective_matmul", "parallel.fsdp_prefetch", "parallel.pipeline_overlap")
+OVERLAP_TAGS = dict(zip(OVERLAPS, ("cm", "prefetch", "pp-overlap")))
 
 
 @dataclasses.dataclass
@@ -57,7 +64,13 @@ class Candidate:
             extra.append(f"m={o['train.microbatches']}")
         if o.get("offload.optimizer"):
             extra.append("opt->host")
+        extra += [OVERLAP_TAGS[k] for k in OVERLAPS if o.get(k)]
         return f"{axes} ({', '.join(extra)})"
+
+    @property
+    def overlap(self) -> str:
+        """The overlap options this layout turns on, as the table shows them ("-": none)."""
+        return "+".join(OVERLAP_TAGS[k] for k in OVERLAPS if self.overrides.get(k)) or "-"
 
     def override_lines(self) -> list[str]:
         return [f"--config.{k}={v}" for k, v in self.overrides.items()]
@@ -86,9 +99,30 @@ def _apply(base, overrides: dict):
     return c
 
 
+def overlap_options(base, sizes: dict, offload_params: bool = False) -> list[dict]:
+    """Every combination of the overlap options valid for a layout of these mesh sizes, the plain
+    one (all off) first: collective_matmul with tensor > 1 under sequence parallelism (the base
+    config's), fsdp_prefetch with fsdp > 1 (not with offloaded parameters), pipeline_overlap with
+    pipe > 1 (where the config has the key). An option not valid here is left out of the overrides."""
+    par = base.parallel
+    valid = {
+        "parallel.collective_matmul": sizes["tensor"] > 1
+        and bool(par.sequence_parallel)
+        and "collective_matmul" in par,
+        "parallel.fsdp_prefetch": sizes["fsdp"] > 1 and "fsdp_prefetch" in par and not offload_params,
+        "parallel.pipeline_overlap": sizes["pipe"] > 1 and "pipeline_overlap" in par,
+    }
+    options: list[dict] = [{}]
+    for key in OVERLAPS:
+        if valid[key]:
+            options = [{**o, key: on} for on in (False, True) for o in options]
+    return options
+
+
 def enumerate_layouts(base, devices: int, offload: bool = False) -> tuple[list[tuple[dict, object]], dict]:
     """(valid (overrides, config) pairs, {family: {"count": pruned, "reason": one reason}}): every
-    layout of `devices` that `config.validate` accepts, once, and what it refused."""
+    layout of `devices` that `config.validate` accepts, once, and what it refused. The overlap
+    variants of a layout (`overlap_options`) are tried once its plain form is valid."""
     from jaxsys.models import transformer
 
     moe = transformer.layer_counts(base.model)["moe"] > 0
@@ -107,6 +141,7 @@ def enumerate_layouts(base, devices: int, offload: bool = False) -> tuple[list[t
             continue
         mesh_overrides = {f"mesh.{a}": sizes[a] for a in MESH_AXES}
         p = sizes["pipe"]
+        overlaps = overlap_options(base, sizes, bool(base.offload.params))
         pipeline_options = (
             [{"train.microbatches": m * p, "train.pipeline_schedule": "1f1b"} for m in (1, 2, 4)]
             if p > 1
@@ -123,13 +158,16 @@ def enumerate_layouts(base, devices: int, offload: bool = False) -> tuple[list[t
                             **pipe_opts,
                             "offload.optimizer": host,
                         }
-                        config = _apply(base, overrides)
-                        try:
-                            validate(config, num_devices=devices)
-                        except ConfigError as e:
-                            prune(family, str(e).splitlines()[0])
-                            continue
-                        valid.append((overrides, config))
+                        for i, overlap in enumerate(overlaps):
+                            config = _apply(base, {**overrides, **overlap})
+                            try:
+                                validate(config, num_devices=devices)
+                            except ConfigError as e:
+                                prune(family, str(e).splitlines()[0])
+                                if i == 0:  # the plain form refused: so are its overlap variants
+                                    break
+                                continue
+                            valid.append(({**overrides, **overlap}, config))
     return valid, pruned
 
 
@@ -236,15 +274,17 @@ def table(result: dict, rows: int = 10) -> str:
     lines = [
         f"layouts for {result['devices']} x {result['hardware']}, budget {gib(result['budget'])} GiB per device",
         "",
-        "| # | layout | step ms (pred.) | MFU (pred.) | memory GiB (formula) | memory GiB (compiled) | fits |",
-        "|---:|---|---:|---:|---:|---:|---|",
+        "| # | layout | step ms (pred.) | MFU (pred.) | overlap | comm ms exposed / hidden | "
+        "memory GiB (formula) | memory GiB (compiled) | fits |",
+        "|---:|---|---:|---:|---|---:|---:|---:|---|",
     ]
     for i, c in enumerate(result["ranked"][:rows], 1):
         comp = c.compiled or {}
         compiled = gib(comp["peak_bytes"]) if "peak_bytes" in comp else (comp.get("error", "-")[:40] if comp else "-")
         fits = "-" if not comp else ("yes" if comp.get("fits") else "**no**")
         lines.append(
-            f"| {i} | {c.name} | {c.step['step_s'] * 1e3:.1f} | {c.step['mfu']:.1%} | "
+            f"| {i} | {c.name} | {c.step['step_s'] * 1e3:.1f} | {c.step['mfu']:.1%} | {c.overlap} | "
+            f"{c.step['comm_exposed_s'] * 1e3:.1f} / {sum(c.step['comm_hidden_s'].values()) * 1e3:.1f} | "
             f"{gib(c.memory['total'])} | {compiled} | {fits} |"
         )
     lines += ["", "pruned:"]

@@ -1,8 +1,12 @@
-"""The layout planner (jaxsys/plan.py): it lists every valid layout once, its memory formula agrees
-with the compiler about what fits, its overrides train, and bad input is named."""
+"""The layout planner (jaxsys/plan.py): it lists every valid layout once (with the overlap options
+where they are valid), its memory formula agrees with the compiler about what fits, its overrides
+train, and bad input is named. The step model (cost_model.predicted_step): an overlap option never
+makes a step slower, with none on all communication is exposed, and the latency term counts every
+collective."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -25,6 +29,13 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 @pytest.fixture(scope="module")
 def tiny():
     return config_file("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_sp():
+    c = config_file("tiny")
+    c.parallel.sequence_parallel = True
+    return c
 
 
 def _key(overrides: dict) -> tuple:
@@ -64,7 +75,15 @@ def test_every_valid_layout_is_listed_once_and_no_invalid_one(tiny):
                 validate(config, num_devices=DEVICES)
             except ConfigError:
                 continue
-            expected.add(_key(overrides))
+            # the overlap options (tiny has no sequence parallelism: no collective matmul)
+            keys = [k for k, axis in (("fsdp_prefetch", "fsdp"), ("pipeline_overlap", "pipe")) if mesh[axis] > 1]
+            for ons in itertools.product((False, True), repeat=len(keys)):
+                variant = {**overrides, **{f"parallel.{k}": on for k, on in zip(keys, ons)}}
+                try:
+                    validate(plan_lib._apply(tiny, variant), num_devices=DEVICES)
+                except ConfigError:
+                    continue
+                expected.add(_key(variant))
     assert set(listed) == expected
     assert len(expected) > 20  # data, fsdp, tensor 2, pipe 2/4, seq and their products, with options
 
@@ -133,3 +152,103 @@ def test_bad_input_is_named(tiny):
         plan_lib.plan(tiny, DEVICES, hw, top=0, budget=1024.0)
     assert plan_lib.main(["--config", TINY, "--target", "v9z-8", "--top", "0"]) == 2
     assert plan_lib.main(["--config", TINY, "--devices", "8", "--hardware", "a100"]) == 2
+
+
+def _mesh(c) -> dict:
+    return {a: c.overrides[f"mesh.{a}"] for a in MESH_AXES}
+
+
+def test_overlap_options_appear_only_where_valid(tiny, tiny_sp):
+    """collective_matmul only with tensor > 1 under sequence parallelism, fsdp_prefetch only with
+    fsdp > 1, pipeline_overlap only with pipe > 1; each appears both on and off where valid."""
+    hw = cost_model.hardware("h100")
+    for base, sp in ((tiny, False), (tiny_sp, True)):
+        result = plan_lib.plan(base, DEVICES, hw, top=0, budget=float("inf"))
+        seen = set()
+        for c in result["ranked"]:
+            mesh = _mesh(c)
+            valid = {
+                "parallel.collective_matmul": sp and mesh["tensor"] > 1,
+                "parallel.fsdp_prefetch": mesh["fsdp"] > 1,
+                "parallel.pipeline_overlap": mesh["pipe"] > 1,
+            }
+            for key, ok in valid.items():
+                assert (key in c.overrides) == ok, (c.name, key)
+                if ok:
+                    seen.add((key, c.overrides[key]))
+            assert c.step["overlap"] == [k.split(".")[1] for k in plan_lib.OVERLAPS if c.overrides.get(k)]
+        wanted = {("parallel.fsdp_prefetch", on) for on in (False, True)}
+        wanted |= {("parallel.pipeline_overlap", on) for on in (False, True)}
+        if sp:
+            wanted |= {("parallel.collective_matmul", on) for on in (False, True)}
+        assert wanted <= seen, wanted - seen
+
+
+@pytest.mark.parametrize("profile", ["h100", "tpu_v5p", "cpu"])
+def test_enabling_an_overlap_option_never_increases_the_predicted_step(tiny_sp, profile):
+    hw = cost_model.hardware(profile)
+    result = plan_lib.plan(tiny_sp, DEVICES, hw, top=0, budget=float("inf"))
+    by_key = {_key(c.overrides): c for c in result["ranked"]}
+    compared = hidden = 0
+    for c in result["ranked"]:
+        for key in plan_lib.OVERLAPS:
+            if c.overrides.get(key):
+                off = by_key[_key({**c.overrides, key: False})]
+                assert c.step["step_s"] <= off.step["step_s"] * (1 + 1e-12), (c.name, off.name)
+                assert c.memory["total"] == off.memory["total"]
+                compared += 1
+                hidden += c.step["step_s"] < off.step["step_s"]
+    assert compared > 50
+    if hw.overlaps:  # on an accelerator some option pays; XLA:CPU runs collectives in line
+        assert hidden > 0
+    else:
+        assert hidden == 0
+
+
+def test_with_no_overlap_option_all_communication_is_exposed(tiny_sp):
+    """The exposed communication equals the all-exposed figure (every row's bytes at its axis's
+    bandwidth, plus the latency), computed here from the rows; an option on exposes less."""
+    hw = cost_model.hardware("h100")
+    result = plan_lib.plan(tiny_sp, DEVICES, hw, top=0, budget=float("inf"))
+    checked = 0
+    for c in result["ranked"]:
+        rows = cost_model.predicted_collectives(c.config)[0] + cost_model.pipeline_rows(c.config)
+        bandwidth = cost_model.axis_bandwidth(_mesh(c), hw)
+        link = sum(r.bytes / min(bandwidth[a] for a in r.axes) for r in rows if r.axes)
+        all_exposed = link + cost_model.collective_latency(c.config, hw, rows)
+        assert math.isclose(c.step["comm_s"], all_exposed, rel_tol=1e-9)
+        if c.overlap == "-":
+            assert c.step["comm_exposed_s"] == c.step["comm_s"]
+            assert not any(c.step["comm_hidden_s"].values())
+            checked += 1
+        else:
+            assert c.step["comm_exposed_s"] <= c.step["comm_s"]
+    assert checked > 20
+
+
+def test_the_latency_term_counts_every_collective(tiny_sp):
+    """With unit latency per collective and per hop (and nothing else costing time), the latency
+    is the number of collectives (Row.count, not the number of rows) and their ring hops; a layer
+    more adds its collectives."""
+    base = dataclasses.replace(
+        cost_model.hardware("h100"),
+        collective_latency_s=1.0,
+        hop_latency_s=0.0,
+        inter_hop_latency_s=0.0,
+        op_overhead_s=0.0,
+    )
+    overrides = {"mesh.data": 2, "mesh.tensor": 2, "mesh.pipe": 2, "train.microbatches": 4}
+    config = plan_lib._apply(tiny_sp, {**{f"mesh.{a}": 1 for a in MESH_AXES}, **overrides})
+    validate(config, num_devices=DEVICES)
+    rows = cost_model.predicted_collectives(config)[0] + cost_model.pipeline_rows(config)
+    collectives = sum(r.count for r in rows)
+    assert collectives > 2 * len(rows)  # a count per row would be far less
+    step = cost_model.predicted_step(config, base)
+    assert step["latency_s"] == collectives
+    hops = dataclasses.replace(base, collective_latency_s=0.0, hop_latency_s=1.0)
+    expected = sum(r.count * cost_model.RING_HOPS[r.kind](math.prod(config.mesh[a] for a in r.axes)) for r in rows)
+    assert cost_model.predicted_step(config, hops)["latency_s"] == expected
+    deeper = plan_lib._apply(config, {"model.n_layers": config.model.n_layers + 2})
+    more = cost_model.predicted_step(deeper, base)["latency_s"] - step["latency_s"]
+    assert more == 2 * 2 * 4  # tensor: per layer 4 SP all-gathers and 4 reduce-scatters
+    assert step["step_s"] >= step["latency_s"]

@@ -1,9 +1,10 @@
 """The layout planner (jaxsys/plan.py) against the hand layouts of configs/ and against measured
 step times.
 
-    python experiments/planner/run.py             # ~15 min on 2 cores
-    python experiments/planner/run.py --quick     # 64 devices only in part A, tiny only in part B
-    python experiments/planner/run.py --replot    # tables and plot from results.json
+    python experiments/planner/run.py                 # parts A and B, ~15 min on 2 cores
+    python experiments/planner/run.py --parts b       # part B only (~10 min); --parts c: part C (~10 min)
+    python experiments/planner/run.py --quick         # 64 devices only in part A, tiny only in part B
+    python experiments/planner/run.py --replot        # tables and plots from results.json
 
 Part A (formulas, no compiles): llama_1b, llama_8b and mixtral_8x7b at 8, 64 and 256 H100s. It
 gives the planner's top 5 by predicted step time among the layouts that fit 80 GB by the memory
@@ -17,7 +18,17 @@ step time (the `cpu` profile) is set against its measured step time: compiled, t
 then the minimum over 3 timed runs of 5 steps, in CPU seconds of the process (all its threads).
 The simulated devices share the host's cores, so the CPU time is the work the 8 devices did
 together, and it does not depend on what else runs on the machine; wall time does. Reported:
-Spearman's rank correlation. The absolute predictions do not apply; the ranking is what is tested.
+Spearman's rank correlation. The `cpu` profile's constants come from calibrate_cpu.py's
+microbenchmarks (per kernel, per collective, per byte, per FLOP; CPU seconds per device), so the
+prediction x 8 devices is in the measurement's unit; the ranking is what is tested. Each part B
+run also re-scores the layouts measured before (results.json's previous part B) with the current
+model: the same measurements, the old and the new prediction side by side ("rescored").
+
+Part C (compile-only, the TPU compiler through libtpu): for configs/tiny.py on a v5e-8 and
+configs/llama_1b.py on a v5p-8 (4 chips), layouts spread over the planner's predicted memory (one
+per mesh and remat), each compiled for the target: `cost_model.predicted_memory` against the
+compiler's peak bytes per chip (or the bytes it asked for, when it refused for lack of HBM);
+Spearman and the ratio predicted / compiled. Bounded: at most PART_C layouts per config.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ CONFIGS = {
 }
 MEASURED = {"tiny": "configs/tiny.py", "llama_1b_cpu": "configs/llama_1b.py:cpu"}
 N_MEASURED = 12
+PART_C = {"tiny": ("configs/tiny.py", "v5e-8", 10), "llama_1b": ("configs/llama_1b.py", "v5p-8", 6)}
 
 
 def spearman(a, b) -> float:
@@ -132,9 +144,15 @@ def worker(n: int, jobs: list) -> None:
 
     hw = cost_model.hardware("cpu")
     for job in jobs:
+        if job.get("part") == "c":
+            part_c_worker(job)
+            continue
         base = load_config(os.path.join(common.ROOT, job["path"]))
         result = plan_lib.plan(base, n, hw, top=0, log=lambda s: None)
-        for c in pick_layouts(result["ranked"], job["k"]):
+        picks = pick_layouts(result["ranked"], job["k"])
+        by_name = {c.name: c for c in result["ranked"] + result["too_big"]}
+        again = [by_name[name] for name in job.get("again", []) if name in by_name]  # measured before
+        for c in picks + [c for c in again if c not in picks]:
             program = program_lib.build(c.config, make_mesh(c.config, jax.devices()[:n]))
             state = program.init()
             cfg = c.config
@@ -160,8 +178,66 @@ def worker(n: int, jobs: list) -> None:
                     predicted_ms=c.step["step_s"] * 1e3,
                     measured_ms=min(runs) * 1e3,
                     memory_gib=c.memory["total"] / 2**30,
+                    picked=c in picks,
                 )
             )
+
+
+def part_c_worker(job: dict) -> None:
+    """Compile layouts of one config for a TPU target; emit predicted and compiled memory."""
+    from jaxsys import plan as plan_lib
+    from jaxsys.analysis import targets
+    from jaxsys.config import MESH_AXES, load_config
+
+    target = targets.parse(job["target"])
+    devices = targets.devices(target)
+    base = load_config(os.path.join(common.ROOT, job["path"]))
+    result = plan_lib.plan(base, target.chips, targets.hardware(target), top=0, budget=float("inf"), log=lambda s: None)
+    chosen: dict = {}
+    for c in result["ranked"]:  # plain layouts, one per (mesh, remat), zero 0, fewest micro-batches
+        o = c.overrides
+        key = (tuple(o[f"mesh.{a}"] for a in MESH_AXES), o["model.remat"])
+        if o["train.zero_stage"] == 0 and c.overlap == "-" and o["train.microbatches"] <= max(1, o["mesh.pipe"]):
+            chosen.setdefault(key, c)
+    ordered = sorted(chosen.values(), key=lambda c: c.memory["total"])
+    k = min(job["k"], len(ordered))
+    picks = [ordered[round(i * (len(ordered) - 1) / max(1, k - 1))] for i in range(k)]
+    for c in picks:
+        try:
+            compiled = plan_lib.compile_memory(c, devices, target)
+        except Exception as e:  # noqa: BLE001 - one layout failing must not stop the sweep
+            common.emit(dict(model=job["name"], layout=c.name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        common.emit(
+            dict(
+                model=job["name"],
+                target=job["target"],
+                layout=c.name,
+                predicted_gib=c.memory["total"] / 2**30,
+                compiled_gib=compiled["peak_bytes"] / 2**30,
+                compile_s=compiled["compile_s"],
+            )
+        )
+
+
+def rescore(part_b: list[dict]) -> list[dict]:
+    """The current model's prediction for layouts measured before (matched by name)."""
+    from jaxsys import plan as plan_lib
+    from jaxsys.analysis import cost_model
+    from jaxsys.config import load_config
+
+    hw, out = cost_model.hardware("cpu"), []
+    for name, path in MEASURED.items():
+        rows = [r for r in part_b if r["model"] == name]
+        if not rows:
+            continue
+        result = plan_lib.plan(load_config(os.path.join(common.ROOT, path)), 8, hw, top=0, log=lambda s: None)
+        by_name = {c.name: c for c in result["ranked"] + result["too_big"]}
+        for r in rows:
+            c = by_name[r["layout"]]
+            out.append({**r, "old_predicted_ms": r.get("old_predicted_ms", r["predicted_ms"])})
+            out[-1]["predicted_ms"] = c.step["step_s"] * 1e3
+    return out
 
 
 def tables(results) -> list[str]:
@@ -199,6 +275,45 @@ def tables(results) -> list[str]:
         ]
         out += [f"**{name}**: Spearman rho = {rho:.2f} over {len(rows)} layouts", ""]
         out += common.markdown_table(["layout", "predicted ms", "measured CPU ms"], "lrr", rows) + [""]
+    for name, rho in results.get("rescored_spearman", {}).items():
+        rows = [
+            [r["layout"], f"{r['old_predicted_ms']:.1f}", f"{r['predicted_ms']:.1f}", f"{r['measured_ms']:.1f}"]
+            for r in results["rescored"]
+            if r["model"] == name
+        ]
+        out += [
+            f"**{name}, the earlier layouts re-scored**: Spearman old model {rho['old']:.2f}, new model "
+            f"{rho['new']:.2f}; measured again: new model {rho.get('new_on_remeasured', float('nan')):.2f}, "
+            f"first vs second measurement {rho.get('measured_vs_remeasured', float('nan')):.2f}",
+            "",
+        ]
+        for row, r in zip(rows, [r for r in results["rescored"] if r["model"] == name]):
+            row.append(f"{r['remeasured_ms']:.1f}" if r.get("remeasured_ms") else "-")
+        out += common.markdown_table(
+            ["layout", "old predicted ms", "new predicted ms", "measured CPU ms", "measured again"], "lrrrr", rows
+        )
+        out += [""]
+    if results.get("part_c"):
+        out += ["## Part C: predicted memory against the TPU compiler's", ""]
+        for name, summary in results["part_c_summary"].items():
+            rows = [
+                [
+                    r["layout"],
+                    f"{r['predicted_gib']:.2f}",
+                    f"{r['compiled_gib']:.2f}",
+                    f"{r['predicted_gib'] / r['compiled_gib']:.2f}",
+                ]
+                for r in results["part_c"]
+                if r["model"] == name and "compiled_gib" in r
+            ]
+            out += [
+                f"**{name} on {summary['target']}**: Spearman {summary['spearman']:.2f} over {len(rows)} layouts, "
+                f"predicted / compiled {summary['ratio_min']:.2f} - {summary['ratio_max']:.2f} "
+                f"(median {summary['ratio_median']:.2f})",
+                "",
+            ]
+            out += common.markdown_table(["layout", "predicted GiB", "compiled GiB", "ratio"], "lrrr", rows) + [""]
+            out += [f"- {r['layout']}: {r['error']}" for r in results["part_c"] if r["model"] == name and "error" in r]
     return out
 
 
@@ -221,28 +336,103 @@ def plot(results, path: str) -> None:
     common.save_figure(fig, path)
 
 
+def plot_memory(results, path: str) -> None:
+    plt = common.pyplot()
+    summary = results["part_c_summary"]
+    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4))
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, (name, s) in zip(axes, summary.items()):
+        rows = [r for r in results["part_c"] if r["model"] == name and "compiled_gib" in r]
+        ax.scatter([r["predicted_gib"] for r in rows], [r["compiled_gib"] for r in rows])
+        lo = min(min(r["predicted_gib"], r["compiled_gib"]) for r in rows)
+        hi = max(max(r["predicted_gib"], r["compiled_gib"]) for r in rows)
+        ax.plot([lo, hi], [lo, hi], color="gray", linestyle=":", label="y = x")
+        common.style_axes(
+            ax,
+            "predicted memory (GiB, cost_model)",
+            f"compiled peak per chip (GiB, TPU compiler, {s['target']})",
+            f"{name}: Spearman {s['spearman']:.2f}",
+            xlog=10,
+            ylog=10,
+        )
+    common.save_figure(fig, path)
+
+
+def _rho(rows, key: str = "predicted_ms") -> float:
+    return spearman([r[key] for r in rows], [r["measured_ms"] for r in rows])
+
+
 def main() -> int:
-    args = common.parse_args(__doc__, worker, quick="64 devices in part A; tiny only in part B")
+    args = common.parse_args(
+        __doc__,
+        worker,
+        quick="64 devices in part A; tiny only in part B",
+        add=lambda p: p.add_argument("--parts", default="ab", help="which parts to run: a, b, c (e.g. --parts bc)"),
+    )
+    results = common.load_results(HERE) if os.path.exists(os.path.join(HERE, "results.json")) else {}
     if not args.replot:
-        part_a_rows = part_a([64] if args.quick else [8, 64, 256])
-        jobs = [
-            dict(name=name, path=path, k=N_MEASURED)
-            for name, path in MEASURED.items()
-            if not (args.quick and name != "tiny")
-        ]
-        part_b = common.run_worker(__file__, 8, jobs, timeout=3600)
-        names = sorted({r["model"] for r in part_b})
-        rho = {
-            name: spearman(
-                [r["predicted_ms"] for r in part_b if r["model"] == name],
-                [r["measured_ms"] for r in part_b if r["model"] == name],
-            )
-            for name in names
-        }
-        common.save_results(HERE, {"part_a": part_a_rows, "part_b": part_b, "spearman": rho})
-    results = common.load_results(HERE)
+        if "a" in args.parts:
+            results["part_a"] = part_a([64] if args.quick else [8, 64, 256])
+        if "b" in args.parts:
+            if results.get("part_b"):  # the earlier measurements, re-scored by the current model
+                results["rescored"] = rescore(results.get("rescored") or results["part_b"])
+                results["rescored_spearman"] = {
+                    name: {
+                        "old": _rho([r for r in results["rescored"] if r["model"] == name], "old_predicted_ms"),
+                        "new": _rho([r for r in results["rescored"] if r["model"] == name]),
+                    }
+                    for name in sorted({r["model"] for r in results["rescored"]})
+                }
+                common.save_results(HERE, results)
+            before = results.get("rescored", [])
+            jobs = [
+                dict(name=name, path=path, k=N_MEASURED, again=[r["layout"] for r in before if r["model"] == name])
+                for name, path in MEASURED.items()
+                if not (args.quick and name != "tiny")
+            ]
+            measured = common.run_worker(__file__, 8, jobs, timeout=3600)
+            results["part_b"] = [r for r in measured if r["picked"]]
+            names = sorted({r["model"] for r in results["part_b"]})
+            results["spearman"] = {n: _rho([r for r in results["part_b"] if r["model"] == n]) for n in names}
+            # the earlier layouts measured again: the new model on fresh measurements, and how well
+            # two measurements of the same layouts agree (the ceiling of any model's rho)
+            again = {(r["model"], r["layout"]): r["measured_ms"] for r in measured}
+            for r in before:
+                r["remeasured_ms"] = again.get((r["model"], r["layout"]))
+            for name, rho in results.get("rescored_spearman", {}).items():
+                rows = [r for r in before if r["model"] == name and r["remeasured_ms"] is not None]
+                rho["new_on_remeasured"] = spearman(
+                    [r["predicted_ms"] for r in rows], [r["remeasured_ms"] for r in rows]
+                )
+                rho["measured_vs_remeasured"] = spearman(
+                    [r["measured_ms"] for r in rows], [r["remeasured_ms"] for r in rows]
+                )
+        if "c" in args.parts:
+            jobs = [dict(part="c", name=n, path=p, target=t, k=k) for n, (p, t, k) in PART_C.items()]
+            results["part_c"] = common.run_worker(__file__, 1, jobs, timeout=3000)
+            results["part_c_summary"] = {}
+            for name, (_, target, _) in PART_C.items():
+                rows = [r for r in results["part_c"] if r["model"] == name and "compiled_gib" in r]
+                if len(rows) < 2:
+                    continue
+                ratios = sorted(r["predicted_gib"] / r["compiled_gib"] for r in rows)
+                results["part_c_summary"][name] = dict(
+                    target=target,
+                    spearman=spearman([r["predicted_gib"] for r in rows], [r["compiled_gib"] for r in rows]),
+                    ratio_min=ratios[0],
+                    ratio_max=ratios[-1],
+                    ratio_median=ratios[len(ratios) // 2],
+                )
+        keys = {"a": ["part_a"], "b": ["part_b", "spearman", "rescored", "rescored_spearman"]}
+        keys["c"] = ["part_c", "part_c_summary"]
+        done = {k: results[k] for p in args.parts for k in keys.get(p, []) if k in results}
+        if os.path.exists(os.path.join(HERE, "results.json")):  # another part may have run meanwhile
+            results = {**common.load_results(HERE), **done}
+        common.save_results(HERE, results)
     print("\n".join(tables(results)))
     plot(results, os.path.join(HERE, "spearman.png"))
+    if results.get("part_c_summary"):
+        plot_memory(results, os.path.join(HERE, "memory_tpu.png"))
     return 0
 
 

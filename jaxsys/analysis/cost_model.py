@@ -58,6 +58,15 @@ class Hardware:
     host_link_bytes_per_s: float = 32e9  # device <-> host memory, per device, one direction (PCIe)
     host_memory_bytes_per_s: float = 200e9  # host DRAM, per host (its devices_per_host devices share it)
     devices_per_host: int = 0  # devices sharing one host's DRAM; 0: devices_per_node (GPU nodes)
+    # The alpha of the alpha-beta model (`collective_latency`): a collective costs
+    # collective_latency_s + hops x (hop_latency_s within a node, inter_hop_latency_s across) on top
+    # of its bytes over the bandwidth; every kernel launched costs op_overhead_s (`kernel_count`).
+    collective_latency_s: float = 0.0
+    hop_latency_s: float = 0.0
+    inter_hop_latency_s: float = 0.0
+    op_overhead_s: float = 0.0
+    overlaps: bool = True  # async collectives can run beside compute (False: XLA:CPU runs them in line)
+    achieved_flops_per_s: float = 0.0  # the compute rate predicted_step uses; 0: the datasheet peak
 
     @property
     def host_sharers(self) -> int:
@@ -66,6 +75,16 @@ class Hardware:
     def peak(self, dtype: str) -> float:
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
 
+
+# Latency (the alpha of the alpha-beta model), per collective and per ring step (hop).
+# NVIDIA: NCCL's own tuning model (src/graph/tuning.cc, NCCL 2.18-2.21): ring base latency 6.6 us
+# (LL protocol, the one NCCL picks for small messages), 0.6 us per NVLink step, and ~5 us per
+# network step (its NET tree/LL figure); a kernel costs ~1 us of launch gap (an order of magnitude:
+# launches are asynchronous, CUDA graphs hide most of it). TPU: ~1 us per ICI hop, the order of
+# magnitude of the scaling book ("How to Scale Your Model", Austin et al. 2025), and no per-kernel
+# launch (one compiled program); DCN ~10 us per step. Orders of magnitude, not measured here.
+_NCCL_LATENCY = dict(collective_latency_s=6.6e-6, hop_latency_s=0.6e-6, inter_hop_latency_s=5e-6, op_overhead_s=1e-6)
+_ICI_LATENCY = dict(collective_latency_s=2e-6, hop_latency_s=1e-6, inter_hop_latency_s=10e-6, op_overhead_s=0.0)
 
 # Datasheet figures (dense, no sparsity). Link bandwidths are per device and direction:
 # NVLink 4 is 900 GB/s bidirectional; one 400 Gb/s NIC per GPU is 50 GB/s; TPU v5p ICI is
@@ -84,6 +103,7 @@ PROFILES = {
         50e9,
         64e9,
         300e9,
+        **_NCCL_LATENCY,
     ),
     "h200": Hardware(
         "NVIDIA H200 SXM",
@@ -95,11 +115,36 @@ PROFILES = {
         50e9,
         64e9,
         300e9,
+        **_NCCL_LATENCY,
     ),
     "tpu_v5p": Hardware(
-        "TPU v5p", {"bfloat16": 459e12, "float32": 459e12 / 2, "int8": 918e12}, 2.76e12, 95e9, 4, 100e9, 100e9
+        "TPU v5p",
+        {"bfloat16": 459e12, "float32": 459e12 / 2, "int8": 918e12},
+        2.76e12,
+        95e9,
+        4,
+        100e9,
+        100e9,
+        **_ICI_LATENCY,
     ),
-    "cpu": Hardware("this CPU (simulated devices share it)", {}, 20e9, 24e9, 1 << 30, 10e9, 10e9),
+    # XLA:CPU's simulated devices, in CPU seconds of the process per device (all threads / devices):
+    # measured by experiments/planner/calibrate_cpu.py on this 2-core host (AVX-512, jax 0.11.2;
+    # cpu_calibration.json), not fitted to any layout's step time. Its collectives run in line.
+    "cpu": Hardware(
+        "this CPU (simulated devices share it)",
+        {},
+        13.2e9,  # x * 1.0001 + 1 over 8 MiB per device: bytes read + written per CPU second
+        24e9,
+        1 << 30,
+        9.96e9,  # psum of 1 MiB over 8 devices: ring bytes per CPU second, less the 32-byte psum's
+        9.96e9,
+        collective_latency_s=5.26e-6,  # 32-byte psum / all_gather / psum_scatter / ppermute over 2, 4, 8:
+        hop_latency_s=0.19e-6,  # least squares of alpha + hops x alpha_hop
+        inter_hop_latency_s=0.19e-6,
+        op_overhead_s=0.13e-6,  # a chain of dependent [8, 8] dots: the cost of one more kernel
+        overlaps=False,
+        achieved_flops_per_s=134e9,  # a chain of [256, 256] fp32 dots: FLOPs per CPU second
+    ),
 }
 
 
@@ -917,13 +962,148 @@ def predicted_memory(config) -> dict:
     return out
 
 
+RING_HOPS = {  # steps of the ring algorithm a collective over n devices takes, each paying a hop's latency
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+    "collective_permute": lambda n: 1,
+}
+
+
+def collective_latency(config, hw: Hardware, rows: list[Row]) -> float:
+    """The alpha of the alpha-beta model, per device per step: every collective of `rows` (a Row
+    holds `count` of them) costs hw.collective_latency_s + hops x the hop latency of its axes
+    (inter-node if any of them leaves the node, `axis_bandwidth`), hops by the ring algorithm
+    (`RING_HOPS`). A group of one device costs nothing."""
+    sizes = {a: config.mesh[a] for a in config.mesh}
+    bandwidth = axis_bandwidth(sizes, hw, dict(config.dcn))
+    total = 0.0
+    for r in rows:
+        n = math.prod(sizes[a] for a in r.axes)
+        if n <= 1 or r.count <= 0:
+            continue
+        crosses = any(bandwidth[a] < hw.intra_node_bytes_per_s for a in r.axes)
+        hop = hw.inter_hop_latency_s if crosses else hw.hop_latency_s
+        total += r.count * (hw.collective_latency_s + RING_HOPS[r.kind](n) * hop)
+    return total
+
+
+KERNELS_PER_LAYER_FORWARD = 14  # 2 norms, q/k/v, 3 attention (scores, softmax, values), o, gate/up, act, down
+KERNELS_PER_LEAF_UPDATE = 2  # the optimizer's fused update of a parameter leaf, and its moments
+
+
+def kernel_count(config) -> float:
+    """Kernels one device launches per step (for hw.op_overhead_s): KERNELS_PER_LAYER_FORWARD per
+    layer forward, twice that for its backward, once more under remat=full; every micro-batch
+    runs its stage's L / p layers; the optimizer updates every leaf. An estimate of the order of
+    magnitude: fusion decides the real count."""
+    m, mesh = config.model, config.mesh
+    micro = max(1, config.train.microbatches)
+    passes = 3 + (1 if m.remat == "full" else 0)
+    layers = m.n_layers / mesh.pipe * micro
+    return KERNELS_PER_LAYER_FORWARD * passes * layers + KERNELS_PER_LEAF_UPDATE * len(_specs(config))
+
+
+def pipeline_rows(config) -> list[Row]:
+    """The sends between pipeline stages (jaxsys/parallel/pipeline.py), per device per step: each
+    micro-batch's activations to the next stage in the forward, their gradient back in the
+    backward, [B/m, T/seq, D] (/t under sequence parallelism) in the compute dtype, once per
+    chunk (v per micro-batch when interleaved)."""
+    mesh, m, t = config.mesh, config.model, config.mesh.tensor
+    if mesh.pipe <= 1:
+        return []
+    micro, v = max(1, config.train.microbatches), max(1, config.train.virtual_stages)
+    chunks = micro * (v if config.train.pipeline_schedule == "interleaved_1f1b" else 1)
+    sp = config.parallel.sequence_parallel and t > 1
+    act = local_batch(config) / micro * config.data.seq_len / mesh.seq * m.d_model / (t if sp else 1)
+    act *= _dtype_bytes(m.compute_dtype)
+    return [
+        Row(
+            "pipeline stage sends (activations forward, gradients backward)",
+            "collective_permute",
+            ("pipe",),
+            2 * chunks,
+            2 * chunks * ring_bytes("collective_permute", act, mesh.pipe),
+        )
+    ]
+
+
+def _overlap_options(config) -> dict:
+    par = config.parallel
+    return {
+        "collective_matmul": bool(par.get("collective_matmul", False)),
+        "fsdp_prefetch": bool(par.get("fsdp_prefetch", False)),
+        "pipeline_overlap": bool(par.get("pipeline_overlap", False)),
+    }
+
+
+def hidden_communication(config, hw: Hardware, rows: list[Row], flops_per_s: float) -> dict:
+    """Seconds of link time per step each overlap option of `config` hides behind compute
+    (docs/planner.md gives the model); zero for an option that is off, and for all on hardware
+    whose collectives run in line (hw.overlaps False: XLA:CPU).
+
+    collective_matmul (docs/comm_overlap.md): each SP all-gather / reduce-scatter beside a
+      matmul of local width w becomes t-1 permutes, each beside a chunk's matmul; a step hides
+      min(permute, matmul) = min(c, c x r), r = 2 w W / (F b). Per layer q/k/v (w = (N + 2K) H / t),
+      gate/up (2 F / t, dense layers), o (N H / t) and down (F / t, dense layers), each forward and
+      backward, and the output layer (V / t); the embedding's pair and MoE layers keep plain
+      collectives.
+    fsdp_prefetch: layer i+1's forward all-gather runs beside layer i's forward: (L/p - 1) x
+      min(one layer's gather, one layer's forward compute). The backward re-gathers in line.
+    pipeline_overlap: each stage send runs beside the next micro-batch's compute on the stage:
+      (sends - 2) x min(one send, one chunk's compute), the first and last exposed."""
+    options = _overlap_options(config)
+    hidden = {k: 0.0 for k in options}
+    if not hw.overlaps:
+        return hidden
+    m, mesh = config.model, config.mesh
+    sizes = {a: mesh[a] for a in mesh}
+    bandwidth = axis_bandwidth(sizes, hw, dict(config.dcn))
+    b_c = _dtype_bytes(m.compute_dtype)
+    devices = math.prod(sizes.values())
+    tokens = config.train.batch_size * config.data.seq_len
+    t = mesh.tensor
+    if options["collective_matmul"] and t > 1:
+        W = bandwidth["tensor"]
+        act = local_batch(config) * config.data.seq_len / mesh.seq * m.d_model * b_c  # [B, T, D] per device
+        op_s = ring_bytes("reduce_scatter", act, t) / W  # one SP all-gather or reduce-scatter
+        N, K, H, F = m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+        counts = transformer.layer_counts(m)
+        widths = [((N + 2 * K) * H / t, counts["all"]), (N * H / t, counts["all"])]
+        widths += [(2 * F / t, counts["dense"]), (F / t, counts["dense"]), (m.vocab_size / t, 1)]
+        ratio = lambda w: 2 * w * W / (flops_per_s * b_c)
+        cm = sum(2 * n * op_s * min(1.0, ratio(w)) for w, n in widths)
+        sp = sum(r.bytes for r in rows if r.technique.startswith("Megatron SP")) / W
+        hidden["collective_matmul"] = min(cm, sp)
+    if options["fsdp_prefetch"] and mesh.fsdp > 1:
+        psi_l, _, _, _ = params_per_device_after_tp(config)
+        layers = m.n_layers / mesh.pipe
+        gather_s = ring_bytes("all_gather", psi_l / m.n_layers * b_c / mesh.fsdp, mesh.fsdp) / bandwidth["fsdp"]
+        forward_s = flops_lib.forward_flops_per_token(m, config.data.seq_len) * tokens / devices / flops_per_s
+        layer_s = forward_s * mesh.pipe / m.n_layers  # one layer of the stage, the whole local batch
+        hidden["fsdp_prefetch"] = max(0.0, layers - 1) * min(gather_s, layer_s)
+    if options["pipeline_overlap"] and mesh.pipe > 1:
+        (send,) = pipeline_rows(config)
+        one_s = send.bytes / send.count / bandwidth["pipe"]
+        chunk_s = flops_lib.step_flops_per_token(config) * tokens / devices / flops_per_s / send.count
+        hidden["pipeline_overlap"] = max(0, send.count - 2) * min(one_s, chunk_s)
+    return hidden
+
+
 def predicted_step(config, hw: Hardware) -> dict:
-    """Step time and MFU of `config` on `hw` before compiling anything: FLOPs by the formula (a
-    second forward under remat=full), HBM traffic (weights read three times, gradients and
-    optimizer state read and written once, activations written and read once), the collectives
-    of `predicted_collectives` at each axis's bandwidth, all exposed (jaxsys overlaps none yet),
-    and the pipeline bubble: compute x (m + p - 1) / m for 1F1B and GPipe, (m v + p - 1) / (m v)
-    interleaved."""
+    """Step time and MFU of `config` on `hw` before compiling anything (docs/planner.md):
+
+        step = max(compute, HBM) x bubble + exposed communication + kernels x op overhead
+        exposed = link time + latency - hidden
+
+    compute: FLOPs by the formula (a second forward under remat=full) at hw.achieved_flops_per_s
+    (else the peak); HBM: weights read three times, gradients and optimizer state read and written
+    once, activations written and read once; bubble: (m + p - 1) / m for 1F1B and GPipe, (m v + p -
+    1) / (m v) interleaved. Link time: the collectives of `predicted_collectives` and the pipeline
+    sends (`pipeline_rows`) at each axis's bandwidth; latency: the alpha-beta model's
+    (`collective_latency`); hidden: what the config's overlap options hide
+    (`hidden_communication`). With no option on, all communication is exposed."""
     m, mesh = config.model, config.mesh
     devices = math.prod(mesh[a] for a in mesh)
     tokens = config.train.batch_size * config.data.seq_len
@@ -934,23 +1114,37 @@ def predicted_step(config, hw: Hardware) -> dict:
     weights = mem["params"] * _dtype_bytes(m.compute_dtype) / _dtype_bytes(m.param_dtype)
     traffic = 3 * weights + 2 * (mem["grads"] + mem["optimizer"]) + 2 * mem["activations"]
     rows, _ = predicted_collectives(config)
+    rows = rows + pipeline_rows(config)
     per_axes: dict = {}
     for r in rows:
         per_axes[r.axes] = per_axes.get(r.axes, 0.0) + r.bytes
     roof = roofline(config, hw, flops, traffic, per_axes)
+    rate = hw.achieved_flops_per_s or hw.peak(m.compute_dtype)
+    compute_s = flops / rate
     p, micro, v = mesh.pipe, max(1, config.train.microbatches), max(1, config.train.virtual_stages)
     bubble = 1.0
     if p > 1:
         chunks = micro * (v if config.train.pipeline_schedule == "interleaved_1f1b" else 1)
         bubble = (chunks + p - 1) / chunks
-    compute = max(roof["compute_s"], roof["memory_s"]) * bubble
-    step = compute + roof["comm_s"]
+    compute = max(compute_s, roof["memory_s"]) * bubble
+    latency = collective_latency(config, hw, rows)
+    hidden = hidden_communication(config, hw, rows, rate)
+    comm = roof["comm_s"] + latency
+    exposed = comm - sum(hidden.values())
+    overhead = kernel_count(config) * hw.op_overhead_s
+    step = compute + exposed + overhead
     model_flops = flops_lib.step_flops_per_token(config) * tokens
     return {
         "step_s": step,
-        "compute_s": roof["compute_s"] * bubble,
+        "compute_s": compute_s * bubble,
         "memory_s": roof["memory_s"],
-        "comm_s": roof["comm_s"],
+        "comm_s": comm,  # link time + latency, as if all exposed
+        "link_s": roof["comm_s"],
+        "latency_s": latency,
+        "comm_exposed_s": exposed,
+        "comm_hidden_s": hidden,  # per overlap option
+        "overhead_s": overhead,
+        "overlap": [k for k, on in _overlap_options(config).items() if on],
         "bubble": bubble,
         "mfu": model_flops / (step * hw.peak(m.compute_dtype) * devices) if step > 0 else 0.0,
     }
