@@ -40,6 +40,7 @@ KV_QUANT = ("none", "int8", "kivi4", "kivi2")  # config.serve.kv_quant (docs/kv_
 # checkpoint_name()s the model puts on activations, which config.offload.activations may offload
 ACTIVATION_NAMES = ("layer_input", "attention_output", "mlp_hidden")
 MODEL_KINDS = ("jaxsys", "flax")  # config.model.kind (docs/flax.md)
+RESIDUALS = ("standard", "ladder")  # config.model.residual (docs/comm_overlap.md)
 FREE_FORM = "model.flax_kwargs."  # keys under it are the Flax module's own, not the base config's
 
 
@@ -73,6 +74,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.context_parallel = "ring"  # ring | allgather | tokenring (softmax layers, mesh.seq > 1)
     c.model.context_load_balance = True  # zigzag chunks so causal work is even over seq
     c.model.mlp_pattern = "dense"  # comma-separated MLP types (dense | moe) repeated over the layers
+    # standard | ladder. Ladder residual (Zhang et al. 2025; docs/comm_overlap.md): each attention or
+    # MLP module reads the residual stream without the previous module's output, which is added one
+    # module later, so its tensor-parallel all-reduce can overlap the next module's compute. A
+    # different architecture (not a layout): losses differ from "standard". No pipeline (mesh.pipe 1).
+    c.model.residual = "standard"
     # Quantized dense layers (docs/quantization.md). `quant`: the format of a quantized checkpoint's
     # weights (written by `python -m jaxsys.quantize`; inference only), run through the Pallas kernels
     # (`quant_impl='reference'`: the same integer semantics in plain XLA). `quant_train='int8'`:
@@ -530,6 +536,14 @@ def validate(config, num_devices: int | None = None) -> None:
         f"config.model.layer_pattern={m.layer_pattern!r} with config.model.mlp_pattern="
         f"{m.mlp_pattern!r}",
     )
+    _require(m.residual in RESIDUALS, f"config.model.residual={m.residual!r}: choose one of {RESIDUALS}")
+    _require(
+        m.residual == "standard" or mesh.pipe == 1,
+        f"config.model.residual={m.residual!r} with config.mesh.pipe={mesh.pipe}: the ladder residual "
+        "carries the last module's output (not yet added) from layer to layer, and the pipeline "
+        "stages pass only the residual stream on; flushing it at a stage boundary would make the "
+        "architecture depend on the layout. Use config.mesh.pipe=1 or residual='standard'",
+    )
     _validate_moe(config)
     _validate_optimizer(config)
     _validate_quant(config)
@@ -800,6 +814,7 @@ def _validate_flax(config) -> None:
         ("config.model.quant", m.quant, "none"),
         ("config.model.quant_train", m.quant_train, "none"),
         ("config.model.remat", m.remat, "none"),
+        ("config.model.residual", m.residual, "standard"),
         ("config.offload.activations", config.offload.activations, ""),
         ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
         ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),

@@ -152,7 +152,8 @@ def gptq_params(
     compute = jnp.dtype(m.compute_dtype)
     params = jax.tree.map(jnp.asarray, params)
     embed = jax.jit(lambda p, ids: transformer.embed(p, ids, m, layout))
-    xs = [embed(params, tok[:, :-1]) for tok in tokens]
+    # each layer's input stream (under the ladder residual the pair (h, pending), config.model.residual)
+    xs = [transformer.residual_stream(embed(params, tok[:, :-1]), m) for tok in tokens]
     pattern = block_pattern(m)
     counts = {"all": 0, "dense": 0, "moe": 0}
     index = lambda name: counts[transformer._leaf_kind(name)]
@@ -161,7 +162,8 @@ def gptq_params(
 
     @functools.partial(jax.jit, static_argnums=(2, 3))
     def run(x, w, kind, mlp_kind):
-        previous = jnp.full((x.shape[0], x.shape[1], m.moe.top_k), -1, jnp.int32)
+        B, T = jax.tree.leaves(x)[0].shape[:2]
+        previous = jnp.full((B, T, m.moe.top_k), -1, jnp.int32)
         with quant.capture_inputs() as seen:
             y = transformer._block(x, w, positions, m, layout, kind, mlp_kind, previous)[0]
         return y, dict(seen)

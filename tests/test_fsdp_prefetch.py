@@ -4,7 +4,8 @@ all-gathered while layer i computes, and the numbers do not change.
 Parity is bitwise, not within a tolerance: the prefetched weights are the same all-gather (a copy)
 of the same shards, one scan iteration earlier; the layer computes the same operations on them; the
 backward gathers them again from the shards and runs the same VJP as the plain layer under the same
-remat policy; the weight gradients go back through the same reduce-scatter. Nothing is summed in
+remat policy; the weight gradients go back through the same reduce-scatter (one backward iteration
+later: the delayed reduce-scatter) and are added once into a zero stack gradient. Nothing is summed in
 another order, so the losses and gradients are equal to the last bit (seen on every case below). A
 change that made them differ in the last ulp would be a real change of the program worth looking at.
 
@@ -21,7 +22,7 @@ import chex
 import pytest
 
 from jaxsys import config as config_lib
-from jaxsys.analysis import report, targets
+from jaxsys.analysis import hlo, report, targets
 from tests.helpers import loss_and_grads, pipeline_config, program_for, small_config
 from tests.test_expert_parallel import moe_config
 
@@ -69,6 +70,56 @@ def test_prefetch_keeps_losses_and_gradients_composed(name):
     chex.assert_trees_all_equal(grads_pf, grads)
 
 
+def _backward_reduce_scatters(prefetch, n_layers=4):
+    """For each reduce-scatter in the compiled (XLA:CPU) train step's backward layer loop (a loop
+    body run once per layer): whether its operand comes from this iteration's matmuls (a dot among
+    its ancestors in the body) or from the carry only (the loop's parameter, through copies)."""
+    c = small_config(dict(fsdp=8), remat="none", n_layers=n_layers)
+    c.parallel.fsdp_prefetch = prefetch
+    program = program_for(c)
+    text = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile().as_text()
+    m = hlo.parse(text)
+
+    def has_matmul(comp, seen=None):
+        seen = set() if seen is None else seen
+        if comp in seen or comp not in m.computations:
+            return False
+        seen.add(comp)
+        return any(
+            i.opcode in ("dot", "convolution") or any(has_matmul(c, seen) for c in i.called())
+            for i in m.computations[comp]
+        )
+
+    out = []
+    for comp, times in m.executions.items():
+        names = m.by_name[comp]
+        for inst in m.computations[comp]:
+            if times != n_layers or inst.opcode != "reduce-scatter":
+                continue
+            todo, seen, from_matmul, from_carry = list(inst.operands), set(), False, False
+            while todo:
+                x = names.get(todo.pop())
+                if x is None or x.name in seen:
+                    continue
+                seen.add(x.name)
+                from_carry |= x.opcode == "parameter"
+                from_matmul |= x.opcode in ("dot", "convolution") or any(has_matmul(c) for c in x.called())
+                todo += x.operands
+            out.append("matmul" if from_matmul else "carry" if from_carry else "other")
+    return out
+
+
+def test_backward_reduce_scatters_the_next_layers_gradient_from_the_carry():
+    """The delayed reduce-scatter: with prefetch, the backward loop's iteration for layer i
+    reduce-scatters the gradient that layer i+1's iteration produced and carried over (the transpose
+    of iteration i's prefetch of layer i+1), so no reduce-scatter in the loop waits for a matmul of
+    its own iteration (the layer's VJP runs beside it); without prefetch each reduce-scatters the
+    weight gradient its own iteration's matmuls just made. 9 weight leaves per layer."""
+    plain, prefetch = _backward_reduce_scatters(False), _backward_reduce_scatters(True)
+    assert plain == ["matmul"] * 9, plain
+    assert prefetch == ["carry"] * 9, prefetch
+
+
 def _temp_bytes(prefetch):
     c = small_config(dict(fsdp=8), remat="none", d_model=256, n_heads=8, n_kv_heads=8, d_ff=1024, n_layers=8)
     c.parallel.fsdp_prefetch = prefetch
@@ -80,11 +131,14 @@ def _temp_bytes(prefetch):
 
 
 def test_prefetch_holds_one_extra_gathered_layer_not_all():
-    """The backward gathers the weights again: prefetch costs about one gathered layer of
-    temporaries (the carried one), not the L layers that saving them for the backward would."""
+    """The backward gathers the weights again: prefetch costs about two gathered layers of
+    temporaries, the carried weights (forward) and the carried gradient of the delayed reduce-scatter
+    (backward), not the L layers that saving the weights for the backward would. The stack's
+    gradient is accumulated in place (no second full-stack buffer). Measured: +1.70 layers with
+    remat none (the carried weights alone: +0.70, before the delayed reduce-scatter)."""
     plain, layer, n_layers = _temp_bytes(False)
     prefetch, _, _ = _temp_bytes(True)
-    assert prefetch - plain < 1.5 * layer, (plain, prefetch, layer)
+    assert prefetch - plain < 2.25 * layer, (plain, prefetch, layer)
     assert prefetch - plain < n_layers * layer / 4
 
 

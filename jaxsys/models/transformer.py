@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,41 @@ def _paged_attention(q, k, v, kv, positions):
     return o[:, None], out
 
 
+class LadderStream(NamedTuple):
+    """The residual stream under the ladder residual (config.model.residual="ladder"; Zhang et al.
+    2025): `h`[B, T, D], what the next module reads, and `pending`, the last module's output,
+    already reduced over `tensor` but added to h only after the next module has read h. So that
+    module's compute does not wait for the collective, which can run beside it."""
+
+    h: jax.Array
+    pending: jax.Array
+
+
+def residual_stream(x, m):
+    """The stream a layer stack carries for x[B, T, D]: x itself, or under the ladder residual
+    (x, nothing pending yet)."""
+    return LadderStream(x, jnp.zeros_like(x)) if m.residual == "ladder" else x
+
+
+def flushed(stream):
+    """x[B, T, D] at the end of a layer stack: under the ladder residual with the pending output added."""
+    return stream.h + stream.pending if isinstance(stream, LadderStream) else stream
+
+
+def _module_input(stream):
+    """What a module (attention, MLP) reads of the residual stream: the stream through the module
+    before the last one under the ladder residual, else all of it."""
+    return stream.h if isinstance(stream, LadderStream) else stream
+
+
+def _add_output(stream, out):
+    """The stream after a module's output `out`: x + out, or under the ladder residual (h + pending,
+    out): the previous module's output joins h now, this one's waits for the next module."""
+    if isinstance(stream, LadderStream):
+        return LadderStream(stream.h + stream.pending, out)
+    return stream + out
+
+
 def _qkv(linear, h, ws):
     """The attention's column-parallel projections of h: q, k, v."""
     wq, wk, wv = ws
@@ -196,6 +232,7 @@ def _block(
     kv=None,
 ):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
+    Under the ladder residual x is a `LadderStream` (h, pending) of such arrays, and so is the x returned.
     `kind` is the layer's attention: "softmax" (with RoPE) or "linear" (attention.py); `mlp_kind`
     its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes `previous`, the experts the last
     MoE layer chose). Returns (x, experts chosen here or `previous`, MoE stats or None).
@@ -211,7 +248,7 @@ def _block(
     cm = layout.collective_matmul  # the TP matmuls beside their SP collectives (config.parallel.collective_matmul)
     q, k, v = tensor.enter_matmul(
         functools.partial(_qkv, linear),
-        layers.rms_norm(x, w["attn_norm"], m.norm_eps),
+        layers.rms_norm(_module_input(x), w["attn_norm"], m.norm_eps),
         (w["wq"], w["wk"], w["wv"]),
         heads,
         sp,
@@ -234,11 +271,13 @@ def _block(
             kv = {"k": _write_cache(kv["k"], k, positions), "v": _write_cache(kv["v"], v, positions)}
             o = layers.attention(q, kv["k"].astype(q.dtype), kv["v"].astype(q.dtype), q_positions=positions)
     o = checkpoint_name(o, "attention_output")
-    x = x + tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)
-    h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
+    x = _add_output(
+        x, tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)
+    )
+    h = layers.rms_norm(_module_input(x), w["mlp_norm"], m.norm_eps)
     if mlp_kind == "moe":
         y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
-        out = (x + y, experts, stats)
+        out = (_add_output(x, y), experts, stats)
     else:
         gate, up = tensor.enter_matmul(
             lambda h, ws: layers.swiglu_up(h, ws[0], ws[1], linear), h, (w["w_gate"], w["w_up"]), mlp, sp, cm
@@ -246,7 +285,7 @@ def _block(
         y = tensor.leave_matmul(
             lambda a, wd: layers.swiglu_down(a, wd, linear), layers.swiglu_hidden(gate, up), w["w_down"], mlp, sp, cm
         )
-        out = (x + y, previous, None)
+        out = (_add_output(x, y), previous, None)
     return out if kv is None else out + (kv,)
 
 
@@ -291,7 +330,9 @@ def layer_stack(
     `dispatch` is the expert-parallel all-to-all (`config.parallel.expert_dispatch`). `hook` (see
     `_weights`) sees each layer's leaves as ("layers/<leaf>", weights, index in that leaf's stack).
     `kv` (decoding): {"k", "v"} caches [L, B, S, K, H] of these layers, with `positions` [B, T];
-    then the updated caches are returned as a third value (and no layer is rematerialised)."""
+    then the updated caches are returned as a third value (and no layer is rematerialised).
+    Under the ladder residual (config.model.residual) the scan carries the stream (h, pending) and
+    the last module's pending output is added at the end: a stack is always whole (no pipeline)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     layer_axes = jax.tree.map(
         lambda a: a[a.index("layers") + 1 :], axes["layers"], is_leaf=lambda a: isinstance(a, tuple)
@@ -381,13 +422,17 @@ def layer_stack(
     # weights; each layer first issues the all-gather of the layer after it, then computes on the
     # weights gathered one layer earlier (layer 0's before the scan; the last layer gathers the
     # last group's first layer again, unused). fsdp.prefetched keeps the gathered weights out of the
-    # backward's residuals: the backward gathers them again, as without prefetch.
+    # backward's residuals: the backward gathers them again, as without prefetch. The weight
+    # gradients flow back along the carry: backward iteration i reduce-scatters layer i+1's (the
+    # transpose of its prefetch) beside layer i's VJP, into the stack's gradient (the delayed
+    # reduce-scatter); the scanned stack is only read, under stop_gradient, for the backward's regather.
     prefetch = layout.fsdp_prefetch and kv is None
 
-    def ahead(group, g, i):
-        """Layer i of `group`, gathered with no gradient (its gradient goes through `runs[i]`)."""
+    def ahead(g, i):
+        """Layer i of group g, gathered from the whole stack `groups` (a dynamic index): its gradient
+        comes back along the carry (fsdp.prefetched), and this gather's transpose reduce-scatters it."""
         _, mlp_kind, index = per_layer[i]
-        return gather(pick(jax.lax.stop_gradient(group), g, mlp_kind, index), g, index)
+        return gather(pick(jax.tree.map(lambda a: a[g], groups), g, mlp_kind, index), g, index)
 
     def prefetched(kind, mlp_kind, index):
         def block(x, prev, w):
@@ -408,11 +453,7 @@ def layer_stack(
         for i in range(period):
             args = (offload.to_host(x) if input_to_host else x, previous, group_params, g)
             if prefetch:
-                if i + 1 < period:
-                    following = ahead(group_params, g, i + 1)
-                else:
-                    g_next = jnp.minimum(g + 1, n_groups - 1)
-                    following = ahead(jax.tree.map(lambda a: a[g_next], groups), g_next, 0)
+                following = ahead(g, i + 1) if i + 1 < period else ahead(jnp.minimum(g + 1, n_groups - 1), 0)
                 x, previous, layer_stats = runs[i](*args, gathered)
                 gathered = following
             elif kv_group is None:
@@ -427,10 +468,15 @@ def layer_stack(
         stack = lambda items: jax.tree.map(lambda *s: jnp.stack(s), *items) if items else None
         return (x, previous, gathered), (stack(stats), stack(kv_out))
 
-    first = ahead(jax.tree.map(lambda a: a[0], groups), jnp.int32(0), 0) if prefetch else None
-    (x, *_), (stats, kv_new) = jax.lax.scan(
-        body, (x, previous, first), (groups, jnp.arange(n_groups), kv_groups), unroll=n_groups if unroll else 1
+    first = ahead(jnp.int32(0), 0) if prefetch else None
+    # the carry's x is the residual stream: x, or the ladder residual's (h, pending)
+    (stream, *_), (stats, kv_new) = jax.lax.scan(
+        body,
+        (residual_stream(x, m), previous, first),
+        (jax.lax.stop_gradient(groups) if prefetch else groups, jnp.arange(n_groups), kv_groups),
+        unroll=n_groups if unroll else 1,
     )
+    x = flushed(stream)
     if kv is not None:
         kv_new = jax.tree.map(lambda a: a.reshape(n_groups * period, *a.shape[2:]), kv_new)
     if not n_moe:

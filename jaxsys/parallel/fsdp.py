@@ -65,13 +65,16 @@ def prefetched(block, regather, policy):
     - forward: the block runs under the remat policy and keeps what the policy saves, except the
       gathered weights themselves (the residuals that are `gathered`'s leaves are dropped);
     - backward: the weights are gathered again from `local` (the shards at rest) and put back in
-      those residuals; the weights' cotangent goes back through `regather`'s transpose, the
-      reduce-scatter, to `local`. `gathered` gets no cotangent (the scan carries it under
-      `stop_gradient`).
+      those residuals; the weights' cotangent goes to `gathered`, the gathered weights, and `local`
+      gets none. So the reduce-scatter is the transpose of the gather that made `gathered`: in the
+      layer scan, the all-gather one iteration earlier, whose transpose runs one backward iteration
+      later, beside the previous layer's VJP (the delayed reduce-scatter; the scan carries the
+      gathered weights with their gradient, docs/comm_overlap.md).
 
     `regather(local)` must give exactly `gathered` (the same gather of the same shards), so the
-    forward and backward compute the plain layer's numbers. `block` takes and returns pytrees;
-    integer inputs and outputs (MoE routing) pass through."""
+    forward and backward compute the plain layer's numbers, and the gradient reaches the shards
+    through the same reduce-scatter. `block` takes and returns pytrees; integer inputs and outputs
+    (MoE routing) pass through."""
     remat = jax.checkpoint(block, policy=policy, prevent_cse=False)
     static = {}  # the residual structure, from the forward's trace to the backward's
 
@@ -89,14 +92,12 @@ def prefetched(block, regather, policy):
 
     def bwd(residuals, ct):
         kept, local = residuals
-        weights, transpose = jax.vjp(regather, local)
-        weights = jax.tree.leaves(weights)
+        weights = jax.tree.leaves(regather(local))
         vjp = jax.tree.unflatten(
             static["tree"], [weights[s] if s is not None else leaf for leaf, s in zip(kept, static["slots"])]
         )
         ct_x, ct_previous, ct_weights = vjp(ct)
-        (ct_local,) = transpose(ct_weights)
-        return ct_x, ct_previous, ct_local, None
+        return ct_x, ct_previous, None, ct_weights
 
     run.defvjp(fwd, bwd)
     return run
