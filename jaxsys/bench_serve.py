@@ -168,10 +168,11 @@ def main(argv=None) -> int:
             import jax
 
             from jaxsys import program as program_lib
-            from jaxsys.config import load_config
+            from jaxsys.config import load_config, resolve_mesh
             from jaxsys.mesh import make_mesh
 
             config = load_config(args.config, overrides)
+            resolve_mesh(config, len(jax.devices()))  # a -1 axis (configs/llama_1b.py's fsdp) takes the devices
             n = math.prod(config.mesh[a] for a in config.mesh)
             program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params

@@ -8,6 +8,8 @@ hardware profile (h100 / h200) beside the measured wall time per step (median of
 
     python experiments/planner/gpu_rank.py --hardware h200 --out results/gpu_rank_h200.json   # on the GPU
     python experiments/planner/gpu_rank.py --quick                                             # CPU smoke test
+    python experiments/planner/gpu_rank.py --rescore ../../docs/benchmarks/h200_2026-11-26/session3/gpu_rank_h200.json
+        # the measured rows again, predicted by the current cost model (no device needed)
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hardware", default="h200", help="cost-model profile to predict with (h100, h200, cpu)")
     parser.add_argument("--out", help="write the rows and rho as JSON here")
     parser.add_argument("--attention-impl", default="reference", help="config.model.attention_impl (cudnn on a GPU)")
+    parser.add_argument("--rescore", help="a JSON this script wrote: predict its rows again, print rho")
     parser.add_argument("--quick", action="store_true", help="a tiny model (CPU smoke test)")
     args = parser.parse_args(argv)
 
@@ -91,6 +94,18 @@ def main(argv=None) -> int:
     from jaxsys.analysis import cost_model
 
     hw = cost_model.hardware(args.hardware)
+    if args.rescore:
+        with open(args.rescore) as f:
+            saved = json.load(f)
+        hw = cost_model.hardware(saved["hardware"])
+        for r in saved["rows"]:
+            b, t, remat = (part.split("=")[1] for part in r["layout"].split())
+            config = model_config(int(b), int(t), remat, False, saved.get("attention_impl", "reference"))
+            r["predicted_ms"] = cost_model.predicted_step(config, hw)["step_s"] * 1e3
+            print(f"{r['layout']:>24}  predicted {r['predicted_ms']:7.1f} ms  measured {r['measured_ms']:7.1f} ms")
+        rho = spearman([r["predicted_ms"] for r in saved["rows"]], [r["measured_ms"] for r in saved["rows"]])
+        print(f"Spearman rho over {len(saved['rows'])} layouts: {rho:.3f}")
+        return 0
     rows = []
     for batch, seq_len in SHAPES:
         for remat in REMATS:
