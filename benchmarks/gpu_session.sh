@@ -5,31 +5,9 @@
 #
 #   bash benchmarks/gpu_session.sh            # from the repository root on a GPU machine
 #
-# The machine needs jax 0.11.2 with CUDA, optax, orbax-checkpoint, safetensors, tqdm; wheels of
-# anything else (ml_collections, tensorboardX) are installed from .whl/ if that folder exists.
-# kernels/ is imported as jaxsys.kernels: without a pip install, a link jaxsys/kernels -> ../kernels
-# in this (scratch) copy of the tree gives the same import path.
-set -u
-OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-[ -e jaxsys/kernels ] || ln -s ../kernels jaxsys/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name: rc=$rc in $((SECONDS - start))s"
-  tail -n 40 "$OUT/$name.log"
-}
+# What the machine needs: benchmarks/gpu_common.sh.
+TAIL=40  # lines of each step's log shown
+source "$(dirname "$0")/gpu_common.sh"  # OUT, PY, PYTHONPATH and step()
 
 nvidia-smi -L; $PY -c "import jax; print(jax.__version__, jax.devices())"
 

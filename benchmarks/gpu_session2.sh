@@ -2,25 +2,8 @@
 # Second GPU session of 2026-11-26 (after gpu_session.sh): training MFU with cuDNN vs the Pallas
 # flash kernel inside llama_1b, a tile sweep of the flash kernel at H=128, and narrower N tiles for
 # the quantized matmuls at decode batch sizes (more programs for the K loop to spread over).
-set -u
-OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-[ -e jaxsys/kernels ] || ln -s ../kernels jaxsys/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-step() {
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name: rc=$? in $((SECONDS - start))s"
-  tail -n 25 "$OUT/$name.log"
-}
+TAIL=25  # lines of each step's log shown
+source "$(dirname "$0")/gpu_common.sh"  # OUT, PY, PYTHONPATH and step()
 for impl in cudnn pallas; do
   step train_$impl 80 $PY -m jaxsys.train --config configs/llama_1b.py --workdir /tmp/llama_1b_$impl \
     --config.train.batch_size=16 --config.train.steps=30 --config.train.log_every=10 \

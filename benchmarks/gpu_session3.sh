@@ -3,26 +3,9 @@
 # time on one GPU (experiments/planner/gpu_rank.py), the ladder residual's step time beside the
 # standard block's on one GPU (no tensor parallelism there: it checks that the variant costs no
 # compute, not the overlap), and the serving engine's throughput with a plain and a KIVI-4 cache.
-set -u
-OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-if [ -d .whl ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-[ -e jaxsys/kernels ] || ln -s ../kernels jaxsys/kernels
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-HW=${HW:-h200}
-step() {
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  echo "=== $name (limit ${limit}s): $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name: rc=$? in $((SECONDS - start))s"
-  tail -n 16 "$OUT/$name.log"
-}
+TAIL=16  # lines of each step's log shown
+source "$(dirname "$0")/gpu_common.sh"  # OUT, PY, PYTHONPATH and step()
+HW=${HW:-h200}  # the cost-model profile of this GPU
 step gpu_rank 180 $PY experiments/planner/gpu_rank.py --hardware "$HW" --attention-impl cudnn --out "$OUT/gpu_rank_$HW.json"
 for residual in standard ladder; do
   step train_$residual 60 $PY -m jaxsys.train --config configs/llama_1b.py --workdir /tmp/llama_1b_$residual \
@@ -32,6 +15,6 @@ for residual in standard ladder; do
   cp /tmp/llama_1b_$residual/metrics.jsonl "$OUT/train_$residual.jsonl" 2>/dev/null
 done
 for kv in none kivi4; do
-  step serve_$kv 55 $PY -m jaxsys.bench_serve --config configs/llama_1b.py --requests 64 --rate 0 \
-    --prompt-len 128:512 --output-len 64:128 --pages 2048 --max-seqs 32 --json --config.serve.kv_quant=$kv
+  step serve_$kv 100 $PY -m jaxsys.bench_serve --config configs/llama_1b.py --requests 32 --rate 0 \
+    --prompt-len 128:512 --output-len 64:128 --pages 1024 --max-seqs 16 --json --config.serve.kv_quant=$kv
 done

@@ -2,6 +2,7 @@
 
 workers   run a worker in a fresh subprocess (each needs its own device count or memory) and
           collect the JSON results it prints: `run_worker`, `emit`, `worker_devices`
+timing    seconds per train step of a config on some devices: `train_step_seconds`
 command   the flags of a sweep (--quick, --replot, the hidden --worker N): `parse_args`
 results   results.json next to the run.py: `save_results`, `load_results`
 tables    a markdown table from header, alignment and rows: `markdown_table`
@@ -50,6 +51,40 @@ def worker_devices(n: int) -> None:
     """In a worker, before jax is imported: run on n simulated CPU devices."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def train_step_seconds(config, devices, clock=None, repeats: int = 3, steps: int = 5) -> list[float]:
+    """Seconds per train step of `config` on `devices` (random tokens): compiled ahead of time, two
+    warm-up steps, then `repeats` runs of `steps` steps, one figure per run. `clock`: time.perf_counter
+    (wall, the default) or time.process_time (the process's CPU seconds: the work, whatever else
+    shares the cores)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    from jaxsys import program as program_lib
+    from jaxsys.mesh import make_mesh
+
+    clock = clock or time.perf_counter
+    program = program_lib.build(config, make_mesh(config, devices))
+    state = program.init()
+    tokens = np.random.default_rng(0).integers(
+        0, config.model.vocab_size, (config.train.batch_size, config.data.seq_len + 1), dtype=np.int32
+    )
+    batch = jax.device_put(tokens, program.batch_sharding)
+    step = program.train_step_fn().lower(state, batch).compile()
+    for _ in range(2):
+        state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    runs = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(steps):
+            state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        runs.append((clock() - start) / steps)
+    return runs
 
 
 # ----------------------------------------------------------------------------- command

@@ -19,10 +19,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from experiments import common  # noqa: E402
 from experiments.planner.run import spearman  # noqa: E402
 
 SHAPES = ((32, 1024), (16, 2048), (8, 4096), (4, 8192))  # (B, T): 32K tokens per step
@@ -55,29 +55,8 @@ def model_config(batch: int, seq_len: int, remat: str, quick: bool, attention_im
 
 def measure(config) -> float:
     import jax
-    import numpy as np
 
-    from jaxsys import program as program_lib
-    from jaxsys.mesh import make_mesh
-
-    program = program_lib.build(config, make_mesh(config, jax.devices()[:1]))
-    state = program.init()
-    tokens = np.random.default_rng(0).integers(
-        0, config.model.vocab_size, (config.train.batch_size, config.data.seq_len + 1), dtype=np.int32
-    )
-    batch = jax.device_put(tokens, program.batch_sharding)
-    step = program.train_step_fn().lower(state, batch).compile()
-    for _ in range(2):
-        state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    runs = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(5):
-            state, _ = step(state, batch)
-        jax.block_until_ready(state)
-        runs.append((time.perf_counter() - start) / 5)
-    return statistics.median(runs)
+    return statistics.median(common.train_step_seconds(config, jax.devices()[:1]))
 
 
 def main(argv=None) -> int:

@@ -134,13 +134,10 @@ def pick_layouts(ranked, k: int):
 def worker(n: int, jobs: list) -> None:
     common.worker_devices(n)
     import jax
-    import numpy as np
 
     from jaxsys import plan as plan_lib
-    from jaxsys import program as program_lib
     from jaxsys.analysis import cost_model
     from jaxsys.config import load_config
-    from jaxsys.mesh import make_mesh
 
     hw = cost_model.hardware("cpu")
     for job in jobs:
@@ -153,24 +150,8 @@ def worker(n: int, jobs: list) -> None:
         by_name = {c.name: c for c in result["ranked"] + result["too_big"]}
         again = [by_name[name] for name in job.get("again", []) if name in by_name]  # measured before
         for c in picks + [c for c in again if c not in picks]:
-            program = program_lib.build(c.config, make_mesh(c.config, jax.devices()[:n]))
-            state = program.init()
-            cfg = c.config
-            tokens = np.random.default_rng(0).integers(
-                0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.data.seq_len + 1), dtype=np.int32
-            )
-            batch = jax.device_put(tokens, program.batch_sharding)
-            step = program.train_step_fn().lower(state, batch).compile()
-            for _ in range(2):
-                state, metrics = step(state, batch)
-            jax.block_until_ready(state)
-            runs = []
-            for _ in range(3):  # CPU seconds of the process: the work, whatever else shares the cores
-                start = time.process_time()
-                for _ in range(5):
-                    state, metrics = step(state, batch)
-                jax.block_until_ready(state)
-                runs.append((time.process_time() - start) / 5)
+            # CPU seconds of the process: the work, whatever else shares the cores
+            runs = common.train_step_seconds(c.config, jax.devices()[:n], clock=time.process_time)
             common.emit(
                 dict(
                     model=job["name"],
