@@ -252,3 +252,29 @@ def test_the_latency_term_counts_every_collective(tiny_sp):
     more = cost_model.predicted_step(deeper, base)["latency_s"] - step["latency_s"]
     assert more == 2 * 2 * 4  # tensor: per layer 4 SP all-gathers and 4 reduce-scatters
     assert step["step_s"] >= step["latency_s"]
+
+
+def test_an_option_hides_only_what_the_targets_compiler_runs_asynchronously(tiny_sp):
+    """libtpu runs FSDP all-gathers asynchronously on v5e only and collective-permutes everywhere
+    (docs/analysis.md): prefetch hides nothing on v5p / v6e and something on v5e and a GPU, while
+    collective matmul and pipeline overlap (permutes) hide on all of them."""
+    from jaxsys.analysis import targets
+
+    def hidden(overrides: dict, hw) -> dict:
+        c = plan_lib._apply(tiny_sp, overrides)
+        validate(c, num_devices=DEVICES)
+        rows = cost_model.predicted_collectives(c)[0] + cost_model.pipeline_rows(c)
+        return cost_model.hidden_communication(c, hw, rows, hw.peak(c.model.compute_dtype))
+
+    layout = {f"mesh.{a}": 1 for a in MESH_AXES}
+    prefetch = {**layout, "mesh.fsdp": 8, "parallel.fsdp_prefetch": True}
+    cm = {**layout, "mesh.data": 4, "mesh.tensor": 2, "parallel.collective_matmul": True}
+    pp = {**layout, "mesh.pipe": 2, "mesh.data": 4, "train.microbatches": 4, "parallel.pipeline_overlap": True}
+    for name, fsdp_hides in (("v5p-16", False), ("v6e-8", False), ("v5e-8", True)):
+        hw = targets.hardware(targets.parse(name))
+        assert (hidden(prefetch, hw)["fsdp_prefetch"] > 0) == fsdp_hides, name
+        assert hidden(cm, hw)["collective_matmul"] > 0, name
+        assert hidden(pp, hw)["pipeline_overlap"] > 0, name
+    gpu = cost_model.hardware("h100")
+    assert hidden(prefetch, gpu)["fsdp_prefetch"] > 0
+    assert all(v == 0 for v in hidden(prefetch, cost_model.hardware("cpu")).values())

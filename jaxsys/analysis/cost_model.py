@@ -46,6 +46,16 @@ TP_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
 # ----------------------------------------------------------------------------- hardware
 
 
+ASYNC_ALL = ("all_gather", "reduce_scatter", "all_reduce", "collective_permute", "all_to_all")
+
+
+def tpu_async_collectives(generation: str) -> tuple[str, ...]:
+    """What libtpu (0.0.48.1, default flags) ran asynchronously in the train steps compiled here:
+    collective-permutes everywhere, all-gathers on v5e (Viperlite) only; reduce-scatters, all-reduces
+    and all-to-alls never (docs/analysis.md, "What the analysis reports about overlap")."""
+    return ("all_gather", "collective_permute") if generation.lower().startswith("v5e") else ("collective_permute",)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
@@ -65,8 +75,17 @@ class Hardware:
     hop_latency_s: float = 0.0
     inter_hop_latency_s: float = 0.0
     op_overhead_s: float = 0.0
-    overlaps: bool = True  # async collectives can run beside compute (False: XLA:CPU runs them in line)
+    # The collective kinds the compiler runs asynchronously, so that an overlap option can hide them
+    # (`hidden_communication`): what the compiled schedules showed (docs/comm_overlap.md,
+    # docs/analysis.md). XLA:GPU: all; libtpu 0.0.48.1, default flags: collective-permutes on every
+    # TPU, all-gathers on v5e only; XLA:CPU: none (every collective in line).
+    async_collectives: tuple[str, ...] = ASYNC_ALL
     achieved_flops_per_s: float = 0.0  # the compute rate predicted_step uses; 0: the datasheet peak
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether any collective can run beside compute."""
+        return bool(self.async_collectives)
 
     @property
     def host_sharers(self) -> int:
@@ -126,6 +145,7 @@ PROFILES = {
         100e9,
         100e9,
         **_ICI_LATENCY,
+        async_collectives=("collective_permute",),  # v5p: FSDP gathers stay synchronous
     ),
     # XLA:CPU's simulated devices, in CPU seconds of the process per device (all threads / devices):
     # measured by experiments/planner/calibrate_cpu.py on this 2-core host (AVX-512, jax 0.11.2;
@@ -142,7 +162,7 @@ PROFILES = {
         hop_latency_s=0.19e-6,  # least squares of alpha + hops x alpha_hop
         inter_hop_latency_s=0.19e-6,
         op_overhead_s=0.13e-6,  # a chain of dependent [8, 8] dots: the cost of one more kernel
-        overlaps=False,
+        async_collectives=(),
         achieved_flops_per_s=134e9,  # a chain of [256, 256] fp32 dots: FLOPs per CPU second
     ),
 }
@@ -1041,7 +1061,9 @@ def _overlap_options(config) -> dict:
 def hidden_communication(config, hw: Hardware, rows: list[Row], flops_per_s: float) -> dict:
     """Seconds of link time per step each overlap option of `config` hides behind compute
     (docs/planner.md gives the model); zero for an option that is off, and for all on hardware
-    whose collectives run in line (hw.overlaps False: XLA:CPU).
+    whose collectives run in line (hw.overlaps False: XLA:CPU), and for an option whose collective
+    the hardware's compiler does not run asynchronously (`hw.async_collectives`: collective matmul
+    and pipeline overlap need collective-permutes, FSDP prefetch all-gathers).
 
     collective_matmul (docs/comm_overlap.md): each SP all-gather / reduce-scatter beside a
       matmul of local width w becomes t-1 permutes, each beside a chunk's matmul; a step hides
@@ -1064,7 +1086,8 @@ def hidden_communication(config, hw: Hardware, rows: list[Row], flops_per_s: flo
     devices = math.prod(sizes.values())
     tokens = config.train.batch_size * config.data.seq_len
     t = mesh.tensor
-    if options["collective_matmul"] and t > 1:
+    can = set(hw.async_collectives)
+    if options["collective_matmul"] and t > 1 and "collective_permute" in can:
         W = bandwidth["tensor"]
         act = local_batch(config) * config.data.seq_len / mesh.seq * m.d_model * b_c  # [B, T, D] per device
         op_s = ring_bytes("reduce_scatter", act, t) / W  # one SP all-gather or reduce-scatter
@@ -1076,14 +1099,14 @@ def hidden_communication(config, hw: Hardware, rows: list[Row], flops_per_s: flo
         cm = sum(2 * n * op_s * min(1.0, ratio(w)) for w, n in widths)
         sp = sum(r.bytes for r in rows if r.technique.startswith("Megatron SP")) / W
         hidden["collective_matmul"] = min(cm, sp)
-    if options["fsdp_prefetch"] and mesh.fsdp > 1:
+    if options["fsdp_prefetch"] and mesh.fsdp > 1 and "all_gather" in can:
         psi_l, _, _, _ = params_per_device_after_tp(config)
         layers = m.n_layers / mesh.pipe
         gather_s = ring_bytes("all_gather", psi_l / m.n_layers * b_c / mesh.fsdp, mesh.fsdp) / bandwidth["fsdp"]
         forward_s = flops_lib.forward_flops_per_token(m, config.data.seq_len) * tokens / devices / flops_per_s
         layer_s = forward_s * mesh.pipe / m.n_layers  # one layer of the stage, the whole local batch
         hidden["fsdp_prefetch"] = max(0.0, layers - 1) * min(gather_s, layer_s)
-    if options["pipeline_overlap"] and mesh.pipe > 1:
+    if options["pipeline_overlap"] and mesh.pipe > 1 and "collective_permute" in can:
         (send,) = pipeline_rows(config)
         one_s = send.bytes / send.count / bandwidth["pipe"]
         chunk_s = flops_lib.step_flops_per_token(config) * tokens / devices / flops_per_s / send.count

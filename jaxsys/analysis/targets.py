@@ -225,7 +225,7 @@ def hardware(target: Target):
     (`cost_model.PROFILES`, 8 per NVLink node). TPUs: a slice is one "node" whose mesh axes run over
     ICI (a bidirectional ring along a torus axis: 2 links' worth per direction); axes with a DCN
     factor cross slices at the chip's DCN share."""
-    from jaxsys.analysis.cost_model import _ICI_LATENCY, Hardware
+    from jaxsys.analysis.cost_model import _ICI_LATENCY, Hardware, tpu_async_collectives
     from jaxsys.analysis.cost_model import hardware as profile
 
     chip = target.chip
@@ -243,6 +243,7 @@ def hardware(target: Target):
         chip.dcn_bytes_per_s,
         devices_per_host=min(TPU_CHIPS_PER_HOST, target.chips_per_slice),
         **_ICI_LATENCY,  # the alpha-beta model's latencies (cost_model: ~1 us per ICI hop)
+        async_collectives=tpu_async_collectives(chip.generation),
     )
 
 
