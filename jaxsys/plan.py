@@ -189,10 +189,13 @@ def compile_memory(candidate: Candidate, devices, target=None) -> dict:
     from jaxsys import program as program_lib
     from jaxsys.mesh import make_mesh
 
-    program = program_lib.build(candidate.config, make_mesh(candidate.config, devices))
+    # what XLA:CPU cannot build (a pipeline's collective matmul or ring attention) compiles in its
+    # nearest CPU form, named in the result
+    config, stand_in = program_lib.cpu_stand_in(candidate.config)
+    program = program_lib.build(config, make_mesh(config, devices))
     compiled = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile()
     peak = report.memory_report(program, compiled)["peak_bytes_per_device"]
-    return {"peak_bytes": peak, "compile_s": time.perf_counter() - start, "compiler": "xla:cpu"}
+    return {"peak_bytes": peak, "compile_s": time.perf_counter() - start, "compiler": "xla:cpu", "stand_in": stand_in}
 
 
 def plan(
@@ -250,6 +253,11 @@ def plan(
             f"  compiled {c.name}: "
             + (
                 f"{c.compiled['peak_bytes'] / 2**30:.2f} GiB in {c.compiled['compile_s']:.0f}s"
+                + (
+                    f" (XLA:CPU compiled it with {', '.join(c.compiled['stand_in'])})"
+                    if c.compiled.get("stand_in")
+                    else ""
+                )
                 if "peak_bytes" in c.compiled
                 else c.compiled["error"]
             )
@@ -281,12 +289,21 @@ def table(result: dict, rows: int = 10) -> str:
     for i, c in enumerate(result["ranked"][:rows], 1):
         comp = c.compiled or {}
         compiled = gib(comp["peak_bytes"]) if "peak_bytes" in comp else (comp.get("error", "-")[:40] if comp else "-")
+        if comp.get("stand_in"):  # compiled in its nearest CPU-buildable form (program.cpu_stand_in)
+            compiled += "*"
         fits = "-" if not comp else ("yes" if comp.get("fits") else "**no**")
         lines.append(
             f"| {i} | {c.name} | {c.step['step_s'] * 1e3:.1f} | {c.step['mfu']:.1%} | {c.overlap} | "
             f"{c.step['comm_exposed_s'] * 1e3:.1f} / {sum(c.step['comm_hidden_s'].values()) * 1e3:.1f} | "
             f"{gib(c.memory['total'])} | {compiled} | {fits} |"
         )
+    if any((c.compiled or {}).get("stand_in") for c in result["ranked"][:rows]):
+        lines += [
+            "",
+            "* compiled with what XLA:CPU cannot build replaced by its nearest CPU form (the log names it; "
+            "program.cpu_stand_in): collective matmul under a pipeline by the plain collectives, ring "
+            "attention under a pipeline by allgather (an upper bound). --target compiles the layout as it is.",
+        ]
     lines += ["", "pruned:"]
     for family, entry in result["pruned"].items():
         lines.append(f"  {family}: {entry['count']} ({entry['reason']})")

@@ -304,8 +304,33 @@ class Program(Placement):
         )
 
 
+def cpu_stand_in(config):
+    """(config, changes): `config` with what `build` refuses on XLA:CPU but TPUs and GPUs compile
+    (below) replaced by its nearest CPU-buildable form, for a compiled memory figure on fake CPU
+    devices (`jaxsys.plan`): collective matmul under a pipeline -> the plain SP collectives (the
+    same residuals), ring / tokenring context parallelism under a pipeline -> allgather (keeps the
+    gathered K/V: an upper bound), ragged expert dispatch -> padded (an upper bound). `changes`
+    names them; empty when the config builds as it is."""
+    import copy
+
+    changes = []
+    if config.mesh.pipe > 1 and config.parallel.get("collective_matmul", False):
+        changes.append(("parallel", "collective_matmul", False))
+    if config.mesh.pipe > 1 and config.mesh.seq > 1 and config.model.context_parallel != "allgather":
+        changes.append(("model", "context_parallel", "allgather"))
+    if config.parallel.expert_dispatch == "ragged":
+        changes.append(("parallel", "expert_dispatch", "padded"))
+    if not changes:
+        return config, []
+    stand_in = copy.deepcopy(config)
+    for section, key, value in changes:
+        stand_in[section][key] = value
+    return stand_in, [f"{section}.{key}={value}" for section, key, value in changes]
+
+
 def build(config, mesh, unroll_layers: bool = False) -> Program:
     platform = mesh.devices.flat[0].platform
+    # what XLA:CPU cannot run here but TPUs and GPUs compile (`cpu_stand_in` mirrors these)
     if config.model.attention_impl == "cudnn" and platform != "gpu":
         raise ConfigError(
             f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "

@@ -1092,9 +1092,9 @@ def hidden_communication(config, hw: Hardware, rows: list[Row], flops_per_s: flo
         act = local_batch(config) * config.data.seq_len / mesh.seq * m.d_model * b_c  # [B, T, D] per device
         op_s = ring_bytes("reduce_scatter", act, t) / W  # one SP all-gather or reduce-scatter
         N, K, H, F = m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-        counts = transformer.layer_counts(m)
+        counts = {k: n / mesh.pipe for k, n in transformer.layer_counts(m).items()}  # this stage's layers
         widths = [((N + 2 * K) * H / t, counts["all"]), (N * H / t, counts["all"])]
-        widths += [(2 * F / t, counts["dense"]), (F / t, counts["dense"]), (m.vocab_size / t, 1)]
+        widths += [(2 * F / t, counts["dense"]), (F / t, counts["dense"]), (m.vocab_size / t, 1 / mesh.pipe)]
         ratio = lambda w: 2 * w * W / (flops_per_s * b_c)
         cm = sum(2 * n * op_s * min(1.0, ratio(w)) for w, n in widths)
         sp = sum(r.bytes for r in rows if r.technique.startswith("Megatron SP")) / W
@@ -1152,6 +1152,8 @@ def predicted_step(config, hw: Hardware) -> dict:
     compute = max(compute_s, roof["memory_s"]) * bubble
     latency = collective_latency(config, hw, rows)
     hidden = hidden_communication(config, hw, rows, rate)
+    if sum(hidden.values()) > compute_s:  # a transfer hides only behind compute that exists
+        hidden = {k: h * compute_s / sum(hidden.values()) for k, h in hidden.items()}
     comm = roof["comm_s"] + latency
     exposed = comm - sum(hidden.values())
     overhead = kernel_count(config) * hw.op_overhead_s
