@@ -93,6 +93,31 @@ def _summary(s: dict) -> dict:
     return {k: s[k] for k in keep + ("time_s", "hidden_s", "exposed_s")}
 
 
+def predicted(config, hw, variant: str, which: str) -> dict:
+    """The cost model's step for one schedule entry (`cost_model.predicted_step` on the same hardware)."""
+    from jaxsys.analysis import cost_model
+
+    step = cost_model.predicted_step(config, hw)
+    option = variant if variant in step["comm_hidden_s"] else None  # the ladder: no option in the model
+    return dict(
+        compute_s=step["compute_s"],
+        link_s=step["link_s"],
+        comm_s=step["comm_s"],
+        exposed_s=step["comm_exposed_s"],
+        hidden_s=step["comm_hidden_s"].get(option, 0.0) if option and which == "variant" else 0.0,
+        step_s=step["step_s"],
+    )
+
+
+def repredict(results: dict) -> None:
+    """The cost model's figures of every schedule entry again, with the current model (no compile)."""
+    from jaxsys.analysis import cost_model, targets
+
+    for r in results["schedules"]:
+        hw = cost_model.hardware("cpu") if r["target"] == "cpu" else targets.hardware(targets.parse(r["target"]))
+        r["predicted"] = predicted(make_config(r["variant"], r["which"], r["model"]), hw, r["variant"], r["which"])
+
+
 def worker(n: int, jobs: list) -> None:
     common.worker_devices(n)
     import jax
@@ -122,8 +147,6 @@ def worker(n: int, jobs: list) -> None:
         text = compiled.as_text()
         whole = report.overlap_summary(text, c, hw)
         own = report.overlap_summary(text, c, hw, select=lambda k: axis in k.axes)
-        step = cost_model.predicted_step(c, hw)
-        option = variant if variant in step["comm_hidden_s"] else None  # the ladder: no option in the model
         common.emit(
             dict(
                 kind="schedule",
@@ -138,14 +161,7 @@ def worker(n: int, jobs: list) -> None:
                 axis=axis,
                 own=_summary(own),
                 rows=whole["rows"],
-                predicted=dict(
-                    compute_s=step["compute_s"],
-                    link_s=step["link_s"],
-                    comm_s=step["comm_s"],
-                    exposed_s=step["comm_exposed_s"],
-                    hidden_s=step["comm_hidden_s"].get(option, 0.0) if option and which == "variant" else 0.0,
-                    step_s=step["step_s"],
-                ),
+                predicted=predicted(c, hw, variant, which),
             )
         )
         print(f"{variant} {which} {job['target']}: compiled in {compile_s:.0f} s", file=sys.stderr, flush=True)
@@ -401,13 +417,22 @@ def main() -> int:
         __doc__,
         worker,
         quick="the tiny test model (D 64, L 4, B 16, T 32) everywhere, ~4 min",
-        add=lambda p: p.add_argument(
-            "--repeat-timings",
-            action="store_true",
-            help="only time the CPU steps again (results.json's timings_repeat)",
+        add=lambda p: (
+            p.add_argument(
+                "--repeat-timings",
+                action="store_true",
+                help="only time the CPU steps again (results.json's timings_repeat)",
+            ),
+            p.add_argument(
+                "--repredict", action="store_true", help="only the cost model's figures again (no compile)"
+            ),
         ),
     )
-    if args.repeat_timings:
+    if args.repredict:
+        results = common.load_results(RESULTS)
+        repredict(results)
+        common.save_results(RESULTS, results)
+    elif args.repeat_timings:
         results = common.load_results(RESULTS)
         jobs = [dict(kind="time", variant=v, which=w, model="small") for v in VARIANTS for w in ("plain", "variant")]
         results["timings_repeat"] = common.run_worker(__file__, 8, jobs, timeout=3000, what="devices")

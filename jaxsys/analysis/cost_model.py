@@ -356,6 +356,31 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
                 ring_bytes("reduce_scatter", (psi_l + psi_r) * b_c, f),
             )
         )
+        if config.parallel.get("fsdp_prefetch", False):
+            # the scan's last iteration gathers one layer it does not use, and (the delayed
+            # reduce-scatter) reduce-scatters its zero gradient: one layer's pair per layer stack run
+            # (per micro-batch under a pipeline); docs/comm_overlap.md
+            runs = config.train.microbatches if mesh.pipe > 1 else 1
+            layer = psi_l / m.n_layers
+            n_l = params_per_device_after_tp(config)[2]
+            rows.append(
+                Row(
+                    "FSDP prefetch: the last iteration's unused layer gather",
+                    "all_gather",
+                    ("fsdp",),
+                    runs * n_l,
+                    runs * ring_bytes("all_gather", layer * b_c / f, f),
+                )
+            )
+            rows.append(
+                Row(
+                    "FSDP prefetch: its zero-gradient reduce-scatter",
+                    "reduce_scatter",
+                    ("fsdp",),
+                    runs * n_l,
+                    runs * ring_bytes("reduce_scatter", layer * b_c, f),
+                )
+            )
     rows += expert_parallel_rows(config)
     if t > 1:
         act = B_local * T * D * b_c
