@@ -423,9 +423,7 @@ def main() -> int:
                 action="store_true",
                 help="only time the CPU steps again (results.json's timings_repeat)",
             ),
-            p.add_argument(
-                "--repredict", action="store_true", help="only the cost model's figures again (no compile)"
-            ),
+            p.add_argument("--repredict", action="store_true", help="only the cost model's figures again (no compile)"),
         ),
     )
     if args.repredict:
