@@ -208,6 +208,15 @@ def _pair(results, variant, target):
     return by.get("plain"), by.get("variant")
 
 
+def _pairs(results):
+    """(variant, target, plain, variant) for every variant and target with both schedules."""
+    for v in VARIANTS:
+        for t in TARGETS:
+            a, b = _pair(results, v, t)
+            if a is not None and b is not None:
+                yield v, t, a, b
+
+
 def _us(s: float) -> str:
     return f"{s * 1e6:,.0f}"
 
@@ -260,24 +269,20 @@ def tables(results) -> list[str]:
     header = ["variant", "target", "collectives", "async", "bytes overlapped: any / matmuls", "comm us", "hidden us"]
     header += ["exposed us"]
     rows = []
-    for v in VARIANTS:
-        for t in TARGETS:
-            a, b = _pair(results, v, t)
-            if a is None or b is None:
-                continue
-            arrow = lambda f: f"{f(a['own'])} -> {f(b['own'])}"
-            rows.append(
-                [
-                    f"{LABEL[v]} [{a['axis']}]",
-                    t,
-                    arrow(lambda s: s["count"]),
-                    arrow(lambda s: s["async"]),
-                    arrow(lambda s: f"{s['overlapped_fraction']:.0%} / {s['beside_matmul_fraction']:.0%}"),
-                    arrow(lambda s: _us(s["time_s"])),
-                    arrow(lambda s: _us(s["hidden_s"])),
-                    arrow(lambda s: _us(s["exposed_s"])),
-                ]
-            )
+    for v, t, a, b in _pairs(results):
+        arrow = lambda f: f"{f(a['own'])} -> {f(b['own'])}"
+        rows.append(
+            [
+                f"{LABEL[v]} [{a['axis']}]",
+                t,
+                arrow(lambda s: s["count"]),
+                arrow(lambda s: s["async"]),
+                arrow(lambda s: f"{s['overlapped_fraction']:.0%} / {s['beside_matmul_fraction']:.0%}"),
+                arrow(lambda s: _us(s["time_s"])),
+                arrow(lambda s: _us(s["hidden_s"])),
+                arrow(lambda s: _us(s["exposed_s"])),
+            ]
+        )
     out += common.markdown_table(header, "llrrrrrr", rows) + [""]
     out += [
         "### Exposed communication: share of the step and reduction against plain",
@@ -294,26 +299,22 @@ def tables(results) -> list[str]:
     header += ["exposed comm reduction", "compute + exposed: reduction"]
     header += ["cost model exposed link us: plain -> variant", "cost model reduction"]
     rows = []
-    for v in VARIANTS:
-        for t in TARGETS:
-            a, b = _pair(results, v, t)
-            if a is None or b is None:
-                continue
-            ea, eb = a["step"]["exposed_s"], b["step"]["exposed_s"]
-            pa, pb = (r["predicted"]["link_s"] - r["predicted"]["hidden_s"] for r in (a, b))
-            rows.append(
-                [
-                    LABEL[v],
-                    t,
-                    _us(a["predicted"]["compute_s"]),
-                    f"{_us(ea)} -> {_us(eb)}",
-                    f"{share(a):.0%} -> {share(b):.0%}",
-                    f"{1 - eb / ea:.0%}" if ea else "-",
-                    f"{(ea - eb) / (a['predicted']['compute_s'] + ea):.1%}",
-                    f"{_us(pa)} -> {_us(pb)}",
-                    f"{1 - pb / pa:.0%}" if pa else "-",
-                ]
-            )
+    for v, t, a, b in _pairs(results):
+        ea, eb = a["step"]["exposed_s"], b["step"]["exposed_s"]
+        pa, pb = (r["predicted"]["link_s"] - r["predicted"]["hidden_s"] for r in (a, b))
+        rows.append(
+            [
+                LABEL[v],
+                t,
+                _us(a["predicted"]["compute_s"]),
+                f"{_us(ea)} -> {_us(eb)}",
+                f"{share(a):.0%} -> {share(b):.0%}",
+                f"{1 - eb / ea:.0%}" if ea else "-",
+                f"{(ea - eb) / (a['predicted']['compute_s'] + ea):.1%}",
+                f"{_us(pa)} -> {_us(pb)}",
+                f"{1 - pb / pa:.0%}" if pa else "-",
+            ]
+        )
     out += common.markdown_table(header, "llrrrrrrr", rows) + [""]
     if results.get("timings"):
         m = results["models"]["timing"]
