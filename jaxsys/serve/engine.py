@@ -52,6 +52,15 @@ _sample_rows = jax.jit(
     )
 )
 
+_sample_at = jax.jit(lambda logits, at, *settings: _sample_rows(logits[at], *settings))
+
+
+def _pad(values: list, size: int | None = None) -> list:
+    """`values` padded to a power of two (or `size`) by repeating the first: the jitted helpers
+    compile once per padded size, not once per count."""
+    size = size or 1 << (len(values) - 1).bit_length()
+    return values + [values[0]] * (size - len(values))
+
 
 @dataclasses.dataclass
 class Sampling:
@@ -105,6 +114,7 @@ class Engine:
             Scheduler(pool, token_budget, chunk_size, max_seqs, policy, self.max_len) for pool in self.pools
         ]
         self.budget = token_budget
+        self.sample_slots = self.shards * max_seqs  # sequences that can get a token in one step
         self.shard_of: dict = {}
         self.sampling: dict = {}
         m = config.model
@@ -184,6 +194,23 @@ class Engine:
             w *= 2
         return out + [top]
 
+    def _sample(self, logits, sample_rows: dict, sampling: dict) -> dict:
+        """{request id: token} for `sample_rows` {request id: (row of logits, request)}, in one call
+        padded to `sample_slots` rows, so that it compiles once per row bucket (in `warmup`), not
+        once per number of sequences."""
+        ids = _pad(list(sample_rows), max(self.sample_slots, len(sample_rows)))
+        settings = [sampling[rid] for rid in ids]
+        tokens = _sample_at(
+            logits,
+            np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
+            np.asarray([s.seed for s in settings], np.int32),
+            np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
+            np.asarray([s.temperature for s in settings], np.float32),
+            np.asarray([s.top_k for s in settings], np.int32),
+            np.asarray([s.top_p for s in settings], np.float32),
+        )
+        return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
+
     def _put(self, array, pspec):
         return jax.device_put(array, NamedSharding(self.program.mesh, pspec))
 
@@ -214,7 +241,8 @@ class Engine:
         """Compile every row bucket now (steps of padding rows only: they write the scratch page)."""
         for width in self.widths():
             rows = np.zeros(self.shards * width, np.int32)
-            self._run(rows, rows, np.full((self.shards * width, self.max_pages), self.scratch, np.int32))
+            logits = self._run(rows, rows, np.full((self.shards * width, self.max_pages), self.scratch, np.int32))
+            self._sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})  # and its sampling
         jax.block_until_ready(self.cache)
 
     # -- requests
@@ -271,19 +299,7 @@ class Engine:
             table.reshape(-1, self.max_pages),
             None if fp_table is None else fp_table.reshape(-1, self.max_pages),
         )
-        sampled = {}
-        if sample_rows:  # one call for every sequence that gets a token this step
-            ids = list(sample_rows)
-            settings = [self.sampling[rid] for rid in ids]
-            tokens = _sample_rows(
-                logits[np.asarray([sample_rows[rid][0] for rid in ids])],
-                np.asarray([s.seed for s in settings], np.int32),
-                np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
-                np.asarray([s.temperature for s in settings], np.float32),
-                np.asarray([s.top_k for s in settings], np.int32),
-                np.asarray([s.top_p for s in settings], np.float32),
-            )
-            sampled = dict(zip(ids, np.asarray(tokens).tolist()))
+        sampled = self._sample(logits, sample_rows, self.sampling) if sample_rows else {}
         for scheduler, work in zip(self.schedulers, plans):
             for req in scheduler.commit(work, sampled):
                 self.sampling.pop(req.id, None)

@@ -56,20 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.serve import decode, speculative
-from jaxsys.serve.engine import Engine, Sampling, _sample_rows, pool_settings
+from jaxsys.serve.engine import Engine, Sampling, _pad, _sample_at, pool_settings
 
 
 def _base_key(seed, n):
     """The key of a sequence's n-th token (as the plain engine's); drafts and the verdict fold
     1 and 2 into it, so the three streams are disjoint."""
     return jax.random.fold_in(jax.random.key(seed), n)
-
-
-def _pad(values: list, size: int | None = None) -> list:
-    """`values` padded to a power of two (or `size`) by repeating the first: the jitted helpers
-    below compile once per padded size, not once per count."""
-    size = size or 1 << (len(values) - 1).bit_length()
-    return values + [values[0]] * (size - len(values))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -99,9 +92,6 @@ def _accept_rows(logits, rows, q_buffer, q_rows, drafted, seed, n, temperature, 
         return speculative.accept(p, q, d, jax.random.fold_in(_base_key(seed, n), 2), greedy=greedy)
 
     return jax.vmap(one)(logits[rows], q_buffer[q_rows], drafted, seed, n, temperature, top_k, top_p)
-
-
-_sample_at = jax.jit(lambda logits, at, *settings: _sample_rows(logits[at], *settings))
 
 
 def sparse_view(pages: list, length: int, page_size: int, sink_pages: int, window: int):
