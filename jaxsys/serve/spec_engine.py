@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys.serve import decode, speculative
-from jaxsys.serve.engine import Engine, Sampling, _pad, _sample_at, pool_settings
+from jaxsys.serve.engine import Engine, Sampling, _pad, pool_settings
 
 
 def _base_key(seed, n):
@@ -387,20 +387,8 @@ class SpeculativeEngine(Engine):
                     sample_rows[req.id] = (d * width + r - 1, req)
         logits = self._run(tokens.reshape(-1), positions.reshape(-1), table.reshape(-1, self.max_pages))
         self.stats["target_steps"] += 1
-        sampled = {}
-        if sample_rows:  # as Engine.step: one call for every sequence that gets one token
-            ids = _pad(list(sample_rows))
-            settings = [self.sampling[rid] for rid in ids]
-            out = _sample_at(
-                logits,
-                np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
-                np.asarray([s.seed for s in settings], np.int32),
-                np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
-                np.asarray([s.temperature for s in settings], np.float32),
-                np.asarray([s.top_k for s in settings], np.int32),
-                np.asarray([s.top_p for s in settings], np.float32),
-            )
-            sampled = dict(zip(ids[: len(sample_rows)], np.asarray(out).tolist()))
+        # as Engine.step: one call for every sequence that gets one token
+        sampled = self._sample(logits, sample_rows, self.sampling) if sample_rows else {}
         sampled.update(self._verify(logits, verify_rows, drafted, q_all, q_index) if verify_rows else {})
         for scheduler, work in zip(self.schedulers, plans):
             for req in scheduler.commit(work, sampled):
