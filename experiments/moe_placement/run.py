@@ -1,4 +1,4 @@
-"""MoE systems claim (FSMoE, SE-MoE, MoETuner; shared/papers.md): placing the experts on the devices
+"""MoE systems claim (FSMoE, SE-MoE, MoETuner; docs/papers.md): placing the experts on the devices
 by their routing statistics evens out the per-device token load and the all-to-all traffic, and
 (MoETuner) keeps the experts that consecutive layers route a token to on one device.
 

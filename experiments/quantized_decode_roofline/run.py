@@ -4,7 +4,7 @@ Llama-7B and Llama-70B on an H100 and a TPU v5p, batch 1..128, beside MARLIN's c
     .venv/bin/python experiments/quantized_decode_roofline/run.py            # tables, results.json, plot
     .venv/bin/python experiments/quantized_decode_roofline/run.py --measured q.json  # + bench.py figures
 
-Claim (MARLIN, Frantar et al., PPoPP 2025; shared/papers.md): 4-bit weights x 16-bit activations
+Claim (MARLIN, Frantar et al., PPoPP 2025; docs/papers.md): 4-bit weights x 16-bit activations
 stay memory-bound at batch > 1: close to the ideal 4x over FP16 up to batch 16-32, decreasing but
 significant to 64-128; up to 2.8x end-to-end in vLLM.
 
