@@ -37,6 +37,7 @@ QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
 KV_QUANT = ("none", "int8", "kivi4", "kivi2")  # config.serve.kv_quant (docs/kv_quant.md)
+CACHE_KINDS = ("paged", "contiguous")  # config.serve.cache (jaxsys/cache/)
 # checkpoint_name()s the model puts on activations, which config.offload.activations may offload
 ACTIVATION_NAMES = ("layer_input", "attention_output", "mlp_hidden")
 MODEL_KINDS = ("jaxsys", "flax")  # config.model.kind (docs/flax.md)
@@ -217,8 +218,9 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
 
-    # Serving (docs/serving.md): the engine's paged KV pool and continuous batching, per batch shard
+    # Serving (docs/serving.md): the engine's KV cache and continuous batching, per batch shard
     c.serve = ml_collections.ConfigDict()
+    c.serve.cache = "paged"  # paged | contiguous (a row of max_len slots per running sequence)
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
@@ -234,7 +236,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.placement = "cost"  # cost (the cost model picks per request) | prefill | colocated
     c.serve.interference = 1.0  # cost model: weight of the running decodes' stall vs one request's TTFT
     c.serve.hardware = "h100"  # cost model: the hardware profile placement is priced on
-    # speculative decoding in the engine (serve/spec_engine.py): tokens drafted per decode step
+    # speculative decoding in the engine (serve/speculation.py): tokens drafted per decode step
     c.serve.spec_k = 0  # 0 = off
     c.serve.draft = "none"  # none | a workdir of a smaller model with the same vocabulary | self
     c.serve.spec_window = 64  # self-speculation: the draft attends to the last spec_window tokens
@@ -416,7 +418,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _validate_speculation(sv) -> None:
-    """config.serve.spec_k / draft / spec_window / spec_sink (serve/spec_engine.py)."""
+    """config.serve.spec_k / draft / spec_window / spec_sink (serve/speculation.py)."""
     _require(
         isinstance(sv.spec_k, int) and sv.spec_k >= 0,
         f"config.serve.spec_k={sv.spec_k!r} must be an integer >= 0 (0: no speculative decoding)",
@@ -556,6 +558,17 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(sv.policy in SERVE_POLICIES, f"config.serve.policy={sv.policy!r}: choose one of {SERVE_POLICIES}")
     _validate_speculation(sv)
     _require(sv.kv_quant in KV_QUANT, f"config.serve.kv_quant={sv.kv_quant!r}: choose one of {KV_QUANT}")
+    _require(sv.cache in CACHE_KINDS, f"config.serve.cache={sv.cache!r}: choose one of {CACHE_KINDS}")
+    _require(
+        sv.cache == "paged" or sv.kv_quant == "none",
+        f"config.serve.cache={sv.cache!r} with config.serve.kv_quant={sv.kv_quant!r}: the quantized cache is "
+        "paged; set cache='paged' or kv_quant='none'",
+    )
+    _require(
+        sv.cache == "paged" or sv.draft != "self",
+        f"config.serve.cache={sv.cache!r} with config.serve.draft='self': self-speculation reads a window of "
+        "the target's pages; set cache='paged' or use a draft model",
+    )
     _require(
         isinstance(sv.kv_residual, int) and sv.kv_residual >= 0,
         f"config.serve.kv_residual={sv.kv_residual!r} must be an integer >= 0 (pages)",

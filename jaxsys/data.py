@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 VALID_SOURCES = ("stdlib", "text", "tokens")
+BYTE_SOURCES = ("stdlib", "text")  # corpora whose tokens are UTF-8 bytes (text in, text out)
 VALID_TOKEN_DTYPES = ("uint16", "uint32")
 _NPY_TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.int32))
 _SPLIT_IDS = {"train": 0, "eval": 1}
@@ -63,6 +64,24 @@ class Corpus:
 # ----------------------------------------------------------------------------
 # Byte tokenizer
 # ----------------------------------------------------------------------------
+
+
+def encode_prompt(prompt: str, config) -> list[int]:
+    """A prompt's token ids: its UTF-8 bytes for a byte-level corpus, else space-separated ids
+    (checked against the vocabulary). ValueError names the problem."""
+    if config.data.source in BYTE_SOURCES:
+        return byte_encode(prompt).astype(int).tolist()
+    try:
+        ids = [int(t) for t in prompt.split()]
+    except ValueError:
+        raise ValueError(
+            f"config.data.source={config.data.source!r} has no text tokenizer here: pass the prompt "
+            "as space-separated token ids"
+        ) from None
+    bad = [i for i in ids if not 0 <= i < config.model.vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {config.model.vocab_size})")
+    return ids
 
 
 def byte_encode(text: str) -> np.ndarray:

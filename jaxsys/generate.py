@@ -7,7 +7,8 @@ or a quantized one (`jaxsys.quantize`).
 Prints the continuation on stdout as it is generated: text for a byte-level corpus
 (config.data.source stdlib or text), else space-separated token ids (and `--prompt` is then
 space-separated ids too). Logs go to stderr. Overrides change how it runs (the mesh:
-`--config.mesh.tensor=2`; kernels), not the model. jaxsys/serve/decode.py says how.
+`--config.mesh.tensor=2`; kernels; config.serve's cache), not the model. It is the serving engine
+(jaxsys/serve/engine.py) with one request: `engine.generate`.
 """
 
 from __future__ import annotations
@@ -19,54 +20,6 @@ import time
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError, parse_with_overrides
-
-BYTE_SOURCES = ("stdlib", "text")
-
-
-def load_program(workdir: str, overrides=(), step: int | None = None):
-    """(program, params, config) of `workdir`'s checkpoint on the mesh its config (with overrides)
-    names, checked for serving."""
-    from jaxsys import program as program_lib
-    from jaxsys.mesh import cpu_unless_accelerator, mesh_for
-    from jaxsys.serve import decode
-
-    cpu_unless_accelerator()
-    config, step = checkpoint_lib.saved_config(workdir, overrides, step)
-    if config.model.kind == "flax":
-        raise ConfigError(
-            f"{workdir} holds a Flax model (config.model.kind='flax'): generation and serving "
-            "need jaxsys's transformer and its KV cache (docs/flax.md); its eval loss: "
-            f"python -m jaxsys.evaluate --workdir {workdir}"
-        )
-    decode.check_servable(config)
-    program = program_lib.build(config, mesh_for(config))
-    params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
-    return program, params, config
-
-
-def load(workdir: str, overrides=(), step: int | None = None, batch: int = 1, max_len: int = 256):
-    """(decoder, params, config) for `workdir` on the mesh its config (with overrides) names."""
-    from jaxsys.serve import decode
-
-    program, params, config = load_program(workdir, overrides, step)
-    batch = decode.Decoder.padded_batch(batch, program.layout)
-    return decode.Decoder(program, batch, max_len), params, config
-
-
-def encode(prompt: str, config) -> list[int]:
-    if config.data.source in BYTE_SOURCES:
-        return data_lib.byte_encode(prompt).astype(int).tolist()
-    try:
-        ids = [int(t) for t in prompt.split()]
-    except ValueError:
-        raise ValueError(
-            f"config.data.source={config.data.source!r} has no text tokenizer here: pass the prompt "
-            "as space-separated token ids"
-        ) from None
-    bad = [i for i in ids if not 0 <= i < config.model.vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {config.model.vocab_size})")
-    return ids
 
 
 def main(argv=None) -> int:
@@ -88,51 +41,54 @@ def main(argv=None) -> int:
 
     cpu_unless_accelerator()
     try:
+        from jaxsys.serve import build_engine, engine
+        from jaxsys.serve.runner import load
+        from jaxsys.serve.sampling import Sampling
+
         if not args.prompt:
             raise ValueError("--prompt is empty: give at least one token of context")
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        sampling.check()
         config, _ = checkpoint_lib.saved_config(args.workdir, (), args.step)
-        prompt = encode(args.prompt, config)
+        prompt = data_lib.encode_prompt(args.prompt, config)
         max_len = args.max_len or -(-(len(prompt) + args.max_new_tokens) // 64) * 64
+        if len(prompt) + args.max_new_tokens > max_len:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens plus {args.max_new_tokens} new ones exceeds the cache of "
+                f"{max_len} positions: shorten the prompt or lower --max-new-tokens"
+            )
         start = time.perf_counter()
-        decoder, params, config = load(args.workdir, overrides, args.step, 1, max_len)
+        program, params, config = load(args.workdir, overrides, args.step)
+        eng = build_engine(program, params, max_len)
         log(
             f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; prompt {len(prompt)} tokens, "
             f"cache {max_len} positions"
         )
-        byte_level = config.data.source in BYTE_SOURCES
+        byte_level = config.data.source in data_lib.BYTE_SOURCES
         pending = bytearray()
+        shown = [0]
 
-        def show(step, tokens):
-            if byte_level:  # print whole UTF-8 characters as they complete
-                pending.append(int(tokens[0]))
-                try:
-                    text = pending.decode("utf-8")
-                except UnicodeDecodeError:
-                    if len(pending) < 4:
-                        return
-                    text = pending.decode("utf-8", errors="replace")
-                pending.clear()
-                sys.stdout.write(text)
-            else:
-                sys.stdout.write(("" if step == 0 else " ") + str(int(tokens[0])))
+        def show(_, tokens):
+            for token in tokens:
+                if byte_level:  # print whole UTF-8 characters as they complete
+                    pending.append(int(token))
+                    try:
+                        text = pending.decode("utf-8")
+                    except UnicodeDecodeError:
+                        if len(pending) < 4:
+                            continue
+                        text = pending.decode("utf-8", errors="replace")
+                    pending.clear()
+                    sys.stdout.write(text)
+                else:
+                    sys.stdout.write(("" if shown[0] == 0 else " ") + str(int(token)))
+                shown[0] += 1
             sys.stdout.flush()
 
-        from jaxsys.serve import decode
-
         start = time.perf_counter()
-        decode.generate(
-            decoder,
-            params,
-            [prompt],
-            args.max_new_tokens,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            args.seed,
-            on_token=show,
-        )
+        engine.generate(eng, [prompt], args.max_new_tokens, sampling, on_token=show)
         if pending:
             sys.stdout.write(pending.decode("utf-8", errors="replace"))
         sys.stdout.write("\n")

@@ -29,6 +29,7 @@ from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
 from jaxsys.parallel import collectives, expert, expert_placement, offload, pipeline, zero
+from jaxsys.parallel.spmd import per_shard
 from jaxsys.sharding import Layout
 
 
@@ -134,7 +135,7 @@ class Program(Placement):
     def _local_objective(self, params, tokens, hook=None):
         """This shard's share of the global mean objective (the shares sum to it over the shards):
         token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats).
-        `hook` sees every weight as it is read (`transformer._weights`; zeroth-order perturbations)."""
+        `hook` sees every weight as it is read (`execution.weights_as_used`; zeroth-order perturbations)."""
         c, norm = self.config, self.tokens_per_step
         if c.model.kind == "flax":  # a Flax module (models/flax_model.py): the same objective
             from jaxsys.models import flax_model
@@ -248,7 +249,7 @@ class Program(Placement):
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _shard_map(self, f, in_specs, out_specs):
-        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        return per_shard(f, self.mesh, in_specs, out_specs)
 
     # -- jitted global functions
     def train_step_fn(self):

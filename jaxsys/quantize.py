@@ -39,7 +39,7 @@ from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
 from jaxsys.config import MESH_AXES, QUANT_FORMATS, ConfigError, base_config, block_pattern, validate
 from jaxsys.kernels.quantized_matmul import reference as qref
-from jaxsys.models import quant, transformer
+from jaxsys.models import ladder, quant, transformer
 from jaxsys.sharding import Layout
 
 METHODS = ("rtn", "gptq")
@@ -153,10 +153,10 @@ def gptq_params(
     params = jax.tree.map(jnp.asarray, params)
     embed = jax.jit(lambda p, ids: transformer.embed(p, ids, m, layout))
     # each layer's input stream (under the ladder residual the pair (h, pending), config.model.residual)
-    xs = [transformer.residual_stream(embed(params, tok[:, :-1]), m) for tok in tokens]
+    xs = [ladder.residual_stream(embed(params, tok[:, :-1]), m) for tok in tokens]
     pattern = block_pattern(m)
     counts = {"all": 0, "dense": 0, "moe": 0}
-    index = lambda name: counts[transformer._leaf_kind(name)]
+    index = lambda name: counts[transformer.leaf_kind(name)]
     hessians, layers = {}, params["layers"]
     quantized = {name: [] for name in quant.CONTRACTED if name in layers}
 
@@ -165,7 +165,7 @@ def gptq_params(
         B, T = jax.tree.leaves(x)[0].shape[:2]
         previous = jnp.full((B, T, m.moe.top_k), -1, jnp.int32)
         with quant.capture_inputs() as seen:
-            y = transformer._block(x, w, positions, m, layout, kind, mlp_kind, previous)[0]
+            y = transformer.block(x, w, positions, m, layout, kind, mlp_kind, previous)[0]
         return y, dict(seen)
 
     for l in range(m.n_layers):
@@ -173,7 +173,7 @@ def gptq_params(
         w = {
             name: jax.tree.map(lambda a: a[index(name)].astype(compute), leaf)
             for name, leaf in layers.items()
-            if transformer._leaf_kind(name) in ("all", mlp_kind)
+            if transformer.leaf_kind(name) in ("all", mlp_kind)
         }
         sums = {}
         for x in xs:

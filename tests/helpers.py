@@ -38,6 +38,30 @@ def program_for(config):
     return train.build(config, make_mesh(config, jax.devices()[:n]))
 
 
+def generate_contiguous(program, params, prompts, n: int, max_len: int = 64, drafter=None, k: int = 0, **sampling):
+    """`n` new tokens per prompt from the serving engine with a contiguous cache (a row of max_len
+    slots per sequence, layers.attention over it): the reference the paged and quantized caches
+    are compared with. Whole prompts prefill in one step; `sampling` (temperature, seed, ...) is
+    every request's."""
+    from jaxsys.serve import engine
+    from jaxsys.serve.sampling import Sampling
+
+    layout = program.layout
+    shards = layout.size(layout.compute_axes("batch"))
+    eng = engine.Engine(
+        program,
+        params,
+        token_budget=max(64, max_len),
+        chunk_size=max_len,
+        max_seqs=-(-len(prompts) // shards),
+        cache="contiguous",
+        max_len=max_len,
+        drafter=drafter,
+        k=k,
+    )
+    return engine.generate(eng, prompts, n, Sampling(**sampling))
+
+
 def pipeline_config(mesh=None, schedule="1f1b", microbatches=4, virtual_stages=1, vocab_parallel=False, **model):
     """`small_config` with 8 layers and a pipeline schedule."""
     c = small_config(mesh, **{"n_layers": 8, **model})

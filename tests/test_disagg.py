@@ -12,7 +12,7 @@ import pytest
 from jaxsys.analysis.decode import kv_transfer_bytes
 from jaxsys.config import ConfigError
 from jaxsys.serve import disagg, engine
-from tests.helpers import program_for, small_config
+from tests.helpers import generate_contiguous, program_for, small_config
 
 
 def _config(**serve):
@@ -122,7 +122,7 @@ def test_pages_round_trip_between_meshes():
     placed, moved = eng.decode.receive_pages(1, block)
     assert moved == sum(b.nbytes for b in jax.tree.leaves(block)) == kv_transfer_bytes(config.model, 12, 4)
     eng.decode.import_pages(1, [3, 0, 6], placed)
-    for src, dst in zip(eng.prefill.cache, eng.decode.cache):
+    for src, dst in zip(eng.prefill.cache.per_layer().values(), eng.decode.cache.per_layer().values()):
         src, dst = np.asarray(src), np.asarray(dst)
         np.testing.assert_array_equal(dst[:, 9 + np.array([3, 0, 6])], src[:, [5, 2, 7]])  # shard 1 = pages 9..17
         assert not dst[:, :8].any()  # shard 0's pages untouched (its scratch page got zeros)
@@ -191,7 +191,7 @@ def test_http_server_streams_from_the_disaggregated_engine():
     import threading
     import urllib.request
 
-    from jaxsys.serve import decode, server
+    from jaxsys.serve import server
 
     config = _config(placement="prefill")
     one = program_for(small_config(n_kv_heads=4))
@@ -219,9 +219,8 @@ def test_http_server_streams_from_the_disaggregated_engine():
         [t.join(120) for t in threads]
     finally:
         server.shutdown(httpd, loop)
-    solo = decode.Decoder(one, batch=1, max_len=64)
     for i, p in enumerate(prompts):
-        assert results[i] == decode.generate(solo, params, [p], 4)[0], i
+        assert results[i] == generate_contiguous(one, params, [p], 4)[0], i
     assert {t["id"] for t in eng.transfers} == set(eng.placement) and len(eng.transfers) == 3
 
 
@@ -239,7 +238,7 @@ def test_decode_analysis_reports_transfer_bytes():
 
 
 def test_page_methods_are_generic_over_a_quantized_cache():
-    """The KIVI cache is a dict of pools with their own page ids: per-leaf ids move every leaf
+    """The KIVI cache has pools with their own page ids: per-leaf ids move every leaf
     exactly (what disaggregation would need under kv_quant, which it still refuses by name)."""
     config = _config()
     pre, dec = disagg.build_programs(config)
@@ -247,20 +246,20 @@ def test_page_methods_are_generic_over_a_quantized_cache():
     kw = dict(num_pages=8, page_size=4, token_budget=8, chunk_size=4, max_seqs=2, kv_quant="int8")
     src = engine.Engine(pre, disagg.reshard(params, pre), **kw)
     dst = engine.Engine(dec, disagg.reshard(params, dec), **kw)
-    assert isinstance(src.cache, dict) and len(src.cache) > 2
+    pools = src.cache.per_layer()
+    assert len(pools) > 2
     rng = np.random.default_rng(0)
-    src.cache = {
-        k: jax.device_put(rng.integers(0, 100, a.shape).astype(a.dtype), a.sharding) for k, a in src.cache.items()
-    }
-    fp = {k for k, a in src.cache.items() if a.shape[1] != src.cache["kq"].shape[1]}
-    ids_src = {k: ([1] if k in fp else [5, 2]) for k in src.cache}
-    ids_dst = {k: ([0] if k in fp else [3, 6]) for k in src.cache}
+    pools = {k: jax.device_put(rng.integers(0, 100, a.shape).astype(a.dtype), a.sharding) for k, a in pools.items()}
+    src.cache = src.cache.with_layers(pools)
+    fp = {k for k, a in pools.items() if a.shape[1] != pools["kq"].shape[1]}
+    ids_src = {k: ([1] if k in fp else [5, 2]) for k in pools}
+    ids_dst = {k: ([0] if k in fp else [3, 6]) for k in pools}
     block = src.export_pages(0, ids_src)
     placed, moved = dst.receive_pages(1, block)
     assert moved == sum(b.nbytes for b in jax.tree.leaves(block))
     dst.import_pages(1, ids_dst, placed)
-    for k in src.cache:
-        a, b = np.asarray(src.cache[k]), np.asarray(dst.cache[k])
+    for k in pools:
+        a, b = np.asarray(pools[k]), np.asarray(dst.cache.per_layer()[k])
         per = b.shape[1] // dst.shards
         np.testing.assert_array_equal(b[:, per + np.array(ids_dst[k])], a[:, ids_src[k]])
     c = small_config(n_kv_heads=4)

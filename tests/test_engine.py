@@ -1,12 +1,12 @@
 """The continuous-batching engine (jaxsys/serve/engine.py) over a paged KV cache: every request
-gets the tokens it would get generated alone (greedy, jaxsys.serve.decode's contiguous cache),
-whatever the arrival order, chunking and co-scheduled requests, on one device and tensor=2."""
+gets the tokens it would get generated alone (greedy, with the contiguous cache), whatever the
+arrival order, chunking and co-scheduled requests, on one device and tensor=2."""
 
 import numpy as np
 import pytest
 
-from jaxsys.serve import decode, engine
-from tests.helpers import program_for, small_config
+from jaxsys.serve import engine, sampling
+from tests.helpers import generate_contiguous, program_for, small_config
 
 
 @pytest.mark.parametrize(
@@ -31,9 +31,8 @@ def test_continuous_batching_gives_each_request_its_solo_tokens(mesh, policy):
         eng.step()
     done = {r.id: r.generated for r in eng.finished}
     assert sorted(done) == list(range(7)) and all(p.free_pages == p.num_pages for p in eng.pools)
-    solo = decode.Decoder(program, batch=decode.Decoder.padded_batch(1, program.layout), max_len=64)
     for i in range(7):
-        assert done[i] == decode.generate(solo, params, [prompts[i]], news[i])[0], i
+        assert done[i] == generate_contiguous(program, params, [prompts[i]], news[i])[0], i
 
 
 def test_after_warmup_no_step_compiles():
@@ -43,13 +42,13 @@ def test_after_warmup_no_step_compiles():
     params = program.init(0).params
     eng = engine.Engine(program, params, num_pages=24, page_size=4, token_budget=16, chunk_size=4, max_seqs=3)
     eng.warmup()
-    compiled = (eng._step._cache_size(), engine._sample_at._cache_size())
+    compiled = (eng.runner.compiled(), sampling.sample_at._cache_size())
     for i, (length, new) in enumerate([(3, 6), (9, 2), (5, 4)]):
         eng.submit(i, list(range(1, length + 1)), new)
     while not eng.idle:
         eng.step()
     assert len(eng.finished) == 3
-    assert (eng._step._cache_size(), engine._sample_at._cache_size()) == compiled
+    assert (eng.runner.compiled(), sampling.sample_at._cache_size()) == compiled
 
 
 def test_engine_refuses_what_it_cannot_serve():
@@ -66,6 +65,7 @@ def test_bench_serve_replays_a_trace_and_reports(tmp_path, capsys):
     import json
 
     from jaxsys import bench_serve
+    from jaxsys.serve import bench as serve_bench
 
     trace = tmp_path / "trace.jsonl"
     rows = [{"arrival_s": 0.01 * i, "prompt_len": 3 + i, "output_len": 2 + i % 3} for i in range(6)]
@@ -95,6 +95,6 @@ def test_bench_serve_replays_a_trace_and_reports(tmp_path, capsys):
         assert 0 < result[key]["p50"] <= result[key]["p99"]
     assert bench_serve.main(["--config", "configs/tiny.py:test", "--prompt-len", "9:3"]) == 2
     assert "lo <= hi" in capsys.readouterr().err
-    generated = bench_serve.make_trace(200, 10.0, (1, 4), (1, 2), seed=0)
+    generated = serve_bench.make_trace(200, 10.0, (1, 4), (1, 2), seed=0)
     gaps = np.diff([r["arrival_s"] for r in generated])
     assert abs(gaps.mean() - 0.1) < 0.03  # Poisson at 10/s: exponential gaps of mean 0.1 s

@@ -9,6 +9,7 @@ from jaxsys.config import base_config
 from jaxsys.kernels.flash_attention import flash_attention, reference_attention
 from jaxsys.kernels.quantized_matmul import kernel as qkernel
 from jaxsys.kernels.quantized_matmul import reference as qref
+from jaxsys.models import attention
 from jaxsys.parallel import context, expert, fsdp, tensor
 from jaxsys.sharding import Layout
 
@@ -62,7 +63,7 @@ def test_expert_dispatch_and_combine_name_their_buffers():
 def test_context_attention_and_lasp2_name_their_shapes():
     seq = context.SeqLayout(("seq",), 2, balance=False)
     q, kv = jnp.zeros((1, 8, 4, 16)), jnp.zeros((1, 8, 2, 16))
-    blocks = context.BlockAttention()
+    blocks = attention.BlockAttention()
     with pytest.raises(AssertionError, match=r"context.attention takes q\[B, T/P, N, H\]"):
         context.attention(q[0], kv, kv, seq, blocks)
     with pytest.raises(AssertionError, match=r"context.attention takes"):

@@ -1,4 +1,5 @@
-"""Generation with a KV cache (jaxsys/serve/decode.py, `python -m jaxsys.generate`).
+"""Generation with a KV cache (the serving engine with a few requests: jaxsys/serve/engine.py's
+`generate`, `python -m jaxsys.generate`).
 
 The reference is the training forward: greedy decoding must pick, at every step, the argmax of the
 last position of `transformer.logits` over the whole sequence so far, recomputed from scratch.
@@ -12,8 +13,8 @@ import pytest
 from jaxsys import generate as generate_cli
 from jaxsys import quantize, train
 from jaxsys.models import transformer
-from jaxsys.serve import decode
-from tests.helpers import program_for, small_config
+from jaxsys.serve import sampling as sampling_lib
+from tests.helpers import generate_contiguous, program_for, small_config
 
 PROMPTS = [[10, 20, 30, 40, 50], [7, 8, 9]]
 NEW = 12
@@ -35,8 +36,7 @@ def test_greedy_generation_equals_argmax_of_full_forwards(mesh):
     config = small_config(mesh, n_kv_heads=4)
     program = program_for(config)
     params = program.init(3).params
-    decoder = decode.Decoder(program, batch=decode.Decoder.padded_batch(2, program.layout), max_len=32)
-    got = decode.generate(decoder, params, PROMPTS, NEW)
+    got = generate_contiguous(program, params, PROMPTS, NEW, max_len=32)
     host = jax.tree.map(np.asarray, params)
     for prompt, tokens in zip(PROMPTS, got):
         assert tokens == _greedy_by_full_forwards(config, host, prompt, NEW)
@@ -48,8 +48,7 @@ def test_quantized_model_generates_its_own_greedy_tokens():
     qconfig = small_config({"tensor": 2}, n_kv_heads=4, quant="w4a16", quant_group_size=32)
     qparams = quantize.quantize_params(params, qconfig.model, "w4a16", 32)
     program = program_for(qconfig)
-    decoder = decode.Decoder(program, batch=1, max_len=32)
-    got = decode.generate(decoder, jax.device_put(qparams, program.param_shardings), PROMPTS[:1], NEW)
+    got = generate_contiguous(program, jax.device_put(qparams, program.param_shardings), PROMPTS[:1], NEW, max_len=32)
     assert got[0] == _greedy_by_full_forwards(qconfig, qparams, PROMPTS[0], NEW)
 
 
@@ -57,7 +56,7 @@ def test_sampling_filters_and_seeds():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)), jnp.float32)
     greedy = np.asarray(jnp.argmax(logits, -1))
     s = lambda t, k, p, seed: np.asarray(
-        decode.sample(logits, jax.random.key(seed), jnp.float32(t), jnp.int32(k), jnp.float32(p))
+        sampling_lib.sample(logits, jax.random.key(seed), jnp.float32(t), jnp.int32(k), jnp.float32(p))
     )
     np.testing.assert_array_equal(s(0.0, 0, 1.0, 0), greedy)
     np.testing.assert_array_equal(s(1.0, 1, 1.0, 5), greedy)  # top-1 is greedy whatever the draw
@@ -73,7 +72,7 @@ def test_frequencies_follow_the_softmax():
     logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]], jnp.float32)
     keys = jax.random.split(jax.random.key(0), 4000)
     draws = np.asarray(
-        jax.vmap(lambda k: decode.sample(logits, k, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)))(keys)
+        jax.vmap(lambda k: sampling_lib.sample(logits, k, jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)))(keys)
     )[:, 0]
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq, np.asarray(jax.nn.softmax(logits[0])), atol=0.03)  # 4000 draws: sd < 0.008
@@ -153,5 +152,4 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
     params, _ = restore_params(workdir, program.abstract_state().params)
     prompts = np.load(os.path.join(golden, "greedy_prompts.npy")).tolist()
     want = np.load(os.path.join(golden, "greedy_tokens.npy")).tolist()
-    decoder = decode.Decoder(program, batch=2, max_len=32)
-    assert decode.generate(decoder, params, prompts, len(want[0])) == want
+    assert generate_contiguous(program, params, prompts, len(want[0]), max_len=32) == want

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsys.cache import ContiguousCache, PagedCache, QuantizedPagedCache, kivi
 from jaxsys.config import ConfigError, validate
 from jaxsys.kernels.paged_attention import kernel_quant, quant
-from jaxsys.models import kv_quant, transformer
+from jaxsys.models import transformer
 from jaxsys.serve import engine
 from tests.helpers import program_for, small_config
 
@@ -225,14 +226,15 @@ def _submit(eng, n=3, new=8, seed=1):
 
 def _record(eng):
     """Every row the engine runs: (tokens, positions, quantized page table, logits) per step."""
-    steps, run = [], eng._run
+    steps, forward = [], eng.forward
 
-    def recording(tokens, positions, table, fp_table=None):
-        logits = run(tokens, positions, table, fp_table)
-        steps.append((np.asarray(tokens), np.asarray(positions), np.asarray(table), np.asarray(logits)))
+    def recording(tokens, positions, tables, cache=None):
+        logits = forward(tokens, positions, tables, cache)
+        table = np.asarray(tables["page_table"]).reshape(-1, eng.max_pages)
+        steps.append((np.asarray(tokens).reshape(-1), np.asarray(positions).reshape(-1), table, np.asarray(logits)))
         return logits
 
-    eng._run = recording
+    eng.forward = recording
     return steps
 
 
@@ -242,8 +244,8 @@ def _record(eng):
 )
 def test_engine_logits_equal_a_fake_quantized_contiguous_forward(mode, residual):
     """Requests with chunked prefill and decodes in one batch: every row's logits equal
-    transformer.logits over its sequence with each layer's attention replaced by
-    kv_quant.kivi_attention (the keys and values fake-quantized per group of page_size tokens,
+    transformer.forward over its sequence with a contiguous cache seen fake-quantized
+    (cache.kivi.FakeQuant: the keys and values fake-quantized per group of page_size tokens,
     the query at p seeing pages [0, n_quant(p)) quantized): an independent computation of the
     same quantized cache, with no paging, no kernel and no seal step."""
     program, params, eng = _engine(mode, residual)
@@ -253,14 +255,21 @@ def test_engine_logits_equal_a_fake_quantized_contiguous_forward(mode, residual)
     seqs = _rows(steps, eng.scratch)  # all three sequences run at once
     assert len(seqs) == 3
     m = program.config.model
-    with transformer.attention_override(kv_quant.mode_attention(mode, PAGE, residual)):
-        forward = jax.jit(lambda p, ids: transformer.logits(p, ids, m, program.layout, program.specs))
-        for rows in seqs.values():
-            assert sorted(rows) == list(range(len(rows)))
-            ids = np.asarray([[rows[p][0] for p in range(len(rows))]], np.int32)
-            want = np.asarray(forward(params, ids))[0]
-            got = np.stack([rows[p][1] for p in range(len(rows))])
-            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    fake = kivi.FakeQuant.of_mode(mode, PAGE, residual)
+
+    @jax.jit
+    def forward(p, ids):
+        zeros = jnp.zeros((m.n_layers, 1, ids.shape[1], m.n_kv_heads, m.head_dim), jnp.dtype(m.compute_dtype))
+        cache = ContiguousCache(zeros, zeros, None, fake)
+        positions = jnp.arange(ids.shape[1])[None]
+        return transformer.forward(p, ids, positions, m, program.layout, program.specs, cache)[0]
+
+    for rows in seqs.values():
+        assert sorted(rows) == list(range(len(rows)))
+        ids = np.asarray([[rows[p][0] for p in range(len(rows))]], np.int32)
+        want = np.asarray(forward(params, ids))[0]
+        got = np.stack([rows[p][1] for p in range(len(rows))])
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     # and the quantization mattered: the full-precision forward differs by far more
     plain = np.asarray(
         jax.jit(lambda p, ids: transformer.logits(p, ids, m, program.layout, program.specs))(params, ids)
@@ -285,13 +294,13 @@ def test_sealed_pages_are_the_reference_quantizer_bit_for_bit(mode):
         pq = eng.pools[0].table(req.id)[:full]
         own = eng.residual[0].pages(req.id)
         pf = [own[i] for i in range(full)]
-        want = quant.quantize_pages(eng.cache["k"][:, pf], eng.cache["v"][:, pf], mode, eng.cache["ks"].dtype)
+        want = quant.quantize_pages(eng.cache.k[:, pf], eng.cache.v[:, pf], mode, eng.cache.ks.dtype)
         for name, a in want.items():
-            np.testing.assert_array_equal(np.asarray(eng.cache[name][:, pq]), np.asarray(a), err_msg=name)
+            np.testing.assert_array_equal(np.asarray(getattr(eng.cache, name)[:, pq]), np.asarray(a), err_msg=name)
         checked += full
     assert checked >= 3
     pages = eng.request_pages(eng.schedulers[0].running[0].id)
-    assert set(pages) == set(eng.cache) and len(pages["k"]) >= 1 and len(pages["kq"]) >= len(pages["k"])
+    assert set(pages) == set(eng.cache.per_layer()) and len(pages["k"]) >= 1 and len(pages["kq"]) >= len(pages["k"])
 
 
 def _rows(steps, scratch):
@@ -372,5 +381,5 @@ def test_bad_settings_are_named():
     config = small_config(n_kv_heads=4)
     config.serve.kv_quant, config.serve.kv_residual = "kivi2", 2
     eng = engine.Engine.from_config(program_for(config), params)
-    assert eng.kv_quant == "kivi2" and eng.kv_residual == 2 and isinstance(eng.cache, dict)
-    assert isinstance(engine.Engine(program, params, 8, 4, 8, 4, 2).cache, tuple)  # none: as before
+    assert eng.kv_quant == "kivi2" and eng.kv_residual == 2 and isinstance(eng.cache, QuantizedPagedCache)
+    assert isinstance(engine.Engine(program, params, 8, 4, 8, 4, 2).cache, PagedCache)  # none: as before

@@ -25,9 +25,16 @@ import pytest
 from jaxsys import data
 from jaxsys.analysis import targets
 from jaxsys.config import ConfigError, validate
-from jaxsys.models import transformer
-from jaxsys.serve import decode
-from tests.helpers import assert_trees_close_leafwise, config_file, pipeline_config, program_for, run, small_config
+from jaxsys.models import ladder, transformer
+from tests.helpers import (
+    assert_trees_close_leafwise,
+    config_file,
+    generate_contiguous,
+    pipeline_config,
+    program_for,
+    run,
+    small_config,
+)
 from tests.test_expert_parallel import moe_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +124,7 @@ def test_ladder_is_another_architecture():
 
 
 def test_layer_by_layer_blocks_equal_the_stack():
-    """GPTQ calibration (quantize.gptq_params) runs a ladder model one `_block` at a time on the
+    """GPTQ calibration (quantize.gptq_params) runs a ladder model one `block` at a time on the
     stream (h, pending); flushed at the end, that is the layer stack's output."""
     from jaxsys.sharding import Layout
 
@@ -128,12 +135,12 @@ def test_layer_by_layer_blocks_equal_the_stack():
     inputs = jnp.asarray(np.asarray(_batch0(config, program))[:, :-1])
     positions = jnp.arange(inputs.shape[1])
     x = transformer.embed(params, inputs, m, layout)
-    stream = transformer.residual_stream(x, m)
+    stream = ladder.residual_stream(x, m)
     for layer in range(m.n_layers):
         w = {name: leaf[layer] for name, leaf in params["layers"].items()}
-        stream = transformer._block(stream, w, positions, m, layout)[0]
+        stream = transformer.block(stream, w, positions, m, layout)[0]
     want = transformer.layer_stack(params["layers"], x, positions, m, layout)[0]
-    np.testing.assert_allclose(transformer.flushed(stream), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ladder.flushed(stream), want, rtol=1e-5, atol=1e-6)
 
 
 def run_loss(config):
@@ -225,8 +232,7 @@ def test_ladder_greedy_generation_equals_argmax_of_full_forwards():
     config = _ladder(small_config({"tensor": 2, "data": 2}, n_kv_heads=4))
     program = program_for(config)
     params = program.init(3).params
-    decoder = decode.Decoder(program, batch=decode.Decoder.padded_batch(2, program.layout), max_len=32)
-    got = decode.generate(decoder, params, prompts, new)
+    got = generate_contiguous(program, params, prompts, new, max_len=32)
 
     single = program_for(_ladder(small_config(n_kv_heads=4)))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from jaxsys.serve import decode, engine, server
-from tests.helpers import program_for, small_config
+from jaxsys.serve import engine, server
+from tests.helpers import generate_contiguous, program_for, small_config
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_completion_equals_generating_alone(running):
     with _post(url, {"prompt": "def f(", "max_tokens": 6}) as r:
         body = json.loads(r.read())
     ids = list(b"def f(")
-    want = decode.generate(decode.Decoder(program, 1, 32), params, [ids], 6)[0]
+    want = generate_contiguous(program, params, [ids], 6, max_len=32)[0]
     choice = body["choices"][0]
     assert choice["token_ids"] == want and choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}

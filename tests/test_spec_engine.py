@@ -1,4 +1,4 @@
-"""Speculative decoding inside the continuous-batching engine (jaxsys/serve/spec_engine.py): greedy
+"""Speculative decoding inside the continuous-batching engine (jaxsys/serve/speculation.py): greedy
 requests get exactly the plain engine's tokens with a small draft model, with the target as its own
 draft and with self-speculation, whatever k each request asks for (0 included) and whatever else
 runs in the same steps; sampled requests keep the target's distribution (chi-square); bad input is
@@ -8,9 +8,16 @@ import jax
 import numpy as np
 import pytest
 
+from jaxsys.cache import window
 from jaxsys.config import ConfigError, validate
-from jaxsys.serve import decode, engine, spec_engine
-from tests.helpers import program_for, small_config
+from jaxsys.models import transformer
+from jaxsys.serve import engine, speculation
+from tests.helpers import generate_contiguous, program_for, small_config
+
+
+def speculative(target, tparams, k, draft, window=64, sink=4, **kw):
+    """The engine with a drafter: "self" or (program, params) of a draft model."""
+    return engine.Engine(target, tparams, **kw, drafter=speculation.make_drafter(draft, window, sink), k=k)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,7 @@ def test_greedy_speculation_in_the_engine_gives_the_plain_engines_tokens(models,
     ks = [0, 1, 2, 3, 4, 2, 8]  # per request; 0 decodes plainly beside the others
     plain = _serve(engine.Engine(target, tparams, **KW), prompts, news)
     draft_arg = {"small": (draft, dparams), "same": (target, tparams), "self": "self"}[source]
-    eng = spec_engine.SpeculativeEngine(target, tparams, **KW, k=3, draft=draft_arg, window=4, sink=2)
+    eng = speculative(target, tparams, **KW, k=3, draft=draft_arg, window=4, sink=2)
     assert _serve(eng, prompts, news, ks) == plain
     s = eng.stats
     assert s["rounds"] > 0 and 0 <= s["accepted"] <= s["drafted"]
@@ -62,8 +69,7 @@ def test_greedy_speculation_in_the_engine_gives_the_plain_engines_tokens(models,
         assert s["accepted"] == s["drafted"]  # (this checks the draft cache's catch-up bookkeeping)
     if source == "self":  # the sparse view reads less than the whole cache and rejects some drafts
         assert s["draft_read"] < s["full_read"] and s["accepted"] < s["drafted"]
-    solo = decode.Decoder(target, batch=1, max_len=64)
-    assert plain[6] == decode.generate(solo, tparams, [prompts[6]], news[6])[0]
+    assert plain[6] == generate_contiguous(target, tparams, [prompts[6]], news[6])[0]
 
 
 @pytest.mark.slow
@@ -78,7 +84,7 @@ def test_greedy_speculation_on_two_batch_shards_and_tensor_parallel():
     news = [int(rng.integers(2, 12)) for _ in range(6)]
     plain = _serve(engine.Engine(target, tparams, **KW), prompts, news)
     for draft_arg in [(draft, dparams), "self"]:
-        eng = spec_engine.SpeculativeEngine(target, tparams, **KW, k=2, draft=draft_arg, window=4, sink=1)
+        eng = speculative(target, tparams, **KW, k=2, draft=draft_arg, window=4, sink=1)
         assert _serve(eng, prompts, news, [2, 0, 3, 1, 2, 4]) == plain
 
 
@@ -100,17 +106,18 @@ def test_sampled_speculation_keeps_the_targets_distribution(source):
     prompt = [1, 2, 3, 4, 5]
 
     def probs(program, params, seqs):
-        dec = decode.Decoder(program, 1, 16)
+        m, layout, specs = program.config.model, program.layout, program.specs
+        forward = jax.jit(lambda p, ids: transformer.logits(p, ids, m, layout, specs))
         out = []
         for s in seqs:
-            logits, _ = dec.prefill(params, np.asarray([s], np.int32), np.asarray([len(s)], np.int32), dec.init_cache())
-            out.append(np.asarray(jax.nn.softmax(logits[0] / T), np.float64))
+            logits = forward(params, np.asarray([s], np.int32))[0, -1]
+            out.append(np.asarray(jax.nn.softmax(logits / T), np.float64))
         return np.asarray(out)
 
     first = probs(target, tparams, [prompt])[0]
     marginal = first @ probs(target, tparams, [prompt + [x] for x in range(V)])
     # self: pages of 2 tokens, the draft reads the last page only (no sink)
-    eng = spec_engine.SpeculativeEngine(
+    eng = speculative(
         target,
         tparams,
         num_pages=1000,
@@ -138,13 +145,13 @@ def test_sampled_speculation_keeps_the_targets_distribution(source):
 def test_speculation_refuses_bad_input(models):
     target, tparams, draft, dparams = models
     with pytest.raises(ValueError, match="k >= 1"):
-        spec_engine.SpeculativeEngine(target, tparams, **KW, k=0, draft="self")
+        speculative(target, tparams, **KW, k=0, draft="self")
     other = program_for(small_config(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64, vocab_size=128))
     with pytest.raises(ValueError, match="vocabulary"):
-        spec_engine.SpeculativeEngine(target, tparams, **KW, k=2, draft=(other, other.init(0).params))
+        speculative(target, tparams, **KW, k=2, draft=(other, other.init(0).params))
     with pytest.raises(ValueError, match="'self' or"):
-        spec_engine.SpeculativeEngine(target, tparams, **KW, k=2, draft="selfish")
-    eng = spec_engine.SpeculativeEngine(target, tparams, **KW, k=2, draft="self")
+        speculative(target, tparams, **KW, k=2, draft="selfish")
+    eng = speculative(target, tparams, **KW, k=2, draft="self")
     with pytest.raises(ValueError, match="k=-1"):
         eng.submit("neg", [1, 2], 3, k=-1)
     with pytest.raises(ValueError, match="outside"):
@@ -161,17 +168,19 @@ def test_speculation_refuses_bad_input(models):
         validate(c)
     c.serve.spec_window, c.serve.spec_sink = 8, 2
     validate(c)
-    c.serve.spec_k, c.serve.draft = 0, "none"
-    with pytest.raises(ValueError, match="spec_k >= 1"):
-        spec_engine.SpeculativeEngine.from_config(target, tparams)  # target's config: spec_k = 0
+    c.serve.spec_k, c.serve.draft, c.serve.cache = 2, "self", "contiguous"
+    with pytest.raises(ConfigError, match="self-speculation reads a window"):
+        validate(c)
+    assert engine.Engine.from_config(target, tparams).drafter is None  # target's config: spec_k = 0
 
 
 def test_sparse_view_reads_the_sink_and_window_pages():
-    pages = [10, 11, 12, 13, 14, 15]
     # 22 tokens, pages of 4: sink 1 page, window 5 tokens = tokens 17..21 -> pages 4, 5 (16..21)
-    assert spec_engine.sparse_view(pages, 22, 4, 1, 5) == ([10, 14, 15], 4 + 6)
-    assert spec_engine.sparse_view(pages, 22, 4, 0, 2) == ([15], 2)
-    assert spec_engine.sparse_view(pages, 7, 4, 1, 5) == ([10, 11], 7)  # overlap: the whole cache
+    assert window.view_pages(22, 4, 1, 5) == ([0, 4, 5], 4 + 6)
+    assert window.view_pages(22, 4, 0, 2) == ([5], 2)
+    assert window.view_pages(7, 4, 1, 5) == ([0, 1], 7)  # overlap: the whole cache
+    # over a quantized cache: of the view's pages, those the sequence sealed are read quantized
+    assert window.sealed_in_view([0, 4, 5], 5) == 2 and window.sealed_in_view([0, 4, 5], 0) == 0
 
 
 def test_the_server_loop_streams_a_speculative_decode_token_by_token(models):
@@ -184,7 +193,7 @@ def test_the_server_loop_streams_a_speculative_decode_token_by_token(models):
     plain = engine.Engine(target, tparams, **KW)
     plain.submit(0, prompt, n)
     expected = plain.run()[0].generated
-    loop = server.EngineLoop(spec_engine.SpeculativeEngine(target, tparams, **KW, k=3, draft="self", window=4, sink=0))
+    loop = server.EngineLoop(speculative(target, tparams, **KW, k=3, draft="self", window=4, sink=0))
     try:
         _, q = loop.submit(prompt, n, engine.Sampling())
         items = [q.get(timeout=120) for _ in range(n)]
@@ -200,6 +209,7 @@ def test_bench_serve_builds_the_speculative_engine_from_the_config(capsys):
     import json
 
     from jaxsys import bench_serve
+    from jaxsys.serve import bench as serve_bench
 
     args = [
         "--config",
@@ -230,5 +240,5 @@ def test_bench_serve_builds_the_speculative_engine_from_the_config(capsys):
     ]
     assert bench_serve.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    trace = bench_serve.make_trace(5, 100.0, (3, 9), (4, 7), seed=0)
+    trace = serve_bench.make_trace(5, 100.0, (3, 9), (4, 7), seed=0)
     assert result["requests"] == 5 and result["generated_tokens"] == sum(r["output_len"] for r in trace)

@@ -1,14 +1,16 @@
-"""Speculative decoding (jaxsys/serve/speculative.py): greedy mode gives exactly the target's
-greedy tokens with any draft; the sampled rule leaves the target's distribution unchanged
-(chi-square over a small vocabulary with a fixed seed)."""
+"""Speculative decoding (jaxsys/serve/speculation.py) for one request on the engine with a
+contiguous cache and a draft model: greedy mode gives exactly the target's greedy tokens with any
+draft; the sampled rule leaves the target's distribution unchanged (chi-square over a small
+vocabulary with a fixed seed)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsys.serve import decode, speculative
-from tests.helpers import program_for, small_config
+from jaxsys.serve import engine, speculation
+from jaxsys.serve.sampling import Sampling
+from tests.helpers import generate_contiguous, program_for, small_config
 
 
 @pytest.fixture(scope="module")
@@ -18,19 +20,35 @@ def models():
     return target, target.init(3).params, draft, draft.init(5).params
 
 
+def _speculate(target, tparams, draft, dparams, prompt, n, k, **sampling):
+    """One request through the engine (a contiguous cache of 48 slots) with `draft` proposing k
+    tokens a step: (its tokens, the engine's counters)."""
+    eng = engine.Engine(
+        target,
+        tparams,
+        token_budget=64,
+        chunk_size=48,
+        max_seqs=1,
+        cache="contiguous",
+        max_len=48,
+        drafter=speculation.DraftModel(draft, dparams),
+        k=k,
+    )
+    return engine.generate(eng, [prompt], n, Sampling(**sampling))[0], eng.stats
+
+
 @pytest.mark.parametrize("same_draft,k", [(True, 3), (False, 4), (False, 1)])
 def test_greedy_speculation_gives_the_targets_greedy_tokens(models, same_draft, k):
     target, tparams, draft, dparams = models
     if same_draft:
         draft, dparams = target, tparams
     prompt, n = [11, 22, 33, 44], 14
-    t_dec, d_dec = decode.Decoder(target, 1, 48), decode.Decoder(draft, 1, 48)
-    got, stats = speculative.generate(t_dec, tparams, d_dec, dparams, prompt, n, k=k)
-    assert got == decode.generate(decode.Decoder(target, 1, 48), tparams, [prompt], n)[0]
+    got, stats = _speculate(target, tparams, draft, dparams, prompt, n, k)
+    assert got == generate_contiguous(target, tparams, [prompt], n, max_len=48)[0]
     if same_draft:  # a perfect draft: every proposal accepted, k + 1 tokens per target forward
         assert stats["accepted"] == stats["drafted"]
-        assert stats["target_forwards"] <= 1 + -(-(n - 1) // (k + 1))
-    assert stats["target_forwards"] <= n  # each round emits at least one token (prefill the first)
+        assert stats["target_steps"] <= 1 + -(-(n - 1) // (k + 1))
+    assert stats["target_steps"] <= n  # each round emits at least one token (prefill the first)
 
 
 def test_the_rejection_rule_keeps_the_target_distribution():
@@ -46,7 +64,7 @@ def test_the_rejection_rule_keeps_the_target_distribution():
         drafted = jax.vmap(lambda i, qi: jax.random.categorical(jax.random.fold_in(key, 10 + i), jnp.log(qi)))(
             jnp.arange(2), q
         )
-        n, nxt = speculative.accept(p, q, drafted, key)
+        n, nxt = speculation.accept(p, q, drafted, key)
         return jnp.where(n > 0, drafted[0], nxt)
 
     counts = np.bincount(np.asarray(jax.vmap(first_token)(keys)), minlength=5)
@@ -66,8 +84,7 @@ def test_the_rejection_rule_keeps_the_target_distribution():
 
 def test_sampled_speculation_runs_and_is_reproducible(models):
     target, tparams, draft, dparams = models
-    t_dec, d_dec = decode.Decoder(target, 1, 48), decode.Decoder(draft, 1, 48)
-    a, stats = speculative.generate(t_dec, tparams, d_dec, dparams, [5, 6, 7], 10, k=3, temperature=1.0, seed=4)
-    b, _ = speculative.generate(t_dec, tparams, d_dec, dparams, [5, 6, 7], 10, k=3, temperature=1.0, seed=4)
+    a, stats = _speculate(target, tparams, draft, dparams, [5, 6, 7], 10, 3, temperature=1.0, seed=4)
+    b, _ = _speculate(target, tparams, draft, dparams, [5, 6, 7], 10, 3, temperature=1.0, seed=4)
     assert a == b and len(a) == 10 and all(0 <= t < 256 for t in a)
     assert 0 <= stats["accepted"] <= stats["drafted"]

@@ -4,7 +4,7 @@ decode-first vs chunked prefill at several chunk sizes (Sarathi-Serve's claim).
     python experiments/chunked_prefill/run.py     # ~3 min on 2 CPU cores; writes results.json
 
 The model is configs/tiny.py (random weights: timing only) served by jaxsys.serve.engine on one CPU
-device. The trace (jaxsys.bench_serve.make_trace): 48 requests, Poisson at 12 per second, prompts
+device. The trace (jaxsys.serve.bench.make_trace): 48 requests, Poisson at 12 per second, prompts
 of 64-448 tokens and 16-48 output tokens, so long prefills keep arriving while earlier requests
 decode. Every policy has the same token budget (512 per step) and page pool; only the packing
 differs. Each engine compiles all its row buckets before the clock starts. The figures are this
@@ -34,16 +34,16 @@ RUNS = [
 def main() -> int:
     import jax
 
-    from jaxsys import bench_serve, train
+    from jaxsys import train
     from jaxsys.config import load_config
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh
-    from jaxsys.serve import engine
+    from jaxsys.serve import bench, engine
 
     cpu_unless_accelerator()
     config = load_config(os.path.join(ROOT, "configs", "tiny.py"))
     program = train.build(config, make_mesh(config, jax.devices()[:1]))
     params = program.init().params
-    trace = bench_serve.make_trace(48, 12.0, (64, 448), (16, 48), seed=0)
+    trace = bench.make_trace(48, 12.0, (64, 448), (16, 48), seed=0)
     rows = []
     for policy, chunk in RUNS:
         eng = engine.Engine(
@@ -57,7 +57,7 @@ def main() -> int:
             policy=policy,
         )
         eng.warmup()
-        r = bench_serve.replay(eng, trace, seed=0, vocab=config.model.vocab_size)
+        r = bench.replay(eng, trace, seed=0, vocab=config.model.vocab_size)
         r.update(policy=policy, chunk_size=chunk if policy == "chunked" else None)
         rows.append(r)
         print(

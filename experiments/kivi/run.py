@@ -9,7 +9,7 @@ of H = 16) on the embedded corpus (python stdlib sources, bytes). Evaluation: 16
 sequences of 128 tokens (2,032 predicted tokens), the same for every row.
 
 Quantization is *fake* quantization inside the model's attention during the evaluation forward
-(transformer.attention_override with models/kv_quant.kivi_attention): keys and values are
+(the forward over a contiguous KV cache seen through jaxsys.cache.kivi.FakeQuant): keys and values are
 quantized and dequantized exactly as the engine's quantized cache stores them (asymmetric,
 min/max per group; per channel = statistics over a group of G = 16 tokens, one per channel and
 kv head; per token = over the head dim), and the query at position p sees a token quantized iff
@@ -66,12 +66,14 @@ def main(argv=None) -> int:
     import numpy as np
 
     from jaxsys import data as data_lib
-    from jaxsys import generate as gen
+    from jaxsys.cache import ContiguousCache, FakeQuant, kivi
+    from jaxsys.cache.base import pytree
     from jaxsys.kernels.paged_attention import quant
-    from jaxsys.models import kv_quant, transformer
+    from jaxsys.models import transformer
+    from jaxsys.serve.runner import load
 
     t0 = time.time()
-    program, params, config = gen.load_program(args.workdir)
+    program, params, config = load(args.workdir)
     m = config.model
     held = data_lib.load_corpus(config.data).split("eval")
     T = config.data.seq_len
@@ -80,22 +82,32 @@ def main(argv=None) -> int:
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
 
     def attention(k_spec, v_spec, residual):
-        return lambda q, k, v: kv_quant.kivi_attention(
-            q, k, v, k_quant=k_spec, v_quant=v_spec, group=GROUP, residual=residual
+        """Causal attention over a whole sequence with its keys and values fake-quantized."""
+        fake = FakeQuant(residual, k_spec, v_spec, GROUP)
+        return lambda q, k, v: kivi.fake_quant_attention(
+            q, k, v, jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2]), fake
         )
+
+    def forward(p, x, fake, cache_type=ContiguousCache):
+        """The model over x[B, T] with a contiguous cache of T slots (seen through `fake`)."""
+        zeros = jnp.zeros((m.n_layers, *x.shape, m.n_kv_heads, m.head_dim), jnp.dtype(m.compute_dtype))
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+        cache = cache_type(zeros, zeros, None, fake)
+        return transformer.forward(p, x, positions, m, program.layout, program.specs, cache)[0]
 
     # (a) the full-precision forward's q, k, v of every layer
     captured = []
     record = lambda q, k, v: captured.append((np.asarray(q), np.asarray(k), np.asarray(v)))
 
-    def capture(q, k, v):
-        jax.debug.callback(record, q, k, v, ordered=True)
-        return attention(None, None, 0)(q, k, v)
+    @pytree
+    class Capture(ContiguousCache):
+        """A contiguous cache that records every layer's q, k, v (after RoPE)."""
 
-    with transformer.attention_override(capture):
-        jax.block_until_ready(
-            jax.jit(lambda p, x: transformer.logits(p, x, m, program.layout, program.specs))(params, inputs)
-        )
+        def attend(self, q, k, v, positions):
+            jax.debug.callback(record, q, k, v, ordered=True)
+            return super().attend(q, k, v, positions)
+
+    jax.block_until_ready(jax.jit(lambda p, x: forward(p, x, None, Capture))(params, inputs))
     assert len(captured) == m.n_layers, len(captured)
 
     # KIVI's reason for per-channel keys: a few key channels are large for every token. Per layer
@@ -133,8 +145,7 @@ def main(argv=None) -> int:
         if key not in ppl_fns:
 
             def loss(p, x, y, residual):
-                with transformer.attention_override(attention(k_spec, v_spec, residual)):
-                    logits = transformer.logits(p, x, m, program.layout, program.specs).astype(jnp.float32)
+                logits = forward(p, x, FakeQuant(residual, k_spec, v_spec, GROUP)).astype(jnp.float32)
                 logp = jax.nn.log_softmax(logits, axis=-1)
                 return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
 

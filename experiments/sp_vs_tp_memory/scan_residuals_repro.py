@@ -33,12 +33,13 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as Ps
 
+from jaxsys.models import attention  # noqa: E402
 from jaxsys.parallel import context  # noqa: E402
 
 P, B, N, H = 4, 1, 4, 16
 mesh = jax.make_mesh((P,), ("seq",), devices=jax.devices()[:P])
 seq = context.SeqLayout(("seq",), P, True, "ring")
-blocks = context.BlockAttention("reference")
+blocks = attention.BlockAttention("reference")
 
 
 def layer(x, w):

@@ -6,12 +6,13 @@ trained draft and with the target as its own draft; roofline speed-up.
 The target and the draft are jaxsys workdirs of the same vocabulary (here configs/tiny.py, 0.82M
 parameters, and a 4x narrower 2-layer model, 0.12M, both trained 300 steps on the embedded corpus).
 8 prompts of 32 held-out bytes each, 48 new tokens, k = 1, 2, 4, 8. tokens per target forward =
-generated tokens / target forwards (prefill included). Roofline speed-up on a memory-bound
+generated tokens / target forwards (prefill included), one request at a time on the engine with a
+contiguous cache and the draft model as its drafter. Roofline speed-up on a memory-bound
 device, per round: (n + 1) tokens for one target forward + k draft forwards, each costing its
 weight bytes: (accepted + 1) / (1 + k x draft_bytes / target_bytes) relative to plain decoding.
 
 `--part engine` (or `all`, the default) measures the same inside the continuous-batching engine
-(jaxsys/serve/spec_engine.py), ~1.5 min: 8 held-out prompts of 64 bytes, 48 new tokens each, submitted
+(jaxsys/serve/speculation.py's drafters), ~1.5 min: 8 held-out prompts of 64 bytes, 48 new tokens each, submitted
 together with k = 1, 2, 4, 8 per request (32 requests in one batch, each with its own k), for the
 small draft (T = 0 and 1) and for self-speculation (the target over its attention sinks, 4 tokens,
 and a recent window of W = 8, 16, 32 tokens, pages of 4; T = 0, and T = 1 at W = 16). Per k: tokens
@@ -47,11 +48,11 @@ def main(argv=None) -> int:
     import jax
 
     from jaxsys import data as data_lib
-    from jaxsys import generate as gen
-    from jaxsys.serve import decode, speculative
+    from jaxsys.serve import engine, speculation
+    from jaxsys.serve.runner import load
 
-    target, tparams, tconfig = gen.load_program(args.target)
-    draft, dparams, _ = gen.load_program(args.draft)
+    target, tparams, tconfig = load(args.target)
+    draft, dparams, _ = load(args.draft)
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
     ratio = nbytes(dparams) / nbytes(tparams)
     corpus = data_lib.load_corpus(tconfig.data)
@@ -64,18 +65,27 @@ def main(argv=None) -> int:
     }.items():
         for temperature in (0.0, 1.0):
             for k in (1, 2, 4, 8):
-                t_dec, d_dec = decode.Decoder(target, 1, 96), decode.Decoder(d_prog, 1, 96)
-                total = {"tokens": 0, "forwards": 0, "accepted": 0, "drafted": 0}
+                eng = engine.Engine(
+                    target,
+                    tparams,
+                    token_budget=128,
+                    chunk_size=96,
+                    max_seqs=1,
+                    cache="contiguous",
+                    max_len=96,
+                    drafter=speculation.DraftModel(d_prog, d_params),
+                    k=k,
+                )
+                total = {"tokens": 0}
                 for i, prompt in enumerate(prompts):
-                    out, stats = speculative.generate(
-                        t_dec, tparams, d_dec, d_params, prompt, 48, k=k, temperature=temperature, seed=i
-                    )
-                    total["tokens"] += len(out)
-                    total["forwards"] += stats["target_forwards"]
-                    total["accepted"] += stats["accepted"]
-                    total["drafted"] += stats["drafted"]
+                    sampling = engine.Sampling(temperature, seed=i)
+                    total["tokens"] += len(engine.generate(eng, [prompt], 48, sampling)[0])
+                total.update(
+                    forwards=eng.stats["target_steps"],
+                    **{key: eng.stats[key] for key in ("accepted", "drafted", "rounds")},
+                )
                 acc = total["accepted"] / total["drafted"]
-                per_round = total["accepted"] / max(total["forwards"] - len(prompts), 1)
+                per_round = total["accepted"] / max(total["rounds"], 1)
                 row = {
                     "draft": draft_name,
                     "temperature": temperature,
@@ -101,11 +111,11 @@ def engine_part(args) -> None:
     import numpy as np
 
     from jaxsys import data as data_lib
-    from jaxsys import generate as gen
-    from jaxsys.serve import engine, spec_engine
+    from jaxsys.serve import engine, speculation
+    from jaxsys.serve.runner import load
 
-    target, tparams, tconfig = gen.load_program(args.target)
-    draft, dparams, _ = gen.load_program(args.draft)
+    target, tparams, tconfig = load(args.target)
+    draft, dparams, _ = load(args.draft)
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
     weights = nbytes(tparams)
     ratio = nbytes(dparams) / weights
@@ -119,7 +129,7 @@ def engine_part(args) -> None:
 
     def run(eng, name, temperature, window=None):
         if window is not None:
-            eng.window = window  # host-side only: the same compiled steps
+            eng.drafter.window = window  # host-side only: the same compiled steps
         before = dict(eng.stats)
         for k in ks:
             for i, prompt in enumerate(prompts):
@@ -128,7 +138,7 @@ def engine_part(args) -> None:
         read = {key: eng.stats[key] - before[key] for key in ("draft_read", "full_read")}
         f = read["draft_read"] / read["full_read"] if read["full_read"] else None
         for k in ks:
-            stats = [s for rid, s in eng.per_request.items() if rid[:4] == (name, temperature, window, k)]
+            stats = [r.stats for r in eng.finished if r.id[:4] == (name, temperature, window, k)]
             rounds, acc, drafted = (sum(s[key] for s in stats) for key in ("rounds", "accepted", "drafted"))
             n = acc / rounds
             row = {
@@ -157,11 +167,11 @@ def engine_part(args) -> None:
                 flush=True,
             )
 
-    small = spec_engine.SpeculativeEngine(target, tparams, **kw, k=1, draft=(draft, dparams))
+    small = engine.Engine(target, tparams, **kw, drafter=speculation.DraftModel(draft, dparams), k=1)
     for temperature in (0.0, 1.0):
         run(small, "small", temperature)
     del small
-    self_eng = spec_engine.SpeculativeEngine(target, tparams, **kw, k=1, draft="self", window=8, sink=4)
+    self_eng = engine.Engine(target, tparams, **kw, drafter=speculation.SelfSpeculation(window=8, sink=4), k=1)
     for window, temperature in ((8, 0.0), (16, 0.0), (32, 0.0), (16, 1.0)):
         run(self_eng, "self", temperature, window)
     with open(os.path.join(HERE, "results_engine.json"), "w") as f:

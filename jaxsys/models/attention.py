@@ -1,5 +1,8 @@
-"""The attention of a layer: softmax attention by `config.model.attention_impl`, or causal linear
-attention, chosen per layer by `config.model.layer_pattern`.
+"""The attention of a layer, and the one place its kernel is chosen: softmax attention by
+`config.model.attention_impl`, or causal linear attention, chosen per layer by
+`config.model.layer_pattern`; under context parallelism the blocks the ring / all-gather /
+TokenRing schedules run (`BlockAttention`, handed to parallel/context.py). A KV cache's attention
+(decoding) is the cache type's own (jaxsys/cache/).
 
     attention_impl   softmax layers                              linear layers
     reference        layers.attention (jnp, XLA)                 kernels.linear_attention.chunked (jnp)
@@ -17,6 +20,8 @@ TransNormer's NormAttention do).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +42,43 @@ def layer_types(m) -> tuple[str, ...]:
     return pattern(m) * (m.n_layers // len(pattern(m)))
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockAttention:
+    """One block of attention and its backward given the final o and LSE, by implementation (the
+    blocks of context parallelism's schedules)."""
+
+    impl: str = "reference"  # reference | pallas
+    block: int = 128
+
+    def forward(self, q, k, v, causal: bool):
+        if self.impl == "pallas":
+            from jaxsys.kernels.flash_attention import flash_attention_forward
+
+            o, lse = flash_attention_forward(q, k, v, causal=causal, block_q=self.block, block_k=self.block)
+        else:
+            from jaxsys.kernels.flash_attention import reference_attention
+
+            o, lse = reference_attention(q, k, v, causal=causal, return_lse=True)
+        return o.astype(jnp.float32), lse
+
+    def backward(self, q, k, v, o, lse, do, causal: bool):
+        if self.impl == "pallas":
+            from jaxsys.kernels.flash_attention import flash_attention_backward
+
+            grads = flash_attention_backward(q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block)
+        else:
+            from jaxsys.kernels.flash_attention import reference_attention_backward
+
+            grads = reference_attention_backward(q, k, v, o, lse, do, causal=causal)
+        return tuple(g.astype(jnp.float32) for g in grads)
+
+
 def softmax_attention(q, k, v, m, seq: context.SeqLayout):
     """Causal GQA softmax attention of one layer with `m.attention_impl`; over the sequence split on
     `seq` by `m.context_parallel` when there is one."""
     if seq.axes:
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
-        return context.attention(q, k, v, seq, context.BlockAttention(impl, m.attention_block))
+        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block))
     if m.attention_impl == "pallas":
         from jaxsys.kernels.flash_attention import flash_attention
 

@@ -21,7 +21,7 @@ Softmax attention, `model.context_parallel`:
              (TokenRing). Backward by autodiff (the transposed permutes).
 Each (query chunk, key chunk) pair is attended as `full` (key chunk before), `causal` (the same
 chunk) or skipped (after), chosen at run time with lax.switch, by the configured implementation
-(the reference or the Pallas flash kernel, through `BlockAttention`).
+(the reference or the Pallas flash kernel, as models/attention.py chose: a `BlockAttention`).
 
 Linear attention: LASP-2 (Sun et al. 2025). Each device computes its chunks with a zero initial
 state, all-gathers the chunk states (B x N x H x H each: independent of T) in one all-gather per
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Protocol
 
 import chex
 import jax
@@ -107,34 +108,13 @@ def causal_work(size: int, balance: bool, chunk_len: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- block attention
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockAttention:
-    """One block of attention and its backward given the final o and LSE, by implementation."""
+class BlockAttention(Protocol):
+    """One block of attention and its backward given the final o and LSE, as the kernel chosen in
+    models/attention.py (`attention.BlockAttention`) computes them."""
 
-    impl: str = "reference"  # reference | pallas
-    block: int = 128
+    def forward(self, q, k, v, causal: bool): ...
 
-    def forward(self, q, k, v, causal: bool):
-        if self.impl == "pallas":
-            from jaxsys.kernels.flash_attention import flash_attention_forward
-
-            o, lse = flash_attention_forward(q, k, v, causal=causal, block_q=self.block, block_k=self.block)
-        else:
-            from jaxsys.kernels.flash_attention import reference_attention
-
-            o, lse = reference_attention(q, k, v, causal=causal, return_lse=True)
-        return o.astype(jnp.float32), lse
-
-    def backward(self, q, k, v, o, lse, do, causal: bool):
-        if self.impl == "pallas":
-            from jaxsys.kernels.flash_attention import flash_attention_backward
-
-            grads = flash_attention_backward(q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block)
-        else:
-            from jaxsys.kernels.flash_attention import reference_attention_backward
-
-            grads = reference_attention_backward(q, k, v, o, lse, do, causal=causal)
-        return tuple(g.astype(jnp.float32) for g in grads)
+    def backward(self, q, k, v, o, lse, do, causal: bool): ...
 
 
 def _case(q_id, kv_id):

@@ -1,5 +1,6 @@
 """Megatron tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al.
-2022) over the `tensor` axis, plus the vocabulary-parallel embedding and cross-entropy.
+2022) over the `tensor` axis, plus the vocabulary-parallel embedding, cross-entropy and the logits
+gathered for sampling (`gather_vocab`).
 
 A tensor-parallel block is entered and left once:
 
@@ -132,3 +133,9 @@ def cross_entropy(logits, targets, axes: tuple[str, ...]):
     picked = jnp.take_along_axis(shifted, jnp.where(owned, local, 0)[..., None], axis=-1)[..., 0]
     target_logit = psum_fwd_copy_bwd(jnp.where(owned, picked, 0.0), axes)
     return jnp.log(sum_exp) - target_logit
+
+
+def gather_vocab(logits, axes: tuple[str, ...]):
+    """The full-vocabulary logits [..., V] from this rank's slice [..., V/tp] (sampling needs every
+    token's logit): one all-gather over the vocabulary's axes; no gradient."""
+    return lax.all_gather(logits, axes, axis=logits.ndim - 1, tiled=True) if axes else logits

@@ -8,6 +8,7 @@ import sys
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError, parse_with_overrides
+from jaxsys.data import BYTE_SOURCES
 
 
 def main(argv=None) -> int:
@@ -22,9 +23,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-size", type=int, help="prefill chunk, Sarathi-Serve (config.serve.chunk_size)")
     parser.add_argument("--max-seqs", type=int, help="sequences running at once (config.serve.max_seqs)")
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
-    from jaxsys import generate
     from jaxsys.mesh import cpu_unless_accelerator
-    from jaxsys.serve import server, spec_engine
+    from jaxsys.serve import build_engine, server
+    from jaxsys.serve.runner import load
 
     cpu_unless_accelerator()
     flags = {
@@ -36,17 +37,12 @@ def main(argv=None) -> int:
     }
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     try:
-        program, params, config = generate.load_program(args.workdir, overrides, args.step)
-        if config.serve.disaggregate:  # prefill and decode on two sub-meshes (serve/disagg.py)
-            from jaxsys.serve import disagg
-
-            eng = disagg.DisaggregatedEngine.from_config(config, params)
-        else:
-            eng = spec_engine.engine_from_config(program, params)  # speculative when config.serve.spec_k >= 1
+        program, params, config = load(args.workdir, overrides, args.step)
+        eng = build_engine(program, params)  # config.serve: disaggregated, speculative, the cache
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    httpd, loop = server.serve(eng, config.data.source in generate.BYTE_SOURCES, args.workdir, args.host, args.port)
+    httpd, loop = server.serve(eng, config.data.source in BYTE_SOURCES, args.workdir, args.host, args.port)
     sv = config.serve
     print(
         f"jaxsys.serve: {args.workdir} on http://{args.host}:{httpd.server_address[1]}/v1/completions "

@@ -46,8 +46,9 @@ from jaxsys.analysis import cost_model as cost_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis.decode import kv_transfer_bytes, weight_bytes_per_device
 from jaxsys.config import MESH_AXES, ConfigError, validate
-from jaxsys.serve import decode
-from jaxsys.serve.engine import Engine, Sampling, pool_settings
+from jaxsys.serve.engine import Engine, EngineAPI
+from jaxsys.serve.runner import check_servable
+from jaxsys.serve.sampling import Sampling
 from jaxsys.serve.scheduler import PoolExhausted, Request, Work
 
 PLACEMENTS = ("cost", "prefill", "colocated")
@@ -146,7 +147,7 @@ def side_configs(config, num_devices: int | None = None) -> tuple:
         c.serve.disaggregate = False
         try:
             validate(c, num_devices=n[side])
-            decode.check_servable(c)
+            check_servable(c)
         except ConfigError as e:
             raise ConfigError(f"{key}: {e}") from None
         _model_divides(c, key)
@@ -343,7 +344,7 @@ class _Pending:
     placed: object = None  # the transferred pages on the decode mesh
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(EngineAPI):
     @classmethod
     def from_config(
         cls, config, params, devices=None, max_len: int | None = None, cost: CostModel | None = None
@@ -351,7 +352,8 @@ class DisaggregatedEngine:
         """Both sides as `config.serve` describes (pages, budget, ... per batch shard of each)."""
         pre, dec = build_programs(config, devices)
         sv = config.serve
-        return cls(pre, dec, params, **pool_settings(sv), max_len=max_len, cost=cost)
+        keys = ("page_size", "token_budget", "chunk_size", "max_seqs", "policy")
+        return cls(pre, dec, params, sv.pages, **{k: sv[k] for k in keys}, max_len=max_len, cost=cost)
 
     def __init__(
         self,
@@ -386,6 +388,24 @@ class DisaggregatedEngine:
     def warmup(self) -> None:
         self.prefill.warmup()
         self.decode.warmup()
+
+    def abort(self, request_id) -> bool:
+        """Drop a request wherever it is: waiting for placement, prefilling (its decode pages
+        reserved), handed over, or decoding."""
+        for p in self.waiting:
+            if p.request.id == request_id:
+                self.waiting.remove(p)
+                return True
+        pending = self.in_prefill.pop(request_id, None)
+        if pending is None:
+            pending = next((p for p in self.inbox if p.request.id == request_id), None)
+            if pending is not None:
+                self.inbox.remove(pending)
+        if pending is not None:
+            self.prefill.abort(request_id)
+            self.decode.pools[pending.shard].free(request_id)
+            return True
+        return self.decode.abort(request_id)
 
     # -- state
     @property

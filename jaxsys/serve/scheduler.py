@@ -70,7 +70,11 @@ class Request:
     max_new_tokens: int
     prefilled: int = 0  # prompt tokens already in the cache
     generated: list = dataclasses.field(default_factory=list)
-    spec_k: int = 0  # speculative decoding (serve/spec_engine.py): tokens drafted per decode step
+    spec_k: int = 0  # speculative decoding (serve/speculation.py): tokens drafted per decode step
+    # speculation's counts for this request: rounds, drafted and accepted tokens, decode steps
+    stats: dict = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(("rounds", "drafted", "accepted", "decode_steps"), 0)
+    )
 
     @property
     def done(self) -> bool:
@@ -216,6 +220,16 @@ class Scheduler:
             self.pool.free(r.id)
             self.finished.append(r)
         return done
+
+    def remove(self, request_id) -> bool:
+        """Drop a waiting or running request (an abort), freeing its pages; False if it is neither."""
+        for queue in (self.waiting, self.running):
+            for r in queue:
+                if r.id == request_id:
+                    queue.remove(r)
+                    self.pool.free(request_id)
+                    return True
+        return False
 
     @property
     def idle(self) -> bool:

@@ -23,7 +23,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from jaxsys import data as data_lib
-from jaxsys.serve.engine import Engine, Sampling
+from jaxsys.serve.engine import EngineAPI
+from jaxsys.serve.sampling import Sampling
 
 FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "model"}
 
@@ -35,7 +36,7 @@ class BadRequest(ValueError):
 class EngineLoop:
     """The engine, stepped by one thread; `submit` returns a queue of (token, finished) items."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -228,7 +229,7 @@ def make_handler(loop: EngineLoop, byte_level: bool, vocab: int, model_name: str
     return Handler
 
 
-def serve(engine: Engine, byte_level: bool, model_name: str, host: str = "127.0.0.1", port: int = 8000):
+def serve(engine: EngineAPI, byte_level: bool, model_name: str, host: str = "127.0.0.1", port: int = 8000):
     """Start the server (port 0: any free port). Returns (server, loop); `server.serve_forever()`
     blocks, or run it in a thread; `shutdown(server, loop)` stops both."""
     loop = EngineLoop(engine)

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxsys.kernels.flash_attention import flash_attention  # noqa: E402
 from jaxsys.kernels.tpu_compile_grid import CUSTOM_CALL, add_grid_arguments, run_grid, tpu_mesh  # noqa: E402,F401
+from jaxsys.parallel.spmd import per_shard
 
 
 def compile_case(
@@ -61,7 +62,7 @@ def compile_case(
         segs = dict(q_segment_ids=seg, kv_segment_ids=seg) if segments else {}
         return attend(q, k, v, **segs)
 
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=(data,) * 4, out_specs=(data, data), check_vma=False)
+    sharded = per_shard(local, mesh, (data,) * 4, (data, data))
 
     def loss(q, k, v, seg):  # both cotangents (o and lse) reach the backward
         o, lse = sharded(q, k, v, seg)

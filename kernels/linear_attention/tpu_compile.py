@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxsys.kernels.linear_attention import linear_attention  # noqa: E402
 from jaxsys.kernels.tpu_compile_grid import CUSTOM_CALL, add_grid_arguments, run_grid, tpu_mesh  # noqa: E402,F401
+from jaxsys.parallel.spmd import per_shard
 
 KERNELS = ("linear_attention_tpu_fwd", "linear_attention_tpu_bwd_dq", "linear_attention_tpu_bwd_dkdv")
 
@@ -71,9 +72,7 @@ def compile_case(
     def local(q, k, v, ld, s0):
         return attend(q, k, v, log_decay=ld if decay else None, initial_state=s0)
 
-    sharded = jax.shard_map(
-        local, mesh=mesh, in_specs=(data, data, data, P(), data), out_specs=(data, data), check_vma=False
-    )
+    sharded = per_shard(local, mesh, (data, data, data, P(), data), (data, data))
 
     def loss(q, k, v, ld, s0):  # both cotangents (o and final_state) reach the backward
         o, st = sharded(q, k, v, ld, s0)

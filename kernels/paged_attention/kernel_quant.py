@@ -40,7 +40,6 @@ __all__ = ["paged_attention_quant"]
 class QuantConfig:
     scale: float
     bits: int
-    residual: int
     interpret: bool = True
     num_warps: int | None = None
     num_stages: int | None = None
@@ -50,6 +49,7 @@ def _kernel(
     tq_ref,
     tf_ref,
     len_ref,
+    nq_ref,
     q_ref,
     k_ref,
     v_ref,
@@ -64,12 +64,11 @@ def _kernel(
     page_size: int,
     scale: float,
     bits: int,
-    residual: int,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     n_pages = lax.div(length + page_size - 1, page_size)
-    n_q = jnp.maximum(lax.div(length, page_size) - residual, 0)
+    n_q = nq_ref[b]
     n = 8 // bits
     g, h = q_ref.shape
     hp = h // n
@@ -131,7 +130,7 @@ def _kernel(
         o_ref[:, part] = (a / l[:, None]).astype(o_ref.dtype)
 
 
-def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg: QuantConfig):
+def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, quant_pages, *, cfg: QuantConfig):
     """q [B, K, G, H] (G padded by the caller) -> o [B, K, G, H]."""
     b, kh, g, h = q.shape
     page_size = k_pages.shape[1]
@@ -143,14 +142,15 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg: Qu
         quant_table.astype(jnp.int32),
         fp_table.astype(jnp.int32),
         lengths.astype(jnp.int32),
+        quant_pages.astype(jnp.int32),
         q,
         k_pages,
         v_pages,
     ) + tuple(qp[name] for name in names)
     return pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits, residual=cfg.residual),
+        functools.partial(_kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits),
         grid=(b, kh),
-        in_specs=[whole(a) for a in operands[:3]] + [q_spec] + [whole(a) for a in operands[4:]],
+        in_specs=[whole(a) for a in operands[:4]] + [q_spec] + [whole(a) for a in operands[5:]],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=compiler_params,
@@ -159,10 +159,18 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg: Qu
     )(*operands)
 
 
-def _run(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, *, cfg):
+def _run(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, quant_pages, *, cfg):
     g = q.shape[2]
     out = _generic(
-        _pad_rows(q, int(pl.next_power_of_2(g))), k_pages, v_pages, qp, quant_table, fp_table, lengths, cfg=cfg
+        _pad_rows(q, int(pl.next_power_of_2(g))),
+        k_pages,
+        v_pages,
+        qp,
+        quant_table,
+        fp_table,
+        lengths,
+        quant_pages,
+        cfg=cfg,
     )
     return out[:, :, :g]
 
@@ -194,6 +202,7 @@ def paged_attention_quant(
     *,
     mode: str,
     residual: int = 0,
+    quant_pages=None,
     scale=None,
     interpret=None,
     num_warps=None,
@@ -205,7 +214,9 @@ def paged_attention_quant(
     pool {"kq", "vq", "ks", "kz", "vs", "vz"} (quant.page_shapes(mode, Pq, ...)); quant_table,
     fp_table [B, max_pages] int32 page ids into each pool (entries a sequence does not read from
     that pool are never read); lengths [B] in [1, max_pages * page_size]; `residual` full pages
-    before the current one stay full precision. Returns [B, N, H] in q.dtype. interpret None
+        before the current one stay full precision; `quant_pages` [B] (optional) overrides how many
+    leading pages each row reads quantized (default quant.n_quant(lengths, page_size, residual);
+    a read view of a subset of the pages sets its own). Returns [B, N, H] in q.dtype. interpret None
     interprets when lowered for CPU and uses Triton elsewhere (no Mosaic variant)."""
     check_inputs(q, k_pages, v_pages, quant_table, lengths)
     check_quant_inputs(k_pages, qp, mode)
@@ -214,8 +225,10 @@ def paged_attention_quant(
     b, n, h = q.shape
     kh = k_pages.shape[2]
     scale = float(h**-0.5 if scale is None else scale)
-    cfg = QuantConfig(scale, quant.MODES[mode][0], int(residual), num_warps=num_warps, num_stages=num_stages)
+    cfg = QuantConfig(scale, quant.MODES[mode][0], num_warps=num_warps, num_stages=num_stages)
     plan = platforms.plan("generic", interpret, cfg, None)
+    if quant_pages is None:
+        quant_pages = quant.n_quant(lengths, k_pages.shape[1], int(residual))
     qg = q.reshape(b, kh, n // kh, h)
     out = platforms.dispatch(
         plan,
@@ -228,5 +241,6 @@ def paged_attention_quant(
         quant_table.astype(jnp.int32),
         fp_table.astype(jnp.int32),
         lengths.astype(jnp.int32),
+        quant_pages.astype(jnp.int32),
     )
     return out.reshape(b, n, h)

@@ -183,15 +183,29 @@ def n_quant(lengths, page_size: int, residual: int):
 
 
 def paged_attention_quant_reference(
-    q, k_pages, v_pages, quant: dict, quant_table, fp_table, lengths, *, mode: str, residual: int = 0, scale=None
+    q,
+    k_pages,
+    v_pages,
+    quant: dict,
+    quant_table,
+    fp_table,
+    lengths,
+    *,
+    mode: str,
+    residual: int = 0,
+    quant_pages=None,
+    scale=None,
 ):
     """Decode attention over a quantized paged cache (module docstring): q [B, N, H]; k/v_pages
     [Pf, page_size, K, H] the full-precision pool; `quant` the quantized pool (`page_shapes`, Pq
-    pages); quant_table, fp_table [B, max_pages]; lengths [B]. Returns [B, N, H] in q.dtype."""
+    pages); quant_table, fp_table [B, max_pages]; lengths [B]; quant_pages [B] the pages read
+    quantized (default n_quant(lengths, page_size, residual)). Returns [B, N, H] in q.dtype."""
     b, max_pages = quant_table.shape
     page_size = k_pages.shape[1]
     kd, vd = dequantize_pages(quant, mode)
-    use_q = jnp.arange(max_pages)[None, :] < n_quant(lengths, page_size, residual)[:, None]  # [B, max_pages]
+    if quant_pages is None:
+        quant_pages = n_quant(lengths, page_size, residual)
+    use_q = jnp.arange(max_pages)[None, :] < quant_pages[:, None]  # [B, max_pages]
     sel = lambda deq, fp: jnp.where(
         use_q[:, :, None, None, None], deq[quant_table], fp.astype(jnp.float32)[fp_table]
     ).reshape(b, max_pages * page_size, *fp.shape[2:])

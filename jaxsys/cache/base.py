@@ -1,0 +1,76 @@
+"""The interface every KV cache implements (jaxsys/cache/__init__.py says which caches exist).
+
+A cache is a pytree dataclass. Its *layer fields* hold one array per layer, stacked on a leading
+L dimension ([L, ...]); its other fields (page tables, read views) are shared by every layer and
+its static fields (a quantization mode) are part of its type. The layer stack scans the layer
+fields beside the weights: `per_layer()` gives them, `with_layers(...)` puts a layer's (or all
+layers') arrays back, and the model's attention calls one method on one layer's cache:
+
+    o, cache = cache.attend(q, k, v, positions)
+
+which writes this step's keys and values k, v [B, T, K, H] at `positions` [B, T] and attends to
+the cache with q [B, T, N, H], returning o [B, T, N, H] and the cache with the writes. Shapes are
+per device (this device's sequences or rows, and its K / tensor kv heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+# where a cache's arrays live on the mesh: pools split like the activations (the batch over the
+# batch axes, kv heads over `tensor`), per-row metadata split with the rows
+POOL = ("layers", "batch", None, "kv_heads", None)  # [L, B or pages, S or page slots, K, H]
+ROWS = ("batch", None)  # [rows, ...]
+ROW = ("batch",)  # [rows]
+
+
+def pytree(cls):
+    """A frozen dataclass registered as a pytree (fields with metadata static=True are static)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+def static(default=None):
+    """A static (hashable, part of the type) dataclass field."""
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+class KVCache:
+    """Base of the cache types: `layer_fields` names the [L, ...] arrays; subclasses give `attend`
+    and, when they carry more than pools, `row_fields` (their [rows, ...] metadata)."""
+
+    layer_fields: ClassVar[tuple[str, ...]] = ()
+    row_fields: ClassVar[tuple[str, ...]] = ()
+
+    def attend(self, q, k, v, positions):
+        raise NotImplementedError
+
+    def per_layer(self) -> dict:
+        """The layer fields {name: [L, ...]} (of one layer inside the layer scan: [...])."""
+        return {name: getattr(self, name) for name in self.layer_fields}
+
+    def with_layers(self, layers: dict):
+        """This cache with its layer fields replaced (by one layer's arrays, or the stacked result)."""
+        return dataclasses.replace(self, **layers)
+
+    def pspecs(self, layout):
+        """A tree like this cache of PartitionSpecs (for shard_map's in/out specs): pools as POOL,
+        per-row metadata split over the batch axes with the rows."""
+        pool, rows, row = (layout.compute_spec(spec) for spec in (POOL, ROWS, ROW))
+        specs = {name: pool for name in self.layer_fields}
+        for name in self.row_fields:
+            value = getattr(self, name)
+            if value is not None:
+                specs[name] = row if getattr(value, "ndim", 2) == 1 else rows
+        return dataclasses.replace(self, **specs)
+
+    @property
+    def layers(self) -> int:
+        return getattr(self, self.layer_fields[0]).shape[0]
+
+
+def replicated_spec() -> P:
+    return P()

@@ -1,0 +1,59 @@
+"""The paged KV cache (PagedAttention's block table): pools of pages shared by all sequences.
+
+    k, v        [L, P, page_size, K, H]   this device's pages (a batch shard's pool plus its
+                                          scratch page) and its K / tensor kv heads
+    page_table  [R, max_pages]            each query row's sequence's pages, in order: position t
+                                          lives in slot t % page_size of page page_table[t // page_size]
+
+The serving engine's rows are one token each (q [R, 1, N, H] at positions [R, 1]), so decodes and
+prefill chunks of any lengths share one program. `attend` writes every row's key and value to its
+slot first, then each row attends to its sequence's slots up to its position with the Pallas
+paged-attention kernel (one query per row): the rows of one prefill chunk see each other causally.
+A read view (`window.WindowView`, self-speculation's draft) reads through another table of the
+same pages with its own lengths; the writes always go through `page_table`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsys.cache.base import KVCache, pytree
+from jaxsys.kernels.paged_attention.kernel import paged_attention
+
+
+def slots(page_table, positions, page_size: int):
+    """Flat slot ids [R] (page id x page_size + offset) of rows at positions [R]."""
+    page = jnp.take_along_axis(page_table, (positions // page_size)[:, None], axis=1)[:, 0]
+    return page * page_size + positions % page_size
+
+
+def write_rows(pool, new, slot):
+    """pool [P, page_size, ...] with row r's new[r] written at flat slot slot[r]."""
+    pages, page_size = pool.shape[:2]
+    flat = pool.reshape(pages * page_size, *pool.shape[2:])
+    return flat.at[slot].set(new.astype(pool.dtype)).reshape(pool.shape)
+
+
+@pytree
+class PagedCache(KVCache):
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array | None = None
+
+    layer_fields = ("k", "v")
+    row_fields = ("page_table",)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[-3]
+
+    def attend(self, q, k, v, positions, read=None):
+        """One token per row: q [R, 1, N, H], k, v [R, 1, K, H] at positions [R, 1]. `read`:
+        (table [R, max_pages], lengths [R]) to read through instead of page_table and position + 1."""
+        pos = positions[:, 0]
+        slot = slots(self.page_table, pos, self.page_size)
+        kc, vc = write_rows(self.k, k[:, 0], slot), write_rows(self.v, v[:, 0], slot)
+        table, lengths = (self.page_table, pos + 1) if read is None else read[:2]
+        o = paged_attention(q[:, 0], kc.astype(q.dtype), vc.astype(q.dtype), table, lengths)
+        return o[:, None], PagedCache(kc, vc, self.page_table)
