@@ -10,7 +10,7 @@ the same initial parameters, on the same pre-built batches:
           collectives are exactly the ones jaxsys writes (Megatron TP, FSDP, DP/ZeRO).
   plain   one `jax.jit` of the same model math with the one-device Layout (all mesh axes 1, so the
           model code emits no collectives), `jax.value_and_grad`, and
-          `optax.chain(clip_by_global_norm, optim.make_optimizer)`; parameters, optimizer state and
+          `optax.chain(clip_by_global_norm, optimizer.make_optimizer)`; parameters, optimizer state and
           batch carry the NamedShardings of the jaxsys Program, and GSPMD decides the communication.
 
 Layouts: 1dev (one device), dp8 (data=8), fsdp8 (fsdp=8), tp8 (tensor=8, n_kv_heads=8 so the
@@ -53,12 +53,12 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from jaxsys import data as data_lib  # noqa: E402
-from jaxsys import optim  # noqa: E402
 from jaxsys import train as train_lib  # noqa: E402
 from jaxsys.config import MESH_AXES, load_config  # noqa: E402
 from jaxsys.mesh import make_mesh  # noqa: E402
 from jaxsys.models import params as params_lib  # noqa: E402
 from jaxsys.models import transformer  # noqa: E402
+from jaxsys.optim import optimizer as optimizer_lib  # noqa: E402
 from jaxsys.sharding import Layout  # noqa: E402
 
 # name -> (mesh sizes, model overrides)
@@ -108,7 +108,9 @@ class Plain:
             one.mesh[axis] = 1
         self.layout = Layout.from_config(one)  # no collectives in the model code
         specs = program.specs
-        self.tx = optax.chain(optax.clip_by_global_norm(c.train.grad_clip), optim.make_optimizer(c.train, specs))
+        self.tx = optax.chain(
+            optax.clip_by_global_norm(c.train.grad_clip), optimizer_lib.make_optimizer(c.train, specs)
+        )
         abstract = params_lib.abstract_params(specs, jnp.dtype(c.model.param_dtype))
         opt_pspecs = optax.tree_map_params(
             self.tx,

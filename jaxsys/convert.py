@@ -4,309 +4,21 @@
     python -m jaxsys.train --config W/config.json --workdir W        # resumes from the converted step 0
     python -m jaxsys.convert --to-hf OUT --workdir W [--step S] [--dtype bfloat16]
 
-`--from-hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (GQA/MQA, any rope
-theta, tied or untied embeddings; `rope_scaling`, biases and other activations are refused by name),
-sets `config.model` from it on top of `--config` (training, data and mesh settings), and writes the
-resolved config.json and checkpoint step 0 (the weights and a fresh optimizer state) into W, which
-must not already hold a run. `--to-hf` writes config.json and model.safetensors from a checkpoint
-of W. Safetensors only: pickle files (`*.bin`, `*.pt`) are never read.
-
-The mapping is a transpose and reshape per tensor: HF's `nn.Linear` weights are [out, in], jaxsys's
-are [in, out] with heads split out (wq [D, N, H]) and stacked over layers. HF's Llama applies RoPE
-to the two halves of each head (`rotate_half`), as jaxsys does, so q/k need no permutation.
+`--from-hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model, sets
+`config.model` from it on top of `--config` (training, data and mesh settings), and writes the
+resolved config.json and checkpoint step 0 into W, which must not already hold a run. `--to-hf`
+writes config.json and model.safetensors from a checkpoint of W. The conversion is the library's,
+jaxsys/checkpoint/hf.py (what is read, refused and how each tensor maps); this module parses the
+command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 
-import numpy as np
-
-from jaxsys.config import ConfigError, apply_overrides, base_config, load_config, parse_with_overrides, validate
-
-
-class ConversionError(ValueError):
-    """Input that cannot be converted: the message names the file, key or tensor and the fix."""
-
-
-# jaxsys layer parameter -> (HF tensor name in layer i, how to turn HF's array into jaxsys's)
-def _layer_map(m):
-    D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    return {
-        "attn_norm": ("input_layernorm.weight", lambda w: w),
-        "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
-        "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
-        "wv": ("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H)),
-        "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D)),
-        "mlp_norm": ("post_attention_layernorm.weight", lambda w: w),
-        "w_gate": ("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": ("mlp.up_proj.weight", lambda w: w.T),
-        "w_down": ("mlp.down_proj.weight", lambda w: w.T),
-    }
-
-
-def _layer_unmap(m):
-    """The inverse of `_layer_map`: jaxsys array of one layer -> HF's [out, in]."""
-    D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    return {
-        "attn_norm": lambda w: w,
-        "wq": lambda w: w.reshape(D, N * H).T,
-        "wk": lambda w: w.reshape(D, K * H).T,
-        "wv": lambda w: w.reshape(D, K * H).T,
-        "wo": lambda w: w.reshape(N * H, D).T,
-        "mlp_norm": lambda w: w,
-        "w_gate": lambda w: w.T,
-        "w_up": lambda w: w.T,
-        "w_down": lambda w: w.T,
-    }
-
-
-# ----------------------------------------------------------------------------- HF config
-
-
-def _hf_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ConversionError(
-            f"{hf_dir} has no config.json: pass the directory of a Hugging Face model (config.json and *.safetensors)"
-        )
-    with open(path) as f:
-        return json.load(f)
-
-
-def _rope_theta(hf: dict) -> float:
-    """transformers >= 5 nests it in `rope_parameters`; earlier versions have `rope_theta`."""
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        raise ConversionError(f"rope type {kind!r} (rope scaling) is not supported: jaxsys implements plain RoPE only")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def model_config_from_hf(hf: dict, model) -> None:
-    """Set `config.model` (in place) from a Hugging Face Llama config.json dict."""
-    if hf.get("model_type") not in ("llama", "mistral"):
-        raise ConversionError(
-            f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type llama or mistral) convert"
-        )
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, want) != want:
-            raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's Llama needs {want!r}")
-    if hf.get("sliding_window"):
-        raise ConversionError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not supported")
-    n_heads = hf["num_attention_heads"]
-    model.vocab_size = hf["vocab_size"]
-    model.d_model = hf["hidden_size"]
-    model.n_layers = hf["num_hidden_layers"]
-    model.n_heads = n_heads
-    model.n_kv_heads = hf.get("num_key_value_heads") or n_heads
-    model.head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    model.d_ff = hf["intermediate_size"]
-    model.rope_theta = _rope_theta(hf)
-    model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
-    model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
-
-
-def _require_dense_llama(m) -> None:
-    """Llama's layout has a dense SwiGLU MLP and softmax attention in every layer."""
-    from jaxsys.config import layer_pattern, mlp_pattern
-
-    if set(mlp_pattern(m)) != {"dense"} or set(layer_pattern(m)) != {"softmax"}:
-        raise ConversionError(
-            f"jaxsys.convert reads and writes Llama checkpoints (dense MLPs, softmax attention), but this "
-            f"model has mlp_pattern={m.mlp_pattern!r} and layer_pattern={m.layer_pattern!r}; MoE and linear-"
-            "attention models have no Hugging Face Llama equivalent"
-        )
-
-
-def hf_config_from_model(m, dtype: str) -> dict:
-    """A transformers LlamaConfig dict for `config.model` (both the transformers 5 `rope_parameters`
-    and the older top-level `rope_theta`, so either version reads it)."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "intermediate_size": m.d_ff,
-        "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},
-        "tie_word_embeddings": bool(m.tie_embeddings),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
-
-
-# ----------------------------------------------------------------------------- tensors
-
-
-def _read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors.numpy needs)
-    from safetensors.numpy import load_file
-
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not files:
-        pickles = [
-            os.path.basename(p)
-            for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(os.path.join(hf_dir, "*.pt"))
-        ]
-        hint = (
-            (
-                f" (it has {pickles}: pickle files are never read; convert them to safetensors with "
-                "transformers' save_pretrained(safe_serialization=True))"
-            )
-            if pickles
-            else ""
-        )
-        raise ConversionError(f"{hf_dir} has no *.safetensors file{hint}")
-    tensors = {}
-    for path in files:
-        try:
-            tensors.update(load_file(path))
-        except Exception as e:  # safetensors raises its own error types for damaged files
-            raise ConversionError(f"{path} could not be read as safetensors ({type(e).__name__}: {e})") from e
-    return tensors
-
-
-def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
-    """jaxsys parameters (numpy, `dtype`) from HF tensors; checks every name and shape."""
-
-    def take(name, shape):
-        if name not in tensors:
-            raise ConversionError(
-                f"the safetensors have no tensor {name!r} (config.json says "
-                f"{m.n_layers} layers{', untied embeddings' if 'lm_head' in name else ''})"
-            )
-        array = tensors[name]
-        if tuple(array.shape) != tuple(shape):
-            raise ConversionError(
-                f"tensor {name} has shape {tuple(array.shape)} but config.json implies {tuple(shape)}"
-            )
-        return array.astype(dtype)
-
-    D, N, K, H, F, V = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
-    hf_shapes = {
-        "attn_norm": (D,),
-        "wq": (N * H, D),
-        "wk": (K * H, D),
-        "wv": (K * H, D),
-        "wo": (D, N * H),
-        "mlp_norm": (D,),
-        "w_gate": (F, D),
-        "w_up": (F, D),
-        "w_down": (D, F),
-    }
-    layers = {
-        key: np.stack([convert(take(f"model.layers.{i}.{name}", hf_shapes[key])) for i in range(m.n_layers)])
-        for key, (name, convert) in _layer_map(m).items()
-    }
-    params = {
-        "embed": take("model.embed_tokens.weight", (V, D)),
-        "layers": layers,
-        "final_norm": take("model.norm.weight", (D,)),
-    }
-    if not m.tie_embeddings:
-        params["unembed"] = take("lm_head.weight", (V, D)).T
-    return params
-
-
-def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
-    """HF tensor names -> contiguous numpy arrays in `dtype` (the inverse of `params_from_hf`)."""
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
-    names = {key: name for key, (name, _) in _layer_map(m).items()}
-    for key, unmap in _layer_unmap(m).items():
-        for i in range(m.n_layers):
-            out[f"model.layers.{i}.{names[key]}"] = unmap(np.asarray(params["layers"][key][i]))
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = np.asarray(params["unembed"]).T
-    return {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in out.items()}
-
-
-# ----------------------------------------------------------------------------- the two directions
-
-
-def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
-    """Convert a Hugging Face Llama directory into workdir's config.json and checkpoint step 0.
-    Returns the resolved config."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxsys import program as program_lib
-    from jaxsys.checkpoint import Checkpointer, require_new_workdir
-    from jaxsys.mesh import make_mesh
-
-    require_new_workdir(workdir, ConversionError)
-    config = base_config() if config is None else config
-    model_config_from_hf(_hf_config(hf_dir), config.model)
-    apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
-    _require_dense_llama(config.model)
-    validate(config)
-    tensors = _read_safetensors(hf_dir)  # after every check on the config: reading is the slow part
-    params = params_from_hf(tensors, config.model, jnp.dtype(config.model.param_dtype))
-    n = int(np.prod([config.mesh[a] for a in config.mesh]))
-    if n > jax.device_count():
-        raise ConfigError(f"config.mesh asks for {n} devices but {jax.device_count()} are available")
-    program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))  # any mesh up to all devices
-    shardings = program.state_shardings
-    params = jax.device_put(params, shardings.params)
-    opt_state = jax.jit(program.optimizer.init, out_shardings=shardings.opt_state)(params)
-    state = program_lib.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
-    os.makedirs(workdir, exist_ok=True)
-    checkpointer = Checkpointer(workdir, config.checkpoint)
-    checkpointer.save(0, state, config)
-    checkpointer.close()
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-    return config
-
-
-def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
-    """Write out_dir/config.json and model.safetensors from workdir's checkpoint (default: latest).
-    Returns the HF config dict."""
-    import jax
-    import jax.numpy as jnp
-    from safetensors.numpy import save_file
-
-    from jaxsys import program as program_lib
-    from jaxsys.checkpoint import Checkpointer
-    from jaxsys.mesh import make_mesh
-
-    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-        raise ConversionError(
-            f"{out_dir} already has model.safetensors: pass a new output directory; nothing was overwritten"
-        )
-    checkpointer = Checkpointer(workdir, base_config().checkpoint, read_only=True)
-    step = checkpointer.latest_step() if step is None else step
-    config = checkpointer.saved_config(step)
-    _require_dense_llama(config.model)
-    for axis in config.mesh:  # read onto one device: the arrays are written from the host anyway
-        config.mesh[axis] = 1
-    program = program_lib.build(config, make_mesh(config, jax.devices()[:1]))
-    state = checkpointer.restore(program.abstract_state(), step)
-    checkpointer.close()
-    m = config.model
-    dtype = dtype or m.param_dtype
-    params = jax.tree.map(np.asarray, state.params)
-    tensors = hf_tensors_from_params(params, m, jnp.dtype(dtype))
-    hf = hf_config_from_model(m, dtype)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    return hf
+from jaxsys.config import ConfigError, load_config, parse_with_overrides
 
 
 def main(argv=None) -> int:
@@ -327,12 +39,12 @@ def main(argv=None) -> int:
         "--dtype", choices=["float32", "bfloat16"], help="--to-hf: tensor dtype (default: config.model.param_dtype)"
     )
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.fsdp=8")
-    from jaxsys.checkpoint import CheckpointError
+    from jaxsys.checkpoint import CheckpointError, hf  # after parsing: `--help` starts no JAX
 
     try:
         if args.from_hf:
             config = load_config(args.config) if args.config else None
-            config = from_hf(args.from_hf, args.workdir, config, overrides)
+            config = hf.from_hf(args.from_hf, args.workdir, config, overrides)
             print(
                 f"jaxsys: wrote {args.workdir}/config.json and checkpoint step 0 "
                 f"({config.model.n_layers} layers, d_model {config.model.d_model}); train with\n"
@@ -342,9 +54,9 @@ def main(argv=None) -> int:
         else:
             if overrides or args.config:
                 parser.error("--to-hf takes its config from the checkpoint: drop --config and overrides")
-            to_hf(args.workdir, args.to_hf, args.step, args.dtype)
+            hf.to_hf(args.workdir, args.to_hf, args.step, args.dtype)
             print(f"jaxsys: wrote {args.to_hf}/config.json and model.safetensors")
-    except (ConversionError, ConfigError, CheckpointError) as e:
+    except (hf.ConversionError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

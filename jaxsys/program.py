@@ -23,11 +23,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsys import optim, zo
 from jaxsys.config import ConfigError
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
+from jaxsys.optim import optimizer as optimizer_lib
+from jaxsys.optim import zo
+from jaxsys.optim.schedules import schedule
 from jaxsys.parallel import collectives, expert, expert_placement, offload, pipeline, zero
 from jaxsys.parallel.spmd import per_shard
 from jaxsys.sharding import Layout
@@ -215,7 +217,7 @@ class Program(Placement):
         return objective, grads, metrics
 
     def _local_step(self, state: TrainState, tokens):
-        if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/zo.py)
+        if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/optim/zo.py)
             return zo.local_step(self, state, tokens)
         _, grads, metrics = self._local_grads(state.params, tokens)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
@@ -245,7 +247,7 @@ class Program(Placement):
                 grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
             params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
-        metrics.update(grad_norm=grad_norm, lr=optim.schedule(self.config.train)(state.step))
+        metrics.update(grad_norm=grad_norm, lr=schedule(self.config.train)(state.step))
         return TrainState(state.step + 1, params, opt_state), metrics
 
     def _shard_map(self, f, in_specs, out_specs):
@@ -294,7 +296,7 @@ class Program(Placement):
         if self.config.train.optimizer == "zo":
             raise ConfigError(
                 "config.train.optimizer='zo' computes no gradients (two forwards per step, "
-                "jaxsys/zo.py): use train_step_fn, or zo.projected_gradient for the estimate"
+                "jaxsys/optim/zo.py): use train_step_fn, or zo.projected_gradient for the estimate"
             )
         out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
         outputs = self._local_grads if metrics else (lambda p, t: self._local_grads(p, t)[:2])
@@ -377,8 +379,8 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     if config.model.quant != "none":  # a quantized checkpoint's codes are not trained: no state
         optimizer, opt_pspecs = optax.identity(), optax.EmptyState()
     else:
-        optimizer = optim.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
-        opt_pspecs = optim.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
+        optimizer = optimizer_lib.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
+        opt_pspecs = optimizer_lib.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
     plan = offload.Plan.from_config(config)
     state_kinds = None

@@ -97,6 +97,36 @@ def evaluate(program: Program, eval_fn, params, corpus) -> float:
     return float(np.mean([_scalar(l) for l in losses]))
 
 
+def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dict:
+    """Held-out loss and perplexity of `workdir`'s checkpoint at `step` (default: latest), on the
+    mesh its saved config (with `--config.k=v` overrides) names: `evaluate` over
+    `train.eval_batches` batches of the corpus's held-out split. Returns {"eval_loss",
+    "perplexity", "tokens", "step", "quant", "param_bytes", "mesh", ...}."""
+    config, step = checkpoint_lib.saved_config(workdir, overrides, step)
+    corpus = data_lib.load_corpus(config.data)
+    if not corpus.has_eval:
+        raise data_lib.DataError(
+            f"the corpus of {workdir} ({corpus.description}) has no held-out split: set --config.data.eval_fraction > 0"
+        )
+    program, params, c = checkpoint_lib.load(workdir, overrides, step)
+    start = time.perf_counter()
+    loss = evaluate(program, program.eval_loss_fn(), params, corpus)
+    return {
+        "workdir": workdir,
+        "step": int(step),
+        "eval_loss": loss,
+        "perplexity": math.exp(loss),
+        "tokens": c.train.eval_batches * c.train.batch_size * c.data.seq_len,
+        "quant": c.model.quant,
+        "quant_group_size": c.model.quant_group_size,
+        "quant_zero_point": c.model.quant_zero_point,
+        "quant_impl": c.model.quant_impl,
+        "param_bytes": sum(a.nbytes for a in jax.tree.leaves(params)),
+        "mesh": {a: s for a, s in program.layout.mesh_sizes.items() if s > 1},
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def main(config, workdir: str) -> list[dict]:
     """Train `config`, writing metrics.jsonl, TensorBoard events and config.json to `workdir`.
     Returns the logged records."""

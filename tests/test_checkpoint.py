@@ -75,6 +75,51 @@ def test_restore_onto_other_meshes(tmp_path):
         np.testing.assert_allclose(loss, next_losses["saved"], rtol=1e-5, err_msg=name)
 
 
+def test_load_reads_the_step_asked_for_onto_the_mesh_its_config_names(tmp_path, monkeypatch):
+    """`checkpoint.load`: the saved config with overrides, its program on the mesh that config
+    names, and the parameters of the step asked for (default: the latest). A missing workdir or
+    step, a bad override or a mesh the devices do not fit is named before any program is built."""
+    from jaxsys import checkpoint
+    from jaxsys import program as program_lib
+    from jaxsys.config import ConfigError
+
+    saved_on = dict(data=2, fsdp=2, tensor=2)
+    train.main(_config(saved_on, 2, 1), str(tmp_path))  # steps 1 and 2
+    reader = Checkpointer(str(tmp_path), _config(saved_on, 2, 1).checkpoint, read_only=True)
+    abstract = program_for(_config(saved_on, 2, 1)).abstract_state()
+    want = {step: jax.tree.map(np.asarray, reader.restore(abstract, step).params) for step in (1, 2)}
+    reader.close()
+    assert not np.array_equal(want[1]["embed"], want[2]["embed"])
+
+    program, params, config = checkpoint.load(str(tmp_path))
+    assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (2, 2, 2)
+    assert jax.tree.leaves(params)[0].sharding.mesh.shape == program.mesh.shape
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), want[2])
+    _, params, _ = checkpoint.load(str(tmp_path), step=1)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), want[1])
+    program, params, config = checkpoint.load(
+        str(tmp_path), ["--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.tensor=4"], step=2
+    )
+    assert program.layout.mesh_sizes["tensor"] == 4 and program.mesh.devices.size == 4
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), want[2])
+    program, params, config = checkpoint.load(str(tmp_path), checkpoint.ONE_DEVICE, devices=jax.devices()[:1])
+    assert program.mesh.devices.size == 1 and config.mesh.tensor == 1
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, params), want[2])
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a program was built before the error")
+
+    monkeypatch.setattr(program_lib, "build", no_build)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.load(str(tmp_path / "missing"))
+    with pytest.raises(CheckpointError, match="has no complete step 7"):
+        checkpoint.load(str(tmp_path), step=7)
+    with pytest.raises(ConfigError, match="config.mesh.tensr"):
+        checkpoint.load(str(tmp_path), ["--config.mesh.tensr=4"])
+    with pytest.raises(ConfigError):  # 2 x 2 x 2 devices asked for, one given
+        checkpoint.load(str(tmp_path), devices=jax.devices()[:1])
+
+
 def _next_step_loss(program, state) -> float:
     c = program.config
     batch = data.global_batch(
@@ -110,6 +155,7 @@ def test_truncated_checkpoint_is_reported_and_kept(tmp_path):
 
 def test_inspect_lists_steps_shapes_and_saved_shardings(tmp_path, capsys):
     from jaxsys import checkpoint
+    from jaxsys.checkpoint.__main__ import main
 
     train.main(_config(dict(data=2, fsdp=2, tensor=2), 2, 1), str(tmp_path))
     info = checkpoint.inspect(str(tmp_path))
@@ -118,9 +164,9 @@ def test_inspect_lists_steps_shapes_and_saved_shardings(tmp_path, capsys):
     assert embed["shape"] == [256, 64] and embed["dtype"] == "float32"
     assert embed["partition_spec"] == ["tensor", "fsdp"]
     assert embed["mesh"]["data"] == 2 and embed["mesh"]["tensor"] == 2
-    assert checkpoint.main(["inspect", str(tmp_path)]) == 0
+    assert main(["inspect", str(tmp_path)]) == 0
     assert "params/layers/w_down" in capsys.readouterr().out
-    assert checkpoint.main(["inspect", str(tmp_path / "nope")]) == 2
+    assert main(["inspect", str(tmp_path / "nope")]) == 2
 
 
 def test_saves_are_due_by_steps_by_minutes_and_at_the_end(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxsys import convert, data, train
 from jaxsys.checkpoint import Checkpointer
+from jaxsys.checkpoint import hf as hf_lib
 from jaxsys.config import load_config
 from jaxsys.mesh import make_mesh
 from jaxsys.models import transformer
@@ -130,28 +131,28 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
     pickled.mkdir()
     shutil.copy(os.path.join(GOLDEN, "untied", "config.json"), pickled)
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
-    with pytest.raises(convert.ConversionError, match=r"no \*.safetensors.*pytorch_model.bin.*never read"):
-        convert.from_hf(str(pickled), str(tmp_path / "w1"))
+    with pytest.raises(hf_lib.ConversionError, match=r"no \*.safetensors.*pytorch_model.bin.*never read"):
+        hf_lib.from_hf(str(pickled), str(tmp_path / "w1"))
 
     scaled = _copy_golden(tmp_path)
     hf = json.load(open(scaled / "config.json"))
     hf["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}
     json.dump(hf, open(scaled / "config.json", "w"))
-    with pytest.raises(convert.ConversionError, match="rope type 'llama3'"):
-        convert.from_hf(str(scaled), str(tmp_path / "w2"))
+    with pytest.raises(hf_lib.ConversionError, match="rope type 'llama3'"):
+        hf_lib.from_hf(str(scaled), str(tmp_path / "w2"))
 
     wrong = _copy_golden(tmp_path, "tied")
     tensors = load_file(str(wrong / "model.safetensors"))
     tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:100]
     save_file(tensors, str(wrong / "model.safetensors"))
     with pytest.raises(
-        convert.ConversionError,
+        hf_lib.ConversionError,
         match=r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\) but config.json implies \(160, 64\)",
     ):
-        convert.from_hf(str(wrong), str(tmp_path / "w3"))
+        hf_lib.from_hf(str(wrong), str(tmp_path / "w3"))
     moe = load_config(os.path.join(ROOT, "configs", "moe.py"))  # a Llama has no MoE layers
-    with pytest.raises(convert.ConversionError, match=r"mlp_pattern='dense,moe'.*no Hugging Face Llama"):
-        convert.from_hf(os.path.join(GOLDEN, "tied"), str(tmp_path / "w4"), moe)
+    with pytest.raises(hf_lib.ConversionError, match=r"mlp_pattern='dense,moe'.*no Hugging Face Llama"):
+        hf_lib.from_hf(os.path.join(GOLDEN, "tied"), str(tmp_path / "w4"), moe)
     assert not any((tmp_path / w).exists() for w in ("w1", "w2", "w3", "w4"))
 
     done = tmp_path / "done"

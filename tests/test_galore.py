@@ -1,5 +1,5 @@
-"""GaLore (jaxsys/galore.py, config.train.optimizer='galore'): the update against a NumPy reference
-of the algorithm, full rank == AdamW, layout invariance of a training run (and with offloaded
+"""GaLore (jaxsys/optim/galore.py, config.train.optimizer='galore'): the update against a NumPy
+reference of the algorithm, full rank == AdamW, layout invariance of a training run (and with offloaded
 parameters), the state's bytes == the formula, the added collectives == the formula, bitwise
 resume from a checkpoint, and the errors for bad input.
 
@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsys import galore, train
+from jaxsys import train
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, validate
 from jaxsys.models.params import ParamSpec
+from jaxsys.optim import galore
 from jaxsys.parallel import offload
 from tests.helpers import program_for, run, small_config
 
@@ -41,7 +42,7 @@ def _galore(mesh=None, rank=4, update_every=2, **model):
 
 
 def _signed(v):
-    """The sign convention of jaxsys.galore: each column's entry of largest magnitude positive."""
+    """The sign convention of jaxsys.optim.galore: each column's entry of largest magnitude positive."""
     idx = np.argmax(np.abs(v), axis=0)
     return v * np.sign(v[idx, np.arange(v.shape[1])])
 

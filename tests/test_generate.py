@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from jaxsys import generate as generate_cli
-from jaxsys import quantize, train
+from jaxsys import train
 from jaxsys.models import transformer
+from jaxsys.quantization.params import quantize_params
 from jaxsys.serve import sampling as sampling_lib
 from tests.helpers import generate_contiguous, program_for, small_config
 
@@ -46,7 +47,7 @@ def test_quantized_model_generates_its_own_greedy_tokens():
     config = small_config(n_kv_heads=4)
     params = jax.tree.map(np.asarray, program_for(config).init(3).params)
     qconfig = small_config({"tensor": 2}, n_kv_heads=4, quant="w4a16", quant_group_size=32)
-    qparams = quantize.quantize_params(params, qconfig.model, "w4a16", 32)
+    qparams = quantize_params(params, qconfig.model, "w4a16", 32)
     program = program_for(qconfig)
     got = generate_contiguous(program, jax.device_put(qparams, program.param_shardings), PROMPTS[:1], NEW, max_len=32)
     assert got[0] == _greedy_by_full_forwards(qconfig, qparams, PROMPTS[0], NEW)
@@ -138,12 +139,12 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
     (fp32, KV cache) from the first 8 tokens of each golden row (scripts/make_hf_greedy_golden.py)."""
     import os
 
-    from jaxsys import convert
+    from jaxsys.checkpoint import hf
     from tests.helpers import ROOT
 
     golden = os.path.join(ROOT, "tests", "golden", "hf_llama", name)
     workdir = str(tmp_path / name)
-    config = convert.from_hf(golden, workdir)
+    config = hf.from_hf(golden, workdir)
     for axis, size in (mesh or {}).items():
         config.mesh[axis] = size
     program = program_for(config)

@@ -1,4 +1,4 @@
-"""GPTQ (jaxsys/gptq.py) against round-to-nearest and against a naive implementation of the paper.
+"""GPTQ (jaxsys/quantization/gptq.py) against round-to-nearest and against a naive implementation of the paper.
 
 - A diagonal Hessian (uncorrelated inputs) leaves nothing for the error feedback to do
   (U = chol(H^-1) is diagonal, dampening keeps it so): GPTQ must then return exactly RTN's codes,
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsys import gptq
 from jaxsys.kernels.quantized_matmul import reference as ref
+from jaxsys.quantization import gptq
 
 CASES = [("w8", 128, False)] + [("w4", g, zp) for g in ref.GROUP_SIZES for zp in (False, True)]
 

@@ -124,7 +124,7 @@ def test_ladder_is_another_architecture():
 
 
 def test_layer_by_layer_blocks_equal_the_stack():
-    """GPTQ calibration (quantize.gptq_params) runs a ladder model one `block` at a time on the
+    """GPTQ calibration (quantization.params.gptq_params) runs a ladder model one `block` at a time on the
     stream (h, pending); flushed at the end, that is the layer stack's output."""
     from jaxsys.sharding import Layout
 

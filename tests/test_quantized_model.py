@@ -23,6 +23,7 @@ from jaxsys import data, evaluate, quantize, train
 from jaxsys.checkpoint import CheckpointError
 from jaxsys.config import ConfigError
 from jaxsys.models import quant, transformer
+from jaxsys.quantization.params import quantize_params
 from tests.helpers import program_for, small_config
 
 MODEL = dict(n_kv_heads=4)  # tensor=4 splits the kv heads too
@@ -71,7 +72,7 @@ def test_quantized_logits_are_within_the_formats_bound_of_the_float_model(fmt, g
     c, params = _float_params()
     want = _logits(c, params)
     cq = _quantized(fmt, group_size, zero_point)
-    qparams = quantize.quantize_params(jax.tree.map(np.asarray, params), cq.model, fmt, group_size, zero_point)
+    qparams = quantize_params(jax.tree.map(np.asarray, params), cq.model, fmt, group_size, zero_point)
     got = _logits(cq, qparams)
     deviation = np.linalg.norm(got - want) / np.linalg.norm(want - want.mean())
     assert 0 < deviation < bound, deviation
@@ -82,7 +83,7 @@ def test_kernels_in_the_model_equal_the_reference_semantics(fmt, zero_point):
     """The Pallas path (interpret mode) and the pure-JAX reference path of the same checkpoint:
     the same integer sums in another order, so fp32 logits agree to rounding."""
     c, params = _float_params()
-    qparams = quantize.quantize_params(jax.tree.map(np.asarray, params), _quantized(fmt).model, fmt, 32, zero_point)
+    qparams = quantize_params(jax.tree.map(np.asarray, params), _quantized(fmt).model, fmt, 32, zero_point)
     pallas = _logits(_quantized(fmt, 32, zero_point, "pallas"), qparams)
     reference = _logits(_quantized(fmt, 32, zero_point, "reference"), qparams)
     np.testing.assert_allclose(pallas, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
@@ -93,7 +94,7 @@ def test_weight_only_formats_are_the_same_on_one_device_and_tensor4(fmt):
     """Column-parallel weights split N', row-parallel ones K' in whole groups: every output is the
     same sum of the same products, so the eval loss agrees to fp32 rounding."""
     c, params = _float_params()
-    qparams = quantize.quantize_params(jax.tree.map(np.asarray, params), _quantized(fmt).model, fmt, 32)
+    qparams = quantize_params(jax.tree.map(np.asarray, params), _quantized(fmt).model, fmt, 32)
     one = _eval_loss(_quantized(fmt), qparams)
     tp4 = _eval_loss(_quantized(fmt, mesh={"tensor": 4}), qparams)
     sp = _quantized(fmt, mesh={"tensor": 4, "data": 2})
@@ -106,7 +107,7 @@ def test_w8a8_under_tensor_parallelism_is_within_quantization_noise():
     """Row-parallel matmuls quantize each rank's slice of the activations with its own scale, so
     tensor=4 differs from one device by activation rounding, not more."""
     c, params = _float_params()
-    qparams = quantize.quantize_params(jax.tree.map(np.asarray, params), _quantized("w8a8").model, "w8a8")
+    qparams = quantize_params(jax.tree.map(np.asarray, params), _quantized("w8a8").model, "w8a8")
     one, tp4 = _eval_loss(_quantized("w8a8"), qparams), _eval_loss(_quantized("w8a8", mesh={"tensor": 4}), qparams)
     assert tp4 == pytest.approx(one, rel=1e-3)
 
@@ -192,9 +193,9 @@ def test_quantize_command_writes_a_workdir_that_evaluates_on_any_mesh(float_run,
     assert "python -m jaxsys.evaluate --workdir" in capsys.readouterr().out
     saved = json.load(open(os.path.join(out, "config.json")))
     assert saved["model"]["quant"] == "w4a16" and saved["model"]["quant_group_size"] == 32
-    base = evaluate.evaluate_workdir(float_run, ["--config.train.eval_batches=2"])
-    one = evaluate.evaluate_workdir(out, ["--config.train.eval_batches=2", "--config.mesh.data=1"])
-    tp = evaluate.evaluate_workdir(
+    base = train.evaluate_workdir(float_run, ["--config.train.eval_batches=2"])
+    one = train.evaluate_workdir(out, ["--config.train.eval_batches=2", "--config.mesh.data=1"])
+    tp = train.evaluate_workdir(
         out, ["--config.train.eval_batches=2", "--config.mesh.data=2", "--config.mesh.tensor=4"]
     )
     assert one["step"] == base["step"] == 12
@@ -223,9 +224,9 @@ def test_quantize_and_evaluate_name_bad_input(float_run, tmp_path, capsys):
     assert "already quantized" in capsys.readouterr().err
     # a float checkpoint read as a quantized model, and the reverse
     with pytest.raises(CheckpointError, match="is not quantized"):
-        evaluate.evaluate_workdir(float_run, ["--config.model.quant=w8a16"])
+        train.evaluate_workdir(float_run, ["--config.model.quant=w8a16"])
     with pytest.raises(CheckpointError, match="holds params/layers/w[a-z_]+ quantized"):
-        evaluate.evaluate_workdir(out, ["--config.model.quant=none"])
+        train.evaluate_workdir(out, ["--config.model.quant=none"])
     # group size that does not divide K, caught before any reading
     assert (
         quantize.main(

@@ -43,7 +43,7 @@ def test_nan_loss_stops_the_run(tmp_path):
 
 
 def test_schedules():
-    from jaxsys.optim import schedule
+    from jaxsys.optim.schedules import schedule
 
     c = small_config().train
     c.steps, c.warmup_steps, c.lr, c.min_lr_ratio = 100, 10, 1.0, 0.1

@@ -1,4 +1,4 @@
-"""Zeroth-order training (jaxsys/zo.py, config.train.optimizer='zo'): the estimate, the regenerated
+"""Zeroth-order training (jaxsys/optim/zo.py, config.train.optimizer='zo'): the estimate, the regenerated
 perturbation, layout and offload invariance, the update against NumPy, and config.checkpoint.init_from.
 
 The model is tests/helpers.small_config (D=64, L=2, fp32, 120K parameters), with eps = 1e-3
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxsys import convert, data, train, zo
+from jaxsys import convert, data, train
 from jaxsys.checkpoint import Checkpointer, CheckpointError, restore_params
 from jaxsys.config import ConfigError, validate
+from jaxsys.optim import zo
 from tests.helpers import ROOT, assert_trees_close_leafwise, program_for, small_config
 
 LAYOUT = dict(data=2, fsdp=2, tensor=2)

@@ -7,7 +7,7 @@ equal steps.
 Three parts:
   memory   the paper's LLaMA 1B and 7B shapes (its configs/llama_{1b,7b}.json: D=2048/4096,
            F=5461/11008, L=24/32, 32 heads, V=32000, untied) and configs/llama_1b.py (Llama 3.2 1B
-           shape, GQA), for a sweep of ranks: the state of `optim.make_optimizer` measured with
+           shape, GQA), for a sweep of ranks: the state of `optimizer.make_optimizer` measured with
            jax.eval_shape of its init (no memory allocated), against `galore.state_bytes` + the two
            int32 step counts, and against AdamW's state. One process, no devices needed.
   sharded  the paper's 7B at rank 1024 on 8 fake CPU devices (a subprocess): per-device bytes of
@@ -67,10 +67,11 @@ def memory_rows() -> list[dict]:
     import jax
     import numpy as np
 
-    from jaxsys import galore, optim
     from jaxsys.config import load_config
     from jaxsys.models import params as params_lib
     from jaxsys.models import transformer
+    from jaxsys.optim import galore
+    from jaxsys.optim import optimizer as optimizer_lib
 
     def measured(optimizer, abstract) -> int:
         return sum(
@@ -84,13 +85,13 @@ def memory_rows() -> list[dict]:
         specs = transformer.param_specs(config.model)
         abstract = params_lib.abstract_params(specs, np.dtype(config.model.param_dtype))
         psi = params_lib.count(specs)
-        adamw = measured(optim.make_optimizer(config.train, specs), abstract)
+        adamw = measured(optimizer_lib.make_optimizer(config.train, specs), abstract)
         for rank in ranks:
             config.train.optimizer, config.train.galore.rank = "galore", rank
             plans = galore.plan(config.train.galore, specs)
             flat = jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan))
             chosen = [p for p in flat if p.side != "adam"]
-            got = measured(optim.make_optimizer(config.train, specs), abstract)
+            got = measured(optimizer_lib.make_optimizer(config.train, specs), abstract)
             formula = galore.state_bytes(plans, 4) + COUNTS
             rows.append(
                 dict(

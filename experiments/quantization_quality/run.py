@@ -6,8 +6,9 @@ Trains (or reuses, under --cache) two float models on the embedded corpus, tiny 
 0.8M parameters, 300 steps) and small (3.3M: D=256, H=32, F=768, 400 steps), and converts the
 Hugging Face fixture (tests/golden/hf_llama/untied: a *random* tiny Llama, so its perplexity is
 near the vocabulary size and only the change matters). Each is quantized with
-`jaxsys.quantize.quantize_workdir` for every row and evaluated with `jaxsys.evaluate` on the same
-held-out batches, so rows differ only by the weights. Quantized rows run with bf16 activations
+`jaxsys.quantization.workdir.quantize_workdir` for every row and evaluated with
+`jaxsys.train.evaluate_workdir` (what `jaxsys.evaluate` runs) on the same held-out batches, so rows
+differ only by the weights. Quantized rows run with bf16 activations
 (the A16 of the formats); the float model is reported with fp32 and bf16 activations. Quantized
 rows use `quant_impl=reference` (the kernels' integer semantics in XLA; the Pallas kernels in
 interpret mode give the same sums, tests/test_quantized_model.py) except one pallas row per model
@@ -59,9 +60,9 @@ def _train(name: str, workdir: str, steps_scale: float) -> None:
 
 
 def _convert_hf(workdir: str) -> None:
-    from jaxsys import convert
+    from jaxsys.checkpoint import hf
 
-    convert.from_hf(os.path.join(ROOT, "tests", "golden", "hf_llama", "untied"), workdir)
+    hf.from_hf(os.path.join(ROOT, "tests", "golden", "hf_llama", "untied"), workdir)
 
 
 def main(argv=None) -> int:
@@ -77,9 +78,10 @@ def main(argv=None) -> int:
         print(table(json.load(open(args.out))["rows"]))
         return 0
 
-    from jaxsys import evaluate, quantize
     from jaxsys.config import ConfigError
     from jaxsys.models import quant
+    from jaxsys.quantization.workdir import quantize_workdir
+    from jaxsys.train import evaluate_workdir
 
     os.makedirs(args.cache, exist_ok=True)
     results = []
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
             _convert_hf(source) if name == "hf" else _train(name, source, args.steps_scale)
         base = [f"--config.train.eval_batches={args.eval_batches}"]
         bf16 = base + ["--config.model.compute_dtype=bfloat16"]
-        fp32 = evaluate.evaluate_workdir(source, base)
+        fp32 = evaluate_workdir(source, base)
         rows = [
             dict(model=name, format="float", method="-", activations="fp32", **_summary(fp32, None)),
             dict(
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
                 format="float",
                 method="-",
                 activations="bf16",
-                **_summary(evaluate.evaluate_workdir(source, bf16), None),
+                **_summary(evaluate_workdir(source, bf16), None),
             ),
         ]
         for fmt, method, group, zero in ROWS:
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             start = time.perf_counter()
             try:
-                info = quantize.quantize_workdir(source, out, fmt, method, group, zero, 8, log=None)
+                info = quantize_workdir(source, out, fmt, method, group, zero, 8, log=None)
             except ConfigError as e:  # the group size does not divide this model's matmuls
                 rows.append(
                     dict(model=name, format=fmt, method=method, group_size=group, zero_point=zero, refused=str(e))
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
                 print(f"{name} {fmt} {method} G={group}: refused ({e})", flush=True)
                 continue
             seconds = time.perf_counter() - start
-            ev = evaluate.evaluate_workdir(out, bf16 + ["--config.model.quant_impl=reference"])
+            ev = evaluate_workdir(out, bf16 + ["--config.model.quant_impl=reference"])
             row = dict(
                 model=name,
                 format=fmt,
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
                 bits_per_dense_weight=quant.bits_per_weight(fmt, group, zero),
             )
             if (fmt, method, group, zero) == ("w4a16", "gptq", 32, False):  # the kernels themselves
-                row["eval_loss_pallas"] = evaluate.evaluate_workdir(out, bf16)["eval_loss"]
+                row["eval_loss_pallas"] = evaluate_workdir(out, bf16)["eval_loss"]
             rows.append(row)
             print(
                 f"{name} {fmt} {method} G={group}{' z' if zero else ''}: loss {ev['eval_loss']:.4f} "

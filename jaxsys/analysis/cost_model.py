@@ -757,7 +757,7 @@ def zero_memory(config) -> dict:
 def _galore_plans(config):
     """GaLore's LeafPlans (flat) for the layout of `config`, from the train step's gradient specs
     (`zero.grad_spec`, as `program.build` makes them), and the mesh sizes."""
-    from jaxsys import galore
+    from jaxsys.optim import galore
     from jaxsys.parallel import zero
     from jaxsys.sharding import Layout
 
@@ -775,7 +775,7 @@ def galore_optimizer_bytes(config) -> float:
     m x n matrix m r + 2 r n (m <= n) or n r + 2 m r, 2 m n for the weights it leaves to Adam
     (`galore.state_bytes`), each dimension split over the mesh axes the train step's gradient
     specs give it (so ZeRO's `data` slicing, fsdp, tensor and pipe are counted)."""
-    from jaxsys import galore
+    from jaxsys.optim import galore
 
     plans, sizes = _galore_plans(config)
     return float(galore.state_bytes(plans, _dtype_bytes(config.model.param_dtype), sizes))

@@ -14,4 +14,5 @@ name of the technique it belongs to, and `spmd.per_shard` is the one place a sha
                       schedules: GPipe, 1F1B, interleaved, ... as data
     expert            expert parallelism: all-to-all dispatch; expert_placement: balanced placement
     offload           host offloading of state, parameters and activations (memory kinds)
+    galore            the gathers and sums of GaLore's optimizer update (jaxsys/optim/galore.py)
 """

@@ -1,6 +1,7 @@
-"""AdamW, GaLore (jaxsys/galore.py) and their learning-rate schedules; the PartitionSpecs of the
-optimizer state. Clipping by global norm is done by the train step with
-`jaxsys.parallel.zero.global_norm`, which is correct when gradients are sharded."""
+"""The optimizer of a config (`config.train.optimizer`): AdamW, GaLore's Adam in AdamW's chain
+(galore.py), or zeroth-order training's stateless slot (zo.py), each with the learning rate of
+schedules.py; and the PartitionSpecs of the optimizer state. Clipping by global norm is done by the
+train step with `jaxsys.parallel.zero.global_norm`, which is correct when gradients are sharded."""
 
 from __future__ import annotations
 
@@ -8,38 +9,19 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxsys import galore
 from jaxsys.models.params import ParamSpec
-
-
-def schedule(t) -> optax.Schedule:
-    """Linear warmup, then `cosine` (to min_lr_ratio * lr), `wsd` (warmup-stable-decay: constant,
-    then linear decay over the last decay_fraction of the steps), or `constant`."""
-    warmup = max(int(t.warmup_steps), 0)
-    rest = max(int(t.steps) - warmup, 1)
-    floor = t.lr * t.min_lr_ratio
-    ramp = optax.linear_schedule(0.0, t.lr, warmup) if warmup else optax.constant_schedule(t.lr)
-    if t.schedule == "cosine":
-        tail = optax.cosine_decay_schedule(t.lr, rest, alpha=t.min_lr_ratio)
-    elif t.schedule == "wsd":
-        decay = max(int(round(rest * t.decay_fraction)), 1)
-        tail = optax.join_schedules(
-            [optax.constant_schedule(t.lr), optax.linear_schedule(t.lr, floor, decay)], [rest - decay]
-        )
-    else:
-        tail = optax.constant_schedule(t.lr)
-    return optax.join_schedules([ramp, tail], [warmup]) if warmup else tail
+from jaxsys.optim import galore, zo
+from jaxsys.optim.schedules import schedule
 
 
 def make_optimizer(t, specs, grad_pspecs=None, mesh_sizes=None) -> optax.GradientTransformation:
     """AdamW with weight decay on the leaves whose ParamSpec says so (not norms); with
-    `t.optimizer == "galore"` the same chain with GaLore's Adam in place of Adam. GaLore needs the
+    `t.optimizer == "galore"` the same chain with GaLore's Adam in place of Adam; with "zo" the
+    stateless slot of zeroth-order training (`zo.optimizer`). GaLore needs the
     gradients' PartitionSpecs as the update sees them (`Program.grad_pspecs`; None: unsharded)
     and the mesh's axis sizes, and raises ConfigError for a bad `t.galore` before anything
     compiles."""
-    if t.optimizer == "zo":  # MeZO: no state; jaxsys/zo.py makes the update from two forwards
-        from jaxsys import zo
-
+    if t.optimizer == "zo":  # MeZO: no state; zo.local_step makes the update from two forwards
         return zo.optimizer()
     mask = jax.tree.map(lambda s: s.decay, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
     if t.optimizer == "galore":  # optax.adamw's chain, GaLore's Adam first

@@ -52,8 +52,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec as P
 
-from jaxsys import optim
 from jaxsys.models.params import ParamSpec, is_spec
+from jaxsys.optim.schedules import schedule
 from jaxsys.parallel import offload
 from jaxsys.parallel.collectives import axis_index
 
@@ -263,7 +263,7 @@ def local_step(program, state, tokens):
     c = program.config
     key = step_key(c.seed, state.step)
     g, m_plus, m_minus = projected_gradient(program, state.params, tokens, key)
-    lr = optim.schedule(c.train)(state.step)
+    lr = schedule(c.train)(state.step)
     params = update(program, state.params, key, g, lr)
     metrics = dict(m_plus)
     for k in ("loss", "moe_aux_loss", "moe_z_loss"):
@@ -278,6 +278,8 @@ def optimizer() -> optax.GradientTransformation:
     keep their structure); the update is `local_step`'s, never a gradient transformation."""
 
     def refuse(updates, state, params=None):
-        raise TypeError("config.train.optimizer='zo' takes no gradients: jaxsys.zo.local_step updates the parameters")
+        raise TypeError(
+            "config.train.optimizer='zo' takes no gradients: jaxsys.optim.zo.local_step updates the parameters"
+        )
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), refuse)

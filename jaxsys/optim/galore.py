@@ -13,7 +13,7 @@ The moments are kept across projection refreshes, as in the official implementat
 the official `std` rule's: PyTorch stores a linear layer as [out, in], jaxsys as [in, out], and
 projecting the right side when rows >= columns there picks the same subspace as left when m <= n
 here. The chain around it
-(`optim.make_optimizer`) adds decoupled weight decay and the learning rate, so the whole is AdamW on
+(`optimizer.make_optimizer`) adds decoupled weight decay and the learning rate, so the whole is AdamW on
 projected gradients. Leaves that are not chosen get plain Adam (the same optax code as AdamW).
 
 Sharding (inside the train step's shard_map, on local shards): G's rows are split over `row_axes`
@@ -27,7 +27,7 @@ left, columns for right): a reduce-scatter along r when r divides over them, so 
 r dimension is split there too (`rank_axes`) and Adam's output N is all-gathered back for the
 projection back; an all-reduce otherwise (the moments then replicated there). The projection back
 is local. So P lives sharded like G's rows, Q like G's columns, and the moments like G's other side
-and along r. docs/galore.md gives the bytes of each collective.
+and along r. The collectives are jaxsys/parallel/galore.py's; docs/galore.md gives their bytes.
 
 Two choices beyond the paper (docs/galore.md):
   * full rank (r == min(m, n)): the projection would span the whole space, and any orthonormal
@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys.config import ConfigError
 from jaxsys.models.params import ParamSpec, is_spec
-from jaxsys.parallel.collectives import axis_index
+from jaxsys.parallel import galore as comm
 
 ROW_AXIS = "embed"  # the logical axis whose dimension is the matrix rows
 BATCH_AXES = ("chunks", "layers", "experts")  # logical axes of the stacked (batch) dimensions
@@ -311,35 +311,24 @@ def _signed(vectors):
     return vectors * jnp.where(sign == 0, 1.0, sign).astype(vectors.dtype)
 
 
-def _gather(x, dim: int, axes: tuple[str, ...]):
-    return lax.all_gather(x, axes, axis=dim, tiled=True) if axes else x
-
-
-def _local_block(x, dim: int, axes: tuple[str, ...], size: int):
-    """This device's block (of `size`) of dimension `dim`, split over `axes` (major to minor)."""
-    if not axes:
-        return x
-    return lax.dynamic_slice_in_dim(x, axis_index(axes) * size, size, axis=dim)
-
-
 def _projector(g, pl: LeafPlan, dtype):
     """The new local projection of one leaf from its local gradient block: all-gather over the
     row and column axes, batched SVD, top-r vectors of the smaller side, this device's block."""
-    full = _gather(g, pl.row_dim, pl.row_axes)
+    full = comm.gather(g, pl.row_dim, pl.row_axes)
     for d in pl.col_dims:
-        full = _gather(full, d, pl.spec[d])
+        full = comm.gather(full, d, pl.spec[d])
     mat = _to_matrix(full, pl).astype(jnp.float32)  # [b, m, n], global rows and columns
     u, _, vt = jnp.linalg.svd(mat, full_matrices=False)
     nb = len(pl.batch_dims)
     batch_local = tuple(g.shape[d] for d in pl.batch_dims)
     if pl.side == "left":
         p = _signed(u[..., : pl.rank])  # [b, m, r]
-        p = _local_block(p, 1, pl.row_axes, g.shape[pl.row_dim])
+        p = comm.own_block(p, 1, pl.row_axes, g.shape[pl.row_dim])
         return p.reshape(*batch_local, p.shape[1], pl.rank).astype(dtype)
     q = _signed(jnp.swapaxes(vt[..., : pl.rank, :], -1, -2))  # [b, n, r]
     q = q.reshape(*batch_local, *(pl.shape[d] for d in pl.col_dims), pl.rank)
     for i, d in enumerate(pl.col_dims):
-        q = _local_block(q, nb + i, pl.spec[d], g.shape[d])
+        q = comm.own_block(q, nb + i, pl.spec[d], g.shape[d])
     return q.astype(dtype)
 
 
@@ -357,10 +346,7 @@ def _project(g, proj, pl: LeafPlan):
     else:
         q = proj.reshape(mat.shape[0], mat.shape[2], pl.rank)
         r, rank_dim = jnp.einsum("bmn,bnr->bmr", mat, q, precision=_HIGHEST), 2
-    if pl.rank_axes:
-        r = lax.psum_scatter(r, pl.rank_axes, scatter_dimension=rank_dim, tiled=True)
-    elif pl.sum_axes:
-        r = lax.psum(r, pl.sum_axes)
+    r = comm.sum_projected(r, rank_dim, pl.sum_axes, pl.rank_axes)
     if pl.side == "left":
         return r.reshape(*batch_local, r.shape[1], *(g.shape[d] for d in pl.col_dims))
     return r.reshape(*batch_local, mat.shape[1], r.shape[2])
@@ -372,11 +358,11 @@ def _project_back(n, proj, pl: LeafPlan, local_shape, scale: float):
     b = math.prod(local_shape[d] for d in pl.batch_dims)
     m_local = local_shape[pl.row_dim]
     if pl.side == "left":
-        n = _gather(n.reshape(b, -1, math.prod(local_shape[d] for d in pl.col_dims)), 1, pl.rank_axes)
+        n = comm.gather(n.reshape(b, -1, math.prod(local_shape[d] for d in pl.col_dims)), 1, pl.rank_axes)
         p = proj.reshape(b, m_local, pl.rank)
         out = jnp.einsum("bmr,brn->bmn", p, n, precision=_HIGHEST)
     else:
-        n = _gather(n.reshape(b, m_local, -1), 2, pl.rank_axes)
+        n = comm.gather(n.reshape(b, m_local, -1), 2, pl.rank_axes)
         q = proj.reshape(b, -1, pl.rank)
         out = jnp.einsum("bmr,bnr->bmn", n, q, precision=_HIGHEST)
     return _from_matrix(out * scale, pl, local_shape)
@@ -388,7 +374,7 @@ def scale_by_galore_adam(
     """GaLore's Adam (module docstring) for the leaves that `plans` (from `plan`) project, plain
     Adam (optax.scale_by_adam) for the rest. `update` runs on local shards inside the train step's
     shard_map (or on whole arrays when nothing is sharded). Chain it with weight decay and the
-    learning rate, as `optim.make_optimizer` does."""
+    learning rate, as `optimizer.make_optimizer` does."""
     flat = _plans(plans)
     treedef = jax.tree.structure(plans, is_leaf=lambda x: isinstance(x, LeafPlan))
     projected = [i for i, pl in enumerate(flat) if pl.projected]

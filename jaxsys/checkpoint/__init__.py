@@ -8,6 +8,14 @@ and renames it when complete, so a step is either whole or ignored.
 Restore builds the abstract state of the *current* config and mesh (`Program.abstract_state()`)
 and reads the arrays straight into those shardings: resuming on another layout is the ordinary
 path, not a conversion.
+
+Here: `Checkpointer` (save, resume, the saved config of a step), `CheckpointError`, `directory`,
+`require_new_workdir`, `check_shapes`; `saved_config(workdir)`; `restore_params` (the parameters
+alone, for config.checkpoint.init_from); `load(workdir)`, the one loader of a workdir's checkpoint
+for the commands that read one (the saved config with overrides, its program on the mesh it names,
+the parameters restored into that program's shardings; `ONE_DEVICE` reads onto one device);
+`inspect`. In the package: `hf` (Hugging Face Llama safetensors to and from a workdir, for
+`python -m jaxsys.convert`) and `__main__` (`python -m jaxsys.checkpoint inspect WORKDIR`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import time
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxsys.config import MESH_AXES, apply_overrides, base_config, from_dict
 
 
 class CheckpointError(ValueError):
@@ -104,8 +114,6 @@ class Checkpointer:
 
     def saved_config(self, step: int | None = None):
         """The resolved config the checkpoint at `step` (default: latest) was saved with."""
-        from jaxsys.config import from_dict
-
         step = self.latest_step() if step is None else step
         if step is None or step not in self.manager.all_steps():
             raise CheckpointError(
@@ -162,8 +170,11 @@ def check_shapes(saved_metadata, abstract_state, step: int) -> None:
 def saved_config(workdir: str, overrides=(), step: int | None = None):
     """(config, step): the config `workdir`'s checkpoint at `step` (default: latest) was saved
     with, with `--config.k=v` overrides applied (how to run it: the mesh, kernels)."""
-    from jaxsys.config import apply_overrides, base_config
-
+    if not os.path.isdir(workdir):
+        problem = "is a file, not a directory" if os.path.exists(workdir) else "does not exist"
+        raise CheckpointError(
+            f"{workdir} {problem}: pass the workdir of a run (or one written by `python -m jaxsys.convert --from-hf`)"
+        )
     reader = Checkpointer(workdir, base_config().checkpoint, read_only=True)
     try:
         step = reader.latest_step() if step is None else step
@@ -185,12 +196,13 @@ def _workdir_of(path: str) -> str:
     return path
 
 
-def restore_params(path: str, abstract_params, what: str | None = None):
-    """The parameters of the latest complete step under `path` (config.checkpoint.init_from: a
-    workdir or its checkpoints/ directory), read straight into the shardings and memory kinds of
-    `abstract_params` (`Program.abstract_state().params`); `what` names `path` in errors. Only the `params` subtree is read
-    (Orbax's partial restore): the saved step counter and optimizer state, whatever optimizer made
-    them, are not. Returns (params, step). Raises CheckpointError naming `path` and the problem."""
+def restore_params(path: str, abstract_params, what: str | None = None, step: int | None = None):
+    """The parameters of the complete step `step` (default: the latest) under `path`
+    (config.checkpoint.init_from: a workdir or its checkpoints/ directory), read straight into the
+    shardings and memory kinds of `abstract_params` (`Program.abstract_state().params`); `what`
+    names `path` in errors. Only the `params` subtree is read (Orbax's partial restore): the saved
+    step counter and optimizer state, whatever optimizer made them, are not. Returns
+    (params, step). Raises CheckpointError naming `path` and the problem."""
     what = what or f"config.checkpoint.init_from={path!r}"
     workdir = _workdir_of(path)
     if not os.path.isdir(workdir):
@@ -207,9 +219,14 @@ def restore_params(path: str, abstract_params, what: str | None = None):
         item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
     )
     try:
-        step = manager.latest_step()
         if step is None:
-            raise CheckpointError(f"{what}: {directory(workdir)} holds no complete checkpoint step")
+            step = manager.latest_step()
+            if step is None:
+                raise CheckpointError(f"{what}: {directory(workdir)} holds no complete checkpoint step")
+        elif step not in manager.all_steps():
+            raise CheckpointError(
+                f"{what}: {directory(workdir)} has no complete step {step} (steps: {list(manager.all_steps())})"
+            )
         try:
             metadata = manager.item_metadata(step)["state"]
             check_shapes({"params": metadata["params"]}, {"params": abstract_params}, step)
@@ -232,6 +249,36 @@ def restore_params(path: str, abstract_params, what: str | None = None):
     finally:
         manager.close()
     return restored["state"]["params"], step
+
+
+# ----------------------------------------------------------------------------- load
+
+
+# overrides that put a saved config on one device: `load(workdir, ONE_DEVICE, devices=jax.devices()[:1])`
+ONE_DEVICE = (
+    *(f"--config.mesh.{axis}=1" for axis in MESH_AXES),
+    *(f"--config.dcn.{axis}=1" for axis in MESH_AXES),
+    "--config.train.virtual_stages=1",
+    "--config.parallel.vocab_parallel=false",
+)
+
+
+def load(workdir: str, overrides=(), step: int | None = None, devices=None):
+    """(program, params, config) of `workdir`'s checkpoint at `step` (default: latest): the config
+    it was saved with, `--config.k=v` overrides applied (how to run it: the mesh, kernels), the
+    program built on the mesh that config names (over `devices`, default the first devices it
+    needs), and the parameters read into the program's shardings (the optimizer state is not read).
+    A missing or bad workdir, step or override raises CheckpointError or ConfigError before any
+    program is built or array read."""
+    from jaxsys import program as program_lib
+    from jaxsys.mesh import cpu_unless_accelerator, make_mesh, mesh_for
+
+    cpu_unless_accelerator()
+    config, step = saved_config(workdir, overrides, step)
+    mesh = mesh_for(config) if devices is None else make_mesh(config, devices)
+    program = program_lib.build(config, mesh)
+    params, _ = restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}", step)
+    return program, params, config
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -268,32 +315,3 @@ def inspect(workdir_or_dir: str) -> dict:
             }
         )
     return {"directory": os.path.abspath(path), "steps": steps, "latest": latest, "tensors": tensors}
-
-
-def main(argv=None) -> int:
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(description="Inspect jaxsys checkpoints.")
-    parser.add_argument("command", choices=["inspect"])
-    parser.add_argument("directory", help="a workdir or its checkpoints/ directory")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        info = inspect(args.directory)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(info, indent=1))
-        return 0
-    print(f"{info['directory']}: steps {info['steps']} (latest {info['latest']})")
-    mesh = next((t["mesh"] for t in info["tensors"] if t["mesh"]), {})
-    print("saved on mesh " + (" x ".join(f"{a}={s}" for a, s in mesh.items() if s > 1) or "of 1 device"))
-    for t in info["tensors"]:
-        print(f"  {t['name']:<36} {str(tuple(t['shape'])):<18} {t['dtype']:<9} {t['partition_spec']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
