@@ -80,9 +80,10 @@ def main(argv=None) -> int:
             )
         )
         if args.workdir:
-            from jaxsys.serve.runner import load
+            from jaxsys.checkpoint import load
+            from jaxsys.serve.runner import check_servable
 
-            program, params, config = load(args.workdir, overrides)
+            program, params, config = load(args.workdir, overrides, check=check_servable)
         else:
             import math
 

@@ -41,8 +41,9 @@ def main(argv=None) -> int:
 
     cpu_unless_accelerator()
     try:
+        from jaxsys.checkpoint import load
         from jaxsys.serve import build_engine, engine
-        from jaxsys.serve.runner import load
+        from jaxsys.serve.runner import check_servable
         from jaxsys.serve.sampling import Sampling
 
         if not args.prompt:
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
                 f"{max_len} positions: shorten the prompt or lower --max-new-tokens"
             )
         start = time.perf_counter()
-        program, params, config = load(args.workdir, overrides, args.step)
+        program, params, config = load(args.workdir, overrides, args.step, check=check_servable)
         eng = build_engine(program, params, max_len)
         log(
             f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; prompt {len(prompt)} tokens, "

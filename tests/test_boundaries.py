@@ -119,10 +119,7 @@ def imports(rel: str, module: str, modules: set[str]) -> set[str]:
 
 def test_collectives_are_written_in_parallel_only():
     found = [
-        hit
-        for rel, _ in library_files()
-        if not rel.startswith(PARALLEL + os.sep)
-        for hit in collective_calls(rel)
+        hit for rel, _ in library_files() if not rel.startswith(PARALLEL + os.sep) for hit in collective_calls(rel)
     ]
     assert not found, "collectives outside jaxsys/parallel/ (write them there, under the technique's name):\n" + (
         "\n".join(found)

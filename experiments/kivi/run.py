@@ -61,19 +61,21 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", required=True, help="a trained configs/tiny.py run")
     parser.add_argument("--sequences", type=int, default=16)
     args = parser.parse_args(argv)
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxsys import data as data_lib
     from jaxsys.cache import ContiguousCache, FakeQuant, kivi
-    from jaxsys.cache.base import pytree
+    from jaxsys.checkpoint import load
     from jaxsys.kernels.paged_attention import quant
     from jaxsys.models import transformer
-    from jaxsys.serve.runner import load
+    from jaxsys.serve.runner import check_servable
 
     t0 = time.time()
-    program, params, config = load(args.workdir)
+    program, params, config = load(args.workdir, check=check_servable)
     m = config.model
     held = data_lib.load_corpus(config.data).split("eval")
     T = config.data.seq_len
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
     captured = []
     record = lambda q, k, v: captured.append((np.asarray(q), np.asarray(k), np.asarray(v)))
 
-    @pytree
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
     class Capture(ContiguousCache):
         """A contiguous cache that records every layer's q, k, v (after RoPE)."""
 

@@ -48,11 +48,12 @@ def main(argv=None) -> int:
     import jax
 
     from jaxsys import data as data_lib
+    from jaxsys.checkpoint import load
     from jaxsys.serve import engine, speculation
-    from jaxsys.serve.runner import load
+    from jaxsys.serve.runner import check_servable
 
-    target, tparams, tconfig = load(args.target)
-    draft, dparams, _ = load(args.draft)
+    target, tparams, tconfig = load(args.target, check=check_servable)
+    draft, dparams, _ = load(args.draft, check=check_servable)
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
     ratio = nbytes(dparams) / nbytes(tparams)
     corpus = data_lib.load_corpus(tconfig.data)
@@ -111,11 +112,12 @@ def engine_part(args) -> None:
     import numpy as np
 
     from jaxsys import data as data_lib
+    from jaxsys.checkpoint import load
     from jaxsys.serve import engine, speculation
-    from jaxsys.serve.runner import load
+    from jaxsys.serve.runner import check_servable
 
-    target, tparams, tconfig = load(args.target)
-    draft, dparams, _ = load(args.draft)
+    target, tparams, tconfig = load(args.target, check=check_servable)
+    draft, dparams, _ = load(args.draft, check=check_servable)
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
     weights = nbytes(tparams)
     ratio = nbytes(dparams) / weights

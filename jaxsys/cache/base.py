@@ -18,19 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
-from jax.sharding import PartitionSpec as P
-
 # where a cache's arrays live on the mesh: pools split like the activations (the batch over the
 # batch axes, kv heads over `tensor`), per-row metadata split with the rows
 POOL = ("layers", "batch", None, "kv_heads", None)  # [L, B or pages, S or page slots, K, H]
 ROWS = ("batch", None)  # [rows, ...]
 ROW = ("batch",)  # [rows]
-
-
-def pytree(cls):
-    """A frozen dataclass registered as a pytree (fields with metadata static=True are static)."""
-    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
 def static(default=None):
@@ -54,7 +46,7 @@ class KVCache:
 
     def with_layers(self, layers: dict):
         """This cache with its layer fields replaced (by one layer's arrays, or the stacked result)."""
-        return dataclasses.replace(self, **layers)
+        return dataclasses.replace(self, **layers)  # type: ignore[type-var]  # subclasses are dataclasses
 
     def pspecs(self, layout):
         """A tree like this cache of PartitionSpecs (for shard_map's in/out specs): pools as POOL,
@@ -65,12 +57,8 @@ class KVCache:
             value = getattr(self, name)
             if value is not None:
                 specs[name] = row if getattr(value, "ndim", 2) == 1 else rows
-        return dataclasses.replace(self, **specs)
+        return dataclasses.replace(self, **specs)  # type: ignore[type-var]
 
     @property
     def layers(self) -> int:
         return getattr(self, self.layer_fields[0]).shape[0]
-
-
-def replicated_spec() -> P:
-    return P()

@@ -25,11 +25,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsys.cache.base import POOL, KVCache, pytree
+from jaxsys.cache.base import POOL, KVCache
 from jaxsys.models import layers
 
 
-@pytree
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class ContiguousCache(KVCache):
     k: jax.Array
     v: jax.Array

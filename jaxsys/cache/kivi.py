@@ -37,6 +37,7 @@ max_seqs (residual + 2) + ceil(budget / page_size) pages: the pool never runs ou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsys.cache.base import KVCache, pytree, static
+from jaxsys.cache.base import KVCache, static
 from jaxsys.cache.paged import slots, write_rows
 from jaxsys.kernels.paged_attention import quant
 from jaxsys.kernels.paged_attention.kernel_quant import paged_attention_quant
@@ -61,7 +62,8 @@ def layer_shapes(mode: str, quant_pages: int, fp_pages: int, page_size: int, kv_
     return out
 
 
-@pytree
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class QuantizedPagedCache(KVCache):
     k: jax.Array
     v: jax.Array
@@ -119,7 +121,8 @@ class QuantizedPagedCache(KVCache):
 # ----------------------------------------------------------------------------- the same on a contiguous sequence
 
 
-@pytree
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class FakeQuant:
     """How a contiguous cache's attention sees its keys and values (ContiguousCache.quant): each
     quantized and dequantized by `k_quant` / `v_quant` ((bits, "channel" | "token") for

@@ -15,10 +15,12 @@ same pages with its own lengths; the writes always go through `page_table`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from jaxsys.cache.base import KVCache, pytree
+from jaxsys.cache.base import KVCache
 from jaxsys.kernels.paged_attention.kernel import paged_attention
 
 
@@ -35,7 +37,8 @@ def write_rows(pool, new, slot):
     return flat.at[slot].set(new.astype(pool.dtype)).reshape(pool.shape)
 
 
-@pytree
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagedCache(KVCache):
     k: jax.Array
     v: jax.Array

@@ -21,7 +21,7 @@ import math
 
 import jax
 
-from jaxsys.cache.base import ROW, ROWS, KVCache, pytree
+from jaxsys.cache.base import ROW, ROWS, KVCache
 
 
 def view_pages(length: int, page_size: int, sink_pages: int, window: int) -> tuple[list[int], int]:
@@ -40,7 +40,8 @@ def sealed_in_view(pages: list[int], sealed: int) -> int:
     return sum(page < sealed for page in pages)
 
 
-@pytree
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class WindowView(KVCache):
     cache: KVCache
     read_table: jax.Array

@@ -263,18 +263,21 @@ ONE_DEVICE = (
 )
 
 
-def load(workdir: str, overrides=(), step: int | None = None, devices=None):
+def load(workdir: str, overrides=(), step: int | None = None, devices=None, check=None):
     """(program, params, config) of `workdir`'s checkpoint at `step` (default: latest): the config
     it was saved with, `--config.k=v` overrides applied (how to run it: the mesh, kernels), the
     program built on the mesh that config names (over `devices`, default the first devices it
     needs), and the parameters read into the program's shardings (the optimizer state is not read).
     A missing or bad workdir, step or override raises CheckpointError or ConfigError before any
-    program is built or array read."""
+    program is built or array read, and so does `check(config)` (the caller's own requirements,
+    e.g. serving's `runner.check_servable`)."""
     from jaxsys import program as program_lib
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh, mesh_for
 
     cpu_unless_accelerator()
     config, step = saved_config(workdir, overrides, step)
+    if check is not None:
+        check(config)
     mesh = mesh_for(config) if devices is None else make_mesh(config, devices)
     program = program_lib.build(config, mesh)
     params, _ = restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}", step)

@@ -23,9 +23,10 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-size", type=int, help="prefill chunk, Sarathi-Serve (config.serve.chunk_size)")
     parser.add_argument("--max-seqs", type=int, help="sequences running at once (config.serve.max_seqs)")
     args, overrides = parse_with_overrides(parser, argv, "--config.mesh.tensor=2")
+    from jaxsys.checkpoint import load
     from jaxsys.mesh import cpu_unless_accelerator
     from jaxsys.serve import build_engine, server
-    from jaxsys.serve.runner import load
+    from jaxsys.serve.runner import check_servable
 
     cpu_unless_accelerator()
     flags = {
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     }
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     try:
-        program, params, config = load(args.workdir, overrides, args.step)
+        program, params, config = load(args.workdir, overrides, args.step, check=check_servable)
         eng = build_engine(program, params)  # config.serve: disaggregated, speculative, the cache
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ def pool_settings(sv) -> dict:
 class EngineAPI(abc.ABC):
     """What every engine offers its callers (the server, bench_serve, `generate`)."""
 
-    program: object  # whose config.model the caller reads (vocabulary, tokenizer source)
+    program: Any  # a jaxsys.program.Program: the caller reads its config (vocabulary, tokenizer source)
 
     @abc.abstractmethod
     def submit(self, request_id, prompt: list, max_new_tokens: int, sampling: Sampling | None = None) -> Request:

@@ -78,18 +78,3 @@ class ModelRunner:
     def compiled(self) -> int:
         """Programs compiled so far (every row bucket of every cache type)."""
         return sum(fn._cache_size() for fn in self._fns.values())
-
-
-def load(workdir: str, overrides=(), step: int | None = None):
-    """(program, params, config) of `workdir`'s checkpoint on the mesh its config (with overrides)
-    names, checked for serving."""
-    from jaxsys import checkpoint as checkpoint_lib
-    from jaxsys import program as program_lib
-    from jaxsys.mesh import cpu_unless_accelerator, mesh_for
-
-    cpu_unless_accelerator()
-    config, step = checkpoint_lib.saved_config(workdir, overrides, step)
-    check_servable(config)
-    program = program_lib.build(config, mesh_for(config))
-    params, _ = checkpoint_lib.restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}")
-    return program, params, config

@@ -152,9 +152,9 @@ class Drafter:
         still prefills its prompts)."""
         spec = [(d, w) for d, work in enumerate(plans) for w in work if w.kind == "decode" and w.tokens > 1]
         if not spec:
-            rows = [[row for w in work if w.kind == "prefill" for row in self._prefill_rows(w)] for work in plans]
-            if any(rows):
-                self._run(engine, rows, engine.width(max(len(r) for r in rows)))
+            prefills = [[row for w in work if w.kind == "prefill" for row in self._prefill_rows(w)] for work in plans]
+            if any(prefills):
+                self._run(engine, prefills, engine.width(max(len(r) for r in prefills)))
                 engine.stats["draft_steps"] += 1
             return None
         drafted = {w.request.id: [] for _, w in spec}
@@ -378,8 +378,9 @@ def drafter_from_config(sv, draft=None) -> Drafter:
         if sv.draft == "self":
             draft = "self"
         else:
-            from jaxsys.serve.runner import load
+            from jaxsys.checkpoint import load
+            from jaxsys.serve.runner import check_servable
 
-            d_program, d_params, _ = load(sv.draft)
+            d_program, d_params, _ = load(sv.draft, check=check_servable)
             draft = (d_program, d_params)
     return make_drafter(draft, sv.spec_window, sv.spec_sink)
