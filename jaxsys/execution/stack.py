@@ -3,7 +3,7 @@ the model's layer (execution/__init__.py lists them).
 
 The model gives `run_layers` what a layer is: `period`, the (attention kind, MLP kind, index of the
 layer among each kind of leaf in its period) of the layers of one period of its patterns;
-`leaf_kind(name)`, which layers a parameter leaf holds ("all", "dense" or "moe"); `layer_axes`, the
+`kinds[name]`, which layers a parameter leaf holds ("all", "dense" or "moe"); `layer_axes`, the
 logical axes of one layer's slice of each leaf; and `block(x, w, previous, spec, cache)`, the layer's
 math on gathered weights. This module decides how the weights reach the layer, what the backward
 keeps, where activations live and what the scan carries.
@@ -39,7 +39,7 @@ def run_layers(
     x,
     *,
     period,
-    leaf_kind,
+    kinds,
     layer_axes,
     block,
     previous,
@@ -65,16 +65,16 @@ def run_layers(
     def pick(group, mlp_kind, index):
         """A layer's leaves from its group's: those of every layer and of its MLP kind. With one
         layer per period the scan slices the stacks themselves (`group` is one layer)."""
-        keep = {name: leaf for name, leaf in group.items() if leaf_kind(name) in ("all", mlp_kind)}
+        keep = {name: leaf for name, leaf in group.items() if kinds[name] in ("all", mlp_kind)}
         if n_period == 1:
             return keep
-        return {name: jax.tree.map(lambda a: a[index[leaf_kind(name)]], leaf) for name, leaf in keep.items()}
+        return {name: jax.tree.map(lambda a: a[index[kinds[name]]], leaf) for name, leaf in keep.items()}
 
     def gather(w, g, index):
         """A layer's picked weights as it uses them (cast, FSDP all-gather, ...)."""
         return {
             k: weights_as_used(
-                w[k], layer_axes[k], m, layout, hook, f"layers/{k}", g * offsets[leaf_kind(k)] + index[leaf_kind(k)]
+                w[k], layer_axes[k], m, layout, hook, f"layers/{k}", g * offsets[kinds[k]] + index[kinds[k]]
             )
             for k in w
         }

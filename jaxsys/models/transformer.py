@@ -235,7 +235,7 @@ def layer_stack(
         layer_params,
         x,
         period=period(m),
-        leaf_kind=leaf_kind,
+        kinds={name: leaf_kind(name) for name in layer_params},
         layer_axes=layer_axes,
         block=run,
         previous=previous,
