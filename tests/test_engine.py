@@ -35,6 +35,32 @@ def test_continuous_batching_gives_each_request_its_solo_tokens(mesh, policy):
         assert done[i] == generate_contiguous(program, params, [prompts[i]], news[i])[0], i
 
 
+def test_contiguous_cache_from_the_config_and_abort():
+    """config.serve.cache='contiguous' serves the paged engine's tokens; aborting a running and a
+    waiting request frees their pages and leaves the others' tokens unchanged."""
+    config = small_config(n_kv_heads=4)
+    program = program_for(config)
+    params = program.init(3).params
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7], [2, 7]]
+    kw = dict(num_pages=16, page_size=4, token_budget=16, chunk_size=4, max_seqs=2)
+    paged = engine.Engine(program, params, **kw)
+    for i, p in enumerate(prompts):
+        paged.submit(i, p, 6)
+    want = {r.id: r.generated for r in paged.run()}
+    config.serve.cache = "contiguous"
+    contiguous = engine.Engine.from_config(program_for(config), params, max_len=32)
+    assert contiguous.kind == "contiguous" and contiguous.max_len == 32
+    for i, p in enumerate(prompts):
+        contiguous.submit(i, p, 6)
+    contiguous.step()
+    contiguous.step()
+    assert [r.id for r in contiguous.schedulers[0].running] == [0, 1] and contiguous.schedulers[0].waiting
+    assert contiguous.abort(1) and contiguous.abort(3) and not contiguous.abort(3)
+    got = {r.id: r.generated for r in contiguous.run()}
+    assert got == {0: want[0], 2: want[2]}
+    assert all(p.free_pages == p.num_pages for p in contiguous.pools)
+
+
 def test_after_warmup_no_step_compiles():
     """warmup() compiles the step and its sampling for every row bucket: steps that sample for 1, 2
     or 3 sequences do not compile again (on a GPU each such compile stalled a step ~2.8 s)."""

@@ -72,6 +72,26 @@ def test_greedy_speculation_in_the_engine_gives_the_plain_engines_tokens(models,
     assert plain[6] == generate_contiguous(target, tparams, [prompts[6]], news[6])[0]
 
 
+@pytest.mark.parametrize("source", ["self", "small"])
+def test_speculation_over_a_kivi_cache_gives_the_plain_kivi_engines_tokens(models, source):
+    """A drafter composes with any cache: over the KIVI-quantized paged cache (kivi4, one residual
+    page), greedy speculation gives exactly the plain kivi4 engine's tokens. Self-speculation's
+    window view then reads the sealed pages of its view quantized (window.sealed_in_view) and
+    less than the whole cache; a draft model drafts from a full-precision cache of its own."""
+    target, tparams, draft, dparams = models
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(6, 22))).tolist() for _ in range(5)]
+    news = [int(rng.integers(6, 16)) for _ in range(5)]
+    kw = dict(KW, kv_quant="kivi4", kv_residual=1)
+    plain = _serve(engine.Engine(target, tparams, **kw), prompts, news)
+    draft_arg = "self" if source == "self" else (draft, dparams)
+    eng = speculative(target, tparams, **kw, k=3, draft=draft_arg, window=4, sink=2)
+    assert _serve(eng, prompts, news, [3, 1, 0, 2, 3]) == plain
+    assert eng.stats["rounds"] > 0 and all(p.free_pages == p.num_pages for p in eng.residual)
+    if source == "self":
+        assert eng.stats["draft_read"] < eng.stats["full_read"]
+
+
 @pytest.mark.slow
 def test_greedy_speculation_on_two_batch_shards_and_tensor_parallel():
     target = program_for(small_config({"tensor": 2, "data": 2}, n_kv_heads=4))

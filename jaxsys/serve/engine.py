@@ -134,8 +134,8 @@ class Engine(EngineAPI):
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
-        open one, choose a quantized cache) or "contiguous" (a row of `max_len` slots for each of
-        `max_seqs` sequences; num_pages and page_size unused). `drafter` (serve/speculation.py):
+        open one, choose a quantized cache) or "contiguous" (a row of `max_len` slots, default
+        num_pages x page_size, for each of `max_seqs` sequences). `drafter` (serve/speculation.py):
         speculative decoding, `k` tokens drafted per decode step for requests that do not name
         their own."""
         config = program.config
@@ -146,8 +146,10 @@ class Engine(EngineAPI):
             raise ValueError(f"kv_quant={kv_quant!r}: choose one of {KV_QUANT}")
         if cache == "contiguous" and kv_quant != "none":
             raise ValueError(f"kv_quant={kv_quant!r} quantizes pages: it needs cache='paged', not 'contiguous'")
-        if cache == "contiguous" and not max_len:
-            raise ValueError("a contiguous cache needs max_len (the slots of each sequence's row)")
+        if cache == "contiguous":
+            max_len = max_len or num_pages * page_size  # config.serve's pool, as a paged cache would hold it
+            if not max_len:
+                raise ValueError("a contiguous cache needs max_len (the slots of each sequence's row)")
         layout = program.layout
         self.program, self.params = program, params
         self.runner = ModelRunner(program)
