@@ -139,6 +139,17 @@ def test_the_scan_sees_what_it_must():
     assert shard_map_uses(SPMD)
 
 
+def test_every_package_is_installed():
+    """pyproject's package list names every package of the library (a package left out is missing
+    from the wheel: `import jaxsys.<it>` fails after `pip install jaxsys`)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    packages = {module for rel, module in library_files() if rel.endswith("__init__.py")}
+    assert packages - listed == set(), f"add to pyproject.toml's [tool.setuptools] packages: {sorted(packages - listed)}"
+
+
 def test_no_import_circle():
     files = dict(library_files())
     modules = set(files.values())

@@ -167,7 +167,7 @@ def replay(eng, trace, vocab, clock, timer=None):
     arrival = {i: r["arrival_s"] for i, r in enumerate(trace)}
     ttft = [times[i][0] - arrival[i] for i in times]
     tpot = [(times[i][-1] - times[i][0]) / (len(times[i]) - 1) for i in times if len(times[i]) > 1]
-    from jaxsys.bench_serve import percentiles
+    from jaxsys.serve.bench import percentiles
 
     out = {
         "requests": len(times),

@@ -9,7 +9,8 @@ layer again, unused). `prefetched` keeps the gathered weights out of the backwar
 backward gathers them again, as without prefetch. The weight gradients flow back along the carry:
 backward iteration i reduce-scatters layer i+1's (the transpose of its prefetch) beside layer i's
 VJP, into the stack's gradient; the scanned stack is only read, under stop_gradient, for the
-backward's regather. execution/stack.py runs this loop (`step`).
+backward's regather. execution/stack.py's layer scan (`run_layers`) runs this loop with
+`following`, `first` and `scanned`.
 """
 
 from __future__ import annotations

@@ -118,7 +118,12 @@ def side_configs(config, num_devices: int | None = None) -> tuple:
         raise ConfigError(
             f"config.serve.disaggregate with config.serve.kv_quant={sv.kv_quant!r} is not "
             "implemented: the page methods move every cache leaf, but the residual window's "
-            "page state (serve/kv_quant.ResidualPages) is not handed over yet; use kv_quant=none"
+            "page state (cache/kivi.ResidualPages) is not handed over yet; use kv_quant=none"
+        )
+    if sv.get("cache", "paged") != "paged":
+        raise ConfigError(
+            f"config.serve.disaggregate with config.serve.cache={sv.cache!r} is not implemented: the "
+            "handoff moves a prompt's pages; set cache='paged'"
         )
     if sv.get("spec_k", 0):
         raise ConfigError(

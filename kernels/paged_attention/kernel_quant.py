@@ -214,7 +214,7 @@ def paged_attention_quant(
     pool {"kq", "vq", "ks", "kz", "vs", "vz"} (quant.page_shapes(mode, Pq, ...)); quant_table,
     fp_table [B, max_pages] int32 page ids into each pool (entries a sequence does not read from
     that pool are never read); lengths [B] in [1, max_pages * page_size]; `residual` full pages
-        before the current one stay full precision; `quant_pages` [B] (optional) overrides how many
+    before the current one stay full precision; `quant_pages` [B] (optional) overrides how many
     leading pages each row reads quantized (default quant.n_quant(lengths, page_size, residual);
     a read view of a subset of the pages sets its own). Returns [B, N, H] in q.dtype. interpret None
     interprets when lowered for CPU and uses Triton elsewhere (no Mosaic variant)."""
