@@ -147,7 +147,9 @@ def test_every_package_is_installed():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     packages = {module for rel, module in library_files() if rel.endswith("__init__.py")}
-    assert packages - listed == set(), f"add to pyproject.toml's [tool.setuptools] packages: {sorted(packages - listed)}"
+    assert packages - listed == set(), (
+        f"add to pyproject.toml's [tool.setuptools] packages: {sorted(packages - listed)}"
+    )
 
 
 def test_no_import_circle():
