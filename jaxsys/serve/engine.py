@@ -140,6 +140,11 @@ class Engine(EngineAPI):
         their own."""
         config = program.config
         check_servable(config)
+        if drafter is not None and (not isinstance(k, int) or k < 1):
+            raise ValueError(
+                f"k={k!r}: speculative decoding drafts at least one token per step (k >= 1); "
+                "build the engine without a drafter for plain decoding"
+            )
         if cache not in CACHE_KINDS:
             raise ValueError(f"cache={cache!r}: choose one of {CACHE_KINDS}")
         if kv_quant not in KV_QUANT:
@@ -173,7 +178,6 @@ class Engine(EngineAPI):
         self.cache = self._empty_cache(num_pages, page_size, token_budget, max_seqs)
         self.shard_of: dict = {}
         self.sampling: dict = {}
-        self.steps = 0
         # speculation's counters (zero without a drafter): target and draft steps; rounds (one per
         # speculating sequence and step), drafted and accepted tokens; tokens emitted;
         # self-speculation's slots read by the draft and what the whole cache would have been
@@ -183,11 +187,6 @@ class Engine(EngineAPI):
         self.k = k
         self.drafter = drafter
         if drafter is not None:
-            if not isinstance(k, int) or k < 1:
-                raise ValueError(
-                    f"k={k!r}: speculative decoding drafts at least one token per step (k >= 1); "
-                    "build the engine without a drafter for plain decoding"
-                )
             drafter.attach(self)
 
     # -- the cache
@@ -397,7 +396,6 @@ class Engine(EngineAPI):
                     w.request.stats["decode_steps"] += 1
                 if self.residual and not w.request.done:  # give back the pages no later row reads
                     self.residual[d].advance(w.request.id, w.request.cached)
-        self.steps += 1
         self.stats["tokens"] += sum(len(v) if isinstance(v, list) else 1 for v in sampled.values())
         return [w for work in plans for w in work], sampled
 
