@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     from jaxsys.analysis import targets
-    from jaxsys.analysis.cost_model import PROFILES
+    from jaxsys.analysis.hardware import PROFILES
     from jaxsys.config import ConfigError, fill_axis, load_config, validate
 
     target = None

@@ -316,7 +316,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
     parser.add_argument("--devices", type=int, default=0, help="devices to plan for (or --target)")
-    parser.add_argument("--hardware", default="h100", help="a cost_model profile: h100, h200, tpu_v5p, cpu")
+    parser.add_argument(
+        "--hardware", default="h100", help="a profile of analysis/hardware.py (h100, h200, tpu_v5p, cpu, ...)"
+    )
     parser.add_argument(
         "--target", default="", help="a TPU slice or GPU nodes (e.g. v5p-256): its chips, its compiler for the top k"
     )
@@ -329,7 +331,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default="", help="write the whole table as JSON here")
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
-    from jaxsys.analysis import cost_model, targets
+    from jaxsys.analysis import hardware, targets
 
     try:
         target = None
@@ -340,11 +342,11 @@ def main(argv=None) -> int:
             hw = targets.hardware(target)
             devices = target.chips
         else:
-            if args.hardware not in cost_model.PROFILES:
-                raise ConfigError(f"--hardware {args.hardware!r}: choose one of {sorted(cost_model.PROFILES)}")
+            if args.hardware not in hardware.PROFILES:
+                raise ConfigError(f"--hardware {args.hardware!r}: choose one of {sorted(hardware.PROFILES)}")
             if args.devices < 1:
                 raise ConfigError("--devices N (N >= 1) or --target NAME")
-            hw, devices = cost_model.hardware(args.hardware), args.devices
+            hw, devices = hardware.profile(args.hardware), args.devices
         if target is not None and args.top:
             targets.require_compiler(target)
         base = load_config(args.config, overrides)

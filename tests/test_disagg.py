@@ -225,13 +225,13 @@ def test_http_server_streams_from_the_disaggregated_engine():
 
 
 def test_decode_analysis_reports_transfer_bytes():
-    from jaxsys.analysis import cost_model
     from jaxsys.analysis import decode as decode_analysis
+    from jaxsys.analysis import hardware
     from tests.helpers import config_file
 
     c = config_file("llama_8b")
     c.mesh.fsdp = 1
-    r = decode_analysis.decode_report(c, cost_model.hardware("h100"), contexts=(500, 2048), batches=(1,))
+    r = decode_analysis.decode_report(c, hardware.profile("h100"), contexts=(500, 2048), batches=(1,))
     assert r["transfer_bytes_per_request"] == {500: 2 * 32 * 512 * 8 * 128 * 2, 2048: 2 * 32 * 2048 * 8 * 128 * 2}
     assert r["transfer_s_per_request"][2048] == pytest.approx(r["transfer_bytes_per_request"][2048] / 450e9)
     assert "prefill->decode transfer" in decode_analysis.format_decode_report(r)

@@ -198,7 +198,7 @@ def main() -> int:
     import jax
 
     from jaxsys import program as program_lib
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import hardware
     from jaxsys.config import load_config
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh
     from jaxsys.serve import disagg, engine
@@ -220,7 +220,7 @@ def main() -> int:
             )
             sides[decode_mesh] = disagg.build_programs(c)
     # what the model clock prices: configs/llama_8b.py (bf16) in each layout, on H100s
-    hw = cost_model.hardware("h100")
+    hw = hardware.profile("h100")
     big_over = [
         "--config.mesh.fsdp=1",
         "--config.mesh.data=2",

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxsys.analysis import cost_model
 from jaxsys.analysis import flops as flops_lib
+from jaxsys.analysis.hardware import Hardware
 from jaxsys.models import transformer
 from jaxsys.models.params import is_spec
 from jaxsys.sharding import Layout
@@ -59,7 +60,7 @@ def kv_transfer_bytes(model, tokens: int, page_size: int = 1) -> int:
     return 2 * model.n_layers * padded * model.n_kv_heads * model.head_dim * np.dtype(model.compute_dtype).itemsize
 
 
-def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
+def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
     m = config.model
     layout = Layout.from_config(config)
     t = layout.size(layout.compute_axes("kv_heads"))

@@ -44,6 +44,7 @@ import numpy as np
 
 from jaxsys.analysis import cost_model as cost_lib
 from jaxsys.analysis import flops as flops_lib
+from jaxsys.analysis import hardware as hardware_lib
 from jaxsys.analysis.decode import kv_transfer_bytes, weight_bytes_per_device
 from jaxsys.config import MESH_AXES, ConfigError, validate
 from jaxsys.serve.engine import Engine, EngineAPI
@@ -113,7 +114,8 @@ def side_configs(config, num_devices: int | None = None) -> tuple:
         raise ConfigError(f"config.serve.placement={sv.placement!r}: choose one of {PLACEMENTS}")
     if not (isinstance(sv.interference, (int, float)) and sv.interference >= 0):
         raise ConfigError(f"config.serve.interference={sv.interference!r} must be a number >= 0")
-    cost_lib.hardware(sv.hardware) if sv.hardware in cost_lib.PROFILES else _bad_hardware(sv.hardware)
+    if sv.hardware not in hardware_lib.PROFILES:
+        _bad_hardware(sv.hardware)
     if sv.get("kv_quant", "none") != "none":  # its full-precision residual pages have their own bookkeeping
         raise ConfigError(
             f"config.serve.disaggregate with config.serve.kv_quant={sv.kv_quant!r} is not "
@@ -161,7 +163,7 @@ def side_configs(config, num_devices: int | None = None) -> tuple:
 
 
 def _bad_hardware(name):
-    raise ConfigError(f"config.serve.hardware={name!r}: choose one of {sorted(cost_lib.PROFILES)}")
+    raise ConfigError(f"config.serve.hardware={name!r}: choose one of {sorted(hardware_lib.PROFILES)}")
 
 
 def build_programs(config, devices=None) -> tuple:
@@ -227,7 +229,7 @@ class CostModel:
         """Priced on hardware profile `hw` (default config.serve.hardware) for the two layouts."""
         from jaxsys.sharding import Layout
 
-        hw = hw or cost_lib.hardware(prefill_config.serve.hardware)
+        hw = hw or hardware_lib.profile(prefill_config.serve.hardware)
         peak = hw.peak(prefill_config.model.compute_dtype) * mfu
         n_pre = math.prod(prefill_config.mesh[a] for a in MESH_AXES)
         n_dec = math.prod(decode_config.mesh[a] for a in MESH_AXES)
