@@ -15,9 +15,10 @@ import jax
 import pytest
 from helpers import config_file
 
-from jaxsys import plan as plan_lib
+from jaxsys import plan as plan_cli
 from jaxsys import train
 from jaxsys.analysis import cost_model, hardware
+from jaxsys.analysis import planner as plan_lib
 from jaxsys.config import MESH_AXES, ConfigError, load_config, validate
 
 DEVICES = 8
@@ -150,8 +151,8 @@ def test_bad_input_is_named(tiny):
         plan_lib.plan(tiny, 7, hw, top=0)
     with pytest.raises(ConfigError, match=r"fits 0\.0 GiB per device: the smallest need is"):
         plan_lib.plan(tiny, DEVICES, hw, top=0, budget=1024.0)
-    assert plan_lib.main(["--config", TINY, "--target", "v9z-8", "--top", "0"]) == 2
-    assert plan_lib.main(["--config", TINY, "--devices", "8", "--hardware", "a100"]) == 2
+    assert plan_cli.main(["--config", TINY, "--target", "v9z-8", "--top", "0"]) == 2
+    assert plan_cli.main(["--config", TINY, "--devices", "8", "--hardware", "a100"]) == 2
 
 
 def _mesh(c) -> dict:

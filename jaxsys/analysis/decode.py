@@ -179,6 +179,18 @@ def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> d
     }
 
 
+def decode_analysis(config, hardware: str, target=None, contexts=CONTEXTS, batches=BATCHES) -> dict:
+    """`jaxsys analyze --mode decode`: the decode report on an accelerator profile (formulas only:
+    no --target, and not the CPU's profile)."""
+    from jaxsys.analysis import hardware as hardware_lib
+    from jaxsys.config import ConfigError
+
+    if hardware == "cpu" or target is not None:
+        names = [n for n in hardware_lib.PROFILES if n != "cpu"]
+        raise ConfigError(f"--mode decode takes --hardware {', '.join(names[:-1])} or {names[-1]} (no --target)")
+    return decode_report(config, hardware_lib.profile(hardware), contexts, batches)
+
+
 def format_decode_report(r: dict) -> str:
     from jaxsys.analysis.report import _b
 

@@ -18,7 +18,7 @@ from jaxsys.analysis import collectives as collectives_lib
 from jaxsys.analysis import cost_model
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware as hardware_lib
-from jaxsys.config import MESH_AXES
+from jaxsys.config import MESH_AXES, ConfigError
 from jaxsys.mesh import make_mesh
 from jaxsys.models import params as params_lib
 
@@ -347,6 +347,22 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
         "fits": memory["peak_bytes_per_device"] <= hw.hbm_bytes,
         "offload": offload_report(config, hw, program),
     }
+
+
+def run(config, hardware: str, devices, target=None, compare_on_cpu: bool = True, flops: bool = True):
+    """(result, its formatter): what `jaxsys analyze` prints for `config`. With `target`, its
+    compiler's analysis beside the same program on `devices` (fake CPU devices, as many as the
+    target has chips; compare_on_cpu=False skips that); otherwise the analysis on `devices` with
+    the profile `hardware` (a forward pass for a quantized checkpoint's config)."""
+    if target is not None:
+        if config.model.quant != "none":
+            raise ConfigError(
+                f"config.model.quant={config.model.quant!r}: the analysis of a quantized "
+                "(inference) config runs on fake CPU devices only so far; drop --target"
+            )
+        return analyze_target(config, target, devices if compare_on_cpu else None, flops=flops), format_target_report
+    result = analyze(config, hardware, devices, flops=flops)
+    return result, format_inference_report if result.get("mode") == "inference" else format_report
 
 
 def _out_of_memory(message: str) -> dict:
