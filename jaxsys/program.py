@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -307,22 +307,87 @@ class Program(Placement):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """A feature of a config that only some XLA backends build. `build` refuses it elsewhere with
+    `message`; `cpu_stand_in` replaces it by its nearest CPU-buildable form (`stand_in`: section,
+    key, value), where it has one, so that the planner still gets a compiled memory figure."""
+
+    name: str
+    needs: Callable[[Any], bool]  # whether `config` uses the feature
+    platforms: tuple[str, ...]  # the platforms whose compilers build it
+    stand_in: tuple[str, str, Any] | None  # its nearest form XLA:CPU builds (None: no CPU form)
+    message: Callable[[Any, str], str]  # (config, platform) -> the error naming the key and the fix
+
+    def refused(self, config, platform: str) -> bool:
+        return self.needs(config) and platform not in self.platforms
+
+
+def _pipelined_ring(c) -> bool:
+    return c.mesh.pipe > 1 and c.mesh.seq > 1 and c.model.context_parallel != "allgather"
+
+
+# What XLA:CPU cannot run here but TPUs and GPUs compile (cudnn attention: GPUs only), in the order
+# `build` checks them: the one list that `build` and `cpu_stand_in` both read.
+CAPABILITIES = (
+    Capability(
+        "cudnn attention",
+        lambda c: c.model.attention_impl == "cudnn",
+        ("gpu",),
+        None,
+        lambda c, platform: (
+            f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
+            f"{platform}: use 'pallas' or 'reference'"
+        ),
+    ),
+    Capability(
+        "ring / tokenring context parallelism under a pipeline",
+        _pipelined_ring,
+        ("tpu", "gpu"),
+        ("model", "context_parallel", "allgather"),  # keeps the gathered K/V: an upper bound
+        lambda c, platform: (
+            f"config.model.context_parallel={c.model.context_parallel!r} with config.mesh.pipe="
+            f"{c.mesh.pipe} on {platform}: the ring's collective-permutes run inside the per-stage "
+            "branches of the pipeline, where XLA:CPU pairs them wrongly (the loss came out wrong); use "
+            "'allgather' with a pipeline here (TPU and GPU compile it: docs/pipeline.md)"
+        ),
+    ),
+    Capability(
+        "collective matmul under a pipeline",
+        lambda c: c.mesh.pipe > 1 and bool(c.parallel.get("collective_matmul", False)),
+        ("tpu", "gpu"),
+        ("parallel", "collective_matmul", False),  # the plain SP collectives: the same residuals
+        lambda c, platform: (
+            f"config.parallel.collective_matmul=True with config.mesh.pipe={c.mesh.pipe} on {platform}: "
+            "its collective-permutes run inside the per-stage branches of the pipeline, where XLA:CPU waits "
+            "for every device of the mesh and deadlocks; set collective_matmul=False here (TPU and GPU "
+            "compile it: docs/comm_overlap.md)"
+        ),
+    ),
+    Capability(
+        "ragged expert dispatch",
+        lambda c: c.parallel.expert_dispatch == "ragged",
+        ("gpu", "tpu"),
+        ("parallel", "expert_dispatch", "padded"),  # an upper bound
+        lambda c, platform: (
+            f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
+            f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'"
+        ),
+    ),
+)
+
+
 def cpu_stand_in(config):
     """(config, changes): `config` with what `build` refuses on XLA:CPU but TPUs and GPUs compile
-    (below) replaced by its nearest CPU-buildable form, for a compiled memory figure on fake CPU
-    devices (`jaxsys.plan`): collective matmul under a pipeline -> the plain SP collectives (the
-    same residuals), ring / tokenring context parallelism under a pipeline -> allgather (keeps the
-    gathered K/V: an upper bound), ragged expert dispatch -> padded (an upper bound). `changes`
-    names them; empty when the config builds as it is."""
+    (`CAPABILITIES`) replaced by its nearest CPU-buildable form, for a compiled memory figure on
+    fake CPU devices (`jaxsys.plan`): collective matmul under a pipeline -> the plain SP collectives
+    (the same residuals), ring / tokenring context parallelism under a pipeline -> allgather (keeps
+    the gathered K/V: an upper bound), ragged expert dispatch -> padded (an upper bound). `changes`
+    names them; empty when the config builds as it is (or uses a feature with no CPU form, which
+    `build` then refuses)."""
     import copy
 
-    changes = []
-    if config.mesh.pipe > 1 and config.parallel.get("collective_matmul", False):
-        changes.append(("parallel", "collective_matmul", False))
-    if config.mesh.pipe > 1 and config.mesh.seq > 1 and config.model.context_parallel != "allgather":
-        changes.append(("model", "context_parallel", "allgather"))
-    if config.parallel.expert_dispatch == "ragged":
-        changes.append(("parallel", "expert_dispatch", "padded"))
+    changes = [cap.stand_in for cap in CAPABILITIES if cap.stand_in and cap.refused(config, "cpu")]
     if not changes:
         return config, []
     stand_in = copy.deepcopy(config)
@@ -333,36 +398,9 @@ def cpu_stand_in(config):
 
 def build(config, mesh, unroll_layers: bool = False) -> Program:
     platform = mesh.devices.flat[0].platform
-    # what XLA:CPU cannot run here but TPUs and GPUs compile (`cpu_stand_in` mirrors these)
-    if config.model.attention_impl == "cudnn" and platform != "gpu":
-        raise ConfigError(
-            f"config.model.attention_impl='cudnn' needs NVIDIA GPUs, but the mesh is on "
-            f"{platform}: use 'pallas' or 'reference'"
-        )
-    if (
-        config.mesh.pipe > 1
-        and config.mesh.seq > 1
-        and config.model.context_parallel != "allgather"
-        and platform not in ("tpu", "gpu")
-    ):
-        raise ConfigError(
-            f"config.model.context_parallel={config.model.context_parallel!r} with config.mesh.pipe="
-            f"{config.mesh.pipe} on {platform}: the ring's collective-permutes run inside the per-stage "
-            "branches of the pipeline, where XLA:CPU pairs them wrongly (the loss came out wrong); use "
-            "'allgather' with a pipeline here (TPU and GPU compile it: docs/pipeline.md)"
-        )
-    if config.mesh.pipe > 1 and config.parallel.get("collective_matmul", False) and platform not in ("tpu", "gpu"):
-        raise ConfigError(
-            f"config.parallel.collective_matmul=True with config.mesh.pipe={config.mesh.pipe} on {platform}: "
-            "its collective-permutes run inside the per-stage branches of the pipeline, where XLA:CPU waits "
-            "for every device of the mesh and deadlocks; set collective_matmul=False here (TPU and GPU "
-            "compile it: docs/comm_overlap.md)"
-        )
-    if config.parallel.expert_dispatch == "ragged" and platform not in ("gpu", "tpu"):
-        raise ConfigError(
-            f"config.parallel.expert_dispatch='ragged' (lax.ragged_all_to_all) needs a GPU "
-            f"or TPU; XLA:{platform.upper()} does not implement it: use 'padded'"
-        )
+    for cap in CAPABILITIES:  # what this platform's compiler cannot build
+        if cap.refused(config, platform):
+            raise ConfigError(cap.message(config, platform))
     layout = Layout.from_config(config)
     t, p = config.train, config.mesh.pipe
     if config.model.kind == "flax":  # names and shapes of a Flax module's nnx.Params, checked here

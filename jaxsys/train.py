@@ -83,6 +83,57 @@ def _check_finite(value: float, step: int, config, what: str = "loss") -> None:
         )
 
 
+class ThroughputWindow:
+    """The wall time of the steps logged together (tokens/s and MFU), such that it holds their
+    compute. The loop reads step n's metrics while step n+1 runs: when a window closes at step n,
+    step n+1 may already be computing (or, when the host was late, even be done). So a window opens
+    at the later of two times that are both no later than the start of its first step's compute:
+    that step's dispatch, and the moment the previous step was seen to finish (only when the loop
+    waited for it; if its result was ready before it was asked for, that step ended at an unknown
+    earlier time and the dispatch is the bound). The window closes when its last step is seen to
+    finish. Pauses (evaluation, checkpoint saves, expert re-placement) inside an open window are
+    not training time and are subtracted; a pause while no step is in flight (after a forced read)
+    precedes the next window, which opens at its first dispatch."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.start: float | None = None  # None: opens at the next dispatch
+        self.steps = 0
+        self.paused = 0.0
+        self.last_dispatched = (0, 0.0)  # (step, time)
+        self.end = 0.0  # when the last step read was seen to finish
+        self.seen = (0, False)  # (that step, whether the read waited for it)
+
+    def dispatched(self, step: int) -> None:
+        """Step `step` is about to be dispatched (its inputs ready)."""
+        self.last_dispatched = (step, self.clock())
+        if self.start is None:
+            self.start = self.last_dispatched[1]
+
+    def done(self, step: int, waited: bool) -> None:
+        """Step `step`'s metrics are on the host; `waited`: the read blocked (the step was still
+        running when asked for), so it finished just now."""
+        self.end = self.clock()
+        self.steps += 1
+        self.seen = (step, waited)
+
+    def pause(self, seconds: float) -> None:
+        if self.start is not None:
+            self.paused += seconds
+
+    def close(self) -> tuple[int, float]:
+        """(steps, seconds) of the window ending at the last step read; opens the next."""
+        steps, elapsed = self.steps, self.end - self.start - self.paused
+        step, waited = self.seen
+        next_step, dispatched_at = self.last_dispatched
+        if next_step > step:  # the next step is in flight: its compute began at or after both bounds
+            self.start = max(dispatched_at, self.end) if waited else dispatched_at
+        else:  # nothing in flight: the next window opens at the next dispatch
+            self.start = None
+        self.steps, self.paused = 0, 0.0
+        return steps, elapsed
+
+
 def evaluate(program: Program, eval_fn, params, corpus) -> float:
     c = program.config
     losses = [
@@ -220,31 +271,31 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
 
     bar = tqdm(total=t.steps, initial=start_step, disable=not (lead and t.progress), dynamic_ncols=True)
     records, pending, shown = [], None, {}
-    window_start, window_steps = time.perf_counter(), 0
+    window = ThroughputWindow()
 
     def eval_due(step: int) -> bool:
         return eval_fn is not None and (step == t.steps or bool(t.eval_every and step % t.eval_every == 0))
 
     def finish(step: int, metrics, eval_loss) -> None:
         """Read step `step`'s metrics (blocking), check them, log when due."""
-        nonlocal window_start, window_steps
+        waited = not metrics["loss"].is_ready()
         loss = _scalar(metrics["loss"])
+        window.done(step, waited)
         _check_finite(loss, step, config)
         _check_finite(_scalar(metrics["grad_norm"]), step, config, "gradient norm")
         bar.update(1)
         shown["loss"] = f"{loss:.3f}"  # this step's loss, already on the host
-        window_steps += 1
         if routing is not None:
             load = _array(metrics["moe_load"])
             routing.add(load, _array(metrics["moe_pairs"]))
         if step % t.log_every == 0 or step == 1 or step == t.steps or eval_loss is not None:
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = window_steps * tokens_per_step / elapsed
+            steps, elapsed = window.close()
+            tokens_per_s = steps * tokens_per_step / elapsed
             record = {
                 "step": step,
                 "loss": loss,
                 "tokens_per_s": tokens_per_s,
-                "mfu": flops_per_step * window_steps / elapsed / peak if peak else 0.0,
+                "mfu": flops_per_step * steps / elapsed / peak if peak else 0.0,
                 "grad_norm": _scalar(metrics["grad_norm"]),
                 "lr": _scalar(metrics["lr"]),
             }
@@ -261,12 +312,13 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
             records.append(record)
             writer.write(record)
             shown["tok_s"] = f"{tokens_per_s:,.0f}"
-            window_start, window_steps = time.perf_counter(), 0
         bar.set_postfix(shown)
 
     try:
         for step in range(start_step, t.steps):
-            state, metrics = step_fn(state, batch(step))
+            tokens = batch(step)
+            window.dispatched(step + 1)
+            state, metrics = step_fn(state, tokens)
             if pending is not None:  # read the previous step while this one runs
                 finish(*pending)
             eval_loss = None
@@ -274,7 +326,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 jax.block_until_ready(state)  # the step's own compute is training time
                 paused = time.perf_counter()
                 eval_loss = evaluate(program, eval_fn, state.params, corpus)
-                window_start += time.perf_counter() - paused  # not training time
+                window.pause(time.perf_counter() - paused)  # not training time
             pending = (step + 1, metrics, eval_loss)
             if rebalance_every and (step + 1) % rebalance_every == 0 and step + 1 < t.steps:
                 finish(*pending)  # the window holds this step
@@ -282,7 +334,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 paused = time.perf_counter()
                 perm, summary = routing.rebalance(config.parallel.expert_colocate)
                 state = jax.block_until_ready(place_experts(state, perm))
-                window_start += time.perf_counter() - paused  # not training time
+                window.pause(time.perf_counter() - paused)  # not training time
                 placement_notes.update(summary)
                 if lead and not t.progress:
                     print(f"jaxsys: experts re-placed after step {step + 1}: {summary}", flush=True)
@@ -292,7 +344,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 jax.block_until_ready(state)
                 paused = time.perf_counter()
                 checkpointer.save(step + 1, state, config)
-                window_start += time.perf_counter() - paused  # not training time
+                window.pause(time.perf_counter() - paused)  # not training time
         if pending is not None:
             finish(*pending)
         if routing is not None and lead:

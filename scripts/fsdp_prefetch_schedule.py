@@ -199,7 +199,7 @@ def main(argv=None):
                     ],
                     c,
                     hw,
-                    peak_flops=target.chip.peak_flops_bf16,
+                    peak_flops=targets.hardware(target).peak("bfloat16"),
                 )
                 comm, hidden = gathers["time_s"], gathers["hidden_s"]
                 summary = summarize(chosen)

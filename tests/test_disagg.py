@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxsys.analysis.decode import kv_transfer_bytes
+from jaxsys.analysis.serving import CostModel
 from jaxsys.config import ConfigError
 from jaxsys.serve import disagg, engine
 from tests.helpers import generate_contiguous, program_for, small_config
@@ -43,9 +44,9 @@ def _serve(eng, requests, arrive_per_step=2):
 def _length_split_cost(pre, dec, tokens=10):
     """Prompts of >= `tokens` tokens to the prefill side, shorter ones colocated (no stall weight;
     the prefill side 4x faster; a link latency worth 3/4 of a `tokens`-token prefill)."""
-    cm = disagg.CostModel.for_configs(pre.config, dec.config, interference=0.0)
+    cm = CostModel.for_configs(pre.config, dec.config, interference=0.0)
     fd = 1e9
-    return disagg.CostModel(
+    return CostModel(
         cm.model,
         4,
         5,
@@ -66,9 +67,7 @@ def test_disaggregated_tokens_equal_colocated_and_bytes_equal_formula(placement)
     assert pre.mesh.devices.size == 4 and dec.mesh.devices.size == 4
     assert not set(pre.mesh.devices.flat) & set(dec.mesh.devices.flat)
     params = program_for(small_config(n_kv_heads=4)).init(3).params  # one device: resharded onto each side
-    cost = (
-        _length_split_cost(pre, dec) if placement == "mixed" else disagg.CostModel.for_configs(pre.config, dec.config)
-    )
+    cost = _length_split_cost(pre, dec) if placement == "mixed" else CostModel.for_configs(pre.config, dec.config)
     eng = disagg.DisaggregatedEngine(
         pre, dec, params, num_pages=16, page_size=4, token_budget=16, chunk_size=5, max_seqs=3, cost=cost
     )
@@ -160,7 +159,7 @@ def test_cost_model_picks_each_side_where_it_should():
     c.mesh.fsdp, c.mesh.tensor, c.parallel.sequence_parallel = 1, 1, False
     c.serve.chunk_size = 512
     pre, dec = disagg.side_configs(c, 8)
-    cm = disagg.CostModel.for_configs(pre, dec)
+    cm = CostModel.for_configs(pre, dec)
     idle = [(0, 0), (0, 0)]
     # an idle prefill side takes any prompt: 4 devices, nothing to stall
     assert cm.place(4096, 0, idle) == ("prefill", None)
@@ -225,13 +224,13 @@ def test_http_server_streams_from_the_disaggregated_engine():
 
 
 def test_decode_analysis_reports_transfer_bytes():
-    from jaxsys.analysis import cost_model
     from jaxsys.analysis import decode as decode_analysis
+    from jaxsys.analysis import hardware
     from tests.helpers import config_file
 
     c = config_file("llama_8b")
     c.mesh.fsdp = 1
-    r = decode_analysis.decode_report(c, cost_model.hardware("h100"), contexts=(500, 2048), batches=(1,))
+    r = decode_analysis.decode_report(c, hardware.profile("h100"), contexts=(500, 2048), batches=(1,))
     assert r["transfer_bytes_per_request"] == {500: 2 * 32 * 512 * 8 * 128 * 2, 2048: 2 * 32 * 2048 * 8 * 128 * 2}
     assert r["transfer_s_per_request"][2048] == pytest.approx(r["transfer_bytes_per_request"][2048] / 450e9)
     assert "prefill->decode transfer" in decode_analysis.format_decode_report(r)

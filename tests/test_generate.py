@@ -117,11 +117,11 @@ def test_generate_command_names_bad_input(workdir, capsys, args, message):
 def test_decode_analysis_by_hand():
     """tiny:test (L=2, K=4 kv heads of H=16, fp32) on tensor=2: KV per token 2 L K H 4 B / 2 =
     512 B; the weights' shards are fp32 at rest; at batch 1 the step reads every weight once."""
-    from jaxsys.analysis import cost_model
     from jaxsys.analysis import decode as decode_analysis
+    from jaxsys.analysis import hardware
 
     config = small_config({"tensor": 2}, n_kv_heads=4)
-    hw = cost_model.PROFILES["h100"]
+    hw = hardware.PROFILES["h100"]
     r = decode_analysis.decode_report(config, hw, contexts=[1024], batches=[1, 4])
     assert r["kv_bytes_per_token"] == 2 * 2 * 4 * 16 * 4 // 2
     weights = program_for(config).abstract_state().params

@@ -15,9 +15,10 @@ import jax
 import pytest
 from helpers import config_file
 
-from jaxsys import plan as plan_lib
+from jaxsys import plan as plan_cli
 from jaxsys import train
-from jaxsys.analysis import cost_model
+from jaxsys.analysis import cost_model, hardware
+from jaxsys.analysis import planner as plan_lib
 from jaxsys.config import MESH_AXES, ConfigError, load_config, validate
 
 DEVICES = 8
@@ -45,7 +46,7 @@ def _key(overrides: dict) -> tuple:
 def test_every_valid_layout_is_listed_once_and_no_invalid_one(tiny):
     """An independent brute force over all 6-tuples of divisors of 8 and every option, with
     config.validate as the judge, against the planner's listing (ranked + too big)."""
-    result = plan_lib.plan(tiny, DEVICES, cost_model.hardware("cpu"), top=0)
+    result = plan_lib.plan(tiny, DEVICES, hardware.profile("cpu"), top=0)
     listed = [_key(c.overrides) for c in result["ranked"] + result["too_big"]]
     assert len(listed) == len(set(listed))
 
@@ -92,7 +93,7 @@ def test_the_memory_formula_agrees_with_the_compiler_about_what_fits(tiny):
     """Five layouts spread over the range of predicted memory, compiled: the formula is within 0.4-2x
     of XLA's buffer assignment for each, orders them as the compiler does, and a budget between
     the two smallest and the two largest prunes the same layouts by either measure."""
-    hw = cost_model.hardware("cpu")
+    hw = hardware.profile("cpu")
     result = plan_lib.plan(tiny, DEVICES, hw, top=0)
     chosen = {}
     for c in result["ranked"]:  # one per (mesh, remat) to keep the compiles few
@@ -121,7 +122,7 @@ def test_the_memory_formula_agrees_with_the_compiler_about_what_fits(tiny):
 
 
 def test_the_winner_overrides_train(tiny, tmp_path):
-    result = plan_lib.plan(tiny, DEVICES, cost_model.hardware("cpu"), top=1, compile_devices=jax.devices()[:DEVICES])
+    result = plan_lib.plan(tiny, DEVICES, hardware.profile("cpu"), top=1, compile_devices=jax.devices()[:DEVICES])
     winner = result["winner"]
     assert winner is not None and winner.compiled["fits"]
     lines = winner.override_lines()
@@ -145,13 +146,13 @@ def test_the_winner_overrides_train(tiny, tmp_path):
 
 
 def test_bad_input_is_named(tiny):
-    hw = cost_model.hardware("cpu")
+    hw = hardware.profile("cpu")
     with pytest.raises(ConfigError, match="no layout of 7 devices divides this model"):
         plan_lib.plan(tiny, 7, hw, top=0)
     with pytest.raises(ConfigError, match=r"fits 0\.0 GiB per device: the smallest need is"):
         plan_lib.plan(tiny, DEVICES, hw, top=0, budget=1024.0)
-    assert plan_lib.main(["--config", TINY, "--target", "v9z-8", "--top", "0"]) == 2
-    assert plan_lib.main(["--config", TINY, "--devices", "8", "--hardware", "a100"]) == 2
+    assert plan_cli.main(["--config", TINY, "--target", "v9z-8", "--top", "0"]) == 2
+    assert plan_cli.main(["--config", TINY, "--devices", "8", "--hardware", "a100"]) == 2
 
 
 def _mesh(c) -> dict:
@@ -161,7 +162,7 @@ def _mesh(c) -> dict:
 def test_overlap_options_appear_only_where_valid(tiny, tiny_sp):
     """collective_matmul only with tensor > 1 under sequence parallelism, fsdp_prefetch only with
     fsdp > 1, pipeline_overlap only with pipe > 1; each appears both on and off where valid."""
-    hw = cost_model.hardware("h100")
+    hw = hardware.profile("h100")
     for base, sp in ((tiny, False), (tiny_sp, True)):
         result = plan_lib.plan(base, DEVICES, hw, top=0, budget=float("inf"))
         seen = set()
@@ -186,7 +187,7 @@ def test_overlap_options_appear_only_where_valid(tiny, tiny_sp):
 
 @pytest.mark.parametrize("profile", ["h100", "tpu_v5p", "cpu"])
 def test_an_overlap_option_adds_at_most_its_own_communication_to_the_predicted_step(tiny_sp, profile):
-    hw = cost_model.hardware(profile)
+    hw = hardware.profile(profile)
     result = plan_lib.plan(tiny_sp, DEVICES, hw, top=0, budget=float("inf"))
     by_key = {_key(c.overrides): c for c in result["ranked"]}
     compared = hidden = 0
@@ -212,7 +213,7 @@ def test_an_overlap_option_adds_at_most_its_own_communication_to_the_predicted_s
 def test_with_no_overlap_option_all_communication_is_exposed(tiny_sp):
     """The exposed communication equals the all-exposed figure (every row's bytes at its axis's
     bandwidth, plus the latency), computed here from the rows; an option on exposes less."""
-    hw = cost_model.hardware("h100")
+    hw = hardware.profile("h100")
     result = plan_lib.plan(tiny_sp, DEVICES, hw, top=0, budget=float("inf"))
     checked = 0
     for c in result["ranked"]:
@@ -235,7 +236,7 @@ def test_the_latency_term_counts_every_collective(tiny_sp):
     is the number of collectives (Row.count, not the number of rows) and their ring hops; a layer
     more adds its collectives."""
     base = dataclasses.replace(
-        cost_model.hardware("h100"),
+        hardware.profile("h100"),
         collective_latency_s=1.0,
         hop_latency_s=0.0,
         inter_hop_latency_s=0.0,
@@ -279,6 +280,6 @@ def test_an_option_hides_only_what_the_targets_compiler_runs_asynchronously(tiny
         assert (hidden(prefetch, hw)["fsdp_prefetch"] > 0) == fsdp_hides, name
         assert hidden(cm, hw)["collective_matmul"] > 0, name
         assert hidden(pp, hw)["pipeline_overlap"] > 0, name
-    gpu = cost_model.hardware("h100")
+    gpu = hardware.profile("h100")
     assert hidden(prefetch, gpu)["fsdp_prefetch"] > 0
-    assert all(v == 0 for v in hidden(prefetch, cost_model.hardware("cpu")).values())
+    assert all(v == 0 for v in hidden(prefetch, hardware.profile("cpu")).values())

@@ -357,7 +357,7 @@ def test_bench_interpret_smoke_writes_checked_rows(tmp_path, capsys):
 def test_bench_bytes_and_ideal_by_hand():
     """Bytes moved and the roofline for a 4096 x 4096 layer on an H100 (3.35 TB/s, 989 TFLOP/s
     bf16, 1979 TOPS int8)."""
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import hardware
     from jaxsys.kernels.quantized_matmul import bench
 
     k = n = 4096
@@ -366,7 +366,7 @@ def test_bench_bytes_and_ideal_by_hand():
     assert bench.bytes_moved("w4a16", 1, k, n)["weights"] == k * n * 0.53125
     assert bench.bytes_moved("w4a16", 1, k, n, zero_point=True)["weights"] == k * n * (0.5 + 5 / 128)
     assert bench.bytes_moved("w8a8", 4, k, n)["activations"] == 4 * k + 16
-    h100 = cost_model.PROFILES["h100"]
+    h100 = hardware.PROFILES["h100"]
     ideal = lambda fmt, m: bench.ideal_seconds(fmt, m, k, n, h100)
     assert ideal("bf16", 1) == pytest.approx((2 * k * n + 2 * k + 2 * n) / 3.35e12)
     # 2 / 0.53125 = 3.76 for the weights alone; x and y (the same bytes in both) take off 0.1%

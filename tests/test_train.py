@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -56,3 +57,60 @@ def test_schedules():
     assert float(wsd(50)) == pytest.approx(1.0) and float(wsd(82)) == pytest.approx(1.0)
     assert float(wsd(91)) == pytest.approx(1.0 - 0.9 * 9 / 18, rel=1e-5)
     assert float(wsd(100)) == pytest.approx(0.1, abs=1e-6)
+
+
+def test_every_throughput_window_holds_the_compute_it_counts(tmp_path, monkeypatch):
+    """log_every=1 with a checkpoint every second step and evaluations: a step is in flight when
+    the loop reads the one before it, and a checkpoint then forces its own read at once. With a
+    metrics sink slower than a step (as TensorBoard on a network disk can be), that step finishes
+    while the previous one is logged, so a window opened after the logging would hold no compute
+    (the old loop logged MFU > 1 and 100x the median tokens/s there). Every window must contain
+    its steps' compute: MFU < 1, tokens/s within 10x of the median."""
+    c = small_config(dict(data=8))
+    c.train.steps, c.train.log_every, c.train.eval_every = 8, 1, 3
+    c.checkpoint.every_steps = 2
+    write = train.MetricsWriter.write
+
+    def slow_write(self, record):  # a sink taking ~3 steps' time: the next step is done meanwhile
+        write(self, record)
+        step_s = c.train.batch_size * c.data.seq_len / record["tokens_per_s"]
+        time.sleep(min(1.0, max(0.02, 3 * step_s)))
+
+    monkeypatch.setattr(train.MetricsWriter, "write", slow_write)
+    records = train.main(c, str(tmp_path))
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 8]
+    tokens_per_s = np.array([r["tokens_per_s"] for r in records])
+    median = np.median(tokens_per_s)
+    assert all(0 < r["mfu"] < 1 for r in records), [(r["step"], r["mfu"]) for r in records]
+    assert np.all(tokens_per_s < 10 * median) and np.all(tokens_per_s > median / 10), tokens_per_s / median
+
+
+def test_a_window_opens_no_later_than_its_first_step_computes():
+    """ThroughputWindow on a scripted clock. Step 2 is dispatched before step 1 is read; the read of
+    step 1 waits, so step 1 ended then and step 2's window opens there. The read of step 2 does not
+    wait (it ended unseen, some time before), so step 3's window opens at step 3's dispatch. A pause
+    inside an open window is left out; one while nothing is in flight precedes the next window."""
+    now = [0.0]
+    w = train.ThroughputWindow(clock=lambda: now[0])
+    w.dispatched(1)  # t=0
+    now[0] = 0.1
+    w.dispatched(2)
+    now[0] = 1.0
+    w.done(1, waited=True)
+    assert w.close() == (1, 1.0)  # [0, 1]
+    now[0] = 3.0
+    w.dispatched(3)
+    now[0] = 3.5
+    w.done(2, waited=False)
+    assert w.close() == (1, 2.5)  # [1, 3.5]: from step 1's end, not from the read of step 1's log
+    w.pause(5.0)  # an evaluation while step 3 is in flight: inside its window
+    now[0] = 10.0
+    w.done(3, waited=False)
+    assert w.close() == (1, 10.0 - 3.0 - 5.0)  # from step 3's dispatch, less the pause
+    w.pause(2.0)  # a checkpoint save with nothing in flight: before the next window
+    now[0] = 12.0
+    w.dispatched(4)
+    now[0] = 13.0
+    w.done(4, waited=True)
+    assert w.close() == (1, 1.0)

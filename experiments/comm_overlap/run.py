@@ -111,10 +111,10 @@ def predicted(config, hw, variant: str, which: str) -> dict:
 
 def repredict(results: dict) -> None:
     """The cost model's figures of every schedule entry again, with the current model (no compile)."""
-    from jaxsys.analysis import cost_model, targets
+    from jaxsys.analysis import hardware, targets
 
     for r in results["schedules"]:
-        hw = cost_model.hardware("cpu") if r["target"] == "cpu" else targets.hardware(targets.parse(r["target"]))
+        hw = hardware.profile("cpu") if r["target"] == "cpu" else targets.hardware(targets.parse(r["target"]))
         r["predicted"] = predicted(make_config(r["variant"], r["which"], r["model"]), hw, r["variant"], r["which"])
 
 
@@ -123,7 +123,7 @@ def worker(n: int, jobs: list) -> None:
     import jax
 
     from jaxsys import train
-    from jaxsys.analysis import cost_model, report, targets
+    from jaxsys.analysis import hardware, report, targets
     from jaxsys.mesh import make_mesh
 
     for job in jobs:
@@ -135,7 +135,7 @@ def worker(n: int, jobs: list) -> None:
             common.emit(dict(kind="time", variant=variant, which=which, model=model, runs_s=runs))
             continue
         if job["target"] == "cpu":
-            devices, hw = jax.devices()[:n], cost_model.hardware("cpu")
+            devices, hw = jax.devices()[:n], hardware.profile("cpu")
         else:
             target = targets.parse(job["target"])
             devices, hw = targets.devices(target)[:n], targets.hardware(target)

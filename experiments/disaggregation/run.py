@@ -16,7 +16,7 @@ Every engine shard has the same token budget, chunk and pool. Two clocks:
            running them side by side buys; the stall counts can.
   model    a virtual clock: the same engines and schedules, each step timed by the roofline of
            configs/llama_8b.py (bf16 weights and KV) on H100s in that step's layout
-           (disagg.step_seconds: max(compute at 50% MFU, weight + KV reads) + tensor all-reduces);
+           (analysis/serving.py step_seconds: max(compute at 50% MFU, weight + KV reads) + tensor all-reduces);
            the two disaggregated sides keep their own clocks and a handed-off sequence may decode
            once its transfer (bytes / 450 GB/s NVLink + 20 us) has landed. The placement cost model
            is priced on the same 8B/H100 figures.
@@ -198,7 +198,7 @@ def main() -> int:
     import jax
 
     from jaxsys import program as program_lib
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import hardware, serving
     from jaxsys.config import load_config
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh
     from jaxsys.serve import disagg, engine
@@ -220,7 +220,7 @@ def main() -> int:
             )
             sides[decode_mesh] = disagg.build_programs(c)
     # what the model clock prices: configs/llama_8b.py (bf16) in each layout, on H100s
-    hw = cost_model.hardware("h100")
+    hw = hardware.profile("h100")
     big_over = [
         "--config.mesh.fsdp=1",
         "--config.mesh.data=2",
@@ -261,7 +261,7 @@ def main() -> int:
             else:
                 big_pre, big_dec = priced[decode_mesh]
                 prices = {"prefill": big_pre, "decode": big_dec}
-                cost = disagg.CostModel.for_configs(
+                cost = serving.CostModel.for_configs(
                     big_pre,
                     big_dec,
                     hw,
@@ -271,7 +271,7 @@ def main() -> int:
                 eng = disagg.DisaggregatedEngine(*sides[decode_mesh], params, cost=cost, **kw)
                 eng.prefill = reuse(("prefill", decode_mesh), eng.prefill)
                 eng.decode = reuse(("decode", decode_mesh), eng.decode)
-            timer = lambda side, rows, prices=prices: disagg.step_seconds(prices[side], hw, rows)
+            timer = lambda side, rows, prices=prices: serving.step_seconds(prices[side], hw, rows)
             if clock == "wall":
                 eng.warmup()  # no compilation on the wall clock
             t0 = time.perf_counter()

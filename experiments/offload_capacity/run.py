@@ -163,9 +163,9 @@ def formula_point(k: int, option: str, hw, chip: str = "") -> dict:
 
 
 def hardware_profiles() -> dict:
-    from jaxsys.analysis import cost_model, targets
+    from jaxsys.analysis import hardware, targets
 
-    return {"h100": cost_model.PROFILES["h100"], "v5p": targets.hardware(targets.parse(TPU_TARGET))}
+    return {"h100": hardware.PROFILES["h100"], "v5p": targets.hardware(targets.parse(TPU_TARGET))}
 
 
 def formula_sweep() -> dict:

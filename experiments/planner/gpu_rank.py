@@ -70,13 +70,13 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import cost_model, hardware
 
-    hw = cost_model.hardware(args.hardware)
+    hw = hardware.profile(args.hardware)
     if args.rescore:
         with open(args.rescore) as f:
             saved = json.load(f)
-        hw = cost_model.hardware(saved["hardware"])
+        hw = hardware.profile(saved["hardware"])
         for r in saved["rows"]:
             b, t, remat = (part.split("=")[1] for part in r["layout"].split())
             config = model_config(int(b), int(t), remat, False, saved.get("attention_impl", "reference"))

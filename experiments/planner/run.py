@@ -61,11 +61,11 @@ def spearman(a, b) -> float:
 
 
 def part_a(devices_list) -> list[dict]:
-    from jaxsys import plan as plan_lib
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import cost_model, hardware
+    from jaxsys.analysis import planner as plan_lib
     from jaxsys.config import ConfigError, load_config, validate
 
-    hw = cost_model.hardware("h100")
+    hw = hardware.profile("h100")
     rows = []
     for name, path in CONFIGS.items():
         for n in devices_list:
@@ -135,11 +135,11 @@ def worker(n: int, jobs: list) -> None:
     common.worker_devices(n)
     import jax
 
-    from jaxsys import plan as plan_lib
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import hardware
+    from jaxsys.analysis import planner as plan_lib
     from jaxsys.config import load_config
 
-    hw = cost_model.hardware("cpu")
+    hw = hardware.profile("cpu")
     for job in jobs:
         if job.get("part") == "c":
             part_c_worker(job)
@@ -166,7 +166,7 @@ def worker(n: int, jobs: list) -> None:
 
 def part_c_worker(job: dict) -> None:
     """Compile layouts of one config for a TPU target; emit predicted and compiled memory."""
-    from jaxsys import plan as plan_lib
+    from jaxsys.analysis import planner as plan_lib
     from jaxsys.analysis import targets
     from jaxsys.config import MESH_AXES, load_config
 
@@ -203,11 +203,11 @@ def part_c_worker(job: dict) -> None:
 
 def rescore(part_b: list[dict]) -> list[dict]:
     """The current model's prediction for layouts measured before (matched by name)."""
-    from jaxsys import plan as plan_lib
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import hardware
+    from jaxsys.analysis import planner as plan_lib
     from jaxsys.config import load_config
 
-    hw, out = cost_model.hardware("cpu"), []
+    hw, out = hardware.profile("cpu"), []
     for name, path in MEASURED.items():
         rows = [r for r in part_b if r["model"] == name]
         if not rows:

@@ -23,9 +23,9 @@ issue states it:
   head dim per token, are left out, as the claim's formula does; decode attention reads its KV
   cache at a few FLOPs per byte, far below any ridge point). The quantized matmuls run at the
   bf16 peak for W8A16 / W4A16 (the codes are dotted in bf16) and at the int8 peak for W8A8
-  (`cost_model.PROFILES`, datasheet dense figures); the bf16 output layer at the bf16 peak.
+  (analysis/hardware.py's `PROFILES`, datasheet dense figures); the bf16 output layer at the bf16 peak.
 
-Chip figures come from jaxsys/analysis/cost_model.py (PROFILES["h100"], ["tpu_v5p"]). The A10
+Chip figures come from jaxsys/analysis/hardware.py (PROFILES["h100"], ["tpu_v5p"]). The A10
 line (MARLIN's GPU, datasheet: 600 GB/s, 125 TFLOP/s fp16 dense) only places the paper's crossover.
 Nothing here is measured on an accelerator: no GPU or TPU was lent to this session. `--measured`
 reads a `python -m jaxsys.kernels.quantized_matmul.bench --out F.json` record and adds the
@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxsys.analysis import cost_model  # noqa: E402
+from jaxsys.analysis import hardware  # noqa: E402
 from jaxsys.kernels.quantized_matmul.bench import bytes_moved  # noqa: E402
 
 FORMATS = ("bf16", "w8a16", "w4a16", "w8a8")
@@ -56,10 +56,10 @@ MODELS = {  # Llama-2 shapes (the bench's layer shapes)
     "llama-7b": dict(layers=32, d=4096, f=11008, heads=32, kv_heads=32, head_dim=128, vocab=32000),
     "llama-70b": dict(layers=80, d=8192, f=28672, heads=64, kv_heads=8, head_dim=128, vocab=32000),
 }
-A10 = cost_model.Hardware(
+A10 = hardware.Hardware(
     "NVIDIA A10 (MARLIN's GPU; datasheet)", {"bfloat16": 125e12, "int8": 250e12}, 600e9, 24e9, 1, 0.0, 0.0
 )
-CHIPS = {"h100": cost_model.PROFILES["h100"], "tpu_v5p": cost_model.PROFILES["tpu_v5p"], "a10": A10}
+CHIPS = {"h100": hardware.PROFILES["h100"], "tpu_v5p": hardware.PROFILES["tpu_v5p"], "a10": A10}
 MARLIN = dict(
     source="Frantar et al., MARLIN, PPoPP 2025 (abstract) and github.com/IST-DASLab/marlin README",
     kernel="close to the maximum (4x) quantization speed-up up to batch 16-32 (README: the 'optimal "

@@ -260,9 +260,9 @@ def thresholds(hw, shapes=STEP_SHAPES):
 
 
 def step_tables(hw_name="h100"):
-    from jaxsys.analysis import cost_model
+    from jaxsys.analysis import hardware
 
-    hw = cost_model.PROFILES[hw_name]
+    hw = hardware.PROFILES[hw_name]
     rows = [step_costs(T, p, hw) for T in (8192, 32768, 131072, 1048576) for p in (2, 4, 8, 16, 32, 64)]
     return dict(
         hardware=hw.name,

@@ -37,147 +37,11 @@ import math
 import jax
 
 from jaxsys.analysis import flops as flops_lib
+from jaxsys.analysis.hardware import Hardware
 from jaxsys.models import transformer
 from jaxsys.models.params import ParamSpec
 
 TP_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
-
-
-# ----------------------------------------------------------------------------- hardware
-
-
-ASYNC_ALL = ("all_gather", "reduce_scatter", "all_reduce", "collective_permute", "all_to_all")
-
-
-def tpu_async_collectives(generation: str) -> tuple[str, ...]:
-    """What libtpu (0.0.48.1, default flags) ran asynchronously in the train steps compiled here:
-    collective-permutes everywhere, all-gathers on v5e (Viperlite) only; reduce-scatters, all-reduces
-    and all-to-alls never (docs/analysis.md, "What the analysis reports about overlap")."""
-    return ("all_gather", "collective_permute") if generation.lower().startswith("v5e") else ("collective_permute",)
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    name: str
-    peak_flops: dict  # compute dtype -> dense FLOP/s per device
-    hbm_bytes_per_s: float
-    hbm_bytes: float  # capacity per device
-    devices_per_node: int
-    intra_node_bytes_per_s: float  # per device, one direction (NVLink / ICI)
-    inter_node_bytes_per_s: float  # per device, one direction (InfiniBand / DCN)
-    host_link_bytes_per_s: float = 32e9  # device <-> host memory, per device, one direction (PCIe)
-    host_memory_bytes_per_s: float = 200e9  # host DRAM, per host (its devices_per_host devices share it)
-    devices_per_host: int = 0  # devices sharing one host's DRAM; 0: devices_per_node (GPU nodes)
-    # The alpha of the alpha-beta model (`collective_latency`): a collective costs
-    # collective_latency_s + hops x (hop_latency_s within a node, inter_hop_latency_s across) on top
-    # of its bytes over the bandwidth; every kernel launched costs op_overhead_s (`kernel_count`).
-    collective_latency_s: float = 0.0
-    hop_latency_s: float = 0.0
-    inter_hop_latency_s: float = 0.0
-    op_overhead_s: float = 0.0
-    # The collective kinds the compiler runs asynchronously, so that an overlap option can hide them
-    # (`hidden_communication`): what the compiled schedules showed (docs/comm_overlap.md,
-    # docs/analysis.md). XLA:GPU: all; libtpu 0.0.48.1, default flags: collective-permutes on every
-    # TPU, all-gathers on v5e only; XLA:CPU: none (every collective in line).
-    async_collectives: tuple[str, ...] = ASYNC_ALL
-    achieved_flops_per_s: float = 0.0  # the compute rate predicted_step uses; 0: the datasheet peak
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether any collective can run beside compute."""
-        return bool(self.async_collectives)
-
-    @property
-    def host_sharers(self) -> int:
-        return self.devices_per_host or self.devices_per_node
-
-    def peak(self, dtype: str) -> float:
-        return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
-
-
-# Latency (the alpha of the alpha-beta model), per collective and per ring step (hop).
-# NVIDIA: NCCL's own tuning model (src/graph/tuning.cc, NCCL 2.18-2.21): ring base latency 6.6 us
-# (LL protocol, the one NCCL picks for small messages), 0.6 us per NVLink step, and ~5 us per
-# network step (its NET tree/LL figure); a kernel costs ~1 us of launch gap (an order of magnitude:
-# launches are asynchronous, CUDA graphs hide most of it). TPU: ~1 us per ICI hop, the order of
-# magnitude of the scaling book ("How to Scale Your Model", Austin et al. 2025), and no per-kernel
-# launch (one compiled program); DCN ~10 us per step. Orders of magnitude, not measured here.
-_NCCL_LATENCY = dict(collective_latency_s=6.6e-6, hop_latency_s=0.6e-6, inter_hop_latency_s=5e-6, op_overhead_s=1e-6)
-_ICI_LATENCY = dict(collective_latency_s=2e-6, hop_latency_s=1e-6, inter_hop_latency_s=10e-6, op_overhead_s=0.0)
-
-# Datasheet figures (dense, no sparsity). Link bandwidths are per device and direction:
-# NVLink 4 is 900 GB/s bidirectional; one 400 Gb/s NIC per GPU is 50 GB/s; TPU v5p ICI is
-# 4800 Gb/s per chip over 6 links. "int8": dense int8 tensor-core / MXU ops per second (H100/H200
-# SXM 1,979 TOPS, half the datasheet's 3,958 with sparsity; TPU v5p 918 TOPS), for W8A8.
-# Approximate by nature: they set the scale, not the decimals.
-PROFILES = {
-    # H100/H200 hosts: PCIe Gen5 x16 per GPU (64 GB/s per direction), ~300 GB/s DRAM per 8-GPU host
-    "h100": Hardware(
-        "NVIDIA H100 SXM",
-        {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
-        3.35e12,
-        80e9,
-        8,
-        450e9,
-        50e9,
-        64e9,
-        300e9,
-        **_NCCL_LATENCY,
-    ),
-    "h200": Hardware(
-        "NVIDIA H200 SXM",
-        {"bfloat16": 989e12, "float32": 495e12, "int8": 1979e12},
-        4.8e12,
-        141e9,
-        8,
-        450e9,
-        50e9,
-        64e9,
-        300e9,
-        **_NCCL_LATENCY,
-    ),
-    "tpu_v5p": Hardware(
-        "TPU v5p",
-        {"bfloat16": 459e12, "float32": 459e12 / 2, "int8": 918e12},
-        2.76e12,
-        95e9,
-        4,
-        100e9,
-        100e9,
-        **_ICI_LATENCY,
-        async_collectives=("collective_permute",),  # v5p: FSDP gathers stay synchronous
-    ),
-    # XLA:CPU's simulated devices, in CPU seconds of the process per device (all threads / devices):
-    # measured by experiments/planner/calibrate_cpu.py on this 2-core host (AVX-512, jax 0.11.2;
-    # cpu_calibration.json), not fitted to any layout's step time. Its collectives run in line.
-    "cpu": Hardware(
-        "this CPU (simulated devices share it)",
-        {},
-        13.2e9,  # x * 1.0001 + 1 over 8 MiB per device: bytes read + written per CPU second
-        24e9,
-        1 << 30,
-        9.96e9,  # psum of 1 MiB over 8 devices: ring bytes per CPU second, less the 32-byte psum's
-        9.96e9,
-        collective_latency_s=5.26e-6,  # 32-byte psum / all_gather / psum_scatter / ppermute over 2, 4, 8:
-        hop_latency_s=0.19e-6,  # least squares of alpha + hops x alpha_hop
-        inter_hop_latency_s=0.19e-6,
-        op_overhead_s=0.13e-6,  # a chain of dependent [8, 8] dots: the cost of one more kernel
-        async_collectives=(),
-        achieved_flops_per_s=134e9,  # a chain of [256, 256] fp32 dots: FLOPs per CPU second
-    ),
-}
-
-
-def hardware(name: str) -> Hardware:
-    if name not in PROFILES:
-        raise ValueError(f"unknown hardware {name!r}: choose one of {sorted(PROFILES)}")
-    hw = PROFILES[name]
-    if name == "cpu":
-        from jaxsys.analysis.hardware import cpu_peak_flops
-
-        peak = cpu_peak_flops()
-        hw = dataclasses.replace(hw, peak_flops={"bfloat16": peak, "float32": peak})
-    return hw
 
 
 def axis_bandwidth(mesh_sizes: dict, hw: Hardware, dcn: dict | None = None) -> dict:
@@ -925,7 +789,7 @@ def roofline(config, hw: Hardware, flops_per_device: float, bytes_accessed: floa
     tokens = config.train.batch_size * config.data.seq_len
     devices = math.prod(config.mesh[a] for a in config.mesh)
     model_flops = flops_lib.train_flops_per_token(config.model, config.data.seq_len) * tokens
-    mfu = lambda s: model_flops / (s * peak * devices) if s > 0 else 0.0
+    mfu = lambda s: model_flops / (s * hw.job_peak(config.model.compute_dtype, devices)) if s > 0 else 0.0
     return {
         "compute_s": compute_s,
         "memory_s": memory_s,
@@ -1196,5 +1060,5 @@ def predicted_step(config, hw: Hardware) -> dict:
         "overhead_s": overhead,
         "overlap": [k for k, on in _overlap_options(config).items() if on],
         "bubble": bubble,
-        "mfu": model_flops / (step * hw.peak(m.compute_dtype) * devices) if step > 0 else 0.0,
+        "mfu": model_flops / (step * hw.job_peak(m.compute_dtype, devices)) if step > 0 else 0.0,
     }

@@ -9,7 +9,8 @@ and values of every layer in the compute dtype, kv heads split over `tensor`):
     KV bytes per token     = 2 L K H b_c / t                  (K kv heads, H head dim, t = tensor)
     weight bytes           = the parameter shards at rest (quantized codes and scales as stored)
     batch that fits at S   = floor((HBM - weights) / (S x KV bytes per token)) per data shard
-    decode step (batch b, context S), one token per sequence:
+    decode step (batch b, context S), one token per sequence (`DecodeStep`, the same roofline that
+    prices the serving engine's steps in analysis/serving.py):
         memory   = (weights + b S KV bytes per token) / HBM bandwidth
         compute  = 2 (matmul parameters / t) b / peak + attention 4 L b S N H / t / peak
         comm     = 2 all-reduces per layer of [b, D] b_c over `tensor`, ring bytes / link bandwidth
@@ -23,12 +24,15 @@ Formulas only: nothing is compiled (the step is tiny; the question is what bound
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
 from jaxsys.analysis import cost_model
 from jaxsys.analysis import flops as flops_lib
+from jaxsys.analysis.hardware import Hardware
 from jaxsys.models import transformer
 from jaxsys.models.params import is_spec
 from jaxsys.sharding import Layout
@@ -59,35 +63,86 @@ def kv_transfer_bytes(model, tokens: int, page_size: int = 1) -> int:
     return 2 * model.n_layers * padded * model.n_kv_heads * model.head_dim * np.dtype(model.compute_dtype).itemsize
 
 
-def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
+_WEIGHTS: dict = {}
+
+
+def cached_weight_bytes(config) -> int:
+    """`weight_bytes_per_device`, remembered per (model, mesh): replays price thousands of steps."""
+    from jaxsys.config import MESH_AXES
+
+    key = (repr(config.model), tuple(config.mesh[a] for a in MESH_AXES))
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = weight_bytes_per_device(config)
+    return _WEIGHTS[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """The roofline of one serving step in a config's layout on a hardware profile, written once:
+    the decode report prices its (batch, context) rows with it, the serving cost model
+    (analysis/serving.py, `step_seconds`) its engine steps, prefill chunks included. For a batch
+    shard running `rows` tokens whose context lengths sum to `context`:
+
+        memory   = (weights + context x KV bytes per token) / HBM bandwidth
+        compute  = (2 (matmul parameters / t) rows + 4 L context N H / t) / (peak x mfu)
+        comm     = 2 all-reduces per layer of [rows, D] b_c over `tensor`, ring bytes / link bandwidth
+        step     = max(memory, compute) + comm"""
+
+    model: Any  # config.model
+    tensor: int  # t: the devices the kv heads are split over
+    weights: int  # parameter bytes per device at rest
+    kv_bytes_per_token: int  # 2 L K H b_c / t
+    tensor_bytes_per_s: float  # the `tensor` axis's link
+    matmul_params: float  # per device (/ t)
+    peak: float  # FLOP/s of one device in the compute dtype
+    hbm_bytes_per_s: float
+
+    @classmethod
+    def for_config(cls, config, hw: Hardware, weights: int | None = None) -> "DecodeStep":
+        m = config.model
+        layout = Layout.from_config(config)
+        t = layout.size(layout.compute_axes("kv_heads"))
+        b = np.dtype(m.compute_dtype).itemsize
+        return cls(
+            m,
+            t,
+            weight_bytes_per_device(config) if weights is None else weights,
+            2 * m.n_layers * m.n_kv_heads * m.head_dim * b // t,
+            cost_model.axis_bandwidth(layout.mesh_sizes, hw).get("tensor", hw.intra_node_bytes_per_s),
+            flops_lib.matmul_params(m) / t,
+            hw.peak(m.compute_dtype),
+            hw.hbm_bytes_per_s,
+        )
+
+    def times(self, rows: int, context: int, mfu: float = 1.0) -> tuple[float, float, float]:
+        """(memory_s, compute_s, comm_s) of a step of `rows` tokens over `context` cached positions."""
+        m, t = self.model, self.tensor
+        memory = (self.weights + context * self.kv_bytes_per_token) / self.hbm_bytes_per_s
+        attention = 4 * m.n_layers * context * m.n_heads * m.head_dim / t
+        compute = (2 * self.matmul_params * rows + attention) / (self.peak * mfu)
+        b = np.dtype(m.compute_dtype).itemsize
+        all_reduce = cost_model.ring_bytes("all_reduce", rows * m.d_model * b, t)
+        comm = 0.0 if t == 1 else 2 * m.n_layers * all_reduce / self.tensor_bytes_per_s
+        return memory, compute, comm
+
+    def seconds(self, rows: int, context: int, mfu: float = 1.0) -> float:
+        memory, compute, comm = self.times(rows, context, mfu)
+        return max(memory, compute) + comm
+
+
+def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
     m = config.model
     layout = Layout.from_config(config)
-    t = layout.size(layout.compute_axes("kv_heads"))
     data = layout.size(layout.compute_axes("batch"))
-    compute_bytes = np.dtype(m.compute_dtype).itemsize
-    kv_per_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * compute_bytes // t
-    weights = weight_bytes_per_device(config)
+    step = DecodeStep.for_config(config, hw)
+    kv_per_token, weights = step.kv_bytes_per_token, step.weights
     free = hw.hbm_bytes - weights
-    tensor_bw = cost_model.axis_bandwidth(layout.mesh_sizes, hw).get("tensor", hw.intra_node_bytes_per_s)
-    peak = hw.peak(m.compute_dtype)
-    matmul = flops_lib.matmul_params(m) / t
     rows = []
     for S in contexts:
         fits = max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
         for b in batches:
             local_b = max(b // data, 1)
-            memory_s = (weights + local_b * S * kv_per_token) / hw.hbm_bytes_per_s
-            compute_s = (2 * matmul * local_b + 4 * m.n_layers * local_b * S * m.n_heads * m.head_dim / t) / peak
-            comm_s = (
-                0.0
-                if t == 1
-                else (
-                    2
-                    * m.n_layers
-                    * cost_model.ring_bytes("all_reduce", local_b * m.d_model * compute_bytes, t)
-                    / tensor_bw
-                )
-            )
+            memory_s, compute_s, comm_s = step.times(local_b, local_b * S)
             latency = max(memory_s, compute_s) + comm_s
             rows.append(
                 {
@@ -122,6 +177,18 @@ def decode_report(config, hw: cost_model.Hardware, contexts=CONTEXTS, batches=BA
         "max_batch_per_device": {S: max(int(free // (S * kv_per_token)), 0) if free > 0 else 0 for S in contexts},
         "rows": rows,
     }
+
+
+def decode_analysis(config, hardware: str, target=None, contexts=CONTEXTS, batches=BATCHES) -> dict:
+    """`jaxsys analyze --mode decode`: the decode report on an accelerator profile (formulas only:
+    no --target, and not the CPU's profile)."""
+    from jaxsys.analysis import hardware as hardware_lib
+    from jaxsys.config import ConfigError
+
+    if hardware == "cpu" or target is not None:
+        names = [n for n in hardware_lib.PROFILES if n != "cpu"]
+        raise ConfigError(f"--mode decode takes --hardware {', '.join(names[:-1])} or {names[-1]} (no --target)")
+    return decode_report(config, hardware_lib.profile(hardware), contexts, batches)
 
 
 def format_decode_report(r: dict) -> str:

@@ -17,7 +17,8 @@ import numpy as np
 from jaxsys.analysis import collectives as collectives_lib
 from jaxsys.analysis import cost_model
 from jaxsys.analysis import flops as flops_lib
-from jaxsys.config import MESH_AXES
+from jaxsys.analysis import hardware as hardware_lib
+from jaxsys.config import MESH_AXES, ConfigError
 from jaxsys.mesh import make_mesh
 from jaxsys.models import params as params_lib
 
@@ -40,7 +41,7 @@ def _host_bytes(abstract_tree) -> int:
     )
 
 
-def offload_report(config, hw: cost_model.Hardware, program=None) -> dict | None:
+def offload_report(config, hw: hardware_lib.Hardware, program=None) -> dict | None:
     """What config.offload moves to the host: the state bytes by the formula (device / host), as
     the shardings place them (when `program` is given), ZeRO-Offload's own split for the same
     parameter count, and the host-link traffic per step with its time on `hw`. None without offload."""
@@ -194,7 +195,7 @@ def lower_unrolled(program):
     return unrolled.train_step_fn().lower(program.abstract_state(), _batch(unrolled))
 
 
-def analyze_inference(config, hw: cost_model.Hardware, devices=None, flops: bool = True) -> dict:
+def analyze_inference(config, hw: hardware_lib.Hardware, devices=None, flops: bool = True) -> dict:
     """A quantized checkpoint's config (config.model.quant) is for inference: compile its forward
     pass over one global batch (the evaluation function) instead of a train step, and report
     memory, collectives, FLOPs and a forward roofline in which every weight byte is read once."""
@@ -287,13 +288,13 @@ def format_inference_report(r: dict) -> str:
 
 def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     """Compile `config`'s train step for the current devices (or `devices`) and report.
-    `hardware` is a profile name (cost_model.PROFILES) or a `cost_model.Hardware`.
+    `hardware` is a profile name (analysis/hardware.py PROFILES) or a `hardware.Hardware`.
     `flops=False` skips compiling the written-out step (FLOPs then come from the formula).
     A -1 mesh axis is resolved from the device count, in `config` itself."""
     from jaxsys import program as program_lib
     from jaxsys.analysis import hlo
 
-    hw = hardware if isinstance(hardware, cost_model.Hardware) else cost_model.hardware(hardware)
+    hw = hardware if isinstance(hardware, hardware_lib.Hardware) else hardware_lib.profile(hardware)
     if config.model.quant != "none":
         return analyze_inference(config, hw, devices, flops)
     mesh = make_mesh(config, devices)
@@ -348,6 +349,22 @@ def analyze(config, hardware="cpu", devices=None, flops: bool = True) -> dict:
     }
 
 
+def run(config, hardware: str, devices, target=None, compare_on_cpu: bool = True, flops: bool = True):
+    """(result, its formatter): what `jaxsys analyze` prints for `config`. With `target`, its
+    compiler's analysis beside the same program on `devices` (fake CPU devices, as many as the
+    target has chips; compare_on_cpu=False skips that); otherwise the analysis on `devices` with
+    the profile `hardware` (a forward pass for a quantized checkpoint's config)."""
+    if target is not None:
+        if config.model.quant != "none":
+            raise ConfigError(
+                f"config.model.quant={config.model.quant!r}: the analysis of a quantized "
+                "(inference) config runs on fake CPU devices only so far; drop --target"
+            )
+        return analyze_target(config, target, devices if compare_on_cpu else None, flops=flops), format_target_report
+    result = analyze(config, hardware, devices, flops=flops)
+    return result, format_inference_report if result.get("mode") == "inference" else format_report
+
+
 def _out_of_memory(message: str) -> dict:
     """What the TPU compiler says when a program does not fit: the bytes it needed and had."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -396,7 +413,7 @@ def _ring_bytes(c) -> float:
     return cost_model.ring_bytes(kind, c.operand_bytes, c.group_size)
 
 
-def collective_seconds(found: list, config, hw: cost_model.Hardware, peak_flops: float | None = None) -> list[dict]:
+def collective_seconds(found: list, config, hw: hardware_lib.Hardware, peak_flops: float | None = None) -> list[dict]:
     """Per compiled collective (hlo.Collective), per step (its executions included): its ring
     time on its axes' links (`cost_model.axis_bandwidth`, the roofline's), the part hidden behind
     the matmuls scheduled between its start and done at `peak_flops` (default: the compute dtype's
@@ -418,14 +435,14 @@ def collective_seconds(found: list, config, hw: cost_model.Hardware, peak_flops:
     return out
 
 
-def exposed_comm_s(found: list, config, hw: cost_model.Hardware) -> float:
+def exposed_comm_s(found: list, config, hw: hardware_lib.Hardware) -> float:
     """Communication time the compiled schedule leaves exposed: each collective's ring time on its
     axes' links, less the matmul time of the compute scheduled between its start and done (all of
     it for a synchronous one)."""
     return sum(row["exposed_s"] for row in collective_seconds(found, config, hw))
 
 
-def overlap_summary(source, config, hw: cost_model.Hardware, *, select=None, peak_flops: float | None = None) -> dict:
+def overlap_summary(source, config, hw: hardware_lib.Hardware, *, select=None, peak_flops: float | None = None) -> dict:
     """What a compiled schedule hides of its communication, per step and device: `source` is the
     compiled HLO text, an `hlo.Module` or a list of `hlo.Collective`; `select(collective) -> bool`
     keeps some (e.g. one axis, one loop). Per kind x axes (`rows`) and in total: executions, how
@@ -470,7 +487,7 @@ def overlap_summary(source, config, hw: cost_model.Hardware, *, select=None, pea
     return {"rows": sorted(groups.values(), key=lambda r: (r["kind"], r["axes"])), **total}
 
 
-def overlap_report(found: list, config, hw: cost_model.Hardware, predicted: list, schedule: str) -> dict:
+def overlap_report(found: list, config, hw: hardware_lib.Hardware, predicted: list, schedule: str) -> dict:
     """`overlap_summary` of a compiled step (`schedule` names whose), beside the cost model's
     communication time for the formula's collectives (`predicted`, cost_model.Row), which assumes
     all of it exposed: per kind x axes and in total (`cost_model.roofline`'s comm_s)."""
@@ -588,7 +605,7 @@ def target_analysis(config, target, devices=None) -> dict:
     roofline["step_s_schedule"] = max(roofline["compute_s"], roofline["memory_s"]) + exposed
     tokens = config.train.batch_size * config.data.seq_len
     model_flops = flops_lib.step_flops_per_token(config) * tokens
-    peak_job = hw.peak(config.model.compute_dtype) * math.prod(sizes.values())
+    peak_job = hw.job_peak(config.model.compute_dtype, math.prod(sizes.values()))
     step = roofline["step_s_schedule"]
     roofline["mfu_schedule"] = model_flops / (step * peak_job) if step else 0.0
     return {

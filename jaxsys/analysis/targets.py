@@ -12,6 +12,9 @@ TPU names follow Google Cloud's accelerator types: v4-N and v5p-N count TensorCo
 used as one "megacore" device), v5e-N (also v5litepod-N) and v6e-N count chips. GPU names count
 GPUs, 8 per node. Nothing runs on these devices: programs lower and compile, and the compiler's
 memory analysis is the target's own.
+
+This module holds names, topologies and compilers; the chips' numbers (HBM, bandwidth, peaks,
+ICI, DCN, the GPU description XLA:GPU compiles against) are analysis/hardware.py's table.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import re
 import sys
 import tempfile
 
+from jaxsys.analysis import hardware as hardware_lib
 from jaxsys.config import ConfigError
 
 INSTALL_HINT = (
@@ -40,22 +44,21 @@ GPU_INSTALL_HINT = (
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU generation, per chip. Datasheet figures (Google Cloud TPU pages; ICI and DCN as in
-    the scaling book's tables): they set the scale of the roofline, not its decimals."""
+    """One TPU generation's topology: how libtpu names its slices and which shapes it builds. Its
+    numbers (HBM, bandwidth, peak, ICI, DCN) are `hardware.TPU_CHIPS[generation]`."""
 
     generation: str
     topology_prefix: str  # what libtpu's topology names start with
     megacore: bool  # two TensorCores presented as one device (names count cores)
     torus_dims: int  # 3: v4/v5p (wrap-around links on full axes), 2: v5e/v6e
-    hbm_bytes: float
-    hbm_bytes_per_s: float
-    peak_flops_bf16: float
-    ici_link_bytes_per_s: float  # one direction, one link
-    dcn_bytes_per_s: float  # per chip, one direction, across slices
     shapes: dict  # chips -> topology shape of the slice
 
     def shape(self, chips: int) -> str:
         return self.shapes[chips]
+
+    @property
+    def facts(self) -> hardware_lib.TpuChip:
+        return hardware_lib.TPU_CHIPS[self.generation]
 
 
 _3D = {
@@ -73,51 +76,55 @@ _3D = {
 }
 _2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 
-GiB = 2**30
 CHIPS = {
-    "v4": Chip("v4", "v4", True, 3, 32 * GiB, 1.2e12, 275e12, 4.5e10, 6.25e9, _3D),
-    "v5p": Chip("v5p", "v5p", True, 3, 95.74 * GiB, 2.76e12, 459e12, 9e10, 6.25e9, _3D),
-    "v5e": Chip("v5e", "v5e", False, 2, 16 * GiB, 8.1e11, 197e12, 4.5e10, 6.25e9, _2D),
-    "v6e": Chip("v6e", "v6e", False, 2, 32 * GiB, 1.64e12, 918e12, 9e10, 6.25e9, _2D),
+    "v4": Chip("v4", "v4", True, 3, _3D),
+    "v5p": Chip("v5p", "v5p", True, 3, _3D),
+    "v5e": Chip("v5e", "v5e", False, 2, _2D),
+    "v6e": Chip("v6e", "v6e", False, 2, _2D),
 }
 _ALIASES = {"v5litepod": "v5e", "v5": "v5p", "v4p": "v4"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-    """An NVIDIA GPU as XLA:GPU's deviceless compiler needs it described (a GpuTargetConfigProto,
-    written from the datasheet: SM count and limits, memory size and bandwidth, L2, clock), plus
-    the roofline profile `cost_model.PROFILES[profile]`. Nodes hold 8 GPUs on NVLink."""
+    """An NVIDIA GPU target: nodes of `hardware.GPUS_PER_NODE` on NVLink. The figures XLA:GPU's
+    deviceless compiler needs (`target_config`) and the roofline profile are the table's
+    (`hardware.GPU_CHIPS[generation]`, `hardware.PROFILES[its profile]`)."""
 
     generation: str
-    profile: str
-    memory_bytes: int  # as the driver reports it (what XLA plans against)
-    memory_bytes_per_s: int
-    description: str  # device_kind of the compile-only devices (Pallas/Triton read it)
+
+    @property
+    def facts(self) -> hardware_lib.GpuChip:
+        return hardware_lib.GPU_CHIPS[self.generation]
+
+    @property
+    def description(self) -> str:
+        """device_kind of the compile-only devices (Pallas/Triton read it)."""
+        return self.facts.device_kind
 
     def target_config(self) -> str:
+        """A GpuTargetConfigProto: the part's figures from the table, and the CUDA limits of its
+        compute capability (9.0: 227 KiB of shared memory per block opt-in, 228 KiB per SM)."""
+        g = self.facts
         return f"""gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32
   shared_memory_per_block: 49152 shared_memory_per_block_optin: 232448
   shared_memory_per_core: 233472 threads_per_core_limit: 2048
-  core_count: 132 fpus_per_core: 128
+  core_count: {g.sm_count} fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
   thread_dim_limit_x: 1024 thread_dim_limit_y: 1024 thread_dim_limit_z: 64
-  memory_bandwidth: {self.memory_bytes_per_s} l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: {self.memory_bytes}
+  memory_bandwidth: {g.memory_bytes_per_s} l2_cache_size: {g.l2_bytes} clock_rate_ghz: {g.clock_ghz}
+  device_memory_size: {g.memory_bytes}
   registers_per_core_limit: 65536 registers_per_block_limit: 65536
-  cuda_compute_capability {{ major: 9 }}
+  cuda_compute_capability {{ major: {g.compute_capability} }}
 }}
 platform_name: "CUDA"
-device_description_str: "{self.description}"
+device_description_str: "{g.device_kind}"
 """
 
 
-GPUS_PER_NODE = 8
-GPUS = {  # Hopper SXM: 132 SMs at 1.98 GHz, 50 MB L2, 227 KiB shared memory per block
-    "h100": Gpu("h100", "h100", 84942979072, 3352320000000, "NVIDIA H100 80GB HBM3"),
-    "h200": Gpu("h200", "h200", 150754820096, 4800000000000, "NVIDIA H200"),
-}
+GPUS_PER_NODE = hardware_lib.GPUS_PER_NODE
+GPUS = {gen: Gpu(gen) for gen in hardware_lib.GPU_CHIPS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,34 +224,15 @@ def parse(name: str, slices: int = 1) -> Target:
     return Target(name, chip, f"{chip.topology_prefix}:{chip.shape(count // per)}", slices)
 
 
-TPU_CHIPS_PER_HOST = 4  # v4, v5p and multi-host v5e/v6e slices: 4 chips per host VM share its DRAM
-
-
-def hardware(target: Target):
-    """The roofline profile of a target (`cost_model.Hardware`). GPUs: the profile of the GPU
-    (`cost_model.PROFILES`, 8 per NVLink node). TPUs: a slice is one "node" whose mesh axes run over
-    ICI (a bidirectional ring along a torus axis: 2 links' worth per direction); axes with a DCN
-    factor cross slices at the chip's DCN share."""
-    from jaxsys.analysis.cost_model import _ICI_LATENCY, Hardware, tpu_async_collectives
-    from jaxsys.analysis.cost_model import hardware as profile
-
-    chip = target.chip
-    if target.platform == "gpu":
-        return profile(chip.profile)
-    # fp32 matmuls on the MXU take several bf16 passes; half the bf16 peak is the usual planning figure
-    peak = {"bfloat16": chip.peak_flops_bf16, "float32": chip.peak_flops_bf16 / 2}
-    return Hardware(
-        f"TPU {chip.generation} ({target.topology}" + (f" x {target.slices} slices)" if target.slices > 1 else ")"),
-        peak,
-        chip.hbm_bytes_per_s,
-        chip.hbm_bytes,
-        target.chips_per_slice,
-        2 * chip.ici_link_bytes_per_s,
-        chip.dcn_bytes_per_s,
-        devices_per_host=min(TPU_CHIPS_PER_HOST, target.chips_per_slice),
-        **_ICI_LATENCY,  # the alpha-beta model's latencies (cost_model: ~1 us per ICI hop)
-        async_collectives=tpu_async_collectives(chip.generation),
-    )
+def hardware(target: Target) -> hardware_lib.Hardware:
+    """The roofline profile of a target (`hardware.Hardware`). GPUs: the profile of the GPU
+    (`hardware.PROFILES`, 8 per NVLink node). TPUs: the chip on a slice of the target's size
+    (`hardware.tpu`: ICI inside the slice, DCN across slices)."""
+    if isinstance(target.chip, Gpu):
+        return hardware_lib.profile(target.chip.facts.profile)
+    gen = target.chip.generation
+    name = f"TPU {gen} ({target.topology}" + (f" x {target.slices} slices)" if target.slices > 1 else ")")
+    return hardware_lib.tpu(gen, target.chips_per_slice, name)
 
 
 def libtpu_version() -> str:

@@ -18,7 +18,7 @@ Llama-70B ((8192, 8192), (8192, 28672), (28672, 8192)) and each batch M in 1..12
 
 and reports per call: time, TFLOP/s (2 M K N / t), achieved GB/s (bytes moved / t), the speed-up
 over bf16 at the same shape and batch, the ideal time max(bytes moved / HBM bandwidth, FLOPs /
-peak) from the device's datasheet figures (jaxsys/analysis/cost_model.py PROFILES: bf16 peak for
+peak) from the device's datasheet figures (jaxsys/analysis/hardware.py's table: bf16 peak for
 the A16 formats, whose dots run in bf16; int8 peak for W8A8) and the ideal speed-up. Bytes moved =
 weight bytes (codes + scales [+ zero points]) + activations in + out (`bytes_moved`). Per model the
 layer times are also summed (as MARLIN's bench does) into one speed-up per batch.
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsys.analysis import cost_model
+from jaxsys.analysis import hardware
 from jaxsys.kernels.flash_attention.bench import median_seconds
 from jaxsys.kernels.quantized_matmul import kernel
 from jaxsys.kernels.quantized_matmul import reference as ref
@@ -101,14 +101,8 @@ def ideal_seconds(fmt: str, m: int, k: int, n: int, hw, group_size: int = 128) -
 
 
 def hardware_for(device):
-    """The datasheet profile (cost_model.PROFILES) of a device, or None if unknown."""
-    if device.platform == "cpu":
-        return cost_model.hardware("cpu")
-    kind = device.device_kind.lower()
-    for name, key in (("h100", "h100"), ("h200", "h200"), ("v5p", "tpu_v5p")):
-        if name in kind:
-            return cost_model.PROFILES[key]
-    return None
+    """The datasheet profile of a device (analysis/hardware.py `for_device`), or None if unknown."""
+    return hardware.for_device(device)
 
 
 # ----------------------------------------------------------------------------- operands and calls
