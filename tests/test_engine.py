@@ -48,6 +48,7 @@ def test_contiguous_cache_from_the_config_and_abort():
         paged.submit(i, p, 6)
     want = {r.id: r.generated for r in paged.run()}
     config.serve.cache = "contiguous"
+    config.serve.token_budget, config.serve.chunk_size, config.serve.max_seqs = 16, 4, 2
     contiguous = engine.Engine.from_config(program_for(config), params, max_len=32)
     assert contiguous.kind == "contiguous" and contiguous.max_len == 32
     for i, p in enumerate(prompts):
