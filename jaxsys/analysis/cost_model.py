@@ -311,7 +311,7 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
 
 def zeroth_order_rows(config, rows: list[Row], caveats: list[str]) -> tuple[list[Row], list[str]]:
     """The first-order rows of `predicted_collectives` turned into a zeroth-order step's
-    (train.optimizer='zo', jaxsys/zo.py): two forwards, no backward. No gradient is synchronised
+    (train.optimizer='zo', jaxsys/optim/zo.py): two forwards, no backward. No gradient is synchronised
     (every replica draws the same z; the only cross-replica sums are the forwards' scalar losses),
     so the gradient rows go; the FSDP weights are gathered once per use in each forward; the
     vocabulary-parallel loss's three all-reduces run in each forward. Megatron's activation

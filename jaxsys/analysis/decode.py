@@ -3,7 +3,7 @@
     python -m jaxsys.analyze --config C --mode decode [--hardware h100] [--contexts 512,2048,8192]
         [--batches 1,8,32,128]
 
-Per device, on the config's tensor (and data) layout, with jaxsys/serve/decode.py's cache (keys
+Per device, on the config's tensor (and data) layout, with the engine's full-precision cache (keys
 and values of every layer in the compute dtype, kv heads split over `tensor`):
 
     KV bytes per token     = 2 L K H b_c / t                  (K kv heads, H head dim, t = tensor)

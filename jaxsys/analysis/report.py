@@ -164,7 +164,7 @@ def memory_report(program, compiled) -> dict:
             jax.tree.leaves(grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
         )
     )
-    if config.train.optimizer == "zo":  # two forwards: no gradient exists (jaxsys/zo.py)
+    if config.train.optimizer == "zo":  # two forwards: no gradient exists (jaxsys/optim/zo.py)
         grads_b = 0
     # XLA:CPU's peak_memory_in_bytes leaves temporaries out; live arguments + outputs + temporaries
     # (less what the outputs alias from the donated arguments) is the bound XLA's own tools report.

@@ -109,7 +109,7 @@ _CAPTURED: dict | None = None
 def capture_inputs():
     """Record the activation each `linear` call with a name receives, as {name: x}, while the
     context is open (trace time: inside a jitted function the values are its tracers, which it may
-    return). Calibration (jaxsys/quantize.py) reads a layer's matmul inputs this way."""
+    return). Calibration (jaxsys/quantization/params.py) reads a layer's matmul inputs this way."""
     global _CAPTURED
     outer, _CAPTURED = _CAPTURED, {}
     try:
