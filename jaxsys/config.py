@@ -221,6 +221,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Serving (docs/serving.md): the engine's KV cache and continuous batching, per batch shard
     c.serve = ml_collections.ConfigDict()
     c.serve.cache = "paged"  # paged | contiguous (a row of max_len slots per running sequence)
+    c.serve.allocation = "on_demand"  # on_demand (pages as sequences grow; preemption) | reserve (prompt + max_new)
+    c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
@@ -559,6 +561,11 @@ def validate(config, num_devices: int | None = None) -> None:
     _validate_speculation(sv)
     _require(sv.kv_quant in KV_QUANT, f"config.serve.kv_quant={sv.kv_quant!r}: choose one of {KV_QUANT}")
     _require(sv.cache in CACHE_KINDS, f"config.serve.cache={sv.cache!r}: choose one of {CACHE_KINDS}")
+    _require(
+        sv.allocation in ("on_demand", "reserve"),
+        f"config.serve.allocation={sv.allocation!r}: choose one of ('on_demand', 'reserve')",
+    )
+    _require(isinstance(sv.prefix_cache, bool), f"config.serve.prefix_cache={sv.prefix_cache!r} must be true or false")
     _require(
         sv.cache == "paged" or sv.kv_quant == "none",
         f"config.serve.cache={sv.cache!r} with config.serve.kv_quant={sv.kv_quant!r}: the quantized cache is "

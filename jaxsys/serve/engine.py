@@ -68,7 +68,13 @@ def pool_settings(sv) -> dict:
     """config.serve's cache and schedule settings (per batch shard) as the engine's constructor
     takes them."""
     keys = ("page_size", "token_budget", "chunk_size", "max_seqs", "policy", "kv_quant", "kv_residual")
-    return {"num_pages": sv.pages, "cache": sv.get("cache", "paged"), **{key: sv[key] for key in keys}}
+    return {
+        "num_pages": sv.pages,
+        "cache": sv.get("cache", "paged"),
+        "allocation": sv.get("allocation", "on_demand"),
+        "prefix_cache": bool(sv.get("prefix_cache", True)),
+        **{key: sv[key] for key in keys},
+    }
 
 
 class EngineAPI(abc.ABC):
@@ -141,13 +147,18 @@ class Engine(EngineAPI):
         cache: str = "paged",
         drafter=None,
         k: int = 0,
+        allocation: str = "on_demand",
+        prefix_cache: bool = True,
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
         open one, choose a quantized cache) or "contiguous" (a row of `max_len` slots, default
         num_pages x page_size, for each of `max_seqs` sequences). `drafter` (serve/speculation.py):
         speculative decoding, `k` tokens drafted per decode step for requests that do not name
-        their own."""
+        their own. `allocation`: "on_demand" (pages as sequences grow, preempting when the pool runs
+        out) or "reserve" (prompt + max_new_tokens at admission). `prefix_cache`: full pages shared
+        by the hash chain of their tokens (paged caches; under kv_quant only with kv_residual 0,
+        since a sequence reads its residual window's pages in full precision from its own pool)."""
         config = program.config
         check_servable(config)
         if drafter is not None and (not isinstance(k, int) or k < 1):
@@ -177,8 +188,20 @@ class Engine(EngineAPI):
         self.max_len = max_len or num_pages * page_size
         self.pools = [PagePool(num_pages, page_size) for _ in range(self.shards)]
         self.max_pages = math.ceil(self.max_len / page_size)
+        self.prefix_cache = prefix_cache and cache == "paged" and (kv_quant == "none" or kv_residual == 0)
         self.schedulers = [
-            Scheduler(pool, token_budget, chunk_size, max_seqs, policy, self.max_len) for pool in self.pools
+            Scheduler(
+                pool,
+                token_budget,
+                chunk_size,
+                max_seqs,
+                policy,
+                self.max_len,
+                allocation if cache == "paged" else "reserve",
+                self.prefix_cache,
+                on_preempt=self._preempted,
+            )
+            for pool in self.pools
         ]
         self.budget = token_budget
         self.sample_slots = self.shards * max_seqs  # sequences that can get a token in one step
@@ -334,7 +357,12 @@ class Engine(EngineAPI):
         if sampling.penalized:  # the rejection rule would need the penalized distribution per draft
             k = 0
         request = Request(
-            request_id, list(prompt), max_new_tokens, spec_k=int(k), stop_ids=tuple(int(t) for t in sampling.stop_ids)
+            request_id,
+            list(prompt),
+            max_new_tokens,
+            spec_k=int(k),
+            stop_ids=tuple(int(t) for t in sampling.stop_ids),
+            share_prefix=not sampling.prompt_logprobs,  # every prompt row's logits are needed
         )
         parent = self._forkable(fork_of, request) if fork_of is not None else None
         if parent is not None:
@@ -391,6 +419,17 @@ class Engine(EngineAPI):
             return False
         self._forget(d, request_id)
         return True
+
+    def _preempted(self, r: Request) -> None:
+        """A scheduler took `r`'s pages back: drop what the device side holds for it."""
+        d = self.shard_of[r.id]
+        if self.residual:
+            self.residual[d].free(r.id)
+        if self.drafter is not None:
+            self.drafter.forget(r.id)
+        for child in self.forks.pop(r.id, []):  # its forks prefill on their own
+            self.schedulers[d].waiting.append(child)
+            child.fork_of = None
 
     def _forget(self, d: int, request_id) -> None:
         self.sampling.pop(request_id, None)
@@ -452,8 +491,9 @@ class Engine(EngineAPI):
                 for i in range(w.tokens):
                     pos = w.start + i
                     if w.kind == "prefill":
-                        tokens[d, r] = req.prompt[pos]
-                        if self.sampling[req.id].prompt_logprobs and pos + 1 < len(req.prompt):
+                        tokens[d, r] = req.prefix[pos]
+                        first = req.prefix is req.prompt  # not a recomputation after a preemption
+                        if self.sampling[req.id].prompt_logprobs and first and pos + 1 < len(req.prompt):
                             prompt_rows.append((d * width + r, req.prompt[pos + 1], req))
                     else:  # the last token, then under speculation the drafted ones
                         tokens[d, r] = req.generated[-1] if i == 0 else drafts.tokens[req.id][i - 1]
@@ -462,7 +502,7 @@ class Engine(EngineAPI):
                     r += 1
                 if w.kind == "decode" and w.tokens > 1:
                     verify_rows[req.id] = (d * width + r - w.tokens, w)
-                elif w.kind == "decode" or w.start + w.tokens == len(req.prompt):
+                elif w.kind == "decode" or w.start + w.tokens == len(req.prefix):
                     sample_rows[req.id] = (d * width + r - 1, req)
                     for child in self.forks.get(req.id, []) if w.kind == "prefill" else []:
                         sample_rows[child.id] = (d * width + r - 1, child)  # its first token, same logits
@@ -597,7 +637,7 @@ class Engine(EngineAPI):
         for d, work in enumerate(plans):
             for w in work:
                 parent = w.request
-                if w.kind != "prefill" or w.start + w.tokens != len(parent.prompt) or parent.id not in self.forks:
+                if w.kind != "prefill" or w.start + w.tokens != len(parent.prefix) or parent.id not in self.forks:
                     continue
                 for child in self.forks.pop(parent.id):
                     s = self.schedulers[d]
@@ -605,8 +645,9 @@ class Engine(EngineAPI):
                         child.fork_of = None
                         s.waiting.append(child)
                         continue
+                    tokens = len(child.prompt) + (child.max_new_tokens if s.allocation == "reserve" else 1)
                     try:
-                        s.pool.reserve(child.id, len(child.prompt) + child.max_new_tokens)
+                        s.pool.reserve(child.id, tokens)
                     except PoolExhausted:
                         child.fork_of = None
                         s.waiting.append(child)

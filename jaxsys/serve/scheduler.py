@@ -1,31 +1,58 @@
 """The paged KV pool and the continuous-batching scheduler, plain Python outside jit.
 
-PagePool: a fixed number of pages of `page_size` token slots (PagedAttention's block table). A
-sequence owns an ordered list of pages; its token t lives in slot t % page_size of its page
-t // page_size. Allocation never overflows: a request that cannot get its pages is refused
-(`PoolExhausted`), and nothing changes.
+PagePool: a fixed number of pages of `page_size` token slots (PagedAttention's block table), each
+with a reference count. A sequence holds an ordered list of pages; its token t lives in slot
+t % page_size of its page t // page_size. Pages are taken as a sequence grows and given back when
+it ends; an allocation that cannot be met raises `PoolExhausted` and changes nothing.
+Prefix caching (vLLM's automatic prefix caching, SGLang's RadixAttention): a full page is named by
+the hash chain of the tokens up to its end (`page_hashes`); `register` records a sequence's full
+pages under those names, and `match` gives a new sequence the longest run of its prefix's pages
+already in the pool (their reference counts go up: shared pages are only read). A page nobody
+references stays cached until its slot is needed (least recently used first).
 
 Scheduler (Sarathi-Serve's stall-free batching): requests arrive and finish at any step. Each step
 packs, up to `token_budget` tokens,
-  1. one decode token for every running sequence, then
-  2. prefill chunks of admitted requests, at most `chunk_size` tokens each,
-and a request is admitted (its pages reserved for prompt + max_new_tokens, so a running sequence
-never waits for a page) when the pool and `max_seqs` allow. `policy` gives the baselines the
-Sarathi paper compares with: "prefill_first" (vLLM's: whole prompts before any decode, the
-decodes of that step wait) and "decode_first" (decodes, then only whole prompts that fit what is
-left of the budget); "chunked" is the default.
+  1. one decode token (1 + k under speculation) for every running sequence, then
+  2. prefill chunks of admitted requests, at most `chunk_size` tokens each.
+A request is admitted when `max_seqs` allows and the pool holds its prefix's pages (allocation
+"on_demand": then its pages grow as it decodes) or its prompt + max_new_tokens pages (allocation
+"reserve": a running sequence never waits for a page). When an on-demand sequence cannot grow, the
+most recently admitted running sequence is preempted (vLLM's recompute preemption): its pages go
+back (its full pages stay in the prefix cache), and it waits at the head of the queue to prefill
+its prompt and the tokens it has generated again; its output is unchanged. `policy` gives the
+baselines the Sarathi paper compares with: "prefill_first" (vLLM's: whole prompts before any
+decode, the decodes of that step wait) and "decode_first" (decodes, then only whole prompts that
+fit what is left of the budget); "chunked" is the default.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import math
 
+import numpy as np
+
 from jaxsys.config import SERVE_POLICIES as POLICIES
+
+ALLOCATIONS = ("on_demand", "reserve")
 
 
 class PoolExhausted(RuntimeError):
     """Not enough free pages: the request waits (or is refused if it can never fit)."""
+
+
+def page_hashes(tokens: list, page_size: int, previous: list | None = None) -> list[bytes]:
+    """The names of the full pages of `tokens`: page i's is a hash of page i - 1's and page i's
+    tokens, so equal names mean equal prefixes. `previous`: names already computed for the first
+    pages (extended, not recomputed)."""
+    out = list(previous or [])
+    for i in range(len(out), len(tokens) // page_size):
+        h = hashlib.blake2b(out[-1] if out else b"", digest_size=16)
+        h.update(np.asarray(tokens[i * page_size : (i + 1) * page_size], np.int64).tobytes())
+        out.append(h.digest())
+    return out
 
 
 class PagePool:
@@ -34,33 +61,96 @@ class PagePool:
             raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1; got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids go out first
-        self._pages: dict = {}
+        self._refs = [0] * num_pages
+        self._pages: dict = {}  # sequence -> its pages in order
+        self._page_of: dict = {}  # prefix cache: page name -> page
+        self._name_of: dict = {}  # ... and page -> its name
+        self._idle: collections.OrderedDict = collections.OrderedDict()  # cached, unreferenced: LRU first
+        self.hits = self.queries = 0  # prefix-cache pages found / looked for
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: free ones and cached pages nobody references."""
+        return len(self._free) + len(self._idle)
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.free_pages
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.pop()
+        else:  # evict the least recently used cached page
+            page, _ = self._idle.popitem(last=False)
+            del self._page_of[self._name_of.pop(page)]
+        self._refs[page] = 1
+        return page
 
     def reserve(self, seq, tokens: int) -> list[int]:
         """Grow `seq`'s pages to hold `tokens` slots; PoolExhausted (and no change) if they are not free."""
         have = self._pages.get(seq, [])
         need = self.pages_for(tokens) - len(have)
-        if need > len(self._free):
-            raise PoolExhausted(f"sequence {seq!r} needs {need} more pages, {len(self._free)} are free")
-        self._pages[seq] = have + [self._free.pop() for _ in range(max(need, 0))]
+        if need > self.free_pages:
+            raise PoolExhausted(f"sequence {seq!r} needs {need} more pages, {self.free_pages} are free")
+        self._pages[seq] = have + [self._take() for _ in range(max(need, 0))]
         return self._pages[seq]
 
     def table(self, seq) -> list[int]:
         return list(self._pages.get(seq, []))
 
     def free(self, seq) -> None:
-        self._free.extend(reversed(self._pages.pop(seq, [])))
+        """Give back `seq`'s pages: a page nobody else references is free again (or, if it is in
+        the prefix cache, stays there until evicted)."""
+        for page in reversed(self._pages.pop(seq, [])):
+            self._refs[page] -= 1
+            assert self._refs[page] >= 0, (seq, page)
+            if self._refs[page] == 0:
+                if page in self._name_of:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
+
+    def match(self, seq, names: list[bytes]) -> int:
+        """Give `seq` (holding no pages yet) the cached pages of the longest run of `names` from
+        the first; returns how many."""
+        assert not self._pages.get(seq), seq
+        shared = []
+        for name in names:
+            page = self._page_of.get(name)
+            if page is None:
+                break
+            shared.append(page)
+        self.queries += len(names)
+        self.hits += len(shared)
+        for page in shared:
+            self._idle.pop(page, None)
+            self._refs[page] += 1
+        if shared:
+            self._pages[seq] = shared
+        return len(shared)
+
+    def register(self, seq, names: list[bytes]) -> None:
+        """Name `seq`'s first len(names) pages (full, their tokens final) in the prefix cache; a
+        name already cached keeps its page."""
+        pages = self._pages.get(seq, [])
+        for page, name in zip(pages, names):
+            if name not in self._page_of and page not in self._name_of:
+                self._page_of[name] = page
+                self._name_of[page] = name
+
+    def check(self) -> None:
+        """The pool's invariants (for tests): every page is free, idle-cached or referenced, and
+        the references are the sequences' holdings."""
+        counts = collections.Counter(p for pages in self._pages.values() for p in pages)
+        assert all(self._refs[p] == counts.get(p, 0) for p in range(self.num_pages)), "reference counts"
+        free, idle = set(self._free), set(self._idle)
+        assert not free & idle and len(free) == len(self._free), "a page free twice"
+        for p in range(self.num_pages):
+            assert (p in free) + (p in idle) + (self._refs[p] > 0) == 1, f"page {p}"
+        assert set(self._idle) <= set(self._name_of), "an idle page that is not cached"
 
 
 @dataclasses.dataclass
@@ -85,6 +175,17 @@ class Request:
     stats: dict = dataclasses.field(
         default_factory=lambda: dict.fromkeys(("rounds", "drafted", "accepted", "decode_steps"), 0)
     )
+    # what prefill computes: the prompt, or after a preemption the prompt and the tokens generated
+    # before it (recomputed; `prefilled` counts positions of this prefix in the cache)
+    prefix: list = dataclasses.field(default_factory=list)
+    names: list = dataclasses.field(default_factory=list)  # prefix-cache names of its full pages
+    registered: int = 0  # of its pages, those named in the pool's prefix cache
+    preempted: int = 0  # times it was preempted
+    share_prefix: bool = True  # may start from cached pages (not when its prompt's logits are wanted)
+
+    def __post_init__(self):
+        if not self.prefix:
+            self.prefix = self.prompt
 
     @property
     def done(self) -> bool:
@@ -106,8 +207,12 @@ class Request:
 
     @property
     def cached(self) -> int:
-        """Tokens in the cache: the prefilled prompt and every generated token but the last."""
-        return self.prefilled + max(len(self.generated) - 1, 0)
+        """Tokens in the cache: the prefilled prefix and every token generated since but the last."""
+        return self.prefilled + max(len(self.generated) - (len(self.prefix) - len(self.prompt)) - 1, 0)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prefix)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +237,14 @@ class Scheduler:
         max_seqs: int,
         policy: str = "chunked",
         max_len: int | None = None,
+        allocation: str = "reserve",
+        prefix_cache: bool = False,
+        on_preempt=None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation={allocation!r}: choose one of {ALLOCATIONS}")
         if token_budget < 1 or chunk_size < 1 or max_seqs < 1:
             raise ValueError("token_budget, chunk_size and max_seqs must be >= 1")
         self.pool, self.budget, self.chunk, self.max_seqs, self.policy = (
@@ -145,9 +255,12 @@ class Scheduler:
             policy,
         )
         self.max_len = max_len
-        self.waiting: list[Request] = []  # arrived, no pages yet
-        self.running: list[Request] = []  # pages reserved: prefilling or decoding
+        self.allocation, self.prefix_cache = allocation, prefix_cache
+        self.on_preempt = on_preempt  # called with a preempted request (the engine drops its device state)
+        self.waiting: list[Request] = []  # arrived (or preempted), no pages yet
+        self.running: list[Request] = []  # holding pages: prefilling or decoding, oldest admitted first
         self.finished: list[Request] = []
+        self.preemptions = 0
 
     def add(self, request: Request) -> None:
         """Queue a request; refuse (ValueError) one that could never fit the pool or the cache."""
@@ -175,11 +288,47 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_seqs:
             r = self.waiting[0]
+            shared = 0
+            if self.prefix_cache and r.share_prefix and not r.prefilled:
+                # at least the last prefix token is computed (its logits give the next token)
+                r.names = page_hashes(r.prefix, self.pool.page_size, r.names)
+                shared = self.pool.match(r.id, r.names[: (len(r.prefix) - 1) // self.pool.page_size])
+            tokens = len(r.prefix) if self.allocation == "on_demand" else len(r.prompt) + r.max_new_tokens
             try:
-                self.pool.reserve(r.id, len(r.prompt) + r.max_new_tokens)
+                self.pool.reserve(r.id, tokens)
             except PoolExhausted:
+                self.pool.free(r.id)  # the shared pages it matched
                 return  # first come, first served: later requests wait behind it
+            r.prefilled = shared * self.pool.page_size
+            r.registered = shared
             self.running.append(self.waiting.pop(0))
+
+    def preempt(self, r: Request) -> None:
+        """Take `r`'s pages back (recompute preemption): it waits at the head of the queue to prefill
+        its prompt and the tokens it generated, then decodes on."""
+        self.running.remove(r)
+        self.pool.free(r.id)
+        r.prefix = r.prompt + r.generated
+        r.prefilled = r.registered = 0
+        r.names = r.names[: len(r.prefix) // self.pool.page_size]
+        r.preempted += 1
+        self.preemptions += 1
+        self.waiting.insert(0, r)
+        if self.on_preempt is not None:
+            self.on_preempt(r)
+
+    def _grow(self, r: Request, tokens: int, planned: list) -> bool:
+        """Give `r` pages for `tokens` slots, preempting the most recently admitted running
+        sequences not yet planned in this step (`r` itself last); False if `r` was preempted."""
+        while True:
+            try:
+                self.pool.reserve(r.id, tokens)
+                return True
+            except PoolExhausted:
+                victim = next((v for v in reversed(self.running) if v not in planned and v is not r), r)
+                self.preempt(victim)
+                if victim is r:
+                    return False
 
     @staticmethod
     def lookahead(r: Request) -> int:
@@ -191,28 +340,35 @@ class Scheduler:
     def plan(self) -> list[Work]:
         """The work of the next step (possibly empty when nothing is admitted or waiting)."""
         self._admit()
-        decoding = [r for r in self.running if r.prefilled == len(r.prompt)]
-        prefilling = [r for r in self.running if r.prefilled < len(r.prompt)]
         left = self.budget
         work: list[Work] = []
+        planned: list[Request] = []
 
         def decodes():
             nonlocal left
-            for r in decoding:
+            for r in [r for r in self.running if r.decoding]:
                 if left == 0:
                     return
+                if r not in self.running:  # preempted to make room for an older sequence
+                    continue
                 n = min(1 + self.lookahead(r), left)
+                if self.allocation == "on_demand" and not self._grow(r, r.cached + n, planned):
+                    continue
                 work.append(Work(r, "decode", r.cached, n))
+                planned.append(r)
                 left -= n
 
         def prefills(chunked: bool):
             nonlocal left
-            for r in prefilling:
-                remaining = len(r.prompt) - r.prefilled
+            for r in [r for r in self.running if not r.decoding]:
+                if r not in self.running:
+                    continue
+                remaining = len(r.prefix) - r.prefilled
                 n = min(remaining, self.chunk, left) if chunked else remaining
                 if n <= 0 or n > left:
                     continue
                 work.append(Work(r, "prefill", r.prefilled, n))
+                planned.append(r)
                 left -= n
 
         if self.policy == "chunked":
@@ -229,18 +385,21 @@ class Scheduler:
 
     def commit(self, work: list[Work], sampled: dict) -> list[Request]:
         """Apply a step's results: `sampled[request id]` is the token sampled after each decode and
-        after each prompt's last chunk (a list of tokens after a speculative decode: the accepted
-        drafts and the next token). Returns the requests that finished (their pages freed)."""
+        after each prefix's last chunk (a list of tokens after a speculative decode: the accepted
+        drafts and the next token). Names the sequences' newly full pages in the prefix cache.
+        Returns the requests that finished (their pages given back)."""
         done = []
         for w in work:
             r = w.request
             if w.kind == "prefill":
                 r.prefilled += w.tokens
-                if r.prefilled == len(r.prompt):
+                if r.prefilled == len(r.prefix):
                     r.append([sampled[r.id]])
             else:
                 tokens = sampled[r.id]
                 r.append(tokens if isinstance(tokens, list) else [tokens])
+            if self.prefix_cache:
+                self._register(r)
             if r.done:
                 done.append(r)
         for r in done:
@@ -248,6 +407,13 @@ class Scheduler:
             self.pool.free(r.id)
             self.finished.append(r)
         return done
+
+    def _register(self, r: Request) -> None:
+        full = r.cached // self.pool.page_size
+        if full > r.registered:
+            r.names = page_hashes(r.prompt + r.generated, self.pool.page_size, r.names[:full])[:full]
+            self.pool.register(r.id, r.names)
+            r.registered = full
 
     def remove(self, request_id, reason: str = "abort", keep: bool = False) -> Request | None:
         """End a waiting or running request now (an abort, a stop string, a failure) with

@@ -298,7 +298,7 @@ class DraftModel(Drafter):
         if req.spec_k <= 0:
             return []
         self.drafted_len[req.id] = w.start + w.tokens
-        return [(req.prompt[pos], pos, req.id) for pos in range(w.start, w.start + w.tokens)]
+        return [(req.prefix[pos], pos, req.id) for pos in range(w.start, w.start + w.tokens)]
 
     def _catch_up(self, engine, w, d, rows) -> bool:
         """Round 0: the tokens the draft's cache lacks, up to and including the last one."""
