@@ -2,13 +2,15 @@
 TPOT (the replay: jaxsys/serve/bench.py).
 
     python -m jaxsys.bench_serve --workdir W [--requests 64 --rate 8 --prompt-len 16:256
-        --output-len 8:64 --seed 0] [--trace trace.jsonl] [--policy chunked --chunk-size 64
+        --output-len 8:64 --seed 0] [--trace trace.jsonl] [--prompts FILE] [--policy chunked --chunk-size 64
         --token-budget 256 --pages 256 --page-size 16 --max-seqs 16 (default: config.serve)] [--json]
         [--config.key=value ...]
     python -m jaxsys.bench_serve --config configs/tiny.py ...     # random weights: timing only
 
 Arrivals are Poisson at `--rate` requests per second, prompt and output lengths uniform over
-`lo:hi` token ranges, or a JSONL `--trace`. On CPU the figures describe this machine; compare
+`lo:hi` token ranges, or a JSONL `--trace`. Prompts are random token ids, or with `--prompts FILE`
+text prompts (one a line; request i takes prompt i mod their number) through the model's tokenizer
+(jaxsys/tokenizer.py), for a model that has one. On CPU the figures describe this machine; compare
 policies within one run.
 """
 
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", default="16:256")
     parser.add_argument("--output-len", default="8:64")
     parser.add_argument("--trace", help="JSONL trace instead of the generated one")
+    parser.add_argument("--prompts", metavar="FILE", help="text prompts, one a line, instead of random ids")
     parser.add_argument("--seed", type=int, default=0)
     # the engine's settings: config.serve, unless given here
     parser.add_argument("--policy", choices=["chunked", "prefill_first", "decode_first"])
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     overrides = overrides + [f"--config.serve.{k}={v}" for k, v in flags.items() if v is not None]
     from jaxsys import checkpoint as checkpoint_lib
     from jaxsys import data as data_lib
+    from jaxsys import tokenizer as tokenizer_lib
     from jaxsys.mesh import cpu_unless_accelerator
     from jaxsys.serve import bench, build_engine
 
@@ -79,10 +83,15 @@ def main(argv=None) -> int:
                 args.seed,
             )
         )
+        prompts = None
         if args.workdir:
             from jaxsys.checkpoint import load
             from jaxsys.serve.runner import check_servable
 
+            if args.prompts:  # before the weights are read
+                saved, _ = checkpoint_lib.saved_config(args.workdir, overrides)
+                tok = tokenizer_lib.for_config(saved, args.workdir)
+                prompts = tokenizer_lib.read_prompts(tok, args.prompts, args.workdir)
             program, params, config = load(args.workdir, overrides, check=check_servable)
         else:
             import math
@@ -94,13 +103,17 @@ def main(argv=None) -> int:
             from jaxsys.mesh import make_mesh
 
             config = load_config(args.config, overrides)
+            if args.prompts:
+                prompts = tokenizer_lib.read_prompts(tokenizer_lib.for_config(config), args.prompts, args.config)
             resolve_mesh(config, len(jax.devices()))  # a -1 axis (configs/llama_1b.py's fsdp) takes the devices
             n = math.prod(config.mesh[a] for a in config.mesh)
             program = program_lib.build(config, make_mesh(config, jax.devices()[:n]))
             params = program.init().params
+        if prompts:
+            trace = bench.with_prompts(trace, prompts)
         eng = build_engine(program, params)  # config.serve: disaggregated, speculative, the cache
         eng.warmup()  # compile every row bucket before the clock starts
-        result = bench.replay(eng, trace, args.seed, config.model.vocab_size)
+        result = bench.replay(eng, trace, args.seed, config.model.vocab_size, prompts)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

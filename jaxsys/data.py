@@ -62,26 +62,8 @@ class Corpus:
 
 
 # ----------------------------------------------------------------------------
-# Byte tokenizer
+# Byte tokenizer (jaxsys/tokenizer.py has every model's tokenizer: `tokenizer.for_config`)
 # ----------------------------------------------------------------------------
-
-
-def encode_prompt(prompt: str, config) -> list[int]:
-    """A prompt's token ids: its UTF-8 bytes for a byte-level corpus, else space-separated ids
-    (checked against the vocabulary). ValueError names the problem."""
-    if config.data.source in BYTE_SOURCES:
-        return byte_encode(prompt).astype(int).tolist()
-    try:
-        ids = [int(t) for t in prompt.split()]
-    except ValueError:
-        raise ValueError(
-            f"config.data.source={config.data.source!r} has no text tokenizer here: pass the prompt "
-            "as space-separated token ids"
-        ) from None
-    bad = [i for i in ids if not 0 <= i < config.model.vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {config.model.vocab_size})")
-    return ids
 
 
 def byte_encode(text: str) -> np.ndarray:
@@ -110,10 +92,14 @@ def _cfg(data_cfg: Any, name: str) -> Any:
         raise DataError(f"config.data.{name} is missing; set it in the config") from None
 
 
-def load_corpus(data_cfg: Any) -> Corpus:
+def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Corpus:
     """Load the corpus described by ``data_cfg`` (see module docs) and split it.
 
-    Fields: source, path, token_dtype, eval_fraction, seq_len.
+    Fields: source, path, token_dtype, eval_fraction, seq_len. ``encode`` (UTF-8 bytes -> 1-D
+    token array; `jaxsys.tokenizer.corpus_for` passes the model's tokenizer) reads a text corpus
+    (stdlib, text) through a tokenizer instead of as bytes: the text is split at a line first (the
+    held-out part is the last ``eval_fraction`` of the bytes, from the next line on) and only
+    ``splits`` are encoded (the other is empty).
     """
     source = _cfg(data_cfg, "source")
     seq_len = _cfg(data_cfg, "seq_len")
@@ -127,6 +113,8 @@ def load_corpus(data_cfg: Any) -> Corpus:
     if not 0.0 <= eval_fraction < 0.5:
         raise DataError(f"config.data.eval_fraction must be in [0, 0.5), got {eval_fraction}")
 
+    if source in BYTE_SOURCES and encode is not None:
+        return _encoded_split(data_cfg, encode, splits, eval_fraction, int(seq_len))
     if source == "stdlib":
         tokens, vocab, desc = _load_stdlib(), _BYTE_VOCAB, "python stdlib sources (bytes)"
     elif source == "text":
@@ -166,6 +154,41 @@ def _split(tokens: np.ndarray, vocab: int, desc: str, eval_fraction: float, seq_
         )
     desc = f"{desc}; {n} tokens (train {n_train}, eval {n_eval}), vocab_needed {vocab}"
     return Corpus(train=tokens[:n_train], eval=tokens[n_train:], vocab_needed=vocab, description=desc)
+
+
+def _encoded_split(data_cfg: Any, encode, splits, eval_fraction: float, seq_len: int) -> Corpus:
+    """A text corpus cut into train and held-out text at a line, each part encoded by ``encode``."""
+    if data_cfg.source == "stdlib":
+        raw, desc = _load_stdlib(), "python stdlib sources"
+    else:
+        files = _resolve_files(_cfg(data_cfg, "path"))
+        raw, desc = _load_text(files), f"text files: {_short_list(files)}"
+    data = memoryview(np.ascontiguousarray(raw)).cast("B")
+    n = len(data)
+    if n == 0:
+        raise DataError(f"the corpus ({desc}) is empty; check config.data.path / config.data.source")
+    cut = n
+    if eval_fraction > 0:
+        newline = bytes(data[n - int(n * eval_fraction) :]).find(b"\n")
+        cut = n - int(n * eval_fraction) + newline + 1 if newline >= 0 else n
+    parts = {"train": bytes(data[:cut]), "eval": bytes(data[cut:])}
+    tokens = {
+        name: np.asarray(encode(part)) if name in splits and part else np.zeros((0,), np.uint32)
+        for name, part in parts.items()
+    }
+    need = seq_len + 1
+    for name in splits:
+        if name == "eval" and eval_fraction == 0:
+            continue
+        if tokens[name].shape[0] < need:
+            raise DataError(
+                f"the {name} split of {desc} is {tokens[name].shape[0]} tokens through the tokenizer, but one "
+                f"sample needs config.data.seq_len + 1 = {need}; lower config.data.seq_len or give more text"
+            )
+    vocab = max((int(t.max()) + 1 for t in tokens.values() if t.shape[0]), default=0)
+    sizes = ", ".join(f"{k} {v.shape[0]}" for k, v in tokens.items() if k in splits)
+    desc = f"{desc} through a tokenizer; {n} bytes, tokens: {sizes}"
+    return Corpus(train=tokens["train"], eval=tokens["eval"], vocab_needed=vocab, description=desc)
 
 
 def _short_list(files: list[str], k: int = 3) -> str:

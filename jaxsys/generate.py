@@ -2,13 +2,18 @@
 or a quantized one (`jaxsys.quantize`).
 
     python -m jaxsys.generate --workdir W --prompt "def main(" [--max-new-tokens 64]
+        [--chat [--system "..."]] [--ignore-eos]
         [--temperature 0.8 --top-k 40 --top-p 0.95 --seed 0] [--step S] [--config.key=value ...]
 
-Prints the continuation on stdout as it is generated: text for a byte-level corpus
-(config.data.source stdlib or text), else space-separated token ids (and `--prompt` is then
-space-separated ids too). Logs go to stderr. Overrides change how it runs (the mesh:
-`--config.mesh.tensor=2`; kernels; config.serve's cache), not the model. It is the serving engine
-(jaxsys/serve/engine.py) with one request: `engine.generate`.
+The prompt is text when the model has a tokenizer (jaxsys/tokenizer.py: the byte tokenizer of a
+byte-level run, or the Hugging Face tokenizer a workdir carries), and the continuation is printed
+as text as it is generated, whole characters only, until the tokenizer's end-of-sequence id
+(`--ignore-eos` prints on). `--chat` renders the tokenizer's chat template around the prompt (one
+user message, after `--system`'s). A model without a tokenizer takes `--prompt` as space-separated
+token ids and prints ids; text for it is an error that says how to attach a tokenizer
+(`python -m jaxsys.convert --tokenizer PATH --workdir W`). Logs go to stderr. Overrides change how
+it runs (the mesh: `--config.mesh.tensor=2`; kernels; config.serve's cache), not the model. It is
+the serving engine (jaxsys/serve/engine.py) with one request: `engine.generate`.
 """
 
 from __future__ import annotations
@@ -19,13 +24,17 @@ import time
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
+from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.config import ConfigError, parse_with_overrides
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Generate a continuation from a jaxsys checkpoint.")
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True, help="text (space-separated ids for a model without a tokenizer)")
+    parser.add_argument("--chat", action="store_true", help="render the tokenizer's chat template around the prompt")
+    parser.add_argument("--system", help="--chat: a system message before the prompt")
+    parser.add_argument("--ignore-eos", action="store_true", help="print on past the end-of-sequence token")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
@@ -53,7 +62,10 @@ def main(argv=None) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         sampling.check()
         config, _ = checkpoint_lib.saved_config(args.workdir, (), args.step)
-        prompt = data_lib.encode_prompt(args.prompt, config)
+        tok = tokenizer_lib.for_config(config, args.workdir)
+        prompt = tokenizer_lib.prompt_ids(
+            tok, args.prompt, config.model.vocab_size, args.chat, args.system, args.workdir
+        )
         max_len = args.max_len or -(-(len(prompt) + args.max_new_tokens) // 64) * 64
         if len(prompt) + args.max_new_tokens > max_len:
             raise ValueError(
@@ -64,40 +76,28 @@ def main(argv=None) -> int:
         program, params, config = load(args.workdir, overrides, args.step, check=check_servable)
         eng = build_engine(program, params, max_len)
         log(
-            f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; prompt {len(prompt)} tokens, "
-            f"cache {max_len} positions"
+            f"loaded {args.workdir} in {time.perf_counter() - start:.1f}s; "
+            f"{tokenizer_lib.describe(args.workdir, tok)}; prompt {len(prompt)} tokens, cache {max_len} positions"
         )
-        byte_level = config.data.source in data_lib.BYTE_SOURCES
-        pending = bytearray()
-        shown = [0]
+        if args.chat:
+            log(f"chat prompt {tok.apply_chat_template(tokenizer_lib.chat_messages(args.prompt, args.system))!r}")
+        printer = tokenizer_lib.TokenPrinter(tok, sys.stdout.write, prompt, () if args.ignore_eos else None)
 
         def show(_, tokens):
-            for token in tokens:
-                if byte_level:  # print whole UTF-8 characters as they complete
-                    pending.append(int(token))
-                    try:
-                        text = pending.decode("utf-8")
-                    except UnicodeDecodeError:
-                        if len(pending) < 4:
-                            continue
-                        text = pending.decode("utf-8", errors="replace")
-                    pending.clear()
-                    sys.stdout.write(text)
-                else:
-                    sys.stdout.write(("" if shown[0] == 0 else " ") + str(int(token)))
-                shown[0] += 1
+            printer.push(tokens)
             sys.stdout.flush()
 
         start = time.perf_counter()
         engine.generate(eng, [prompt], args.max_new_tokens, sampling, on_token=show)
-        if pending:
-            sys.stdout.write(pending.decode("utf-8", errors="replace"))
+        printer.close()
         sys.stdout.write("\n")
         elapsed = time.perf_counter() - start
+        stop = "" if printer.stopped is None else f"; end of sequence (id {printer.stopped}) after {printer.shown}"
         log(
             f"{args.max_new_tokens} tokens in {elapsed:.2f}s ({args.max_new_tokens / elapsed:.1f} tokens/s, "
-            "compilation included)"
+            f"compilation included){stop}"
         )
+    # (a TokenizerError is a ValueError)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

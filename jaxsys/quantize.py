@@ -8,7 +8,8 @@ Formats (config.model.quant, models/quant.py): w8a16 (int8 per channel), w4a16 (
 G k, packed two per byte in the kernel's layout, optional zero points), w8a8 (int8 weights per
 channel; activations quantized per token at run time). Methods: `rtn` (round to nearest, weight by
 weight) and `gptq` (GPTQ, Frantar et al. 2022, calibrated layer by layer on training batches of
-the config's corpus). The work is the library's, jaxsys/quantization/ (workdir.py writes W_q,
+the config's corpus; a text corpus is read through the model's tokenizer, and refused for a
+converted model without one, whose ids are not bytes). The work is the library's, jaxsys/quantization/ (workdir.py writes W_q,
 params.py quantizes the parameters, gptq.py is the algorithm); this module parses the command line.
 """
 
@@ -21,6 +22,7 @@ from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
 from jaxsys.config import QUANT_FORMATS, ConfigError
 from jaxsys.quantization import workdir as workdir_lib
+from jaxsys.tokenizer import TokenizerError
 
 
 def main(argv=None) -> int:
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
             args.step,
             log,
         )
-    except (ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
+    except (ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
+from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
@@ -148,13 +149,24 @@ def evaluate(program: Program, eval_fn, params, corpus) -> float:
     return float(np.mean([_scalar(l) for l in losses]))
 
 
-def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dict:
+def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: str | None = None) -> dict:
     """Held-out loss and perplexity of `workdir`'s checkpoint at `step` (default: latest), on the
     mesh its saved config (with `--config.k=v` overrides) names: `evaluate` over
-    `train.eval_batches` batches of the corpus's held-out split. Returns {"eval_loss",
-    "perplexity", "tokens", "step", "quant", "param_bytes", "mesh", ...}."""
+    `train.eval_batches` batches of the corpus's held-out split, the corpus read as the model reads
+    it (`tokenizer.corpus_for`: a text corpus through the workdir's tokenizer), or of the text file
+    `text` through that tokenizer. Returns {"eval_loss", "perplexity", "tokens", "step", "quant",
+    "param_bytes", "mesh", ...}."""
     config, step = checkpoint_lib.saved_config(workdir, overrides, step)
-    corpus = data_lib.load_corpus(config.data)
+    if text is not None:
+        tok = tokenizer_lib.for_config(config, workdir)
+        corpus = tokenizer_lib.text_corpus(tok, text, config.data.seq_len, workdir)
+    else:
+        corpus = tokenizer_lib.corpus_for(config, workdir, splits=("eval",))
+    if corpus.vocab_needed > config.model.vocab_size:
+        raise data_lib.DataError(
+            f"the corpus ({corpus.description}) has token ids up to {corpus.vocab_needed - 1}, outside the "
+            f"model's vocabulary of {config.model.vocab_size}"
+        )
     if not corpus.has_eval:
         raise data_lib.DataError(
             f"the corpus of {workdir} ({corpus.description}) has no held-out split: set --config.data.eval_fraction > 0"
@@ -168,6 +180,7 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None) -> dic
         "eval_loss": loss,
         "perplexity": math.exp(loss),
         "tokens": c.train.eval_batches * c.train.batch_size * c.data.seq_len,
+        "corpus": corpus.description,
         "quant": c.model.quant,
         "quant_group_size": c.model.quant_group_size,
         "quant_zero_point": c.model.quant_zero_point,

@@ -10,9 +10,14 @@ Outputs, per model ``<name>`` in ``tests/golden/hf_llama/<name>/``:
 * ``config.json``        -- written by ``save_pretrained``
 * ``model.safetensors``  -- fp32 weights, HF parameter names
 * ``tokens.npy``         -- int32 [2, 24] input ids
-* ``logits.npy``         -- float32 [2, 24, 256] logits (causal mask, no padding,
+* ``logits.npy``         -- float32 [2, 24, 384] logits (causal mask, no padding,
                             position_ids 0..T-1, eager attention, fp32)
 * ``versions.json``      -- torch / transformers / safetensors / numpy versions
+
+Both have a vocabulary of 384 ids: more than the 256 byte values, so that jaxsys cannot take a
+converted model for a byte-level one (every golden prompt holds ids >= 256). They have no
+tokenizer; ``tests/golden/hf_llama/tokenizer/`` is one for them (scripts/make_hf_tokenizer_golden.py,
+run after this script and scripts/make_hf_greedy_golden.py).
 
 Models:
 
@@ -64,7 +69,7 @@ WEIGHT_STD = 0.02
 QK_STD = 0.15
 
 COMMON = dict(
-    vocab_size=256,
+    vocab_size=384,
     hidden_size=64,
     intermediate_size=160,
     num_attention_heads=4,

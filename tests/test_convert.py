@@ -161,3 +161,45 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
     assert convert.main(["--from-hf", os.path.join(GOLDEN, "untied"), "--workdir", str(done)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert sorted(p.relative_to(done) for p in done.rglob("*")) == before
+
+
+def test_the_tokenizer_travels_with_the_conversion(tmp_path, capsys):
+    """--from-hf copies a directory's tokenizer files into W/tokenizer/ or records that it has
+    none; --tokenizer attaches one to a workdir, refusing one with more ids than the model's
+    vocabulary before anything is written; --to-hf writes the tokenizer files back out."""
+    from tokenizers import Tokenizer
+
+    from jaxsys import tokenizer
+
+    tok_dir = os.path.join(GOLDEN, "tokenizer")
+    with_tok = _copy_golden(tmp_path, "tied")
+    for f in os.listdir(tok_dir):
+        shutil.copy(os.path.join(tok_dir, f), with_tok)
+    w = tmp_path / "w"
+    assert convert.main(["--from-hf", str(with_tok), "--workdir", str(w)]) == 0
+    assert "tokenizer: Hugging Face" in capsys.readouterr().out
+    record = tokenizer.record(str(w))
+    assert record["kind"] == "huggingface" and record["vocab_size"] == 384 and record["eos_ids"] == [2]
+    for f in os.listdir(tok_dir):
+        assert open(w / "tokenizer" / f, "rb").read() == open(os.path.join(tok_dir, f), "rb").read()
+    out = tmp_path / "out"
+    assert convert.main(["--to-hf", str(out), "--workdir", str(w)]) == 0
+    assert sorted(os.listdir(out)) == sorted(["config.json", "model.safetensors", *os.listdir(tok_dir)])
+
+    bare = tmp_path / "bare"
+    assert convert.main(["--from-hf", os.path.join(GOLDEN, "tied"), "--workdir", str(bare)]) == 0
+    assert "tokenizer: none" in capsys.readouterr().out
+    assert tokenizer.record(str(bare))["kind"] == "none"
+
+    bigger = tmp_path / "bigger.json"  # 385 ids for a 384-id model
+    backend = Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
+    backend.add_special_tokens(["<extra>"])
+    backend.save(str(bigger))
+    assert convert.main(["--tokenizer", str(bigger), "--workdir", str(bare)]) == 2
+    assert "has 385 ids but the model's vocabulary is config.model.vocab_size=384" in capsys.readouterr().err
+    assert tokenizer.record(str(bare))["kind"] == "none"
+    refused = tmp_path / "refused"
+    assert convert.main(["--from-hf", str(with_tok), "--workdir", str(refused), "--tokenizer", str(bigger)]) == 2
+    assert "does not fit this model" in capsys.readouterr().err and not refused.exists()
+    assert convert.main(["--tokenizer", os.path.join(tok_dir, "tokenizer.json"), "--workdir", str(bare)]) == 0
+    assert tokenizer.record(str(bare))["files"] == ["tokenizer.json"]

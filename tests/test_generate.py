@@ -96,6 +96,10 @@ def test_generate_command_prints_text(workdir, capsys):
     )
     out, err = capsys.readouterr()
     assert len(out.rstrip("\n").encode("utf-8", "replace")) >= 1 and "8 tokens in" in err
+    # a run trained before workdirs recorded their tokenizer: its byte corpus and 256 ids make it bytes
+    from jaxsys import tokenizer
+
+    assert tokenizer.record(workdir) is None and "bytes tokenizer (256 ids)" in err
 
 
 @pytest.mark.parametrize(
@@ -154,3 +158,75 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
     prompts = np.load(os.path.join(golden, "greedy_prompts.npy")).tolist()
     want = np.load(os.path.join(golden, "greedy_tokens.npy")).tolist()
     assert generate_contiguous(program, params, prompts, len(want[0]), max_len=32) == want
+
+
+# ----------------------------------------------------------------------------- converted models, text and ids
+
+
+@pytest.fixture(scope="module")
+def hf_workdirs(tmp_path_factory):
+    """Each golden Llama (vocabulary 384) converted twice: from its own directory, which has no
+    tokenizer (recorded as none), and from a copy beside the fixture tokenizer's files (copied)."""
+    import os
+    import shutil
+
+    from jaxsys import convert
+    from tests.helpers import ROOT
+
+    golden = os.path.join(ROOT, "tests", "golden", "hf_llama")
+    root = tmp_path_factory.mktemp("hfgen")
+    out = {}
+    for name in ("untied", "tied"):
+        with_tok = root / f"{name}_hf"
+        shutil.copytree(os.path.join(golden, name), with_tok)
+        for f in os.listdir(os.path.join(golden, "tokenizer")):
+            shutil.copy(os.path.join(golden, "tokenizer", f), with_tok)
+        for kind, source in (("ids", os.path.join(golden, name)), ("text", str(with_tok))):
+            workdir = str(root / f"{name}_{kind}")
+            assert convert.main(["--from-hf", source, "--workdir", workdir]) == 0
+            out[name, kind] = workdir
+        out[name, "golden"] = os.path.join(golden, name)
+    return out
+
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_converted_model_without_a_tokenizer_takes_and_prints_ids(hf_workdirs, capsys, name):
+    """No byte decoding of ids >= 256 (issue 36): the ids of transformers' greedy continuation."""
+    import os
+
+    golden = hf_workdirs[name, "golden"]
+    prompt = np.load(os.path.join(golden, "greedy_prompts.npy"))[0].tolist()
+    want = np.load(os.path.join(golden, "greedy_tokens.npy"))[0].tolist()
+    assert max(want + prompt) >= 256
+    workdir = hf_workdirs[name, "ids"]
+    args = ["--workdir", workdir, "--max-new-tokens", str(len(want))]
+    assert generate_cli.main([*args, "--prompt", " ".join(map(str, prompt))]) == 0
+    out, err = capsys.readouterr()
+    assert out == " ".join(map(str, want)) + "\n" and "no tokenizer" in err
+    assert generate_cli.main([*args, "--prompt", "The cat sat"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--prompt 'The cat sat' is text" in err
+        and f"convert --tokenizer HF_DIR_OR_TOKENIZER_JSON --workdir {workdir}" in err
+    )
+
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_converted_model_with_a_tokenizer_continues_text_as_transformers(hf_workdirs, capsys, name):
+    """tests/golden/hf_llama/<name>/text_greedy.json: transformers' greedy continuation of a text
+    prompt and of a chat, and its text (decode(prompt + new) after decode(prompt)); jaxsys streams
+    the same text through the incremental detokenizer (untied's is mostly invalid byte runs)."""
+    import json
+    import os
+
+    golden = json.load(open(os.path.join(hf_workdirs[name, "golden"], "text_greedy.json"), encoding="utf-8"))
+    args = ["--workdir", hf_workdirs[name, "text"], "--max-new-tokens", "16"]
+    assert generate_cli.main([*args, "--prompt", golden["prompt"]]) == 0
+    out, err = capsys.readouterr()
+    assert out == golden["text"]["new_text"] + "\n"
+    assert f"prompt {len(golden['text']['prompt_ids'])} tokens" in err and "huggingface tokenizer" in err
+    assert generate_cli.main([*args, "--chat", "--prompt", golden["chat"]["messages"][0]["content"]]) == 0
+    out, err = capsys.readouterr()
+    assert out == golden["chat"]["new_text"] + "\n"
+    assert f"chat prompt {golden['chat']['prompt_text']!r}" in err
+    assert f"prompt {len(golden['chat']['prompt_ids'])} tokens" in err

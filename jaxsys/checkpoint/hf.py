@@ -5,8 +5,10 @@ is the command).
 theta, tied or untied embeddings; `rope_scaling`, biases and other activations are refused by name),
 sets `config.model` from it on top of a config (training, data and mesh settings), and writes the
 resolved config.json and checkpoint step 0 (the weights and a fresh optimizer state) into a workdir,
-which must not already hold a run. `to_hf` writes config.json and model.safetensors from a
-workdir's checkpoint. Safetensors only: pickle files (`*.bin`, `*.pt`) are never read.
+which must not already hold a run, with the model's tokenizer (the directory's tokenizer.json and
+companions copied into W/tokenizer/, or a record that it has none: jaxsys/tokenizer.py). `to_hf`
+writes config.json and model.safetensors (and the tokenizer files) from a workdir's checkpoint.
+Safetensors only: pickle files (`*.bin`, `*.pt`) are never read.
 
 The mapping is a transpose and reshape per tensor: HF's `nn.Linear` weights are [out, in], jaxsys's
 are [in, out] with heads split out (wq [D, N, H]) and stacked over layers. HF's Llama applies RoPE
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.checkpoint import ONE_DEVICE, Checkpointer, load, require_new_workdir, saved_config
 from jaxsys.config import ConfigError, apply_overrides, base_config, layer_pattern, mlp_pattern, validate
 
@@ -233,9 +236,26 @@ def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- the two directions
 
 
-def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
-    """Convert a Hugging Face Llama directory into workdir's config.json and checkpoint step 0.
-    Returns the resolved config."""
+def _tokenizer_source(hf_dir: str, tokenizer: str | None) -> tuple[str, str | None]:
+    """(what to attach, a note): `tokenizer` if given, else the HF directory's own files, else "none"."""
+    if tokenizer is not None:
+        return tokenizer, None
+    if tokenizer_lib.hf_files(hf_dir):
+        return hf_dir, None
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
+        return "none", (
+            f"{hf_dir} has tokenizer.model but no tokenizer.json; make one with transformers "
+            "(AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) and attach it"
+        )
+    return "none", f"{hf_dir} has no tokenizer.json"
+
+
+def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str | None = None):
+    """Convert a Hugging Face Llama directory into workdir's config.json and checkpoint step 0, and
+    record the model's tokenizer (jaxsys/tokenizer.py): `tokenizer` (a Hugging Face directory or
+    tokenizer.json, "bytes" or "none") if given, else the directory's own tokenizer files, else
+    none (the model then takes and prints token ids, whatever config.data says). Returns the
+    resolved config."""
     from jaxsys import program as program_lib
     from jaxsys.mesh import make_mesh
 
@@ -245,6 +265,11 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
     _require_dense_llama(config.model)
     validate(config)
+    source, note = _tokenizer_source(hf_dir, tokenizer)
+    try:  # a tokenizer that does not fit the model is refused before anything is written
+        tokenizer_lib.check_source(source, config.model.vocab_size)
+    except tokenizer_lib.TokenizerError as e:
+        raise ConversionError(str(e)) from None
     tensors = _read_safetensors(hf_dir)  # after every check on the config: reading is the slow part
     params = params_from_hf(tensors, config.model, jnp.dtype(config.model.param_dtype))
     n = int(np.prod([config.mesh[a] for a in config.mesh]))
@@ -262,13 +287,14 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=()):
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
+        tokenizer_lib.attach(workdir, source, config.model.vocab_size, note)
     return config
 
 
 def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
     """Write out_dir/config.json and model.safetensors from workdir's checkpoint (default: latest),
-    read onto one device (`load`; the arrays are written from the host anyway). Returns the HF
-    config dict."""
+    read onto one device (`load`; the arrays are written from the host anyway), and the workdir's
+    Hugging Face tokenizer files when it has them. Returns the HF config dict."""
     from safetensors.numpy import save_file
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
@@ -287,4 +313,5 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    tokenizer_lib.export_hf(workdir, out_dir)
     return hf

@@ -1,9 +1,10 @@
 """Quantize a workdir's checkpoint into a new workdir (`python -m jaxsys.quantize` is the command).
 
 `quantize_workdir` reads the checkpoint onto one device (`checkpoint.load`), quantizes its dense
-layers (params.py: RTN, or GPTQ calibrated on the config's corpus) and writes the new workdir:
-config.json (the source config with config.model.quant* set) and checkpoint step S (the source's),
-whose parameters are the quantized tree and whose optimizer state is empty. It restores onto any
+layers (params.py: RTN, or GPTQ calibrated on the config's corpus, read as the model reads text:
+`tokenizer.corpus_for`) and writes the new workdir: config.json (the source config with
+config.model.quant* set), checkpoint step S (the source's), whose parameters are the quantized tree
+and whose optimizer state is empty, and the source's tokenizer record. It restores onto any
 mesh that divides the model (tensor parallelism included) like any workdir.
 """
 
@@ -18,7 +19,7 @@ import numpy as np
 import optax
 
 from jaxsys import checkpoint as checkpoint_lib
-from jaxsys import data as data_lib
+from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.config import QUANT_FORMATS, ConfigError, validate
 from jaxsys.models import quant
 from jaxsys.quantization.params import gptq_params, quantize_params, single_device
@@ -68,10 +69,12 @@ def quantize_workdir(
     target = quantized_config(source, fmt, group_size, zero_point)
     validate(target)  # group sizes against the model and the saved mesh, before any reading
     start = time.perf_counter()
+    # calibration text through the model's tokenizer (never byte ids into a converted model), read
+    # (or refused) before the checkpoint
+    corpus = tokenizer_lib.corpus_for(source, workdir, splits=("train",)) if method == "gptq" else None
     _, params, one = checkpoint_lib.load(workdir, checkpoint_lib.ONE_DEVICE, step, jax.devices()[:1])
     m = one.model
     if method == "gptq":
-        corpus = data_lib.load_corpus(one.data)
         qparams = gptq_params(params, one, corpus, fmt, group_size, zero_point, calibration_batches, log)
     else:
         qparams = quantize_params(jax.tree.map(np.asarray, params), m, fmt, group_size, zero_point)
@@ -87,6 +90,7 @@ def quantize_workdir(
     if jax.process_index() == 0:
         with open(os.path.join(out, "config.json"), "w") as f:
             f.write(target.to_json_best_effort(indent=2))
+        tokenizer_lib.copy_record(workdir, out)
     nbytes = lambda tree: sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
     dense = lambda tree: {k: v for k, v in tree["layers"].items() if k in quant.CONTRACTED}
     return {

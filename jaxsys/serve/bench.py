@@ -3,7 +3,8 @@ jaxsys.bench_serve` is its command; docs/serving.md).
 
 Arrivals are Poisson at a rate (exponential gaps from a seed), prompt and output lengths uniform
 over token ranges, or a JSONL trace with one {"arrival_s", "prompt_len", "output_len"} per line.
-Prompts are token ids drawn from the vocabulary. Each engine step admits the requests that have
+Prompts are token ids drawn from the vocabulary, or given (`bench_serve --prompts FILE`: text
+prompts through the model's tokenizer). Each engine step admits the requests that have
 arrived, and a request's tokens are timed when the step that produced them returns. TTFT = first
 token - arrival; TPOT = (last token - first token) / (tokens - 1); throughput = generated tokens /
 makespan.
@@ -50,8 +51,14 @@ def percentiles(values) -> dict:
     return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
-def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
-    """Run `trace` through `eng` (any serve.engine.EngineAPI) on the wall clock."""
+def with_prompts(trace: list[dict], prompts: list[list[int]]) -> list[dict]:
+    """The trace with given prompts (request i takes prompt i mod len(prompts)) and their lengths."""
+    return [{**row, "prompt_len": len(prompts[i % len(prompts)])} for i, row in enumerate(trace)]
+
+
+def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256, prompts: list[list[int]] | None = None) -> dict:
+    """Run `trace` through `eng` (any serve.engine.EngineAPI) on the wall clock. Prompts are random
+    ids of `vocab`, or request i takes `prompts[i % len(prompts)]` (`with_prompts`)."""
     rng = np.random.default_rng(seed + 1)
     pending = list(enumerate(trace))
     arrival, times = {}, {}
@@ -61,7 +68,10 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256) -> dict:
         now = time.perf_counter() - start
         while pending and pending[0][1]["arrival_s"] <= now:
             i, row = pending.pop(0)
-            prompt = rng.integers(0, vocab, size=row["prompt_len"]).tolist()
+            if prompts:
+                prompt = list(prompts[i % len(prompts)])
+            else:
+                prompt = rng.integers(0, vocab, size=row["prompt_len"]).tolist()
             eng.submit(i, prompt, row["output_len"])
             arrival[i] = row["arrival_s"]
             times[i] = []
