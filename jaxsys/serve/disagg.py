@@ -251,22 +251,29 @@ class DisaggregatedEngine(EngineAPI):
         self.decode.warmup()
 
     def abort(self, request_id) -> bool:
-        """Drop a request wherever it is: waiting for placement, prefilling (its decode pages
-        reserved), handed over, or decoding."""
-        for p in self.waiting:
-            if p.request.id == request_id:
-                self.waiting.remove(p)
-                return True
-        pending = self.in_prefill.pop(request_id, None)
-        if pending is None:
-            pending = next((p for p in self.inbox if p.request.id == request_id), None)
-            if pending is not None:
-                self.inbox.remove(pending)
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id, reason: str) -> bool:
+        """End a request wherever it is: waiting for placement, prefilling (its decode pages
+        reserved), handed over, or decoding; finish_reason `reason` ("abort": not listed in
+        `finished`)."""
+        pending = next((p for p in self.waiting if p.request.id == request_id), None)
         if pending is not None:
+            self.waiting.remove(pending)
+        else:
+            pending = self.in_prefill.pop(request_id, None)
+            if pending is None:
+                pending = next((p for p in self.inbox if p.request.id == request_id), None)
+                if pending is not None:
+                    self.inbox.remove(pending)
+            if pending is None:
+                return self.decode.finish(request_id, reason)
             self.prefill.abort(request_id)
             self.decode.pools[pending.shard].free(request_id)
-            return True
-        return self.decode.abort(request_id)
+        pending.request.finish_reason = reason
+        if reason != "abort":
+            self._done.append(pending.request)
+        return True
 
     # -- state
     @property

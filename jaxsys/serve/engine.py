@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -53,9 +54,14 @@ from jaxsys.parallel.spmd import per_shard
 from jaxsys.serve import sampling as sampling_lib
 from jaxsys.serve.runner import ModelRunner, check_servable
 from jaxsys.serve.sampling import Sampling
-from jaxsys.serve.scheduler import PagePool, Request, Scheduler
+from jaxsys.serve.scheduler import PagePool, PoolExhausted, Request, Scheduler, Work
 
 MIN_ROWS = 8
+log = logging.getLogger("jaxsys.serve")
+
+
+def _as_list(tokens) -> list:
+    return tokens if isinstance(tokens, list) else [tokens]
 
 
 def pool_settings(sv) -> dict:
@@ -82,6 +88,10 @@ class EngineAPI(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_id) -> bool:
         """Drop a request wherever it is (waiting or running) and free its pages; False if unknown."""
+
+    @abc.abstractmethod
+    def finish(self, request_id, reason: str) -> bool:
+        """End a request now with finish_reason `reason` (a stop string matched), pages freed."""
 
     @abc.abstractmethod
     def warmup(self) -> None:
@@ -178,6 +188,8 @@ class Engine(EngineAPI):
         self.cache = self._empty_cache(num_pages, page_size, token_budget, max_seqs)
         self.shard_of: dict = {}
         self.sampling: dict = {}
+        self.forks: dict = {}  # request id -> the requests waiting to share its prefill (fork_of)
+        self.failed: list[Request] = []  # requests a failed step ended (finish_reason "error")
         # speculation's counters (zero without a drafter): target and draft steps; rounds (one per
         # speculating sequence and step), drafted and accepted tokens; tokens emitted;
         # self-speculation's slots read by the draft and what the whole cache would have been
@@ -271,25 +283,6 @@ class Engine(EngineAPI):
         """The row bucket for n rows (a drafter's catch-up round may exceed the budget: a power of two)."""
         return next((w for w in self.widths() if w >= n), 1 << (n - 1).bit_length())
 
-    def sample(self, logits, sample_rows: dict, settings_of: dict | None = None) -> dict:
-        """{request id: token} for `sample_rows` {request id: (row of logits, request)} with their
-        Sampling (`settings_of`, default the requests' own), in one call padded to `sample_slots`
-        rows, so that it compiles once per row bucket (in `warmup`), not once per number of
-        sequences."""
-        settings_of = self.sampling if settings_of is None else settings_of
-        ids = sampling_lib.pad(list(sample_rows), max(self.sample_slots, len(sample_rows)))
-        settings = [settings_of[rid] for rid in ids]
-        tokens = sampling_lib.sample_at(
-            logits,
-            np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
-            np.asarray([s.seed for s in settings], np.int32),
-            np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
-            np.asarray([s.temperature for s in settings], np.float32),
-            np.asarray([s.top_k for s in settings], np.int32),
-            np.asarray([s.top_p for s in settings], np.float32),
-        )
-        return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
-
     def warmup(self) -> None:
         """Compile every row bucket now (steps of padding rows only: they write the scratch page),
         its sampling, and the drafter's programs."""
@@ -304,21 +297,33 @@ class Engine(EngineAPI):
     # -- requests
     @property
     def idle(self) -> bool:
-        return all(s.idle for s in self.schedulers)
+        return all(s.idle for s in self.schedulers) and not any(self.forks.values())
 
     @property
     def finished(self) -> list[Request]:
         return [r for s in self.schedulers for r in s.finished]
 
     def submit(
-        self, request_id, prompt: list, max_new_tokens: int, sampling: Sampling | None = None, k: int | None = None
+        self,
+        request_id,
+        prompt: list,
+        max_new_tokens: int,
+        sampling: Sampling | None = None,
+        k: int | None = None,
+        fork_of=None,
     ) -> Request:
         """Queue a request on the batch shard with the least outstanding work; ValueError if it can
-        never be served (too long for a shard's pool, tokens outside the vocabulary). `k`: this
-        request's draft length under speculation (None: the engine's; 0: plain decoding)."""
+        never be served (too long for a shard's pool, tokens outside the vocabulary, a sampling
+        setting out of range). `k`: this request's draft length under speculation (None: the
+        engine's; 0: plain decoding; requests with penalties decode plainly). `fork_of`: the id of
+        a request with the same prompt whose prefill this one shares (n > 1 samples): it gets the
+        prompt's cache copied from that request when its prefill ends, and its first token from the
+        same logits, drawn with its own sampling."""
         vocab = self.program.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"request {request_id!r}: token ids outside [0, {vocab})")
+        if request_id in self.shard_of:
+            raise ValueError(f"request {request_id!r} is already in the engine: give each request its own id")
         k = (self.k if self.drafter is not None else 0) if k is None else k
         if not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"request {request_id!r}: k={k!r} must be an integer >= 0 (0: no speculation)")
@@ -326,19 +331,63 @@ class Engine(EngineAPI):
             raise ValueError(f"request {request_id!r}: k={k} needs an engine with a drafter (config.serve.spec_k)")
         sampling = sampling or Sampling()
         sampling.check(f"request {request_id!r}")
-        request = Request(request_id, list(prompt), max_new_tokens, spec_k=int(k))
-        load = lambda d: sum(
-            len(r.prompt) + r.max_new_tokens for r in self.schedulers[d].waiting + self.schedulers[d].running
+        if sampling.penalized:  # the rejection rule would need the penalized distribution per draft
+            k = 0
+        request = Request(
+            request_id, list(prompt), max_new_tokens, spec_k=int(k), stop_ids=tuple(int(t) for t in sampling.stop_ids)
         )
-        shard = min(range(self.shards), key=load)
-        self.schedulers[shard].add(request)  # raises ValueError for a request that can never fit
+        parent = self._forkable(fork_of, request) if fork_of is not None else None
+        if parent is not None:
+            shard = self.shard_of[parent.id]
+            self.schedulers[shard].check(request)
+            request.fork_of = parent.id
+            self.forks.setdefault(parent.id, []).append(request)
+        else:
+            load = lambda d: sum(
+                len(r.prompt) + r.max_new_tokens for r in self.schedulers[d].waiting + self.schedulers[d].running
+            )
+            shard = min(range(self.shards), key=load)
+            self.schedulers[shard].add(request)  # raises ValueError for a request that can never fit
         self.shard_of[request_id] = shard
         self.sampling[request_id] = sampling
         return request
 
+    def _forkable(self, parent_id, request: Request) -> Request | None:
+        """The request `request` may share the prefill of: `parent_id`, waiting or still prefilling
+        the same prompt (None when its prefill is over: then `request` prefills on its own)."""
+        d = self.shard_of.get(parent_id)
+        parent = None if d is None else self._find(d, parent_id)
+        if parent is None:
+            raise ValueError(f"fork_of={parent_id!r} names no waiting or running request of this engine")
+        if parent.prompt != request.prompt:
+            raise ValueError(f"request {request.id!r}: fork_of={parent_id!r} has another prompt; a fork shares it")
+        return parent if parent.prefilled < len(parent.prompt) else None
+
+    def _find(self, d: int, request_id) -> Request | None:
+        s = self.schedulers[d]
+        return next((r for r in s.waiting + s.running if r.id == request_id), None)
+
     def abort(self, request_id) -> bool:
+        return self.finish(request_id, "abort")
+
+    def finish(self, request_id, reason: str) -> bool:
+        """End a request now, waiting, running or waiting to fork, with finish_reason `reason` (a
+        stop string matched: "stop"; "abort" drops it without listing it in `finished`); its pages
+        are freed at once. False if the engine does not hold it."""
         d = self.shard_of.get(request_id)
-        if d is None or not self.schedulers[d].remove(request_id):
+        if d is None:
+            return False
+        ended = self.schedulers[d].remove(request_id, reason, keep=reason != "abort")
+        if ended is None:  # a fork still waiting for its parent's prefill
+            for parent, children in self.forks.items():
+                ended = next((r for r in children if r.id == request_id), None)
+                if ended is not None:
+                    children.remove(ended)
+                    ended.finish_reason = reason
+                    if reason != "abort":
+                        self.schedulers[d].finished.append(ended)
+                    break
+        if ended is None:
             return False
         self._forget(d, request_id)
         return True
@@ -350,13 +399,42 @@ class Engine(EngineAPI):
             self.residual[d].free(request_id)
         if self.drafter is not None:
             self.drafter.forget(request_id)
+        for child in self.forks.pop(request_id, []):  # its forks prefill on their own
+            self.schedulers[d].waiting.append(child)
+            child.fork_of = None
 
     # -- one step
     def step(self) -> tuple[list, dict]:
+        """One scheduled step on every shard. A failure inside it fails the step's requests
+        (finish_reason "error", `Request.error`, listed in `failed`) and leaves the engine serving
+        the others; if the device cache was lost with it, every running request fails."""
         plans = [s.plan() for s in self.schedulers]
         n = max(sum(w.tokens for w in work) for work in plans)
         if n == 0:
             return [], {}
+        try:
+            return self._step(plans, n)
+        except Exception as e:  # noqa: BLE001 - isolate the failure to the step's requests
+            log.exception("jaxsys.serve: a step failed; its requests end with finish_reason 'error'")
+            self._fail(plans, f"{type(e).__name__}: {e}")
+            return [], {}
+
+    def _fail(self, plans, message: str) -> None:
+        lost = any(getattr(a, "is_deleted", lambda: False)() for a in self.cache.per_layer().values())
+        if lost:  # the step's call had taken (donated) the cache: start from an empty one
+            for d, s in enumerate(self.schedulers):
+                plans[d] = [Work(r, "decode", 0, 0) for r in s.running]
+            pool = self.pools[0]
+            self.cache = self._empty_cache(pool.num_pages, pool.page_size, self.budget, self.schedulers[0].max_seqs)
+        for d, work in enumerate(plans):
+            for w in work:
+                r = self.schedulers[d].remove(w.request.id, "error", keep=True)
+                if r is not None:
+                    r.error = message
+                    self.failed.append(r)
+                    self._forget(d, r.id)
+
+    def _step(self, plans, n: int) -> tuple[list, dict]:
         if self.residual:  # kv_quant: the full-precision pages the rows of this step (and its drafts) use
             for d, work in enumerate(plans):
                 for w in work:
@@ -366,38 +444,194 @@ class Engine(EngineAPI):
         tokens = np.zeros((self.shards, width), np.int32)
         positions = np.zeros((self.shards, width), np.int32)
         tables = self.tables(width)
-        sample_rows, verify_rows = {}, {}
+        sample_rows, verify_rows, prompt_rows = {}, {}, []
         for d, work in enumerate(plans):
             r = 0
             for w in work:
                 req = w.request
                 for i in range(w.tokens):
+                    pos = w.start + i
                     if w.kind == "prefill":
-                        tokens[d, r] = req.prompt[w.start + i]
+                        tokens[d, r] = req.prompt[pos]
+                        if self.sampling[req.id].prompt_logprobs and pos + 1 < len(req.prompt):
+                            prompt_rows.append((d * width + r, req.prompt[pos + 1], req))
                     else:  # the last token, then under speculation the drafted ones
                         tokens[d, r] = req.generated[-1] if i == 0 else drafts.tokens[req.id][i - 1]
-                    positions[d, r] = w.start + i
+                    positions[d, r] = pos
                     self.fill_row(tables, d, r, req.id)
                     r += 1
                 if w.kind == "decode" and w.tokens > 1:
                     verify_rows[req.id] = (d * width + r - w.tokens, w)
                 elif w.kind == "decode" or w.start + w.tokens == len(req.prompt):
                     sample_rows[req.id] = (d * width + r - 1, req)
+                    for child in self.forks.get(req.id, []) if w.kind == "prefill" else []:
+                        sample_rows[child.id] = (d * width + r - 1, child)  # its first token, same logits
         logits = self.forward(tokens, positions, tables)
         self.stats["target_steps"] += 1
         sampled = self.sample(logits, sample_rows) if sample_rows else {}
+        rows = {rid: [row] for rid, (row, _) in sample_rows.items()}
         if verify_rows:
-            sampled.update(self.drafter.verify(self, logits, verify_rows, drafts))
+            verified = self.drafter.verify(self, logits, verify_rows, drafts)
+            sampled.update(verified)
+            rows.update({rid: [verify_rows[rid][0] + i for i in range(len(out))] for rid, out in verified.items()})
+        if prompt_rows:
+            self._prompt_logprobs(logits, prompt_rows)
+        logprobs = self._logprobs(logits, rows, sampled)
+        forked = self._fork(plans, sampled)
         for d, (scheduler, work) in enumerate(zip(self.schedulers, plans)):
+            before = {w.request.id: len(w.request.generated) for w in work}
             for req in scheduler.commit(work, sampled):
                 self._forget(d, req.id)
             for w in work:
+                req = w.request
+                self._record(req, before[req.id], logprobs.get(req.id), sampled)
                 if w.kind == "decode":
-                    w.request.stats["decode_steps"] += 1
-                if self.residual and not w.request.done:  # give back the pages no later row reads
-                    self.residual[d].advance(w.request.id, w.request.cached)
+                    req.stats["decode_steps"] += 1
+                if self.residual and not req.done:  # give back the pages no later row reads
+                    self.residual[d].advance(req.id, req.cached)
+        for d, child in forked:
+            child.append([sampled[child.id]])
+            self._record(child, 0, logprobs.get(child.id), sampled)
+            if child.done:
+                self.schedulers[d].remove(child.id, child.finish_reason, keep=True)
+                self._forget(d, child.id)
         self.stats["tokens"] += sum(len(v) if isinstance(v, list) else 1 for v in sampled.values())
         return [w for work in plans for w in work], sampled
+
+    def _record(self, req: Request, before: int, logprobs, sampled: dict) -> None:
+        """What a request kept of this step's tokens (a stop id cuts a speculative run): `sampled`
+        says exactly those; their log-probabilities go with them."""
+        if req.id not in sampled:
+            return
+        kept = len(req.generated) - before
+        if isinstance(sampled[req.id], list):
+            sampled[req.id] = req.generated[before:]
+        if logprobs is not None:
+            chosen, top = logprobs
+            req.logprobs += chosen[:kept]
+            req.top_logprobs += top[:kept]
+
+    def sample(self, logits, sample_rows: dict, settings_of: dict | None = None) -> dict:
+        """{request id: token} for `sample_rows` {request id: (row of logits, request)} with their
+        Sampling (`settings_of`, default the requests' own), in one call padded to `sample_slots`
+        rows, so that it compiles once per row bucket (in `warmup`), not once per number of
+        sequences. Rows with penalties go through `sampling.sample_penalized` (their seen tokens
+        padded to a power of two)."""
+        settings_of = self.sampling if settings_of is None else settings_of
+        ids = sampling_lib.pad(list(sample_rows), max(self.sample_slots, len(sample_rows)))
+        settings = [settings_of[rid] for rid in ids]
+        args = (
+            logits,
+            np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
+            np.asarray([s.seed for s in settings], np.int32),
+            np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
+            np.asarray([s.temperature for s in settings], np.float32),
+            np.asarray([s.top_k for s in settings], np.int32),
+            np.asarray([s.top_p for s in settings], np.float32),
+        )
+        if not any(s.penalized for s in settings):
+            tokens = sampling_lib.sample_at(*args)
+        else:
+            seen = [
+                (sample_rows[rid][1].prompt + sample_rows[rid][1].generated) if s.penalized else []
+                for rid, s in zip(ids, settings)
+            ]
+            width = max(16, 1 << (max(len(h) for h in seen) - 1).bit_length())
+            history = np.full((len(ids), width), -1, np.int32)
+            generated = np.zeros((len(ids), width), bool)
+            for i, (rid, h) in enumerate(zip(ids, seen)):
+                history[i, : len(h)] = h
+                generated[i, len(sample_rows[rid][1].prompt) : len(h)] = True
+            penalties = [
+                np.asarray([getattr(s, name) for s in settings], np.float32)
+                for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+            ]
+            tokens = sampling_lib.sample_penalized(*args, history, generated, *penalties)
+        return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
+
+    def _logprobs(self, logits, rows: dict, sampled: dict) -> dict:
+        """{request id: (log-probabilities of its sampled tokens, their top alternatives)} for the
+        requests that asked (Sampling.logprobs), from the step's logits."""
+        want = [rid for rid in rows if self.sampling[rid].logprobs is not None]
+        if not want:
+            return {}
+        flat = [(rid, row, token) for rid in want for row, token in zip(rows[rid], _as_list(sampled[rid]))]
+        top = sampling_lib.MAX_LOGPROBS if any(self.sampling[rid].logprobs for rid in want) else 0
+        padded = sampling_lib.pad(flat)
+        chosen, top_ids, top_lp = sampling_lib.logprobs_at(
+            logits,
+            np.asarray([row for _, row, _ in padded], np.int32),
+            np.asarray([token for _, _, token in padded], np.int32),
+            top=top,
+        )
+        chosen = np.asarray(chosen).tolist()
+        top_ids = None if top_ids is None else np.asarray(top_ids).tolist()
+        top_lp = None if top_lp is None else np.asarray(top_lp).tolist()
+        out: dict = {rid: ([], []) for rid in want}
+        for i, (rid, _, _) in enumerate(flat):
+            k = self.sampling[rid].logprobs
+            out[rid][0].append(chosen[i])
+            out[rid][1].append([] if not k else list(zip(top_ids[i][:k], top_lp[i][:k])))
+        return out
+
+    def _prompt_logprobs(self, logits, prompt_rows: list) -> None:
+        """Each prompt token's log-probability given the tokens before it, for the prefill rows of
+        requests that asked (the first prompt token has none: None)."""
+        padded = sampling_lib.pad(prompt_rows)
+        chosen, _, _ = sampling_lib.logprobs_at(
+            logits,
+            np.asarray([row for row, _, _ in padded], np.int32),
+            np.asarray([token for _, token, _ in padded], np.int32),
+            top=0,
+        )
+        for value, (_, _, req) in zip(np.asarray(chosen).tolist(), prompt_rows):
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            req.prompt_logprobs.append(value)
+
+    def _fork(self, plans, sampled: dict) -> list:
+        """The forks whose parent's prefill ended in this step: each gets pages (or, when its shard
+        has no room, goes to the queue to prefill on its own), a copy of the parent's prompt cache
+        and, with it, the parent's prompt log-probabilities. Returns [(shard, fork)] to commit."""
+        out = []
+        for d, work in enumerate(plans):
+            for w in work:
+                parent = w.request
+                if w.kind != "prefill" or w.start + w.tokens != len(parent.prompt) or parent.id not in self.forks:
+                    continue
+                for child in self.forks.pop(parent.id):
+                    s = self.schedulers[d]
+                    if len(s.running) >= s.max_seqs or child.id not in sampled:
+                        child.fork_of = None
+                        s.waiting.append(child)
+                        continue
+                    try:
+                        s.pool.reserve(child.id, len(child.prompt) + child.max_new_tokens)
+                    except PoolExhausted:
+                        child.fork_of = None
+                        s.waiting.append(child)
+                        continue
+                    self._copy_prompt(d, parent, child)
+                    child.prefilled = len(child.prompt)
+                    child.prompt_logprobs = list(parent.prompt_logprobs)
+                    s.running.append(child)
+                    out.append((d, child))
+        return out
+
+    def _copy_prompt(self, d: int, parent: Request, child: Request) -> None:
+        """Copy the cache of `parent`'s prompt into `child`'s pages (shard d): the PagePool pages
+        of every leaf, and under kv_quant the full-precision pages the child's next row needs."""
+        n = self.pools[d].pages_for(len(parent.prompt))
+        src_q, dst_q = self.pools[d].table(parent.id)[:n], self.pools[d].table(child.id)[:n]
+        src = {name: src_q for name in self.cache.per_layer()}
+        dst = {name: dst_q for name in self.cache.per_layer()}
+        if self.residual:
+            self.residual[d].prepare(child.id, len(child.prompt), 1)
+            held, mine = self.residual[d].pages(parent.id), self.residual[d].pages(child.id)
+            logical = sorted(set(held) & set(mine))
+            for name in ("k", "v"):
+                src[name], dst[name] = [held[i] for i in logical], [mine[i] for i in logical]
+        self.copy_pages(d, src, dst)
 
     # -- a sequence's pages out of one engine and into another (disaggregated serving, serve/disagg.py).
     # Generic over the pools: every pool leaf is [L, D B, ...], its page dimension at axis 1 in D
@@ -446,6 +680,9 @@ class Engine(EngineAPI):
                 },
                 out_shardings=whole,
             )
+        elif kind == "copy":  # each shard copies its pages `ids` to its pages `to` (the others: scratch to scratch)
+            local = lambda pools, ids, to: {name: a.at[:, to[name]].set(a[:, ids[name]]) for name, a in pools.items()}
+            fn = jax.jit(per_shard(local, mesh, (specs, id_specs, id_specs), specs), donate_argnums=0)
         else:  # import: each shard writes its block of x into its ids (the other shards: zeros to scratch)
             local = lambda pools, x, ids: {
                 name: a.at[:, ids[name]].set(x[name].astype(a.dtype)) for name, a in pools.items()
@@ -498,6 +735,12 @@ class Engine(EngineAPI):
 
         placed = {name: leaf(block[name], pools[name]) for name in pools}
         return placed, moved
+
+    def copy_pages(self, shard: int, src: dict, dst: dict) -> None:
+        """Copy pages within batch shard `shard`: per pool leaf, local ids src[leaf] to dst[leaf]."""
+        ids, counts = self._page_ids(shard, src)
+        to, _ = self._page_ids(shard, dst)
+        self.cache = self.cache.with_layers(self._page_fn("copy", shard, counts)(self.cache.per_layer(), ids, to))
 
     def import_pages(self, shard: int, pages, placed: dict) -> None:
         """Write a `receive_pages` result into cache pages `pages` (local ids of batch shard `shard`)."""

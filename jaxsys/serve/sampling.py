@@ -1,17 +1,30 @@
 """Sampling the next token on the device, per sequence.
 
 Temperature 0 is greedy; otherwise softmax of logits / temperature restricted to the top_k (0: all)
-most likely tokens and to the smallest set whose probability reaches top_p (1: all). A sequence's
-n-th token draws with the key fold_in(key(seed), n), so its tokens do not depend on what it was
-batched with (speculation folds 1 and 2 into that key for its drafts and verdicts).
+most likely tokens and to the smallest set whose probability reaches top_p (1: all). Before that,
+penalties on the tokens a sequence has seen (as vLLM applies them): repetition_penalty r (the
+CTRL / Hugging Face rule over prompt and generated tokens: a seen token's logit l becomes l / r if
+l > 0, else l r), then frequency and presence penalties (OpenAI's, over generated tokens: l - c f
+- (c > 0) p for a token generated c times). A sequence's n-th token draws with the key
+fold_in(key(seed), n), so its tokens do not depend on what it was batched with (speculation folds 1
+and 2 into that key for its drafts and verdicts).
+
+Log-probabilities (`logprobs`, prompt log-probabilities) are the model's own: log_softmax of the
+logits before penalties, temperature and filters (what lm-evaluation-harness scores).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+INT32 = (-(2**31), 2**31 - 1)
+MAX_LOGPROBS = 20  # top alternatives a request may ask for
 
 
 @dataclasses.dataclass
@@ -20,14 +33,46 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the top k
+    prompt_logprobs: bool = False  # each prompt token's log-probability given the tokens before it
+    stop_ids: tuple = ()  # finish ("stop") on generating one of these
 
     def check(self, what: str = "sampling") -> None:
-        """ValueError naming the bad setting."""
+        """ValueError naming the setting that is out of range."""
+        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        for name in floats:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{what}: {name}={value!r} must be a finite number")
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not INT32[0] <= value <= INT32[1]:
+                raise ValueError(f"{what}: {name}={value!r} must be an integer in [-2**31, 2**31)")
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(
                 f"{what} needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
                 f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{what}: {name}={getattr(self, name)} must lie in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"{what}: repetition_penalty={self.repetition_penalty} must be > 0 (1: none)")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"{what}: logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in self.stop_ids):
+            raise ValueError(f"{what}: stop_ids={self.stop_ids!r} must be token ids")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def sample(logits, key, temperature, top_k, top_p):
@@ -60,12 +105,47 @@ def token_key(seed, n):
     return jax.random.fold_in(jax.random.key(seed), n)
 
 
+def penalize(logits, history, generated, presence, frequency, repetition):
+    """The logits [R, V] of rows whose sequences have seen tokens history [R, H] (-1: padding;
+    `generated` [R, H] marks those the sequence generated, the rest are its prompt's), with the
+    repetition, then frequency and presence penalties (module docstring) per row."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    valid = history >= 0
+    ids = jnp.where(valid, history, 0)
+    seen = jnp.zeros(logits.shape, bool).at[rows, ids].max(valid)
+    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, ids].add((valid & generated).astype(jnp.float32))
+    r = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
+def _sample_rows(logits, seed, n, t, k, p):
+    return jax.vmap(lambda lg, seed, n, t, k, p: sample(lg[None], token_key(seed, n), t, k, p)[0])(
+        logits, seed, n, t, k, p
+    )
+
+
 # per sequence: its own settings, and its own key; rows `at` of the step's logits
-sample_at = jax.jit(
-    lambda logits, at, seed, n, t, k, p: jax.vmap(
-        lambda lg, seed, n, t, k, p: sample(lg[None], token_key(seed, n), t, k, p)[0]
-    )(logits[at], seed, n, t, k, p)
-)
+sample_at = jax.jit(lambda logits, at, seed, n, t, k, p: _sample_rows(logits[at], seed, n, t, k, p))
+
+
+@jax.jit
+def sample_penalized(logits, at, seed, n, t, k, p, history, generated, presence, frequency, repetition):
+    """`sample_at` with penalties (compiled per history bucket; only for steps that need it)."""
+    lg = penalize(logits[at].astype(jnp.float32), history, generated, presence, frequency, repetition)
+    return _sample_rows(lg, seed, n, t, k, p)
+
+
+@functools.partial(jax.jit, static_argnames=("top",))
+def logprobs_at(logits, at, tokens, top: int):
+    """The model's log-probabilities at rows `at` of `tokens` [R], and the `top` most likely tokens
+    and their log-probabilities ([R, top] each)."""
+    lp = jax.nn.log_softmax(logits[at].astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    if top == 0:
+        return chosen, None, None
+    top_lp, top_ids = jax.lax.top_k(lp, top)
+    return chosen, top_ids, top_lp
 
 
 def pad(values: list, size: int | None = None) -> list:

@@ -71,6 +71,16 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the cache
     generated: list = dataclasses.field(default_factory=list)
     spec_k: int = 0  # speculative decoding (serve/speculation.py): tokens drafted per decode step
+    stop_ids: tuple = ()  # the request ends ("stop") when it generates one of these (EOS ids)
+    finish_reason: str | None = None  # length | stop | abort | error, once it has ended
+    error: str | None = None  # what failed, with finish_reason "error"
+    fork_of: object = None  # the request whose prefill this one shares (n > 1 samples of one prompt)
+    # per generated token: its log-probability under the model, and the top alternatives
+    # (Sampling.logprobs); per prompt token: its log-probability given the tokens before it
+    # (Sampling.prompt_logprobs; None for the first)
+    logprobs: list = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
     # speculation's counts for this request: rounds, drafted and accepted tokens, decode steps
     stats: dict = dataclasses.field(
         default_factory=lambda: dict.fromkeys(("rounds", "drafted", "accepted", "decode_steps"), 0)
@@ -78,7 +88,21 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.generated) >= self.max_new_tokens
+        return self.finish_reason is not None or len(self.generated) >= self.max_new_tokens
+
+    def append(self, tokens: list) -> int:
+        """Add generated tokens, cut after the first stop id; sets finish_reason when the request
+        is complete. Returns how many were kept."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                break
+        self.generated.extend(kept)
+        if self.finish_reason is None and len(self.generated) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        return len(kept)
 
     @property
     def cached(self) -> int:
@@ -127,6 +151,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; refuse (ValueError) one that could never fit the pool or the cache."""
+        self.check(request)
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """ValueError for a request that could never fit the pool or the cache."""
         total = len(request.prompt) + request.max_new_tokens
         if not request.prompt or request.max_new_tokens < 1:
             raise ValueError(f"request {request.id!r}: needs a non-empty prompt and max_new_tokens >= 1")
@@ -142,7 +171,6 @@ class Scheduler:
                 f"budget of {self.budget}, and policy {self.policy!r} prefills whole prompts; raise "
                 "the budget or use policy='chunked'"
             )
-        self.waiting.append(request)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_seqs:
@@ -209,10 +237,10 @@ class Scheduler:
             if w.kind == "prefill":
                 r.prefilled += w.tokens
                 if r.prefilled == len(r.prompt):
-                    r.generated.append(sampled[r.id])
+                    r.append([sampled[r.id]])
             else:
                 tokens = sampled[r.id]
-                r.generated.extend(tokens if isinstance(tokens, list) else [tokens])
+                r.append(tokens if isinstance(tokens, list) else [tokens])
             if r.done:
                 done.append(r)
         for r in done:
@@ -221,15 +249,20 @@ class Scheduler:
             self.finished.append(r)
         return done
 
-    def remove(self, request_id) -> bool:
-        """Drop a waiting or running request (an abort), freeing its pages; False if it is neither."""
+    def remove(self, request_id, reason: str = "abort", keep: bool = False) -> Request | None:
+        """End a waiting or running request now (an abort, a stop string, a failure) with
+        finish_reason `reason`, freeing its pages; `keep`: list it in `finished`. None if it is
+        neither waiting nor running."""
         for queue in (self.waiting, self.running):
             for r in queue:
                 if r.id == request_id:
                     queue.remove(r)
                     self.pool.free(request_id)
-                    return True
-        return False
+                    r.finish_reason = reason
+                    if keep:
+                        self.finished.append(r)
+                    return r
+        return None
 
     @property
     def idle(self) -> bool:
