@@ -5,9 +5,10 @@ hand-written http.server it replaced (read from git), side by side in one run, o
 
 The same closed-loop replay goes to each server in turn (old, new, old, new, ...): `clients`
 threads each send their share of `requests` completions (prompts of 16-64 random bytes, 32 greedy
-tokens, every other one streamed) over stdlib http.client and wait for each answer. Reports
-completion tokens per second, mean request latency and mean time to first streamed token per
-round, and the median over rounds per server. configs/tiny.py's model (random weights) on one CPU
+tokens, every other one streamed; one connection per request) over stdlib http.client and wait
+for each answer. Reports completion tokens per second, mean request latency, mean time to the
+first streamed bytes and failed requests (connection errors) per round, and the median over
+rounds per server. configs/tiny.py's model (random weights) on one CPU
 device; the engine is compiled (warmup) before the first round.
 """
 
@@ -49,44 +50,47 @@ def replay(port: int, requests: int, clients: int, max_tokens: int, seed: int) -
     tokens, latencies, ttfts = [], [], []
     lock = threading.Lock()
 
+    errors = []
+
+    def one(conn, w, start: float) -> tuple[int, float | None]:
+        """(tokens received, seconds from `start` to the first streamed bytes)."""
+        conn.request("POST", "/v1/completions", json.dumps({**w, "max_tokens": max_tokens, "temperature": 0}))
+        r = conn.getresponse()
+        if not w["stream"]:
+            return len(json.loads(r.read())["choices"][0]["token_ids"]), None
+        first, buf = None, b""
+        while chunk := r.read1(65536):
+            first = first if first is not None else time.perf_counter() - start
+            buf += chunk
+        events = [e for e in buf.decode().split("\n\n") if e.startswith("data: {")]
+        return sum(len(json.loads(e[6:])["choices"][0]["token_ids"]) for e in events), first
+
     def client(mine):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         for w in mine:
-            body = json.dumps({**w, "max_tokens": max_tokens, "temperature": 0})
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)  # one per request, as both allow
             start = time.perf_counter()
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            r = conn.getresponse()
-            if w["stream"]:
-                first, n = None, 0
-                buf = b""
-                while True:
-                    chunk = r.read1(65536)
-                    if not chunk:
-                        break
-                    if first is None:
-                        first = time.perf_counter() - start
-                    buf += chunk
-                events = [e for e in buf.decode().split("\n\n") if e.startswith("data: {")]
-                n = sum(len(json.loads(e[6:])["choices"][0]["token_ids"]) for e in events)
-                conn.close()  # the old server closes streamed connections
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-            else:
-                data = json.loads(r.read())
-                n, first = len(data["choices"][0]["token_ids"]), None
+            try:
+                n, first = one(conn, w, start)
+            except (OSError, http.client.HTTPException) as e:
+                with lock:
+                    errors.append(repr(e))
+                continue
+            finally:
+                conn.close()
             with lock:
                 tokens.append(n)
                 latencies.append(time.perf_counter() - start)
                 if first is not None:
                     ttfts.append(first)
-        conn.close()
 
     threads = [threading.Thread(target=client, args=(work[c::clients],)) for c in range(clients)]
     start = time.perf_counter()
     [t.start() for t in threads]
     [t.join() for t in threads]
     wall = time.perf_counter() - start
-    assert len(tokens) == requests and all(n == max_tokens for n in tokens), "a request came back short"
+    assert all(n == max_tokens for n in tokens), "a request came back short"
     return {
+        "errors": len(errors),
         "tok_s": sum(tokens) / wall,
         "latency_s": statistics.mean(latencies),
         "ttft_s": statistics.mean(ttfts) if ttfts else float("nan"),
@@ -131,13 +135,19 @@ def main() -> int:
             results[name].append(got)
             print(
                 f"round {r} {name:22s} {got['tok_s']:8.1f} tok/s  latency {got['latency_s']:.3f} s  "
-                f"TTFT {got['ttft_s']:.3f} s  ({got['wall_s']:.1f} s)",
+                f"TTFT {got['ttft_s']:.3f} s  ({got['wall_s']:.1f} s, {got['errors']} failed requests)",
                 flush=True,
             )
-    print(f"\n{args.requests} requests, {args.clients} clients, {args.max_tokens} tokens each; median of {args.rounds}:")
+    print(
+        f"\n{args.requests} requests, {args.clients} clients, {args.max_tokens} tokens each; median of {args.rounds}:"
+    )
     for name, rounds in results.items():
         med = lambda key: statistics.median(x[key] for x in rounds)
-        print(f"  {name:22s} {med('tok_s'):8.1f} tok/s  latency {med('latency_s'):.3f} s  TTFT {med('ttft_s'):.3f} s")
+        failed = sum(x["errors"] for x in rounds)
+        print(
+            f"  {name:22s} {med('tok_s'):8.1f} tok/s  latency {med('latency_s'):.3f} s  TTFT {med('ttft_s'):.3f} s"
+            f"  ({failed} failed requests in all)"
+        )
     return 0
 
 

@@ -203,6 +203,16 @@ def test_eos_ids_end_a_request_with_finish_reason_stop(scripted):
     assert choice == {**choice, "text": "abc", "finish_reason": "stop", "token_ids": list(b"abc!")}
 
 
+def test_max_tokens_defaults_to_what_the_context_allows(scripted):
+    url, _, _ = scripted(list(b"abc"))
+    choice = whole(url, {"prompt": "xyz"})["choices"][0]  # the scripted engine's context: 256 tokens
+    assert len(choice["token_ids"]) == 256 - 3 and choice["finish_reason"] == "length"
+    status, body = post(url, {"prompt": "x" * 256})
+    assert status == 400 and "context is 256 tokens" in json.loads(body)["error"]["message"]
+    status, body = post(url, {"prompt": ["a"] * 3, "n": 100})
+    assert status == 400 and json.loads(body)["error"]["param"] == "n"
+
+
 def test_chat_needs_a_template_and_renders_one(scripted):
     url, _, _ = scripted()
     status, body = post(url, {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")

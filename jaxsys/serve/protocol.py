@@ -16,6 +16,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 MAX_LOGPROBS = 20  # top alternatives per token (the engine's Sampling.logprobs bound)
 MAX_N = 128  # choices per prompt (OpenAI's bound)
 MAX_STOP = 16  # stop strings per request
+MAX_CHOICES = 256  # prompts x n per request
 
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import logging
 import math
@@ -186,6 +187,8 @@ class EngineLoop:
 
     def __init__(self, engine: EngineAPI, tokenizer=None):
         self.engine, self.tokenizer = engine, tokenizer
+        # n > 1 shares the prompt's prefill where the engine can (Engine.submit's fork_of)
+        self.forks = "fork_of" in inspect.signature(engine.submit).parameters
         self.commands: collections.deque = collections.deque()
         self.wake = threading.Event()
         self.live: dict[str, _Seq] = {}
@@ -213,14 +216,16 @@ class EngineLoop:
         out: queue.Queue = queue.Queue()
         result: list = []
         accepted = threading.Event()
-        sink = lambda pieces: [out.put(p) for p in pieces]
-        self.submit_group(
-            [SeqSpec(rid, list(prompt), max_tokens, sampling, sink, tuple(stop))],
-            lambda e: (
-                result.append(e),
-                accepted.set(),
-            ),
-        )
+
+        def sink(pieces: list) -> None:
+            for p in pieces:
+                out.put(p)
+
+        def done(error: Exception | None) -> None:
+            result.append(error)
+            accepted.set()
+
+        self.submit_group([SeqSpec(rid, list(prompt), max_tokens, sampling, sink, tuple(stop))], done)
         while not accepted.wait(1.0):
             if not self.thread.is_alive():
                 raise RuntimeError("the engine's thread has stopped")
@@ -267,7 +272,7 @@ class EngineLoop:
             error, accepted = None, []
             try:
                 for spec in payload:
-                    fork = {"fork_of": spec.fork_of} if spec.fork_of is not None else {}
+                    fork = {"fork_of": spec.fork_of} if spec.fork_of is not None and self.forks else {}
                     request = self.engine.submit(spec.rid, spec.prompt, spec.max_new_tokens, spec.sampling, **fork)
                     accepted.append(spec.rid)
                     self.live[spec.rid] = _Seq(spec, request, self.tokenizer)
@@ -596,7 +601,7 @@ def build_app(state: ServerState):
         k = req.logprobs
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens=0: generate at least one token (0 only with echo, to score the prompt)")
-        specs = _specs(state, req, [ids for ids, _ in prompts], k, prompt_logprobs=req.echo and k is not None)
+        specs = _specs(state, req, [ids for ids, _ in prompts], k, req.echo and k is not None, "prompt")
         gen = Generation(state, specs)
         shape = _CompletionShape(state, req, prompts, gen_id=f"cmpl-{uuid.uuid4().hex}")
         return await _respond(raw, gen, shape, req)
@@ -614,7 +619,7 @@ def build_app(state: ServerState):
         ids = render_chat(state.tokenizer, _messages(req.messages))
         _check_ids(ids, state.vocab, "messages")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        specs = _specs(state, req, [ids], k, prompt_logprobs=False)
+        specs = _specs(state, req, [ids], k, False, "messages")
         gen = Generation(state, specs)
         shape = _ChatShape(state, req, [(ids, None)], gen_id=f"chatcmpl-{uuid.uuid4().hex}")
         return await _respond(raw, gen, shape, req)
@@ -652,9 +657,15 @@ def _seed(base: int | None, i: int) -> int:
     return (base + i - protocol.INT32_MIN) % 2**32 + protocol.INT32_MIN
 
 
-def _specs(state: ServerState, req, prompts: list[list[int]], logprobs: int | None, prompt_logprobs: bool):
-    """(choice index, SeqSpec) for every prompt x n choice, checked against the context;
-    fork_of: a prompt's first choice's prefill serves its other choices."""
+def _specs(state: ServerState, req, prompts: list[list[int]], logprobs: int | None, prompt_logprobs: bool, field: str):
+    """(choice index, SeqSpec) for every prompt x n choice, checked against the context (`field`:
+    where the prompt came from); fork_of: a prompt's first choice's prefill serves its other choices."""
+    if len(prompts) * req.n > protocol.MAX_CHOICES:
+        raise ApiError(
+            400,
+            f"n: {len(prompts)} prompts x n={req.n} choices; a request takes at most {protocol.MAX_CHOICES}",
+            param="n",
+        )
     stop = req.stops()
     if stop and state.tokenizer is None:
         raise ApiError(400, "stop: stop strings need a text tokenizer; this model has none", param="stop")
@@ -667,10 +678,10 @@ def _specs(state: ServerState, req, prompts: list[list[int]], logprobs: int | No
             want = req.max_tokens if req.max_tokens is not None else 1
             raise ApiError(
                 400,
-                f"prompt: {len(ids)} prompt tokens and max_tokens={want} need {len(ids) + want} tokens of KV "
+                f"{field}: {len(ids)} prompt tokens and max_tokens={want} need {len(ids) + want} tokens of KV "
                 f"cache, more than the pool holds for one sequence: this model's context is {ctx} tokens "
                 f"(max_tokens <= {max(room, 0)} for this prompt)",
-                param="max_tokens" if room >= 1 else "prompt",
+                param="max_tokens" if room >= 1 else field,
             )
         new = room if req.max_tokens is None else max(req.max_tokens, 1)
         first = None
@@ -704,10 +715,16 @@ def _no_sink(pieces) -> None:
 async def _respond(raw, gen: Generation, shape, req):
     await gen.start()
     if req.stream:
+        # watch from now on: a client gone before the stream's first chunk is aborted too
+        watcher = asyncio.ensure_future(_disconnected(raw))
+
+        def gone(task: asyncio.Future) -> None:
+            if not task.cancelled():
+                gen.disconnected()
+
+        watcher.add_done_callback(gone)
 
         async def sse():
-            watcher = asyncio.ensure_future(_disconnected(raw))
-            watcher.add_done_callback(lambda t: t.cancelled() or gen.disconnected())
             try:
                 for chunk in shape.stream_start():
                     yield _event(chunk)
