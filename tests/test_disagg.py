@@ -191,12 +191,13 @@ def test_http_server_streams_from_the_disaggregated_engine():
     import urllib.request
 
     from jaxsys.serve import server
+    from jaxsys.tokenizer import ByteTokenizer
 
     config = _config(placement="prefill")
     one = program_for(small_config(n_kv_heads=4))
     params = one.init(3).params
     eng = disagg.DisaggregatedEngine.from_config(config, params)  # config.serve: 256 pages of 16
-    httpd, loop = server.serve(eng, byte_level=True, model_name="tiny-disagg", port=0)
+    httpd, loop = server.serve(eng, ByteTokenizer(), "tiny-disagg", port=0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions"
     results = {}

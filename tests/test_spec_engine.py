@@ -216,7 +216,7 @@ def test_the_server_loop_streams_a_speculative_decode_token_by_token(models):
     loop = server.EngineLoop(speculative(target, tparams, **KW, k=3, draft="self", window=4, sink=0))
     try:
         _, q = loop.submit(prompt, n, engine.Sampling())
-        items = [q.get(timeout=120) for _ in range(n)]
+        items = [(p.token, p.done) for p in (q.get(timeout=120) for _ in range(n))]  # server.Piece
     finally:
         loop.stop()
     assert [t for t, _ in items] == expected and [done for _, done in items] == [False] * (n - 1) + [True]

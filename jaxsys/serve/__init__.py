@@ -6,7 +6,8 @@
     sampling.py     next-token sampling on the device
     speculation.py  speculative decoding as drafters: a draft model, or self-speculation
     disagg.py       disaggregated prefill and decode: two engines and a page transfer
-    server.py       the HTTP endpoint; bench.py: trace replay (TTFT, TPOT)
+    server.py       the HTTP server (OpenAI's API, FastAPI); protocol.py: its request models
+    bench.py        trace replay (TTFT, TPOT)
 
 Commands: `python -m jaxsys.generate`, `python -m jaxsys.serve`, `python -m jaxsys.bench_serve`.
 """
