@@ -121,7 +121,7 @@ def forward(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedTpuCo
     vp = v_pages.reshape(num_pages, page_size, kh * h)
     pt = page_table.reshape(-1).astype(jnp.int32)
     live = rows > 0
-    last = jnp.where(live, jnp.maximum((pos + rows + page_size - 1) // page_size - 1, 0), 0)
+    last = jnp.where(live, jnp.clip((pos + rows + page_size - 1) // page_size - 1, 0, max_pages - 1), 0)
     # dead items (all after the live ones) stay on the last live item's last page: no DMA
     n_live = jnp.sum(live.astype(jnp.int32))
     tail = jnp.maximum(n_live - 1, 0)
