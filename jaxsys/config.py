@@ -223,6 +223,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.cache = "paged"  # paged | contiguous (a row of max_len slots per running sequence)
     c.serve.allocation = "on_demand"  # on_demand (pages as sequences grow; preemption) | reserve (prompt + max_new)
     c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
+    c.serve.ragged = True  # a step's rows attend per sequence with the ragged paged-attention kernel
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
@@ -565,7 +566,8 @@ def validate(config, num_devices: int | None = None) -> None:
         sv.allocation in ("on_demand", "reserve"),
         f"config.serve.allocation={sv.allocation!r}: choose one of ('on_demand', 'reserve')",
     )
-    _require(isinstance(sv.prefix_cache, bool), f"config.serve.prefix_cache={sv.prefix_cache!r} must be true or false")
+    for key in ("prefix_cache", "ragged"):
+        _require(isinstance(sv[key], bool), f"config.serve.{key}={sv[key]!r} must be true or false")
     _require(
         sv.cache == "paged" or sv.kv_quant == "none",
         f"config.serve.cache={sv.cache!r} with config.serve.kv_quant={sv.kv_quant!r}: the quantized cache is "

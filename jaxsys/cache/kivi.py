@@ -49,6 +49,7 @@ from jaxsys.cache.base import KVCache, static
 from jaxsys.cache.paged import slots, write_rows
 from jaxsys.kernels.paged_attention import quant
 from jaxsys.kernels.paged_attention.kernel_quant import paged_attention_quant
+from jaxsys.kernels.paged_attention.ragged import ragged_paged_attention_quant
 
 QUANT_LEAVES = ("kq", "vq", "ks", "kz", "vs", "vz")
 
@@ -75,11 +76,17 @@ class QuantizedPagedCache(KVCache):
     vz: jax.Array
     page_table: jax.Array | None = None
     fp_table: jax.Array | None = None
+    # per sequence (the ragged kernel; paged.PagedCache's fields), and its full-precision pages
+    seq_table: jax.Array | None = None
+    seq_fp_table: jax.Array | None = None
+    cu_q_lens: jax.Array | None = None
+    kv_lens: jax.Array | None = None
+    num_seqs: jax.Array | None = None
     mode: str = static("kivi4")
     residual: int = static(0)
 
     layer_fields = ("k", "v") + QUANT_LEAVES
-    row_fields = ("page_table", "fp_table")
+    row_fields = ("page_table", "fp_table", "seq_table", "seq_fp_table", "cu_q_lens", "kv_lens", "num_seqs")
 
     @property
     def page_size(self) -> int:
@@ -102,6 +109,21 @@ class QuantizedPagedCache(KVCache):
         sealed = quant.quantize_pages(pools["k"][fp_page], pools["v"][fp_page], self.mode, self.ks.dtype)
         for name in QUANT_LEAVES:
             pools[name] = getattr(self, name).at[dst].set(sealed[name])
+        if read is None and self.cu_q_lens is not None:
+            o = ragged_paged_attention_quant(
+                q[:, 0],
+                pools["k"].astype(q.dtype),
+                pools["v"].astype(q.dtype),
+                {name: pools[name] for name in QUANT_LEAVES},
+                self.seq_table,
+                self.seq_fp_table,
+                self.cu_q_lens,
+                self.kv_lens,
+                self.num_seqs,
+                mode=self.mode,
+                residual=self.residual,
+            )
+            return o[:, None], self.with_layers(pools)
         table_q, lengths, table_f, quant_pages = (tq, pos + 1, tf, None) if read is None else read
         o = paged_attention_quant(
             q[:, 0],

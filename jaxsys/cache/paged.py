@@ -11,6 +11,15 @@ slot first, then each row attends to its sequence's slots up to its position wit
 paged-attention kernel (one query per row): the rows of one prefill chunk see each other causally.
 A read view (`window.WindowView`, self-speculation's draft) reads through another table of the
 same pages with its own lengths; the writes always go through `page_table`.
+
+With the step's rows grouped by sequence (the engine's: a sequence's rows are consecutive, at
+consecutive positions), the per-sequence fields select the ragged kernel instead
+(kernels/paged_attention/ragged.py): each sequence's queries attend in blocks over its pages, so a
+prefill chunk of C rows reads its pages once per block instead of C times.
+
+    seq_table  [S, max_pages]  each sequence's pages      cu_q_lens  [S + 1]  its rows' offsets
+    kv_lens    [S]             its cache length after     num_seqs   [1]      sequences in use
+                               this step's writes
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import jax.numpy as jnp
 
 from jaxsys.cache.base import KVCache
 from jaxsys.kernels.paged_attention.kernel import paged_attention
+from jaxsys.kernels.paged_attention.ragged import ragged_paged_attention
 
 
 def slots(page_table, positions, page_size: int):
@@ -43,9 +53,13 @@ class PagedCache(KVCache):
     k: jax.Array
     v: jax.Array
     page_table: jax.Array | None = None
+    seq_table: jax.Array | None = None
+    cu_q_lens: jax.Array | None = None
+    kv_lens: jax.Array | None = None
+    num_seqs: jax.Array | None = None
 
     layer_fields = ("k", "v")
-    row_fields = ("page_table",)
+    row_fields = ("page_table", "seq_table", "cu_q_lens", "kv_lens", "num_seqs")
 
     @property
     def page_size(self) -> int:
@@ -57,6 +71,17 @@ class PagedCache(KVCache):
         pos = positions[:, 0]
         slot = slots(self.page_table, pos, self.page_size)
         kc, vc = write_rows(self.k, k[:, 0], slot), write_rows(self.v, v[:, 0], slot)
-        table, lengths = (self.page_table, pos + 1) if read is None else read[:2]
-        o = paged_attention(q[:, 0], kc.astype(q.dtype), vc.astype(q.dtype), table, lengths)
-        return o[:, None], PagedCache(kc, vc, self.page_table)
+        if read is None and self.cu_q_lens is not None:
+            o = ragged_paged_attention(
+                q[:, 0],
+                kc.astype(q.dtype),
+                vc.astype(q.dtype),
+                self.seq_table,
+                self.cu_q_lens,
+                self.kv_lens,
+                self.num_seqs,
+            )
+        else:
+            table, lengths = (self.page_table, pos + 1) if read is None else read[:2]
+            o = paged_attention(q[:, 0], kc.astype(q.dtype), vc.astype(q.dtype), table, lengths)
+        return o[:, None], self.with_layers({"k": kc, "v": vc})

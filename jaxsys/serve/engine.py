@@ -57,6 +57,7 @@ from jaxsys.serve.sampling import Sampling
 from jaxsys.serve.scheduler import PagePool, PoolExhausted, Request, Scheduler, Work
 
 MIN_ROWS = 8
+SEQUENCE_VECTORS = ("cu_q_lens", "kv_lens", "num_seqs")  # per shard vectors: [D x n] flat, n per shard
 log = logging.getLogger("jaxsys.serve")
 
 
@@ -73,6 +74,7 @@ def pool_settings(sv) -> dict:
         "cache": sv.get("cache", "paged"),
         "allocation": sv.get("allocation", "on_demand"),
         "prefix_cache": bool(sv.get("prefix_cache", True)),
+        "ragged": bool(sv.get("ragged", True)),
         **{key: sv[key] for key in keys},
     }
 
@@ -149,6 +151,7 @@ class Engine(EngineAPI):
         k: int = 0,
         allocation: str = "on_demand",
         prefix_cache: bool = True,
+        ragged: bool = True,
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
@@ -158,7 +161,9 @@ class Engine(EngineAPI):
         their own. `allocation`: "on_demand" (pages as sequences grow, preempting when the pool runs
         out) or "reserve" (prompt + max_new_tokens at admission). `prefix_cache`: full pages shared
         by the hash chain of their tokens (paged caches; under kv_quant only with kv_residual 0,
-        since a sequence reads its residual window's pages in full precision from its own pool)."""
+        since a sequence reads its residual window's pages in full precision from its own pool).
+        `ragged`: a paged cache's steps attend with the ragged kernel (each sequence's rows in
+        query blocks over its pages) instead of the one-query kernel row by row."""
         config = program.config
         check_servable(config)
         if drafter is not None and (not isinstance(k, int) or k < 1):
@@ -189,6 +194,7 @@ class Engine(EngineAPI):
         self.pools = [PagePool(num_pages, page_size) for _ in range(self.shards)]
         self.max_pages = math.ceil(self.max_len / page_size)
         self.prefix_cache = prefix_cache and cache == "paged" and (kv_quant == "none" or kv_residual == 0)
+        self.ragged = ragged and cache == "paged"
         self.schedulers = [
             Scheduler(
                 pool,
@@ -253,12 +259,36 @@ class Engine(EngineAPI):
         pools = {name: zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
         return QuantizedPagedCache(**pools, mode=self.kv_quant, residual=self.kv_residual)
 
-    def tables(self, width: int) -> dict:
-        """Empty per-row tables of a step of `width` rows per shard (every row on the scratch page)."""
+    def tables(self, width: int, ragged: bool = False) -> dict:
+        """Empty per-row tables of a step of `width` rows per shard (every row on the scratch page);
+        `ragged`: with the per-sequence fields of the ragged kernel (no sequence yet)."""
         out = {"page_table": np.full((self.shards, width, self.max_pages), self.scratch, np.int32)}
         if self.residual:
             out["fp_table"] = np.full((self.shards, width, self.max_pages), self.fp_scratch, np.int32)
+        if ragged and self.ragged:
+            out["seq_table"] = out["page_table"].copy()
+            if self.residual:
+                out["seq_fp_table"] = out["fp_table"].copy()
+            out["cu_q_lens"] = np.zeros((self.shards, width + 1), np.int32)
+            out["kv_lens"] = np.zeros((self.shards, width), np.int32)
+            out["num_seqs"] = np.zeros((self.shards, 1), np.int32)
         return out
+
+    def fill_sequences(self, tables: dict, plans) -> None:
+        """The ragged kernel's per-sequence fields: shard d's works in order, each one sequence's
+        consecutive rows (q_len = its tokens) ending at cache length start + tokens."""
+        if "cu_q_lens" not in tables:
+            return
+        for d, work in enumerate(plans):
+            for j, w in enumerate(work):
+                tables["cu_q_lens"][d, j + 1] = tables["cu_q_lens"][d, j] + w.tokens
+                tables["kv_lens"][d, j] = w.start + w.tokens
+                pages = self.pools[d].table(w.request.id)[: self.max_pages]
+                tables["seq_table"][d, j, : len(pages)] = pages
+                if self.residual:
+                    tables["seq_fp_table"][d, j] = self.residual[d].table(w.request.id, self.max_pages, self.fp_scratch)
+            tables["cu_q_lens"][d, len(work) + 1 :] = tables["cu_q_lens"][d, len(work)]
+            tables["num_seqs"][d, 0] = len(work)
 
     def fill_row(self, tables: dict, d: int, r: int, request_id) -> None:
         """Row r of shard d reads and writes the cache of `request_id`."""
@@ -274,7 +304,12 @@ class Engine(EngineAPI):
 
     def with_tables(self, cache, tables: dict):
         """`cache` with this step's tables (flattened to [D width, ...]) on the devices."""
-        flat = {name: self.put(t.reshape(-1, t.shape[-1]), ROWS) for name, t in tables.items()}
+        flat = {
+            name: self.put(t.reshape(-1), ROW)
+            if name in SEQUENCE_VECTORS
+            else self.put(t.reshape(-1, t.shape[-1]), ROWS)
+            for name, t in tables.items()
+        }
         return dataclasses.replace(cache, **flat)
 
     def forward(self, tokens, positions, tables: dict, cache=None):
@@ -311,7 +346,7 @@ class Engine(EngineAPI):
         its sampling, and the drafter's programs."""
         for width in self.widths():
             rows = np.zeros((self.shards, width), np.int32)
-            logits = self.forward(rows, rows, self.tables(width))
+            logits = self.forward(rows, rows, self.tables(width, ragged=True))
             self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})
         if self.drafter is not None:
             self.drafter.warmup(self)
@@ -482,7 +517,8 @@ class Engine(EngineAPI):
         width = self.width(n)
         tokens = np.zeros((self.shards, width), np.int32)
         positions = np.zeros((self.shards, width), np.int32)
-        tables = self.tables(width)
+        tables = self.tables(width, ragged=True)
+        self.fill_sequences(tables, plans)
         sample_rows, verify_rows, prompt_rows = {}, {}, []
         for d, work in enumerate(plans):
             r = 0
