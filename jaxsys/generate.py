@@ -8,7 +8,7 @@ or a quantized one (`jaxsys.quantize`).
 The prompt is text when the model has a tokenizer (jaxsys/tokenizer.py: the byte tokenizer of a
 byte-level run, or the Hugging Face tokenizer a workdir carries), and the continuation is printed
 as text as it is generated, whole characters only, until the tokenizer's end-of-sequence id
-(`--ignore-eos` prints on). `--chat` renders the tokenizer's chat template around the prompt (one
+(`--ignore-eos` goes on to --max-new-tokens). `--chat` renders the tokenizer's chat template around the prompt (one
 user message, after `--system`'s). A model without a tokenizer takes `--prompt` as space-separated
 token ids and prints ids; text for it is an error that says how to attach a tokenizer
 (`python -m jaxsys.convert --tokenizer PATH --workdir W`). Logs go to stderr. Overrides change how
@@ -82,21 +82,20 @@ def main(argv=None) -> int:
         if args.chat:
             log(f"chat prompt {tok.apply_chat_template(tokenizer_lib.chat_messages(args.prompt, args.system))!r}")
         printer = tokenizer_lib.TokenPrinter(tok, sys.stdout.write, prompt, () if args.ignore_eos else None)
+        if tok is not None and not args.ignore_eos:  # the engine ends the request at an EOS id
+            sampling.stop_ids = tuple(tok.eos_ids)
 
         def show(_, tokens):
             printer.push(tokens)
             sys.stdout.flush()
 
         start = time.perf_counter()
-        engine.generate(eng, [prompt], args.max_new_tokens, sampling, on_token=show)
+        new = engine.generate(eng, [prompt], args.max_new_tokens, sampling, on_token=show)[0]
         printer.close()
         sys.stdout.write("\n")
         elapsed = time.perf_counter() - start
         stop = "" if printer.stopped is None else f"; end of sequence (id {printer.stopped}) after {printer.shown}"
-        log(
-            f"{args.max_new_tokens} tokens in {elapsed:.2f}s ({args.max_new_tokens / elapsed:.1f} tokens/s, "
-            f"compilation included){stop}"
-        )
+        log(f"{len(new)} tokens in {elapsed:.2f}s ({len(new) / elapsed:.1f} tokens/s, compilation included){stop}")
     # (a TokenizerError is a ValueError)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -127,7 +127,16 @@ class ByteTokenizer:
         return _ByteStream()  # bytes need no context: a prompt ends on a whole character
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        raise TokenizerError("the byte tokenizer has no chat template: a byte-level model continues plain text")
+        """The conversation by this tokenizer's `chat_template` (a subclass or an instance may give
+        one; the plain byte tokenizer has none: a byte-level model continues plain text)."""
+        if not self.chat_template:
+            raise TokenizerError("the byte tokenizer has no chat template: a byte-level model continues plain text")
+        if not messages:
+            raise TokenizerError("a chat needs at least one message")
+        chat = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        return _compile_chat_template(self.chat_template).render(
+            messages=chat, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt))

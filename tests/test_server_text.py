@@ -101,6 +101,9 @@ class ScriptedEngine(EngineAPI):
     def finished(self):
         return self.done
 
+    def forget_finished(self):
+        pass  # the tests read what finished (`done`) after the server is through with it
+
 
 class EosBytes(ByteTokenizer):
     eos_ids = (ord("!"),)

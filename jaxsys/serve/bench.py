@@ -98,3 +98,50 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256, prompts: lis
         "steps": len(step_times),
         "step_s": percentiles(step_times),
     }
+
+
+def host_gap(eng, sequences: int = 64, prompt_len: int = 32, steps: int = 20, seed: int = 0) -> dict:
+    """How much of a decode step the host adds: `sequences` requests decoding together, the median
+    wall time of `eng.step()` against the median time of the step's compiled function called back
+    to back on the same inputs (the tables already on the device), in one run. `eng` is an idle,
+    warmed-up Engine with room for them (max_seqs, pages)."""
+    import jax
+
+    from jaxsys.cache.base import ROW
+
+    rng = np.random.default_rng(seed)
+    vocab = eng.program.config.model.vocab_size
+    for i in range(sequences):
+        eng.submit(("host_gap", i), rng.integers(0, vocab, size=prompt_len).tolist(), 10 * steps + 64)
+    while any(not r.decoding for s in eng.schedulers for r in s.running) or any(s.waiting for s in eng.schedulers):
+        eng.step()  # prefill them all
+    for _ in range(3):
+        eng.step()
+    engine_s = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        eng.step()
+        engine_s.append(time.perf_counter() - start)
+    captured: dict = {}
+    forward = eng.forward
+
+    def capture(tokens, positions, tables, cache=None):
+        captured.update(tokens=tokens, positions=positions, tables=tables)
+        return forward(tokens, positions, tables, cache)
+
+    eng.forward = capture
+    eng.step()
+    eng.forward = forward
+    tokens, positions = (eng.put(captured[k].reshape(-1), ROW) for k in ("tokens", "positions"))
+    cache = eng.with_tables(eng.cache, captured["tables"])
+    device_s = []
+    for _ in range(steps):  # the step returns the (donated) cache with its tables: the same inputs again
+        start = time.perf_counter()
+        logits, cache = eng.runner(eng.params, tokens, positions, cache)
+        jax.block_until_ready(logits)
+        device_s.append(time.perf_counter() - start)
+    eng.cache = eng.without_tables(cache)
+    for i in range(sequences):
+        eng.abort(("host_gap", i))
+    step, device = float(np.median(engine_s)), float(np.median(device_s))
+    return {"sequences": sequences, "engine_step_s": step, "compiled_step_s": device, "host_gap_ratio": step / device}

@@ -284,6 +284,11 @@ class DisaggregatedEngine(EngineAPI):
     def finished(self) -> list[Request]:
         return self.decode.finished + self._done
 
+    def forget_finished(self) -> None:
+        self.prefill.forget_finished()
+        self.decode.forget_finished()
+        self._done.clear()
+
     def has_work(self, side: str) -> bool:
         if side == "prefill":
             return not self.prefill.idle

@@ -113,6 +113,11 @@ class EngineAPI(abc.ABC):
     @abc.abstractmethod
     def finished(self) -> list[Request]: ...
 
+    @abc.abstractmethod
+    def forget_finished(self) -> None:
+        """Drop the engine's references to finished requests (`finished` empties; their pages went
+        back when they ended): a long-running server keeps only what it still sends."""
+
     def run(self, max_steps: int = 100_000) -> list[Request]:
         """Step until every submitted request has finished."""
         for _ in range(max_steps):
@@ -347,7 +352,8 @@ class Engine(EngineAPI):
         for width in self.widths():
             rows = np.zeros((self.shards, width), np.int32)
             logits = self.forward(rows, rows, self.tables(width, ragged=True))
-            self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})
+            self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})  # greedy
+            self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling(temperature=1.0)})  # drawn
         if self.drafter is not None:
             self.drafter.warmup(self)
         jax.block_until_ready(self.cache)
@@ -360,6 +366,11 @@ class Engine(EngineAPI):
     @property
     def finished(self) -> list[Request]:
         return [r for s in self.schedulers for r in s.finished]
+
+    def forget_finished(self) -> None:
+        for s in self.schedulers:
+            s.finished.clear()
+        self.failed.clear()
 
     def submit(
         self,
@@ -605,7 +616,9 @@ class Engine(EngineAPI):
             np.asarray([s.top_k for s in settings], np.int32),
             np.asarray([s.top_p for s in settings], np.float32),
         )
-        if not any(s.penalized for s in settings):
+        if all(s.temperature == 0 and not s.penalized for s in settings):
+            tokens = sampling_lib.greedy_at(logits, args[1])
+        elif not any(s.penalized for s in settings):
             tokens = sampling_lib.sample_at(*args)
         else:
             seen = [

@@ -127,6 +127,8 @@ def _sample_rows(logits, seed, n, t, k, p):
 
 # per sequence: its own settings, and its own key; rows `at` of the step's logits
 sample_at = jax.jit(lambda logits, at, seed, n, t, k, p: _sample_rows(logits[at], seed, n, t, k, p))
+# the same when every row is greedy (temperature 0): the argmax alone, no sort or draw
+greedy_at = jax.jit(lambda logits, at: jnp.argmax(logits[at].astype(jnp.float32), axis=-1).astype(jnp.int32))
 
 
 @jax.jit

@@ -153,7 +153,7 @@ class PagePool:
         assert set(self._idle) <= set(self._name_of), "an idle page that is not cached"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: `in` and `remove` compare identity
 class Request:
     id: object
     prompt: list

@@ -257,6 +257,7 @@ class EngineLoop:
                     log.exception("engine step failed; failing every request in flight")
                     self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
                 self._publish()
+                self.engine.forget_finished()  # the server holds what it still streams
             except Exception:  # a bug here must not stop the server: fail what is in flight
                 log.exception("engine loop error; failing every request in flight")
                 self._fail_all("the server failed while following this request")
@@ -335,45 +336,23 @@ def token_text(tokenizer, token: int) -> str:
 
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt ids of a conversation, by the tokenizer's chat template (its
-    `apply_chat_template(messages, add_generation_prompt=True)` where it has one, else its
-    `chat_template` rendered with Jinja as Hugging Face renders it); ApiError(400) without one."""
+    """The prompt ids of a conversation, by the tokenizer's chat template (`encode_chat`: the
+    template writes its own special tokens); ApiError(400) naming the problem when the model has no
+    tokenizer or its tokenizer no template, or the template refuses the conversation."""
+    from jaxsys.tokenizer import TokenizerError
+
     name = getattr(tokenizer, "name", "none") if tokenizer is not None else "none"
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    template = getattr(tokenizer, "chat_template", None)
-    if tokenizer is None or (apply is None and not template):
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ApiError(
             400,
             f"messages: this model's tokenizer ({name}) has no chat template, so /v1/chat/completions cannot "
             "render a conversation; use /v1/completions with the prompt text",
             param="messages",
         )
-    if apply is not None:
-        out = apply(messages, add_generation_prompt=True)
-    else:
-        out = _jinja(template).render(
-            messages=messages,
-            add_generation_prompt=True,
-            bos_token="",
-            eos_token=tokenizer.decode(list(tokenizer.eos_ids[:1])) if tokenizer.eos_ids else "",
-        )
-    return tokenizer.encode(out) if isinstance(out, str) else [int(t) for t in out]
-
-
-_templates: dict = {}
-
-
-def _jinja(source: str):
-    if source not in _templates:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise ApiError(400, f"messages: the chat template refused them: {message}", param="messages")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        _templates[source] = env.from_string(source)
-    return _templates[source]
+    try:
+        return [int(t) for t in tokenizer.encode_chat(messages, add_generation_prompt=True)]
+    except TokenizerError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
 
 
 def _finite(x):
