@@ -43,6 +43,20 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: all at once)")
     parser.add_argument("--prompt-len", default="16:256")
     parser.add_argument("--output-len", default="8:64")
+    parser.add_argument(
+        "--lengths",
+        choices=["uniform", "sharegpt"],
+        default="uniform",
+        help="sharegpt: lognormal lengths of ShareGPT's shape, within the ranges",
+    )
+    parser.add_argument("--length-scale", type=float, default=1.0, help="scales the sharegpt lengths")
+    parser.add_argument(
+        "--host-gap",
+        type=int,
+        metavar="N",
+        default=0,
+        help="instead: N decoding sequences, engine step vs its compiled function back to back",
+    )
     parser.add_argument("--trace", help="JSONL trace instead of the generated one")
     parser.add_argument("--prompts", metavar="FILE", help="text prompts, one a line, instead of random ids")
     parser.add_argument("--seed", type=int, default=0)
@@ -81,6 +95,8 @@ def main(argv=None) -> int:
                 _range(args.prompt_len, "prompt-len"),
                 _range(args.output_len, "output-len"),
                 args.seed,
+                args.lengths,
+                args.length_scale,
             )
         )
         prompts = None
@@ -113,6 +129,17 @@ def main(argv=None) -> int:
             trace = bench.with_prompts(trace, prompts)
         eng = build_engine(program, params)  # config.serve: disaggregated, speculative, the cache
         eng.warmup()  # compile every row bucket before the clock starts
+        if args.host_gap:
+            result = bench.host_gap(eng, args.host_gap)
+            print(
+                json.dumps(result)
+                if args.json
+                else (
+                    f"{args.host_gap} decoding sequences: engine step {result['engine_step_s'] * 1e3:.2f} ms, "
+                    f"compiled step {result['compiled_step_s'] * 1e3:.2f} ms, host-gap ratio {result['host_gap_ratio']:.2f}"
+                )
+            )
+            return 0
         result = bench.replay(eng, trace, args.seed, config.model.vocab_size, prompts)
     except (ValueError, ConfigError, checkpoint_lib.CheckpointError, data_lib.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -126,7 +153,8 @@ def main(argv=None) -> int:
         print(
             f"{result['requests']} requests, {result['generated_tokens']} tokens in {result['makespan_s']:.2f}s "
             f"({result['throughput_tokens_per_s']:.1f} tokens/s, {result['steps']} steps); "
-            f"TTFT {ms(result['ttft_s'])}; TPOT {ms(result['tpot_s'])}"
+            f"TTFT {ms(result['ttft_s'])}; TPOT {ms(result['tpot_s'])}; prefix-cache hit rate "
+            f"{result['prefix_cache_hit_rate']:.0%}, {result['preemptions']} preemptions"
         )
     return 0
 

@@ -17,18 +17,49 @@ import time
 
 import numpy as np
 
+# ShareGPT-like lengths, in tokens (no download): lognormal fits of the shape of vLLM's ShareGPT
+# benchmark (prompts median ~150, outputs median ~200, both with long tails), clipped to [4, 1024];
+# `scale` shrinks both for small models (e.g. 0.25 on CPU). A shape, not the dataset.
+SHAREGPT = {"prompt": (5.0, 1.0), "output": (5.3, 0.9)}  # (mean, sigma) of log length
 
-def make_trace(n: int, rate: float, prompt_len: tuple, output_len: tuple, seed: int) -> list[dict]:
+
+def make_trace(
+    n: int, rate: float, prompt_len: tuple, output_len: tuple, seed: int, lengths: str = "uniform", scale: float = 1.0
+) -> list[dict]:
+    """`n` requests with Poisson arrivals at `rate` per second (0: all at once); lengths uniform over
+    the `prompt_len` / `output_len` ranges, or "sharegpt" (SHAREGPT's lognormals x `scale`, within
+    the same ranges)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n)) if rate > 0 else np.zeros(n)
+
+    def draw(kind: str, bounds: tuple) -> int:
+        if lengths == "sharegpt":
+            mu, sigma = SHAREGPT[kind]
+            value = int(round(float(np.exp(rng.normal(mu, sigma))) * scale))
+            return int(np.clip(value, bounds[0], bounds[1]))
+        return int(rng.integers(bounds[0], bounds[1] + 1))
+
     return [
         {
             "arrival_s": float(arrivals[i]),
-            "prompt_len": int(rng.integers(prompt_len[0], prompt_len[1] + 1)),
-            "output_len": int(rng.integers(output_len[0], output_len[1] + 1)),
+            "prompt_len": draw("prompt", prompt_len),
+            "output_len": draw("output", output_len),
         }
         for i in range(n)
     ]
+
+
+def engine_counters(eng) -> dict:
+    """What the engine's pools and schedulers counted: prefix-cache pages found / looked for and
+    preemptions (an Engine; zeros for engines without them)."""
+    pools = getattr(eng, "pools", [])
+    schedulers = getattr(eng, "schedulers", [])
+    hits, queries = sum(p.hits for p in pools), sum(p.queries for p in pools)
+    return {
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "prefix_cache_pages_hit": hits,
+        "preemptions": sum(s.preemptions for s in schedulers),
+    }
 
 
 def read_trace(path: str) -> list[dict]:
@@ -97,6 +128,7 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256, prompts: lis
         "tpot_s": percentiles(tpot),
         "steps": len(step_times),
         "step_s": percentiles(step_times),
+        **engine_counters(eng),
     }
 
 
