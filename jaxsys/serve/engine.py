@@ -351,7 +351,8 @@ class Engine(EngineAPI):
         its sampling, and the drafter's programs."""
         for width in self.widths():
             rows = np.zeros((self.shards, width), np.int32)
-            logits = self.forward(rows, rows, self.tables(width, ragged=True))
+            for ragged in (False, True) if self.ragged else (False,):
+                logits = self.forward(rows, rows, self.tables(width, ragged=ragged))
             self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})  # greedy
             self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling(temperature=1.0)})  # drawn
         if self.drafter is not None:
@@ -528,7 +529,10 @@ class Engine(EngineAPI):
         width = self.width(n)
         tokens = np.zeros((self.shards, width), np.int32)
         positions = np.zeros((self.shards, width), np.int32)
-        tables = self.tables(width, ragged=True)
+        # the ragged kernel where a sequence has several rows (a prefill chunk, a speculative
+        # verify); a decode-only step reads each sequence's pages once anyway, row by row, and the
+        # ragged kernel would pad every decode to a query block
+        tables = self.tables(width, ragged=any(w.tokens > 1 for work in plans for w in work))
         self.fill_sequences(tables, plans)
         sample_rows, verify_rows, prompt_rows = {}, {}, []
         for d, work in enumerate(plans):
