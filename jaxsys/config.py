@@ -224,6 +224,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.allocation = "on_demand"  # on_demand (pages as sequences grow; preemption) | reserve (prompt + max_new)
     c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
     c.serve.ragged = True  # a step's rows attend per sequence with the ragged paged-attention kernel
+    c.serve.decode_steps = 1  # > 1: decode steps in one compiled call when only decodes run (multi-step)
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
@@ -565,6 +566,10 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(
         sv.allocation in ("on_demand", "reserve"),
         f"config.serve.allocation={sv.allocation!r}: choose one of ('on_demand', 'reserve')",
+    )
+    _require(
+        isinstance(sv.decode_steps, int) and sv.decode_steps >= 1,
+        f"config.serve.decode_steps={sv.decode_steps!r} must be an integer >= 1",
     )
     for key in ("prefix_cache", "ragged"):
         _require(isinstance(sv[key], bool), f"config.serve.{key}={sv[key]!r} must be true or false")
