@@ -92,7 +92,9 @@ def test_the_global_batch_is_the_same_on_one_and_two_processes(tmp_path):
                         if key.startswith(f"{name}/{step}/"):
                             start = int(key.rsplit("/", 1)[1])
                             np.testing.assert_array_equal(value, full[start : start + value.shape[0]], err_msg=key)
-                covered = sorted(int(k.rsplit("/", 1)[1]) for held in got for k in held if k.startswith(f"{name}/{step}/"))
+                covered = sorted(
+                    int(k.rsplit("/", 1)[1]) for held in got for k in held if k.startswith(f"{name}/{step}/")
+                )
                 assert covered[0] == 0 and covered[-1] == 6, covered  # both halves came back
         for i, held in enumerate(got):
             assert {tuple(r[1:]) for r in held["assembled"]} == {tuple(range(4 * i, 4 * i + 4))}
