@@ -124,9 +124,9 @@ def _cfg(data_cfg: Any, name: str) -> Any:
         raise DataError(f"config.data.{name} is missing; set it in the config") from None
 
 
-def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Any:
-    """Load the corpus described by ``data_cfg`` (see module docs) and split it: a `Corpus` of a
-    token stream, or for a corpus of documents (jsonl, parquet, hf) a `loader.DocumentCorpus`.
+def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Corpus:
+    """Load the token stream described by ``data_cfg`` (see module docs) and split it (a corpus of
+    documents, source jsonl, parquet or hf, opens with `loader.load_corpus`).
 
     Fields: source, path, token_dtype, eval_fraction, seq_len. ``encode`` (UTF-8 bytes -> 1-D
     token array; `jaxsys.tokenizer.corpus_for` passes the model's tokenizer) reads a text corpus
@@ -146,10 +146,11 @@ def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Any:
     if not 0.0 <= eval_fraction < 0.5:
         raise DataError(f"config.data.eval_fraction must be in [0, 0.5), got {eval_fraction}")
 
-    if source in DOCUMENT_SOURCES:  # tokenized into shards by config.data.tokenizer (jaxsys/loader.py)
-        from jaxsys import loader
-
-        return loader.load_documents(data_cfg)
+    if source in DOCUMENT_SOURCES:
+        raise DataError(
+            f"config.data.source={source!r} is a corpus of documents, tokenized into shards: open it with "
+            "jaxsys.loader.load_corpus (docs/data.md)"
+        )
     if source in BYTE_SOURCES and encode is not None:
         return _encoded_split(data_cfg, encode, splits, eval_fraction, int(seq_len))
     if source == "stdlib":

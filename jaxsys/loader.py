@@ -128,6 +128,14 @@ class DocumentCorpus:
         return data_lib.Batch(*(make(a) for a in arrays))
 
 
+def load_corpus(data_cfg, encode=None, splits=("train", "eval")):
+    """The corpus of `data_cfg`: a corpus of documents (`load_documents`), or a token stream
+    (`data.load_corpus`, with its `encode` and `splits`)."""
+    if data_lib.is_documents(data_cfg):
+        return load_documents(data_cfg)
+    return data_lib.load_corpus(data_cfg, encode, splits)
+
+
 def load_documents(data_cfg, progress: bool | None = None) -> DocumentCorpus:
     """The corpus of documents of `data_cfg`, tokenized (`shards.load`: built first when missing
     and this is the only process) and cut into the rows of its splits."""

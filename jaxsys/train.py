@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
+from jaxsys import loader as loader_lib
 from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
@@ -168,7 +169,11 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: 
         tok = tokenizer_lib.for_config(config, workdir)
         corpus = tokenizer_lib.text_corpus(tok, text, config.data.seq_len, workdir)
     else:
-        corpus = tokenizer_lib.corpus_for(config, workdir, splits=("eval",))
+        corpus = (
+            loader_lib.load_corpus(config.data)
+            if data_lib.is_documents(config.data)
+            else tokenizer_lib.corpus_for(config, workdir, splits=("eval",))
+        )
     if corpus.vocab_needed > config.model.vocab_size:
         raise data_lib.DataError(
             f"the corpus ({corpus.description}) has token ids up to {corpus.vocab_needed - 1}, outside the "
@@ -210,7 +215,7 @@ def main(config, workdir: str) -> list[dict]:
             "inference: evaluate it with `python -m jaxsys.evaluate --workdir W`; to train with int8 "
             "matmuls use config.model.quant_train='int8' with quant='none'"
         )
-    corpus = data_lib.load_corpus(config.data)
+    corpus = loader_lib.load_corpus(config.data)
     if corpus.vocab_needed > config.model.vocab_size:
         raise ConfigError(
             f"the corpus has token ids up to {corpus.vocab_needed - 1} but "

@@ -33,7 +33,7 @@ def main(out: str) -> None:
     c.train.batch_size = 8
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
     maybe_initialize_distributed(c.distributed)
-    corpus = data.load_corpus(c.data)
+    corpus = loader.load_corpus(c.data)
     assembled = []
     real_rows = loader.DocumentCorpus.rows
 

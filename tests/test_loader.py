@@ -82,7 +82,7 @@ def test_the_global_batch_is_the_same_on_one_and_two_processes(tmp_path):
         # until the model takes segment ids; the batch does not need one)
         layout = Layout.from_config(c)
         sharding = NamedSharding(make_mesh(c, jax.devices()[:8]), layout.compute_spec(("batch", None)))
-        corpus = data.load_corpus(c.data)
+        corpus = loader.load_corpus(c.data)
         for step in (0, 1, 9):
             batch = data.global_batch(corpus, sharding, c.seed, step, 8, c.data.seq_len)
             for name, array in batch._asdict().items():
@@ -104,7 +104,7 @@ def test_resume_mid_epoch_is_bitwise_and_the_loader_state_is_in_the_checkpoint(t
     c = doc_config(tmp_path)
     c.train.steps, c.checkpoint.every_steps = 6, 3
     full = train.main(c, str(tmp_path / "full"))
-    corpus = data.load_corpus(c.data)
+    corpus = loader.load_corpus(c.data)
     assert corpus.splits["train"].num_rows > 6 * c.train.batch_size  # the run stays inside one epoch
     assert all(r["loss_tokens"] > 0 for r in full)
 

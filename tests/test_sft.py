@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxsys import checkpoint as checkpoint_lib
-from jaxsys import convert, data, documents, train
+from jaxsys import convert, data, documents, loader, train
 from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.config import load_config
 from jaxsys.mesh import make_mesh
@@ -131,7 +131,7 @@ def test_sft_from_a_converted_model_weights_only_assistant_tokens(tmp_path):
     program = build(one, make_mesh(one, jax.devices()[:1]))
     abstract = program.abstract_state().params
     converted, _ = checkpoint_lib.restore_params(str(base), abstract)
-    corpus = data.load_corpus(one.data)
+    corpus = loader.load_corpus(one.data)
     B, T = one.train.batch_size, one.data.seq_len
     batch = data.global_batch(corpus, program.batch_sharding, one.seed, 0, B, T)
     tokens, segments, weights = (np.asarray(a) for a in batch)
@@ -189,7 +189,7 @@ def test_the_weighted_mean_is_the_same_on_every_layout(tmp_path, mesh):
 
     def run(c):
         program = program_for(c)
-        batch = data.global_batch(data.load_corpus(c.data), program.batch_sharding, c.seed, 0, 8, c.data.seq_len)
+        batch = data.global_batch(loader.load_corpus(c.data), program.batch_sharding, c.seed, 0, 8, c.data.seq_len)
         params = program.init().params
         loss, grads = program.loss_and_grads_fn()(params, batch)
         return float(loss), float(program.eval_loss_fn()(params, batch)), jax.tree.map(np.asarray, grads)
@@ -200,5 +200,5 @@ def test_the_weighted_mean_is_the_same_on_every_layout(tmp_path, mesh):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
     c = config({})
-    batch = data.global_batch(data.load_corpus(c.data), program_for(c).batch_sharding, c.seed, 0, 8, c.data.seq_len)
+    batch = data.global_batch(loader.load_corpus(c.data), program_for(c).batch_sharding, c.seed, 0, 8, c.data.seq_len)
     assert 0 < float(np.asarray(batch.weights).sum()) < 8 * c.data.seq_len  # padding is weighted out

@@ -47,7 +47,7 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from jaxsys import data
+    from jaxsys import data, loader
     from jaxsys.mesh import make_mesh
     from jaxsys.program import build
     from tests.helpers import config_file
@@ -62,7 +62,7 @@ def main() -> None:
         c.data.source, c.data.path, c.data.cache_dir = "jsonl", path, os.path.join(work, "cache")
         c.data.seq_len, c.data.eval_fraction, c.train.batch_size = 256, 0.0, B
         c.data.packing = packed
-        corpus = data.load_corpus(c.data)
+        corpus = loader.load_corpus(c.data)
         T = c.data.seq_len
         split = corpus.splits["train"]
         pad, weighted = [], []
