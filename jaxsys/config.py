@@ -753,7 +753,7 @@ def validate(config, num_devices: int | None = None) -> None:
     )
 
 
-DOCUMENT_SOURCES = ("jsonl", "parquet", "hf")  # corpora of documents, tokenized into shards (jaxsys/shards.py)
+DOCUMENT_SOURCES = ("jsonl", "parquet", "hf")  # corpora of documents, tokenized into shards (jaxsys/data/shards.py)
 
 
 def _validate_data(config) -> None:

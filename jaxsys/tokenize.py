@@ -7,7 +7,7 @@ config.data.tokenizer in worker processes, one shard per unit of config.data.sha
 with a progress bar. Interrupted, the same command finishes the shards still missing; run on a
 complete cache, it checks every shard against the ledger (`--verify`: also their SHA-256) and
 rebuilds any damaged or missing one. Prints the cache directory and its totals. The work is
-`jaxsys.shards.build`.
+`jaxsys.data.shards.build`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args, overrides = parse_with_overrides(parser, argv, "--config.data.path=corpus/*.jsonl")
-    from jaxsys import shards
+    from jaxsys.data import shards
 
     try:
         config = load_config(args.config, overrides)

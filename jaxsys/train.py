@@ -27,13 +27,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
-from jaxsys import loader as loader_lib
 from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, load_config, parse_with_overrides, validate
-from jaxsys.loader import Loader
+from jaxsys.data import loader as loader_lib
+from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
 from jaxsys.parallel import expert_placement

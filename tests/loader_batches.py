@@ -20,8 +20,9 @@ STEPS = (0, 1, 9)
 
 
 def main(out: str) -> None:
-    from jaxsys import data, loader
+    from jaxsys import data
     from jaxsys.config import base_config
+    from jaxsys.data import loader
     from jaxsys.mesh import make_mesh, maybe_initialize_distributed
     from jaxsys.sharding import Layout
 

@@ -11,9 +11,9 @@ import os
 import numpy as np
 import pytest
 
-from jaxsys import documents, shards, tokenize, train
+from jaxsys import tokenize, train
 from jaxsys import tokenizer as tokenizer_lib
-from jaxsys.data import DataError
+from jaxsys.data import DataError, documents, shards
 from tests.helpers import ROOT, small_config
 
 HF_TOKENIZER = os.path.join(ROOT, "tests", "golden", "hf_llama", "tokenizer")

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxsys import data, loader, shards, train
+from jaxsys import data, train
 from jaxsys.checkpoint import Checkpointer
+from jaxsys.data import loader, shards
 from jaxsys.mesh import make_mesh
 from jaxsys.sharding import Layout
 from tests.helpers import ROOT, free_port, program_for, small_config, subprocess_env
@@ -158,7 +159,7 @@ def test_the_loader_builds_the_next_batch_while_the_step_runs():
 def _packed_and_padded_batches(lengths, seq_len=32, rows=8):
     """The same documents (ids 1..) as one packed row and as one document a row, each repeated to
     fill `rows` rows: (packed Batch, padded Batch) as numpy."""
-    from jaxsys import packing
+    from jaxsys.data import packing
 
     rng = np.random.default_rng(1)
     docs = [rng.integers(1, 256, n) for n in lengths]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxsys import loader, packing
+from jaxsys.data import loader, packing
 
 
 def test_pieces_cut_long_text_without_losing_a_target_and_chats_are_truncated():

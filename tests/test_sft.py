@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from jaxsys import checkpoint as checkpoint_lib
-from jaxsys import convert, data, documents, loader, train
+from jaxsys import convert, data, train
 from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.config import load_config
+from jaxsys.data import documents, loader
 from jaxsys.mesh import make_mesh
 from jaxsys.models import transformer
 from jaxsys.program import build

@@ -4,7 +4,7 @@ tokens/s (experiments/packing/README.md).
     python experiments/packing/run.py [--quick]
 
 A JSON-lines corpus of 4,000 documents with lognormal lengths (median ~110 bytes, sigma 1.2: a
-long tail well past a row) is tokenized as bytes into shards (`jaxsys.shards`), then cut into rows
+long tail well past a row) is tokenized as bytes into shards (`jaxsys.data.shards`), then cut into rows
 of T + 1 = 257 tokens one document a row (`packing=False`) and packed (best-fit decreasing,
 `packing=True`). For each, over the same 20 steps of B = 16 rows (the Grain index sampler of
 `loader.DocumentCorpus`): the padding tokens per step (segment id 0) and the targets with loss
@@ -47,7 +47,8 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from jaxsys import data, loader
+    from jaxsys import data
+    from jaxsys.data import loader
     from jaxsys.mesh import make_mesh
     from jaxsys.program import build
     from tests.helpers import config_file

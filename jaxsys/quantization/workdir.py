@@ -74,7 +74,7 @@ def quantize_workdir(
     corpus = None
     if method == "gptq":  # a corpus of documents opens through the loader (docs/data.md)
         from jaxsys import data as data_lib
-        from jaxsys import loader as loader_lib
+        from jaxsys.data import loader as loader_lib
 
         documents = data_lib.is_documents(source.data)
         corpus = (

@@ -31,8 +31,7 @@ import jax
 import numpy as np
 
 from jaxsys import data as data_lib
-from jaxsys import packing
-from jaxsys.data import DataError
+from jaxsys.data import DataError, packing
 
 
 @dataclasses.dataclass
@@ -139,7 +138,7 @@ def load_corpus(data_cfg, encode=None, splits=("train", "eval")):
 def load_documents(data_cfg, progress: bool | None = None) -> DocumentCorpus:
     """The corpus of documents of `data_cfg`, tokenized (`shards.load`: built first when missing
     and this is the only process) and cut into the rows of its splits."""
-    from jaxsys import shards
+    from jaxsys.data import shards
 
     lead = jax.process_index() == 0
     store = shards.load(

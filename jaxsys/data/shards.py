@@ -38,8 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsys import documents
-from jaxsys.data import DataError, _cache_dir
+from jaxsys.data import DataError, _cache_dir, documents
 
 VERSION = 1
 TOKENIZE_HINT = "python -m jaxsys.tokenize --config CONFIG (with the same --config.data.* overrides)"

@@ -149,7 +149,7 @@ def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Corpus:
     if source in DOCUMENT_SOURCES:
         raise DataError(
             f"config.data.source={source!r} is a corpus of documents, tokenized into shards: open it with "
-            "jaxsys.loader.load_corpus (docs/data.md)"
+            "jaxsys.data.loader.load_corpus (docs/data.md)"
         )
     if source in BYTE_SOURCES and encode is not None:
         return _encoded_split(data_cfg, encode, splits, eval_fraction, int(seq_len))
