@@ -784,10 +784,10 @@ def _validate_data(config) -> None:
     )
     if d.packing:
         _require(
-            config.mesh.pipe == 1,
-            "config.data.packing=True with config.mesh.pipe > 1: the pipeline's stages do not take segment ids "
-            "yet (the document masks reach transformer.token_losses only); use packing=False (padded rows) "
-            "under a pipeline",
+            "linear" not in layer_pattern(config.model),
+            f"config.data.packing=True with config.model.layer_pattern={config.model.layer_pattern!r}: linear-attention "
+            "layers keep one recurrent state per row and cannot reset it at a document boundary yet; use "
+            "packing=False (padded rows) or softmax layers",
         )
         _require(
             config.model.kind == "jaxsys",

@@ -233,33 +233,46 @@ class Program(Placement):
     def _pipeline(self, params, batch, program: pipeline.Program):
         """Through the pipeline executor, tokens split into micro-batches: (this shard's objective
         share, gradients (None without backward), (its cross-entropy share, MoE stats)). A weighted
-        batch's weights travel with the targets (their float32 bits beside each target id), so the
-        last stage weights each token's loss; config.data.packing is refused under a pipeline."""
+        batch's loss weights, and under config.data.packing its segment ids and positions, travel
+        with each micro-batch (`pipeline.run`'s extras), so every stage masks and the last one
+        weights each token's loss."""
         c, m, layout, specs = self.config, self.config.model, self.layout, self.specs
-        tokens, _, weights = data_lib.batch_parts(batch)
-        inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
+        tokens, segments, weights = data_lib.batch_parts(batch)
+        packed = c.data.packing and segments is not None
+        if packed:
+            inputs, targets, positions, segments = transformer.split_tokens(tokens, m, layout, segments)
+        else:
+            inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
         # the ticks read a stage's weights many times: with config.offload.params they move in once
         params = offload.fetch(params, layout.params_on_host)
         split = lambda a: a.reshape(program.m, a.shape[0] // program.m, *a.shape[1:])
         norm = self.tokens_per_step
+        extras = {}
+        if weights is not None:
+            extras["weights"] = split(self._local_weights(weights).astype(jnp.float32))
+        if packed:
+            extras.update(segments=split(segments), positions=split(positions))
 
-        def stack(w, x):
+        def stack(w, x, extra=None):
             y, moe_stats = transformer.layer_stack(
-                w, x, positions, m, layout, specs, self.unroll_layers, c.parallel.expert_dispatch
+                w,
+                x,
+                extra["positions"] if packed else positions,
+                m,
+                layout,
+                specs,
+                self.unroll_layers,
+                c.parallel.expert_dispatch,
+                segments=extra["segments"] if packed else None,
             )
             return y, _moe_term(moe_stats, norm), moe_stats
 
-        loss = lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm
-        if weights is not None:
+        if weights is None:
+            loss = lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm
+        else:
             weight_norm = self.weight_norm(batch)
-            bits = jax.lax.bitcast_convert_type(self._local_weights(weights).astype(jnp.float32), jnp.int32)
-            targets = jnp.stack([targets, bits], axis=-1)  # [B, T', 2]: target id, its weight's bits
-            loss = lambda sh, h, t: (
-                jnp.sum(
-                    transformer.output_loss(sh, h, t[..., 0], m, layout, specs)
-                    * jax.lax.bitcast_convert_type(t[..., 1], jnp.float32)
-                )
-                / weight_norm
+            loss = lambda sh, h, t, extra: (
+                jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs) * extra["weights"]) / weight_norm
             )
 
         fns = pipeline.StageFns(
@@ -268,7 +281,7 @@ class Program(Placement):
             norm=lambda sh, y: transformer.final_norm(sh, y, m, layout, specs),
             loss=loss,
         )
-        ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program)
+        ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program, extras or None)
         return ce + _moe_term(moe_stats, norm), grads, (ce, moe_stats)
 
     def _local_grads(self, params, batch):
@@ -478,23 +491,8 @@ def cpu_stand_in(config):
     return stand_in, [f"{section}.{key}={value}" for section, key, value in changes]
 
 
-def documents_masked() -> bool:
-    """Whether the model takes segment ids (`transformer.token_losses(..., segments=...)`: each
-    token attends only to earlier tokens of its own document, positions restart at each), which
-    config.data.packing needs."""
-    import inspect
-
-    return "segments" in inspect.signature(transformer.token_losses).parameters
-
-
 def build(config, mesh, unroll_layers: bool = False) -> Program:
     platform = mesh.devices.flat[0].platform
-    if config.data.packing and not documents_masked():
-        raise ConfigError(
-            "config.data.packing=True puts several documents in a row, which needs the model's document "
-            "masks (transformer.token_losses(..., segments=...)); this build's model has none yet: use "
-            "config.data.packing=False (one document a row, padded)"
-        )
     for cap in CAPABILITIES:  # what this platform's compiler cannot build
         if cap.refused(config, platform):
             raise ConfigError(cap.message(config, platform))
