@@ -161,8 +161,7 @@ def evaluate_terms(program: Program, eval_fn, params, corpus, reference=None) ->
     outs = [eval_fn(params, b, *extra) for b in batches]
     terms = [{k: _scalar(v) for k, v in (o.items() if isinstance(o, dict) else {"loss": o}.items())} for o in outs]
     keys = list(terms[0])
-    equal = not isinstance(batches[0], data_lib.Batch) or c.train.objective == "dpo"  # B T tokens, B/2 pairs
-    if equal:
+    if not isinstance(batches[0], data_lib.Batch) or c.train.objective == "dpo":  # B T tokens; B/2 pairs
         return {k: float(np.mean([t[k] for t in terms])) for k in keys}
     weight_sum = jax.jit(lambda w: jnp.sum(w), out_shardings=NamedSharding(program.mesh, P()))
     weights = [_scalar(weight_sum(b.weights)) for b in batches]
