@@ -342,3 +342,53 @@ def test_lora_node_is_a_pytree_with_static_scale():
     node = lora.LoRA(jnp.ones((2, 3)), jnp.ones((2, 1)), jnp.zeros((1, 3)), 2.0, 0.0)
     leaves, tree = jax.tree.flatten(node)
     assert len(leaves) == 3 and jax.tree.unflatten(tree, leaves).scale == 2.0
+
+
+@pytest.mark.parametrize(
+    "name, arg", [("tiny_lora", None), ("tiny_lora", "qlora"), ("tiny_dpo", None), ("tiny_dpo", "full")]
+)
+def test_the_finetune_configs_validate(name, arg):
+    from tests.helpers import config_file
+
+    validate(config_file(name, arg))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_lora_on_packed_chats_resumes_exactly(tmp_path, monkeypatch):
+    """LoRA with dropout on packed chat rows (data=2 x fsdp=2 x tensor=2): a run killed after its
+    step-3 checkpoint and started again has, step for step, the losses of an uninterrupted one."""
+    from experiments.sft_lora import generate  # a byte-identity HF tokenizer with a chat template
+
+    generate.main([str(tmp_path), "--chats", "120"])
+
+    def config():
+        c = lora_config(dict(data=2, fsdp=2, tensor=2), dropout=0.1)
+        c.data.source, c.data.path, c.data.format = "jsonl", str(tmp_path / "chats.jsonl"), "chat"
+        c.data.tokenizer, c.data.packing = str(tmp_path / "tokenizer"), True
+        c.data.cache_dir, c.data.tokenize_workers, c.data.eval_fraction = str(tmp_path / "cache"), 1, 0.1
+        c.train.steps, c.checkpoint.every_steps, c.train.log_every = 6, 3, 1
+        return c
+
+    train.main(config(), str(tmp_path / "full"))
+    real_batch = train.data_lib.global_batch
+
+    def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
+        if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
+            raise _Interrupted
+        return real_batch(corpus, sharding, seed, step, *args, **kw)
+
+    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
+    with pytest.raises(_Interrupted):
+        train.main(config(), str(tmp_path / "resumed"))
+    monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
+    records = train.main(config(), str(tmp_path / "resumed"))
+    assert [r["step"] for r in records] == [4, 5, 6]
+    losses = lambda w: {r["step"]: r["loss"] for r in map(json.loads, open(w / "metrics.jsonl"))}
+    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(1, 7):
+        assert resumed[step] == full[step], step  # bitwise on CPU
