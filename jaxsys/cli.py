@@ -17,6 +17,7 @@ import sys
 # command -> (module, entry function taking argv, one line of help)
 COMMANDS = {
     "train": ("jaxsys.train", "cli", "train a config (checkpoints, metrics, resume)"),
+    "tokenize": ("jaxsys.tokenize", "main", "tokenize a corpus of documents once into memory-mapped shards"),
     "analyze": ("jaxsys.analyze", "main", "memory, FLOPs and communication of a config, ahead of time"),
     "plan": ("jaxsys.plan", "main", "choose a layout for N devices: enumerate, prune, rank, compile the best"),
     "evaluate": ("jaxsys.evaluate", "main", "held-out loss and perplexity of a checkpoint"),

@@ -114,6 +114,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.token_dtype = "uint16"
     c.data.seq_len = 128  # T
     c.data.eval_fraction = 0.01
+    # Document corpora (source jsonl | parquet | hf; docs/data.md): tokenized once into shards
+    c.data.format = "text"  # text: one document per record | chat: a list of messages (SFT)
+    c.data.text_field = "text"  # the record's field holding a document's text (format text)
+    c.data.messages_field = "messages"  # ... holding a chat's [{"role", "content"}] (format chat)
+    c.data.split = "train"  # the split of an hf DatasetDict saved to disk
+    c.data.tokenizer = "bytes"  # bytes | a Hugging Face tokenizer directory or tokenizer.json
+    c.data.cache_dir = ""  # where the tokenized shards go ("": $JAXSYS_CACHE/corpora)
+    c.data.shard_docs = 10000  # documents per shard (the unit of parallel and resumable work)
+    c.data.tokenize_workers = 0  # worker processes of the tokenize command (0: up to 8, one per core)
+    c.data.packing = False  # several documents per row with segment ids (False: one per row, padded)
+    c.data.prefetch = 2  # batches the loader builds ahead of the step (grain threads)
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 100
@@ -224,6 +235,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.allocation = "on_demand"  # on_demand (pages as sequences grow; preemption) | reserve (prompt + max_new)
     c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
     c.serve.ragged = True  # a step's rows attend per sequence with the ragged paged-attention kernel
+    c.serve.decode_steps = 1  # > 1: decode steps in one compiled call when only decodes run (multi-step)
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
@@ -566,6 +578,10 @@ def validate(config, num_devices: int | None = None) -> None:
         sv.allocation in ("on_demand", "reserve"),
         f"config.serve.allocation={sv.allocation!r}: choose one of ('on_demand', 'reserve')",
     )
+    _require(
+        isinstance(sv.decode_steps, int) and sv.decode_steps >= 1,
+        f"config.serve.decode_steps={sv.decode_steps!r} must be an integer >= 1",
+    )
     for key in ("prefix_cache", "ragged"):
         _require(isinstance(sv[key], bool), f"config.serve.{key}={sv[key]!r} must be true or false")
     _require(
@@ -729,11 +745,55 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(t.steps >= 1, "config.train.steps must be >= 1")
     _require(t.log_every >= 1, "config.train.log_every must be >= 1")
     _require(0 <= config.data.eval_fraction < 0.5, "config.data.eval_fraction must be in [0, 0.5)")
+    _validate_data(config)
     ck = config.checkpoint
     _require(
         ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
         "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0",
     )
+
+
+DOCUMENT_SOURCES = ("jsonl", "parquet", "hf")  # corpora of documents, tokenized into shards (jaxsys/data/shards.py)
+
+
+def _validate_data(config) -> None:
+    d = config.data
+    _require(d.format in ("text", "chat"), f"config.data.format={d.format!r}: choose 'text' or 'chat'")
+    _require(isinstance(d.packing, bool), f"config.data.packing={d.packing!r}: choose True or False")
+    _require(
+        isinstance(d.shard_docs, int) and d.shard_docs >= 1,
+        f"config.data.shard_docs={d.shard_docs!r} must be a positive integer",
+    )
+    _require(
+        isinstance(d.tokenize_workers, int) and d.tokenize_workers >= 0,
+        f"config.data.tokenize_workers={d.tokenize_workers!r} must be an integer >= 0 (0: one per core)",
+    )
+    _require(
+        isinstance(d.prefetch, int) and d.prefetch >= 0, f"config.data.prefetch={d.prefetch!r} must be an integer >= 0"
+    )
+    documents = d.source in DOCUMENT_SOURCES
+    _require(
+        documents or d.format == "text",
+        f"config.data.format='chat' needs a corpus of documents (config.data.source one of {DOCUMENT_SOURCES}), "
+        f"not {d.source!r}",
+    )
+    _require(
+        documents or not d.packing,
+        f"config.data.packing=True packs documents: config.data.source={d.source!r} is one token stream without "
+        f"document boundaries; use a source of documents ({', '.join(DOCUMENT_SOURCES)})",
+    )
+    if d.packing:
+        _require(
+            "linear" not in layer_pattern(config.model),
+            f"config.data.packing=True with config.model.layer_pattern={config.model.layer_pattern!r}: linear-attention "
+            "layers keep one recurrent state per row and cannot reset it at a document boundary yet; use "
+            "packing=False (padded rows) or softmax layers",
+        )
+        _require(
+            config.model.kind == "jaxsys",
+            "config.data.packing=True with config.model.kind='flax': a Flax module takes no segment ids; use "
+            "packing=False (padded rows)",
+        )
 
 
 def offloaded_activations(config) -> tuple[str, ...]:

@@ -58,6 +58,9 @@ def main(argv=None) -> int:
         parser.error("--to-hf writes the workdir's own tokenizer files: drop --tokenizer")
     if not args.from_hf and (overrides or args.config):
         parser.error("--config and overrides go with --from-hf (the other modes read the checkpoint's config)")
+    from jaxsys.mesh import cpu_unless_accelerator
+
+    cpu_unless_accelerator()  # no accelerator plugin probes (and their warnings) on a CPU-only machine
     from jaxsys import tokenizer as tokenizer_lib
     from jaxsys.checkpoint import CheckpointError, hf, saved_config  # after parsing: `--help` starts no JAX
 

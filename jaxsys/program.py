@@ -2,7 +2,11 @@
 
     program = build(config, mesh)
     state = program.init()
-    step = program.train_step_fn()          # (state, tokens[B, T+1]) -> (state, metrics)
+    step = program.train_step_fn()          # (state, batch) -> (state, metrics)
+
+A batch is a [B, T+1] int32 array of a token stream, or a `data.Batch` (tokens, segments, loss
+weights) of a corpus of documents (`Program.batch_specs`, `Program.abstract_batch`); the objective
+of a weighted batch is the sum of its weighted token losses over the global weight sum.
 
 `Placement` is what (config, mesh) fixes about the state: the parameter specs, their
 PartitionSpecs and memory kinds, the ZeRO plans, the optimizer, and how to make or describe a
@@ -23,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsys import data as data_lib
 from jaxsys.config import ConfigError
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
@@ -120,8 +125,30 @@ class Placement:
 
     @property
     def tokens_per_step(self) -> int:
-        """B T: the tokens of a global batch, what every per-token loss is divided by."""
+        """B T: the tokens of a global batch, what every per-token loss of a token stream's batch
+        (and every MoE loss) is divided by; a weighted batch's are divided by its weight sum."""
         return self.config.train.batch_size * self.config.data.seq_len
+
+    @property
+    def documents(self) -> bool:
+        """Batches are `data.Batch`es (tokens, segments, weights) of a corpus of documents."""
+        return data_lib.is_documents(self.config.data)
+
+    @property
+    def batch_specs(self):
+        """The batch's PartitionSpecs: one P for a token stream's [B, T+1] array, a `data.Batch` of
+        them (every array split over the batch axes alike) for a corpus of documents."""
+        p = self.batch_pspec
+        return data_lib.Batch(p, p, p) if self.documents else p
+
+    def abstract_batch(self):
+        """Shapes, dtypes and shardings of a global batch (`batch_specs`), for lowering."""
+        c = self.config
+        b, t = c.train.batch_size, c.data.seq_len
+        tokens = jax.ShapeDtypeStruct((b, t + 1), jnp.int32, sharding=self.batch_sharding)
+        if not self.documents:
+            return tokens
+        return data_lib.Batch(tokens, tokens, jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=self.batch_sharding))
 
     @property
     def expert_devices(self) -> int:
@@ -134,92 +161,159 @@ class Program(Placement):
     (the `_local_*` methods, inside shard_map), and the jitted global functions built from them."""
 
     # -- per-shard functions
-    def _local_objective(self, params, tokens, hook=None):
+    def _local_weights(self, weights):
+        """This device's [B, T'] of the loss weights [B, T]: the positions its targets are (under
+        context parallelism, its T/P of them), cut as `transformer.split_tokens` cuts targets."""
+        padded = jnp.pad(weights, ((0, 0), (1, 0)))  # [B, T+1], so that the targets' cut applies
+        return transformer.split_tokens(padded, self.config.model, self.layout)[1]
+
+    def weight_norm(self, batch):
+        """The global batch's loss-weight sum (at least 1), on every shard; None for a token
+        stream's batch (whose losses are divided by `tokens_per_step`)."""
+        weights = data_lib.batch_parts(batch)[2]
+        if weights is None:
+            return None
+        total = collectives.sum_over_batch_shards(jnp.sum(self._local_weights(weights)), self.layout.batch_axes)
+        return jnp.maximum(total, 1.0)
+
+    def _local_objective(self, params, batch, hook=None, norm=None):
         """This shard's share of the global mean objective (the shares sum to it over the shards):
         token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats).
-        `hook` sees every weight as it is read (`execution.weights_as_used`; zeroth-order perturbations)."""
-        c, norm = self.config, self.tokens_per_step
+        `hook` sees every weight as it is read (`execution.weights_as_used`; zeroth-order perturbations).
+        A weighted batch (`data.Batch`): the weighted losses over `norm`, the global weight sum
+        (`weight_norm` of the whole batch; computed here when not given); segments reach the model
+        only with config.data.packing (one document a row needs no mask)."""
+        c, per_token = self.config, self.tokens_per_step
+        tokens, segments, weights = data_lib.batch_parts(batch)
         if c.model.kind == "flax":  # a Flax module (models/flax_model.py): the same objective
             from jaxsys.models import flax_model
 
             losses, moe_stats = flax_model.token_losses(params, tokens, c.model, self.layout, self.specs)
         else:
+            documents = {"segments": segments} if c.data.packing and segments is not None else {}
             losses, moe_stats = transformer.token_losses(
-                params, tokens, c.model, self.layout, self.specs, self.unroll_layers, c.parallel.expert_dispatch, hook
+                params,
+                tokens,
+                c.model,
+                self.layout,
+                self.specs,
+                self.unroll_layers,
+                c.parallel.expert_dispatch,
+                hook,
+                **documents,
             )
-        ce = jnp.sum(losses) / norm
-        return ce + _moe_term(moe_stats, norm), (ce, moe_stats)
+        if weights is None:
+            ce = jnp.sum(losses) / per_token
+        else:
+            norm = self.weight_norm(batch) if norm is None else norm
+            ce = jnp.sum(losses * self._local_weights(weights).astype(losses.dtype)) / norm
+        return ce + _moe_term(moe_stats, per_token), (ce, moe_stats)
 
-    def _local_loss(self, params, tokens):
+    def _local_loss(self, params, batch):
         """This shard's share of the global mean token cross-entropy (evaluation)."""
         if self.pipeline_eval is not None:
-            return self._pipeline(params, tokens, self.pipeline_eval)[2][0]
-        return self._local_objective(params, tokens)[1][0]
+            return self._pipeline(params, batch, self.pipeline_eval)[2][0]
+        return self._local_objective(params, batch)[1][0]
 
-    def _metrics(self, ce, moe_stats):
+    def _metrics(self, ce, moe_stats, norm=None):
         """Step metrics from this shard's cross-entropy share and MoE stats: the loss terms summed
-        over the batch axes (one all-reduce), the routing statistics (already global) as they are."""
-        axes, norm = self.layout.batch_axes, self.tokens_per_step
+        over the batch axes (one all-reduce), the routing statistics (already global) as they are;
+        for a weighted batch, `loss_tokens`, its global weight sum `norm`."""
+        axes, per_token = self.layout.batch_axes, self.tokens_per_step
         terms = {"loss": ce}
         if moe_stats:
-            terms.update(moe_aux_loss=moe_stats["aux_loss"] / norm, moe_z_loss=moe_stats["z_loss"] / norm)
+            terms.update(moe_aux_loss=moe_stats["aux_loss"] / per_token, moe_z_loss=moe_stats["z_loss"] / per_token)
         metrics = collectives.sum_over_batch_shards(terms, axes)
         if moe_stats:
             metrics.update({f"moe_{k}": moe_stats[k] for k in moe_lib.ROUTING_STATISTICS})
+        if norm is not None:
+            metrics["loss_tokens"] = norm
         return metrics
 
-    def _pipeline(self, params, tokens, program: pipeline.Program):
+    def _pipeline(self, params, batch, program: pipeline.Program):
         """Through the pipeline executor, tokens split into micro-batches: (this shard's objective
-        share, gradients (None without backward), (its cross-entropy share, MoE stats))."""
+        share, gradients (None without backward), (its cross-entropy share, MoE stats)). A weighted
+        batch's loss weights, and under config.data.packing its segment ids and positions, travel
+        with each micro-batch (`pipeline.run`'s extras), so every stage masks and the last one
+        weights each token's loss."""
         c, m, layout, specs = self.config, self.config.model, self.layout, self.specs
-        inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
+        tokens, segments, weights = data_lib.batch_parts(batch)
+        packed = c.data.packing and segments is not None
+        if packed:
+            inputs, targets, positions, segments = transformer.split_tokens(tokens, m, layout, segments)
+        else:
+            inputs, targets, positions = transformer.split_tokens(tokens, m, layout)
         # the ticks read a stage's weights many times: with config.offload.params they move in once
         params = offload.fetch(params, layout.params_on_host)
         split = lambda a: a.reshape(program.m, a.shape[0] // program.m, *a.shape[1:])
         norm = self.tokens_per_step
+        extras = {}
+        if weights is not None:
+            extras["weights"] = split(self._local_weights(weights).astype(jnp.float32))
+        if packed:
+            extras.update(segments=split(segments), positions=split(positions))
 
-        def stack(w, x):
+        def stack(w, x, extra=None):
             y, moe_stats = transformer.layer_stack(
-                w, x, positions, m, layout, specs, self.unroll_layers, c.parallel.expert_dispatch
+                w,
+                x,
+                extra["positions"] if packed else positions,
+                m,
+                layout,
+                specs,
+                self.unroll_layers,
+                c.parallel.expert_dispatch,
+                segments=extra["segments"] if packed else None,
             )
             return y, _moe_term(moe_stats, norm), moe_stats
+
+        if weights is None:
+            loss = lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm
+        else:
+            weight_norm = self.weight_norm(batch)
+            loss = lambda sh, h, t, extra: (
+                jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs) * extra["weights"]) / weight_norm
+            )
 
         fns = pipeline.StageFns(
             embed=lambda sh, ids: transformer.embed(sh, ids, m, layout, specs),
             stack=stack,
             norm=lambda sh, y: transformer.final_norm(sh, y, m, layout, specs),
-            loss=lambda sh, h, t: jnp.sum(transformer.output_loss(sh, h, t, m, layout, specs)) / norm,
+            loss=loss,
         )
-        ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program)
+        ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program, extras or None)
         return ce + _moe_term(moe_stats, norm), grads, (ce, moe_stats)
 
-    def _local_grads(self, params, tokens):
-        """(objective, reduced gradients, metrics) of this shard's tokens."""
+    def _local_grads(self, params, batch):
+        """(objective, reduced gradients, metrics) of this shard's batch."""
         mb = self.config.train.microbatches
-        value_and_grad = jax.value_and_grad(self._local_objective, has_aux=True)
+        norm = self.weight_norm(batch)  # of the whole batch, before it is cut into micro-batches
+        objective = lambda p, b: self._local_objective(p, b, norm=norm)
+        value_and_grad = jax.value_and_grad(objective, has_aux=True)
         if self.pipeline_train is not None:
-            loss, grads, (ce, moe_stats) = self._pipeline(params, tokens, self.pipeline_train)
+            loss, grads, (ce, moe_stats) = self._pipeline(params, batch, self.pipeline_train)
         elif mb > 1:  # gradient accumulation over micro-batches (MoE balance per micro-batch)
 
-            def accumulate(total, batch):
-                return jax.tree.map(jnp.add, total, value_and_grad(params, batch)), None
+            def accumulate(total, micro):
+                return jax.tree.map(jnp.add, total, value_and_grad(params, micro)), None
 
-            batches = tokens.reshape(mb, tokens.shape[0] // mb, *tokens.shape[1:])
-            zero_total = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, batches[0]))
+            batches = jax.tree.map(lambda a: a.reshape(mb, a.shape[0] // mb, *a.shape[1:]), batch)
+            first = jax.tree.map(lambda a: a[0], batches)
+            zero_total = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, first))
             ((loss, (ce, moe_stats)), grads), _ = jax.lax.scan(accumulate, zero_total, batches)
         else:
-            (loss, (ce, moe_stats)), grads = value_and_grad(params, tokens)
+            (loss, (ce, moe_stats)), grads = value_and_grad(params, batch)
         # weights read from host memory get their gradients there (the transpose of the move in)
         grads = offload.fetch(grads, self.layout.params_on_host)
         grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
-        metrics = self._metrics(ce, moe_stats)
+        metrics = self._metrics(ce, moe_stats, norm)
         objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
         return objective, grads, metrics
 
-    def _local_step(self, state: TrainState, tokens):
+    def _local_step(self, state: TrainState, batch):
         if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/optim/zo.py)
-            return zo.local_step(self, state, tokens)
-        _, grads, metrics = self._local_grads(state.params, tokens)
+            return zo.local_step(self, state, batch)
+        _, grads, metrics = self._local_grads(state.params, batch)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
         grad_norm = zero.global_norm(grads, self.grad_pspecs, self.layout)
@@ -255,8 +349,9 @@ class Program(Placement):
 
     # -- jitted global functions
     def train_step_fn(self):
-        """(state, tokens[B, T+1]) -> (state, metrics); the state is donated."""
-        step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_pspec), (self.state_pspecs, P()))
+        """(state, batch) -> (state, metrics); the state is donated. The batch: tokens[B, T+1], or a
+        `data.Batch` of a corpus of documents (`batch_specs`)."""
+        step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_specs), (self.state_pspecs, P()))
         if self.state_kinds is None:
             return jax.jit(step, donate_argnums=0)
         return jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())))
@@ -285,10 +380,10 @@ class Program(Placement):
         )
 
     def eval_loss_fn(self):
-        def local(params, tokens):
-            return collectives.sum_over_batch_shards(self._local_loss(params, tokens), self.layout.batch_axes)
+        def local(params, batch):
+            return collectives.sum_over_batch_shards(self._local_loss(params, batch), self.layout.batch_axes)
 
-        return jax.jit(self._shard_map(local, (self.param_pspecs, self.batch_pspec), P()))
+        return jax.jit(self._shard_map(local, (self.param_pspecs, self.batch_specs), P()))
 
     def loss_and_grads_fn(self, metrics: bool = False):
         """(params, tokens) -> (objective, reduced gradients before clipping[, step metrics]), for
@@ -302,7 +397,7 @@ class Program(Placement):
         outputs = self._local_grads if metrics else (lambda p, t: self._local_grads(p, t)[:2])
         return jax.jit(
             self._shard_map(
-                outputs, (self.param_pspecs, self.batch_pspec), (P(), out_pspecs, P())[: 3 if metrics else 2]
+                outputs, (self.param_pspecs, self.batch_specs), (P(), out_pspecs, P())[: 3 if metrics else 2]
             )
         )
 

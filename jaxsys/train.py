@@ -20,7 +20,10 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
 from jaxsys import data as data_lib
@@ -29,6 +32,8 @@ from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, load_config, parse_with_overrides, validate
+from jaxsys.data import loader as loader_lib
+from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
 from jaxsys.parallel import expert_placement
@@ -136,17 +141,20 @@ class ThroughputWindow:
 
 
 def evaluate(program: Program, eval_fn, params, corpus) -> float:
+    """The mean held-out loss over `train.eval_batches` batches: of their per-batch means for a
+    token stream (every batch has B T tokens), of their weighted tokens for a corpus of documents
+    (each batch's mean weighted by its weight sum)."""
     c = program.config
-    losses = [
-        eval_fn(
-            params,
-            data_lib.global_batch(
-                corpus, program.batch_sharding, c.seed, i, c.train.batch_size, c.data.seq_len, "eval"
-            ),
-        )
+    batches = [
+        data_lib.global_batch(corpus, program.batch_sharding, c.seed, i, c.train.batch_size, c.data.seq_len, "eval")
         for i in range(c.train.eval_batches)
     ]
-    return float(np.mean([_scalar(l) for l in losses]))
+    losses = [_scalar(eval_fn(params, b)) for b in batches]
+    if not isinstance(batches[0], data_lib.Batch):
+        return float(np.mean(losses))
+    weight_sum = jax.jit(lambda w: jnp.sum(w), out_shardings=NamedSharding(program.mesh, P()))
+    weights = [_scalar(weight_sum(b.weights)) for b in batches]
+    return float(np.dot(losses, weights) / max(sum(weights), 1.0))
 
 
 def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: str | None = None) -> dict:
@@ -161,7 +169,11 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: 
         tok = tokenizer_lib.for_config(config, workdir)
         corpus = tokenizer_lib.text_corpus(tok, text, config.data.seq_len, workdir)
     else:
-        corpus = tokenizer_lib.corpus_for(config, workdir, splits=("eval",))
+        corpus = (
+            loader_lib.load_corpus(config.data)
+            if data_lib.is_documents(config.data)
+            else tokenizer_lib.corpus_for(config, workdir, splits=("eval",))
+        )
     if corpus.vocab_needed > config.model.vocab_size:
         raise data_lib.DataError(
             f"the corpus ({corpus.description}) has token ids up to {corpus.vocab_needed - 1}, outside the "
@@ -203,12 +215,14 @@ def main(config, workdir: str) -> list[dict]:
             "inference: evaluate it with `python -m jaxsys.evaluate --workdir W`; to train with int8 "
             "matmuls use config.model.quant_train='int8' with quant='none'"
         )
-    corpus = data_lib.load_corpus(config.data)
+    corpus = loader_lib.load_corpus(config.data)
     if corpus.vocab_needed > config.model.vocab_size:
         raise ConfigError(
             f"the corpus has token ids up to {corpus.vocab_needed - 1} but "
             f"config.model.vocab_size={config.model.vocab_size}: raise the vocab size"
         )
+    if data_lib.is_documents(config.data) and jax.process_index() == 0:
+        _record_tokenizer(config, workdir)
     mesh = make_mesh(config)
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     try:
@@ -216,6 +230,37 @@ def main(config, workdir: str) -> list[dict]:
     finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
         if checkpointer:
             checkpointer.close()
+
+
+def _record_tokenizer(config, workdir: str) -> None:
+    """Give a new workdir trained on documents the tokenizer of config.data.tokenizer (so that
+    generate and serve read text); a workdir that records one already is left as it is."""
+    if tokenizer_lib.record(workdir) is not None:
+        return
+    try:
+        tokenizer_lib.attach(workdir, config.data.tokenizer, config.model.vocab_size, note="config.data.tokenizer")
+    except tokenizer_lib.TokenizerError:
+        pass  # e.g. bytes for a vocabulary wider than 256 ids: the model then takes ids
+
+
+def _loader(config, program, corpus, checkpointer, resume_step: int | None) -> Loader:
+    """The train batches from the resumed step on: the loader state saved with the checkpoint (or,
+    for a checkpoint without one, its step: the same position)."""
+    t = config.train
+    loader = Loader(
+        corpus, program.batch_sharding, config.seed, t.batch_size, config.data.seq_len, t.steps, config.data.prefetch
+    )
+    if resume_step is not None:
+        saved = checkpointer.data_state(resume_step)
+        if saved is None:
+            saved = {"grain": {"next_index": int(resume_step)}}
+        if int(saved["grain"]["next_index"]) != int(resume_step):
+            raise checkpoint_lib.CheckpointError(
+                f"checkpoint step {resume_step} holds a loader state at step {saved['grain']['next_index']}: the "
+                "checkpoint is inconsistent; restore another step"
+            )
+        loader.restore(saved)
+    return loader
 
 
 def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
@@ -259,11 +304,9 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
     else:
         state = program.init()
     start_step = int(resume_step or 0)
-    batch = lambda step, split="train": data_lib.global_batch(
-        corpus, program.batch_sharding, config.seed, step, t.batch_size, config.data.seq_len, split
-    )
+    loader = _loader(config, program, corpus, checkpointer, resume_step)
     start = time.perf_counter()
-    step_fn = program.train_step_fn().lower(state, batch(0)).compile()
+    step_fn = program.train_step_fn().lower(state, program.abstract_batch()).compile()
     eval_fn = program.eval_loss_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
@@ -312,6 +355,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 "grad_norm": _scalar(metrics["grad_norm"]),
                 "lr": _scalar(metrics["lr"]),
             }
+            if "loss_tokens" in metrics:  # a weighted batch: the targets the loss averaged
+                record["loss_tokens"] = int(_scalar(metrics["loss_tokens"]))
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
             if routing is not None:
@@ -329,7 +374,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
 
     try:
         for step in range(start_step, t.steps):
-            tokens = batch(step)
+            tokens = next(loader)  # built ahead on the loader's thread while the last step ran
             window.dispatched(step + 1)
             state, metrics = step_fn(state, tokens)
             if pending is not None:  # read the previous step while this one runs
@@ -356,7 +401,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 pending = None
                 jax.block_until_ready(state)
                 paused = time.perf_counter()
-                checkpointer.save(step + 1, state, config)
+                checkpointer.save(step + 1, state, config, data=loader.state())
                 window.pause(time.perf_counter() - paused)  # not training time
         if pending is not None:
             finish(*pending)

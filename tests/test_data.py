@@ -224,7 +224,7 @@ def test_errors(tmp_path):
     (tmp_path / "mid.txt").write_bytes(b"x" * 100)
     _raises(cfg(path=str(tmp_path / "mid.txt"), seq_len=16), "eval split", "config.data.eval_fraction")
 
-    msg = _raises(cfg(source="parquet"), "config.data.source")
+    msg = _raises(cfg(source="csv"), "config.data.source")
     assert all(s in msg for s in ("stdlib", "text", "tokens"))
 
     np.save(tmp_path / "f.npy", np.zeros(100, np.float32))

@@ -178,3 +178,34 @@ def test_finish_and_a_failing_step_end_only_their_requests(model):
     eng.run()
     assert c.generated == _greedy(model, PROMPT, 4) and c.finish_reason == "length"
     assert all(p.free_pages == p.num_pages for p in eng.pools)
+
+
+@pytest.mark.parametrize("kv_quant", ["none", "kivi4"])
+def test_multi_step_decoding_gives_the_single_step_tokens(model, kv_quant):
+    """decode_steps=4: when only decodes run, up to 4 decode steps in one compiled call; the tokens
+    (greedy and sampled, cut at stop ids and max_new_tokens) are those of one step at a time, and
+    nothing compiles after warmup."""
+    program, params, _, _ = model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(3, 12))).tolist() for _ in range(5)]
+    news = [int(rng.integers(3, 15)) for _ in range(5)]
+    samplings = [Sampling(), Sampling(temperature=1.0, seed=3), Sampling(), Sampling(temperature=0.7, seed=9), None]
+    out = {}
+    for steps in (1, 4):
+        eng = engine.Engine(program, params, **KW, kv_quant=kv_quant, decode_steps=steps)
+        eng.warmup()
+        compiled = eng.runner.compiled()
+        for i, (p, n, s) in enumerate(zip(prompts, news, samplings)):
+            eng.submit(i, p, n, s)
+        eng.run()
+        assert eng.runner.compiled() == compiled
+        out[steps] = ({r.id: r.generated for r in eng.finished}, eng.stats["loop_steps"])
+    stop = out[1][0][4][2]  # request 4 is greedy: its third token
+    for steps in (1, 4):
+        eng = engine.Engine(program, params, **KW, kv_quant=kv_quant, decode_steps=steps)
+        r = eng.submit("s", prompts[4], 14, Sampling(stop_ids=(stop,)))
+        eng.run()
+        out[steps] += (r.generated, r.finish_reason)
+        assert all(p.free_pages == p.num_pages for p in eng.pools)
+    assert out[4][0] == out[1][0] and out[4][2:] == out[1][2:] and out[1][3] == "stop"
+    assert out[1][1] == 0 and out[4][1] > 0  # the loop ran

@@ -155,6 +155,35 @@ def test_empty_rows_give_zero_output_and_minus_inf_lse():
     assert np.all(np.asarray(grads[0])[:, empty] == 0.0)  # dq of the empty rows
 
 
+def _poisoned_outside(x, keep):
+    """x with NaN at every position (axis 1) outside `keep` [T] bool."""
+    return jnp.where(jnp.asarray(keep)[None, :, None, None], x, jnp.nan)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_blocks_masked_by_segment_ids_are_skipped(causal):
+    """Tiles whose query and key segment ids share no id are not computed at all. Segment 1 fills
+    the first two 16-wide blocks and has NaN in its q, k and v: a computed-then-masked tile would
+    spread it into segment 2 (0 * NaN = NaN in P V, in dS = P (dP - Delta) through Delta of the
+    poisoned rows, and in dS^T Q). Segment 2's outputs and its dq, dk, dv stay finite and equal
+    to the reference on clean inputs only if all three kernels skip those tiles."""
+    b, t, n, kh, h = 1, 64, 2, 1, 16
+    q, k, v = _qkv(b, t, t, n, kh, h, seed=31)
+    seg = jnp.asarray(np.repeat([1, 2], [32, 32])[None], jnp.int32)
+    keep = np.arange(t) >= 32
+    w = jnp.where(jnp.asarray(keep)[None, :, None, None], _normal(9, (b, t, n, h)), 0.0)  # segment 2's outputs only
+    u = jnp.zeros((b, n, t))
+
+    poisoned = tuple(_poisoned_outside(x, keep) for x in (q, k, v))
+    o, _, grads = _outputs_and_grads(*poisoned, w, u, seg, seg, impl=KERNEL, causal=causal)
+    clean = tuple(jnp.where(jnp.asarray(keep)[None, :, None, None], x, 0.0) for x in (q, k, v))
+    want_o, _, want_grads = _outputs_and_grads(*clean, w, u, seg, seg, impl=REFERENCE, causal=causal)
+    for got, want, what in zip((o, *grads), (want_o, *want_grads), ("o", "dq", "dk", "dv")):
+        got, want = np.asarray(got)[:, keep], np.asarray(want)[:, keep]
+        assert np.isfinite(got).all(), what
+        _assert_close(got, want, 1e-5, what)
+
+
 def test_lse_cotangent_alone():
     """Only lse reaches the loss (w = 0): the gradient must come entirely through dlse
     (dS = P * dlse), which a kernel that drops the lse cotangent would get as zero."""

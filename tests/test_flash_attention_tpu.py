@@ -161,6 +161,28 @@ def _blockwise(q, k, v, do, dlse, q_seg, kv_seg):
     return o, lse, (dq, dk, dv), parts
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tiles_masked_by_segment_ids_are_skipped(causal):
+    """As tests/test_flash_attention.py's test of the generic kernel, with 128-wide tiles: segment 1
+    fills the first tile and has NaN in q, k and v; segment 2's outputs and gradients stay finite
+    and equal to the reference only if the forward, dq and dk/dv kernels skip the tiles whose
+    segment ids share no id (a masked tile would give 0 * NaN = NaN)."""
+    b, t, n, kh, h = 1, 256, 2, 1, 32
+    keep = np.arange(t) >= 128
+    keep4 = jnp.asarray(keep)[None, :, None, None]
+    q, k, v = _normal(31, (b, t, n, h)), _normal(32, (b, t, kh, h)), _normal(33, (b, t, kh, h))
+    seg = jnp.asarray(np.repeat([1, 2], [128, 128])[None], jnp.int32)
+    w, u = jnp.where(keep4, _normal(9, (b, t, n, h)), 0.0), jnp.zeros((b, n, t))
+    poisoned = tuple(jnp.where(keep4, x, jnp.nan) for x in (q, k, v))
+    o, _, grads = _outputs_and_grads(*poisoned, w, u, seg, seg, impl=TPU, causal=causal)
+    clean = tuple(jnp.where(keep4, x, 0.0) for x in (q, k, v))
+    want_o, _, want_grads = _outputs_and_grads(*clean, w, u, seg, seg, impl=reference_attention, causal=causal)
+    for got, want, what in zip((o, *grads), (want_o, *want_grads), ("o", "dq", "dk", "dv")):
+        got, want = np.asarray(got)[:, keep], np.asarray(want)[:, keep]
+        assert np.isfinite(got).all(), what
+        _assert_close(got, want, 1e-5, what)
+
+
 def test_per_block_api_merge_of_kv_halves():
     b, t, s, n, kh, h = 1, 128, 256, 2, 1, 32
     q = _normal(3, (b, t, n, h))

@@ -865,10 +865,17 @@ def predicted_memory(config) -> dict:
         **state,
         "fsdp_gathered": gathered,
         "activations": activation_bytes(config),
-        "batch": 4.0 * local_batch(config) * (config.data.seq_len + 1),
+        # tokens [B, T+1] int32; a corpus of documents adds segments [B, T+1] and weights [B, T]
+        "batch": 4.0 * local_batch(config) * (config.data.seq_len + 1) * (3 if _documents(config) else 1),
     }
     out["total"] = sum(out.values())
     return out
+
+
+def _documents(config) -> bool:
+    from jaxsys.config import DOCUMENT_SOURCES
+
+    return config.data.source in DOCUMENT_SOURCES
 
 
 RING_HOPS = {  # steps of the ring algorithm a collective over n devices takes, each paying a hop's latency

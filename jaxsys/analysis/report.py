@@ -106,8 +106,8 @@ def _format_offload(off: dict | None) -> list[str]:
 
 
 def _batch(program):
-    c = program.config
-    return jax.ShapeDtypeStruct((c.train.batch_size, c.data.seq_len + 1), np.int32, sharding=program.batch_sharding)
+    """The abstract global batch: tokens [B, T+1], or a data.Batch (tokens, segments, weights)."""
+    return program.abstract_batch()
 
 
 def measured_collectives(found, mesh_sizes) -> list[dict]:

@@ -1,9 +1,11 @@
 """Checkpoints on Orbax: asynchronous saves, atomic commits, restore onto any mesh.
 
-A checkpoint is `{workdir}/checkpoints/<step>/` with two items: `state` (the TrainState: step,
-parameters, optimizer state) and `meta` (the resolved config as JSON). The data position needs no
-saving: batches are a pure function of (seed, step). Orbax writes a step to a temporary directory
-and renames it when complete, so a step is either whole or ignored.
+A checkpoint is `{workdir}/checkpoints/<step>/` with the items `state` (the TrainState: step,
+parameters, optimizer state), `meta` (the resolved config as JSON) and `data` (the loader's state
+as JSON, `loader.Loader.state()`: Grain's iterator position, the steps consumed, and the sampler's
+seed and shape; checkpoints written before it have no `data` item and resume from their step,
+which is the same position because batches are a pure function of (seed, step)). Orbax writes a
+step to a temporary directory and renames it when complete, so a step is either whole or ignored.
 
 Restore builds the abstract state of the *current* config and mesh (`Program.abstract_state()`)
 and reads the arrays straight into those shardings: resuming on another layout is the ordinary
@@ -69,7 +71,11 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(
             directory(workdir),
             options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+            },
         )
         self._last_save_time = time.monotonic()
 
@@ -82,16 +88,16 @@ class Checkpointer:
         by_time = c.every_minutes > 0 and time.monotonic() - self._last_save_time >= 60 * c.every_minutes
         return final or by_steps or by_time
 
-    def save(self, step: int, state, config) -> None:
-        """Start saving (returns once the arrays are copied off the training buffers)."""
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({"config": json.loads(config.to_json_best_effort())}),
-            ),
-            force=True,
-        )
+    def save(self, step: int, state, config, data: dict | None = None) -> None:
+        """Start saving (returns once the arrays are copied off the training buffers); `data`: the
+        loader's state (`loader.Loader.state()`), saved as the `data` item."""
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "meta": ocp.args.JsonSave({"config": json.loads(config.to_json_best_effort())}),
+        }
+        if data is not None:
+            items["data"] = ocp.args.JsonSave(data)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._last_save_time = time.monotonic()
 
     def restore(self, abstract_state, step: int | None = None):
@@ -111,6 +117,12 @@ class Checkpointer:
                 "earlier step or move the damaged step directory aside."
             ) from e
         return restored["state"]
+
+    def data_state(self, step: int) -> dict | None:
+        """The loader state saved with `step`, or None for a checkpoint without a `data` item."""
+        if not os.path.isdir(os.path.join(str(self.manager.directory), str(step), "data")):
+            return None
+        return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
 
     def saved_config(self, step: int | None = None):
         """The resolved config the checkpoint at `step` (default: latest) was saved with."""

@@ -50,42 +50,63 @@ class BlockAttention:
     impl: str = "reference"  # reference | pallas
     block: int = 128
 
-    def forward(self, q, k, v, causal: bool):
+    def forward(self, q, k, v, causal: bool, q_seg=None, kv_seg=None):
+        """(o fp32, lse) of q's block against one block of keys; with segment ids q_seg[B, Tq] and
+        kv_seg[B, Tk] (packed documents) a query sees only keys of its own segment."""
+        segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if self.impl == "pallas":
             from jaxsys.kernels.flash_attention import flash_attention_forward
 
-            o, lse = flash_attention_forward(q, k, v, causal=causal, block_q=self.block, block_k=self.block)
+            o, lse = flash_attention_forward(q, k, v, causal=causal, block_q=self.block, block_k=self.block, **segments)
         else:
             from jaxsys.kernels.flash_attention import reference_attention
 
-            o, lse = reference_attention(q, k, v, causal=causal, return_lse=True)
+            o, lse = reference_attention(q, k, v, causal=causal, return_lse=True, **segments)
         return o.astype(jnp.float32), lse
 
-    def backward(self, q, k, v, o, lse, do, causal: bool):
+    def backward(self, q, k, v, o, lse, do, causal: bool, q_seg=None, kv_seg=None):
+        segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if self.impl == "pallas":
             from jaxsys.kernels.flash_attention import flash_attention_backward
 
-            grads = flash_attention_backward(q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block)
+            grads = flash_attention_backward(
+                q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block, **segments
+            )
         else:
             from jaxsys.kernels.flash_attention import reference_attention_backward
 
-            grads = reference_attention_backward(q, k, v, o, lse, do, causal=causal)
+            grads = reference_attention_backward(q, k, v, o, lse, do, causal=causal, **segments)
         return tuple(g.astype(jnp.float32) for g in grads)
 
 
-def softmax_attention(q, k, v, m, seq: context.SeqLayout):
+def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
     """Causal GQA softmax attention of one layer with `m.attention_impl`; over the sequence split on
-    `seq` by `m.context_parallel` when there is one."""
+    `seq` by `m.context_parallel` when there is one. `segments` [B, T] (this device's tokens, as q):
+    the document ids of packed rows; a query then sees only earlier keys of its own document."""
     if seq.axes:
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
-        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block))
+        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block), segments)
     if m.attention_impl == "pallas":
         from jaxsys.kernels.flash_attention import flash_attention
 
-        return flash_attention(q, k, v, causal=True, block_q=m.attention_block, block_k=m.attention_block)
+        return flash_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            q_segment_ids=segments,
+            kv_segment_ids=segments,
+            block_q=m.attention_block,
+            block_k=m.attention_block,
+        )
     if m.attention_impl == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return layers.attention(q, k, v, causal=True)
+        if segments is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        # jax.nn takes no segment ids: the document mask goes in as a boolean [B, 1, T, T] mask,
+        # which cuDNN receives as a materialised additive bias (O(B T^2) memory, unlike the kernel's)
+        same = segments[:, None, :, None] == segments[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
+    return layers.attention(q, k, v, causal=True, segment_ids=segments)
 
 
 def head_log_decay(n_local: int, heads_axes: tuple[str, ...]):

@@ -27,11 +27,13 @@ def rope(x, positions, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q, k, v, causal: bool = True, q_positions=None):
+def attention(q, k, v, causal: bool = True, q_positions=None, segment_ids=None):
     """Grouped-query attention. q[B, T, N, H], k/v[B, S, K, H] with N a multiple of K; query head n
     reads key/value head n // (N/K). Softmax in fp32. Returns [B, T, N, H]. With `q_positions`
     [B, T] (decoding from a KV cache whose slot s holds position s) query t of sequence b sees the
-    keys at positions <= q_positions[b, t]; otherwise `causal` masks with T == S."""
+    keys at positions <= q_positions[b, t]; otherwise `causal` masks with T == S. `segment_ids`
+    [B, T] (packed documents, T == S): query t sees key s only if their ids are equal, besides the
+    causal or position mask."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
@@ -43,6 +45,9 @@ def attention(q, k, v, causal: bool = True, q_positions=None):
     elif causal:
         mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    if segment_ids is not None:  # [B, T, S] -> [B, 1, 1, T, S] against scores [B, K, G, T, S]
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        scores = jnp.where(same[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, h)

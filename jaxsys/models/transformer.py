@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys import execution
-from jaxsys.config import block_pattern
+from jaxsys.config import ConfigError, block_pattern
 from jaxsys.models import attention, ladder, layers, moe, quant
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import context, tensor
@@ -133,6 +133,7 @@ def block(
     previous=None,
     dispatch: str = "padded",
     cache=None,
+    segments=None,
 ):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
     Under the ladder residual x is a `ladder.LadderStream` (h, pending) of such arrays, and so is
@@ -140,6 +141,8 @@ def block(
     (attention.py); `mlp_kind` its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes
     `previous`, the experts the last MoE layer chose). `cache` (inference): this layer's KV cache
     (jaxsys/cache/), which writes the new keys and values at `positions` [B, T] and attends.
+    `segments` [B, T] (this device's full T, as the positions): the document ids of packed rows,
+    so that attention stays within each document (`split_tokens`).
     Returns (x, experts chosen here or `previous`, MoE stats or None, the cache after the write)."""
     seq = context.SeqLayout.of(layout, m)
     heads, mlp, sp = layout.compute_axes("heads"), layout.compute_axes("mlp"), layout.sp_axes
@@ -155,6 +158,13 @@ def block(
         cm,
     )
     if kind == "linear":
+        if segments is not None:
+            raise ConfigError(
+                "packed documents (config.data.packing, segment ids) need softmax attention layers: "
+                f"config.model.layer_pattern={m.layer_pattern!r} has linear-attention layers, whose "
+                "recurrent state would carry over from one document to the next (no per-document "
+                "reset yet); use a softmax layer_pattern or unpacked rows"
+            )
         if cache is not None:
             raise ValueError(
                 "decoding with a KV cache needs softmax attention layers; linear-attention "
@@ -164,8 +174,10 @@ def block(
     else:
         q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
         if cache is None:
-            o = attention.softmax_attention(q, k, v, m, seq)
+            o = attention.softmax_attention(q, k, v, m, seq, segments)
         else:
+            if segments is not None:
+                raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
             o, cache = cache.attend(q, k, v, positions)
     o = checkpoint_name(o, "attention_output")
     x = ladder.add_output(
@@ -208,10 +220,13 @@ def layer_stack(
     dispatch: str = "padded",
     hook=None,
     cache=None,
+    segments=None,
 ):
     """Run the layers of `layer_params` (this device's shards of a run of whole periods of the
     layer and MLP patterns, starting at the pattern's first layer) on x[B, T, D], through
     execution.run_layers (remat, FSDP prefetch, offload, the ladder stream, caches).
+    `segments` [B, T]: the document ids of packed rows (`split_tokens`), with `positions` [B, T]
+    restarting at each document; None: no document mask.
 
     Returns (x, moe_stats): for a model with MoE layers, the sums `aux_loss` and `z_loss` of its
     MoE layers' losses over this device's tokens, and per MoE layer here ([Lm', ...]) the global
@@ -227,7 +242,7 @@ def layer_stack(
 
     def run(x, w, previous, spec, layer_cache):
         kind, mlp_kind, _ = spec
-        return block(x, w, positions, m, layout, kind, mlp_kind, previous, dispatch, layer_cache)
+        return block(x, w, positions, m, layout, kind, mlp_kind, previous, dispatch, layer_cache, segments)
 
     # experts of the previous MoE layer per token (none yet), over the full T under sequence parallelism
     previous = jnp.full((x.shape[0], x.shape[1] * layout.size(layout.sp_axes), m.moe.top_k), -1, jnp.int32)
@@ -278,42 +293,77 @@ def output_loss(params, h, targets, m, layout: Layout, specs=None, hook=None):
     return tensor.cross_entropy(output_logits(params, h, m, layout, specs, hook), targets, layout.compute_axes("vocab"))
 
 
-def forward(params, inputs, positions, m, layout: Layout, specs=None, cache=None, unroll: bool = False):
+def forward(params, inputs, positions, m, layout: Layout, specs=None, cache=None, unroll: bool = False, segments=None):
     """Logits [B, T, V] (this shard's V/tp columns under tensor parallelism) of inputs[B, T] at
     `positions` ([T], or [B, T] per sequence). With a KV cache (jaxsys/cache/) the keys and values
     are written into it and attention reads it: returns (logits, the cache). The one cached forward
-    the serving engine, its drafters and the KIVI reference run."""
+    the serving engine, its drafters and the KIVI reference run. `segments` [B, T] (no cache):
+    document ids of packed rows, attention within each document (positions as `segment_positions`)."""
     x = embed(params, inputs, m, layout, specs)
-    out = layer_stack(params["layers"], x, positions, m, layout, specs, unroll, cache=cache)
+    out = layer_stack(params["layers"], x, positions, m, layout, specs, unroll, cache=cache, segments=segments)
     logits = output_logits(params, final_norm(params, out[0], m, layout, specs), m, layout, specs)
     return logits if cache is None else (logits, out[2])
 
 
-def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False, positions=None):
+def logits(params, inputs, m, layout: Layout, specs=None, unroll: bool = False, positions=None, segments=None):
     """Next-token logits [B, T, V] (this shard's V/tp columns under tensor parallelism) of inputs[B, T]
-    at `positions` [T] (default 0..T-1). `unroll` writes the layer loop out (the analysis counts
-    every executed collective that way)."""
-    positions = jnp.arange(inputs.shape[1]) if positions is None else positions
-    return forward(params, inputs, positions, m, layout, specs, unroll=unroll)
+    at `positions` [T] (default 0..T-1; with `segments` [B, T], the packed rows' document ids,
+    each document's own positions from 0). `unroll` writes the layer loop out (the analysis counts
+    every executed collective that way). No context parallelism here: T is the whole row."""
+    if positions is None:
+        positions = jnp.arange(inputs.shape[1]) if segments is None else segment_positions(segments)
+    return forward(params, inputs, positions, m, layout, specs, unroll=unroll, segments=segments)
 
 
-def split_tokens(tokens, m, layout: Layout):
+def segment_positions(segments):
+    """segments[B, T] -> positions [B, T] counted from each document's first token: a document is
+    a run of equal ids, and a new run starts where the id changes (so two documents in a row need
+    different ids; padding, id 0, counts as one more run)."""
+    t = jnp.arange(segments.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(segments[:, :1], dtype=bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def split_tokens(tokens, m, layout: Layout, segments=None):
     """tokens[B, T+1] -> (inputs, targets) [B, T'] and positions [T'] of this device's T' = T/P
-    positions (context parallelism) of next-token prediction."""
+    positions (context parallelism) of next-token prediction.
+
+    With `segments` [B, T+1] (packed rows: 0 padding, 1, 2, ... the document of each token), four
+    values: inputs, targets, positions [B, T'] restarting at each document's first token, and the
+    inputs' segment ids [B, T'], all cut like the tokens. A target in another segment than its
+    input (a document's last token predicting the next one's first) is the caller's to weight 0."""
     seq = context.SeqLayout.of(layout, m)
     inputs = context.shard_sequence(tokens[:, :-1], seq)
     targets = context.shard_sequence(tokens[:, 1:], seq)
-    return inputs, targets, context.positions(tokens.shape[1] - 1, seq)
+    if segments is None:
+        return inputs, targets, context.positions(tokens.shape[1] - 1, seq)
+    if segments.shape != tokens.shape:
+        raise ValueError(f"segments must have the tokens' shape [B, T+1] = {tokens.shape}; got {segments.shape}")
+    segments = segments[:, :-1].astype(jnp.int32)
+    positions = context.shard_sequence(segment_positions(segments), seq)
+    return inputs, targets, positions, context.shard_sequence(segments, seq)
 
 
 def token_losses(
-    params, tokens, m, layout: Layout, specs=None, unroll: bool = False, dispatch: str = "padded", hook=None
+    params,
+    tokens,
+    m,
+    layout: Layout,
+    specs=None,
+    unroll: bool = False,
+    dispatch: str = "padded",
+    hook=None,
+    segments=None,
 ):
     """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]
     (under context parallelism: of this device's T/P positions of them), and the MoE layers' loss
     sums and routing statistics (`layer_stack`; {} for a dense model). `hook`: see
-    `execution.weights_as_used`."""
-    inputs, targets, positions = split_tokens(tokens, m, layout)
+    `execution.weights_as_used`. `segments` [B, T+1] (int, the tokens' shape): packed rows' document
+    ids, 0 for padding; each token then attends only to earlier tokens of its own document, at
+    positions counted from the document's first token (`split_tokens`). The losses are returned
+    for every position: the caller weights them (0 for padding and for targets in another
+    document). None: one sequence per row, exactly as without the argument."""
+    inputs, targets, positions, *seg = split_tokens(tokens, m, layout, segments)
     x, moe_stats = layer_stack(
         params["layers"],
         embed(params, inputs, m, layout, specs, hook),
@@ -324,6 +374,7 @@ def token_losses(
         unroll,
         dispatch,
         hook,
+        segments=seg[0] if seg else None,
     )
     h = final_norm(params, x, m, layout, specs, hook)
     return output_loss(params, h, targets, m, layout, specs, hook), moe_stats

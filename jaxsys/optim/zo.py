@@ -238,14 +238,15 @@ def _forward(program, params, tokens, hook):
     """(global objective, step metrics) of one forward with the weights hook: the shards' objective
     shares summed over the batch axes as the first-order step does (`Program._metrics`)."""
     mb = program.config.train.microbatches
-    f = lambda batch: program._local_objective(params, batch, hook)
+    norm = program.weight_norm(tokens)  # a weighted batch's global weight sum (None for tokens)
+    f = lambda batch: program._local_objective(params, batch, hook, norm)
     if mb > 1:  # as gradient accumulation: the objective is the sum over micro-batches
-        batches = tokens.reshape(mb, tokens.shape[0] // mb, *tokens.shape[1:])
-        total = jax.tree.map(jnp.zeros_like, jax.eval_shape(f, batches[0]))
+        batches = jax.tree.map(lambda a: a.reshape(mb, a.shape[0] // mb, *a.shape[1:]), tokens)
+        total = jax.tree.map(jnp.zeros_like, jax.eval_shape(f, jax.tree.map(lambda a: a[0], batches)))
         (_, (ce, moe_stats)), _ = lax.scan(lambda t, b: (jax.tree.map(jnp.add, t, f(b)), None), total, batches)
     else:
         _, (ce, moe_stats) = f(tokens)
-    metrics = program._metrics(ce, moe_stats)
+    metrics = program._metrics(ce, moe_stats, norm)
     objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
     return objective, metrics
 

@@ -110,11 +110,12 @@ def causal_work(size: int, balance: bool, chunk_len: int) -> np.ndarray:
 
 class BlockAttention(Protocol):
     """One block of attention and its backward given the final o and LSE, as the kernel chosen in
-    models/attention.py (`attention.BlockAttention`) computes them."""
+    models/attention.py (`attention.BlockAttention`) computes them; with segment ids of the query
+    and key blocks (None: no document mask)."""
 
-    def forward(self, q, k, v, causal: bool): ...
+    def forward(self, q, k, v, causal: bool, q_seg=None, kv_seg=None): ...
 
-    def backward(self, q, k, v, o, lse, do, causal: bool): ...
+    def backward(self, q, k, v, o, lse, do, causal: bool, q_seg=None, kv_seg=None): ...
 
 
 def _case(q_id, kv_id):
@@ -137,25 +138,29 @@ def merge(o1, lse1, o2, lse2):
 
 
 def _split(x, parts: int, dim: int = SEQ_DIM):
-    return jnp.split(x, parts, axis=dim)
+    """x cut into `parts` equal chunks along `dim`; None (no segment ids) into `parts` Nones."""
+    return [None] * parts if x is None else jnp.split(x, parts, axis=dim)
 
 
-def _attend_chunks(q, k, v, q_ids, kv_ids, blocks: BlockAttention):
-    """Local query chunks (ids q_ids) against key/value chunks (ids kv_ids): (o fp32, lse)."""
+def _attend_chunks(q, k, v, q_ids, kv_ids, blocks: BlockAttention, q_seg=None, kv_seg=None):
+    """Local query chunks (ids q_ids) against key/value chunks (ids kv_ids): (o fp32, lse). With
+    the segment ids of the queries and keys ([B, len] each, or None) a query sees only keys of
+    its own segment, within the causal schedule of the chunks."""
     qs, ks, vs = _split(q, len(q_ids)), _split(k, len(kv_ids)), _split(v, len(kv_ids))
+    q_segs, kv_segs = _split(q_seg, len(q_ids)), _split(kv_seg, len(kv_ids))
     outs, lses = [], []
     for i, qi in enumerate(qs):
         o = lse = None
         for j, (kj, vj) in enumerate(zip(ks, vs)):
             branches = (
-                lambda q, k, v: blocks.forward(q, k, v, False),
-                lambda q, k, v: blocks.forward(q, k, v, True),
-                lambda q, k, v: (
+                lambda q, k, v, qs, ks: blocks.forward(q, k, v, False, qs, ks),
+                lambda q, k, v, qs, ks: blocks.forward(q, k, v, True, qs, ks),
+                lambda q, k, v, qs, ks: (
                     jnp.zeros(q.shape, jnp.float32),
                     jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf),
                 ),
             )
-            ob, lb = lax.switch(_case(q_ids[i], kv_ids[j]), branches, qi, kj, vj)
+            ob, lb = lax.switch(_case(q_ids[i], kv_ids[j]), branches, qi, kj, vj, q_segs[i], kv_segs[j])
             o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)
         outs.append(o)
         lses.append(lse)
@@ -169,46 +174,49 @@ def _ring_perm(size: int, shift: int = 1):
 # ----------------------------------------------------------------------------- the three variants
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ring_attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
-    """Causal attention of this device's query chunks over the whole sequence, K/V on a ring."""
-    return _ring_forward(q, k, v, seq, blocks)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def ring_attention(q, k, v, segments, seq: SeqLayout, blocks: BlockAttention):
+    """Causal attention of this device's query chunks over the whole sequence, K/V on a ring (with
+    their segment ids, when `segments` [B, T/P] are given)."""
+    return _ring_forward(q, k, v, segments, seq, blocks)[0]
 
 
-def _ring_forward(q, k, v, seq, blocks):
+def _ring_forward(q, k, v, segments, seq, blocks):
     table, rank = jnp.asarray(chunk_table(seq.size, seq.balance)), axis_index(seq.axes)
     o = lse = None
+    kv_seg = segments
     for step in range(seq.size):
-        ob, lb = _attend_chunks(q, k, v, table[rank], table[(rank - step) % seq.size], blocks)
+        ob, lb = _attend_chunks(q, k, v, table[rank], table[(rank - step) % seq.size], blocks, segments, kv_seg)
         o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)
         if step < seq.size - 1:
-            k, v = lax.ppermute((k, v), seq.axes, _ring_perm(seq.size))
+            k, v, kv_seg = lax.ppermute((k, v, kv_seg), seq.axes, _ring_perm(seq.size))
     return o.astype(q.dtype), lse
 
 
-def _ring_fwd(q, k, v, seq, blocks):
-    o, lse = _ring_forward(q, k, v, seq, blocks)
-    return o, (q, k, v, o, lse)
+def _ring_fwd(q, k, v, segments, seq, blocks):
+    o, lse = _ring_forward(q, k, v, segments, seq, blocks)
+    return o, (q, k, v, segments, o, lse)
 
 
 def _ring_bwd(seq, blocks, residuals, do):
-    q, k, v, o, lse = residuals
+    q, k, v, segments, o, lse = residuals
     table, rank = jnp.asarray(chunk_table(seq.size, seq.balance)), axis_index(seq.axes)
     q_ids = table[rank]
     c = seq.chunks_per_device
     qs, os_, dos = _split(q, c), _split(o, c), _split(do, c)
+    q_segs, kv_seg = _split(segments, c), segments
     lses = jnp.split(lse, c, axis=-1)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for step in range(seq.size):
         kv_ids = table[(rank - step) % seq.size]
-        ks, vs = _split(k, c), _split(v, c)
+        ks, vs, kv_segs = _split(k, c), _split(v, c), _split(kv_seg, c)
         dks, dvs = _split(dk, c), _split(dv, c)
         for i in range(c):
             for j in range(c):
                 branches = (
-                    lambda *a: blocks.backward(*a, False),
-                    lambda *a: blocks.backward(*a, True),
+                    lambda q, k, v, o, lse, do, qs, ks: blocks.backward(q, k, v, o, lse, do, False, qs, ks),
+                    lambda q, k, v, o, lse, do, qs, ks: blocks.backward(q, k, v, o, lse, do, True, qs, ks),
                     lambda q, k, v, *_: (
                         jnp.zeros(q.shape, jnp.float32),
                         jnp.zeros(k.shape, jnp.float32),
@@ -216,54 +224,81 @@ def _ring_bwd(seq, blocks, residuals, do):
                     ),
                 )
                 dqb, dkb, dvb = lax.switch(
-                    _case(q_ids[i], kv_ids[j]), branches, qs[i], ks[j], vs[j], os_[i], lses[i], dos[i]
+                    _case(q_ids[i], kv_ids[j]),
+                    branches,
+                    qs[i],
+                    ks[j],
+                    vs[j],
+                    os_[i],
+                    lses[i],
+                    dos[i],
+                    q_segs[i],
+                    kv_segs[j],
                 )
                 dq[i], dks[j], dvs[j] = dq[i] + dqb, dks[j] + dkb, dvs[j] + dvb
         dk, dv = jnp.concatenate(dks, axis=SEQ_DIM), jnp.concatenate(dvs, axis=SEQ_DIM)
-        # dK/dV travel with their K/V; after the last step one more hop takes them home.
+        # dK/dV travel with their K/V (and segment ids); after the last step one more hop takes them home.
         if step < seq.size - 1:
-            k, v, dk, dv = lax.ppermute((k, v, dk, dv), seq.axes, _ring_perm(seq.size))
+            k, v, kv_seg, dk, dv = lax.ppermute((k, v, kv_seg, dk, dv), seq.axes, _ring_perm(seq.size))
         else:
             dk, dv = lax.ppermute((dk, dv), seq.axes, _ring_perm(seq.size))
-    return (jnp.concatenate(dq, axis=SEQ_DIM).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return (jnp.concatenate(dq, axis=SEQ_DIM).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-def allgather_attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
-    """All-gather K/V over `seq`, attend the local queries to every chunk (autodiff backward)."""
+def allgather_attention(q, k, v, segments, seq: SeqLayout, blocks: BlockAttention):
+    """All-gather K/V (and their segment ids) over `seq`, attend the local queries to every chunk
+    (autodiff backward)."""
     table = chunk_table(seq.size, seq.balance)
     k_all = all_gather_fwd_reduce_scatter_bwd(k, seq.axes, SEQ_DIM)
     v_all = all_gather_fwd_reduce_scatter_bwd(v, seq.axes, SEQ_DIM)
+    seg_all = None if segments is None else lax.all_gather(segments, seq.axes, axis=SEQ_DIM, tiled=True)
     o, _ = _attend_chunks(
-        q, k_all, v_all, jnp.asarray(table)[axis_index(seq.axes)], jnp.asarray(table.reshape(-1)), blocks
+        q,
+        k_all,
+        v_all,
+        jnp.asarray(table)[axis_index(seq.axes)],
+        jnp.asarray(table.reshape(-1)),
+        blocks,
+        segments,
+        seg_all,
     )
     return o.astype(q.dtype)
 
 
-def tokenring_attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
-    """Queries hop forward round the ring; each partial (o, LSE) is sent straight back to the
-    device that owns those queries, in the same step (both link directions busy)."""
+def tokenring_attention(q, k, v, segments, seq: SeqLayout, blocks: BlockAttention):
+    """Queries hop forward round the ring (with their segment ids); each partial (o, LSE) is sent
+    straight back to the device that owns those queries, in the same step (both link directions
+    busy)."""
     table, rank = jnp.asarray(chunk_table(seq.size, seq.balance)), axis_index(seq.axes)
-    o, lse = _attend_chunks(q, k, v, table[rank], table[rank], blocks)
-    visiting = q
+    o, lse = _attend_chunks(q, k, v, table[rank], table[rank], blocks, segments, segments)
+    visiting, visiting_seg = q, segments
     for step in range(1, seq.size):
-        visiting = lax.ppermute(visiting, seq.axes, _ring_perm(seq.size))
-        ob, lb = _attend_chunks(visiting, k, v, table[(rank - step) % seq.size], table[rank], blocks)
+        visiting, visiting_seg = lax.ppermute((visiting, visiting_seg), seq.axes, _ring_perm(seq.size))
+        ob, lb = _attend_chunks(
+            visiting, k, v, table[(rank - step) % seq.size], table[rank], blocks, visiting_seg, segments
+        )
         ob, lb = lax.ppermute((ob, lb), seq.axes, _ring_perm(seq.size, -step))
         o, lse = merge(o, lse, ob, lb)
     return o.astype(q.dtype)
 
 
-def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention):
-    """Causal GQA attention of local queries q[B, T/P, N, H] over the sequence split on `seq`."""
-    shapes = "context.attention takes q[B, T/P, N, H], k/v[B, T/P, K, H]"
+def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention, segments=None):
+    """Causal GQA attention of local queries q[B, T/P, N, H] over the sequence split on `seq`.
+    `segments` [B, T/P] (this device's tokens' document ids, from `shard_sequence`): a query sees
+    only keys of its own document; the ids travel with the keys (ring, all-gather) or with the
+    queries (TokenRing)."""
+    shapes = "context.attention takes q[B, T/P, N, H], k/v[B, T/P, K, H], segments[B, T/P]"
     chex.assert_rank([q, k, v], 4, custom_message=shapes)
     chex.assert_equal_shape([k, v], custom_message=shapes)
     chex.assert_equal_shape_prefix([q, k], 2, custom_message=shapes)
+    if segments is not None:
+        chex.assert_shape(segments, q.shape[:2], custom_message=shapes)
+        chex.assert_type(segments, int, custom_message=shapes)
     return {"ring": ring_attention, "allgather": allgather_attention, "tokenring": tokenring_attention}[seq.variant](
-        q, k, v, seq, blocks
+        q, k, v, segments, seq, blocks
     )
 
 

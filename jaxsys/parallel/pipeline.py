@@ -317,9 +317,12 @@ class StageFns(NamedTuple):
     stack(layers, x) -> (y, term, stats)   the layers of one stage (leaves [L/(v p), ...]); `term`
                                     a scalar the stage adds to the objective (the MoE losses,
                                     normalised), `stats` what to report of its layers: scalars,
-                                    or arrays with a leading layer axis (MoE routing statistics)
+                                    or arrays with a leading layer axis (MoE routing statistics);
+                                    stack(layers, x, extras) when `run` is given per-micro-batch
+                                    extras (packed rows: segment ids and positions)
     norm(shared, y) -> h            final norm (on the last stage)
-    loss(shared, h, targets) -> ()  output layer + cross-entropy, summed and normalised
+    loss(shared, h, targets) -> ()  output layer + cross-entropy, summed and normalised;
+                                    loss(shared, h, targets, extras) with extras (loss weights)
     `shared` is every parameter but "layers"."""
 
     embed: Callable
@@ -328,7 +331,7 @@ class StageFns(NamedTuple):
     loss: Callable
 
 
-def run(fns: StageFns, params, inputs, targets, program: Program):
+def run(fns: StageFns, params, inputs, targets, program: Program, extras=None):
     """(loss, gradients, stats): the cross-entropy loss (summed over micro-batches and `pipe`);
     if the program has backwards, the gradients of this device's parameters of the objective, loss
     plus the stages' `stack` terms (before any reduction over other axes; the shared parameters'
@@ -336,7 +339,12 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     `stack` stats summed over micro-batches, scalars summed over the stages and per-layer arrays
     concatenated over them in layer order (on every device).
 
-    inputs, targets: [m, Bm, T] this shard's micro-batches."""
+    inputs, targets: [m, Bm, T] this shard's micro-batches. extras: None, or a pytree of
+    [m, Bm, ...] arrays that travel with the micro-batches (packed rows: their segment ids and
+    positions, loss weights); every forward and recomputed forward of micro-batch i calls
+    `fns.stack(layers, x, extras[i])`, and its loss `fns.loss(shared, h, targets[i], extras[i])`.
+    Every device holds them, as it holds the micro-batch's tokens, so nothing extra is sent
+    between stages."""
     p, v, vp = program.p, program.v, program.vocab_parallel
     backward, overlap = program.has_backward, program.overlap
     d = lax.axis_index(PIPE)
@@ -346,9 +354,23 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
     zeros_x = lambda: jnp.zeros(x_struct.shape, x_struct.dtype)
     f32_zero = jnp.zeros((), jnp.float32)
     one_chunk = layers if v == 1 else jax.tree.map(lambda a: a[0], layers)
-    stats_struct = jax.eval_shape(fns.stack, one_chunk, x_struct)[2]
 
     take = lambda buf, i: lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+    def stage(w, x, mb):
+        """The stage's layers on micro-batch mb's activations, with its extras when there are any."""
+        if extras is None:
+            return fns.stack(w, x)
+        return fns.stack(w, x, jax.tree.map(lambda a: take(a, mb), extras))
+
+    def loss_of(sh, h, mb):
+        """The output layer's loss of micro-batch mb, with its extras when there are any."""
+        if extras is None:
+            return fns.loss(sh, h, take(targets, mb))
+        return fns.loss(sh, h, take(targets, mb), jax.tree.map(lambda a: take(a, mb), extras))
+
+    stats_struct = jax.eval_shape(lambda w, x: stage(w, x, 0), one_chunk, x_struct)[2]
+
     put = lambda buf, i, x: lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
     add = lambda acc, g: jax.tree.map(jnp.add, acc, g)
 
@@ -371,24 +393,25 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
             x = jnp.where(first, x0, x_in)
         else:
             x = lax.cond(first, lambda: fns.embed(shared, take(inputs, mb)), lambda: x_in)
-        y, _, layer_stats = fns.stack(chunk_of(row["f_chunk"]), x)
+        y, _, layer_stats = stage(chunk_of(row["f_chunk"]), x, mb)
         stats = add_to_chunk(stats, row["f_chunk"], layer_stats)
 
         def head(y, loss):
             h = fns.norm(shared, y)
             if vp:
                 return h, loss  # to the output pass
-            return zeros_x(), loss + fns.loss(shared, h, take(targets, mb))
+            return zeros_x(), loss + loss_of(shared, h, mb)
 
         send, loss = lax.cond(last, head, lambda y, loss: (y, loss), y, loss)
         return send, x, loss, stats  # x: stage 0's input, stashed for its backward
 
-    def stack_with_term(w, x):
-        y, term, layer_stats = fns.stack(w, x)
-        return (y, term), layer_stats
-
     def backward_step(x_in, dy_in, g_chunks, g_shared, row):
         j, mb, last = row["b_chunk"], row["b_mb"], row["b_kind"] == LAST
+
+        def stack_with_term(w, x):
+            y, term, layer_stats = stage(w, x, mb)
+            return (y, term), layer_stats
+
         (y, term), pull_stack, _ = jax.vjp(stack_with_term, chunk_of(j), x_in, has_aux=True)  # recompute
         pull = lambda dy: pull_stack((dy, jnp.ones_like(term)))  # the term enters the objective as is
 
@@ -397,8 +420,7 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                 _, pull_head = jax.vjp(fns.norm, shared, y)
                 dsh, dy = pull_head(dy_in)
             else:
-                tgt = take(targets, mb)
-                _, pull_head = jax.vjp(lambda sh, y: fns.loss(sh, fns.norm(sh, y), tgt), shared, y)
+                _, pull_head = jax.vjp(lambda sh, y: loss_of(sh, fns.norm(sh, y), mb), shared, y)
                 dsh, dy = pull_head(jnp.ones((), jnp.float32))
             return dy, add(g_shared, dsh)
 
@@ -472,13 +494,13 @@ def run(fns: StageFns, params, inputs, targets, program: Program):
                 send_f, send_b, _ = lax.optimization_barrier((send_f, send_b, recv_f))
 
             def output_pass(g_shared, loss, mb):
-                h, tgt = broadcast_from(p - 1, send_f), take(targets, mb)
+                h = broadcast_from(p - 1, send_f)
                 if backward:
-                    value, pull = jax.vjp(lambda sh, h: fns.loss(sh, h, tgt), shared, h)
+                    value, pull = jax.vjp(lambda sh, h: loss_of(sh, h, mb), shared, h)
                     dsh, dh = pull(jnp.ones((), jnp.float32))
                     g_shared = add(g_shared, dsh)
                 else:
-                    value, dh = fns.loss(shared, h, tgt), zeros_x()
+                    value, dh = loss_of(shared, h, mb), zeros_x()
                 return g_shared, loss + jnp.where(d == p - 1, value, 0.0), dh.astype(x_struct.dtype)
 
             g_shared, loss, dh = uniform(

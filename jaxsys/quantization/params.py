@@ -122,8 +122,10 @@ def gptq_params(
     m, layout = config.model, Layout.from_config(config)
     t = config.train
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    tokens = [
-        data_lib.global_batch(corpus, sharding, config.seed, i, t.batch_size, config.data.seq_len)
+    tokens = [  # a corpus of documents gives data.Batch: its tokens (padding included) calibrate
+        data_lib.batch_parts(
+            data_lib.global_batch(corpus, sharding, config.seed, i, t.batch_size, config.data.seq_len)
+        )[0]
         for i in range(batches)
     ]
     positions = jnp.arange(config.data.seq_len)

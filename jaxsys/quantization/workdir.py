@@ -71,7 +71,17 @@ def quantize_workdir(
     start = time.perf_counter()
     # calibration text through the model's tokenizer (never byte ids into a converted model), read
     # (or refused) before the checkpoint
-    corpus = tokenizer_lib.corpus_for(source, workdir, splits=("train",)) if method == "gptq" else None
+    corpus = None
+    if method == "gptq":  # a corpus of documents opens through the loader (docs/data.md)
+        from jaxsys import data as data_lib
+        from jaxsys.data import loader as loader_lib
+
+        documents = data_lib.is_documents(source.data)
+        corpus = (
+            loader_lib.load_corpus(source.data)
+            if documents
+            else tokenizer_lib.corpus_for(source, workdir, splits=("train",))
+        )
     _, params, one = checkpoint_lib.load(workdir, checkpoint_lib.ONE_DEVICE, step, jax.devices()[:1])
     m = one.model
     if method == "gptq":

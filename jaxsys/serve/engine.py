@@ -75,6 +75,7 @@ def pool_settings(sv) -> dict:
         "allocation": sv.get("allocation", "on_demand"),
         "prefix_cache": bool(sv.get("prefix_cache", True)),
         "ragged": bool(sv.get("ragged", True)),
+        "decode_steps": int(sv.get("decode_steps", 1)),
         **{key: sv[key] for key in keys},
     }
 
@@ -157,6 +158,7 @@ class Engine(EngineAPI):
         allocation: str = "on_demand",
         prefix_cache: bool = True,
         ragged: bool = True,
+        decode_steps: int = 1,
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
@@ -168,7 +170,9 @@ class Engine(EngineAPI):
         by the hash chain of their tokens (paged caches; under kv_quant only with kv_residual 0,
         since a sequence reads its residual window's pages in full precision from its own pool).
         `ragged`: a paged cache's steps attend with the ragged kernel (each sequence's rows in
-        query blocks over its pages) instead of the one-query kernel row by row."""
+        query blocks over its pages) instead of the one-query kernel row by row. `decode_steps` > 1:
+        when every running sequence decodes and nothing waits, up to that many decode steps run in
+        one compiled call (multi-step decoding; the same tokens as one step at a time)."""
         config = program.config
         check_servable(config)
         if drafter is not None and (not isinstance(k, int) or k < 1):
@@ -200,6 +204,9 @@ class Engine(EngineAPI):
         self.max_pages = math.ceil(self.max_len / page_size)
         self.prefix_cache = prefix_cache and cache == "paged" and (kv_quant == "none" or kv_residual == 0)
         self.ragged = ragged and cache == "paged"
+        if not isinstance(decode_steps, int) or decode_steps < 1:
+            raise ValueError(f"decode_steps={decode_steps!r} must be an integer >= 1")
+        self.decode_steps = decode_steps
         self.schedulers = [
             Scheduler(
                 pool,
@@ -228,7 +235,18 @@ class Engine(EngineAPI):
         # speculating sequence and step), drafted and accepted tokens; tokens emitted;
         # self-speculation's slots read by the draft and what the whole cache would have been
         self.stats = dict.fromkeys(
-            ("target_steps", "draft_steps", "rounds", "drafted", "accepted", "tokens", "draft_read", "full_read"), 0
+            (
+                "target_steps",
+                "draft_steps",
+                "rounds",
+                "drafted",
+                "accepted",
+                "tokens",
+                "draft_read",
+                "full_read",
+                "loop_steps",  # decode steps run inside multi-step calls
+            ),
+            0,
         )
         self.k = k
         self.drafter = drafter
@@ -353,11 +371,69 @@ class Engine(EngineAPI):
             rows = np.zeros((self.shards, width), np.int32)
             for ragged in (False, True) if self.ragged else (False,):
                 logits = self.forward(rows, rows, self.tables(width, ragged=ragged))
+            if self.decode_steps > 1:  # the multi-step decode loops (padding rows, zero steps)
+                for greedy in (True, False):
+                    flat = rows.reshape(-1)
+                    _, cache = self.runner.decode_loop(
+                        self.params,
+                        self.put(flat, ROW),
+                        self.put(flat, ROW),
+                        self.with_tables(self.cache, self.tables(width)),
+                        self.put(np.zeros(self.shards, np.int32), ROW),
+                        (self.put(flat, ROW), self.put(flat, ROW))
+                        + (self.put(np.zeros(flat.shape, np.float32), ROW), self.put(flat, ROW))
+                        + (self.put(np.ones(flat.shape, np.float32), ROW),),
+                        self.decode_steps,
+                        greedy,
+                    )
+                    self.cache = self.without_tables(cache)
             self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})  # greedy
             self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling(temperature=1.0)})  # drawn
         if self.drafter is not None:
             self.drafter.warmup(self)
         jax.block_until_ready(self.cache)
+
+    # -- weights and memory between uses (RL: the trainer updates the weights; colocated, the
+    # trainer and the engine take turns on the devices)
+    def set_params(self, params) -> int:
+        """Serve `params` from now on: moved into this engine's layout (program.param_shardings) from
+        whatever devices and layout they are in (a resharding transfer, e.g. from a trainer on
+        another sub-mesh). Nothing recompiles (same shapes). Returns the bytes the engine's devices
+        received from other devices (0 for a shard already in place)."""
+        shardings = self.program.param_shardings
+        moved = 0
+
+        def place(a, sharding):
+            nonlocal moved
+            out = jax.device_put(a, sharding)
+            src = {d for d in getattr(a, "devices", lambda: set())()}
+            for shard in out.addressable_shards:
+                if shard.device not in src:
+                    moved += shard.data.nbytes
+            return out
+
+        self.params = jax.tree.map(place, params, shardings)
+        return moved
+
+    def sleep(self) -> None:
+        """Give the devices back while idle: the KV cache's buffers are freed (the weights stay; a
+        colocated trainer frees or offloads its own). `wake` makes an empty cache again."""
+        if not self.idle:
+            raise ValueError("sleep() needs an idle engine: finish or abort its requests first")
+        for a in self.cache.per_layer().values():
+            a.delete()
+        self.cache = None
+
+    def wake(self) -> None:
+        """An empty cache again after `sleep` (the prefix cache is forgotten: its pages are gone)."""
+        if self.cache is not None:
+            return
+        pool = self.pools[0]
+        self.pools[:] = [PagePool(pool.num_pages, pool.page_size) for _ in self.pools]
+        for scheduler, fresh in zip(self.schedulers, self.pools):
+            scheduler.pool = fresh
+        max_seqs = self.schedulers[0].max_seqs
+        self.cache = self._empty_cache(pool.num_pages, pool.page_size, self.budget, max_seqs)
 
     # -- requests
     @property
@@ -521,6 +597,9 @@ class Engine(EngineAPI):
                     self._forget(d, r.id)
 
     def _step(self, plans, n: int) -> tuple[list, dict]:
+        steps = self._loop_steps(plans)
+        if steps > 1:
+            return self._decode_loop(plans, n, steps)
         if self.residual:  # kv_quant: the full-precision pages the rows of this step (and its drafts) use
             for d, work in enumerate(plans):
                 for w in work:
@@ -587,6 +666,90 @@ class Engine(EngineAPI):
                 self.schedulers[d].remove(child.id, child.finish_reason, keep=True)
                 self._forget(d, child.id)
         self.stats["tokens"] += sum(len(v) if isinstance(v, list) else 1 for v in sampled.values())
+        return [w for work in plans for w in work], sampled
+
+    def _loop_steps(self, plans) -> int:
+        """How many decode steps this step can run in one call: `decode_steps` when every running
+        sequence decodes one token (no prefill, no draft, no log-probabilities or penalties, nothing
+        waiting), at most the fewest tokens any of them has left, and only if their pages can
+        grow that far now (else 1)."""
+        if self.decode_steps == 1 or any(s.waiting for s in self.schedulers) or any(self.forks.values()):
+            return 1
+        works = [w for work in plans for w in work]
+        if any(w.kind != "decode" or w.tokens != 1 for w in works):
+            return 1
+        if any(
+            self.sampling[w.request.id].logprobs is not None or self.sampling[w.request.id].penalized for w in works
+        ):
+            return 1
+        steps = min([self.decode_steps] + [w.request.max_new_tokens - len(w.request.generated) for w in works])
+        if steps < 2:
+            return 1
+        for d, work in enumerate(plans):
+            for w in work:
+                try:
+                    self.pools[d].reserve(w.request.id, w.start + steps)
+                except PoolExhausted:
+                    return 1
+        return steps
+
+    def _decode_loop(self, plans, n: int, steps: int) -> tuple[list, dict]:
+        """`steps` decode steps of every running sequence in one compiled call (multi-step decoding):
+        each sequence gets `steps` tokens, cut at a stop id, exactly the tokens single steps give."""
+        if self.residual:
+            for d, work in enumerate(plans):
+                for w in work:
+                    self.residual[d].prepare(w.request.id, w.start, steps)
+        width = self.width(n)
+        tokens = np.zeros((self.shards, width), np.int32)
+        positions = np.zeros((self.shards, width), np.int32)
+        tables = self.tables(width)
+        rows = {}
+        for d, work in enumerate(plans):
+            for r, w in enumerate(work):
+                tokens[d, r], positions[d, r] = w.request.generated[-1], w.start
+                self.fill_row(tables, d, r, w.request.id)
+                rows[w.request.id] = (d * width + r, w.request)
+        ids = [None] * (self.shards * width)
+        for rid, (row, _) in rows.items():
+            ids[row] = rid
+        default = Sampling()
+        settings = [self.sampling[rid] if rid is not None else default for rid in ids]
+        generated = [len(rows[rid][1].generated) if rid is not None else 0 for rid in ids]
+        columns = (
+            np.asarray([s.seed for s in settings], np.int32),
+            np.asarray(generated, np.int32),
+            np.asarray([s.temperature for s in settings], np.float32),
+            np.asarray([s.top_k for s in settings], np.int32),
+            np.asarray([s.top_p for s in settings], np.float32),
+        )
+        greedy = all(self.sampling[rid].temperature == 0 for rid in rows)
+        cache = self.with_tables(self.cache, tables)
+        out, cache = self.runner.decode_loop(
+            self.params,
+            self.put(tokens.reshape(-1), ROW),
+            self.put(positions.reshape(-1), ROW),
+            cache,
+            self.put(np.full(self.shards, steps, np.int32), ROW),  # one per batch shard
+            tuple(self.put(c, ROW) for c in columns),
+            self.decode_steps,
+            greedy,
+        )
+        self.cache = self.without_tables(cache)
+        out = np.asarray(out)[:steps]
+        sampled = {rid: out[:, row].tolist() for rid, (row, _) in rows.items()}
+        self.stats["target_steps"] += 1
+        self.stats["loop_steps"] += steps
+        for d, (scheduler, work) in enumerate(zip(self.schedulers, plans)):
+            before = {w.request.id: len(w.request.generated) for w in work}
+            for req in scheduler.commit(work, sampled):
+                self._forget(d, req.id)
+            for w in work:
+                self._record(w.request, before[w.request.id], None, sampled)
+                w.request.stats["decode_steps"] += 1
+                if self.residual and not w.request.done:
+                    self.residual[d].advance(w.request.id, w.request.cached)
+        self.stats["tokens"] += sum(len(v) for v in sampled.values())
         return [w for work in plans for w in work], sampled
 
     def _record(self, req: Request, before: int, logprobs, sampled: dict) -> None:

@@ -13,6 +13,8 @@ cache is donated.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +23,7 @@ from jaxsys.config import ConfigError, layer_pattern
 from jaxsys.models import transformer
 from jaxsys.parallel import tensor
 from jaxsys.parallel.spmd import per_shard
+from jaxsys.serve import sampling
 
 
 def check_servable(config) -> None:
@@ -76,5 +79,40 @@ class ModelRunner:
         return self._fns[key](params, tokens, positions, cache)
 
     def compiled(self) -> int:
-        """Programs compiled so far (every row bucket of every cache type)."""
+        """Programs compiled so far (every row bucket of every cache type, every decode loop)."""
         return sum(fn._cache_size() for fn in self._fns.values())
+
+    # -- several decode steps in one call (multi-step decoding)
+    def _local_loop(self, params, tokens, positions, cache, steps, seed, n, temperature, top_k, top_p, *, most, greedy):
+        """`steps` (<= `most`, traced) decode steps of every row on the device: each feeds the token
+        it samples (with the key of the sequence's n + i-th token, as one step at a time would) to
+        the next."""
+
+        def body(i, carry):
+            tokens, cache, out = carry
+            logits, cache = self._local(params, tokens, positions + i, cache)
+            if greedy:
+                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            else:
+                nxt = sampling.sample_rows(logits, seed, n + i, temperature, top_k, top_p)
+            return nxt, cache, out.at[i].set(nxt)
+
+        out = jnp.zeros((most, tokens.shape[0]), jnp.int32)
+        _, cache, out = jax.lax.fori_loop(0, steps[0], body, (tokens, cache, out))
+        return out, cache
+
+    def decode_loop(self, params, tokens, positions, cache, steps, settings: tuple, most: int, greedy: bool):
+        """Rows decoding `steps` (a device int32 [D], <= `most`) tokens in one compiled call: (the
+        tokens [most, R], of which the first `steps` rows are this call's, the cache). `settings`:
+        per row (seed, n, temperature, top_k, top_p); with `greedy` the argmax. Compiled once per
+        (row count, cache type, most, greedy)."""
+        key = ("loop", jax.tree.structure(cache), most, greedy)
+        if key not in self._fns:
+            p = self.program
+            row = p.layout.compute_spec(ROW)
+            specs = cache.pspecs(p.layout)
+            local = functools.partial(self._local_loop, most=most, greedy=greedy)
+            out_spec = p.layout.compute_spec((None, "batch"))
+            fn = per_shard(local, p.mesh, (p.param_pspecs, row, row, specs, row) + (row,) * 5, (out_spec, specs))
+            self._fns[key] = jax.jit(fn, donate_argnums=(3,))
+        return self._fns[key](params, tokens, positions, cache, steps, *settings)

@@ -119,14 +119,15 @@ def penalize(logits, history, generated, presence, frequency, repetition):
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def _sample_rows(logits, seed, n, t, k, p):
+def sample_rows(logits, seed, n, t, k, p):
+    """Each row's next token from its logits [R, V] with its own settings and key (seed, n)."""
     return jax.vmap(lambda lg, seed, n, t, k, p: sample(lg[None], token_key(seed, n), t, k, p)[0])(
         logits, seed, n, t, k, p
     )
 
 
 # per sequence: its own settings, and its own key; rows `at` of the step's logits
-sample_at = jax.jit(lambda logits, at, seed, n, t, k, p: _sample_rows(logits[at], seed, n, t, k, p))
+sample_at = jax.jit(lambda logits, at, seed, n, t, k, p: sample_rows(logits[at], seed, n, t, k, p))
 # the same when every row is greedy (temperature 0): the argmax alone, no sort or draw
 greedy_at = jax.jit(lambda logits, at: jnp.argmax(logits[at].astype(jnp.float32), axis=-1).astype(jnp.int32))
 
@@ -135,7 +136,7 @@ greedy_at = jax.jit(lambda logits, at: jnp.argmax(logits[at].astype(jnp.float32)
 def sample_penalized(logits, at, seed, n, t, k, p, history, generated, presence, frequency, repetition):
     """`sample_at` with penalties (compiled per history bucket; only for steps that need it)."""
     lg = penalize(logits[at].astype(jnp.float32), history, generated, presence, frequency, repetition)
-    return _sample_rows(lg, seed, n, t, k, p)
+    return sample_rows(lg, seed, n, t, k, p)
 
 
 @functools.partial(jax.jit, static_argnames=("top",))

@@ -20,6 +20,10 @@ Delta = rowsum(dO * O) - dlse (the lse cotangent folds in here: d lse_i / d s_ij
 Causal: kv blocks entirely above the diagonal are never visited (the loop bounds depend on the
 program id), which halves the FLOPs; blocks entirely below it skip the causal mask.
 
+Segment ids: a (q block, kv block) pair whose id ranges do not overlap is skipped (`lax.cond` in
+the loop body, in all three kernels), so packed documents cost their own attention plus the
+blocks that straddle document boundaries, not the whole row's.
+
 Padding: T and S are padded up to a multiple of the block sizes; padded keys are masked by index,
 padded queries carry dO = 0 and are sliced off, so they add nothing to dk/dv.
 
@@ -93,6 +97,23 @@ def _visible(q_start, k_start, shape, *, causal: bool, kv_len: int | None, q_seg
     return mask
 
 
+def _segments_meet(q_seg, kv_seg):
+    """Whether a block of query segment ids and a block of key segment ids can share a visible
+    pair: their [min, max] ranges overlap. Disjoint ranges share no id, so a block pair where this
+    is False is wholly masked and skipped. For packed rows (documents in order, ids not decreasing)
+    overlapping ranges do share an id, so every wholly masked pair is skipped; for other ids it
+    only skips fewer blocks."""
+    return jnp.logical_and(jnp.min(q_seg) <= jnp.max(kv_seg), jnp.min(kv_seg) <= jnp.max(q_seg))
+
+
+def _skip_unless(meet, body):
+    """body(j, carry) run only where `meet(j)` (segment ids: the blocks can share a visible pair);
+    elsewhere the carry passes through. `meet` None runs every block."""
+    if meet is None:
+        return body
+    return lambda j, carry: lax.cond(meet(j), lambda c: body(j, c), lambda c: c, carry)
+
+
 def _causal_kv_range(i, block_q: int, block_k: int, num_kv_blocks: int):
     """For q block i: (n_full, n_end). kv blocks [0, n_full) lie wholly on or below the diagonal
     (no causal mask needed), [n_full, n_end) straddle it, and blocks >= n_end are all masked."""
@@ -156,12 +177,14 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
         return acc, m_new, l
 
     carry = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    meet = None if ks_ref is None else lambda j: _segments_meet(q_seg, ks_ref[pl.ds(pl.multiple_of(j * bk, bk), bk)])
+    run = lambda causal_mask: _skip_unless(meet, functools.partial(body, causal_mask=causal_mask))
     if cfg.causal:
         n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
-        carry = lax.fori_loop(0, n_full, functools.partial(body, causal_mask=False), carry)
-        carry = lax.fori_loop(n_full, n_end, functools.partial(body, causal_mask=True), carry)
+        carry = lax.fori_loop(0, n_full, run(False), carry)
+        carry = lax.fori_loop(n_full, n_end, run(True), carry)
     else:
-        carry = lax.fori_loop(0, num_kv_blocks, functools.partial(body, causal_mask=False), carry)
+        carry = lax.fori_loop(0, num_kv_blocks, run(False), carry)
     acc, m, l = carry
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
@@ -209,12 +232,14 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
         return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
     dq = jnp.zeros(q.shape, jnp.float32)
+    meet = None if ks_ref is None else lambda j: _segments_meet(q_seg, ks_ref[pl.ds(pl.multiple_of(j * bk, bk), bk)])
+    run = lambda causal_mask: _skip_unless(meet, functools.partial(body, causal_mask=causal_mask))
     if cfg.causal:
         n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
-        dq = lax.fori_loop(0, n_full, functools.partial(body, causal_mask=False), dq)
-        dq = lax.fori_loop(n_full, n_end, functools.partial(body, causal_mask=True), dq)
+        dq = lax.fori_loop(0, n_full, run(False), dq)
+        dq = lax.fori_loop(n_full, n_end, run(True), dq)
     else:
-        dq = lax.fori_loop(0, num_kv_blocks, functools.partial(body, causal_mask=False), dq)
+        dq = lax.fori_loop(0, num_kv_blocks, run(False), dq)
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -249,12 +274,15 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has
         dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
         return dk, dv
 
+    meet = None if qs_ref is None else lambda i: _segments_meet(qs_ref[pl.ds(pl.multiple_of(i * bq, bq), bq)], kv_seg)
+
     def group_body(g, carry):
+        run = lambda causal_mask: _skip_unless(meet, functools.partial(body, g=g, causal_mask=causal_mask))
         if cfg.causal:
             n_start, n_full = _causal_q_range(j, bq, bk, num_q_blocks)
-            carry = lax.fori_loop(n_start, n_full, functools.partial(body, g=g, causal_mask=True), carry)
-            return lax.fori_loop(n_full, num_q_blocks, functools.partial(body, g=g, causal_mask=False), carry)
-        return lax.fori_loop(0, num_q_blocks, functools.partial(body, g=g, causal_mask=False), carry)
+            carry = lax.fori_loop(n_start, n_full, run(True), carry)
+            return lax.fori_loop(n_full, num_q_blocks, run(False), carry)
+        return lax.fori_loop(0, num_q_blocks, run(False), carry)
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, group, group_body, carry)

@@ -27,7 +27,8 @@ blocks they carry equal causal work. (How Mosaic splits them is not checked here
 Causal. A (q block, kv block) pair entirely above the diagonal does nothing (`pl.when`), and its
 index maps point at the next block that is needed (kv block 0 of the next q block in the forward
 and dq; the first q block on the diagonal in dk/dv), so skipped steps start no DMA. Pairs
-entirely below the diagonal run without building a mask.
+entirely below the diagonal run without building a mask. With segment ids, a pair whose id
+ranges do not overlap is skipped too (`pl.when`; its blocks are still fetched).
 
 Empty rows (no visible key: segment ids) give o = 0 and lse = -inf. In the backward, lse = -inf is
 replaced by +inf before the kernels, so P = exp(s - lse) = 0 there without relying on the mask.
@@ -102,6 +103,14 @@ def _runs(i, j, bq: int, bk: int):
     """Causal: q block i and kv block j share a visible pair (the block's last query is at or
     past its first key)."""
     return (i + 1) * bq - 1 >= j * bk
+
+
+def _segments_meet(q_seg, kv_seg):
+    """Whether tiles of query and key segment ids can share a visible pair: their [min, max]
+    ranges overlap (kernel.py's rule: disjoint ranges share no id; for packed rows, ids not
+    decreasing, overlapping ones do). Reduced in fp32, exact for ids below 2^24."""
+    f32 = lambda x: x.astype(jnp.float32)
+    return jnp.logical_and(jnp.min(f32(q_seg)) <= jnp.max(f32(kv_seg)), jnp.min(f32(kv_seg)) <= jnp.max(f32(q_seg)))
 
 
 def _needs_mask(i, j, bq: int, bk: int, *, causal: bool, padded_kv: bool, nk: int, segments: bool):
@@ -202,6 +211,8 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
         acc_ref[...] = acc_ref[...] * platforms.lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
+    if has_segments:  # wholly masked by the segment ids: skipped
+        runs = jnp.logical_and(runs, _segments_meet(qs_ref[...], ks_ref[...]))
     _run_tile(
         runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
     )
@@ -304,6 +315,8 @@ def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padde
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
+    if has_segments:  # wholly masked by the segment ids: skipped
+        runs = jnp.logical_and(runs, _segments_meet(qs_ref[...], ks_ref[...]))
     _run_tile(
         runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
     )
@@ -347,6 +360,8 @@ def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int, ha
         dk_acc[...] += _dot(dst.astype(q.dtype), q, _NN)
 
     runs = _runs(i, j, bq, bk) if cfg.causal else True
+    if has_segments:  # wholly masked by the segment ids: skipped
+        runs = jnp.logical_and(runs, _segments_meet(qs_ref[...], ks_ref[...]))
     _run_tile(
         runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
     )

@@ -104,11 +104,14 @@ def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
     return o, lse
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal=False, softmax_scale=None):
+def attention_backward(
+    q, k, v, o, lse, do, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None
+):
     """(dq, dk, dv) given the output o and lse of a (possibly longer) attention and the cotangent do,
     recomputing only P = exp(s - lse): the pure-JAX twin of `kernel.flash_attention_backward`
-    (ring attention sums it over key blocks with the final o and lse). fp32 math, inputs' dtypes out."""
-    check_inputs(q, k, v, causal=causal, q_segment_ids=None, kv_segment_ids=None)
+    (ring attention sums it over key blocks with the final o and lse). fp32 math, inputs' dtypes out.
+    Segment ids as in `attention`: pairs of different segments get P = 0."""
+    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -120,6 +123,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal=False, softmax_scale=None)
     visible = jnp.isfinite(lse_g)
     if causal:
         visible = visible & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])
+    if q_segment_ids is not None:  # [B, T, S] -> [B, 1, 1, T, S] against [B, K, G, T, S]
+        visible = visible & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None, None]
     p = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
     dv = jnp.einsum("bkgts,btkgh->bskh", p, dog)
     dp = jnp.einsum("btkgh,bskh->bkgts", dog, f32(v))

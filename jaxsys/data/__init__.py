@@ -17,12 +17,14 @@ import os
 import sys
 import sysconfig
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-VALID_SOURCES = ("stdlib", "text", "tokens")
+from jaxsys.config import DOCUMENT_SOURCES  # corpora of documents, tokenized into shards (docs/data.md)
+
+VALID_SOURCES = ("stdlib", "text", "tokens") + DOCUMENT_SOURCES
 BYTE_SOURCES = ("stdlib", "text")  # corpora whose tokens are UTF-8 bytes (text in, text out)
 VALID_TOKEN_DTYPES = ("uint16", "uint32")
 _NPY_TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.int32))
@@ -33,6 +35,36 @@ _MAX_CHUNK = 1 << 24  # tokens per chunk in the vocab_needed pass (memory bound)
 
 class DataError(ValueError):
     """Bad data configuration or input; the message names the key/file and the fix."""
+
+
+class Batch(NamedTuple):
+    """A batch of documents (config.data.source jsonl, parquet or hf), a pytree of three arrays
+    sharded alike over the batch axes (`Program.batch_specs`): a token stream's batch stays one
+    [B, T + 1] int32 array.
+
+    tokens:   [B, T + 1] int32, inputs [:, :-1] and targets [:, 1:]
+    segments: [B, T + 1] int32, the document of each token within its row (1, 2, ...; 0 padding);
+              the model sees them only with config.data.packing (one document a row needs none)
+    weights:  [B, T] float32, the loss weight of each target (0 on padding, on a target in another
+              document than its input and, for chats, on tokens that are not the assistant's)
+
+    The loss is sum(weights * per-token losses) / sum(weights) over the global batch."""
+
+    tokens: Any
+    segments: Any
+    weights: Any
+
+
+def batch_parts(batch) -> tuple[Any, Any, Any]:
+    """(tokens, segments, weights) of a Batch, (tokens, None, None) of a [B, T + 1] array."""
+    if isinstance(batch, Batch):
+        return batch.tokens, batch.segments, batch.weights
+    return batch, None, None
+
+
+def is_documents(data_cfg) -> bool:
+    """Whether the corpus is one of documents (batches are `Batch`es) rather than a token stream."""
+    return data_cfg.source in DOCUMENT_SOURCES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +125,8 @@ def _cfg(data_cfg: Any, name: str) -> Any:
 
 
 def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Corpus:
-    """Load the corpus described by ``data_cfg`` (see module docs) and split it.
+    """Load the token stream described by ``data_cfg`` (see module docs) and split it (a corpus of
+    documents, source jsonl, parquet or hf, opens with `loader.load_corpus`).
 
     Fields: source, path, token_dtype, eval_fraction, seq_len. ``encode`` (UTF-8 bytes -> 1-D
     token array; `jaxsys.tokenizer.corpus_for` passes the model's tokenizer) reads a text corpus
@@ -113,6 +146,11 @@ def load_corpus(data_cfg: Any, encode=None, splits=("train", "eval")) -> Corpus:
     if not 0.0 <= eval_fraction < 0.5:
         raise DataError(f"config.data.eval_fraction must be in [0, 0.5), got {eval_fraction}")
 
+    if source in DOCUMENT_SOURCES:
+        raise DataError(
+            f"config.data.source={source!r} is a corpus of documents, tokenized into shards: open it with "
+            "jaxsys.data.loader.load_corpus (docs/data.md)"
+        )
     if source in BYTE_SOURCES and encode is not None:
         return _encoded_split(data_cfg, encode, splits, eval_fraction, int(seq_len))
     if source == "stdlib":
@@ -386,7 +424,10 @@ def global_batch(
     seq_len: int,
     split: str = "train",
 ) -> jax.Array:
-    """[B, T + 1] int32 global batch with ``sharding``; each process reads only its rows."""
+    """[B, T + 1] int32 global batch with ``sharding``; each process reads only its rows. A corpus
+    of documents (`loader.DocumentCorpus`) gives a `Batch` of such arrays instead."""
+    if not isinstance(corpus, Corpus):
+        return corpus.global_batch(sharding, seed, step, batch_size, seq_len, split)
     tokens = corpus.split(split)
     offsets = sample_offsets(seed, step, batch_size, tokens.shape[0], seq_len, split)
     shape = (batch_size, seq_len + 1)

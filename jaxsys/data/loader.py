@@ -1,0 +1,228 @@
+"""The loader: a corpus's global batches for (seed, step), built ahead of the step by Grain, with
+an iterator state that the checkpoint saves.
+
+    loader = Loader(corpus, program.batch_sharding, config.seed, B, T, steps, prefetch=2)
+    loader.restore(saved_state)        # or nothing: from step 0
+    batch = next(loader)               # the global batch of the next step
+    loader.state()                     # {"next_index": steps consumed, ...}: what a checkpoint saves
+
+Batches are a pure function of (seed, step, split) and the corpus (`data.global_batch`): the
+index sampler is stateless. For a token stream it is `data.sample_offsets` (uniform offsets drawn
+from a Philox key of (seed, step)); for a corpus of documents (`DocumentCorpus`) it is a Grain
+`MapDataset` over the rows of the corpus's plan, shuffled with the seed and reshuffled every epoch
+(`MapDataset.range(R).shuffle(seed).repeat()`): element `step * B + b` is row b of step `step`'s
+global batch. Each process reads and assembles only the rows its devices hold
+(`addressable_devices_indices_map`), so the global batch does not depend on the process count.
+
+Grain drives the steps: `MapDataset.range(steps).map(global batch of step)` read through an
+`IterDataset` whose prefetch thread builds the next `prefetch` batches (host reads, assembly and
+the transfer to the devices) while the step runs. Its state is the number of steps consumed
+(`{"next_index": n}`); because the sampler is stateless, that number alone makes a resumed run
+see exactly the batches it would have seen (bitwise losses), and it means the same thing for any
+process count, so a checkpoint saved by N processes resumes exactly on M.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxsys import data as data_lib
+from jaxsys.data import DataError, packing
+
+
+@dataclasses.dataclass
+class Split:
+    """One split of a corpus of documents: its pieces and their rows."""
+
+    pieces: packing.Pieces
+    plan: packing.Plan
+
+    @property
+    def num_rows(self) -> int:
+        return self.plan.num_rows
+
+    def padding(self, seq_len: int) -> float:
+        """The fraction of the rows' T + 1 tokens that are padding."""
+        if not self.num_rows:
+            return 0.0
+        return 1.0 - float(packing.row_fill(self.plan, self.pieces).sum()) / (self.num_rows * (seq_len + 1))
+
+
+@dataclasses.dataclass
+class DocumentCorpus:
+    """A tokenized corpus of documents (`shards.Store`), its train and eval splits cut into rows of
+    T + 1 tokens (`packing`); batches are `data.Batch`es. The last `eval_fraction` of the documents
+    (at least one when the fraction is > 0) are held out."""
+
+    store: Any  # shards.Store
+    splits: dict[str, Split]
+    seq_len: int
+    packed: bool
+    vocab_needed: int
+    description: str
+    _orders: dict = dataclasses.field(default_factory=dict, repr=False)  # seed -> Grain index sampler
+
+    @property
+    def has_eval(self) -> bool:
+        return "eval" in self.splits and self.splits["eval"].num_rows > 0
+
+    def split(self, name: str) -> Split:
+        if name not in ("train", "eval"):
+            raise DataError(f"unknown split {name!r}; valid splits are ['eval', 'train']")
+        if name not in self.splits or not self.splits[name].num_rows:
+            raise DataError(
+                "the eval split is empty because config.data.eval_fraction is 0; "
+                "set config.data.eval_fraction > 0 to evaluate"
+            )
+        return self.splits[name]
+
+    def _order(self, seed: int):
+        if seed not in self._orders:
+            import grain
+
+            rows = self.splits["train"].num_rows
+            self._orders[seed] = grain.MapDataset.range(rows).shuffle(seed=seed).repeat(None)
+        return self._orders[seed]
+
+    def row_ids(self, seed: int, step: int, batch_size: int, split: str, rows) -> list[int]:
+        """The plan rows of rows `rows` of step `step`'s global batch: train rows in a Grain shuffle
+        of the seed (reshuffled every epoch), eval rows in order (wrapping)."""
+        n = self.split(split).num_rows
+        first = step * batch_size
+        if split == "eval":
+            return [(first + r) % n for r in rows]
+        order = self._order(int(seed))
+        return [int(order[first + r]) for r in rows]
+
+    def rows(self, seed: int, step: int, batch_size: int, split: str, rows):
+        """(tokens, segments, weights) numpy arrays of rows `rows` of the global batch."""
+        s = self.split(split)
+        members = [s.plan.row(r) for r in self.row_ids(seed, step, batch_size, split, rows)]
+        return packing.assemble(members, s.pieces, self.store.document, self.seq_len)
+
+    def global_batch(self, sharding, seed: int, step: int, batch_size: int, seq_len: int, split: str = "train"):
+        """The `data.Batch` of (seed, step, split) with `sharding` on each array; each process
+        reads and assembles only the rows of its devices."""
+        if seq_len != self.seq_len:
+            raise DataError(f"the corpus was cut into rows of {self.seq_len + 1} tokens, not {seq_len + 1}")
+        if not 0 <= step < 2**62:
+            raise DataError(f"step must be in [0, 2**62), got {step}")
+        shape = (batch_size, seq_len + 1)
+        indices = sharding.addressable_devices_indices_map(shape).values()
+        local = sorted({r for index in indices for r in range(*index[0].indices(batch_size))})
+        where = {r: i for i, r in enumerate(local)}
+        arrays = self.rows(seed, step, batch_size, split, local)
+
+        def make(array: np.ndarray) -> jax.Array:
+            def cb(index):
+                sel = [where[r] for r in range(*index[0].indices(batch_size))]
+                return array[sel][(slice(None),) + tuple(index[1:])]
+
+            return jax.make_array_from_callback((batch_size,) + array.shape[1:], sharding, cb)
+
+        return data_lib.Batch(*(make(a) for a in arrays))
+
+
+def load_corpus(data_cfg, encode=None, splits=("train", "eval")):
+    """The corpus of `data_cfg`: a corpus of documents (`load_documents`), or a token stream
+    (`data.load_corpus`, with its `encode` and `splits`)."""
+    if data_lib.is_documents(data_cfg):
+        return load_documents(data_cfg)
+    return data_lib.load_corpus(data_cfg, encode, splits)
+
+
+def load_documents(data_cfg, progress: bool | None = None) -> DocumentCorpus:
+    """The corpus of documents of `data_cfg`, tokenized (`shards.load`: built first when missing
+    and this is the only process) and cut into the rows of its splits."""
+    from jaxsys.data import shards
+
+    lead = jax.process_index() == 0
+    store = shards.load(
+        data_cfg,
+        build_missing=jax.process_count() == 1,
+        progress=lead if progress is None else progress,
+        log=print if lead else (lambda *_: None),
+    )
+    return split_documents(store, data_cfg)
+
+
+def split_documents(store, data_cfg) -> DocumentCorpus:
+    seq_len, fraction = int(data_cfg.seq_len), float(data_cfg.eval_fraction)
+    n = store.num_docs
+    n_eval = max(1, int(n * fraction)) if fraction > 0 else 0
+    if n - n_eval < 1:
+        raise DataError(
+            f"the corpus ({store.directory}) has {n} documents: too few to hold out "
+            f"config.data.eval_fraction={fraction} and train on the rest"
+        )
+    chat = data_cfg.format == "chat"
+    splits = {}
+    for name, docs in (("train", np.arange(n - n_eval)), ("eval", np.arange(n - n_eval, n))):
+        if name == "eval" and not n_eval:
+            continue
+        pieces = packing.pieces(store.doc_len[docs], seq_len, split_long=not chat, docs=docs)
+        if not len(pieces):
+            raise DataError(
+                f"the {name} split of the corpus ({store.directory}) has no document of 2 tokens or more: "
+                "nothing to predict"
+            )
+        plan = packing.packed_plan(pieces.length, seq_len + 1) if data_cfg.packing else packing.padded_plan(len(pieces))
+        splits[name] = Split(pieces, plan)
+    m = store.manifest
+    train = splits["train"]
+    desc = (
+        f"{data_cfg.source} {data_cfg.format} documents ({m['docs']} docs, {m['tokens']} tokens, "
+        f"{data_cfg.tokenizer} tokenizer, train {n - n_eval} / eval {n_eval}) "
+        f"{'packed' if data_cfg.packing else 'one a row'}: {train.num_rows} train rows of {seq_len + 1}, "
+        f"{train.padding(seq_len):.1%} padding; shards in {store.directory}"
+    )
+    return DocumentCorpus(store, splits, seq_len, bool(data_cfg.packing), int(m["vocab_needed"]), desc)
+
+
+# ----------------------------------------------------------------------------- the Grain loader
+
+
+class Loader:
+    """Global train batches of steps 0 .. steps - 1 in order, `prefetch` of them built ahead on a
+    Grain thread. `state()` / `restore(state)`: the position, saved with each checkpoint."""
+
+    def __init__(self, corpus, sharding, seed: int, batch_size: int, seq_len: int, steps: int, prefetch: int = 2):
+        import grain
+
+        self.seed, self.batch_size, self.seq_len = int(seed), int(batch_size), int(seq_len)
+
+        def batch(step: int):  # looked up at call time: tests replace data.global_batch
+            return data_lib.global_batch(corpus, sharding, self.seed, int(step), self.batch_size, self.seq_len)
+
+        dataset = grain.MapDataset.range(steps).map(batch)
+        options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
+        self._dataset = dataset.to_iter_dataset(options)
+        self._iter = iter(self._dataset)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._iter)
+
+    def state(self) -> dict:
+        """What a checkpoint saves: Grain's iterator state (the steps consumed) and the sampler's
+        arguments."""
+        return {
+            "grain": self._iter.get_state(),
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+        }
+
+    @property
+    def next_step(self) -> int:
+        return int(self._iter.get_state()["next_index"])
+
+    def restore(self, state: dict) -> None:
+        """Continue from a saved `state()` (before the first `next`)."""
+        self._iter.set_state(state["grain"])
