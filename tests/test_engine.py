@@ -125,3 +125,37 @@ def test_bench_serve_replays_a_trace_and_reports(tmp_path, capsys):
     generated = serve_bench.make_trace(200, 10.0, (1, 4), (1, 2), seed=0)
     gaps = np.diff([r["arrival_s"] for r in generated])
     assert abs(gaps.mean() - 0.1) < 0.03  # Poisson at 10/s: exponential gaps of mean 0.1 s
+
+
+def test_set_params_reshards_from_another_mesh_and_sleep_wake():
+    """An RL trainer's update reaches the engine by a resharding transfer: parameters trained on
+    fsdp=4 over devices 0-3 land on the engine's data=2 x tensor=2 over devices 4-7 bitwise, every
+    byte of the engine's shards crossing devices, and the engine then generates what an engine
+    built with those parameters generates. sleep() frees the cache's buffers; wake() serves again."""
+    import jax
+
+    from jaxsys import program as program_lib
+    from jaxsys.mesh import make_mesh
+
+    base = small_config(n_kv_heads=4)
+    trainer_config = small_config({"fsdp": 4}, n_kv_heads=4)
+    trainer = program_lib.build(trainer_config, make_mesh(trainer_config, jax.devices()[:4]))
+    serve_config = small_config({"data": 2, "tensor": 2}, n_kv_heads=4)
+    served = program_lib.build(serve_config, make_mesh(serve_config, jax.devices()[4:8]))
+    trained = trainer.init(7).params
+    kw = dict(num_pages=16, page_size=4, token_budget=16, chunk_size=8, max_seqs=2)
+    eng = engine.Engine(served, served.init(0).params, **kw)
+    moved = eng.set_params(trained)
+    total = sum(s.data.nbytes for a in jax.tree.leaves(eng.params) for s in a.addressable_shards)
+    assert moved == total > 0
+    for got, want in zip(jax.tree.leaves(eng.params), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want = generate_contiguous(
+        program_for(base), jax.device_put(trained, program_for(base).param_shardings), [[1, 2, 3]], 5
+    )
+    assert engine.generate(eng, [[1, 2, 3]], 5) == want
+    pools = list(eng.cache.per_layer().values())
+    eng.sleep()
+    assert eng.cache is None and all(a.is_deleted() for a in pools)
+    eng.wake()
+    assert engine.generate(eng, [[1, 2, 3]], 5) == want

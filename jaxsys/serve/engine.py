@@ -393,6 +393,48 @@ class Engine(EngineAPI):
             self.drafter.warmup(self)
         jax.block_until_ready(self.cache)
 
+    # -- weights and memory between uses (RL: the trainer updates the weights; colocated, the
+    # trainer and the engine take turns on the devices)
+    def set_params(self, params) -> int:
+        """Serve `params` from now on: moved into this engine's layout (program.param_shardings) from
+        whatever devices and layout they are in (a resharding transfer, e.g. from a trainer on
+        another sub-mesh). Nothing recompiles (same shapes). Returns the bytes the engine's devices
+        received from other devices (0 for a shard already in place)."""
+        shardings = self.program.param_shardings
+        moved = 0
+
+        def place(a, sharding):
+            nonlocal moved
+            out = jax.device_put(a, sharding)
+            src = {d for d in getattr(a, "devices", lambda: set())()}
+            for shard in out.addressable_shards:
+                if shard.device not in src:
+                    moved += shard.data.nbytes
+            return out
+
+        self.params = jax.tree.map(place, params, shardings)
+        return moved
+
+    def sleep(self) -> None:
+        """Give the devices back while idle: the KV cache's buffers are freed (the weights stay; a
+        colocated trainer frees or offloads its own). `wake` makes an empty cache again."""
+        if not self.idle:
+            raise ValueError("sleep() needs an idle engine: finish or abort its requests first")
+        for a in self.cache.per_layer().values():
+            a.delete()
+        self.cache = None
+
+    def wake(self) -> None:
+        """An empty cache again after `sleep` (the prefix cache is forgotten: its pages are gone)."""
+        if self.cache is not None:
+            return
+        pool = self.pools[0]
+        self.pools[:] = [PagePool(pool.num_pages, pool.page_size) for _ in self.pools]
+        for scheduler, fresh in zip(self.schedulers, self.pools):
+            scheduler.pool = fresh
+        max_seqs = self.schedulers[0].max_seqs
+        self.cache = self._empty_cache(pool.num_pages, pool.page_size, self.budget, max_seqs)
+
     # -- requests
     @property
     def idle(self) -> bool:
