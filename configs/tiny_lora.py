@@ -9,7 +9,7 @@
     python -m jaxsys.convert --to-hf /tmp/jaxsys_tiny_lora_hf --workdir /tmp/jaxsys_tiny_lora   # merged
 
 Rank-16 adapters (alpha 32) on every dense projection, the base frozen; the loss on the assistant
-tokens of packed rows; 150 steps of 16 x 128 tokens at lr 5e-3 (about a minute on 2 CPU cores;
+tokens of packed rows; 100 steps of 8 x 128 tokens at lr 5e-3 (a few minutes on 2 CPU cores;
 experiments/sft_lora/README.md has the held-out loss against full fine-tuning). Arguments:
     :qlora  the same over the base quantized w4a16 (QLoRA): first
             python -m jaxsys.quantize --workdir /tmp/jaxsys_tiny --out /tmp/jaxsys_tiny_w4a16 \\
@@ -42,11 +42,12 @@ def get_config(arg=None):
     c.checkpoint.init_from = "/tmp/jaxsys_tiny"
     c.lora.rank = 16
     c.lora.alpha = 32.0
-    c.train.steps = 150
+    c.train.steps = 100
+    c.train.batch_size = 8
     c.train.lr = 5e-3
     c.train.warmup_steps = 10
     c.train.log_every = 10
-    c.train.eval_every = 50
+    c.train.eval_every = 33
     if arg == "qlora":
         c.model.quant, c.model.quant_group_size = "w4a16", 64
         c.checkpoint.init_from = "/tmp/jaxsys_tiny_w4a16"
