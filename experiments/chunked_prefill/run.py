@@ -17,10 +17,11 @@ Kernels (--kernels), run one after another for each policy, in a rotating order:
                 of the 2026-11-25 run, results_2026-11-25.json);
   ragged        ragged=True, the engine's default: steps where a sequence has several rows (prefill
                 chunks) use the ragged kernel (kernels/paged_attention/ragged.py); decode-only steps
-                keep the one-query kernel;
-  ragged_slots  ragged=True with the ragged kernel's sequence slots sized min(row bucket, max_seqs)
-                instead of the row bucket (an Engine subclass here: a stand-in for a change
-                proposed in the README; jaxsys's Engine is unchanged).
+                keep the one-query kernel. In results.json this row is the engine as it was when
+                measured, with one ragged sequence slot per row (the README's finding);
+  ragged_slots  the ragged kernel's sequence slots sized min(row bucket, max_seqs): measured with
+                an Engine subclass, since adopted by Engine.tables, so a rerun of `ragged` or
+                `ragged_slots` now runs the same engine.
 On CPU the Pallas kernels run in interpret mode: the times say what this machine does, not what a
 GPU would. Every request's greedy tokens are compared with the per_row engine's.
 """
@@ -49,28 +50,11 @@ KERNELS = ("per_row", "ragged", "ragged_slots")
 
 
 def engine_class(kernel: str):
+    """Every kernel runs jaxsys's Engine (`ragged` and `ragged_slots` are the same engine now)."""
     from jaxsys.serve import engine
 
-    if kernel != "ragged_slots":
-        return engine.Engine
-
-    class SlotsEngine(engine.Engine):
-        """The ragged kernel's sequence slots: min(width, max_seqs) per shard, not width. A step's
-        works on a shard are its running sequences, at most max_seqs, so the slots past them were
-        always empty; the kernel's grid (W items, W = min(T, (T + S (block_q - 1)) // block_q)) then
-        stops counting dead items in the hundreds."""
-
-        def tables(self, width: int, ragged: bool = False) -> dict:
-            out = super().tables(width, ragged)
-            if "cu_q_lens" in out:
-                s = min(width, self.schedulers[0].max_seqs)
-                for name in ("seq_table", "seq_fp_table", "kv_lens"):
-                    if name in out:
-                        out[name] = out[name][:, :s].copy()
-                out["cu_q_lens"] = out["cu_q_lens"][:, : s + 1].copy()
-            return out
-
-    return SlotsEngine
+    del kernel
+    return engine.Engine
 
 
 def main() -> int:
