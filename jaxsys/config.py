@@ -268,7 +268,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.clip = 0.2  # PPO clip range of the importance ratio
     c.rl.kl = 0.02  # beta, the weight of the KL term to the frozen reference
     c.rl.steps = 100  # policy updates
-    c.rl.warmup_steps = 0  # supervised steps on the task's format (random answers) before RL
+    c.rl.warmup_steps = 0  # supervised steps on the task's format before RL (a brief SFT)
+    c.rl.warmup_right = 0.0  # ... the fraction of its examples with the right answer (else random ones)
     c.rl.mode = "sync"  # sync | async (the generator runs ahead with weights up to `staleness` old)
     c.rl.staleness = 1  # async: k, the most versions a rollout's weights may lag the trainer's
     c.rl.placement = "colocated"  # colocated (take turns on all devices) | disaggregated

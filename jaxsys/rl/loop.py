@@ -255,14 +255,15 @@ class Trainer:
         return metrics
 
     def warm_up(self, task: tasks_lib.Task, steps: int, seed: int) -> list[float]:
-        """Supervised steps on the task's format with random answers: the policy gradient with
+        """Supervised steps on the task's format, a fraction config.rl.warmup_right of the examples with
+        the right answer and the others with random ones: the policy gradient with
         advantage 1 at ratio 1 (old = ref = the current log-probabilities) is the cross-entropy's."""
         c = self.program.config
         b, t = c.train.batch_size, c.data.seq_len
         losses = []
         for s in range(steps):
             rng = np.random.default_rng([seed, 7, s])
-            examples = [task.format_example(rng) for _ in range(b)]
+            examples = [task.format_example(rng, self.program.config.rl.warmup_right) for _ in range(b)]
             tokens, mask = _rows([_ids(p) for p, _ in examples], [_ids(a + tasks_lib.EOS) for _, a in examples], t)
             logp = np.asarray(self.logp_fn(self.state.params, self.put(tokens)))
             metrics = self.update(tokens, mask, mask, logp, logp)

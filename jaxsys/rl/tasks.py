@@ -49,8 +49,12 @@ class Task:
     def reward(self, prompt: str, completion: str) -> float:
         return char_reward(self.answer(prompt), completion)
 
-    def format_example(self, rng) -> tuple[str, str]:
+    def format_example(self, rng, right: float = 0.0) -> tuple[str, str]:
+        """A prompt and, with probability `right`, its answer, else random characters of the answer's
+        length and alphabet (the warm-up's supervised data)."""
         prompt, answer = self.sample(rng)
+        if rng.uniform() < right:
+            return prompt, answer
         return prompt, "".join(rng.choice(list(self.alphabet), size=len(answer)))
 
     def prompts(self, seed: int, index: int, n: int) -> list[str]:
