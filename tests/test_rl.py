@@ -128,7 +128,9 @@ def test_weight_sync_between_disjoint_sub_meshes_is_bitwise_and_moves_the_formul
     trained = src.init(5).params
     placed, moved = reshard(trained, dst.param_shardings)
     assert {d.id for a in jax.tree.leaves(placed) for d in a.devices()} == {4, 5, 6, 7}
-    for got, want, sharding in zip(jax.tree.leaves(placed), jax.tree.leaves(trained), jax.tree.leaves(dst.param_shardings)):
+    for got, want, sharding in zip(
+        jax.tree.leaves(placed), jax.tree.leaves(trained), jax.tree.leaves(dst.param_shardings)
+    ):
         assert got.sharding == sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert moved == rl_analysis.sync_bytes(dst_config) > 0
@@ -213,7 +215,12 @@ def test_bad_input_is_named_before_compiling():
     with pytest.raises(loop.RewardError, match="finite number"):
         loop.check(base, reward_fn=lambda p, c: float("nan"))
     plan = loop.check(base)
-    assert [d.id for d in plan.trainer_devices] == [0, 1, 2, 3] and [d.id for d in plan.generator_devices] == [4, 5, 6, 7]
+    assert [d.id for d in plan.trainer_devices] == [0, 1, 2, 3] and [d.id for d in plan.generator_devices] == [
+        4,
+        5,
+        6,
+        7,
+    ]
 
 
 def _with(config, **rl):

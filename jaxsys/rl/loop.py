@@ -32,10 +32,9 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxsys import program as program_lib
@@ -95,8 +94,8 @@ def call_reward(reward_fn: Callable, prompt: str, completion: str) -> float:
 class Plan:
     """What `check` settles before anything is built: each side's config and devices, the task."""
 
-    trainer_config: object
-    generator_config: object
+    trainer_config: Any
+    generator_config: Any
     trainer_devices: list
     generator_devices: list
     task: tasks_lib.Task
@@ -266,7 +265,7 @@ class Trainer:
             examples = [task.format_example(rng, self.program.config.rl.warmup_right) for _ in range(b)]
             tokens, mask = _rows([_ids(p) for p, _ in examples], [_ids(a + tasks_lib.EOS) for _, a in examples], t)
             logp = np.asarray(self.logp_fn(self.state.params, self.put(tokens)))
-            metrics = self.update(tokens, mask, mask, logp, logp)
+            self.update(tokens, mask, mask, logp, logp)
             losses.append(-float(np.sum(logp * mask) / mask.sum()))
         return losses
 
@@ -286,7 +285,9 @@ class Trainer:
     def restore(self) -> None:
         if self.opt_host is None:
             return
-        self.state = self.state._replace(opt_state=jax.device_put(self.opt_host, self.program.state_shardings.opt_state))
+        self.state = self.state._replace(
+            opt_state=jax.device_put(self.opt_host, self.program.state_shardings.opt_state)
+        )
         self.opt_host = None
 
 
@@ -598,4 +599,4 @@ def _rates(records: list[dict]) -> dict:
     )
 
 
-__all__ = ["Run", "check", "main", "RewardError", "jnp"]
+__all__ = ["Run", "check", "main", "RewardError"]

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxsys import program as program_lib
 from jaxsys.config import ConfigError
@@ -69,7 +68,9 @@ class GRPOProgram(program_lib.Program):
         rl = self.config.rl
         logp, moe_stats = self._local_logp(params, batch.tokens, hook)
         cut = lambda a: self._local_weights(a).astype(logp.dtype)
-        terms = loss_lib.token_terms(logp, cut(batch.old_logp), cut(batch.ref_logp), cut(batch.advantages), rl.clip, rl.kl)
+        terms = loss_lib.token_terms(
+            logp, cut(batch.old_logp), cut(batch.ref_logp), cut(batch.advantages), rl.clip, rl.kl
+        )
         norm = self.weight_norm(batch) if norm is None else norm
         mask = cut(batch.mask)
         shares = {name: jnp.sum(terms[name] * mask) / norm for name in METRICS}
@@ -106,4 +107,4 @@ def build(config, mesh) -> GRPOProgram:
     return GRPOProgram(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
 
 
-__all__ = ["GRPOProgram", "Rollouts", "build", "P"]
+__all__ = ["GRPOProgram", "Rollouts", "build"]
