@@ -236,3 +236,42 @@ def test_tasks_rewards():
     assert t.reward("abc=", "") == 0.0 and t.reward("abc=", "cbaa") == pytest.approx(3 / 4)
     assert tasks.get("add", 2).reward("12+47=", "59") == 1.0
     assert tasks.get("sort", 3).reward("cab=", "abc") == 1.0
+
+
+@pytest.mark.slow
+def test_iteration_model_picks_layouts_and_composes_its_terms():
+    """analysis.rl.iteration_times on the tiny model over 8 H100s: every placement gets layouts from
+    the planner and the engine's roofline, and the times compose as the model states (async = the
+    slower side, disaggregated = the sum, both on the same best split for their own criterion)."""
+    from jaxsys.analysis import hardware
+
+    c = small_config(n_kv_heads=4)
+    out = rl_analysis.iteration_times(c, 8, hardware.profile("h100"), prompts=4, group=4, prompt=8, completion=8)
+    for name in ("colocated", "disaggregated", "async"):
+        assert out[name]["trainer"] and out[name]["generator"], name
+    col, dis, asy = out["colocated"], out["disaggregated"], out["async"]
+    assert col["seconds"] == pytest.approx(col["gen_s"] + col["train_s"] + col["swap_s"] + col["sync_s"])
+    assert dis["seconds"] == pytest.approx(dis["gen_s"] + dis["train_s"] + dis["sync_s"])
+    assert asy["seconds"] == pytest.approx(max(asy["gen_s"], asy["train_s"] + asy["sync_s"]))
+    assert asy["seconds"] <= dis["seconds"]
+    n_t, n_g = (int(x) for x in dis["split"].split(" + "))
+    assert n_t + n_g == 8
+
+
+def test_colocated_takes_turns_on_the_devices():
+    """Colocated on one device: the rollouts run with the optimizer state on the host and the KV
+    pool allocated, the update with the pool freed and the state back; the reward is recorded."""
+    c = rl_test_config(placement="colocated", trainer_mesh="", generator_mesh="", steps=2)
+    run = loop.Run(c, devices=jax.devices()[:1])
+    eng, seen = run.generator.engine, []
+    engine_run = eng.run
+
+    def watched(*args, **kwargs):
+        seen.append((run.trainer.state.opt_state is None, eng.cache is not None))
+        return engine_run(*args, **kwargs)
+
+    eng.run = watched
+    records = run.sync()
+    assert len(records) == 2 and all(0 <= r["reward"] <= 1 for r in records)
+    assert seen == [(True, True)] * 2  # generating: optimizer state on the host, the KV pool allocated
+    assert run.trainer.state.opt_state is not None and eng.cache is None  # after an update: back, asleep

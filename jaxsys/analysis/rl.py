@@ -112,7 +112,9 @@ def generation_seconds(gen_config, hw, sequences: int, prompt: int, completion: 
     d, t = gen_config.mesh.data, gen_config.mesh.tensor
     per_shard = -(-sequences // d)
     kv_token = 2 * m.n_layers * m.n_kv_heads * m.head_dim * np.dtype(m.compute_dtype).itemsize / min(t, m.n_kv_heads)
-    weights = weight_bytes_per_device(gen_config) * np.dtype(m.compute_dtype).itemsize / np.dtype(m.param_dtype).itemsize
+    weights = (
+        weight_bytes_per_device(gen_config) * np.dtype(m.compute_dtype).itemsize / np.dtype(m.param_dtype).itemsize
+    )
     memory = weights + per_shard * (prompt + completion) * kv_token
     if memory > hw.hbm_bytes:
         return None
@@ -187,9 +189,10 @@ def iteration_times(config, devices: int, hw, prompts: int, group: int, prompt: 
         winner, t_s = t_all
         opt = cost_model.predicted_memory(winner.config)["optimizer"]
         swap = 2 * opt / hw.host_link_bytes_per_s
-        params = sum(
-            math.prod(s.shape) for s in jax.tree.leaves(_specs(base.model), is_leaf=_is_spec)
-        ) * np.dtype(dtype).itemsize
+        params = (
+            sum(math.prod(s.shape) for s in jax.tree.leaves(_specs(base.model), is_leaf=_is_spec))
+            * np.dtype(dtype).itemsize
+        )
         reshard = max(0.0, (sync_bytes(g_all[0], dtype) - params) / devices) / hw.inter_node_bytes_per_s
         out["colocated"] = dict(
             seconds=g_all[1]["seconds"] + t_s + swap + reshard,
