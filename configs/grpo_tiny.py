@@ -14,6 +14,9 @@ answers, warmup_right=0) the reward does not rise in 300 updates at this scale. 
     :async2     ... up to 2
     :colocated  trainer and generator take turns on all 8 devices (fsdp=8 trainer, tensor=2 x data=4 engine)
     :cpu1       colocated on one device (no XLA_FLAGS needed)
+    :planned    placement, device split and both layouts chosen by the iteration-time model for H100s
+                (rl.plan_hardware; docs/rl.md), here on the 8 simulated devices; with :async too use
+                --config.rl.plan_hardware=h100 --config.rl.mode=async
     :test       a few updates of a smaller batch, for the tests
 """
 
@@ -56,6 +59,8 @@ def get_config(arg=None):
         c.rl.placement = "colocated"
         c.rl.trainer_mesh = "fsdp=8"
         c.rl.generator_mesh = "data=4,tensor=2"
+    elif arg == "planned":
+        c.rl.plan_hardware = "h100"
     elif arg == "cpu1":
         c.rl.placement = "colocated"
         c.rl.trainer_mesh = c.rl.generator_mesh = ""
@@ -67,5 +72,7 @@ def get_config(arg=None):
         c.rl.eval_prompts = 4
         c.train.eval_every = 0
     elif arg is not None:
-        raise ValueError(f"configs/grpo_tiny.py: unknown argument {arg!r}; use async, async2, colocated, cpu1 or test")
+        raise ValueError(
+            f"configs/grpo_tiny.py: unknown argument {arg!r}; use async, async2, colocated, planned, cpu1 or test"
+        )
     return c

@@ -277,6 +277,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.generator_mesh = ""  # the generator's ("data=2,tensor=2"); "" = the trainer's layout
     c.rl.trainer_devices = ""  # device ids ("0-3" or "0,1,2,3"); "" = the first ones
     c.rl.generator_devices = ""  # ""  = the ones after the trainer's (disaggregated), all (colocated)
+    c.rl.plan_hardware = ""  # a hardware profile (h100, cpu, ...): placement, split and layouts by the
+    # iteration-time model (analysis/rl.py) instead of rl.placement / trainer_mesh / generator_mesh
     c.rl.eval_prompts = 64  # greedy evaluation prompts (fixed) every log_every updates
 
     c.distributed = ml_collections.ConfigDict()

@@ -275,3 +275,21 @@ def test_colocated_takes_turns_on_the_devices():
     assert len(records) == 2 and all(0 <= r["reward"] <= 1 for r in records)
     assert seen == [(True, True)] * 2  # generating: optimizer state on the host, the KV pool allocated
     assert run.trainer.state.opt_state is not None and eng.cache is None  # after an update: back, asleep
+
+
+def test_planner_chooses_placement_split_and_layouts_before_compiling():
+    """config.rl.plan_hardware: check() takes the iteration model's fastest async placement; the
+    sides it returns are disjoint, cover the devices and have the chosen meshes."""
+    c = rl_test_config(mode="async", plan_hardware="h100")
+    plan = loop.check(c)
+    assert plan.choice.startswith(("async", "colocated"))
+    t, g = plan.trainer_config, plan.generator_config
+    n_t = int(np.prod([t.mesh[a] for a in t.mesh]))
+    n_g = int(np.prod([g.mesh[a] for a in g.mesh]))
+    assert (n_t, n_g) == (len(plan.trainer_devices), len(plan.generator_devices))
+    ids_t, ids_g = ({d.id for d in plan.trainer_devices}, {d.id for d in plan.generator_devices})
+    if t.rl.placement == "disaggregated":
+        assert not ids_t & ids_g and ids_t | ids_g == set(range(8))
+    assert t.mesh.pipe == 1 and t.mesh.seq == 1
+    with pytest.raises(ConfigError, match="plan_hardware='tpu9'"):
+        loop.check(rl_test_config(plan_hardware="tpu9"))

@@ -134,7 +134,8 @@ def best_generator(config, devices: int, hw, sequences: int, prompt: int, comple
 
 def trainer_plan(config, devices: int, hw):
     """The planner's best trainer layout of `devices` for the update's batch (analysis/planner.plan,
-    formulas only), with its predicted step; None when nothing fits."""
+    formulas only) that the GRPO trainer runs (no pipe, no seq axis), with its predicted step; None
+    when nothing fits."""
     from jaxsys.analysis import planner
     from jaxsys.config import ConfigError
 
@@ -142,11 +143,18 @@ def trainer_plan(config, devices: int, hw):
         result = planner.plan(config, devices, hw, top=0, log=_quiet)
     except ConfigError:
         return None
-    return result["winner"]
+    # the GRPO trainer runs without pipeline and context parallelism (rl/program.py)
+    runnable = [c for c in result["ranked"] if c.overrides["mesh.pipe"] == 1 and c.overrides["mesh.seq"] == 1]
+    return runnable[0] if runnable else None
 
 
 def _layout_name(config) -> str:
     return " x ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES if config.mesh[a] > 1) or "1 device"
+
+
+def _mesh_text(config) -> str:
+    """The mesh as config.rl.*_mesh takes it ("data=2,tensor=2")."""
+    return ",".join(f"{a}={config.mesh[a]}" for a in MESH_AXES if config.mesh[a] > 1) or "data=1"
 
 
 def iteration_times(config, devices: int, hw, prompts: int, group: int, prompt: int, completion: int, splits=None):
@@ -203,6 +211,8 @@ def iteration_times(config, devices: int, hw, prompts: int, group: int, prompt: 
             trainer=winner.name,
             generator=_layout_name(g_all[0]),
             split=f"{devices} shared",
+            trainer_overrides=dict(winner.overrides),
+            generator_mesh=_mesh_text(g_all[0]),
         )
     best_sync = best_async = None
     for n_t in splits:
@@ -220,6 +230,8 @@ def iteration_times(config, devices: int, hw, prompts: int, group: int, prompt: 
             generator=_layout_name(g[0]),
             split=f"{n_t} + {n_g}",
             sync_bytes=sync_bytes(g[0], dtype),
+            trainer_overrides=dict(winner.overrides),
+            generator_mesh=_mesh_text(g[0]),
         )
         sync_row = dict(row, seconds=g[1]["seconds"] + t_s + s)
         async_row = dict(row, seconds=max(g[1]["seconds"], t_s + s))

@@ -100,17 +100,24 @@ class Plan:
     generator_devices: list
     task: tasks_lib.Task
     reward_fn: Callable
+    choice: str = ""  # what config.rl.plan_hardware's iteration model chose
 
 
-def _side(config, sizes: dict | None, key: str, n: int, servable: bool):
+def _side(config, sizes: dict | None, key: str, n: int, servable: bool, overrides: dict | None = None):
     c = config.copy_and_resolve_references()
+    for dotted, value in (overrides or {}).items():
+        section, name = dotted.split(".", 1)
+        c[section][name] = value
     if sizes is not None:
         for axis in MESH_AXES:
             c.mesh[axis] = sizes[axis]
     try:
-        validate(c, num_devices=n)
-        if servable:
+        if servable:  # the engine takes any number of requests: its config's training batch is moot
+            c.train.batch_size = math.prod(c.mesh[a] for a in ("data", "fsdp", "expert") if c.mesh[a] > 0)
+            validate(c, num_devices=n)
             check_servable(c)
+        else:
+            validate(c, num_devices=n)
     except ConfigError as e:
         raise ConfigError(f"{key}: {e}") from None
     disagg._model_divides(c, key)
@@ -158,6 +165,11 @@ def check(config, devices=None, reward_fn: Callable | None = None) -> Plan:
             f"{tasks_lib.longest_answer(task) + 1}"
         )
     n = len(devices)
+    trainer_overrides: dict = {}
+    choice = ""
+    if rl.plan_hardware:
+        config, trainer_overrides, choice = choose_layouts(config, n)
+        rl = config.rl
     trainer_ids = parse_devices(rl.trainer_devices, "config.rl.trainer_devices", n)
     generator_ids = parse_devices(rl.generator_devices, "config.rl.generator_devices", n)
     if rl.placement == "colocated":
@@ -197,7 +209,9 @@ def check(config, devices=None, reward_fn: Callable | None = None) -> Plan:
         got = math.prod(sizes.values()) if sizes else math.prod(config.mesh[a] for a in MESH_AXES)
         if got != len(ids) and not (sizes is None and -1 in [config.mesh[a] for a in MESH_AXES]):
             raise ConfigError(f"{key}: its axes give {got} devices but it has {len(ids)} ({ids})")
-    trainer_config = _side(config, trainer_sizes, "config.rl.trainer_mesh", len(trainer_ids), servable=False)
+    trainer_config = _side(
+        config, trainer_sizes, "config.rl.trainer_mesh", len(trainer_ids), servable=False, overrides=trainer_overrides
+    )
     trainer_config.train.steps = rl.warmup_steps + rl.steps  # the schedule spans warm-up and updates
     if trainer_config.mesh.pipe > 1 or trainer_config.mesh.seq > 1:
         raise ConfigError("config.rl.trainer_mesh: the GRPO trainer runs without pipe or seq axes")
@@ -215,7 +229,48 @@ def check(config, devices=None, reward_fn: Callable | None = None) -> Plan:
         [devices[i] for i in generator_ids],
         task,
         reward_fn,
+        choice,
     )
+
+
+def choose_layouts(config, n: int) -> tuple:
+    """(config with rl.placement, trainer_mesh and generator_mesh set, the trainer's other planner
+    overrides, a line saying what was chosen): the iteration-time model's fastest placement for config.rl.mode on n devices
+    (analysis/rl.iteration_times on the profile config.rl.plan_hardware; splits n/4, n/2, 3n/4)."""
+    from jaxsys.analysis import hardware
+    from jaxsys.analysis import rl as rl_analysis
+
+    rl = config.rl
+    if rl.plan_hardware not in hardware.PROFILES:
+        raise ConfigError(f"config.rl.plan_hardware={rl.plan_hardware!r}: choose one of {sorted(hardware.PROFILES)}")
+    splits = sorted({n // 4, n // 2, 3 * n // 4} - {0, n})
+    base = config.copy_and_resolve_references()
+    base.rl.plan_hardware = ""
+    out = rl_analysis.iteration_times(
+        base,
+        n,
+        hardware.profile(rl.plan_hardware),
+        prompts=config.train.batch_size // rl.group_size,
+        group=rl.group_size,
+        prompt=config.data.seq_len - rl.max_new_tokens,
+        completion=rl.max_new_tokens,
+        splits=splits,
+    )
+    keys = ("async", "colocated") if rl.mode == "async" else ("colocated", "disaggregated")
+    options = [(out[k]["seconds"], k) for k in keys if k in out]
+    if not options:
+        raise ConfigError(f"config.rl.plan_hardware={rl.plan_hardware!r}: no placement of {n} devices fits this model")
+    _, pick = min(options)
+    row = out[pick]
+    chosen = base.copy_and_resolve_references()
+    chosen.rl.placement = "colocated" if pick == "colocated" else "disaggregated"
+    mesh = {k.split(".", 1)[1]: v for k, v in row["trainer_overrides"].items() if k.startswith("mesh.")}
+    chosen.rl.trainer_mesh = ",".join(f"{a}={v}" for a, v in mesh.items() if v > 1) or "data=1"
+    chosen.rl.generator_mesh = row["generator_mesh"]
+    chosen.rl.trainer_devices = chosen.rl.generator_devices = ""
+    chosen.rl.plan_hardware = rl.plan_hardware
+    others = {k: v for k, v in row["trainer_overrides"].items() if not k.startswith("mesh.")}
+    return chosen, others, f"{pick}, {row['split']} devices: trainer {row['trainer']}, generator {row['generator']}"
 
 
 # ----------------------------------------------------------------------------- the two sides
@@ -317,7 +372,8 @@ class Generator:
     def __init__(self, plan: Plan, params, colocated: bool):
         c = plan.generator_config
         self.program = program_lib.build(c, make_mesh(c, plan.generator_devices))
-        rl, b = c.rl, c.train.batch_size
+        rl, b = c.rl, plan.trainer_config.train.batch_size  # samples per update
+        self.batch = b
         layout = self.program.layout
         shards = layout.size(layout.compute_axes("batch"))
         max_seqs = max(-(-b // shards), -(-rl.eval_prompts // shards), 1)
@@ -362,7 +418,7 @@ class Generator:
         """Update `index`'s samples: prompts of (seed, index), G samples each at the rollout
         temperature with each token's log-probability, rewards, advantages; host arrays."""
         rl = self.config.rl
-        n = self.config.train.batch_size // rl.group_size
+        n = self.batch // rl.group_size
         prompts = self.task.prompts(self.config.seed, index, n)
         seed = lambda j, g: int(np.random.default_rng([self.config.seed, index, j, g]).integers(0, 2**31 - 1))
         start = time.perf_counter()
@@ -413,7 +469,7 @@ class Run:
 
     def __init__(self, config, devices=None, reward_fn: Callable | None = None, log: Callable | None = None):
         self.plan = check(config, devices, reward_fn)
-        self.config = config
+        config = self.config = self.plan.trainer_config  # rl placement as checked (or chosen by the model)
         self.colocated = config.rl.placement == "colocated"
         self.trainer = Trainer(self.plan, self.colocated)
         self.warmup_losses = self.trainer.warm_up(self.plan.task, config.rl.warmup_steps, config.seed)
@@ -575,6 +631,8 @@ def main(config, workdir: str, reward_fn: Callable | None = None) -> list[dict]:
 
     try:
         run = Run(config, reward_fn=reward_fn, log=log)
+        if run.plan.choice:
+            print(f"layouts by the iteration-time model ({config.rl.plan_hardware}): {run.plan.choice}", flush=True)
         before = run.evaluate()
         print(f"warm-up: {config.rl.warmup_steps} steps, greedy reward before RL {before:.3f}", flush=True)
         records = run.sync() if config.rl.mode == "sync" else run.asynchronous()
