@@ -293,3 +293,21 @@ def test_planner_chooses_placement_split_and_layouts_before_compiling():
     assert t.mesh.pipe == 1 and t.mesh.seq == 1
     with pytest.raises(ConfigError, match="plan_hardware='tpu9'"):
         loop.check(rl_test_config(plan_hardware="tpu9"))
+
+
+def test_set_params_forgets_the_prefix_cache():
+    """After new weights the engine does not reuse prompt pages cached under the old ones: the same
+    prompt then gets the tokens of an engine built with the new weights."""
+    from jaxsys.serve import engine
+    from tests.helpers import program_for
+
+    program = program_for(small_config(n_kv_heads=4))
+    old, new = program.init(1).params, program.init(2).params
+    kw = dict(num_pages=16, page_size=4, token_budget=16, chunk_size=16, max_seqs=2)
+    prompt = [5, 9, 2, 7, 1, 8, 3, 6, 4, 2]
+    eng = engine.Engine(program, old, **kw)
+    engine.generate(eng, [prompt], 4)  # its full prompt pages are now cached
+    eng.set_params(new)
+    got = engine.generate(eng, [prompt], 4)
+    assert eng.pools[0].hits == 0  # nothing matched after the weights changed
+    assert got == engine.generate(engine.Engine(program, new, **kw), [prompt], 4)

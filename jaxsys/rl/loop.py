@@ -386,7 +386,6 @@ class Generator:
             token_budget=max(8, max_seqs * 2),
             chunk_size=max(8, length),
             allocation="reserve",
-            prefix_cache=False,  # cached pages would hold keys and values of older weights
             decode_steps=1,
         )
         if settings["cache"] == "contiguous":

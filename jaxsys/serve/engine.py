@@ -402,8 +402,11 @@ class Engine(EngineAPI):
         """Serve `params` from now on: moved into this engine's layout (program.param_shardings) from
         whatever devices and layout they are in (a resharding transfer, e.g. from a trainer on
         another sub-mesh; always a copy, so the trainer may donate its own). Nothing recompiles
-        (same shapes). Returns the bytes the engine's devices received (`reshard`)."""
+        (same shapes). The prefix cache is forgotten (its pages hold keys and values of the old
+        weights). Returns the bytes the engine's devices received (`reshard`)."""
         self.params, moved = reshard(params, self.program.param_shardings)
+        for pool in self.pools:
+            pool.forget_cache()
         return moved
 
     def sleep(self) -> None:
