@@ -264,7 +264,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rl.task_length = 3  # letters (reverse, sort) or digits (add) of a prompt
     c.rl.group_size = 8  # G samples per prompt
     c.rl.max_new_tokens = 6  # tokens a completion may have
-    c.rl.temperature = 1.0  # sampling temperature of the rollouts (the policy gradient assumes 1)
+    c.rl.temperature = 1.0  # rollouts sample at 1 (the engine's log-probabilities are then the behaviour policy's)
     c.rl.clip = 0.2  # PPO clip range of the importance ratio
     c.rl.kl = 0.02  # beta, the weight of the KL term to the frozen reference
     c.rl.steps = 100  # policy updates

@@ -200,6 +200,8 @@ def test_bad_input_is_named_before_compiling():
         loop.check(_with(base, trainer_devices="0-3", generator_devices="4-6"))
     with pytest.raises(ConfigError, match="group_size=3 does not divide"):
         loop.check(_with(base, group_size=3))
+    with pytest.raises(ConfigError, match="temperature=0.7"):
+        loop.check(_with(base, temperature=0.7))
     with pytest.raises(ConfigError, match="placement"):
         loop.check(_with(base, placement="both"))
     with pytest.raises(ConfigError, match="seq_len"):

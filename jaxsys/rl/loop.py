@@ -147,8 +147,11 @@ def check(config, devices=None, reward_fn: Callable | None = None) -> Plan:
         raise ConfigError(f"config.rl.mode={rl.mode!r}: choose one of {MODES}")
     if rl.placement not in PLACEMENTS:
         raise ConfigError(f"config.rl.placement={rl.placement!r}: choose one of {PLACEMENTS}")
-    if not (isinstance(rl.temperature, (int, float)) and rl.temperature > 0):
-        raise ConfigError(f"config.rl.temperature={rl.temperature!r} must be > 0 (the policy samples)")
+    if rl.temperature != 1.0:
+        raise ConfigError(
+            f"config.rl.temperature={rl.temperature!r}: rollouts sample at 1.0, where the engine's "
+            "log-probabilities (the model's own) are the behaviour policy's that the importance ratio needs"
+        )
     if not (0 < rl.clip < 1) or rl.kl < 0:
         raise ConfigError(f"config.rl.clip={rl.clip!r} must be in (0, 1) and config.rl.kl={rl.kl!r} >= 0")
     task = tasks_lib.get(rl.task, rl.task_length)
