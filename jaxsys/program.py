@@ -418,7 +418,8 @@ class Program(Placement):
         # weights read from host memory get their gradients there (the transpose of the move in)
         grads = offload.fetch(grads, self.layout.params_on_host)
         grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
-        metrics = self._metrics(ce, moe_stats, norm, extra)
+        # DPO's logged terms ride along only when there are some (a subclass's _metrics, e.g. GRPO's, takes three)
+        metrics = self._metrics(ce, moe_stats, norm, extra) if extra else self._metrics(ce, moe_stats, norm)
         objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
         return objective, grads, metrics
 

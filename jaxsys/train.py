@@ -228,6 +228,10 @@ def main(config, workdir: str) -> list[dict]:
     Returns the logged records."""
     cpu_unless_accelerator()
     maybe_initialize_distributed(config.distributed)
+    if config.rl.task != "none":  # RL post-training (GRPO): its own loop over a trainer and an engine
+        from jaxsys.rl import loop as rl_loop
+
+        return rl_loop.main(config, workdir)
     validate(config)
     if config.model.quant != "none" and not adapters.enabled(config):
         raise ConfigError(
