@@ -265,6 +265,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.hardware = ml_collections.ConfigDict()
     c.hardware.peak_flops = 0.0  # FLOP/s of the whole job for MFU; 0 = detect
 
+    # JAX's persistent compilation cache (jaxsys/compile_cache.py, docs/goodput.md): a restart or a
+    # second run of the same config loads its compiled programs instead of compiling them again
+    c.compile_cache = ml_collections.ConfigDict()
+    c.compile_cache.dir = "auto"  # auto: $JAXSYS_COMPILE_CACHE, else $JAXSYS_CACHE/xla (~/.cache/jaxsys/xla); "": off
+    c.compile_cache.min_compile_secs = 0.0  # programs compiled faster than this are not written
+
     return c
 
 
@@ -751,6 +757,7 @@ def validate(config, num_devices: int | None = None) -> None:
         ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
         "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0",
     )
+    _validate_compile_cache(config)
 
 
 DOCUMENT_SOURCES = ("jsonl", "parquet", "hf")  # corpora of documents, tokenized into shards (jaxsys/data/shards.py)
@@ -1063,3 +1070,16 @@ def _validate_pipeline(config) -> None:
             f"vocabulary parallelism (pipe x config.sharding.params.vocab): pad the vocabulary to "
             f"a multiple of {shards}",
         )
+
+
+def _validate_compile_cache(config) -> None:
+    """config.compile_cache (jaxsys/compile_cache.py)."""
+    cc = config.compile_cache
+    _require(
+        isinstance(cc.dir, str),
+        f"config.compile_cache.dir={cc.dir!r}: 'auto', a folder, or '' to turn the compile cache off",
+    )
+    _require(
+        isinstance(cc.min_compile_secs, (int, float)) and cc.min_compile_secs >= 0,
+        f"config.compile_cache.min_compile_secs={cc.min_compile_secs!r} must be a number >= 0 (0 writes every program)",
+    )
