@@ -38,6 +38,7 @@ from jaxsys.data import loader as loader_lib
 from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
+from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import expert_placement
 
 # the program lives in jaxsys/program.py; these names stay importable from here
@@ -317,6 +318,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     start = time.perf_counter()
     with gp.timed("compile"):
         step_fn = program.train_step_fn().lower(state, program.abstract_batch()).compile()
+        syncs = outer_lib.Syncs(program, state) if outer_lib.enabled(t) else None  # DiLoCo's outer steps
     eval_fn = program.eval_loss_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
@@ -390,6 +392,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
                 tokens = next(loader)  # built ahead on the loader's thread while the last step ran
             window.dispatched(step + 1)
             state, metrics = step_fn(state, tokens)
+            if syncs is not None:
+                state = syncs(state, step + 1)
             if pending is not None:  # read the previous step while this one runs
                 finish(*pending)
             eval_loss = None

@@ -33,7 +33,10 @@ def runs(tmp_path_factory):
     train.main(_config(cache), str(second))
     shutil.rmtree(second / "checkpoints" / "4")
     records = train.main(_config(cache), str(second))
-    return dict(cache=cache, entries=entries, first=first, second=second, restart=records)
+    yield dict(cache=cache, entries=entries, first=first, second=second, restart=records)
+    off = small_config().compile_cache
+    off.dir = ""
+    compile_cache.use(off)  # the setting is process-wide: the suite's later tests run without a cache
 
 
 def test_second_run_compiles_nothing(runs, capsys):
