@@ -1,6 +1,8 @@
 """Restart cost: JAX's persistent compile cache (a second run of a config compiles nothing) and the
 goodput record (jaxsys/goodput.py, docs/goodput.md)."""
 
+import contextlib
+import io
 import json
 import shutil
 
@@ -30,21 +32,26 @@ def runs(tmp_path_factory):
     cache, first, second = root / "xla", root / "first", root / "second"
     train.main(_config(cache), str(first))
     entries = sorted(p.name for p in cache.iterdir())
-    train.main(_config(cache), str(second))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.main(_config(cache), str(second))
     shutil.rmtree(second / "checkpoints" / "4")
     records = train.main(_config(cache), str(second))
-    yield dict(cache=cache, entries=entries, first=first, second=second, restart=records)
+    yield dict(cache=cache, entries=entries, first=first, second=second, restart=records, printed=printed.getvalue())
     off = small_config().compile_cache
     off.dir = ""
     compile_cache.use(off)  # the setting is process-wide: the suite's later tests run without a cache
 
 
-def test_second_run_compiles_nothing(runs, capsys):
+def test_second_run_compiles_nothing(runs):
     first, second = _launches(runs["first"])[0], _launches(runs["second"])[0]
     assert first["programs_compiled"] >= 2 and first["programs_loaded"] == 0  # init, step, eval, ...
     assert len(runs["entries"]) >= first["programs_compiled"]  # each compiled program was written
     assert second["programs_compiled"] == 0 and second["programs_loaded"] >= 1
     assert second["compile_cache"] == str(runs["cache"])
+    loaded = second["programs_loaded"]
+    assert f"jaxsys: compile cache {runs['cache']}: {loaded} programs loaded from it, 0 compiled" in runs["printed"]
+    assert "jaxsys: goodput " in runs["printed"]
     # the second run loaded its step instead of compiling it: its compile time is a fraction
     assert second["compile_s"] < first["compile_s"]
 

@@ -1,18 +1,20 @@
 """DiLoCo / Streaming DiLoCo / CO2: loss against bytes communicated, at equal tokens, on the embedded
-corpus, with 4 islands of one simulated CPU device each.
+corpus, with 4 islands of 2 simulated CPU devices each (FSDP inside an island).
 
     .venv/bin/python experiments/diloco/run.py [--quick] [--replot]
 
 Every run trains the same small byte-level model (D=64, L=4, F=192, 0.21M parameters; T=64, global
-batch 16, so 4 rows per island and step; AdamW lr 3e-3, cosine, 20 warmup steps) for the same
+batch 16, so 4 rows per island and step, 2 per device; AdamW lr 3e-3, cosine, 20 warmup steps) for the same
 steps, and is evaluated on the same held-out batches every 100 steps (the outer parameters theta
 for the island runs). Variants: plain data parallelism (a gradient all-reduce every step); DiLoCo
 with H = 10, 50, 100 (outer Nesterov SGD, lr 0.7, momentum 0.9: the paper's); DiLoCo H = 50 with
 int4 outer gradients; Streaming DiLoCo (H = 100, 4 fragments of one layer each, int4); CO2 (H = 50,
 the outer update one round late). Bytes: per device, read from the compiled programs' collectives
 over `data` (hlo.parse): the step's (DP: the gradients; islands: two scalars of metrics) every
-step, plus each outer synchronisation's; "wire" is what a ring moves into each device (all-reduce
-2 (M-1)/M x operand, all-gather (M-1) x operand), checked against `outer.round_bytes`.
+step, plus each outer synchronisation's: every collective whose group spans islands; "wire" is
+what a ring moves into each device (all-reduce 2 (g-1)/g x operand, all-gather (g-1) x operand,
+g the group size), the outer syncs' operands checked against `outer.round_bytes` of the per-device
+shards. The FSDP gathers inside an island are not counted (they stay on the fast links).
 
 Scaled down from the papers (DiLoCo: 8 islands, 150M-parameter models, H = 500 of 88K steps;
 Streaming DiLoCo: up to 4B parameters): 500 steps here (--quick: 100), so H = 100 is five rounds.
@@ -43,6 +45,7 @@ from experiments.common import (  # noqa: E402
 )
 
 ISLANDS = 4
+DEVICES = 8  # mesh data=4 (islands) x fsdp=2 (inside an island)
 PAPER = "two orders of magnitude less bandwidth at similar quality (Streaming DiLoCo, Douillard et al. 2025)"
 
 VARIANTS = [
@@ -67,20 +70,24 @@ def config(steps: int, outer: dict):
     c.train.log_every, c.train.eval_every, c.train.eval_batches = 50, 100, 8
     c.train.progress = False
     c.checkpoint.enabled = False
-    c.mesh.data = ISLANDS
+    c.mesh.data, c.mesh.fsdp = ISLANDS, DEVICES // ISLANDS
     for key, value in outer.items():
         c.train.outer[key] = value
     return c
 
 
-def _wire(collective, m: int) -> float:
-    factor = {"all_reduce": 2 * (m - 1) / m, "all_gather": m - 1}.get(collective.kind, 1.0)
+def _wire(collective) -> float:
+    g = collective.group_size
+    factor = {"all_reduce": 2 * (g - 1) / g, "all_gather": g - 1}.get(collective.kind, 1.0)
     return factor * collective.operand_bytes * collective.executions
 
 
 def worker(n: int, jobs: list) -> None:
     worker_devices(n)
+    import dataclasses
+
     import jax
+    from jax.sharding import NamedSharding
 
     from jaxsys import train
     from jaxsys.analysis import hlo
@@ -100,10 +107,10 @@ def worker(n: int, jobs: list) -> None:
             state = program.abstract_state()
 
             def data_collectives(compiled):
-                return [x for x in hlo.parse(compiled.as_text()).collectives(sizes) if x.axes == ("data",)]
+                return [x for x in hlo.parse(compiled.as_text()).collectives(sizes) if "data" in x.axes]
 
             step = data_collectives(program.train_step_fn().lower(state, program.abstract_batch()).compile())
-            step_wire = sum(_wire(x, ISLANDS) for x in step)
+            step_wire = sum(_wire(x) for x in step)
             syncs, formula = [], None
             if outer.enabled(c.train):
                 for p in range(c.train.outer.fragments):
@@ -111,11 +118,13 @@ def worker(n: int, jobs: list) -> None:
                     syncs.append(
                         dict(
                             operand=sum(x.operand_bytes * x.executions for x in found),
-                            wire=sum(_wire(x, ISLANDS) for x in found),
+                            wire=sum(_wire(x) for x in found),
                             kinds=sorted({x.kind for x in found}),
                         )
                     )
-                formula = outer.round_bytes(program.specs, c.train, ISLANDS)
+                shard = lambda s, p: dataclasses.replace(s, shape=NamedSharding(program.mesh, p).shard_shape(s.shape))
+                local = jax.tree.map(shard, program.specs, program.param_pspecs, is_leaf=params_lib.is_spec)
+                formula = outer.round_bytes(local, c.train, ISLANDS)
                 n_syncs = [
                     sum(p in outer.fragment_due(c.train, s) for s in range(1, c.train.steps + 1))
                     for p in range(c.train.outer.fragments)
@@ -188,8 +197,8 @@ def main() -> None:
     if not args.replot:
         steps = 100 if args.quick else 500
         jobs = [dict(name=name, outer=o, steps=steps) for name, o in VARIANTS]
-        runs = run_worker(__file__, ISLANDS, jobs, timeout=3600, what="islands")
-        save_results(HERE, dict(runs=runs, islands=ISLANDS, paper=PAPER))
+        runs = run_worker(__file__, DEVICES, jobs, timeout=3600, what="islands")
+        save_results(HERE, dict(runs=runs, islands=ISLANDS, devices=DEVICES, paper=PAPER))
     results = load_results(HERE)
     report(results)
     plot(results)
