@@ -269,6 +269,30 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.spec_window = 64  # self-speculation: the draft attends to the last spec_window tokens
     c.serve.spec_sink = 4  # ... and to the first spec_sink (attention sinks); both in whole pages
 
+    # RL post-training (GRPO; docs/rl.md, jaxsys/rl/): jaxsys.train runs it when task is not "none".
+    # train.batch_size = prompts x group_size samples per update; data.seq_len >= prompt + max_new_tokens
+    c.rl = ml_collections.ConfigDict()
+    c.rl.task = "none"  # none | reverse | sort | add (jaxsys/rl/tasks.py)
+    c.rl.task_length = 3  # letters (reverse, sort) or digits (add) of a prompt
+    c.rl.group_size = 8  # G samples per prompt
+    c.rl.max_new_tokens = 6  # tokens a completion may have
+    c.rl.temperature = 1.0  # rollouts sample at 1 (the engine's log-probabilities are then the behaviour policy's)
+    c.rl.clip = 0.2  # PPO clip range of the importance ratio
+    c.rl.kl = 0.02  # beta, the weight of the KL term to the frozen reference
+    c.rl.steps = 100  # policy updates
+    c.rl.warmup_steps = 0  # supervised steps on the task's format before RL (a brief SFT)
+    c.rl.warmup_right = 0.0  # ... the fraction of its examples with the right answer (else random ones)
+    c.rl.mode = "sync"  # sync | async (the generator runs ahead with weights up to `staleness` old)
+    c.rl.staleness = 1  # async: k, the most versions a rollout's weights may lag the trainer's
+    c.rl.placement = "colocated"  # colocated (take turns on all devices) | disaggregated
+    c.rl.trainer_mesh = ""  # disaggregated: the trainer's axis sizes ("fsdp=4"); colocated: config.mesh
+    c.rl.generator_mesh = ""  # the generator's ("data=2,tensor=2"); "" = the trainer's layout
+    c.rl.trainer_devices = ""  # device ids ("0-3" or "0,1,2,3"); "" = the first ones
+    c.rl.generator_devices = ""  # ""  = the ones after the trainer's (disaggregated), all (colocated)
+    c.rl.plan_hardware = ""  # a hardware profile (h100, cpu, ...): placement, split and layouts by the
+    # iteration-time model (analysis/rl.py) instead of rl.placement / trainer_mesh / generator_mesh
+    c.rl.eval_prompts = 64  # greedy evaluation prompts (fixed) every log_every updates
+
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "" = from the environment, or single process
     c.distributed.num_processes = 0
