@@ -212,12 +212,12 @@ def main(config, workdir: str) -> list[dict]:
     gp = goodput_lib.Goodput()  # wall time since launch, by kind (docs/goodput.md)
     cpu_unless_accelerator()
     maybe_initialize_distributed(config.distributed)
+    compile_cache.use(config.compile_cache)
     if config.rl.task != "none":  # RL post-training (GRPO): its own loop over a trainer and an engine
         from jaxsys.rl import loop as rl_loop
 
         return rl_loop.main(config, workdir)
     validate(config)
-    compile_cache.use(config.compile_cache)
     if config.model.quant != "none":
         raise ConfigError(
             f"config.model.quant={config.model.quant!r} describes a quantized checkpoint, which is for "
