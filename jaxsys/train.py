@@ -26,7 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
+from jaxsys import compile_cache
 from jaxsys import data as data_lib
+from jaxsys import goodput as goodput_lib
 from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
@@ -37,6 +39,7 @@ from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import adapters
 from jaxsys.models import params as params_lib
+from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import expert_placement
 
 # the program lives in jaxsys/program.py; these names stay importable from here
@@ -226,8 +229,10 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: 
 def main(config, workdir: str) -> list[dict]:
     """Train `config`, writing metrics.jsonl, TensorBoard events and config.json to `workdir`.
     Returns the logged records."""
+    gp = goodput_lib.Goodput()  # wall time since launch, by kind (docs/goodput.md)
     cpu_unless_accelerator()
     maybe_initialize_distributed(config.distributed)
+    compile_cache.use(config.compile_cache)
     if config.rl.task != "none":  # RL post-training (GRPO): its own loop over a trainer and an engine
         from jaxsys.rl import loop as rl_loop
 
@@ -258,7 +263,7 @@ def main(config, workdir: str) -> list[dict]:
     mesh = make_mesh(config)
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     try:
-        return _train(config, workdir, corpus, mesh, checkpointer)
+        return _train(config, workdir, corpus, mesh, checkpointer, gp)
     finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
         if checkpointer:
             checkpointer.close()
@@ -295,7 +300,9 @@ def _loader(config, program, corpus, checkpointer, resume_step: int | None) -> L
     return loader
 
 
-def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
+def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[dict]:
+    gp = gp or goodput_lib.Goodput()
+    cache_path, cache_counter = compile_cache.directory(config.compile_cache), compile_cache.Counter()
     lead = jax.process_index() == 0
     resume_step = checkpointer.latest_step() if checkpointer else None
     exists = os.path.exists(os.path.join(workdir, "metrics.jsonl")) and resume_step is None
@@ -321,7 +328,9 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
     peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
 
     if resume_step is not None:
-        state = checkpointer.restore(program.abstract_state())
+        with gp.timed("restore"):
+            state = checkpointer.restore(program.abstract_state())
+        gp.lost_steps = _logged_after(workdir, resume_step)
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
     elif config.checkpoint.init_from:  # a new run from another run's parameters (fine-tuning)
@@ -334,13 +343,16 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 flush=True,
             )
     else:
-        state = program.init()
+        with gp.timed("init"):
+            state = program.init()
     reference = _reference_params(program, config) if program.needs_reference else None
     step_args = () if reference is None else (reference,)
     start_step = int(resume_step or 0)
     loader = _loader(config, program, corpus, checkpointer, resume_step)
     start = time.perf_counter()
-    step_fn = program.train_step_fn().lower(state, program.abstract_batch(), *step_args).compile()
+    with gp.timed("compile"):
+        step_fn = program.train_step_fn().lower(state, program.abstract_batch(), *step_args).compile()
+        syncs = outer_lib.Syncs(program, state) if outer_lib.enabled(t) else None  # DiLoCo's outer steps
     eval_fn = program.eval_metrics_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
@@ -397,6 +409,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
             if evaluated is not None:
                 record["eval_loss"] = evaluated["loss"]
                 record.update({f"eval_{k}": v for k, v in evaluated.items() if k != "loss"})
+            record["goodput"] = gp.record()["goodput"]
             if routing is not None:
                 record.update(
                     moe_aux_loss=_scalar(metrics["moe_aux_loss"]),
@@ -411,13 +424,17 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
         bar.set_postfix(shown)
 
     profiler = _Profiler(config, workdir, start_step, window)
+    gp.loop_started()
     try:
         for step in range(start_step, t.steps):
-            tokens = next(loader)  # built ahead on the loader's thread while the last step ran
+            with gp.timed("data_wait"):
+                tokens = next(loader)  # built ahead on the loader's thread while the last step ran
             profiler.before(step + 1, state)
             window.dispatched(step + 1)
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 state, metrics = step_fn(state, tokens, *step_args)
+            if syncs is not None:
+                state = syncs(state, step + 1)
             if pending is not None:  # read the previous step while this one runs
                 finish(*pending)
             profiler.after(step + 1, state)
@@ -427,6 +444,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 paused = time.perf_counter()
                 evaluated = evaluate_terms(program, eval_fn, state.params, corpus, reference)
                 window.pause(time.perf_counter() - paused)  # not training time
+                gp.add("eval", time.perf_counter() - paused)
             pending = (step + 1, metrics, evaluated)
             if rebalance_every and (step + 1) % rebalance_every == 0 and step + 1 < t.steps:
                 finish(*pending)  # the window holds this step
@@ -445,8 +463,11 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 paused = time.perf_counter()
                 checkpointer.save(step + 1, state, config, data=loader.state())
                 window.pause(time.perf_counter() - paused)  # not training time
+                gp.add("checkpoint", time.perf_counter() - paused)
         if pending is not None:
             finish(*pending)
+        gp.loop_ended()
+        _report_goodput(workdir, lead, t.steps, gp, cache_path, cache_counter)
         if routing is not None and lead:
             routing.save(os.path.join(workdir, "moe_routing.npz"))
     finally:
@@ -518,6 +539,29 @@ def _reference_params(program: Program, config):
     if config.checkpoint.init_from:
         return checkpoint_lib.restore_params(config.checkpoint.init_from, program.abstract_state().params)[0]
     return program.init().params
+
+
+def _logged_after(workdir: str, step: int) -> int:
+    """Steps the previous launch logged after `step` (its last checkpoint): trained again now."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        steps = [json.loads(line).get("step", 0) for line in f if line.strip()]
+    return max(0, max(steps, default=0) - int(step))
+
+
+def _report_goodput(workdir: str, lead: bool, step: int, gp, cache_path, counter) -> None:
+    """Print the launch's goodput and compile-cache lines; append them to goodput.jsonl."""
+    if not lead:
+        return
+    cache_line = counter.line(cache_path)
+    record = {"step": step, **gp.record(), "compile_cache": cache_path or ""}
+    record.update(programs_compiled=counter.compiled(), programs_loaded=counter.loaded())
+    with open(os.path.join(workdir, "goodput.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"jaxsys: {gp.line(record)}", flush=True)
+    print(f"jaxsys: {cache_line}", flush=True)
 
 
 def parse_args(argv):
