@@ -229,7 +229,12 @@ def restore_params(path: str, abstract_params, what: str | None = None, step: in
     manager = ocp.CheckpointManager(
         directory(workdir),
         options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        # "data" (the loader's position) registered though not read: Orbax warns of unknown items
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+        },
     )
     try:
         if step is None:
@@ -335,7 +340,11 @@ def inspect(workdir_or_dir: str) -> dict:
     manager = ocp.CheckpointManager(
         os.path.abspath(path),
         options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+        },
     )
     steps = list(manager.all_steps())
     if not steps:
