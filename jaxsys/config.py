@@ -222,6 +222,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.expert_rebalance_every = 0  # re-place experts on devices every N steps by their load; 0: never
     c.parallel.expert_colocate = True  # rebalancing also co-locates experts consecutive layers route to together
     c.parallel.fsdp_prefetch = False  # all-gather layer i+1's FSDP weights while layer i computes
+    # ZeRO++ (docs/zeropp.md); need sharding.params.embed = "fsdp,data" (ZeRO-3 over every rank):
+    # hpZ: the layers gather over `fsdp` only, from a secondary copy gathered over `data` once a step
+    c.parallel.zeropp_hpz = False
+    c.parallel.zeropp_qwz = False  # hpZ's `data` all-gather in int8 (row-wise absmax), dequantized after
+    c.parallel.zeropp_qgz = False  # hpZ's `data` gradient reduce-scatter as an int8 all-to-all, summed in fp32
     # pipeline sends issued outside the per-tick conds, beside the other compute (a tick's activations
     # beside its backward, its gradients beside the next tick's forward); every tick then sends, zeros
     # when idle: +15-50% transfers for the 1F1B schedules, +100% and nothing hidden for gpipe
@@ -670,7 +675,8 @@ def validate(config, num_devices: int | None = None) -> None:
         _require(m[key] in DTYPES, f"config.model.{key}={m[key]!r}: choose one of {DTYPES}")
 
     # Rules: which mesh axes may hold which logical axes.
-    param_allowed = {"embed": ("fsdp",), "layers": ("pipe",), "experts": ("expert",)}
+    # embed over `data` too: ZeRO-3 over every rank (`data` minor, so that hpZ's secondary is contiguous)
+    param_allowed = {"embed": ("fsdp", "data"), "layers": ("pipe",), "experts": ("expert",)}
     for logical in ("vocab", "heads", "kv_heads", "mlp"):
         param_allowed[logical] = ("tensor",)
     param_allowed["head_dim"] = ()
@@ -796,6 +802,7 @@ def validate(config, num_devices: int | None = None) -> None:
         "config.parallel.fsdp_prefetch cannot be combined with config.offload.params yet (the "
         "prefetch indexes the next layer out of the host-memory stack): turn one of them off",
     )
+    _check_zeropp(config)
     _require(
         t.zero_stage in (0, 1, 2),
         f"config.train.zero_stage={t.zero_stage}: choose 0, 1 or 2 (stage 3 is config.mesh.fsdp)",
@@ -1303,3 +1310,41 @@ def _validate_outer(config) -> None:
             f"config.train.outer.every={o.every} is not a multiple of config.train.outer.fragments={o.fragments}: "
             "the fragments sync every/fragments steps apart; make every a multiple of fragments",
         )
+
+
+def _check_zeropp(config) -> None:
+    """ZeRO-3 over `data` (sharding.params.embed with `data`) and ZeRO++ (config.parallel.zeropp_*)."""
+    p, mesh = config.parallel, config.mesh
+    embed = axes_of(config.sharding.params.embed)
+    for key in ("zeropp_hpz", "zeropp_qwz", "zeropp_qgz"):
+        _require(isinstance(p.get(key, False), bool), f"config.parallel.{key}={p.get(key)!r}: choose True or False")
+    if "data" in embed:
+        _require(
+            embed in (("fsdp", "data"), ("data",)),
+            f"config.sharding.params.embed={config.sharding.params.embed!r}: with `data` write 'fsdp,data' "
+            "(`data` minor: each rank's block lies inside its fsdp block)",
+        )
+        _require(
+            config.train.zero_stage == 0,
+            f"config.train.zero_stage={config.train.zero_stage} with `data` in config.sharding.params.embed: "
+            "the parameters are already sharded over data (ZeRO-3); set zero_stage=0",
+        )
+    hpz = bool(p.get("zeropp_hpz", False))
+    for key in ("zeropp_qwz", "zeropp_qgz"):
+        _require(
+            hpz or not p.get(key, False),
+            f"config.parallel.{key}=True quantizes hpZ's `data` collectives: set config.parallel.zeropp_hpz=True",
+        )
+    if not hpz:
+        return
+    _require(
+        embed == ("fsdp", "data") and mesh.data > 1 and mesh.fsdp > 1,
+        f"config.parallel.zeropp_hpz needs ZeRO-3 over fsdp and data: set config.sharding.params.embed='fsdp,data' "
+        f"(now {config.sharding.params.embed!r}) and config.mesh.data > 1, config.mesh.fsdp > 1 "
+        f"(now {mesh.data}, {mesh.fsdp})",
+    )
+    _require(
+        mesh.pipe == 1 and not config.offload.params and config.model.kind != "flax" and config.model.quant == "none",
+        "config.parallel.zeropp_hpz is for the transformer's non-pipelined step with weights in device memory: "
+        "set mesh.pipe=1, offload.params=False, model.quant='none' and a transformer model",
+    )

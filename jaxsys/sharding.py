@@ -31,6 +31,10 @@ class Layout:
     offload_activations: tuple[str, ...] = ()  # config.offload.activations: saved to host memory
     collective_matmul: bool = False  # config.parallel.collective_matmul (with sequence parallelism)
     fsdp_prefetch: bool = False  # config.parallel.fsdp_prefetch: gather layer i+1 during layer i
+    # ZeRO++ (parallel/zeropp.py): hpZ's secondary copy over `data`, its int8 gather and reduce-scatter
+    hpz: bool = False
+    qwz: bool = False
+    qgz: bool = False
 
     @classmethod
     def from_config(cls, config) -> "Layout":
@@ -55,6 +59,9 @@ class Layout:
             and bool(config.parallel.sequence_parallel)
             and sizes["tensor"] > 1,
             fsdp_prefetch=bool(config.parallel.get("fsdp_prefetch", False)),
+            hpz=bool(config.parallel.get("zeropp_hpz", False)),
+            qwz=bool(config.parallel.get("zeropp_qwz", False)),
+            qgz=bool(config.parallel.get("zeropp_qgz", False)),
         )
 
     # -- mesh axes of logical names

@@ -34,7 +34,7 @@ from jaxsys import execution
 from jaxsys.config import ConfigError, block_pattern
 from jaxsys.models import attention, ladder, layers, moe, quant
 from jaxsys.models.params import ParamSpec
-from jaxsys.parallel import context, tensor
+from jaxsys.parallel import context, tensor, zeropp
 from jaxsys.sharding import Layout
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")  # leaves of the dense-MLP layers only
@@ -202,6 +202,14 @@ def block(
 # the compute dtype, the FSDP gather); `hook` is passed through for it.
 
 
+def _secondary(params, m, layout: Layout, specs=None):
+    """ZeRO++'s hpZ: the weights gathered over `data` once, before the layers (parallel/zeropp.py)."""
+    if not layout.hpz:
+        return params
+    axes = _axes(specs if specs is not None else param_specs(m))
+    return zeropp.secondary(params, axes, jnp.dtype(m.compute_dtype), layout)
+
+
 def embed(params, inputs, m, layout: Layout, specs=None, hook=None):
     """inputs[B, T] -> x[B, T, D] (x[B, T/tp, D] under sequence parallelism)."""
     axes = _axes(specs if specs is not None else param_specs(m))
@@ -299,6 +307,7 @@ def forward(params, inputs, positions, m, layout: Layout, specs=None, cache=None
     are written into it and attention reads it: returns (logits, the cache). The one cached forward
     the serving engine, its drafters and the KIVI reference run. `segments` [B, T] (no cache):
     document ids of packed rows, attention within each document (positions as `segment_positions`)."""
+    params = _secondary(params, m, layout, specs)
     x = embed(params, inputs, m, layout, specs)
     out = layer_stack(params["layers"], x, positions, m, layout, specs, unroll, cache=cache, segments=segments)
     logits = output_logits(params, final_norm(params, out[0], m, layout, specs), m, layout, specs)
@@ -363,6 +372,7 @@ def token_losses(
     positions counted from the document's first token (`split_tokens`). The losses are returned
     for every position: the caller weights them (0 for padding and for targets in another
     document). None: one sequence per row, exactly as without the argument."""
+    params = _secondary(params, m, layout, specs)
     inputs, targets, positions, *seg = split_tokens(tokens, m, layout, segments)
     x, moe_stats = layer_stack(
         params["layers"],

@@ -22,9 +22,11 @@ GATHERED = "fsdp_gathered"
 
 
 def gathered_axes(layout: Layout, logical: str | None) -> tuple[str, ...]:
-    """Mesh axes over which a dimension named `logical` is sharded at rest but not in compute."""
+    """Mesh axes over which a dimension named `logical` is sharded at rest but not in compute, and
+    which a layer gathers. Under ZeRO++'s hpZ the weights reach the layers already gathered over
+    `data` (`zeropp.secondary`, once a step): the layers gather over the rest (`fsdp`) only."""
     compute = layout.compute_axes(logical)
-    return tuple(a for a in layout.param_axes(logical) if a not in compute)
+    return tuple(a for a in layout.param_axes(logical) if a not in compute and not (layout.hpz and a == "data"))
 
 
 def gather(weights, logical_axes, layout: Layout):
