@@ -1,0 +1,136 @@
+"""ZeRO++ (parallel/zeropp.py, docs/zeropp.md) on data=2 x fsdp=4, the tiny model in fp32.
+
+- hpZ sums the same gradients in the same order as ZeRO-3 over fsdp with ZeRO-2 over data (the
+  layers' reduce-scatter over fsdp, then one over data): the step-0 loss and gradients and the
+  losses of two steps are bitwise equal. Against ZeRO-3 over fsdp x data (one reduce-scatter over
+  all 8 ranks) the loss is bitwise equal and the gradients differ by the order of the 8-term sums.
+- qwZ, qgZ: int8 with one absmax scale per row has a step of (row's absmax) / 127, an error of at
+  most half of it per element. Tolerances (relative to the leaf's largest entry) are stated below.
+- Bytes per link class: the analysis formula equals the compiled (XLA:CPU) step's collectives, and
+  both equal the closed form from the parameter count.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxsys.analysis import hlo, report
+from jaxsys.analysis import zeropp as analysis
+from jaxsys.config import ConfigError, validate
+from jaxsys.models import transformer
+from tests.helpers import loss_and_grads, program_for, run, small_config
+
+MESH = dict(data=2, fsdp=4)
+
+
+def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0):
+    c = small_config(MESH)
+    c.sharding.params.embed = embed
+    c.train.zero_stage = stage
+    c.parallel.zeropp_hpz, c.parallel.zeropp_qwz, c.parallel.zeropp_qgz = hpz, qwz, qgz
+    return c
+
+
+VARIANTS = {
+    "zero3_fsdp_zero2_data": lambda: _config("fsdp", stage=2),
+    "zero3": lambda: _config(),
+    "hpz": lambda: _config(hpz=True),
+    "hpz_qwz": lambda: _config(hpz=True, qwz=True),
+    "hpz_qwz_qgz": lambda: _config(hpz=True, qwz=True, qgz=True),
+}
+
+
+STEPPED = ("zero3_fsdp_zero2_data", "hpz")  # the others: step-0 loss and gradients only
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {name: run(make(), steps=2) if name in STEPPED else loss_and_grads(make()) for name, make in VARIANTS.items()}
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _max_error(got, want) -> float:
+    """Largest |got - want| over the leaves, relative to each leaf's largest |want|."""
+    return max(float(np.max(np.abs(g - w)) / np.max(np.abs(w))) for g, w in zip(_leaves(got), _leaves(want)))
+
+
+def test_hpz_bitwise_equals_zero3_fsdp_with_zero2_data(runs):
+    loss, grads, losses, state = runs["hpz"]
+    ref_loss, ref_grads, ref_losses, ref_state = runs["zero3_fsdp_zero2_data"]
+    assert loss == ref_loss
+    for g, r in zip(_leaves(grads), _leaves(ref_grads)):
+        np.testing.assert_array_equal(g, r)
+    np.testing.assert_array_equal(losses, ref_losses)
+    # the master weights: ZeRO-3 over every rank (fsdp major, data minor)
+    assert state.params["layers"]["w_up"].sharding.spec[1] == ("fsdp", "data")
+    # after the updates: equal up to the optimizer's elementwise fusion (a few ulps)
+    assert _max_error(state.params, ref_state.params) < 1e-6
+
+
+def test_hpz_matches_zero3_over_fsdp_and_data(runs):
+    loss, grads, _, _ = runs["hpz"]
+    ref_loss, ref_grads = runs["zero3"]
+    assert loss == ref_loss  # the same weights reach the layers
+    assert _max_error(grads, ref_grads) < 1e-6  # 8-term sums in two hops instead of one
+
+
+def test_quantized_weight_gather_and_gradient_reduce_scatter(runs):
+    loss, grads, _, _ = runs["hpz"]
+    qw_loss, qw_grads = runs["hpz_qwz"]
+    qg_loss, qg_grads = runs["hpz_qwz_qgz"]
+    # qwZ: weights within half an int8 step (0.4% of a row's absmax) move the loss by far less
+    assert qw_loss != loss and abs(qw_loss - loss) < 1e-3 * loss
+    # the gradients at the perturbed weights: a few percent of each leaf's largest entry
+    assert 0 < _max_error(qw_grads, grads) < 0.1
+    # qgZ alone (same forward): two int8-rounded partials, each off by at most 1/254 of its row's
+    # absmax; bounded by 2 / 254 of the leaf's largest partial, taken as 2.5x the total's here
+    assert qg_loss == qw_loss
+    assert 0 < _max_error(qg_grads, qw_grads) < 2.5 * 2 / 254
+
+
+def _hlo_bytes(config):
+    program = program_for(config)
+    text = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile().as_text()
+    return analysis.hlo_link_bytes(hlo.parse(text).collectives({a: config.mesh[a] for a in config.mesh}))
+
+
+def test_bytes_per_link_class_formula_and_hlo():
+    c = _config()
+    specs = transformer.param_specs(c.model)
+    layer = sum(math.prod(s.shape) for s in jax.tree.leaves(specs["layers"], is_leaf=lambda x: hasattr(x, "axes")))
+    total = sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "axes")))
+    f, d, b = MESH["fsdp"], MESH["data"], 4  # fp32 compute
+    n = f * d
+    # ZeRO-3 over all 8 ranks: all-gather (forward; again in the backward for the layers), reduce-scatter
+    zero3 = {"intra": 0.0, "inter": (n - 1) / n * b * (3 * layer + 2 * (total - layer))}
+    # hpZ: one all-gather and one reduce-scatter over data of the 1/n shards; the rest over fsdp
+    hpz = {
+        "intra": (f - 1) / f * b * (3 * layer + 2 * (total - layer)),
+        "inter": 2 * (d - 1) * total / n * b,
+    }
+    assert analysis.link_bytes(c) == pytest.approx(zero3)
+    assert analysis.link_bytes(_config(hpz=True)) == pytest.approx(hpz)
+    quantized = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True))
+    assert quantized["intra"] == pytest.approx(hpz["intra"])
+    assert quantized["inter"] < 0.3 * hpz["inter"]  # int8 codes + scales for fp32
+    for config in (c, _config(hpz=True, qwz=True, qgz=True)):  # hpZ's collectives are a subset of the latter
+        assert _hlo_bytes(config) == pytest.approx(analysis.link_bytes(config))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(embed="fsdp", hpz=True), r"zeropp_hpz needs ZeRO-3 over fsdp and data: set config.sharding.params.embed"),
+        (dict(qwz=True), r"zeropp_qwz=True quantizes hpZ's `data` collectives: set config.parallel.zeropp_hpz"),
+        (dict(stage=2), r"zero_stage=2 with `data` in config.sharding.params.embed.*set zero_stage=0"),
+        (dict(embed="data,fsdp"), r"with `data` write 'fsdp,data'"),
+    ],
+)
+def test_bad_zeropp_config_is_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(_config(**change), 8)
