@@ -16,11 +16,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsys.analysis import hlo, report
+from jaxsys import data
+from jaxsys.analysis import hlo
 from jaxsys.analysis import zeropp as analysis
 from jaxsys.config import ConfigError, validate
 from jaxsys.models import transformer
-from tests.helpers import loss_and_grads, program_for, run, small_config
+from tests.helpers import program_for, run, small_config
 
 MESH = dict(data=2, fsdp=4)
 
@@ -45,9 +46,27 @@ VARIANTS = {
 STEPPED = ("zero3_fsdp_zero2_data", "hpz")  # the others: step-0 loss and gradients only
 
 
+def _loss_grads_and_bytes(config):
+    """Step-0 loss and gradients, and the bytes per link class of the compiled (XLA:CPU) program
+    that computed them (the step's collectives: its update communicates nothing more at stage 0)."""
+    program = program_for(config)
+    corpus = data.load_corpus(config.data)
+    batch = data.global_batch(
+        corpus, program.batch_sharding, config.seed, 0, config.train.batch_size, config.data.seq_len
+    )
+    params = program.init().params
+    compiled = program.loss_and_grads_fn().lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+    found = hlo.parse(compiled.as_text()).collectives({a: config.mesh[a] for a in config.mesh})
+    return float(loss), jax.tree.map(np.asarray, grads), analysis.hlo_link_bytes(found)
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return {name: run(make(), steps=2) if name in STEPPED else loss_and_grads(make()) for name, make in VARIANTS.items()}
+    return {
+        name: run(make(), steps=2) if name in STEPPED else _loss_grads_and_bytes(make())
+        for name, make in VARIANTS.items()
+    }
 
 
 def _leaves(tree):
@@ -74,15 +93,15 @@ def test_hpz_bitwise_equals_zero3_fsdp_with_zero2_data(runs):
 
 def test_hpz_matches_zero3_over_fsdp_and_data(runs):
     loss, grads, _, _ = runs["hpz"]
-    ref_loss, ref_grads = runs["zero3"]
+    ref_loss, ref_grads, _ = runs["zero3"]
     assert loss == ref_loss  # the same weights reach the layers
     assert _max_error(grads, ref_grads) < 1e-6  # 8-term sums in two hops instead of one
 
 
 def test_quantized_weight_gather_and_gradient_reduce_scatter(runs):
     loss, grads, _, _ = runs["hpz"]
-    qw_loss, qw_grads = runs["hpz_qwz"]
-    qg_loss, qg_grads = runs["hpz_qwz_qgz"]
+    qw_loss, qw_grads, _ = runs["hpz_qwz"]
+    qg_loss, qg_grads, _ = runs["hpz_qwz_qgz"]
     # qwZ: weights within half an int8 step (0.4% of a row's absmax) move the loss by far less
     assert qw_loss != loss and abs(qw_loss - loss) < 1e-3 * loss
     # the gradients at the perturbed weights: a few percent of each leaf's largest entry
@@ -93,13 +112,7 @@ def test_quantized_weight_gather_and_gradient_reduce_scatter(runs):
     assert 0 < _max_error(qg_grads, qw_grads) < 2.5 * 2 / 254
 
 
-def _hlo_bytes(config):
-    program = program_for(config)
-    text = program.train_step_fn().lower(program.abstract_state(), report._batch(program)).compile().as_text()
-    return analysis.hlo_link_bytes(hlo.parse(text).collectives({a: config.mesh[a] for a in config.mesh}))
-
-
-def test_bytes_per_link_class_formula_and_hlo():
+def test_bytes_per_link_class_formula_and_hlo(runs):
     c = _config()
     specs = transformer.param_specs(c.model)
     layer = sum(math.prod(s.shape) for s in jax.tree.leaves(specs["layers"], is_leaf=lambda x: hasattr(x, "axes")))
@@ -118,8 +131,8 @@ def test_bytes_per_link_class_formula_and_hlo():
     quantized = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True))
     assert quantized["intra"] == pytest.approx(hpz["intra"])
     assert quantized["inter"] < 0.3 * hpz["inter"]  # int8 codes + scales for fp32
-    for config in (c, _config(hpz=True, qwz=True, qgz=True)):  # hpZ's collectives are a subset of the latter
-        assert _hlo_bytes(config) == pytest.approx(analysis.link_bytes(config))
+    for name in ("zero3", "hpz_qwz", "hpz_qwz_qgz"):
+        assert runs[name][2] == pytest.approx(analysis.link_bytes(VARIANTS[name]()))
 
 
 @pytest.mark.parametrize(
