@@ -127,6 +127,10 @@ def test_bytes_per_link_class_formula_and_hlo(runs):
         "inter": 2 * (d - 1) * total / n * b,
     }
     assert analysis.link_bytes(c) == pytest.approx(zero3)
+    # the same ZeRO-3 collectives run hierarchically: the data hop of the shards, then fsdp
+    assert analysis.link_bytes(c, hierarchical=True) == pytest.approx(
+        {"intra": hpz["intra"], "inter": (d - 1) / n * b * (3 * layer + 2 * (total - layer))}
+    )
     assert analysis.link_bytes(_config(hpz=True)) == pytest.approx(hpz)
     quantized = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True))
     assert quantized["intra"] == pytest.approx(hpz["intra"])

@@ -5,7 +5,10 @@ Link classes: a collective whose group spans `data` crosses the slow links ("int
 or the DCN between TPU slices); one over `fsdp` alone stays on the fast ones ("intra"). Bytes are
 those each device receives per training step (one micro-batch): an all-gather of an s-byte shard
 over n ranks (n - 1) s; a reduce-scatter or all-to-all of an x-byte input (n - 1) / n x. A group
-spanning both counts as inter: a flat ring over it is paced by its slow hops.
+spanning both counts as inter: a flat ring over it is paced by its slow hops (what the compiled
+program's one collective over both says). `hierarchical=True` splits such a collective the way a
+topology-aware one runs it: the `data` hop of the s-element shards ((d - 1) s, inter), then the
+`fsdp` hop of the d s gathered ((f - 1) d s, intra); ZeRO++'s cross-node volumes count this way.
 
 Per leaf with a local shard of s elements (b bytes in the compute dtype), f = fsdp, d = data:
     ZeRO-3 over fsdp x data (n = f d):  all-gather (n - 1) s b in the forward, again in the
@@ -37,7 +40,9 @@ def _link(axes) -> str:
     return "inter" if zeropp.AXIS in axes else "intra"
 
 
-def leaf_bytes(layout: Layout, shape, logical, compute_bytes: int, regathered: bool) -> dict[str, float]:
+def leaf_bytes(
+    layout: Layout, shape, logical, compute_bytes: int, regathered: bool, hierarchical: bool = False
+) -> dict[str, float]:
     """Bytes per link class of one parameter's collectives in one step."""
     out = dict.fromkeys(CLASSES, 0.0)
     local = layout.local_shape(shape, logical)
@@ -51,14 +56,18 @@ def leaf_bytes(layout: Layout, shape, logical, compute_bytes: int, regathered: b
         full, q = (d - 1) * s * compute_bytes, (d - 1) * (s + zeropp.SCALE_BYTES * rows)
         out["inter"] += (q if layout.qwz and quant else full) + (q if layout.qgz and quant else full)
         s *= d  # the secondary shard the layers gather
+    times = 3 if regathered else 2
+    if hierarchical and zeropp.AXIS in gathered:  # the data hop first (data is minor), then the rest
+        d = layout.mesh_sizes[zeropp.AXIS]
+        out["inter"] += times * (d - 1) * s * compute_bytes
+        gathered, s = tuple(a for a in gathered if a != zeropp.AXIS), s * d
     n = layout.size(gathered)
     if n > 1:
-        per = (n - 1) * s * compute_bytes
-        out[_link(gathered)] += per * (3 if regathered else 2)
+        out[_link(gathered)] += times * (n - 1) * s * compute_bytes
     return out
 
 
-def link_bytes(config) -> dict[str, float]:
+def link_bytes(config, hierarchical: bool = False) -> dict[str, float]:
     """Bytes each device receives per training step over each link class (formula above), for the
     transformer's parameters under `config`'s layout."""
     from jaxsys.models import transformer
@@ -70,16 +79,19 @@ def link_bytes(config) -> dict[str, float]:
     total = dict.fromkeys(CLASSES, 0.0)
     for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec)):
         regathered = jax.tree_util.keystr(path[:1]) == "['layers']"
-        for k, v in leaf_bytes(layout, spec.shape, spec.axes, b, regathered).items():
+        for k, v in leaf_bytes(layout, spec.shape, spec.axes, b, regathered, hierarchical).items():
             total[k] += v
     return total
 
 
 def hlo_link_bytes(collectives) -> dict[str, float]:
     """The same count from a compiled step's collectives (`analysis.hlo.Module.collectives`): each
-    all-gather, reduce-scatter and all-to-all by its operand bytes, group size and executions."""
+    all-gather, reduce-scatter and all-to-all over `fsdp` and/or `data` only (tensor parallelism's
+    are left out) by its operand bytes, group size and executions."""
     total = dict.fromkeys(CLASSES, 0.0)
     for c in collectives:
+        if not c.axes or not set(c.axes) <= {"fsdp", zeropp.AXIS}:
+            continue
         n = c.group_size
         if c.kind == "all_gather":
             wire = (n - 1) * c.operand_bytes
