@@ -236,6 +236,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
     c.serve.ragged = True  # a step's rows attend per sequence with the ragged paged-attention kernel
     c.serve.decode_steps = 1  # > 1: decode steps in one compiled call when only decodes run (multi-step)
+    # overlapped scheduling: step n + 1 is planned and dispatched while the device runs step n
+    # (its tokens stay on the device, the host reads them a step late; docs/serving.md)
+    c.serve.overlap = False
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)

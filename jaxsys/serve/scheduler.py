@@ -37,6 +37,9 @@ import numpy as np
 from jaxsys.config import SERVE_POLICIES as POLICIES
 
 ALLOCATIONS = ("on_demand", "reserve")
+# what `Scheduler.commit` takes for a token sampled on the device whose value the host reads a step
+# later (overlapped scheduling, the engine's serve.overlap): the request counts it (`pending`)
+PENDING = object()
 
 
 class PoolExhausted(RuntimeError):
@@ -182,6 +185,9 @@ class Request:
     registered: int = 0  # of its pages, those named in the pool's prefix cache
     preempted: int = 0  # times it was preempted
     share_prefix: bool = True  # may start from cached pages (not when its prompt's logits are wanted)
+    # overlapped scheduling: tokens sampled on the device, not yet read by the host (0 or 1); they
+    # count for the cache and the schedule (`cached`, `ended`) but are not in `generated`
+    pending: int = 0
 
     def __post_init__(self):
         if not self.prefix:
@@ -190,6 +196,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or len(self.generated) >= self.max_new_tokens
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more to schedule: done, or its last token is sampled but still on the device."""
+        return self.done or len(self.generated) + self.pending >= self.max_new_tokens
 
     def append(self, tokens: list) -> int:
         """Add generated tokens, cut after the first stop id; sets finish_reason when the request
@@ -208,7 +219,8 @@ class Request:
     @property
     def cached(self) -> int:
         """Tokens in the cache: the prefilled prefix and every token generated since but the last."""
-        return self.prefilled + max(len(self.generated) - (len(self.prefix) - len(self.prompt)) - 1, 0)
+        generated = len(self.generated) + self.pending
+        return self.prefilled + max(generated - (len(self.prefix) - len(self.prompt)) - 1, 0)
 
     @property
     def decoding(self) -> bool:
@@ -386,27 +398,48 @@ class Scheduler:
     def commit(self, work: list[Work], sampled: dict) -> list[Request]:
         """Apply a step's results: `sampled[request id]` is the token sampled after each decode and
         after each prefix's last chunk (a list of tokens after a speculative decode: the accepted
-        drafts and the next token). Names the sequences' newly full pages in the prefix cache.
+        drafts and the next token; PENDING: sampled on the device, its value read later). Names
+        the sequences' newly full pages in the prefix cache.
         Returns the requests that finished (their pages given back)."""
         done = []
         for w in work:
             r = w.request
             if w.kind == "prefill":
                 r.prefilled += w.tokens
-                if r.prefilled == len(r.prefix):
-                    r.append([sampled[r.id]])
-            else:
+            if w.kind == "decode" or r.prefilled == len(r.prefix):
                 tokens = sampled[r.id]
-                r.append(tokens if isinstance(tokens, list) else [tokens])
+                if tokens is PENDING:
+                    r.pending += 1
+                else:
+                    r.append(tokens if isinstance(tokens, list) else [tokens])
             if self.prefix_cache:
                 self._register(r)
-            if r.done:
+            if r.ended:
                 done.append(r)
         for r in done:
             self.running.remove(r)
             self.pool.free(r.id)
             self.finished.append(r)
         return done
+
+    def receive(self, r: Request, token: int) -> tuple[bool, bool]:
+        """Overlapped scheduling: the value of `r`'s pending token, read a step after it was
+        sampled. Dropped if `r` ended meanwhile (an abort, a stop string, a failure); a stop id ends
+        `r` now, running or preempted (the decode of it already dispatched is wasted). A preempted
+        `r` recomputes the token with its prefix. Returns (kept, `r` ended now: its pages freed)."""
+        r.pending -= 1
+        if r.finish_reason is not None:
+            return False, False
+        waiting = r in self.waiting
+        r.append([token])
+        if waiting:  # preempted with the token in flight: its prefix did not have it yet
+            r.prefix = r.prompt + r.generated
+        if r.finish_reason == "stop" and (waiting or r in self.running):
+            (self.waiting if waiting else self.running).remove(r)
+            self.pool.free(r.id)
+            self.finished.append(r)
+            return True, True
+        return True, False
 
     def _register(self, r: Request) -> None:
         full = r.cached // self.pool.page_size
