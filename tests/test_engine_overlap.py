@@ -2,7 +2,10 @@
 dispatched before the previous step's sampled tokens are read, its decodes fed those tokens on the
 device. References: the synchronous engine on the same trace, and for greedy requests the tokens
 generated alone (the contiguous cache). The host learns a token one step late, so the trace's
-arrivals and aborts are given per step index of the trace, not per token seen."""
+arrivals and aborts are given per step index of the trace, not per token seen.
+
+Page tables stay on the device between steps: a step sends the rows that changed (a sequence that
+took a page, another sequence in that row), tested by counting rows sent against pages taken."""
 
 import numpy as np
 import pytest
@@ -148,9 +151,43 @@ def test_overlap_compiles_nothing_after_warmup():
         program, params, num_pages=24, page_size=4, token_budget=16, chunk_size=4, max_seqs=3, overlap=True
     )
     eng.warmup()
-    counts = lambda: (eng.runner.compiled(), sampling.sample_at._cache_size(), eng._feed_fn()._cache_size())
+    counts = lambda: (
+        eng.runner.compiled(),
+        sampling.sample_at._cache_size(),
+        eng._feed_fn()._cache_size(),
+        eng._scatter_fn()._cache_size(),
+    )
     compiled = counts()
     for i, (length, new) in enumerate([(3, 6), (9, 2), (5, 4), (2, 7)]):
         eng.submit(i, list(range(1, length + 1)), new, Sampling(temperature=1.0, seed=i) if i % 2 else None)
     eng.run()
     assert len(eng.finished) == 4 and counts() == compiled
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_page_tables_take_only_their_changed_rows(overlap):
+    """Four sequences decoding together: a decode step sends the device exactly the table rows of
+    the sequences that took a page in it (none in most steps), and the tokens are those generated
+    alone."""
+    program = program_for(small_config(n_kv_heads=4))
+    params = program.init(3).params
+    eng = engine.Engine(
+        program, params, num_pages=32, page_size=4, token_budget=16, chunk_size=8, max_seqs=4, overlap=overlap
+    )
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4, 4, 4], [7]]
+    reqs = [eng.submit(i, p, 14) for i, p in enumerate(prompts)]
+    for _ in range(3):  # the prefills, then a decode step of this width
+        eng.step()
+    assert all(r.decoding for r in reqs)
+    grown_total = 0
+    for _ in range(8):
+        pages = [len(eng.pools[0].table(r.id)) for r in reqs]
+        sent = eng.stats["table_rows_sent"]
+        eng.step()
+        grown = sum(len(eng.pools[0].table(r.id)) != n for r, n in zip(reqs, pages))
+        assert eng.stats["table_rows_sent"] - sent == grown
+        grown_total += grown
+    assert 0 < grown_total < 8 * len(reqs)
+    eng.run()
+    for r, p in zip(reqs, prompts):
+        assert r.generated == generate_contiguous(program, params, [p], 14)[0]

@@ -54,10 +54,12 @@ from jaxsys.parallel.spmd import per_shard
 from jaxsys.serve import sampling as sampling_lib
 from jaxsys.serve.runner import ModelRunner, check_servable
 from jaxsys.serve.sampling import Sampling
-from jaxsys.serve.scheduler import PENDING, PagePool, PoolExhausted, Request, Scheduler, Work
+from jaxsys.serve.scheduler import PENDING, PREEMPTIONS, PagePool, PoolExhausted, Request, Scheduler, Work
 
 MIN_ROWS = 8
 SEQUENCE_VECTORS = ("cu_q_lens", "kv_lens", "num_seqs")  # per shard vectors: [D x n] flat, n per shard
+# per-row page tables that stay on the device between steps: a step sends only the rows that changed
+RESIDENT_TABLES = ("page_table", "fp_table")
 log = logging.getLogger("jaxsys.serve")
 
 
@@ -77,6 +79,7 @@ def pool_settings(sv) -> dict:
         "ragged": bool(sv.get("ragged", True)),
         "decode_steps": int(sv.get("decode_steps", 1)),
         "overlap": bool(sv.get("overlap", False)),
+        "preemption": sv.get("preemption", "recompute"),
         **{key: sv[key] for key in keys},
     }
 
@@ -161,6 +164,7 @@ class Engine(EngineAPI):
         ragged: bool = True,
         decode_steps: int = 1,
         overlap: bool = False,
+        preemption: str = "recompute",
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
@@ -178,7 +182,9 @@ class Engine(EngineAPI):
         overlapped scheduling: each step is dispatched before the previous step's tokens are read
         (they stay on the device and feed the next step), and `step` returns the previous step's
         tokens; steps with forks, penalties or log-probabilities run synchronously. Not with a
-        drafter nor decode_steps > 1 (ValueError)."""
+        drafter nor decode_steps > 1 (ValueError). `preemption`: what happens to the cache of a
+        sequence preempted for pages (allocation "on_demand"): "recompute" (prefilled again) or
+        "swap" (copied to host memory and back when it resumes; not with kv_quant)."""
         config = program.config
         check_servable(config)
         if drafter is not None and (not isinstance(k, int) or k < 1):
@@ -220,6 +226,15 @@ class Engine(EngineAPI):
                 "on the host at once: turn overlap off or set spec_k=0, decode_steps=1"
             )
         self.overlap = overlap
+        if preemption not in PREEMPTIONS:
+            raise ValueError(f"preemption={preemption!r}: choose one of {PREEMPTIONS}")
+        if preemption == "swap" and kv_quant != "none":
+            raise ValueError(
+                f"preemption='swap' copies a sequence's pages; kv_quant={kv_quant!r} keeps part of its "
+                "cache in separate full-precision pages: use preemption='recompute'"
+            )
+        self.preemption = preemption
+        self.swapped: dict = {}  # swap preemption: request id -> (tokens, its pages' contents in host memory)
         self.inflight: _InFlight | None = None  # overlap: the step dispatched, its tokens not read yet
         self.schedulers = [
             Scheduler(
@@ -232,6 +247,7 @@ class Engine(EngineAPI):
                 allocation if cache == "paged" else "reserve",
                 self.prefix_cache,
                 on_preempt=self._preempted,
+                on_resume=self._resume,
             )
             for pool in self.pools
         ]
@@ -259,9 +275,14 @@ class Engine(EngineAPI):
                 "draft_read",
                 "full_read",
                 "loop_steps",  # decode steps run inside multi-step calls
+                "table_rows",  # rows of the resident page tables the steps used ...
+                "table_rows_sent",  # ... and those sent to the device (changed since the last step)
+                "swapped_out",  # swap preemption: tokens of cache copied to host memory
+                "swapped_in",  # ... and back
             ),
             0,
         )
+        self._tables: dict = {}  # (table, rows) -> (its rows on the host, the same on the device)
         self.k = k
         self.drafter = drafter
         if drafter is not None:
@@ -339,26 +360,64 @@ class Engine(EngineAPI):
             np.asarray(array), NamedSharding(self.program.mesh, self.program.layout.compute_spec(pspec_logical))
         )
 
-    def with_tables(self, cache, tables: dict):
-        """`cache` with this step's tables (flattened to [D width, ...]) on the devices."""
-        flat = {
-            name: self.put(t.reshape(-1), ROW)
-            if name in SEQUENCE_VECTORS
-            else self.put(t.reshape(-1, t.shape[-1]), ROWS)
-            for name, t in tables.items()
-        }
+    def with_tables(self, cache, tables: dict, resident: bool = False):
+        """`cache` with this step's tables (flattened to [D width, ...]) on the devices; `resident`:
+        the page tables as deltas against the device's copy from the last step of this width."""
+        flat = {}
+        for name, t in tables.items():
+            if name in SEQUENCE_VECTORS:
+                flat[name] = self.put(t.reshape(-1), ROW)
+            elif resident and name in RESIDENT_TABLES:
+                flat[name] = self._resident(name, t.reshape(-1, t.shape[-1]))
+            else:
+                flat[name] = self.put(t.reshape(-1, t.shape[-1]), ROWS)
         return dataclasses.replace(cache, **flat)
+
+    def _resident(self, name: str, table: np.ndarray):
+        """`table` [rows, max_pages] on the device: the device's copy from the last step with as
+        many rows, the rows that differ scattered into it (their count padded to a power of two:
+        one small program per count, compiled in `warmup`); the whole table the first time."""
+        key = (name, table.shape[0])
+        held = self._tables.get(key)
+        self.stats["table_rows"] += table.shape[0]
+        if held is None or held[1].is_deleted():
+            out = self.put(table, ROWS)
+            self.stats["table_rows_sent"] += table.shape[0]
+        else:
+            changed = np.flatnonzero((held[0] != table).any(axis=1)).tolist()
+            out = held[1]
+            if changed:
+                rows = np.asarray(sampling_lib.pad(changed), np.int32)
+                out = self._scatter_fn()(out, rows, table[rows])
+                self.stats["table_rows_sent"] += len(changed)
+        self._tables[key] = (table, out)
+        return out
+
+    def _keep_tables(self, cache) -> None:
+        """After a step: its resident tables as the step returned them (the call donated its inputs)."""
+        for name in RESIDENT_TABLES:
+            a = getattr(cache, name, None)
+            if a is not None and (name, a.shape[0]) in self._tables:
+                self._tables[(name, a.shape[0])] = (self._tables[(name, a.shape[0])][0], a)
+
+    def _scatter_fn(self):
+        if "_scatter" not in self.__dict__:
+            rows = NamedSharding(self.program.mesh, self.program.layout.compute_spec(ROWS))
+            self._scatter = jax.jit(lambda t, at, new: t.at[at].set(new), donate_argnums=0, out_shardings=rows)
+        return self._scatter
 
     def forward(self, tokens, positions, tables: dict, cache=None, feed=None):
         """One device call on rows [D, width] (shard d's rows first-to-last in block d) through the
         engine's cache (or `cache`, a view of it): the logits [D width, V]; the cache is updated.
         `feed` (overlap): (src [D, width], sampled tokens on the device): rows with src >= 0 take
         token sampled[src] instead of theirs, gathered on the device."""
-        view = self.with_tables(self.cache, tables) if cache is None else cache
+        view = self.with_tables(self.cache, tables, resident=True) if cache is None else cache
         ids = self.put(tokens.reshape(-1), ROW)
         if feed is not None:
             ids = self._feed_fn()(ids, self.put(feed[0].reshape(-1), ROW), feed[1])
         logits, out = self.runner(self.params, ids, self.put(positions.reshape(-1), ROW), view)
+        if cache is None:
+            self._keep_tables(out)
         self.cache = self.without_tables(out)
         return logits
 
@@ -398,6 +457,14 @@ class Engine(EngineAPI):
             rows = np.zeros((self.shards, width), np.int32)
             for ragged in (False, True) if self.ragged else (False,):
                 logits = self.forward(rows, rows, self.tables(width, ragged=ragged))
+            for name in RESIDENT_TABLES:  # the scatters of 1, 2, 4, ... changed rows into its tables
+                key = (name, self.shards * width)
+                if key in self._tables:
+                    table, held = self._tables[key]
+                    for count in (1 << i for i in range((self.shards * width - 1).bit_length() + 1)):
+                        at = np.zeros(count, np.int32)
+                        held = self._scatter_fn()(held, at, table[at])
+                    self._tables[key] = (table, held)
             if self.decode_steps > 1:  # the multi-step decode loops (padding rows, zero steps)
                 for greedy in (True, False):
                     flat = rows.reshape(-1)
@@ -418,6 +485,11 @@ class Engine(EngineAPI):
                 _, sampled = self._sample_device(logits, {0: (0, Request(0, [0], 1))}, {0: setting})
                 if self.overlap:  # the gather of pending tokens into this bucket's rows
                     self._feed_fn()(self.put(rows.reshape(-1), ROW), self.put(rows.reshape(-1) - 1, ROW), sampled)
+        if self.preemption == "swap":  # its copies out and back, page counts padded to powers of two
+            for d in range(self.shards):
+                for count in (1 << i for i in range((self.max_pages - 1).bit_length() + 1)):
+                    block = jax.device_get(self.export_pages(d, [self.scratch] * count))
+                    self.import_pages(d, [self.scratch] * count, self.receive_pages(d, block)[0])
         if self.drafter is not None:
             self.drafter.warmup(self)
         jax.block_until_ready(self.cache)
@@ -587,8 +659,15 @@ class Engine(EngineAPI):
         return False
 
     def _preempted(self, r: Request) -> None:
-        """A scheduler took `r`'s pages back: drop what the device side holds for it."""
+        """A scheduler takes `r`'s pages back: drop what the device side holds for it; under swap
+        preemption, first copy the cache it has (`r.cached` tokens) to host memory."""
         d = self.shard_of[r.id]
+        if self.preemption == "swap" and r.cached:
+            pool = self.pools[d]
+            block = self.export_pages(d, sampling_lib.pad(pool.table(r.id)[: pool.pages_for(r.cached)]))
+            self.swapped[r.id] = (r.cached, jax.device_get(block))
+            r.swapped = r.cached
+            self.stats["swapped_out"] += r.cached
         if self.residual:
             self.residual[d].free(r.id)
         if self.drafter is not None:
@@ -597,7 +676,18 @@ class Engine(EngineAPI):
             self.schedulers[d].waiting.append(child)
             child.fork_of = None
 
+    def _resume(self, r: Request) -> int:
+        """A swapped request has pages again: its cache goes back into them. Returns its tokens."""
+        d = self.shard_of[r.id]
+        tokens, block = self.swapped.pop(r.id)
+        pool = self.pools[d]
+        placed, _ = self.receive_pages(d, block)
+        self.import_pages(d, sampling_lib.pad(pool.table(r.id)[: pool.pages_for(tokens)]), placed)
+        self.stats["swapped_in"] += tokens
+        return tokens
+
     def _forget(self, d: int, request_id) -> None:
+        self.swapped.pop(request_id, None)
         self.sampling.pop(request_id, None)
         self.shard_of.pop(request_id, None)
         if self.residual:

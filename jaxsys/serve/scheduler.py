@@ -19,7 +19,9 @@ A request is admitted when `max_seqs` allows and the pool holds its prefix's pag
 "reserve": a running sequence never waits for a page). When an on-demand sequence cannot grow, the
 most recently admitted running sequence is preempted (vLLM's recompute preemption): its pages go
 back (its full pages stay in the prefix cache), and it waits at the head of the queue to prefill
-its prompt and the tokens it has generated again; its output is unchanged. `policy` gives the
+its prompt and the tokens it has generated again; its output is unchanged. Under swap preemption
+the engine copies its cache to host memory first (`on_preempt`) and back into its new pages when
+it is admitted again (`on_resume`), which then prefills only what was not in the cache. `policy` gives the
 baselines the Sarathi paper compares with: "prefill_first" (vLLM's: whole prompts before any
 decode, the decodes of that step wait) and "decode_first" (decodes, then only whole prompts that
 fit what is left of the budget); "chunked" is the default.
@@ -37,6 +39,7 @@ import numpy as np
 from jaxsys.config import SERVE_POLICIES as POLICIES
 
 ALLOCATIONS = ("on_demand", "reserve")
+PREEMPTIONS = ("recompute", "swap")  # what a preempted sequence's cache becomes (the engine's serve.preemption)
 # what `Scheduler.commit` takes for a token sampled on the device whose value the host reads a step
 # later (overlapped scheduling, the engine's serve.overlap): the request counts it (`pending`)
 PENDING = object()
@@ -188,6 +191,7 @@ class Request:
     # overlapped scheduling: tokens sampled on the device, not yet read by the host (0 or 1); they
     # count for the cache and the schedule (`cached`, `ended`) but are not in `generated`
     pending: int = 0
+    swapped: int = 0  # swap preemption: tokens of its cache copied to host memory, copied back on resume
 
     def __post_init__(self):
         if not self.prefix:
@@ -252,6 +256,7 @@ class Scheduler:
         allocation: str = "reserve",
         prefix_cache: bool = False,
         on_preempt=None,
+        on_resume=None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
@@ -268,7 +273,10 @@ class Scheduler:
         )
         self.max_len = max_len
         self.allocation, self.prefix_cache = allocation, prefix_cache
-        self.on_preempt = on_preempt  # called with a preempted request (the engine drops its device state)
+        self.on_preempt = on_preempt  # called with a preempted request, its pages still held (the
+        # engine drops its device state, or copies its cache to host memory: r.swapped)
+        self.on_resume = on_resume  # called with a swapped request given its pages again: its
+        # cache copied back, returns the tokens restored
         self.waiting: list[Request] = []  # arrived (or preempted), no pages yet
         self.running: list[Request] = []  # holding pages: prefilling or decoding, oldest admitted first
         self.finished: list[Request] = []
@@ -301,7 +309,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_seqs:
             r = self.waiting[0]
             shared = 0
-            if self.prefix_cache and r.share_prefix and not r.prefilled:
+            if self.prefix_cache and r.share_prefix and not r.prefilled and not r.swapped:
                 # at least the last prefix token is computed (its logits give the next token)
                 r.names = page_hashes(r.prefix, self.pool.page_size, r.names)
                 shared = self.pool.match(r.id, r.names[: (len(r.prefix) - 1) // self.pool.page_size])
@@ -313,12 +321,16 @@ class Scheduler:
                 return  # first come, first served: later requests wait behind it
             r.prefilled = shared * self.pool.page_size
             r.registered = shared
+            if r.swapped:
+                r.prefilled, r.swapped = self.on_resume(r), 0
             self.running.append(self.waiting.pop(0))
 
     def preempt(self, r: Request) -> None:
         """Take `r`'s pages back (recompute preemption): it waits at the head of the queue to prefill
         its prompt and the tokens it generated, then decodes on."""
         self.running.remove(r)
+        if self.on_preempt is not None:
+            self.on_preempt(r)
         self.pool.free(r.id)
         r.prefix = r.prompt + r.generated
         r.prefilled = r.registered = 0
@@ -326,8 +338,6 @@ class Scheduler:
         r.preempted += 1
         self.preemptions += 1
         self.waiting.insert(0, r)
-        if self.on_preempt is not None:
-            self.on_preempt(r)
 
     def _grow(self, r: Request, tokens: int, planned: list) -> bool:
         """Give `r` pages for `tokens` slots, preempting the most recently admitted running
