@@ -2,7 +2,8 @@
 # The machine needs jax 0.11.2 with CUDA, optax, orbax-checkpoint, safetensors, tqdm; wheels of
 # anything else (ml_collections, tensorboardX) are installed from .whl/ if that folder exists.
 # kernels/ is imported as jaxsys.kernels: without a pip install, a link jaxsys/kernels -> ../kernels
-# in this (scratch) copy of the tree gives the same import path.
+# in this (scratch) copy of the tree gives the same import path (not made where jaxsys.kernels
+# imports already, e.g. a checkout with its editable install: no stray link there).
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -12,7 +13,7 @@ if [ -d .whl ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-[ -e jaxsys/kernels ] || ln -s ../kernels jaxsys/kernels
+[ -e jaxsys/kernels ] || $PY -c "import jaxsys.kernels" 2> /dev/null || ln -s ../kernels jaxsys/kernels
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, show its tail

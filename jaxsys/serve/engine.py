@@ -324,11 +324,14 @@ class Engine(EngineAPI):
         if self.residual:
             out["fp_table"] = np.full((self.shards, width, self.max_pages), self.fp_scratch, np.int32)
         if ragged and self.ragged:
-            out["seq_table"] = out["page_table"].copy()
+            # a step's works on a shard are its running sequences (at most max_seqs): slots past
+            # them would only lengthen the kernel's grid (experiments/chunked_prefill)
+            slots = min(width, self.schedulers[0].max_seqs)
+            out["seq_table"] = out["page_table"][:, :slots].copy()
             if self.residual:
-                out["seq_fp_table"] = out["fp_table"].copy()
-            out["cu_q_lens"] = np.zeros((self.shards, width + 1), np.int32)
-            out["kv_lens"] = np.zeros((self.shards, width), np.int32)
+                out["seq_fp_table"] = out["fp_table"][:, :slots].copy()
+            out["cu_q_lens"] = np.zeros((self.shards, slots + 1), np.int32)
+            out["kv_lens"] = np.zeros((self.shards, slots), np.int32)
             out["num_seqs"] = np.zeros((self.shards, 1), np.int32)
         return out
 
