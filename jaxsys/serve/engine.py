@@ -134,14 +134,16 @@ class EngineAPI(abc.ABC):
 
 class Engine(EngineAPI):
     @classmethod
-    def from_config(cls, program, params, max_len: int | None = None, draft=None) -> "Engine":
+    def from_config(cls, program, params, max_len: int | None = None, draft=None, **settings) -> "Engine":
         """The engine `program.config.serve` describes: its cache, schedule and, with spec_k >= 1,
-        its drafter (draft "self", or a workdir loaded here unless `draft` = (program, params))."""
+        its drafter (draft "self", or a workdir loaded here unless `draft` = (program, params));
+        `settings` override the config's (the constructor's names, e.g. overlap=True)."""
         from jaxsys.serve import speculation
 
         sv = program.config.serve
         drafter = speculation.drafter_from_config(sv, draft) if sv.spec_k >= 1 else None
-        return cls(program, params, **pool_settings(sv), max_len=max_len, drafter=drafter, k=sv.spec_k)
+        kw = {**pool_settings(sv), **settings}
+        return cls(program, params, **kw, max_len=max_len, drafter=drafter, k=sv.spec_k)
 
     def __init__(
         self,
