@@ -191,3 +191,19 @@ def test_page_tables_take_only_their_changed_rows(overlap):
     eng.run()
     for r, p in zip(reqs, prompts):
         assert r.generated == generate_contiguous(program, params, [p], 14)[0]
+
+
+def test_bench_serve_host_gap_with_overlap_off_and_on(capsys):
+    """`bench_serve --host-gap N --overlap-both` measures both engines in turn and reports both
+    (the figures themselves are the benchmark's, not asserted)."""
+    import json
+
+    from jaxsys import bench_serve
+
+    args = ["--config", "configs/tiny.py:test", "--host-gap", "4", "--overlap-both", "--json", "--pages", "128"]
+    args += ["--max-seqs", "4", "--token-budget", "16", "--chunk-size", "16", "--config.mesh.tensor=1"]
+    assert bench_serve.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"sync", "overlap"}
+    for r in result.values():
+        assert len(r["host_gap_ratios"]) == 3 and r["compiled_step_s"] > 0 and r["engine_step_s"] > 0
