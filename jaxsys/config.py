@@ -29,7 +29,7 @@ MLP_TYPES = ("dense", "moe")
 MOE_ROUTERS = ("softmax", "sigmoid")
 EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
-OPTIMIZERS = ("adamw", "galore", "zo")
+OPTIMIZERS = ("adamw", "galore", "zo", "sgd")
 OPTIMIZER_UPDATE = ("device", "host")
 QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
 QUANT_TRAIN = ("none", "int8")  # config.model.quant_train
@@ -147,13 +147,25 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.microbatches = 1  # m: the local batch is split into m micro-batches (pipeline, or accumulation)
     c.train.pipeline_schedule = "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved_1f1b (mesh.pipe > 1)
     c.train.virtual_stages = 1  # v: model chunks per pipe device (interleaved_1f1b)
-    c.train.optimizer = "adamw"  # adamw | galore (AdamW on low-rank projected gradients) | zo (MeZO)
+    c.train.optimizer = "adamw"  # adamw | galore (AdamW on low-rank projected gradients) | zo (MeZO) | sgd
     # GaLore (Zhao et al. 2024): the 2-D weight gradients of the named leaves are projected to rank r
     c.train.galore = ml_collections.ConfigDict()
     c.train.galore.rank = 8  # r
     c.train.galore.update_every = 200  # K: steps between refreshes of the projection (SVD)
     c.train.galore.scale = 0.25  # alpha: the projected-back update is scaled by it
     c.train.galore.leaves = "wq,wk,wv,wo,w_gate,w_up,w_down"  # comma-separated leaf names
+    # DiLoCo (Douillard et al. 2023; jaxsys/optim/outer.py, docs/diloco.md): the `data` ranks are islands
+    # that each take `every` (H) inner steps of train.optimizer on their own batch shard with no
+    # cross-island reduction, then average their outer gradients (params before - after) and take one
+    # Nesterov-SGD outer step. e.g. --config.train.outer.method=diloco --config.train.outer.every=50
+    c.train.outer = ml_collections.ConfigDict()
+    c.train.outer.method = "none"  # none | diloco | co2 (the outer update one round late, CO2)
+    c.train.outer.every = 50  # H: inner steps between two synchronisations of a fragment
+    c.train.outer.lr = 0.7  # outer learning rate (DiLoCo's 0.7)
+    c.train.outer.momentum = 0.9  # outer momentum (0: plain SGD)
+    c.train.outer.nesterov = True
+    c.train.outer.fragments = 1  # P > 1: Streaming DiLoCo, fragment p (layers p, p+P, ...) syncs H/P steps after p-1
+    c.train.outer.quantize = "none"  # none | int8 | int4: outer gradients quantized before the average
     # Zeroth-order SGD (MeZO, Malladi et al. 2023): two forwards at theta +- eps z, z from a seed
     c.train.zo = ml_collections.ConfigDict()
     c.train.zo.eps = 1e-3  # perturbation scale
@@ -262,6 +274,30 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.spec_window = 64  # self-speculation: the draft attends to the last spec_window tokens
     c.serve.spec_sink = 4  # ... and to the first spec_sink (attention sinks); both in whole pages
 
+    # RL post-training (GRPO; docs/rl.md, jaxsys/rl/): jaxsys.train runs it when task is not "none".
+    # train.batch_size = prompts x group_size samples per update; data.seq_len >= prompt + max_new_tokens
+    c.rl = ml_collections.ConfigDict()
+    c.rl.task = "none"  # none | reverse | sort | add (jaxsys/rl/tasks.py)
+    c.rl.task_length = 3  # letters (reverse, sort) or digits (add) of a prompt
+    c.rl.group_size = 8  # G samples per prompt
+    c.rl.max_new_tokens = 6  # tokens a completion may have
+    c.rl.temperature = 1.0  # rollouts sample at 1 (the engine's log-probabilities are then the behaviour policy's)
+    c.rl.clip = 0.2  # PPO clip range of the importance ratio
+    c.rl.kl = 0.02  # beta, the weight of the KL term to the frozen reference
+    c.rl.steps = 100  # policy updates
+    c.rl.warmup_steps = 0  # supervised steps on the task's format before RL (a brief SFT)
+    c.rl.warmup_right = 0.0  # ... the fraction of its examples with the right answer (else random ones)
+    c.rl.mode = "sync"  # sync | async (the generator runs ahead with weights up to `staleness` old)
+    c.rl.staleness = 1  # async: k, the most versions a rollout's weights may lag the trainer's
+    c.rl.placement = "colocated"  # colocated (take turns on all devices) | disaggregated
+    c.rl.trainer_mesh = ""  # disaggregated: the trainer's axis sizes ("fsdp=4"); colocated: config.mesh
+    c.rl.generator_mesh = ""  # the generator's ("data=2,tensor=2"); "" = the trainer's layout
+    c.rl.trainer_devices = ""  # device ids ("0-3" or "0,1,2,3"); "" = the first ones
+    c.rl.generator_devices = ""  # ""  = the ones after the trainer's (disaggregated), all (colocated)
+    c.rl.plan_hardware = ""  # a hardware profile (h100, cpu, ...): placement, split and layouts by the
+    # iteration-time model (analysis/rl.py) instead of rl.placement / trainer_mesh / generator_mesh
+    c.rl.eval_prompts = 64  # greedy evaluation prompts (fixed) every log_every updates
+
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # "" = from the environment, or single process
     c.distributed.num_processes = 0
@@ -269,6 +305,12 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.hardware = ml_collections.ConfigDict()
     c.hardware.peak_flops = 0.0  # FLOP/s of the whole job for MFU; 0 = detect
+
+    # JAX's persistent compilation cache (jaxsys/compile_cache.py, docs/goodput.md): a restart or a
+    # second run of the same config loads its compiled programs instead of compiling them again
+    c.compile_cache = ml_collections.ConfigDict()
+    c.compile_cache.dir = "auto"  # auto: $JAXSYS_COMPILE_CACHE, else $JAXSYS_CACHE/xla (~/.cache/jaxsys/xla); "": off
+    c.compile_cache.min_compile_secs = 0.0  # programs compiled faster than this are not written
 
     return c
 
@@ -760,6 +802,8 @@ def validate(config, num_devices: int | None = None) -> None:
         ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
         "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0",
     )
+    _validate_compile_cache(config)
+    _validate_outer(config)
 
 
 DOCUMENT_SOURCES = ("jsonl", "parquet", "hf")  # corpora of documents, tokenized into shards (jaxsys/data/shards.py)
@@ -1071,4 +1115,76 @@ def _validate_pipeline(config) -> None:
             f"config.model.vocab_size={m.vocab_size} does not split over the {shards} shards of "
             f"vocabulary parallelism (pipe x config.sharding.params.vocab): pad the vocabulary to "
             f"a multiple of {shards}",
+        )
+
+
+def _validate_compile_cache(config) -> None:
+    """config.compile_cache (jaxsys/compile_cache.py)."""
+    cc = config.compile_cache
+    _require(
+        isinstance(cc.dir, str),
+        f"config.compile_cache.dir={cc.dir!r}: 'auto', a folder, or '' to turn the compile cache off",
+    )
+    _require(
+        isinstance(cc.min_compile_secs, (int, float)) and cc.min_compile_secs >= 0,
+        f"config.compile_cache.min_compile_secs={cc.min_compile_secs!r} must be a number >= 0 (0 writes every program)",
+    )
+
+
+OUTER_METHODS = ("none", "diloco", "co2")  # config.train.outer.method
+OUTER_QUANTIZE = ("none", "int8", "int4")
+
+
+def _validate_outer(config) -> None:
+    """config.train.outer (DiLoCo, Streaming DiLoCo, CO2: jaxsys/optim/outer.py)."""
+    t, o, mesh = config.train, config.train.outer, config.mesh
+    _require(o.method in OUTER_METHODS, f"config.train.outer.method={o.method!r}: choose one of {OUTER_METHODS}")
+    _require(
+        o.quantize in OUTER_QUANTIZE, f"config.train.outer.quantize={o.quantize!r}: choose one of {OUTER_QUANTIZE}"
+    )
+    _require(
+        isinstance(o.every, int) and o.every >= 1, f"config.train.outer.every={o.every!r} must be an integer >= 1 (H)"
+    )
+    _require(
+        isinstance(o.fragments, int) and o.fragments >= 1,
+        f"config.train.outer.fragments={o.fragments!r} must be an integer >= 1 (1: all parameters sync together)",
+    )
+    _require(o.lr > 0, f"config.train.outer.lr={o.lr!r} must be > 0 (1 with momentum 0: the islands' mean)")
+    _require(0 <= o.momentum < 1, f"config.train.outer.momentum={o.momentum!r} must be in [0, 1)")
+    if o.method == "none":
+        return
+    what = f"config.train.outer.method={o.method!r}"
+    _require(
+        t.optimizer in ("adamw", "sgd"),
+        f"{what} with config.train.optimizer={t.optimizer!r}: the inner optimizer must be 'adamw' or 'sgd'",
+    )
+    _require(
+        t.zero_stage == 0,
+        f"{what} with config.train.zero_stage={t.zero_stage}: ZeRO shards the optimizer over `data`, whose "
+        "ranks are islands with their own states here; set zero_stage=0 (shard inside islands with mesh.fsdp)",
+    )
+    _require(
+        not (config.offload.optimizer or config.offload.params),
+        f"{what} with config.offload.optimizer/params: not supported; turn offloading off",
+    )
+    _require(
+        config.parallel.expert_rebalance_every == 0,
+        f"{what} with config.parallel.expert_rebalance_every={config.parallel.expert_rebalance_every}: islands "
+        "would re-place experts apart; set it to 0",
+    )
+    if o.fragments > 1:
+        _require(
+            mesh.pipe == 1,
+            f"config.train.outer.fragments={o.fragments} with config.mesh.pipe={mesh.pipe}: fragments are layers "
+            "p, p+P, ... of the layer stack, which a pipeline splits; use fragments=1 or pipe=1",
+        )
+        _require(
+            o.fragments <= config.model.n_layers,
+            f"config.train.outer.fragments={o.fragments} exceeds config.model.n_layers={config.model.n_layers}: "
+            "a fragment is a set of layers",
+        )
+        _require(
+            o.every % o.fragments == 0,
+            f"config.train.outer.every={o.every} is not a multiple of config.train.outer.fragments={o.fragments}: "
+            "the fragments sync every/fragments steps apart; make every a multiple of fragments",
         )

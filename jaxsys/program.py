@@ -33,6 +33,7 @@ from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.models import transformer
 from jaxsys.optim import optimizer as optimizer_lib
+from jaxsys.optim import outer as outer_lib
 from jaxsys.optim import zo
 from jaxsys.optim.schedules import schedule
 from jaxsys.parallel import collectives, expert, expert_placement, offload, pipeline, zero
@@ -313,6 +314,8 @@ class Program(Placement):
     def _local_step(self, state: TrainState, batch):
         if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/optim/zo.py)
             return zo.local_step(self, state, batch)
+        if outer_lib.enabled(self.config.train):  # an island's inner step (DiLoCo: jaxsys/optim/outer.py)
+            return outer_lib.local_step(self, state, batch)
         _, grads, metrics = self._local_grads(state.params, batch)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
@@ -514,6 +517,11 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
     else:
         optimizer = optimizer_lib.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
         opt_pspecs = optimizer_lib.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
+    if outer_lib.enabled(t):  # islands on `data`: no reduction over it; their states stacked over it
+        outer_lib.check(config, layout.mesh_sizes)
+        plans = outer_lib.island_plans(plans)
+        optimizer = outer_lib.make(optimizer, t, layout.mesh_sizes["data"])
+        opt_pspecs = outer_lib.state_pspecs(opt_pspecs, param_pspecs, t)
     state_pspecs = TrainState(P(), param_pspecs, opt_pspecs)
     plan = offload.Plan.from_config(config)
     state_kinds = None

@@ -26,7 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxsys import checkpoint as checkpoint_lib
+from jaxsys import compile_cache
 from jaxsys import data as data_lib
+from jaxsys import goodput as goodput_lib
 from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
@@ -36,6 +38,7 @@ from jaxsys.data import loader as loader_lib
 from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
 from jaxsys.models import params as params_lib
+from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import expert_placement
 
 # the program lives in jaxsys/program.py; these names stay importable from here
@@ -206,8 +209,14 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: 
 def main(config, workdir: str) -> list[dict]:
     """Train `config`, writing metrics.jsonl, TensorBoard events and config.json to `workdir`.
     Returns the logged records."""
+    gp = goodput_lib.Goodput()  # wall time since launch, by kind (docs/goodput.md)
     cpu_unless_accelerator()
     maybe_initialize_distributed(config.distributed)
+    compile_cache.use(config.compile_cache)
+    if config.rl.task != "none":  # RL post-training (GRPO): its own loop over a trainer and an engine
+        from jaxsys.rl import loop as rl_loop
+
+        return rl_loop.main(config, workdir)
     validate(config)
     if config.model.quant != "none":
         raise ConfigError(
@@ -226,7 +235,7 @@ def main(config, workdir: str) -> list[dict]:
     mesh = make_mesh(config)
     checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
     try:
-        return _train(config, workdir, corpus, mesh, checkpointer)
+        return _train(config, workdir, corpus, mesh, checkpointer, gp)
     finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
         if checkpointer:
             checkpointer.close()
@@ -263,7 +272,9 @@ def _loader(config, program, corpus, checkpointer, resume_step: int | None) -> L
     return loader
 
 
-def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
+def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[dict]:
+    gp = gp or goodput_lib.Goodput()
+    cache_path, cache_counter = compile_cache.directory(config.compile_cache), compile_cache.Counter()
     lead = jax.process_index() == 0
     resume_step = checkpointer.latest_step() if checkpointer else None
     exists = os.path.exists(os.path.join(workdir, "metrics.jsonl")) and resume_step is None
@@ -289,7 +300,9 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
     peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
 
     if resume_step is not None:
-        state = checkpointer.restore(program.abstract_state())
+        with gp.timed("restore"):
+            state = checkpointer.restore(program.abstract_state())
+        gp.lost_steps = _logged_after(workdir, resume_step)
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
     elif config.checkpoint.init_from:  # a new run from another run's parameters (fine-tuning)
@@ -302,11 +315,14 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 flush=True,
             )
     else:
-        state = program.init()
+        with gp.timed("init"):
+            state = program.init()
     start_step = int(resume_step or 0)
     loader = _loader(config, program, corpus, checkpointer, resume_step)
     start = time.perf_counter()
-    step_fn = program.train_step_fn().lower(state, program.abstract_batch()).compile()
+    with gp.timed("compile"):
+        step_fn = program.train_step_fn().lower(state, program.abstract_batch()).compile()
+        syncs = outer_lib.Syncs(program, state) if outer_lib.enabled(t) else None  # DiLoCo's outer steps
     eval_fn = program.eval_loss_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
@@ -359,6 +375,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 record["loss_tokens"] = int(_scalar(metrics["loss_tokens"]))
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
+            record["goodput"] = gp.record()["goodput"]
             if routing is not None:
                 record.update(
                     moe_aux_loss=_scalar(metrics["moe_aux_loss"]),
@@ -372,11 +389,15 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
             shown["tok_s"] = f"{tokens_per_s:,.0f}"
         bar.set_postfix(shown)
 
+    gp.loop_started()
     try:
         for step in range(start_step, t.steps):
-            tokens = next(loader)  # built ahead on the loader's thread while the last step ran
+            with gp.timed("data_wait"):
+                tokens = next(loader)  # built ahead on the loader's thread while the last step ran
             window.dispatched(step + 1)
             state, metrics = step_fn(state, tokens)
+            if syncs is not None:
+                state = syncs(state, step + 1)
             if pending is not None:  # read the previous step while this one runs
                 finish(*pending)
             eval_loss = None
@@ -385,6 +406,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 paused = time.perf_counter()
                 eval_loss = evaluate(program, eval_fn, state.params, corpus)
                 window.pause(time.perf_counter() - paused)  # not training time
+                gp.add("eval", time.perf_counter() - paused)
             pending = (step + 1, metrics, eval_loss)
             if rebalance_every and (step + 1) % rebalance_every == 0 and step + 1 < t.steps:
                 finish(*pending)  # the window holds this step
@@ -403,14 +425,40 @@ def _train(config, workdir: str, corpus, mesh, checkpointer) -> list[dict]:
                 paused = time.perf_counter()
                 checkpointer.save(step + 1, state, config, data=loader.state())
                 window.pause(time.perf_counter() - paused)  # not training time
+                gp.add("checkpoint", time.perf_counter() - paused)
         if pending is not None:
             finish(*pending)
+        gp.loop_ended()
+        _report_goodput(workdir, lead, t.steps, gp, cache_path, cache_counter)
         if routing is not None and lead:
             routing.save(os.path.join(workdir, "moe_routing.npz"))
     finally:
         bar.close()
         writer.close()
     return records
+
+
+def _logged_after(workdir: str, step: int) -> int:
+    """Steps the previous launch logged after `step` (its last checkpoint): trained again now."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        steps = [json.loads(line).get("step", 0) for line in f if line.strip()]
+    return max(0, max(steps, default=0) - int(step))
+
+
+def _report_goodput(workdir: str, lead: bool, step: int, gp, cache_path, counter) -> None:
+    """Print the launch's goodput and compile-cache lines; append them to goodput.jsonl."""
+    if not lead:
+        return
+    cache_line = counter.line(cache_path)
+    record = {"step": step, **gp.record(), "compile_cache": cache_path or ""}
+    record.update(programs_compiled=counter.compiled(), programs_loaded=counter.loaded())
+    with open(os.path.join(workdir, "goodput.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"jaxsys: {gp.line(record)}", flush=True)
+    print(f"jaxsys: {cache_line}", flush=True)
 
 
 def parse_args(argv):

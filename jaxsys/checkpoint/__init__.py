@@ -29,6 +29,7 @@ import time
 import jax
 import orbax.checkpoint as ocp
 
+from jaxsys import compile_cache
 from jaxsys.config import MESH_AXES, apply_overrides, base_config, from_dict
 
 
@@ -288,6 +289,7 @@ def load(workdir: str, overrides=(), step: int | None = None, devices=None, chec
 
     cpu_unless_accelerator()
     config, step = saved_config(workdir, overrides, step)
+    compile_cache.use(config.compile_cache)  # generate / serve / evaluate load compiled programs too
     if check is not None:
         check(config)
     mesh = mesh_for(config) if devices is None else make_mesh(config, devices)

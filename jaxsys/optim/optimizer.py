@@ -16,7 +16,8 @@ from jaxsys.optim.schedules import schedule
 
 def make_optimizer(t, specs, grad_pspecs=None, mesh_sizes=None) -> optax.GradientTransformation:
     """AdamW with weight decay on the leaves whose ParamSpec says so (not norms); with
-    `t.optimizer == "galore"` the same chain with GaLore's Adam in place of Adam; with "zo" the
+    `t.optimizer == "galore"` the same chain with GaLore's Adam in place of Adam; "sgd": plain SGD
+    with AdamW's decoupled weight decay (no momentum); with "zo" the
     stateless slot of zeroth-order training (`zo.optimizer`). GaLore needs the
     gradients' PartitionSpecs as the update sees them (`Program.grad_pspecs`; None: unsharded)
     and the mesh's axis sizes, and raises ConfigError for a bad `t.galore` before anything
@@ -24,6 +25,8 @@ def make_optimizer(t, specs, grad_pspecs=None, mesh_sizes=None) -> optax.Gradien
     if t.optimizer == "zo":  # MeZO: no state; zo.local_step makes the update from two forwards
         return zo.optimizer()
     mask = jax.tree.map(lambda s: s.decay, specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    if t.optimizer == "sgd":  # linear in the gradient: DiLoCo's H=1 limit is then data parallelism
+        return optax.chain(optax.add_decayed_weights(t.weight_decay, mask), optax.scale_by_learning_rate(schedule(t)))
     if t.optimizer == "galore":  # optax.adamw's chain, GaLore's Adam first
         g = t.galore
         return optax.chain(

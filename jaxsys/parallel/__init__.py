@@ -15,4 +15,6 @@ name of the technique it belongs to, and `spmd.per_shard` is the one place a sha
     expert            expert parallelism: all-to-all dispatch; expert_placement: balanced placement
     offload           host offloading of state, parameters and activations (memory kinds)
     galore            the gathers and sums of GaLore's optimizer update (jaxsys/optim/galore.py)
+    diloco            DiLoCo's average of the islands' outer gradients over `data` (f32 all-reduce, or
+                      an all-gather of quantized codes; jaxsys/optim/outer.py)
 """

@@ -104,11 +104,13 @@ def gather_slices(x, leaf: LeafPlan):
     return lax.all_gather(x, ZERO_AXIS, axis=leaf.zero_dim, tiled=True)
 
 
-def global_norm(grads, specs, layout: Layout):
+def global_norm(grads, specs, layout: Layout, skip: tuple[str, ...] = ()):
     """L2 norm of the whole gradient, from sharded leaves: each leaf's local sum of squares is
     divided by the number of ranks holding the same block, then one scalar all-reduce over the mesh.
-    `specs` are the PartitionSpecs of the leaves as held (optimizer-state specs for sliced leaves)."""
-    active = tuple(a for a, s in layout.mesh_sizes.items() if s > 1)
+    `specs` are the PartitionSpecs of the leaves as held (optimizer-state specs for sliced leaves).
+    `skip`: mesh axes whose ranks hold different gradients (DiLoCo's islands on `data`): the norm
+    of each rank's own."""
+    active = tuple(a for a, s in layout.mesh_sizes.items() if s > 1 and a not in skip)
     total = jnp.zeros((), jnp.float32)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
         replicas = layout.size([a for a in active if a not in spec_axes(spec)])

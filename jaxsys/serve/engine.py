@@ -504,21 +504,12 @@ class Engine(EngineAPI):
     def set_params(self, params) -> int:
         """Serve `params` from now on: moved into this engine's layout (program.param_shardings) from
         whatever devices and layout they are in (a resharding transfer, e.g. from a trainer on
-        another sub-mesh). Nothing recompiles (same shapes). Returns the bytes the engine's devices
-        received from other devices (0 for a shard already in place)."""
-        shardings = self.program.param_shardings
-        moved = 0
-
-        def place(a, sharding):
-            nonlocal moved
-            out = jax.device_put(a, sharding)
-            src = {d for d in getattr(a, "devices", lambda: set())()}
-            for shard in out.addressable_shards:
-                if shard.device not in src:
-                    moved += shard.data.nbytes
-            return out
-
-        self.params = jax.tree.map(place, params, shardings)
+        another sub-mesh; always a copy, so the trainer may donate its own). Nothing recompiles
+        (same shapes). The prefix cache is forgotten (its pages hold keys and values of the old
+        weights). Returns the bytes the engine's devices received (`reshard`)."""
+        self.params, moved = reshard(params, self.program.param_shardings)
+        for pool in self.pools:
+            pool.forget_cache()
         return moved
 
     def sleep(self) -> None:
@@ -1268,6 +1259,35 @@ class _InFlight:
     plans: list  # per batch shard, the step's work
     slots: dict  # request id -> its token's index in `tokens`
     tokens: Any  # the sampled tokens [slots] on the device (None: the step sampled nothing)
+
+
+def _overlap(a: tuple, b: tuple, shape: tuple) -> int:
+    """Elements two shards' index tuples (slices per dimension) have in common."""
+    n = 1
+    for sa, sb, dim in zip(a, b, shape):
+        (a0, a1, _), (b0, b1, _) = sa.indices(dim), sb.indices(dim)
+        n *= max(0, min(a1, b1) - max(a0, b0))
+    return n
+
+
+def reshard(params, shardings) -> tuple:
+    """(`params` copied into `shardings`, bytes received): a resharding transfer from any devices
+    and layout. A destination shard receives what the source's shard on its own device does not
+    hold already: all of it from disjoint devices, the missing part when the devices coincide
+    (jaxsys/analysis/rl.py has the formula)."""
+    moved = 0
+
+    def place(a, sharding):
+        nonlocal moved
+        out = jax.device_put(a, sharding, may_alias=False)
+        held = {s.device: s.index for s in a.addressable_shards} if isinstance(a, jax.Array) else {}
+        for shard in out.addressable_shards:
+            have = held.get(shard.device)
+            kept = 0 if have is None else _overlap(have, shard.index, a.shape)
+            moved += shard.data.nbytes - kept * out.dtype.itemsize
+        return out
+
+    return jax.tree.map(place, params, shardings), moved
 
 
 def _pages_unsplit(spec, ndim: int):

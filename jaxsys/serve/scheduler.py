@@ -119,6 +119,15 @@ class PagePool:
                 else:
                     self._free.append(page)
 
+    def forget_cache(self) -> None:
+        """Empty the prefix cache (new weights make its keys and values stale): cached pages nobody
+        references are free again, referenced ones lose their names (freed as usual later)."""
+        for page in self._idle:
+            self._free.append(page)
+        self._idle.clear()
+        self._page_of.clear()
+        self._name_of.clear()
+
     def match(self, seq, names: list[bytes]) -> int:
         """Give `seq` (holding no pages yet) the cached pages of the longest run of `names` from
         the first; returns how many."""

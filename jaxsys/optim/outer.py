@@ -1,0 +1,325 @@
+"""DiLoCo, Streaming DiLoCo and CO2: islands that synchronise rarely (`config.train.outer`,
+docs/diloco.md).
+
+DiLoCo (Douillard et al. 2023). The ranks of the `data` axis are M islands. Each takes H inner steps
+of `config.train.optimizer` (AdamW, each island with its own moments) on its own batch shard, its
+gradients reduced only inside the island (`island_plans`: the `data` axis is dropped from every
+leaf's reduction). Then, with theta the parameters all islands started the round from and
+theta_i island i's after it:
+
+    outer gradient  Delta = theta - mean_i theta_i          (parallel/diloco.py: one all-reduce)
+    momentum        m     = mu m + Delta
+    step            u     = Delta + mu m   (Nesterov)   or   m
+    theta'                = theta - lr_out u,   and every island continues from theta'
+
+Streaming DiLoCo (Douillard et al. 2025): the parameters are P fragments (fragment p: layers
+p, p+P, ... of every layer-stacked leaf; the other leaves, embeddings and final norm, go with
+fragment 0), each synchronised every H steps, fragment p at steps s with s % H == (p+1) H / P % H:
+one fragment's bytes every H / P steps, so the peak bandwidth falls by P. The outer gradients may be
+quantized to int8 or int4 before the average (`quantize` / `dequantize`: symmetric round-to-nearest
+with one f32 scale per block of `BLOCK` values; the islands all-gather codes and scales and average
+in f32). Not implemented: Streaming DiLoCo's overlap of a fragment's communication with the next
+tau inner steps and its mixing factor alpha (islands here take theta' as it is, alpha = 0).
+
+CO2 (Sun et al. 2024): the outer update applies the previous round's averaged outer gradient, so
+the all-reduce of round k can run during round k+1's inner steps; theta' = theta - lr_out u(Delta_{k-1})
+and the islands continue from theta'. The paper's staleness gap penalty and outer momentum
+clipping are not implemented (docs/diloco.md). XLA:CPU runs the all-reduce between the steps: the
+arithmetic is CO2's, the overlap is not measured here.
+
+State: `TrainState.params` is theta (what evaluation and checkpoints' consumers read); the islands'
+parameters and inner optimizer states are in `OuterState`, stacked [M, ...] and split over `data`,
+so that every island's own values are saved and restored (a checkpoint restores onto the same M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxsys.config import ConfigError
+from jaxsys.models.params import is_spec
+from jaxsys.optim.schedules import schedule
+from jaxsys.parallel import diloco, zero
+
+BLOCK = 128  # values per quantization scale
+BITS = {"int8": 8, "int4": 4}
+
+
+class OuterState(NamedTuple):
+    inner: Any  # the inner optimizer's state of every island, each leaf [M, ...] split over `data`
+    local: Any  # the islands' parameters, [M, ...] split over `data`
+    momentum: Any  # the outer momentum, shaped and split as the parameters (equal on every island)
+    delayed: Any  # CO2: the last round's averaged outer gradient (as the parameters); () otherwise
+
+
+def enabled(t) -> bool:
+    return t.outer.method != "none"
+
+
+def island_plans(plans):
+    """ZeRO plans without the `data` axis in any gradient reduction: islands do not talk in inner steps."""
+    return jax.tree.map(
+        lambda p: dataclasses.replace(p, sum_axes=tuple(a for a in p.sum_axes if a != diloco.ISLAND_AXIS)),
+        plans,
+        is_leaf=lambda x: isinstance(x, zero.LeafPlan),
+    )
+
+
+def check(config, mesh_sizes) -> None:
+    """What only the built mesh tells (config.py validated the rest)."""
+    m = mesh_sizes.get(diloco.ISLAND_AXIS, 1)
+    if m < 2:
+        raise ConfigError(
+            f"config.train.outer.method={config.train.outer.method!r} with config.mesh.data={m}: the islands are "
+            "the ranks of the `data` axis; set config.mesh.data >= 2 (data parallelism inside an island goes "
+            "on fsdp or expert)"
+        )
+
+
+def make(inner: optax.GradientTransformation, t, islands: int):
+    """The optimizer slot of an outer run: `init` makes the `OuterState` around `inner`'s; the
+    update is `local_step`'s and `sync`'s. `.inner` is the inner optimizer."""
+    co2 = t.outer.method == "co2"
+
+    def init(params):
+        stack = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (islands, *jnp.shape(x)))
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return OuterState(
+            jax.tree.map(stack, inner.init(params)),
+            jax.tree.map(stack, params),
+            zeros,
+            jax.tree.map(jnp.zeros_like, params) if co2 else (),
+        )
+
+    def refuse(updates, state, params=None):
+        raise TypeError("config.train.outer: the inner update is jaxsys.optim.outer.local_step's")
+
+    transform = optax.GradientTransformation(init, refuse)
+    return _Outer(transform.init, transform.update, inner)
+
+
+class _Outer(NamedTuple):
+    init: Any
+    update: Any
+    inner: optax.GradientTransformation
+
+
+def state_pspecs(inner_pspecs, param_pspecs, t) -> OuterState:
+    stacked = lambda spec: P(diloco.ISLAND_AXIS, *spec)
+    over = lambda tree: jax.tree.map(stacked, tree, is_leaf=lambda x: isinstance(x, P))
+    return OuterState(
+        over(inner_pspecs), over(param_pspecs), param_pspecs, param_pspecs if t.outer.method == "co2" else ()
+    )
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+def quantize(x, bits: int):
+    """Symmetric round-to-nearest of `x` (any shape) in blocks of BLOCK values: (codes, scales).
+    codes: int8 [n/BLOCK, BLOCK] in [-q, q], q = 2^(bits-1) - 1, packed two to a uint8
+    ([n/BLOCK, BLOCK/2]) for 4 bits; scales: f32 [n/BLOCK] = block absmax / q. The error of every
+    value is at most scale / 2."""
+    q = 2 ** (bits - 1) - 1
+    flat = x.astype(jnp.float32).reshape(-1)
+    flat = jnp.pad(flat, (0, -flat.size % BLOCK)).reshape(-1, BLOCK)
+    absmax = jnp.max(jnp.abs(flat), axis=1)
+    scales = jnp.where(absmax > 0, absmax / q, 1.0)
+    codes = jnp.clip(jnp.round(flat / scales[:, None]), -q, q).astype(jnp.int8)
+    if bits == 4:
+        nibbles = (codes + 8).astype(jnp.uint8)  # 1..15
+        codes = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    return codes, scales
+
+
+def dequantize(codes, scales, shape, bits: int):
+    if bits == 4:
+        lo = (codes & 0xF).astype(jnp.int8) - 8
+        hi = (codes >> 4).astype(jnp.int8) - 8
+        codes = jnp.stack([lo, hi], axis=-1).reshape(codes.shape[0], -1)
+    values = codes.astype(jnp.float32) * scales[:, None]
+    n = 1
+    for d in shape:
+        n *= d
+    return values.reshape(-1)[:n].reshape(shape)
+
+
+def quantized_bytes(n: int, bits: int) -> int:
+    """Bytes of one island's quantized outer gradient of n values: codes and f32 scales."""
+    blocks = -(-n // BLOCK)
+    return blocks * BLOCK * bits // 8 + 4 * blocks
+
+
+# ----------------------------------------------------------------------------- fragments
+
+
+def layer_stacked(spec) -> bool:
+    return bool(spec.axes) and spec.axes[0] == "layers"
+
+
+def fragment_due(t, step: int) -> list[int]:
+    """The fragments synchronised after inner step `step` (1-based): p with step % H == (p+1) H/P % H."""
+    o = t.outer
+    h, f = o.every, o.fragments
+    return [p for p in range(f) if step % h == ((p + 1) * h // f) % h]
+
+
+def fragment_part(x, spec, fragment: int, fragments: int):
+    """The part of leaf `x` in `fragment`, or None: rows fragment::P of a layer-stacked leaf; the
+    whole of another leaf in fragment 0."""
+    if fragments == 1:
+        return x
+    if layer_stacked(spec):
+        return x[fragment::fragments]
+    return x if fragment == 0 else None
+
+
+def fragment_put(x, value, spec, fragment: int, fragments: int):
+    if fragments == 1 or not layer_stacked(spec):
+        return value
+    return x.at[fragment::fragments].set(value)
+
+
+def fragment_sizes(specs, fragments: int) -> list[list[int]]:
+    """Values of every leaf's part in each fragment (one list per fragment)."""
+    sizes: list[list[int]] = [[] for _ in range(fragments)]
+    for spec in jax.tree.leaves(specs, is_leaf=is_spec):
+        n = 1
+        for d in spec.shape:
+            n *= d
+        if fragments == 1 or not layer_stacked(spec):
+            sizes[0].append(n)
+        else:
+            layers = spec.shape[0]
+            for p in range(fragments):
+                sizes[p].append(n // layers * len(range(p, layers, fragments)))
+    return sizes
+
+
+# ----------------------------------------------------------------------------- per-shard steps
+
+
+def _unstack(tree):
+    return jax.tree.map(lambda a: a[0], tree)
+
+
+def _stack(tree):
+    return jax.tree.map(lambda a: a[None], tree)
+
+
+def local_step(program, state, batch):
+    """One inner step of this island (inside the train step's shard_map): (new state, metrics).
+    The island's gradient is reduced over its own devices only; `TrainState.params` (theta) does not
+    change."""
+    t = program.config.train
+    islands = program.layout.mesh_sizes[diloco.ISLAND_AXIS]
+    o = state.opt_state
+    params = _unstack(o.local)
+    _, grads, metrics = program._local_grads(params, batch)
+    # each shard's objective is its share of the global mean: the island's mean is M times its sum
+    grads = jax.tree.map(lambda g: g * islands, grads)
+    grad_norm = zero.global_norm(grads, program.grad_pspecs, program.layout, skip=(diloco.ISLAND_AXIS,))
+    if t.grad_clip > 0:
+        scale = jnp.minimum(1.0, t.grad_clip / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+    updates, inner = program.optimizer.inner.update(grads, _unstack(o.inner), params)
+    params = optax.apply_updates(params, updates)
+    metrics.update(grad_norm=diloco.island_mean(grad_norm), lr=schedule(t)(state.step))
+    return state._replace(step=state.step + 1, opt_state=o._replace(inner=_stack(inner), local=_stack(params))), metrics
+
+
+def outer_update(theta, delta, momentum, lr: float, mu: float, nesterov: bool):
+    """(theta', momentum') of one outer Nesterov-SGD step on the outer gradient `delta`."""
+    m = mu * momentum + delta
+    u = delta + mu * m if nesterov else m
+    return theta - lr * u, m
+
+
+def local_sync(program, state, fragment: int):
+    """The outer step of `fragment` (inside a shard_map): the islands' outer gradients averaged over
+    `data` (quantized when config.train.outer.quantize says), theta and the momentum updated, every
+    island restarted from the new theta."""
+    o_cfg = program.config.train.outer
+    bits = BITS.get(o_cfg.quantize)
+    co2 = o_cfg.method == "co2"
+    s = state.opt_state
+    leaves, treedef = jax.tree.flatten(state.params)
+    specs = jax.tree.leaves(program.specs, is_leaf=is_spec)  # the parameters' order
+    local = jax.tree.leaves(_unstack(s.local))
+    momentum = jax.tree.leaves(s.momentum)
+    delayed = jax.tree.leaves(s.delayed) if co2 else [None] * len(leaves)
+    out = {"theta": [], "local": [], "momentum": [], "delayed": []}
+    for theta, x, mom, late, spec in zip(leaves, local, momentum, delayed, specs):
+        part = lambda a: fragment_part(a, spec, fragment, o_cfg.fragments)
+        put = lambda a, v: fragment_put(a, v, spec, fragment, o_cfg.fragments)
+        if part(theta) is None:  # not in this fragment
+            out["theta"].append(theta)
+            out["local"].append(x)
+            out["momentum"].append(mom)
+            out["delayed"].append(late)
+            continue
+        delta = (part(theta) - part(x)).astype(jnp.float32)
+        if bits is None:
+            avg = diloco.island_mean(delta)
+        else:
+            avg = diloco.island_mean_quantized(
+                delta, lambda v: quantize(v, bits), lambda c, sc: dequantize(c, sc, delta.shape, bits)
+            )
+        applied = part(late) if co2 else avg
+        new, m = outer_update(part(theta), applied, part(mom), o_cfg.lr, o_cfg.momentum, o_cfg.nesterov)
+        new = new.astype(theta.dtype)
+        out["theta"].append(put(theta, new))
+        out["local"].append(put(x, new))
+        out["momentum"].append(put(mom, m.astype(mom.dtype)))
+        out["delayed"].append(put(late, avg.astype(late.dtype)) if co2 else None)
+    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+    opt_state = s._replace(
+        local=_stack(unflat(out["local"])),
+        momentum=unflat(out["momentum"]),
+        delayed=unflat(out["delayed"]) if co2 else (),
+    )
+    return state._replace(params=unflat(out["theta"]), opt_state=opt_state)
+
+
+def sync_fn(program, fragment: int):
+    """jit(state -> state) of `local_sync` of `fragment`; the state is donated."""
+    step = program._shard_map(
+        lambda st: local_sync(program, st, fragment), (program.state_pspecs,), program.state_pspecs
+    )
+    return jax.jit(step, donate_argnums=0)
+
+
+class Syncs:
+    """The training loop's outer steps: `syncs(state, step)` after inner step `step` runs the outer
+    step of every fragment due then. Compiled ahead (`state`: one to lower against)."""
+
+    def __init__(self, program, state):
+        self.t = program.config.train
+        self.fns = [sync_fn(program, p).lower(state).compile() for p in range(self.t.outer.fragments)]
+
+    def __call__(self, state, step: int):
+        for p in fragment_due(self.t, step):
+            state = self.fns[p](state)
+        return state
+
+
+def round_bytes(specs, t, islands: int) -> dict:
+    """Per device, one outer round (every fragment once): `operand` bytes each island contributes
+    (f32 outer gradients, or codes + scales) and `wire` bytes it receives in a ring collective
+    (all-reduce 2 (M-1)/M x operand; quantized all-gather (M-1) x operand)."""
+    sizes = fragment_sizes(specs, t.outer.fragments)
+    bits = BITS.get(t.outer.quantize)
+    m = islands
+    if bits is None:
+        operand = [sum(4 * n for n in parts) for parts in sizes]
+        wire = [2 * (m - 1) / m * b for b in operand]
+    else:
+        operand = [sum(quantized_bytes(n, bits) for n in parts) for parts in sizes]
+        wire = [(m - 1) * b for b in operand]
+    return {"fragments": operand, "operand": sum(operand), "wire": sum(wire)}

@@ -1,0 +1,259 @@
+"""DiLoCo, Streaming DiLoCo and CO2 (jaxsys/optim/outer.py, docs/diloco.md): islands on the `data`
+axis that train apart and synchronise by an outer step; checked against plain data parallelism and
+NumPy statements of the outer update and of the quantizer's bound."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys import data
+from jaxsys.analysis import hlo
+from jaxsys.config import ConfigError, validate
+from jaxsys.optim import outer
+from tests.helpers import program_for, small_config
+
+MESH = dict(data=4, fsdp=2)  # 4 islands of 2 devices (FSDP inside an island)
+M = 4
+
+
+def _config(**o):
+    c = small_config(MESH)
+    c.train.schedule, c.train.warmup_steps = "constant", 0
+    c.train.outer.method = "diloco"
+    for k, v in o.items():
+        c.train.outer[k] = v
+    return c
+
+
+def _batches(program, n):
+    corpus = data.load_corpus(program.config.data)
+    c = program.config
+    return [
+        data.global_batch(corpus, program.batch_sharding, c.seed, i, c.train.batch_size, c.data.seq_len)
+        for i in range(n)
+    ]
+
+
+def _np(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+@pytest.fixture(scope="module")
+def adamw():
+    """An AdamW DiLoCo program (H=2, Nesterov 0.9, outer lr 0.7), its step and sync, 4 batches."""
+    program = program_for(_config(every=2))
+    return program, program.train_step_fn(), outer.sync_fn(program, 0), _batches(program, 4)
+
+
+def test_h1_sgd_outer_lr1_is_data_parallelism():
+    """H=1, outer SGD with lr 1 and no momentum, inner SGD: theta' = mean_i (theta - lr (g_i + wd theta))
+    = theta - lr (mean_i g_i + wd theta), and mean_i g_i (island i's mean gradient over its B/M rows)
+    is the global batch's mean gradient: the data-parallel step. Equal up to float rounding (the
+    islands' means are M x their partial sums, averaged after the update instead of summed before
+    it). With AdamW inside, the mean of M Adam updates is not the Adam update of the mean: not DP."""
+    c = _config(every=1, lr=1.0, momentum=0.0, nesterov=False)
+    c.train.optimizer, c.train.lr, c.train.grad_clip = "sgd", 0.5, 0.0
+    dp_config = small_config(MESH)
+    dp_config.train.optimizer, dp_config.train.lr, dp_config.train.grad_clip = "sgd", 0.5, 0.0
+    dp_config.train.schedule, dp_config.train.warmup_steps = "constant", 0
+    program, dp = program_for(c), program_for(dp_config)
+    batches = _batches(program, 3)
+    step, sync, dp_step = program.train_step_fn(), outer.sync_fn(program, 0), dp.train_step_fn()
+    state, dp_state = program.init(), dp.init()
+    for b in batches:
+        state, _ = step(state, b)
+        state = sync(state)
+        dp_state, _ = dp_step(dp_state, b)
+    for a, b in zip(jax.tree.leaves(_np(state.params)), jax.tree.leaves(_np(dp_state.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(dp_state.params["embed"] - dp.init().params["embed"]).max()) > 1e-3  # it moved
+
+
+def test_islands_train_apart_and_theta_stays(adamw):
+    program, step, _, batches = adamw
+    state = program.init()
+    theta = _np(state.params)
+    state, metrics = step(state, batches[0])
+    local = _np(state.opt_state.local)["layers"]["wq"]  # [M, ...]: each island's own
+    assert local.shape[0] == M and not np.allclose(local[0], local[1])
+    np.testing.assert_array_equal(_np(state.params)["layers"]["wq"], theta["layers"]["wq"])
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+
+
+def _outer_reference(theta, local, momentum, lr, mu, nesterov=True):
+    """NumPy: Delta = theta - mean_i theta_i; m = mu m + Delta; u = Delta + mu m; theta - lr u."""
+    delta = theta - local.mean(axis=0)
+    m = mu * momentum + delta
+    u = delta + mu * m if nesterov else m
+    return theta - lr * u, m, delta
+
+
+def test_outer_update_against_numpy(adamw):
+    """Two rounds of H=2 AdamW inner steps on 4 islands, each ended by the Nesterov outer step; the
+    second round starts with the first's momentum."""
+    program, step, sync, batches = adamw
+    state = program.init()
+    momentum = jax.tree.map(np.zeros_like, _np(state.params))
+    for r in range(2):
+        for b in batches[2 * r : 2 * r + 2]:
+            state, _ = step(state, b)
+        theta, local = _np(state.params), _np(state.opt_state.local)
+        expect = jax.tree.map(lambda t, x, m: _outer_reference(t, x, m, 0.7, 0.9), theta, local, momentum)
+        state = sync(state)
+        got_theta, got_m = _np(state.params), _np(state.opt_state.momentum)
+        for path, (t_ref, m_ref, _) in jax.tree_util.tree_flatten_with_path(
+            expect, is_leaf=lambda x: isinstance(x, tuple)
+        )[0]:
+            get = lambda tree: tree
+            for key in path:
+                get = (lambda g, k: lambda tree: g(tree)[k.key])(get, key)
+            np.testing.assert_allclose(get(got_theta), t_ref, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(get(got_m), m_ref, rtol=1e-5, atol=1e-7)
+            islands = get(_np(state.opt_state.local))
+            np.testing.assert_array_equal(islands, np.broadcast_to(get(got_theta), islands.shape))
+        momentum = got_m
+    assert float(np.abs(got_m["embed"]).max()) > 0
+
+
+def test_co2_applies_the_previous_rounds_outer_gradient():
+    """CO2: round 1's sync applies nothing (no earlier round) and keeps its average; round 2's applies
+    round 1's. Outer SGD lr 1, no momentum: theta_2 = theta_1 - Delta_1."""
+    program = program_for(_config(method="co2", every=1, lr=1.0, momentum=0.0, nesterov=False))
+    step, sync = program.train_step_fn(), outer.sync_fn(program, 0)
+    batches = _batches(program, 2)
+    state = program.init()
+    theta0 = _np(state.params)
+    state, _ = step(state, batches[0])
+    delta1 = jax.tree.map(lambda t, x: t - x.mean(0), theta0, _np(state.opt_state.local))
+    state = sync(state)
+    for a, b in zip(jax.tree.leaves(_np(state.params)), jax.tree.leaves(theta0)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(_np(state.opt_state.delayed)), jax.tree.leaves(delta1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    state, _ = step(state, batches[1])
+    state = sync(state)
+    for a, t, d in zip(*(jax.tree.leaves(x) for x in (_np(state.params), theta0, delta1))):
+        np.testing.assert_allclose(a, t - d, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantizer_within_its_bound(bits):
+    """|x - dequantize(quantize(x))| <= scale / 2 = block absmax / (2 (2^(b-1) - 1)) for every value."""
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal(1000) * np.exp(rng.uniform(-6, 2, 1000))).astype(np.float32).reshape(10, 100)
+    codes, scales = outer.quantize(jnp.asarray(x), bits)
+    assert codes.dtype == (jnp.uint8 if bits == 4 else jnp.int8)
+    assert codes.size == -(-x.size // outer.BLOCK) * outer.BLOCK * bits // 8
+    back = np.asarray(outer.dequantize(codes, scales, x.shape, bits))
+    flat = np.pad(x.reshape(-1), (0, -x.size % outer.BLOCK)).reshape(-1, outer.BLOCK)
+    bound = np.abs(flat).max(axis=1) / (2 * (2 ** (bits - 1) - 1))
+    err = np.pad(np.abs(back - x).reshape(-1), (0, -x.size % outer.BLOCK)).reshape(-1, outer.BLOCK)
+    assert np.all(err <= bound[:, None] * (1 + 1e-6) + 1e-12)
+    assert np.abs(back - x).max() > 0  # it did quantize
+
+
+def test_int4_outer_average_within_the_quantizers_bound():
+    """Outer lr 1, no momentum: theta' = theta - mean_i Q(Delta_i); each Q(Delta_i) is within its
+    blocks' bound of Delta_i, so theta' is within the mean of the islands' bounds of the exact step.
+    8 islands of one device: the blocks are of whole leaves (a device quantizes its own shard)."""
+    c = _config(every=1, lr=1.0, momentum=0.0, nesterov=False, quantize="int4")
+    c.mesh.data, c.mesh.fsdp = 8, 1
+    program = program_for(c)
+    step, sync = program.train_step_fn(), outer.sync_fn(program, 0)
+    state = program.init()
+    state, _ = step(state, _batches(program, 1)[0])
+    theta, local = _np(state.params), _np(state.opt_state.local)
+    state = sync(state)
+    for t, x, got in zip(*(jax.tree.leaves(a) for a in (theta, local, _np(state.params)))):
+        deltas = (t[None] - x).reshape(8, -1)
+        pad = -deltas.shape[1] % outer.BLOCK
+        blocks = np.pad(deltas, ((0, 0), (0, pad))).reshape(8, -1, outer.BLOCK)
+        bound = (np.abs(blocks).max(axis=2) / 14).mean(axis=0)  # mean over islands of scale / 2
+        exact = t - deltas.mean(0).reshape(t.shape)
+        err = np.pad(np.abs(got - exact).reshape(-1), (0, pad)).reshape(-1, outer.BLOCK)
+        assert np.all(err <= bound[:, None] * (1 + 1e-5) + 1e-7)
+
+
+def test_streaming_fragments_sync_on_a_staggered_schedule():
+    c = _config(every=4, fragments=2)
+    assert [outer.fragment_due(c.train, s) for s in range(1, 9)] == [[], [0], [], [1], [], [0], [], [1]]
+    c = _config(every=2, fragments=2, lr=1.0, momentum=0.0, nesterov=False)
+    c.model.n_layers = 4
+    program = program_for(c)
+    step, sync0 = program.train_step_fn(), outer.sync_fn(program, 0)
+    state = program.init()
+    state, _ = step(state, _batches(program, 1)[0])
+    theta, local = _np(state.params), _np(state.opt_state.local)
+    state = sync0(state)
+    got = _np(state.params)
+    mean = lambda x: x.mean(0)
+    # fragment 0: layers 0 and 2, and the leaves outside the stack; layers 1 and 3 wait
+    np.testing.assert_allclose(got["layers"]["wq"][0::2], mean(local["layers"]["wq"])[0::2], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(got["layers"]["wq"][1::2], theta["layers"]["wq"][1::2])
+    np.testing.assert_allclose(got["embed"], mean(local["embed"]), rtol=1e-5, atol=1e-7)
+    islands = _np(state.opt_state.local)["layers"]["wq"]
+    np.testing.assert_array_equal(islands[:, 1::2], local["layers"]["wq"][:, 1::2])  # still their own
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_round_bytes_formula_matches_the_compiled_program(quantize):
+    """The bytes each island contributes to one outer round (f32 all-reduce operands, or int4 codes
+    and f32 scales all-gathered) as the compiled sync's collectives over `data` hold them."""
+    c = _config(every=2, quantize=quantize)
+    program = program_for(c)
+    state = program.abstract_state()
+    text = outer.sync_fn(program, 0).lower(state).compile().as_text()
+    sizes = {a: c.mesh[a] for a in c.mesh}
+    found = [x for x in hlo.parse(text).collectives(sizes) if x.axes == ("data",)]
+    kinds = {x.kind for x in found}
+    assert kinds == ({"all_reduce"} if quantize == "none" else {"all_gather"})
+    got = sum(x.operand_bytes * x.executions for x in found)
+    # per device: its shard of every parameter (FSDP splits D over 2 inside the island)
+    local_specs = jax.tree.map(
+        lambda s, p: s.__class__(
+            tuple(n // (2 if "fsdp" in str(ax) else 1) for n, ax in zip(s.shape, tuple(p) + (None,) * 9)), s.axes
+        ),
+        program.specs,
+        program.param_pspecs,
+        is_leaf=lambda x: hasattr(x, "axes"),
+    )
+    expect = outer.round_bytes(local_specs, c.train, M)
+    assert got == expect["operand"]  # exact: 246400 B f32, 32844 B int4 (codes + scales) here
+
+
+def test_config_errors_name_the_problem():
+    c = _config()
+    c.train.zero_stage = 1
+    with pytest.raises(ConfigError, match="zero_stage=0"):
+        validate(c)
+    c = _config(every=5, fragments=2)
+    with pytest.raises(ConfigError, match="multiple of"):
+        validate(c)
+    c = _config(method="diloko")
+    with pytest.raises(ConfigError, match="choose one of"):
+        validate(c)
+    c = small_config(dict(fsdp=8))
+    c.train.outer.method = "diloco"
+    with pytest.raises(ConfigError, match="mesh.data >= 2"):
+        program_for(c)
+
+
+@pytest.mark.slow
+def test_training_loop_syncs_and_a_restart_resumes_every_island(tmp_path):
+    """train.main with H=2: the loop runs the outer steps; a restart from the step-2 checkpoint
+    (the islands' parameters and AdamW moments saved apart, stacked over `data`) logs the same
+    steps 3-4 and the same eval loss of theta, bitwise."""
+    import shutil
+
+    from jaxsys import train
+
+    c = _config(every=2)
+    c.train.steps, c.train.log_every = 4, 1
+    c.checkpoint.every_steps, c.checkpoint.async_save = 2, False
+    first = train.main(c, str(tmp_path / "run"))
+    assert [r["step"] for r in first] == [1, 2, 3, 4] and first[-1]["loss"] < first[0]["loss"]
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
+    again = train.main(c, str(tmp_path / "run"))
+    assert [(r["step"], r["loss"]) for r in again] == [(r["step"], r["loss"]) for r in first[2:]]
+    assert again[-1]["eval_loss"] == first[-1]["eval_loss"]
