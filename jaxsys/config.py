@@ -30,6 +30,8 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
 OPTIMIZERS = ("adamw", "galore", "zo", "sgd")
+OBJECTIVES = ("lm", "dpo")  # config.train.objective (docs/finetune.md)
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # config.lora.targets
 OPTIMIZER_UPDATE = ("device", "host")
 QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
 QUANT_TRAIN = ("none", "int8")  # config.model.quant_train
@@ -169,6 +171,21 @@ def base_config() -> ml_collections.ConfigDict:
     # Zeroth-order SGD (MeZO, Malladi et al. 2023): two forwards at theta +- eps z, z from a seed
     c.train.zo = ml_collections.ConfigDict()
     c.train.zo.eps = 1e-3  # perturbation scale
+    # lm: next-token cross-entropy (weighted by the batch's loss weights); dpo: Direct Preference
+    # Optimization on chosen/rejected pairs (config.data.format='preference'; docs/finetune.md)
+    c.train.objective = "lm"
+    c.train.dpo = ml_collections.ConfigDict()
+    c.train.dpo.beta = 0.1  # beta: the strength of the KL tie to the reference model
+    # "a:b": a JAX profiler trace of steps a..b (1-based, inclusive) into {workdir}/tb/plugins/profile
+    c.train.profile_steps = ""
+
+    # LoRA / QLoRA (Hu et al. 2021; Dettmers et al. 2023; docs/finetune.md): low-rank adapters on the
+    # dense projections, trained with the base frozen (a quantized base, config.model.quant, is QLoRA)
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0  # r; 0 = off
+    c.lora.alpha = 16.0  # the adapter's output is scaled by alpha / r
+    c.lora.targets = "wq,wk,wv,wo,w_gate,w_up,w_down"  # comma-separated projections of every layer
+    c.lora.dropout = 0.0  # dropout on the adapter's input (training only)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.enabled = True
@@ -797,6 +814,7 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(t.log_every >= 1, "config.train.log_every must be >= 1")
     _require(0 <= config.data.eval_fraction < 0.5, "config.data.eval_fraction must be in [0, 0.5)")
     _validate_data(config)
+    _validate_finetune(config)
     ck = config.checkpoint
     _require(
         ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
@@ -806,12 +824,16 @@ def validate(config, num_devices: int | None = None) -> None:
     _validate_outer(config)
 
 
+DATA_FORMATS = ("text", "chat", "preference")  # config.data.format (docs/data.md, docs/finetune.md)
 DOCUMENT_SOURCES = ("jsonl", "parquet", "hf")  # corpora of documents, tokenized into shards (jaxsys/data/shards.py)
 
 
 def _validate_data(config) -> None:
     d = config.data
-    _require(d.format in ("text", "chat"), f"config.data.format={d.format!r}: choose 'text' or 'chat'")
+    _require(
+        d.format in DATA_FORMATS,
+        f"config.data.format={d.format!r}: choose one of {DATA_FORMATS}",
+    )
     _require(isinstance(d.packing, bool), f"config.data.packing={d.packing!r}: choose True or False")
     _require(
         isinstance(d.shard_docs, int) and d.shard_docs >= 1,
@@ -827,13 +849,18 @@ def _validate_data(config) -> None:
     documents = d.source in DOCUMENT_SOURCES
     _require(
         documents or d.format == "text",
-        f"config.data.format='chat' needs a corpus of documents (config.data.source one of {DOCUMENT_SOURCES}), "
+        f"config.data.format={d.format!r} needs a corpus of documents (config.data.source one of {DOCUMENT_SOURCES}), "
         f"not {d.source!r}",
     )
     _require(
         documents or not d.packing,
         f"config.data.packing=True packs documents: config.data.source={d.source!r} is one token stream without "
         f"document boundaries; use a source of documents ({', '.join(DOCUMENT_SOURCES)})",
+    )
+    _require(
+        not (d.packing and d.format == "preference"),
+        "config.data.packing=True with config.data.format='preference': a pair's two completions sit on rows "
+        "2i and 2i + 1 of the batch, one a row; use packing=False",
     )
     if d.packing:
         _require(
@@ -846,6 +873,103 @@ def _validate_data(config) -> None:
             config.model.kind == "jaxsys",
             "config.data.packing=True with config.model.kind='flax': a Flax module takes no segment ids; use "
             "packing=False (padded rows)",
+        )
+
+
+def lora_targets(config) -> tuple[str, ...]:
+    """The projections `config.lora.targets` names ("wq,wv" -> ("wq", "wv"))."""
+    return tuple(n.strip() for n in str(config.lora.targets).split(",") if n.strip())
+
+
+def profile_range(config) -> tuple[int, int] | None:
+    """`config.train.profile_steps` "a:b" -> (a, b), the 1-based steps to trace; None when empty."""
+    text = str(config.train.profile_steps).strip()
+    if not text:
+        return None
+    first, sep, last = text.partition(":")
+    try:
+        a, b = int(first), int(last if sep else first)
+    except ValueError:
+        raise ConfigError(
+            f"config.train.profile_steps={text!r}: give the steps to trace as 'a:b' (1-based, inclusive), e.g. '5:7'"
+        ) from None
+    return a, b
+
+
+def _validate_finetune(config) -> None:
+    """config.lora (LoRA / QLoRA), config.train.objective (DPO) and config.train.profile_steps
+    against the rest of the config (docs/finetune.md)."""
+    lo, t, m, mesh = config.lora, config.train, config.model, config.mesh
+    _require(
+        isinstance(lo.rank, int) and lo.rank >= 0, f"config.lora.rank={lo.rank!r} must be an integer >= 0 (0: off)"
+    )
+    _require(isinstance(lo.alpha, (int, float)) and lo.alpha > 0, f"config.lora.alpha={lo.alpha!r} must be > 0")
+    _require(
+        isinstance(lo.dropout, (int, float)) and 0.0 <= lo.dropout < 1.0,
+        f"config.lora.dropout={lo.dropout!r} must be in [0, 1)",
+    )
+    bad = [n for n in lora_targets(config) if n not in LORA_TARGETS]
+    _require(not bad, f"config.lora.targets={lo.targets!r}: unknown projection(s) {bad}; choose from {LORA_TARGETS}")
+    if lo.rank > 0:
+        present = set(LORA_TARGETS[:4]) | (set(LORA_TARGETS[4:]) if "dense" in mlp_pattern(m) else set())
+        _require(
+            bool(set(lora_targets(config)) & present),
+            f"config.lora.targets={lo.targets!r} names no projection this model has (it has {sorted(present)}); "
+            "MoE experts take no adapters",
+        )
+        refused = [
+            ("config.model.kind", m.kind, "jaxsys", "the adapters wrap jaxsys's own projections"),
+            ("config.mesh.pipe", mesh.pipe, 1, "the pipeline executor differentiates every weight of a stage"),
+            ("config.train.optimizer", t.optimizer, "adamw", "the adapters are trained by AdamW"),
+            ("config.model.quant_train", m.quant_train, "none", "the base is frozen (a quantized base is QLoRA)"),
+            ("config.offload.optimizer", config.offload.optimizer, False, "the adapters' state is small"),
+            ("config.offload.params", config.offload.params, False, "not implemented for adapters"),
+            (
+                "config.parallel.expert_rebalance_every",
+                config.parallel.expert_rebalance_every,
+                0,
+                "experts take no adapters and re-placing them would move frozen weights",
+            ),
+            ("config.train.outer.method", t.outer.method, "none", "DiLoCo's islands average every weight"),
+        ]
+        for key, value, supported, why in refused:
+            _require(
+                value == supported,
+                f"{key}={value!r} with config.lora.rank={lo.rank}: {why}; use {supported!r} (docs/finetune.md)",
+            )
+    _require(t.objective in OBJECTIVES, f"config.train.objective={t.objective!r}: choose one of {OBJECTIVES}")
+    _require(
+        isinstance(t.dpo.beta, (int, float)) and t.dpo.beta > 0, f"config.train.dpo.beta={t.dpo.beta!r} must be > 0"
+    )
+    preference = config.data.format == "preference"
+    _require(
+        preference == (t.objective == "dpo"),
+        f"config.train.objective={t.objective!r} with config.data.format={config.data.format!r}: DPO trains on "
+        "chosen/rejected pairs, so objective='dpo' and format='preference' go together (docs/finetune.md)",
+    )
+    if t.objective == "dpo":
+        for key, value, supported, why in (
+            ("config.mesh.pipe", mesh.pipe, 1, "a pair's log-probabilities are summed on one stage"),
+            ("config.mesh.seq", mesh.seq, 1, "a sequence's log-probability would be split over devices"),
+            ("config.train.optimizer", t.optimizer, "adamw", "DPO differentiates its loss"),
+            ("config.model.kind", m.kind, "jaxsys", "the reference forward runs jaxsys's transformer"),
+            ("config.train.outer.method", t.outer.method, "none", "DiLoCo's inner step is the LM objective's"),
+        ):
+            _require(value == supported, f"{key}={value!r} with config.train.objective='dpo': {why}; use {supported!r}")
+        shards = math.prod(mesh[a] for a in axes_of(config.sharding.compute.batch) if mesh[a] > 0)
+        per = 2 * shards * t.microbatches
+        _require(
+            t.batch_size % per == 0,
+            f"config.train.batch_size={t.batch_size} with config.train.objective='dpo': each batch shard (and "
+            f"micro-batch) holds whole chosen/rejected pairs, so the batch must be a multiple of 2 x {shards} "
+            f"batch shards x {t.microbatches} micro-batches = {per}",
+        )
+    steps = profile_range(config)
+    if steps is not None:
+        a, b = steps
+        _require(
+            1 <= a <= b <= t.steps,
+            f"config.train.profile_steps={t.profile_steps!r}: need 1 <= a <= b <= config.train.steps={t.steps}",
         )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -29,9 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError
+from jaxsys.models import adapters, lora, transformer
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
-from jaxsys.models import transformer
+from jaxsys.objectives import dpo
 from jaxsys.optim import optimizer as optimizer_lib
 from jaxsys.optim import outer as outer_lib
 from jaxsys.optim import zo
@@ -66,10 +68,10 @@ class Placement:
     config: Any
     mesh: jax.sharding.Mesh
     layout: Layout
-    specs: Any  # ParamSpec pytree
+    specs: Any  # ParamSpec pytree (LoRA nodes on the adapted projections: models/lora.py)
     param_pspecs: Any
-    plans: Any  # zero.LeafPlan per leaf
-    grad_pspecs: Any  # gradients as the update sees them (sliced over `data` at ZeRO >= 1)
+    plans: Any  # zero.LeafPlan per trainable leaf
+    grad_pspecs: Any  # gradients of the trainable leaves as the update sees them (sliced over `data` at ZeRO >= 1)
     optimizer: optax.GradientTransformation
     state_pspecs: TrainState
     batch_pspec: P
@@ -104,20 +106,64 @@ class Placement:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings
         )
 
+    # -- the trainable part of the parameters: all of them, or with LoRA the adapters alone
+    @property
+    def lora(self) -> bool:
+        return adapters.enabled(self.config)
+
+    @property
+    def trainable_specs(self):
+        """The ParamSpecs of what is trained: every parameter, or the adapters (`adapters.trainable`)."""
+        return adapters.trainable(self.specs) if self.lora else self.specs
+
+    def trainable_of(self, tree):
+        """The trainable part of a parameter-shaped tree (parameters, their PartitionSpecs, ...)."""
+        return adapters.trainable(tree) if self.lora else tree
+
+    def with_trainable(self, params, trainable):
+        """`params` with their trainable part replaced."""
+        return adapters.with_trainable(params, trainable) if self.lora else trainable
+
+    @property
+    def trainable_pspecs(self):
+        return self.trainable_of(self.param_pspecs)
+
+    @property
+    def needs_reference(self) -> bool:
+        """DPO without adapters: the steps take the reference model's parameters as an argument
+        (with LoRA the reference is the base itself, the adapters left out)."""
+        return self.config.train.objective == "dpo" and not self.lora
+
     def _init(self, key) -> TrainState:
         m = self.config.model
+        dtype = jnp.dtype(m.param_dtype)
         if m.kind == "flax":  # the module's own initialisers (models/flax_model.py)
             from jaxsys.models import flax_model
 
-            params = flax_model.init_params(m, key, jnp.dtype(m.param_dtype))
+            params = flax_model.init_params(m, key, dtype)
+        elif self.lora:  # the base as without adapters (the same seed, the same base), then A and B
+            base = params_lib.init_params(adapters.strip(self.specs), key, dtype)
+            new = params_lib.init_params(adapters.trainable(self.specs), jax.random.fold_in(key, 1), dtype)
+            params = adapters.attach(base, new, self.specs)
         else:
-            params = params_lib.init_params(self.specs, key, jnp.dtype(m.param_dtype))
-        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+            params = params_lib.init_params(self.specs, key, dtype)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(self.trainable_of(params)))
 
     def fresh_state(self, params) -> TrainState:
         """Step 0 and a fresh optimizer state around `params` (config.checkpoint.init_from)."""
-        start = lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p))
+        start = lambda p: TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(self.trainable_of(p)))
         return jax.jit(start, out_shardings=self.state_shardings, donate_argnums=0)(params)
+
+    def with_fresh_adapters(self, base, seed: int | None = None):
+        """LoRA parameters from the base model's (`adapters.strip` of this program's tree, e.g. read
+        from config.checkpoint.init_from) and adapters initialised as `init` initialises them
+        (A from the seed, B zero): the adapted model starts as the base model."""
+        seed = self.config.seed if seed is None else seed
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), 1)
+        dtype = jnp.dtype(self.config.model.param_dtype)
+        shardings = self.trainable_of(self.param_shardings)
+        new = jax.jit(lambda k: params_lib.init_params(self.trainable_specs, k, dtype), out_shardings=shardings)(key)
+        return adapters.attach(base, new, self.specs)
 
     def init(self, seed: int | None = None) -> TrainState:
         seed = self.config.seed if seed is None else seed
@@ -210,18 +256,69 @@ class Program(Placement):
             ce = jnp.sum(losses * self._local_weights(weights).astype(losses.dtype)) / norm
         return ce + _moe_term(moe_stats, per_token), (ce, moe_stats)
 
-    def _local_loss(self, params, batch):
-        """This shard's share of the global mean token cross-entropy (evaluation)."""
-        if self.pipeline_eval is not None:
-            return self._pipeline(params, batch, self.pipeline_eval)[2][0]
-        return self._local_objective(params, batch)[1][0]
+    def _dropout_hook(self, key):
+        """The weight hook (`execution.weights_as_used`) that gives each LoRA node with dropout its
+        key while its layer runs: `key` folded with the projection's name, the layer and this
+        device's place among the batch shards (so that shards drop different units). None without
+        dropout or key (evaluation)."""
+        if key is None or not self.lora or float(self.config.lora.dropout) == 0.0:
+            return None
+        key = jax.random.fold_in(key, collectives.axis_index(self.layout.batch_axes))
 
-    def _metrics(self, ce, moe_stats, norm=None):
+        def hook(name, w, index):
+            if not lora.is_lora(w):
+                return w
+            k = jax.random.fold_in(jax.random.fold_in(key, zlib.crc32(name.encode()) % (1 << 31)), index)
+            return dataclasses.replace(w, key=k)
+
+        return hook
+
+    def _local_dpo(self, params, batch, reference=None, hook=None):
+        """This shard's share of the DPO loss (objectives/dpo.py) over the global batch's B/2 pairs,
+        plus the MoE losses of the policy's forward. Aux: (that share, MoE stats, the shares of the
+        logged terms, `dpo_*`). The reference's per-token losses come from the base (the adapters
+        left out) with LoRA, else from `reference`, the frozen starting model's parameters; they
+        take no gradient. Rows 2i and 2i + 1 of every shard are a pair (config checks the batch)."""
+        c, layout = self.config, self.layout
+        tokens, _, weights = data_lib.batch_parts(batch)
+        w = self._local_weights(weights)
+        run = lambda p, specs, h: transformer.token_losses(
+            p, tokens, c.model, layout, specs, self.unroll_layers, c.parallel.expert_dispatch, h
+        )
+        losses, moe_stats = run(params, self.specs, hook)
+        if self.lora:
+            ref_losses, _ = run(adapters.strip(params), adapters.strip(self.specs), None)
+        else:
+            ref_losses, _ = run(reference, self.specs, None)
+        ref_losses = jax.lax.stop_gradient(ref_losses)
+        terms = dpo.pair_terms(dpo.sequence_logps(losses, w), dpo.sequence_logps(ref_losses, w), c.train.dpo.beta)
+        pairs = c.train.batch_size // 2
+        share = jnp.sum(terms["loss"]) / pairs
+        logged = {f"dpo_{k}": jnp.sum(terms[k]) / pairs for k in dpo.TERMS}
+        return share + _moe_term(moe_stats, self.tokens_per_step), (share, moe_stats, logged)
+
+    def _local_loss(self, params, batch, reference=None):
+        """This shard's share of the global mean token cross-entropy (evaluation); of the DPO loss
+        for config.train.objective='dpo'."""
+        return self._local_eval(params, batch, reference)["loss"]
+
+    def _local_eval(self, params, batch, reference=None):
+        """This shard's shares of the evaluation's terms: {"loss"} (the cross-entropy, or the DPO
+        loss with its `dpo_*` terms)."""
+        if self.config.train.objective == "dpo":
+            _, (share, _, logged) = self._local_dpo(params, batch, reference)
+            return {"loss": share, **logged}
+        if self.pipeline_eval is not None:
+            return {"loss": self._pipeline(params, batch, self.pipeline_eval)[2][0]}
+        return {"loss": self._local_objective(params, batch)[1][0]}
+
+    def _metrics(self, ce, moe_stats, norm=None, extra=None):
         """Step metrics from this shard's cross-entropy share and MoE stats: the loss terms summed
         over the batch axes (one all-reduce), the routing statistics (already global) as they are;
-        for a weighted batch, `loss_tokens`, its global weight sum `norm`."""
+        for a weighted batch, `loss_tokens`, its global weight sum `norm`; `extra`: more shares of
+        global means (DPO's terms), summed alike."""
         axes, per_token = self.layout.batch_axes, self.tokens_per_step
-        terms = {"loss": ce}
+        terms = {"loss": ce, **(extra or {})}
         if moe_stats:
             terms.update(moe_aux_loss=moe_stats["aux_loss"] / per_token, moe_z_loss=moe_stats["z_loss"] / per_token)
         metrics = collectives.sum_over_batch_shards(terms, axes)
@@ -285,44 +382,61 @@ class Program(Placement):
         ce, grads, moe_stats = pipeline.run(fns, params, split(inputs), split(targets), program, extras or None)
         return ce + _moe_term(moe_stats, norm), grads, (ce, moe_stats)
 
-    def _local_grads(self, params, batch):
-        """(objective, reduced gradients, metrics) of this shard's batch."""
+    def _local_grads(self, params, batch, key=None, reference=None):
+        """(objective, reduced gradients, metrics) of this shard's batch. Only the trainable part
+        of `params` is differentiated (`trainable_of`: with LoRA the adapters; the frozen base gets
+        no gradient and no reduction). `key`: the step's PRNG key (LoRA dropout); `reference`: the
+        reference model's parameters (DPO without adapters)."""
         mb = self.config.train.microbatches
         norm = self.weight_norm(batch)  # of the whole batch, before it is cut into micro-batches
-        objective = lambda p, b: self._local_objective(p, b, norm=norm)
+        dpo_objective = self.config.train.objective == "dpo"
+
+        def objective(trainable, b, micro=0):
+            p = self.with_trainable(params, trainable)
+            hook = self._dropout_hook(None if key is None else jax.random.fold_in(key, micro))
+            if dpo_objective:
+                return self._local_dpo(p, b, reference, hook)
+            loss, (ce, moe_stats) = self._local_objective(p, b, hook, norm=norm)
+            return loss, (ce, moe_stats, {})
+
         value_and_grad = jax.value_and_grad(objective, has_aux=True)
+        trainable = self.trainable_of(params)
         if self.pipeline_train is not None:
             loss, grads, (ce, moe_stats) = self._pipeline(params, batch, self.pipeline_train)
+            extra = {}
         elif mb > 1:  # gradient accumulation over micro-batches (MoE balance per micro-batch)
 
-            def accumulate(total, micro):
-                return jax.tree.map(jnp.add, total, value_and_grad(params, micro)), None
+            def accumulate(total, xs):
+                micro, i = xs
+                return jax.tree.map(jnp.add, total, value_and_grad(trainable, micro, i)), None
 
             batches = jax.tree.map(lambda a: a.reshape(mb, a.shape[0] // mb, *a.shape[1:]), batch)
             first = jax.tree.map(lambda a: a[0], batches)
-            zero_total = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, params, first))
-            ((loss, (ce, moe_stats)), grads), _ = jax.lax.scan(accumulate, zero_total, batches)
+            zero_total = jax.tree.map(jnp.zeros_like, jax.eval_shape(value_and_grad, trainable, first))
+            ((loss, (ce, moe_stats, extra)), grads), _ = jax.lax.scan(accumulate, zero_total, (batches, jnp.arange(mb)))
         else:
-            (loss, (ce, moe_stats)), grads = value_and_grad(params, batch)
+            (loss, (ce, moe_stats, extra)), grads = value_and_grad(trainable, batch)
         # weights read from host memory get their gradients there (the transpose of the move in)
         grads = offload.fetch(grads, self.layout.params_on_host)
         grads = jax.tree.map(zero.reduce_gradient, grads, self.plans)
-        metrics = self._metrics(ce, moe_stats, norm)
+        # DPO's logged terms ride along only when there are some (a subclass's _metrics, e.g. GRPO's, takes three)
+        metrics = self._metrics(ce, moe_stats, norm, extra) if extra else self._metrics(ce, moe_stats, norm)
         objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
         return objective, grads, metrics
 
-    def _local_step(self, state: TrainState, batch):
+    def _local_step(self, state: TrainState, batch, reference=None):
         if self.config.train.optimizer == "zo":  # two forwards, no gradients (jaxsys/optim/zo.py)
             return zo.local_step(self, state, batch)
         if outer_lib.enabled(self.config.train):  # an island's inner step (DiLoCo: jaxsys/optim/outer.py)
             return outer_lib.local_step(self, state, batch)
-        _, grads, metrics = self._local_grads(state.params, batch)
+        key = jax.random.fold_in(jax.random.key(self.config.seed), state.step) if self.lora else None
+        _, grads, metrics = self._local_grads(state.params, batch, key, reference)
         if self.config.train.zero_stage == 1:  # all-reduced: keep this rank's slice
             grads = jax.tree.map(zero.take_slice, grads, self.plans)
         grad_norm = zero.global_norm(grads, self.grad_pspecs, self.layout)
         clip = self.config.train.grad_clip
         scale = jnp.minimum(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None
-        param_slices = jax.tree.map(zero.take_slice, state.params, self.plans)
+        param_slices = jax.tree.map(zero.take_slice, self.trainable_of(state.params), self.plans)
         if self.offload.optimizer or self.offload.params:
             # the clipping scale goes with the gradients: the streamed update applies it per layer
             device = jax.tree.map(lambda _: offload.DEVICE, state.params)
@@ -343,7 +457,8 @@ class Program(Placement):
             if scale is not None:
                 grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
-            params = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
+            trained = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
+            params = self.with_trainable(state.params, trained)  # the frozen part passes through
         metrics.update(grad_norm=grad_norm, lr=schedule(self.config.train)(state.step))
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -351,10 +466,21 @@ class Program(Placement):
         return per_shard(f, self.mesh, in_specs, out_specs)
 
     # -- jitted global functions
+    def _with_reference(self, specs: tuple) -> tuple:
+        """In-specs of a step function, with the reference parameters' when `needs_reference`."""
+        return specs + ((self.param_pspecs,) if self.needs_reference else ())
+
+    def abstract_args(self) -> tuple:
+        """Abstract (state, batch[, reference parameters]) of the train step, for lowering."""
+        state = self.abstract_state()
+        return (state, self.abstract_batch()) + ((state.params,) if self.needs_reference else ())
+
     def train_step_fn(self):
         """(state, batch) -> (state, metrics); the state is donated. The batch: tokens[B, T+1], or a
-        `data.Batch` of a corpus of documents (`batch_specs`)."""
-        step = self._shard_map(self._local_step, (self.state_pspecs, self.batch_specs), (self.state_pspecs, P()))
+        `data.Batch` of a corpus of documents (`batch_specs`). DPO without adapters
+        (`needs_reference`): (state, batch, reference parameters) -> (state, metrics)."""
+        in_specs = self._with_reference((self.state_pspecs, self.batch_specs))
+        step = self._shard_map(self._local_step, in_specs, (self.state_pspecs, P()))
         if self.state_kinds is None:
             return jax.jit(step, donate_argnums=0)
         return jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, NamedSharding(self.mesh, P())))
@@ -383,10 +509,20 @@ class Program(Placement):
         )
 
     def eval_loss_fn(self):
-        def local(params, batch):
-            return collectives.sum_over_batch_shards(self._local_loss(params, batch), self.layout.batch_axes)
+        """(params, batch[, reference parameters: `needs_reference`]) -> the batch's mean loss."""
 
-        return jax.jit(self._shard_map(local, (self.param_pspecs, self.batch_specs), P()))
+        def local(params, batch, reference=None):
+            return collectives.sum_over_batch_shards(self._local_loss(params, batch, reference), self.layout.batch_axes)
+
+        return jax.jit(self._shard_map(local, self._with_reference((self.param_pspecs, self.batch_specs)), P()))
+
+    def eval_metrics_fn(self):
+        """(params, batch[, reference]) -> {"loss", and for DPO its `dpo_*` terms}: the batch's means."""
+
+        def local(params, batch, reference=None):
+            return collectives.sum_over_batch_shards(self._local_eval(params, batch, reference), self.layout.batch_axes)
+
+        return jax.jit(self._shard_map(local, self._with_reference((self.param_pspecs, self.batch_specs)), P()))
 
     def loss_and_grads_fn(self, metrics: bool = False):
         """(params, tokens) -> (objective, reduced gradients before clipping[, step metrics]), for
@@ -396,13 +532,10 @@ class Program(Placement):
                 "config.train.optimizer='zo' computes no gradients (two forwards per step, "
                 "jaxsys/optim/zo.py): use train_step_fn, or zo.projected_gradient for the estimate"
             )
-        out_pspecs = self.param_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
-        outputs = self._local_grads if metrics else (lambda p, t: self._local_grads(p, t)[:2])
-        return jax.jit(
-            self._shard_map(
-                outputs, (self.param_pspecs, self.batch_specs), (P(), out_pspecs, P())[: 3 if metrics else 2]
-            )
-        )
+        out_pspecs = self.trainable_pspecs if self.config.train.zero_stage < 2 else self.grad_pspecs
+        outputs = lambda p, t, *ref: self._local_grads(p, t, None, *ref)[: 3 if metrics else 2]
+        in_specs = self._with_reference((self.param_pspecs, self.batch_specs))
+        return jax.jit(self._shard_map(outputs, in_specs, (P(), out_pspecs, P())[: 3 if metrics else 2]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,18 +640,22 @@ def build(config, mesh, unroll_layers: bool = False) -> Program:
         specs = flax_model.validate_model(config)
     else:
         specs = transformer.param_specs(config.model, chunks=t.virtual_stages if p > 1 else 1)
+        specs = adapters.wrap_specs(specs, config)  # LoRA nodes on the adapted projections (config.lora)
     is_spec = params_lib.is_spec
     param_pspecs = jax.tree.map(lambda s: layout.param_spec(s.axes), specs, is_leaf=is_spec)
-    plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, config.train.zero_stage), specs, is_leaf=is_spec)
-    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, config.train.zero_stage), specs, is_leaf=is_spec)
+    # the update, its gradients and the optimizer state cover the trainable leaves: with LoRA, the adapters
+    trained = adapters.trainable(specs) if adapters.enabled(config) else specs
+    stage = config.train.zero_stage
+    plans = jax.tree.map(lambda s: zero.plan(layout, s.axes, s.shape, stage, s.partial), trained, is_leaf=is_spec)
+    grad_pspecs = jax.tree.map(lambda s: zero.grad_spec(layout, s, stage), trained, is_leaf=is_spec)
     abstract = params_lib.abstract_params(specs, jnp.dtype(config.model.param_dtype))
-    if config.model.quant != "none":  # a quantized checkpoint's codes are not trained: no state
-        optimizer, opt_pspecs = optax.identity(), optax.EmptyState()
+    if config.model.quant != "none" and not adapters.enabled(config):  # a quantized checkpoint's codes
+        optimizer, opt_pspecs = optax.identity(), optax.EmptyState()  # are not trained: no state
     else:
-        optimizer = optimizer_lib.make_optimizer(config.train, specs, grad_pspecs, layout.mesh_sizes)
-        opt_pspecs = optimizer_lib.state_pspecs(config.train, specs, grad_pspecs, optimizer, layout.mesh_sizes)
+        optimizer = optimizer_lib.make_optimizer(config.train, trained, grad_pspecs, layout.mesh_sizes)
+        opt_pspecs = optimizer_lib.state_pspecs(config.train, trained, grad_pspecs, optimizer, layout.mesh_sizes)
     if outer_lib.enabled(t):  # islands on `data`: no reduction over it; their states stacked over it
-        outer_lib.check(config, layout.mesh_sizes)
+        outer_lib.check(config, layout.mesh_sizes)  # (LoRA and DPO are refused with islands: config)
         plans = outer_lib.island_plans(plans)
         optimizer = outer_lib.make(optimizer, t, layout.mesh_sizes["data"])
         opt_pspecs = outer_lib.state_pspecs(opt_pspecs, param_pspecs, t)

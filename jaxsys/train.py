@@ -33,10 +33,11 @@ from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
-from jaxsys.config import ConfigError, load_config, parse_with_overrides, validate
+from jaxsys.config import ConfigError, load_config, parse_with_overrides, profile_range, validate
 from jaxsys.data import loader as loader_lib
 from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
+from jaxsys.models import adapters
 from jaxsys.models import params as params_lib
 from jaxsys.optim import outer as outer_lib
 from jaxsys.parallel import expert_placement
@@ -143,21 +144,31 @@ class ThroughputWindow:
         return steps, elapsed
 
 
-def evaluate(program: Program, eval_fn, params, corpus) -> float:
+def evaluate(program: Program, eval_fn, params, corpus, reference=None) -> float:
     """The mean held-out loss over `train.eval_batches` batches: of their per-batch means for a
     token stream (every batch has B T tokens), of their weighted tokens for a corpus of documents
-    (each batch's mean weighted by its weight sum)."""
+    (each batch's mean weighted by its weight sum), of the pairs for DPO. `reference`: the
+    reference model's parameters (`Program.needs_reference`)."""
+    return evaluate_terms(program, eval_fn, params, corpus, reference)["loss"]
+
+
+def evaluate_terms(program: Program, eval_fn, params, corpus, reference=None) -> dict:
+    """`evaluate` of every term `eval_fn` returns (a scalar: {"loss"}; `Program.eval_metrics_fn`'s
+    dict: each of its terms), averaged over the batches alike."""
     c = program.config
     batches = [
         data_lib.global_batch(corpus, program.batch_sharding, c.seed, i, c.train.batch_size, c.data.seq_len, "eval")
         for i in range(c.train.eval_batches)
     ]
-    losses = [_scalar(eval_fn(params, b)) for b in batches]
-    if not isinstance(batches[0], data_lib.Batch):
-        return float(np.mean(losses))
+    extra = (reference,) if reference is not None else ()
+    outs = [eval_fn(params, b, *extra) for b in batches]
+    terms = [{k: _scalar(v) for k, v in (o.items() if isinstance(o, dict) else {"loss": o}.items())} for o in outs]
+    keys = list(terms[0])
+    if not isinstance(batches[0], data_lib.Batch) or c.train.objective == "dpo":  # B T tokens; B/2 pairs
+        return {k: float(np.mean([t[k] for t in terms])) for k in keys}
     weight_sum = jax.jit(lambda w: jnp.sum(w), out_shardings=NamedSharding(program.mesh, P()))
     weights = [_scalar(weight_sum(b.weights)) for b in batches]
-    return float(np.dot(losses, weights) / max(sum(weights), 1.0))
+    return {k: float(np.dot([t[k] for t in terms], weights) / max(sum(weights), 1.0)) for k in keys}
 
 
 def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: str | None = None) -> dict:
@@ -168,6 +179,15 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: 
     `text` through that tokenizer. Returns {"eval_loss", "perplexity", "tokens", "step", "quant",
     "param_bytes", "mesh", ...}."""
     config, step = checkpoint_lib.saved_config(workdir, overrides, step)
+    if config.train.objective == "dpo" and text is None:
+        raise ConfigError(
+            f"{workdir} was trained with config.train.objective='dpo' on preference pairs: its held-out DPO loss, "
+            "reward margin and accuracy are in its metrics.jsonl (eval_loss, eval_dpo_*); evaluate its language "
+            "model on a text file with --text FILE"
+        )
+    if config.train.objective == "dpo":  # --text: the language model's loss on the file
+        overrides = (*overrides, "--config.train.objective=lm", "--config.data.format=text")
+        config, step = checkpoint_lib.saved_config(workdir, overrides, step)
     if text is not None:
         tok = tokenizer_lib.for_config(config, workdir)
         corpus = tokenizer_lib.text_corpus(tok, text, config.data.seq_len, workdir)
@@ -218,11 +238,19 @@ def main(config, workdir: str) -> list[dict]:
 
         return rl_loop.main(config, workdir)
     validate(config)
-    if config.model.quant != "none":
+    if config.model.quant != "none" and not adapters.enabled(config):
         raise ConfigError(
             f"config.model.quant={config.model.quant!r} describes a quantized checkpoint, which is for "
             "inference: evaluate it with `python -m jaxsys.evaluate --workdir W`; to train with int8 "
-            "matmuls use config.model.quant_train='int8' with quant='none'"
+            "matmuls use config.model.quant_train='int8' with quant='none'; to train adapters over the "
+            "frozen quantized weights (QLoRA) set config.lora.rank > 0 (docs/finetune.md)"
+        )
+    if config.model.quant != "none" and not config.checkpoint.init_from:
+        raise ConfigError(
+            f"config.model.quant={config.model.quant!r} with config.lora.rank={config.lora.rank} (QLoRA) trains "
+            "adapters over a quantized base, which a fresh initialisation does not give: quantize a trained or "
+            "converted model (`python -m jaxsys.quantize --workdir BASE --out BASE_Q --format "
+            f"{config.model.quant}`) and pass config.checkpoint.init_from=BASE_Q (docs/finetune.md)"
         )
     corpus = loader_lib.load_corpus(config.data)
     if corpus.vocab_needed > config.model.vocab_size:
@@ -306,24 +334,26 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
     elif config.checkpoint.init_from:  # a new run from another run's parameters (fine-tuning)
-        params, from_step = checkpoint_lib.restore_params(config.checkpoint.init_from, program.abstract_state().params)
+        params, from_step, fresh = _initial_params(program, config.checkpoint.init_from)
         state = program.fresh_state(params)
         if lead:
             print(
                 f"jaxsys: parameters from step {from_step} of {config.checkpoint.init_from} "
-                "(config.checkpoint.init_from); starting at step 0 with a fresh optimizer state",
+                f"(config.checkpoint.init_from){fresh}; starting at step 0 with a fresh optimizer state",
                 flush=True,
             )
     else:
         with gp.timed("init"):
             state = program.init()
+    reference = _reference_params(program, config) if program.needs_reference else None
+    step_args = () if reference is None else (reference,)
     start_step = int(resume_step or 0)
     loader = _loader(config, program, corpus, checkpointer, resume_step)
     start = time.perf_counter()
     with gp.timed("compile"):
-        step_fn = program.train_step_fn().lower(state, program.abstract_batch()).compile()
+        step_fn = program.train_step_fn().lower(state, program.abstract_batch(), *step_args).compile()
         syncs = outer_lib.Syncs(program, state) if outer_lib.enabled(t) else None  # DiLoCo's outer steps
-    eval_fn = program.eval_loss_fn() if corpus.has_eval else None
+    eval_fn = program.eval_metrics_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
     if lead:
         axes = " ".join(f"{a}={s}" for a, s in program.layout.mesh_sizes.items() if s > 1) or "1 device"
@@ -348,7 +378,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     def eval_due(step: int) -> bool:
         return eval_fn is not None and (step == t.steps or bool(t.eval_every and step % t.eval_every == 0))
 
-    def finish(step: int, metrics, eval_loss) -> None:
+    def finish(step: int, metrics, evaluated) -> None:
         """Read step `step`'s metrics (blocking), check them, log when due."""
         waited = not metrics["loss"].is_ready()
         loss = _scalar(metrics["loss"])
@@ -360,21 +390,25 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
         if routing is not None:
             load = _array(metrics["moe_load"])
             routing.add(load, _array(metrics["moe_pairs"]))
-        if step % t.log_every == 0 or step == 1 or step == t.steps or eval_loss is not None:
+        if step % t.log_every == 0 or step == 1 or step == t.steps or evaluated is not None:
             steps, elapsed = window.close()
             tokens_per_s = steps * tokens_per_step / elapsed
+            flop_per_s = flops_per_step * steps / elapsed  # the model FLOPs of the steps (analysis/flops.py)
             record = {
                 "step": step,
                 "loss": loss,
                 "tokens_per_s": tokens_per_s,
-                "mfu": flops_per_step * steps / elapsed / peak if peak else 0.0,
+                "tflop_per_s": flop_per_s / 1e12,
+                "mfu": flop_per_s / peak if peak else 0.0,
                 "grad_norm": _scalar(metrics["grad_norm"]),
                 "lr": _scalar(metrics["lr"]),
             }
             if "loss_tokens" in metrics:  # a weighted batch: the targets the loss averaged
                 record["loss_tokens"] = int(_scalar(metrics["loss_tokens"]))
-            if eval_loss is not None:
-                record["eval_loss"] = eval_loss
+            record.update({k: _scalar(v) for k, v in metrics.items() if k.startswith("dpo_")})
+            if evaluated is not None:
+                record["eval_loss"] = evaluated["loss"]
+                record.update({f"eval_{k}": v for k, v in evaluated.items() if k != "loss"})
             record["goodput"] = gp.record()["goodput"]
             if routing is not None:
                 record.update(
@@ -389,25 +423,29 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
             shown["tok_s"] = f"{tokens_per_s:,.0f}"
         bar.set_postfix(shown)
 
+    profiler = _Profiler(config, workdir, start_step, window)
     gp.loop_started()
     try:
         for step in range(start_step, t.steps):
             with gp.timed("data_wait"):
                 tokens = next(loader)  # built ahead on the loader's thread while the last step ran
+            profiler.before(step + 1, state)
             window.dispatched(step + 1)
-            state, metrics = step_fn(state, tokens)
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
+                state, metrics = step_fn(state, tokens, *step_args)
             if syncs is not None:
                 state = syncs(state, step + 1)
             if pending is not None:  # read the previous step while this one runs
                 finish(*pending)
-            eval_loss = None
+            profiler.after(step + 1, state)
+            evaluated = None
             if eval_due(step + 1):  # after `finish`, so that this step's window holds its compute
                 jax.block_until_ready(state)  # the step's own compute is training time
                 paused = time.perf_counter()
-                eval_loss = evaluate(program, eval_fn, state.params, corpus)
+                evaluated = evaluate_terms(program, eval_fn, state.params, corpus, reference)
                 window.pause(time.perf_counter() - paused)  # not training time
                 gp.add("eval", time.perf_counter() - paused)
-            pending = (step + 1, metrics, eval_loss)
+            pending = (step + 1, metrics, evaluated)
             if rebalance_every and (step + 1) % rebalance_every == 0 and step + 1 < t.steps:
                 finish(*pending)  # the window holds this step
                 pending = None
@@ -433,9 +471,74 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
         if routing is not None and lead:
             routing.save(os.path.join(workdir, "moe_routing.npz"))
     finally:
+        profiler.close()
         bar.close()
         writer.close()
     return records
+
+
+class _Profiler:
+    """config.train.profile_steps "a:b": a JAX profiler trace of steps a..b (1-based) into
+    {workdir}/tb/plugins/profile/<run>/ (TensorBoard's profile plugin reads it; beside it a Perfetto
+    trace, perfetto_trace.json.gz). The trace starts once step a - 1 has finished and stops once
+    step b has, so it holds those steps only (each step dispatch is a StepTraceAnnotation "train"
+    with its step_num); both waits are pauses of the throughput window."""
+
+    def __init__(self, config, workdir: str, start_step: int, window: ThroughputWindow):
+        steps = profile_range(config)
+        self.first, self.last = (max(steps[0], start_step + 1), steps[1]) if steps else (0, -1)
+        self.dir = os.path.join(workdir, "tb")
+        self.window, self.active = window, False
+        self.enabled = jax.process_index() == 0
+
+    def before(self, step: int, state) -> None:
+        if step == self.first and step <= self.last and self.enabled:
+            paused = time.perf_counter()
+            jax.block_until_ready(state)  # the steps before stay out of the trace
+            jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            self.active = True
+            self.window.pause(time.perf_counter() - paused)
+
+    def after(self, step: int, state) -> None:
+        if self.active and step == self.last:
+            paused = time.perf_counter()
+            jax.block_until_ready(state)
+            self.close()
+            self.window.pause(time.perf_counter() - paused)
+
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
+
+
+def _initial_params(program: Program, init_from: str):
+    """(parameters, step, note) for config.checkpoint.init_from: read into the program's shardings.
+    With LoRA and a source without adapters (a base model, float or quantized) the base is read and
+    fresh adapters attached (the run starts as the base model); a source with adapters is read whole."""
+    abstract = program.abstract_state().params
+    if program.lora and not _has_adapters(init_from):
+        base, step = checkpoint_lib.restore_params(init_from, adapters.strip(abstract))
+        return program.with_fresh_adapters(base), step, " as the frozen base, with fresh LoRA adapters"
+    params, step = checkpoint_lib.restore_params(init_from, abstract)
+    return params, step, ""
+
+
+def _has_adapters(path: str) -> bool:
+    try:
+        source, _ = checkpoint_lib.saved_config(checkpoint_lib.workdir_of(path))
+    except checkpoint_lib.CheckpointError:
+        return False  # restore_params names the problem
+    return adapters.enabled(source)
+
+
+def _reference_params(program: Program, config):
+    """DPO's reference model without adapters: a frozen copy of the starting parameters, those of
+    config.checkpoint.init_from or of the seed's initialisation, read again (also on resume) rather
+    than saved with the run's checkpoints."""
+    if config.checkpoint.init_from:
+        return checkpoint_lib.restore_params(config.checkpoint.init_from, program.abstract_state().params)[0]
+    return program.init().params
 
 
 def _logged_after(workdir: str, step: int) -> int:

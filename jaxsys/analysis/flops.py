@@ -38,9 +38,29 @@ def _attention_width(m) -> int:
     return 0 if m.kind == "flax" else m.n_layers * m.n_heads * m.head_dim
 
 
+def adapter_params(config) -> int:
+    """The LoRA factors' parameters (config.lora; 0 without adapters): r (K' + N') per adapted
+    projection and layer."""
+    from jaxsys.models import adapters, params, transformer
+
+    if not adapters.enabled(config):
+        return 0
+    return params.count(adapters.trainable(adapters.wrap_specs(transformer.param_specs(config.model), config)))
+
+
 def step_flops_per_token(config) -> float:
     """Model FLOPs per token of one training step of `config`'s optimizer: forward and backward
-    (`train_flops_per_token`), or two forwards for zeroth-order training (train.optimizer='zo')."""
+    (`train_flops_per_token`), or two forwards for zeroth-order training (train.optimizer='zo').
+    With LoRA the frozen weights' gradients are not computed: 4 N for them (forward 2N, the
+    activations' gradients 2N) and 6 per adapter parameter. DPO adds the reference model's forward
+    (2 N + attention's 4 L T N H; with LoRA the base alone)."""
+    m, t = config.model, config.data.seq_len
     if config.train.optimizer == "zo":
-        return 2.0 * forward_flops_per_token(config.model, config.data.seq_len)
-    return train_flops_per_token(config.model, config.data.seq_len)
+        return 2.0 * forward_flops_per_token(m, t)
+    if config.lora.rank > 0:
+        flops = 4.0 * matmul_params(m) + 6.0 * adapter_params(config) + 12.0 * _attention_width(m) * t
+    else:
+        flops = train_flops_per_token(m, t)
+    if config.train.objective == "dpo":
+        flops += forward_flops_per_token(m, t)
+    return flops

@@ -156,11 +156,12 @@ def memory_report(program, compiled) -> dict:
     params_b, opt_b = _shard_bytes(state.params), _shard_bytes(state.opt_state)
     itemsize = np.dtype(config.model.param_dtype).itemsize
     # gradients after the reduction: full at stages 0-1, the 1/N slice after ZeRO-2's reduce-scatter
-    grad_pspecs = program.grad_pspecs if config.train.zero_stage == 2 else program.param_pspecs
+    # (of the trainable leaves: with LoRA the adapters alone)
+    grad_pspecs = program.grad_pspecs if config.train.zero_stage == 2 else program.trainable_pspecs
     grads_b = sum(
         math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(s.shape)) * itemsize
         for s, spec in zip(
-            jax.tree.leaves(program.specs, is_leaf=params_lib.is_spec),
+            jax.tree.leaves(program.trainable_specs, is_leaf=params_lib.is_spec),
             jax.tree.leaves(grad_pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
         )
     )
@@ -192,7 +193,10 @@ def lower_unrolled(program):
     from jaxsys import program as program_lib
 
     unrolled = program_lib.build(program.config, program.mesh, unroll_layers=True)
-    return unrolled.train_step_fn().lower(program.abstract_state(), _batch(unrolled))
+    args = (program.abstract_state(), _batch(unrolled)) + (
+        (program.abstract_state().params,) if program.needs_reference else ()
+    )
+    return unrolled.train_step_fn().lower(*args)
 
 
 def analyze_inference(config, hw: hardware_lib.Hardware, devices=None, flops: bool = True) -> dict:

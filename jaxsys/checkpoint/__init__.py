@@ -201,7 +201,7 @@ def saved_config(workdir: str, overrides=(), step: int | None = None):
 # ----------------------------------------------------------------------------- init_from
 
 
-def _workdir_of(path: str) -> str:
+def workdir_of(path: str) -> str:
     """The workdir of `path`: a workdir (holding checkpoints/) or its checkpoints/ directory."""
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.basename(path) == "checkpoints" and not os.path.isdir(os.path.join(path, "checkpoints")):
@@ -217,7 +217,7 @@ def restore_params(path: str, abstract_params, what: str | None = None, step: in
     step counter and optimizer state, whatever optimizer made them, are not. Returns
     (params, step). Raises CheckpointError naming `path` and the problem."""
     what = what or f"config.checkpoint.init_from={path!r}"
-    workdir = _workdir_of(path)
+    workdir = workdir_of(path)
     if not os.path.isdir(workdir):
         problem = "is a file, not a directory" if os.path.exists(workdir) else "does not exist"
         raise CheckpointError(
@@ -229,7 +229,12 @@ def restore_params(path: str, abstract_params, what: str | None = None, step: in
     manager = ocp.CheckpointManager(
         directory(workdir),
         options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        # "data" (the loader's position) registered though not read: Orbax warns of unknown items
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+        },
     )
     try:
         if step is None:
@@ -276,17 +281,32 @@ ONE_DEVICE = (
 )
 
 
-def load(workdir: str, overrides=(), step: int | None = None, devices=None, check=None):
+ADAPTER_MODES = ("auto", "merge", "apply")
+
+
+def load(workdir: str, overrides=(), step: int | None = None, devices=None, check=None, adapters: str = "auto"):
     """(program, params, config) of `workdir`'s checkpoint at `step` (default: latest): the config
     it was saved with, `--config.k=v` overrides applied (how to run it: the mesh, kernels), the
     program built on the mesh that config names (over `devices`, default the first devices it
     needs), and the parameters read into the program's shardings (the optimizer state is not read).
     A missing or bad workdir, step or override raises CheckpointError or ConfigError before any
     program is built or array read, and so does `check(config)` (the caller's own requirements,
-    e.g. serving's `runner.check_servable`)."""
+    e.g. serving's `runner.check_servable`).
+
+    A LoRA workdir (config.lora.rank > 0; docs/finetune.md): `adapters="merge"` returns the model
+    with the adapters merged into its weights (W + scale A B, in config.model.param_dtype; a
+    quantized base dequantized first), as a program and config without adapters (lora.rank 0,
+    model.quant none); "apply" keeps them (the forward adds them at every projection); "auto"
+    merges over a float base (the same model, one matmul per projection) and applies them over a
+    quantized one (QLoRA: the base keeps its 4- or 8-bit weights)."""
+    import copy
+
     from jaxsys import program as program_lib
     from jaxsys.mesh import cpu_unless_accelerator, make_mesh, mesh_for
+    from jaxsys.models import adapters as adapters_lib
 
+    if adapters not in ADAPTER_MODES:
+        raise ValueError(f"load(adapters={adapters!r}): choose one of {ADAPTER_MODES}")
     cpu_unless_accelerator()
     config, step = saved_config(workdir, overrides, step)
     compile_cache.use(config.compile_cache)  # generate / serve / evaluate load compiled programs too
@@ -295,7 +315,16 @@ def load(workdir: str, overrides=(), step: int | None = None, devices=None, chec
     mesh = mesh_for(config) if devices is None else make_mesh(config, devices)
     program = program_lib.build(config, mesh)
     params, _ = restore_params(workdir, program.abstract_state().params, f"--workdir {workdir}", step)
-    return program, params, config
+    merge = adapters == "merge" or (adapters == "auto" and config.model.quant == "none")
+    if not (adapters_lib.enabled(config) and merge):
+        return program, params, config
+    merged_config = copy.deepcopy(config)
+    merged_config.lora.rank = 0
+    merged_config.model.quant = "none"
+    merged = program_lib.build(merged_config, mesh)
+    dtype = jax.numpy.dtype(config.model.param_dtype)
+    merge_fn = jax.jit(lambda p: adapters_lib.merged(p, config.model, dtype), out_shardings=merged.param_shardings)
+    return merged, merge_fn(params), merged_config
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -311,7 +340,11 @@ def inspect(workdir_or_dir: str) -> dict:
     manager = ocp.CheckpointManager(
         os.path.abspath(path),
         options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+        },
     )
     steps = list(manager.all_steps())
     if not steps:

@@ -294,7 +294,8 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
 def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None) -> dict:
     """Write out_dir/config.json and model.safetensors from workdir's checkpoint (default: latest),
     read onto one device (`load`; the arrays are written from the host anyway), and the workdir's
-    Hugging Face tokenizer files when it has them. Returns the HF config dict."""
+    Hugging Face tokenizer files when it has them. A LoRA workdir's adapters are merged into the
+    weights (`load(..., adapters="merge")`). Returns the HF config dict."""
     from safetensors.numpy import save_file
 
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
@@ -303,7 +304,8 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
         )
     config, step = saved_config(workdir, (), step)
     _require_dense_llama(config.model)  # before any array is read
-    _, params, config = load(workdir, ONE_DEVICE, step, jax.devices()[:1])
+    # adapters (config.lora) merged into the weights: W + scale A B, a quantized base dequantized
+    _, params, config = load(workdir, ONE_DEVICE, step, jax.devices()[:1], adapters="merge")
     m = config.model
     dtype = dtype or m.param_dtype
     params = jax.tree.map(np.asarray, params)

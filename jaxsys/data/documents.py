@@ -16,7 +16,9 @@ Sources (`config.data.source`, `config.data.path`):
   imported: the `datasets` library is not needed to read what it saved.
 
 The document is `record[config.data.text_field]` (format text) or the chat
-`record[config.data.messages_field]` (format chat, a list of {"role", "content"}). A record
+`record[config.data.messages_field]` (format chat, a list of {"role", "content"}). A preference
+record (format preference, DPO: docs/finetune.md) has the fields `prompt`, `chosen` and `rejected`
+and gives two documents, the prompt followed by each completion (`encode_preference`). A record
 without the field is a DataError naming the file, the record and the fields it has.
 
 A text document is `tok.encode(text)` followed by the tokenizer's first end-of-sequence id (when it
@@ -195,21 +197,28 @@ def _arrow_table(f: str):
         raise DataError(f"{f} is not an Arrow file pyarrow reads: {e}") from None
 
 
-def read_unit(unit: Unit, field: str) -> Iterator[tuple[Any, str]]:
-    """(value of `field`, where) of every record of `unit`; `where` names the file and record."""
+def read_unit(unit: Unit, field: str | tuple[str, ...]) -> Iterator[tuple[Any, str]]:
+    """(value of `field`, where) of every record of `unit`; `where` names the file and record. A
+    tuple of fields gives each record's {field: value} dict of them."""
+    fields = field if isinstance(field, tuple) else (field,)
     if unit.kind == "jsonl":
-        yield from _read_jsonl(unit, field)
+        for record, where in _read_jsonl(unit, fields):
+            yield (record if isinstance(field, tuple) else record[field]), where
         return
     if unit.kind == "parquet":
         pf = _pq().ParquetFile(unit.file)
         names = pf.schema_arrow.names
-        _require_column(field, names, unit.file)
-        table = pf.read_row_group(unit.offset, columns=[field])
+        for f in fields:
+            _require_column(f, names, unit.file)
+        table = pf.read_row_group(unit.offset, columns=list(fields))
     else:
         table = _arrow_table(unit.file)
-        _require_column(field, table.column_names, unit.file)
-        table = table.select([field]).slice(unit.start, unit.stop - unit.start)
-    for i, value in enumerate(table.column(0).to_pylist()):
+        for f in fields:
+            _require_column(f, table.column_names, unit.file)
+        table = table.select(list(fields)).slice(unit.start, unit.stop - unit.start)
+    columns = [table.column(f).to_pylist() for f in fields]
+    for i, values in enumerate(zip(*columns)):
+        value = dict(zip(fields, values)) if isinstance(field, tuple) else values[0]
         yield value, f"{unit.file} row {unit.start + i}"
 
 
@@ -221,7 +230,7 @@ def _require_column(field: str, names: list[str], f: str) -> None:
         )
 
 
-def _read_jsonl(unit: Unit, field: str) -> Iterator[tuple[Any, str]]:
+def _read_jsonl(unit: Unit, fields: tuple[str, ...]) -> Iterator[tuple[dict, str]]:
     with open(unit.file, "rb") as fh:
         fh.seek(unit.offset)
         record = unit.start
@@ -236,20 +245,26 @@ def _read_jsonl(unit: Unit, field: str) -> Iterator[tuple[Any, str]]:
             except ValueError as e:
                 raise DataError(f"{where} is not valid JSON ({e}); fix or remove that line") from None
             if not isinstance(value, dict):
-                raise DataError(f"{where} is a JSON {type(value).__name__}, not an object with a {field!r} field")
-            if field not in value:
-                raise DataError(
-                    f"{where} has no field {field!r} (config.data.text_field / config.data.messages_field); its "
-                    f"fields are {sorted(value)}"
-                )
-            yield value[field], where
+                raise DataError(f"{where} is a JSON {type(value).__name__}, not an object with a {fields[0]!r} field")
+            for field in fields:
+                if field not in value:
+                    raise DataError(
+                        f"{where} has no field {field!r} (config.data.text_field / config.data.messages_field; a "
+                        f"preference record has {PREFERENCE_FIELDS}); its fields are {sorted(value)}"
+                    )
+            yield value, where
             record += 1
 
 
 # ----------------------------------------------------------------------------- encoding
 
 
-def field_of(data_cfg) -> str:
+PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")  # a preference record's fields (format preference)
+
+
+def field_of(data_cfg) -> str | tuple[str, ...]:
+    if data_cfg.format == "preference":
+        return PREFERENCE_FIELDS
     return data_cfg.messages_field if data_cfg.format == "chat" else data_cfg.text_field
 
 
@@ -312,3 +327,65 @@ def encode_record(tok, value: Any, data_cfg, where: str) -> tuple[np.ndarray, np
     if data_cfg.format == "chat":
         return encode_chat(tok, value, where)
     return encode_text(tok, value, where), None
+
+
+def record_documents(tok, value: Any, data_cfg, where: str) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """The documents of one record: its one document, or a preference record's two (chosen, rejected)."""
+    if data_cfg.format == "preference":
+        return list(encode_preference(tok, value, where))
+    return [encode_record(tok, value, data_cfg, where)]
+
+
+def _messages(value: Any, role: str | None, what: str, where: str) -> list[dict]:
+    """A prompt or completion as a list of messages: a string is one message of `role`."""
+    if isinstance(value, str) and role is not None:
+        return [{"role": role, "content": value}]
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(m, dict) for m in value):
+        raise DataError(f"{where}: the {what} field holds {type(value).__name__}, not a string or a list of messages")
+    bad = [m for m in value if "role" not in m or "content" not in m]
+    if bad:
+        raise DataError(f"{where}: a {what} message without 'role' or 'content': {bad[0]}")
+    return value
+
+
+def encode_preference(tok, record: dict, where: str) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """(ids, mask) of a preference record's chosen and rejected documents: the prompt followed by
+    the completion, the mask 1 on the completion's tokens (the DPO log-probability sums over them).
+
+    Plain text (prompt and completions strings, the tokenizer without a chat template): the ids of
+    prompt + completion and the tokenizer's EOS; the completion starts where these ids leave those
+    of the prompt alone. Chat (a prompt that is a list of messages, or a tokenizer with a chat
+    template): the prompt as messages (a string: one user message) and the completion as the
+    assistant's message(s) (a string: one assistant message), rendered by the chat template; the
+    completion starts where the conversation leaves the prompt rendered with the generation prompt
+    (as `assistant_mask` finds a turn)."""
+    from jaxsys.tokenizer import TokenizerError
+
+    prompt = record["prompt"]
+    chat = not isinstance(prompt, str) or bool(getattr(tok, "chat_template", None))
+    out = []
+    for name in ("chosen", "rejected"):
+        completion = record[name]
+        try:
+            if chat:
+                head = _messages(prompt, "user", "prompt", where)
+                whole = head + _messages(completion, "assistant", name, where)
+                ids = list(tok.encode_chat(whole, add_generation_prompt=False))
+                start = _common_prefix(ids, list(tok.encode_chat(head, add_generation_prompt=True)))
+            else:
+                if not isinstance(completion, str):
+                    raise DataError(
+                        f"{where}: the prompt is a string, the {name} completion a {type(completion).__name__}"
+                    )
+                ids = list(encode_text(tok, prompt + completion, where))
+                start = _common_prefix(ids, list(tok.encode(prompt)))
+        except TokenizerError as e:
+            raise DataError(f"{where}: {e}") from None
+        if start >= len(ids) or len(ids) < 2:
+            raise DataError(f"{where}: the {name} completion has no tokens after the prompt")
+        mask = np.zeros(len(ids), np.uint8)
+        mask[start:] = 1
+        out.append((np.asarray(ids, np.int64), mask))
+    return tuple(out)

@@ -64,6 +64,7 @@ class DocumentCorpus:
     packed: bool
     vocab_needed: int
     description: str
+    pairs: bool = False  # preference pairs: rows 2i and 2i + 1 (chosen, rejected) stay together
     _orders: dict = dataclasses.field(default_factory=dict, repr=False)  # seed -> Grain index sampler
 
     @property
@@ -84,18 +85,21 @@ class DocumentCorpus:
         if seed not in self._orders:
             import grain
 
-            rows = self.splits["train"].num_rows
+            rows = self.splits["train"].num_rows // (2 if self.pairs else 1)  # pairs are shuffled whole
             self._orders[seed] = grain.MapDataset.range(rows).shuffle(seed=seed).repeat(None)
         return self._orders[seed]
 
     def row_ids(self, seed: int, step: int, batch_size: int, split: str, rows) -> list[int]:
         """The plan rows of rows `rows` of step `step`'s global batch: train rows in a Grain shuffle
-        of the seed (reshuffled every epoch), eval rows in order (wrapping)."""
+        of the seed (reshuffled every epoch; preference pairs shuffled as pairs, the batch size
+        even), eval rows in order (wrapping)."""
         n = self.split(split).num_rows
         first = step * batch_size
         if split == "eval":
             return [(first + r) % n for r in rows]
         order = self._order(int(seed))
+        if self.pairs:  # element step * B / 2 + j is pair j of the step: rows 2j (chosen), 2j + 1 (rejected)
+            return [2 * int(order[(first + r) // 2]) + (first + r) % 2 for r in rows]
         return [int(order[first + r]) for r in rows]
 
     def rows(self, seed: int, step: int, batch_size: int, split: str, rows):
@@ -159,12 +163,22 @@ def split_documents(store, data_cfg) -> DocumentCorpus:
             f"the corpus ({store.directory}) has {n} documents: too few to hold out "
             f"config.data.eval_fraction={fraction} and train on the rest"
         )
-    chat = data_cfg.format == "chat"
+    pairs = bool(store.manifest.get("pairs"))
+    if pairs:  # hold out whole pairs: documents 2i and 2i + 1 are a record's chosen and rejected
+        n_eval = 2 * (max(1, int(n // 2 * fraction)) if fraction > 0 else 0)
+        if n - n_eval < 2:
+            raise DataError(
+                f"the corpus ({store.directory}) has {n // 2} preference pairs: too few to hold out "
+                f"config.data.eval_fraction={fraction} and train on the rest"
+            )
+    chat = data_cfg.format in ("chat", "preference")
     splits = {}
     for name, docs in (("train", np.arange(n - n_eval)), ("eval", np.arange(n - n_eval, n))):
         if name == "eval" and not n_eval:
             continue
         pieces = packing.pieces(store.doc_len[docs], seq_len, split_long=not chat, docs=docs)
+        if pairs and len(pieces) != docs.shape[0]:  # encode_preference refuses shorter documents
+            raise DataError(f"the {name} split of {store.directory} has a preference document of fewer than 2 tokens")
         if not len(pieces):
             raise DataError(
                 f"the {name} split of the corpus ({store.directory}) has no document of 2 tokens or more: "
@@ -174,13 +188,27 @@ def split_documents(store, data_cfg) -> DocumentCorpus:
         splits[name] = Split(pieces, plan)
     m = store.manifest
     train = splits["train"]
+    cut = f", {_cut_pairs(store, seq_len)} pairs with a completion cut away at T + 1 tokens" if pairs else ""
     desc = (
-        f"{data_cfg.source} {data_cfg.format} documents ({m['docs']} docs, {m['tokens']} tokens, "
+        f"{data_cfg.source} {data_cfg.format} documents ({m['docs']} docs{cut}, {m['tokens']} tokens, "
         f"{data_cfg.tokenizer} tokenizer, train {n - n_eval} / eval {n_eval}) "
         f"{'packed' if data_cfg.packing else 'one a row'}: {train.num_rows} train rows of {seq_len + 1}, "
         f"{train.padding(seq_len):.1%} padding; shards in {store.directory}"
     )
-    return DocumentCorpus(store, splits, seq_len, bool(data_cfg.packing), int(m["vocab_needed"]), desc)
+    return DocumentCorpus(store, splits, seq_len, bool(data_cfg.packing), int(m["vocab_needed"]), desc, pairs)
+
+
+def _cut_pairs(store, seq_len: int) -> int:
+    """How many preference pairs have a completion without a token in its row's T + 1 (a prompt of
+    T + 1 tokens or more): such a pair's log-probabilities are 0 and it teaches nothing."""
+    cut = 0
+    for pair in range(store.num_docs // 2):
+        for doc in (2 * pair, 2 * pair + 1):
+            _, mask = store.document(doc)
+            if mask is not None and not mask[1 : seq_len + 1].any():
+                cut += 1
+                break
+    return cut
 
 
 # ----------------------------------------------------------------------------- the Grain loader

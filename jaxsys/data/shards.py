@@ -15,7 +15,9 @@ fingerprint), holds:
                             each file's size and SHA-256
     NNNNN.tokens.npy        the shard's ids, concatenated (uint16, or uint32 above 65536 ids)
     NNNNN.docs.npy          int64 [documents + 1]: where each document starts (and the end)
-    NNNNN.mask.npy          uint8, per token (chats only): 1 on the assistant's tokens
+    NNNNN.mask.npy          uint8, per token (chats: 1 on the assistant's tokens; preference
+                            pairs: 1 on the completions', a record's chosen and rejected being
+                            documents 2i and 2i + 1)
     manifest.json           written last: the cache is complete
 
 A shard's files are written under temporary names and renamed, so an interrupted build leaves
@@ -134,19 +136,20 @@ def _tokenize_unit(job: dict) -> dict:
     cfg = _DataView(job["data"])
     tok = _tokenizer(cfg.tokenizer)
     dtype = np.dtype(job["dtype"])
-    chat = cfg.format == "chat"
-    ids_parts, mask_parts, offsets, total, largest = [], [], [0], 0, -1
+    chat = has_masks(cfg)
+    ids_parts, mask_parts, offsets, total, largest, records = [], [], [0], 0, -1, 0
     for value, where in documents.read_unit(unit, documents.field_of(cfg)):
-        ids, mask = documents.encode_record(tok, value, cfg, where)
-        if ids.size and int(ids.max()) >= np.iinfo(dtype).max + 1:
-            raise DataError(f"{where}: token id {int(ids.max())} does not fit the shard dtype {dtype}")
-        ids_parts.append(ids.astype(dtype))
-        if chat:
-            mask_parts.append(mask)
-        total += ids.size
-        offsets.append(total)
-        if ids.size:
-            largest = max(largest, int(ids.max()))
+        records += 1
+        for ids, mask in documents.record_documents(tok, value, cfg, where):  # a preference record: two
+            if ids.size and int(ids.max()) >= np.iinfo(dtype).max + 1:
+                raise DataError(f"{where}: token id {int(ids.max())} does not fit the shard dtype {dtype}")
+            ids_parts.append(ids.astype(dtype))
+            if chat:
+                mask_parts.append(mask)
+            total += ids.size
+            offsets.append(total)
+            if ids.size:
+                largest = max(largest, int(ids.max()))
     arrays = {
         "tokens": np.concatenate(ids_parts) if ids_parts else np.zeros((0,), dtype),
         "docs": np.asarray(offsets, np.int64),
@@ -161,7 +164,14 @@ def _tokenize_unit(job: dict) -> dict:
             np.save(f, arrays[what])
         os.replace(tmp, path)
         files[what] = [name, os.path.getsize(path), _sha256(path)]
-    return {"unit": job["index"], "docs": len(offsets) - 1, "tokens": total, "max_id": largest, "files": files}
+    entry = {"unit": job["index"], "docs": len(offsets) - 1, "tokens": total, "max_id": largest, "files": files}
+    return {**entry, "records": records}
+
+
+def has_masks(data_cfg) -> bool:
+    """Whether the shards store a loss mask per token: chats (the assistant's tokens) and preference
+    pairs (the completions' tokens)."""
+    return data_cfg.format in ("chat", "preference")
 
 
 class _DataView:
@@ -291,7 +301,8 @@ def build(data_cfg, progress: bool = True, verify: bool = False, workers: int | 
         "docs": sum(e["docs"] for e in entries),
         "tokens": sum(e["tokens"] for e in entries),
         "vocab_needed": max(e["max_id"] for e in entries) + 1,
-        "chat": data_cfg.format == "chat",
+        "chat": has_masks(data_cfg),  # masks stored
+        "pairs": data_cfg.format == "preference",  # documents 2i, 2i + 1: a record's chosen, rejected
     }
     _write_json(os.path.join(dir_, "manifest.json"), manifest)
     return dir_
@@ -305,7 +316,7 @@ def _run(dir_: str, data_cfg, plan: dict, todo: list[int], done: dict, progress:
         for i in todo
     ]
     total = sum(u["stop"] - u["start"] for u in plan["units"])
-    initial = sum(e["docs"] for e in done.values())
+    initial = sum(e.get("records", e["docs"]) for e in done.values())
     bar = tqdm(total=total, initial=initial, unit="doc", desc="tokenize", disable=not progress, dynamic_ncols=True)
     ledger = open(os.path.join(dir_, "ledger.jsonl"), "a")
 
@@ -314,7 +325,7 @@ def _run(dir_: str, data_cfg, plan: dict, todo: list[int], done: dict, progress:
         ledger.flush()
         os.fsync(ledger.fileno())
         done[entry["unit"]] = entry
-        bar.update(entry["docs"])
+        bar.update(entry.get("records", entry["docs"]))
 
     try:
         if workers == 1:

@@ -11,11 +11,13 @@ keeps, where activations live and what the scan carries.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxsys.execution.remat import remat_policy
-from jaxsys.models import ladder, quant
+from jaxsys.models import ladder, lora, quant
 from jaxsys.parallel import fsdp, fsdp_prefetch, offload
 from jaxsys.sharding import Layout
 
@@ -23,15 +25,19 @@ from jaxsys.sharding import Layout
 def weights_as_used(w, axes, m, layout: Layout, hook=None, name: str = "", index=None):
     """Weights as a layer uses them: moved in from host memory when they live there
     (config.offload.params), passed through `hook` (name, local weights, layer index) when given
-    (zeroth-order perturbations, optim/zo.py), cast to the compute dtype (quantized codes as they
-    are), gathered over the FSDP axes."""
+    (zeroth-order perturbations, optim/zo.py; a LoRA node's dropout key, program.py), cast to the
+    compute dtype (quantized codes as they are), gathered over the FSDP axes. A LoRA node
+    (models/lora.py) is its base and factors, each treated so."""
     w = offload.fetch(w, layout.params_on_host)
     if hook is not None:
         w = hook(name, w, index)
-    if not quant.is_quantized(w):
-        compute = jnp.dtype(m.compute_dtype)
-        w = jax.tree.map(lambda p: p.astype(compute), w)
-    return fsdp.gather(w, axes, layout)
+    key = None
+    if lora.is_lora(w) and w.key is not None:  # a dropout key is not a weight: kept aside
+        key, w = w.key, dataclasses.replace(w, key=None)
+    compute = jnp.dtype(m.compute_dtype)
+    cast = lambda p: p if quant.is_quantized(p) else p.astype(compute)
+    w = fsdp.gather(jax.tree.map(cast, w, is_leaf=quant.is_quantized), axes, layout)
+    return w if key is None else dataclasses.replace(w, key=key)
 
 
 def run_layers(

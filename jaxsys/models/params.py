@@ -17,6 +17,9 @@ class ParamSpec:
     std: float = 0.02
     decay: bool = True  # AdamW weight decay applies
     dtype: str | None = None  # None: the model's param_dtype; quantized codes and scales set their own
+    # logical axes its use contracts away that are not its own (a LoRA factor's: models/lora.py): where
+    # they are split (tensor parallelism), each rank's gradient is a partial sum, added by zero.plan
+    partial: tuple[str, ...] = ()
 
     def __post_init__(self):
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)

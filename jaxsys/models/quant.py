@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from jaxsys.kernels.quantized_matmul import kernel as qkernel
 from jaxsys.kernels.quantized_matmul import reference as qref
+from jaxsys.models import lora
 from jaxsys.models.params import ParamSpec
 
 # The dense weights a quantized model stores as codes, and how many of their dimensions (after
@@ -143,8 +144,37 @@ def block_m(rows: int, minimum: int = 16) -> int:
     return max(minimum, min(128, 1 << max(rows - 1, 1).bit_length()))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _quantized_matmul(x2, w, fmt: str, impl: str):
-    """x2[M, K'] @ the quantized weight w (its codes reshaped [K', N'] by the caller) -> [M, N']."""
+    """x2[M, K'] @ the quantized weight w (its codes reshaped [K', N'] by the caller) -> [M, N'].
+    Differentiable in x2 (QLoRA trains adapters through a frozen quantized base): dx = dy W^T with
+    W dequantized (straight through the activation rounding of w8a8); the codes get no gradient."""
+    return _quantized_forward(x2, w, fmt, impl)
+
+
+def _quantized_fwd(x2, w, fmt, impl):
+    return _quantized_forward(x2, w, fmt, impl), w
+
+
+def _quantized_bwd(fmt, impl, w, dy):
+    weight = _dequantized_matrix(w, fmt)  # [K', N'] fp32
+    dx = jnp.dot(dy.astype(jnp.float32), weight.T, precision=jax.lax.Precision.HIGHEST)
+    return dx.astype(dy.dtype), None
+
+
+_quantized_matmul.defvjp(_quantized_fwd, _quantized_bwd)
+
+
+def _dequantized_matrix(mat, fmt: str):
+    """The fp32 [K', N'] weight of a layer's 2-D operands (`_as_matrix`)."""
+    if fmt == "w4a16":
+        packed, s = mat["packed"], mat["scale"]
+        group_size = 2 * packed.shape[0] // s.shape[0]
+        return qref.dequantize_w4(qref.unrepack_w4(packed, group_size), s, mat.get("zero"))
+    return mat["q"].astype(jnp.float32) * mat["scale"][None, :]
+
+
+def _quantized_forward(x2, w, fmt: str, impl: str):
     interpret = None  # interpret mode on CPU, compiled elsewhere
     if fmt in ("w8a16", "w8a8"):
         q, s = w["q"], w["scale"]
@@ -182,6 +212,9 @@ def linear(eq: str, x, w, m, name: str = ""):
     for a float weight; through the quantized kernels for a quantized one (`m.quant`,
     `m.quant_impl`); as an int8 matmul with a straight-through estimator for a float weight under
     `m.quant_train='int8'`. `name` labels the input for `capture_inputs`."""
+    if lora.is_lora(w):  # a LoRA-wrapped weight (models/lora.py): the base's product plus the adapter's
+        y = linear(eq, x, w.base, m, name)
+        return y + lora.low_rank(x, w, _parse(eq).contracted).astype(y.dtype)
     if _CAPTURED is not None and name:
         _CAPTURED[name] = x
     quantized = is_quantized(w)
@@ -267,9 +300,4 @@ def dequantize_layer(w, fmt: str, contracted: int):
     k_dims = codes.shape[:contracted]
     if fmt == "w4a16":
         k_dims = k_dims[:-1] + (2 * k_dims[-1],)
-        packed, s = mat["packed"], mat["scale"]
-        group_size = 2 * packed.shape[0] // s.shape[0]
-        weight = qref.dequantize_w4(qref.unrepack_w4(packed, group_size), s, mat.get("zero"))
-    else:
-        weight = mat["q"].astype(jnp.float32) * mat["scale"][None, :]
-    return weight.reshape(*k_dims, *out_dims)
+    return _dequantized_matrix(mat, fmt).reshape(*k_dims, *out_dims)

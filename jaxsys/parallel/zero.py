@@ -45,12 +45,17 @@ class LeafPlan:
         return self.zero_dim is not None
 
 
-def plan(layout: Layout, logical: Sequence[str | None], shape: Sequence[int], stage: int) -> LeafPlan:
+def plan(
+    layout: Layout, logical: Sequence[str | None], shape: Sequence[int], stage: int, partial: Sequence[str] = ()
+) -> LeafPlan:
+    """`partial`: logical axes the leaf's gradient is a partial sum over (`ParamSpec.partial`, a LoRA
+    factor's contracted-away axes): the gradient is also summed over their compute mesh axes."""
     param_axes = {a for n in logical for a in layout.param_axes(n)}
     gathered = {a for n in logical for a in fsdp.gathered_axes(layout, n)}
     sum_axes = [a for a in layout.batch_axes if a not in gathered and a not in param_axes]
     if layout.sequence_parallel:
         sum_axes += [a for a in layout.tensor_axes if a not in param_axes and a not in sum_axes]
+    sum_axes += [a for n in partial for a in layout.compute_axes(n) if a not in param_axes and a not in sum_axes]
     if layout.mesh_sizes.get("pipe", 1) > 1 and "pipe" not in param_axes:
         sum_axes.append("pipe")  # used by some pipeline stages only (embedding, final norm, output)
     zero_dim = None
@@ -64,7 +69,8 @@ def plan(layout: Layout, logical: Sequence[str | None], shape: Sequence[int], st
 def grad_spec(layout: Layout, spec, stage: int) -> P:
     """PartitionSpec of a parameter's gradient as the update sees it (its optimizer-state spec):
     `state_spec` of the parameter's layout spec and its ZeRO plan. `spec`: its ParamSpec."""
-    return state_spec(layout.param_spec(spec.axes), plan(layout, spec.axes, spec.shape, stage), len(spec.shape))
+    leaf = plan(layout, spec.axes, spec.shape, stage, spec.partial)
+    return state_spec(layout.param_spec(spec.axes), leaf, len(spec.shape))
 
 
 def state_spec(param_spec: P, leaf: LeafPlan, ndim: int) -> P:
