@@ -34,10 +34,16 @@ def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0):
     return c
 
 
+def _prefetch(c):
+    c.parallel.fsdp_prefetch = True
+    return c
+
+
 VARIANTS = {
     "zero3_fsdp_zero2_data": lambda: _config("fsdp", stage=2),
     "zero3": lambda: _config(),
     "hpz": lambda: _config(hpz=True),
+    "hpz_prefetch": lambda: _prefetch(_config(hpz=True)),
     "hpz_qwz": lambda: _config(hpz=True, qwz=True),
     "hpz_qwz_qgz": lambda: _config(hpz=True, qwz=True, qgz=True),
 }
@@ -89,6 +95,13 @@ def test_hpz_bitwise_equals_zero3_fsdp_with_zero2_data(runs):
     assert state.params["layers"]["w_up"].sharding.spec[1] == ("fsdp", "data")
     # after the updates: equal up to the optimizer's elementwise fusion (a few ulps)
     assert _max_error(state.params, ref_state.params) < 1e-6
+
+
+def test_hpz_with_fsdp_prefetch_is_bitwise_hpz(runs):
+    loss, grads, _ = runs["hpz_prefetch"]
+    assert loss == runs["hpz"][0]
+    for g, r in zip(_leaves(grads), _leaves(runs["hpz"][1])):
+        np.testing.assert_array_equal(g, r)
 
 
 def test_hpz_matches_zero3_over_fsdp_and_data(runs):
