@@ -1338,6 +1338,11 @@ def _check_zeropp(config) -> None:
             f"config.train.zero_stage={config.train.zero_stage} with `data` in config.sharding.params.embed: "
             "the parameters are already sharded over data (ZeRO-3); set zero_stage=0",
         )
+        _require(
+            config.train.outer.method == "none",
+            f"config.train.outer.method={config.train.outer.method!r} keeps an island per `data` rank, but "
+            "config.sharding.params.embed shards the parameters over data: set it to 'fsdp'",
+        )
     hpz = bool(p.get("zeropp_hpz", False))
     for key in ("zeropp_qwz", "zeropp_qgz"):
         _require(
@@ -1353,7 +1358,11 @@ def _check_zeropp(config) -> None:
         f"(now {mesh.data}, {mesh.fsdp})",
     )
     _require(
-        mesh.pipe == 1 and not config.offload.params and config.model.kind != "flax" and config.model.quant == "none",
-        "config.parallel.zeropp_hpz is for the transformer's non-pipelined step with weights in device memory: "
-        "set mesh.pipe=1, offload.params=False, model.quant='none' and a transformer model",
+        mesh.pipe == 1
+        and not config.offload.params
+        and config.model.kind != "flax"
+        and config.model.quant == "none"
+        and int(config.lora.rank) == 0,
+        "config.parallel.zeropp_hpz is for the transformer's non-pipelined full training step with weights in "
+        "device memory: set mesh.pipe=1, offload.params=False, model.quant='none', lora.rank=0 and a transformer model",
     )

@@ -26,8 +26,9 @@ from tests.helpers import program_for, run, small_config
 MESH = dict(data=2, fsdp=4)
 
 
-def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0):
+def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0, lora=0):
     c = small_config(MESH)
+    c.lora.rank = lora
     c.sharding.params.embed = embed
     c.train.zero_stage = stage
     c.parallel.zeropp_hpz, c.parallel.zeropp_qwz, c.parallel.zeropp_qgz = hpz, qwz, qgz
@@ -159,6 +160,7 @@ def test_bytes_per_link_class_formula_and_hlo(runs):
         (dict(qwz=True), r"zeropp_qwz=True quantizes hpZ's `data` collectives: set config.parallel.zeropp_hpz"),
         (dict(stage=2), r"zero_stage=2 with `data` in config.sharding.params.embed.*set zero_stage=0"),
         (dict(embed="data,fsdp"), r"with `data` write 'fsdp,data'"),
+        (dict(hpz=True, lora=4), r"zeropp_hpz is for the transformer's non-pipelined full training step.*lora.rank=0"),
     ],
 )
 def test_bad_zeropp_config_is_refused(change, message):
