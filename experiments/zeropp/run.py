@@ -103,6 +103,7 @@ def worker(n: int, jobs: list) -> None:
 
     for job in jobs:
         c = _apply(small_config(job["steps"]), job["options"])
+        c.seed = job.get("seed", c.seed)
         with tempfile.TemporaryDirectory() as workdir:
             train.main(c, workdir)
             records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
@@ -170,14 +171,37 @@ def report(results: dict) -> None:
     )
 
 
+def seeds_report() -> None:
+    """Eval loss minus ZeRO-3's per seed, from results_seed<N>.json (`--seed N`; hpZ left out)."""
+    rows, names = [], []
+    for name in sorted(f for f in os.listdir(HERE) if f.startswith("results_seed")):
+        runs = load_results(HERE, name)["parity"]
+        names = [r["name"] for r in runs[1:]]
+        ref = runs[0]["eval"][-1][1]
+        seed = name[len("results_seed") : -len(".json")]
+        rows.append([seed, f"{ref:.4f}"] + [f"{r['eval'][-1][1] - ref:+.4f}" for r in runs[1:]])
+    if rows:
+        header = ["seed", "ZeRO-3 eval"] + [f"{n} vs ZeRO-3" for n in names]
+        print("\n" + "\n".join(markdown_table(header, "l" + "r" * (len(header) - 1), rows)))
+
+
 def main() -> None:
-    args = parse_args(__doc__, worker, quick="60 training steps instead of 300")
+    add = lambda p: p.add_argument(
+        "--seed", type=int, default=0, help="loss parity only, with this seed (results_seed<N>.json)"
+    )
+    args = parse_args(__doc__, worker, quick="60 training steps instead of 300", add=add)
     if not args.replot:
         steps = 60 if args.quick else 300
-        jobs = [dict(name=name, options=o, steps=steps) for name, o in VARIANTS]
-        parity = run_worker(__file__, DEVICES, jobs, timeout=3600, what="layouts")
-        save_results(HERE, dict(bytes=llama_bytes(), parity=parity, steps=steps))
+        jobs = [dict(name=name, options=o, steps=steps, seed=args.seed) for name, o in VARIANTS]
+        if args.seed:
+            jobs = [j for j in jobs if j["name"] != "hpZ"]  # bitwise ZeRO-3's (tests)
+            parity = run_worker(__file__, DEVICES, jobs, timeout=3600, what="layouts")
+            save_results(HERE, dict(parity=parity, steps=steps, seed=args.seed), f"results_seed{args.seed}.json")
+        else:
+            parity = run_worker(__file__, DEVICES, jobs, timeout=3600, what="layouts")
+            save_results(HERE, dict(bytes=llama_bytes(), parity=parity, steps=steps))
     report(load_results(HERE))
+    seeds_report()
 
 
 if __name__ == "__main__":
