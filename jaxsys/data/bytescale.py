@@ -13,12 +13,14 @@ S - 1's, so a piece of up to 2c tokens placed there is local too, and a piece ce
 gets the zigzag's balance within its group.
 
 The balancing rule (`plan`), on the host, per set of pieces: pieces from the longest, each placed
-where the most loaded device of its row ends least loaded (ties: the fewest devices in its group,
-then the least room left, then the first row), the load of a device being its work,
+where the most loaded device ends least loaded, a device's load summed over the rows it holds
+(ties: the row's most loaded device, then the fewest devices in the piece's group, then the least
+room left, then the first row), the load being the work,
 a tokens + b causal (query, key) pairs: linear and attention FLOPs up to a constant each. A long
 piece takes empty chunks only; a short one any chunk with room. A new row opens when nothing holds a
-piece. Because each row is balanced by itself, the balance holds for whichever rows a batch or a
-data shard gets (the loader shuffles rows).
+piece. Planned over a whole split (the loader: rows are then shuffled into batches), this evens the
+devices' work over the split, so in expectation over a batch's rows; planned per batch
+(`shards` = the data axis), over the batch's devices exactly as the rule manages.
 
 The device program is the ordinary context-parallel step with segment ids (parallel/context.py):
 the plan only moves tokens within their rows, so the losses are the single-device ones. What this
@@ -92,10 +94,12 @@ def plan(
     token_cost: float = 1.0,
     pair_cost: float = 1.0,
     min_rows: int = 1,
+    shards: int = 1,
 ) -> Placement:
     """Place pieces of `length` tokens (each at most T + 1) in rows whose inputs are split as
     `chunks` (`context.chunk_table`) by the balancing rule of the module docstring; at least
-    `min_rows` rows."""
+    `min_rows` rows. With `shards` > 1, row r goes to data shard r % shards and a device's load is
+    summed over its shard's rows only (planning one batch for a mesh with a data axis)."""
     length = np.asarray(length, np.int64)
     owner = owners(chunks)
     nk, devices = owner.shape[0], int(owner.max()) + 1
@@ -128,11 +132,13 @@ def plan(
                     continue
                 # the device work is the same wherever in the chunk the piece starts
                 added = _device_work(k * c, n, seq_len, c, owner, token_cost, pair_cost)
-                column = float((load.sum(0) + added).max())  # the same for every row
+                shard = np.arange(load.shape[0]) % shards
+                column = np.stack([load[shard == d].sum(0) for d in range(shards)])  # [shards, S]
+                column = (column[shard[ok]] + added).max(-1)  # the most loaded device of the row's shard
                 peak = (load[ok] + added).max(-1)
                 room = cap[last] - fill[ok, last] - (n if last == k else n - (last - k) * c)
-                i = int(np.lexsort((ok, room, peak))[0])
-                key = (column, float(peak[i]), int(np.count_nonzero(added)), int(room[i]), int(ok[i]))
+                i = int(np.lexsort((ok, room, peak, column))[0])
+                key = (float(column[i]), float(peak[i]), int(np.count_nonzero(added)), int(room[i]), int(ok[i]))
                 if best is None or key < best[0]:
                     best = (key, int(ok[i]), int(first[i]), span, added)
             if best is not None:
