@@ -98,8 +98,9 @@ def test_imbalance_and_traffic_of_one_row_long_piece():
 
 
 def test_the_balancing_rule_evens_work_and_cuts_traffic_on_a_long_tail():
-    """Against best-fit packing, both on the zigzag: the per-device work summed over the rows is far
-    more even, and fewer keys/values need to cross devices."""
+    """Against best-fit packing, both on the zigzag: the per-device work summed over all the rows
+    (what a whole-split plan balances; per batch see experiments/bytescale) is far more even, and
+    fewer keys/values need to cross devices."""
     t, chunks = 256, context.chunk_table(8, True)
     lengths = _long_tail(300, t, seed=2)
     fixed = bytescale.packed_placement(lengths, t)
@@ -157,11 +158,16 @@ def test_adaptive_rows_give_the_single_device_loss_and_gradients(zigzag):
     want = _batch(bytescale.packed_placement(lengths, t), lengths, docs, t, rows)
     want_loss, want_grads = one.loss_and_grads_fn()(params, jax.device_put(want, one.batch_sharding))
     program = _program({"seq": 4, "data": 2}, context_load_balance=zigzag)
-    got = jax.device_put(_batch(adaptive, lengths, docs, t, rows), program.batch_sharding)
-    loss, grads = program.loss_and_grads_fn()(params, got)
+    batch = _batch(adaptive, lengths, docs, t, rows)
+    loss, grads = program.loss_and_grads_fn()(params, jax.device_put(batch, program.batch_sharding))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     grads, want_grads = jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, want_grads)
     assert_trees_close_leafwise(grads, want_grads, rtol=1e-5, atol=lambda w: 2e-5 * np.abs(w).max())
+    # the check can fail: the same rows with one segment a row (documents see the ones before them)
+    merged = batch._replace(segments=(batch.segments > 0).astype(np.int32))
+    _, unmasked = program.loss_and_grads_fn()(params, jax.device_put(merged, program.batch_sharding))
+    gaps = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max()), unmasked, want_grads)
+    assert max(jax.tree.leaves(gaps)) > 1e-3
 
 
 def test_the_loader_lays_rows_out_by_the_plan():
