@@ -23,6 +23,42 @@ import sys
 from jaxsys.config import ConfigError, parse_with_overrides
 
 
+def _host_gap_both(program, params, args, rounds: int = 3) -> int:
+    """The host gap of the engine with overlapped scheduling off and on (config.serve.overlap), in
+    one process: the two engines measured in turn, `rounds` times; medians side by side."""
+    import numpy as np
+
+    from jaxsys.serve import bench
+    from jaxsys.serve.engine import Engine
+
+    engines = {overlap: Engine.from_config(program, params, overlap=overlap) for overlap in (False, True)}
+    for eng in engines.values():
+        eng.warmup()
+    runs: dict = {False: [], True: []}
+    for _ in range(rounds):
+        for overlap, eng in engines.items():
+            runs[overlap].append(bench.host_gap(eng, args.host_gap))
+    result = {
+        ("overlap" if overlap else "sync"): {
+            key: float(np.median([r[key] for r in rs]))
+            for key in ("engine_step_s", "compiled_step_s", "host_gap_ratio")
+        }
+        | {"host_gap_ratios": [r["host_gap_ratio"] for r in rs]}
+        for overlap, rs in runs.items()
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for name, r in result.items():
+        print(
+            f"{args.host_gap} decoding sequences, {name:>7}: engine step {r['engine_step_s'] * 1e3:.2f} ms, compiled "
+            f"step {r['compiled_step_s'] * 1e3:.2f} ms, host-gap ratio {r['host_gap_ratio']:.2f} (median of "
+            + ", ".join(f"{x:.2f}" for x in r["host_gap_ratios"])
+            + ")"
+        )
+    return 0
+
+
 def _range(text: str, name: str) -> tuple[int, int]:
     try:
         first, _, last = text.partition(":")
@@ -56,6 +92,11 @@ def main(argv=None) -> int:
         metavar="N",
         default=0,
         help="instead: N decoding sequences, engine step vs its compiled function back to back",
+    )
+    parser.add_argument(
+        "--overlap-both",
+        action="store_true",
+        help="with --host-gap: engines with serve.overlap off and on, measured in turn (3 rounds), side by side",
     )
     parser.add_argument("--trace", help="JSONL trace instead of the generated one")
     parser.add_argument("--prompts", metavar="FILE", help="text prompts, one a line, instead of random ids")
@@ -127,6 +168,8 @@ def main(argv=None) -> int:
             params = program.init().params
         if prompts:
             trace = bench.with_prompts(trace, prompts)
+        if args.host_gap and args.overlap_both:
+            return _host_gap_both(program, params, args)
         eng = build_engine(program, params)  # config.serve: disaggregated, speculative, the cache
         eng.warmup()  # compile every row bucket before the clock starts
         if args.host_gap:

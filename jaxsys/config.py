@@ -266,6 +266,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
     c.serve.ragged = True  # a step's rows attend per sequence with the ragged paged-attention kernel
     c.serve.decode_steps = 1  # > 1: decode steps in one compiled call when only decodes run (multi-step)
+    # overlapped scheduling: step n + 1 is planned and dispatched while the device runs step n
+    # (its tokens stay on the device, the host reads them a step late; docs/serving.md)
+    c.serve.overlap = False
+    # recompute (a preempted sequence prefills again) | swap (its pages go to host memory and back)
+    c.serve.preemption = "recompute"
     c.serve.pages = 256  # pages in a batch shard's KV pool
     c.serve.page_size = 16  # token slots per page
     c.serve.token_budget = 256  # tokens per engine step (decodes + prefill chunks)
@@ -642,7 +647,11 @@ def validate(config, num_devices: int | None = None) -> None:
         isinstance(sv.decode_steps, int) and sv.decode_steps >= 1,
         f"config.serve.decode_steps={sv.decode_steps!r} must be an integer >= 1",
     )
-    for key in ("prefix_cache", "ragged"):
+    _require(
+        sv.preemption in ("recompute", "swap"),
+        f"config.serve.preemption={sv.preemption!r}: choose one of ('recompute', 'swap')",
+    )
+    for key in ("prefix_cache", "ragged", "overlap"):
         _require(isinstance(sv[key], bool), f"config.serve.{key}={sv[key]!r} must be true or false")
     _require(
         sv.cache == "paged" or sv.kv_quant == "none",

@@ -125,3 +125,49 @@ def test_prefix_cache_and_preemption_on_data_2_tensor_2():
     got = {r.id: r.generated for r in eng.run()}
     assert got == want
     assert sum(p.hits for p in eng.pools) > 0 and sum(s.preemptions for s in eng.schedulers) > 0
+
+
+@pytest.mark.parametrize("mesh,overlap", [(None, False), (None, True), ({"data": 2, "tensor": 2}, False)], ids=str)
+def test_swap_preemption_keeps_every_requests_tokens(mesh, overlap):
+    """preemption='swap': a preempted sequence's pages go to host memory and back into its new
+    pages when it resumes, so it prefills only the token not yet in its cache. Under a pool small
+    enough to preempt (prefix caching on), every request gets its tokens generated alone, no request
+    starves, every page is free at the end and nothing stays swapped; the tokens swapped in are the
+    tokens swapped out, and the steps computed fewer prefill rows than recompute preemption."""
+    program = program_for(small_config(mesh, n_kv_heads=4))
+    params = program.init(3).params
+    prompts, news = _requests(8, seed=2)
+    want = {i: generate_contiguous(program, params, [p], n)[0] for i, (p, n) in enumerate(zip(prompts, news))}
+    rows = {}
+    for preemption in ("recompute", "swap"):
+        eng = engine.Engine(
+            program,
+            params,
+            num_pages=10,
+            page_size=4,
+            token_budget=16,
+            chunk_size=8,
+            max_seqs=6,
+            preemption=preemption,
+            overlap=overlap,
+        )
+        prefill = 0
+        for i, (p, n) in enumerate(zip(prompts, news)):
+            eng.submit(i, p, n)
+        for step in range(400):
+            if eng.idle:
+                break
+            work, _ = eng.step()
+            prefill += sum(w.tokens for w in work if w.kind == "prefill")
+            for pool in eng.pools:
+                pool.check()
+        assert eng.idle, "starved"
+        assert {r.id: r.generated for r in eng.finished} == want, preemption
+        assert all(p.free_pages == p.num_pages for p in eng.pools) and not eng.swapped
+        assert sum(s.preemptions for s in eng.schedulers) > 0
+        rows[preemption] = prefill
+        if preemption == "swap":
+            assert eng.stats["swapped_in"] == eng.stats["swapped_out"] > 0
+    assert rows["swap"] < rows["recompute"], rows
+    with pytest.raises(ValueError, match="swap"):
+        engine.Engine(program, params, num_pages=10, page_size=4, kv_quant="kivi4", preemption="swap")

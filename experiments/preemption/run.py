@@ -5,6 +5,7 @@ but unused, on the same trace and pool.
     python experiments/preemption/run.py            # ~11 min on 2 CPU cores; writes results.json
     python experiments/preemption/run.py --quick    # one repeat, one pool (~2 min)
     python experiments/preemption/run.py --replot   # tables and plot from results.json
+    python experiments/preemption/run.py --swap     # adds swap vs recompute (one repeat, ~6 min)
 
 The model is configs/tiny.py (random weights: timing only) served by jaxsys.serve.engine on one CPU
 device. The trace (jaxsys.serve.bench.make_trace, lengths="sharegpt", scale 0.5): 96 requests, all
@@ -30,6 +31,11 @@ they will hold after the step; reserved-but-unused = held pages holding no token
 the pool, and slot waste = 1 - tokens / held slots (experiments/paged_kv's measure), both averaged
 over steps. Recomputed tokens = prefill tokens computed - prompt tokens. Every request's greedy
 tokens are compared with the reservation run's (recompute must not change the output).
+
+--swap: swap preemption (config.serve.preemption="swap": the preempted sequence's cached pages go
+to host memory and back on resume) against recompute, both on demand with the prefix cache, back
+to back in one process on the same trace and pools; the rows go to results.json's "swap" (the
+other rows are kept). Tokens are compared with the recompute run's.
 """
 
 from __future__ import annotations
@@ -76,12 +82,22 @@ def instrument(eng) -> dict:
     return counts
 
 
-def one_run(program, params, trace, vocab: int, pages: int, allocation: str, prefix_cache: bool) -> tuple:
+def one_run(
+    program, params, trace, vocab: int, pages: int, allocation: str, prefix_cache: bool, preemption: str = "recompute"
+) -> tuple:
     import numpy as np
 
     from jaxsys.serve import bench, engine
 
-    eng = engine.Engine(program, params, num_pages=pages, allocation=allocation, prefix_cache=prefix_cache, **ENGINE)
+    eng = engine.Engine(
+        program,
+        params,
+        num_pages=pages,
+        allocation=allocation,
+        prefix_cache=prefix_cache,
+        preemption=preemption,
+        **ENGINE,
+    )
     eng.warmup()
     c = instrument(eng)
     r = bench.replay(eng, trace, seed=0, vocab=vocab)
@@ -99,6 +115,8 @@ def one_run(program, params, trace, vocab: int, pages: int, allocation: str, pre
         prompt_tokens=prompt_tokens,
         prefill_tokens=c["prefill_tokens"],
         recomputed_tokens=c["prefill_tokens"] - prompt_tokens,
+        preemption=preemption,
+        swapped_tokens=eng.stats["swapped_out"],
     )
     tokens = {req.id: list(req.generated) for req in eng.finished}
     return r, tokens
@@ -165,7 +183,7 @@ def say(tag: str, r: dict) -> None:
     )
 
 
-def measure(quick: bool) -> dict:
+def setup() -> tuple:
     import jax
 
     from jaxsys import train
@@ -177,8 +195,48 @@ def measure(quick: bool) -> dict:
     config = load_config(os.path.join(ROOT, "configs", "tiny.py"))
     program = train.build(config, make_mesh(config, jax.devices()[:1]))
     params = program.init().params
-    vocab = config.model.vocab_size
     trace = bench.make_trace(REQUESTS, 0.0, (4, 512), (4, 512), seed=0, lengths="sharegpt", scale=SCALE)
+    return program, params, config.model.vocab_size, trace
+
+
+def measure_swap() -> list:
+    """Recompute then swap preemption (on demand, prefix cache on) per pool, one repeat."""
+    program, params, vocab, trace = setup()
+    rows = []
+    for pages in POOLS:
+        runs = {p: one_run(program, params, trace, vocab, pages, "on_demand", True, p) for p in ("recompute", "swap")}
+        reference = runs["recompute"][1]
+        for preemption, (r, tokens) in runs.items():
+            r.update(same_tokens_as_recompute=sum(tokens[i] == reference[i] for i in reference) / len(reference))
+            rows.append(r)
+            say(f"pool {pages} {preemption:>9}", r)
+    return rows
+
+
+def swap_table(rows: list) -> str:
+    body = [
+        [
+            str(r["num_pages"]),
+            r["preemption"],
+            f"{r['steps']:,}",
+            f"{r['throughput_tokens_per_s']:.0f}",
+            f"{r['ttft_s']['p50']:.2f}",
+            f"{r['tpot_s']['p50'] * 1e3:.0f}",
+            f"{r['tpot_s']['p99'] * 1e3:.0f}",
+            str(r["preemptions"]),
+            f"{r['recomputed_tokens']:,}",
+            f"{r['swapped_tokens']:,}",
+            f"{r['same_tokens_as_recompute']:.0%}",
+        ]
+        for r in rows
+    ]
+    header = ["pool", "preemption", "engine steps", "tokens/s", "TTFT p50 (s)", "TPOT p50 (ms)", "TPOT p99 (ms)"]
+    header += ["preemptions", "recomputed tokens", "swapped tokens", "tokens == recompute's"]
+    return "\n".join(markdown_table(header, "rlrrrrrrrrr", body))
+
+
+def measure(quick: bool) -> dict:
+    program, params, vocab, trace = setup()
     pools, repeats = (POOLS[:1], 1) if quick else (POOLS, 2)
     rows = []
     for rep in range(repeats):
@@ -312,11 +370,19 @@ def plot(res: dict) -> None:
 
 
 def main() -> int:
-    args = parse_args(__doc__, None, "one repeat, the smaller pool")
-    res = load_results(HERE) if args.replot else measure(args.quick)
-    if not args.replot:
+    add = lambda p: p.add_argument("--swap", action="store_true", help="add swap vs recompute to results.json")
+    args = parse_args(__doc__, None, "one repeat, the smaller pool", add=add)
+    if args.swap:
+        res = load_results(HERE)
+        res["swap"] = measure_swap()
+        save_results(HERE, res)
+    else:
+        res = load_results(HERE) if args.replot else {**measure(args.quick), "swap": []}
+    if not args.replot and not args.swap:
         save_results(HERE, res)
     print(tables(res))
+    if res.get("swap"):
+        print(swap_table(res["swap"]))
     print(thrash(res))  # the scheduler alone, on the same trace (deterministic; < 1 s)
     plot(res)
     return 0

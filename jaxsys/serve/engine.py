@@ -17,7 +17,11 @@ device runs one compiled call per row bucket (a power of two >= 8, at most the b
 `runner.ModelRunner`, the model's one cached forward; the tokens are sampled on the device
 (sampling.py). Row r of a step is one token of some sequence at position p_r with that sequence's
 cache table, so decodes and prefill chunks of any lengths share one program; padding rows write a
-scratch page no sequence owns.
+scratch page no sequence owns. The per-row page tables stay on the device between steps (a step
+scatters in the rows that changed). With `overlap` (config.serve.overlap) a step is dispatched
+before the previous step's sampled tokens are read: they feed its decodes on the device, and the
+host applies them (stop ids, finishing, streaming) a step late. A sequence preempted for pages is
+recomputed, or with preemption "swap" its pages go to host memory and back.
 
 The cache (jaxsys/cache/, config.serve.cache and kv_quant) is split like the model's activations:
 over `tensor` by kv heads, and over the batch axes (data, fsdp, expert) by sequences. Each of the
@@ -54,10 +58,12 @@ from jaxsys.parallel.spmd import per_shard
 from jaxsys.serve import sampling as sampling_lib
 from jaxsys.serve.runner import ModelRunner, check_servable
 from jaxsys.serve.sampling import Sampling
-from jaxsys.serve.scheduler import PagePool, PoolExhausted, Request, Scheduler, Work
+from jaxsys.serve.scheduler import PENDING, PREEMPTIONS, PagePool, PoolExhausted, Request, Scheduler, Work
 
 MIN_ROWS = 8
 SEQUENCE_VECTORS = ("cu_q_lens", "kv_lens", "num_seqs")  # per shard vectors: [D x n] flat, n per shard
+# per-row page tables that stay on the device between steps: a step sends only the rows that changed
+RESIDENT_TABLES = ("page_table", "fp_table")
 log = logging.getLogger("jaxsys.serve")
 
 
@@ -76,6 +82,8 @@ def pool_settings(sv) -> dict:
         "prefix_cache": bool(sv.get("prefix_cache", True)),
         "ragged": bool(sv.get("ragged", True)),
         "decode_steps": int(sv.get("decode_steps", 1)),
+        "overlap": bool(sv.get("overlap", False)),
+        "preemption": sv.get("preemption", "recompute"),
         **{key: sv[key] for key in keys},
     }
 
@@ -130,14 +138,16 @@ class EngineAPI(abc.ABC):
 
 class Engine(EngineAPI):
     @classmethod
-    def from_config(cls, program, params, max_len: int | None = None, draft=None) -> "Engine":
+    def from_config(cls, program, params, max_len: int | None = None, draft=None, **settings) -> "Engine":
         """The engine `program.config.serve` describes: its cache, schedule and, with spec_k >= 1,
-        its drafter (draft "self", or a workdir loaded here unless `draft` = (program, params))."""
+        its drafter (draft "self", or a workdir loaded here unless `draft` = (program, params));
+        `settings` override the config's (the constructor's names, e.g. overlap=True)."""
         from jaxsys.serve import speculation
 
         sv = program.config.serve
         drafter = speculation.drafter_from_config(sv, draft) if sv.spec_k >= 1 else None
-        return cls(program, params, **pool_settings(sv), max_len=max_len, drafter=drafter, k=sv.spec_k)
+        kw = {**pool_settings(sv), **settings}
+        return cls(program, params, **kw, max_len=max_len, drafter=drafter, k=sv.spec_k)
 
     def __init__(
         self,
@@ -159,6 +169,8 @@ class Engine(EngineAPI):
         prefix_cache: bool = True,
         ragged: bool = True,
         decode_steps: int = 1,
+        overlap: bool = False,
+        preemption: str = "recompute",
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
@@ -172,7 +184,13 @@ class Engine(EngineAPI):
         `ragged`: a paged cache's steps attend with the ragged kernel (each sequence's rows in
         query blocks over its pages) instead of the one-query kernel row by row. `decode_steps` > 1:
         when every running sequence decodes and nothing waits, up to that many decode steps run in
-        one compiled call (multi-step decoding; the same tokens as one step at a time)."""
+        one compiled call (multi-step decoding; the same tokens as one step at a time). `overlap`:
+        overlapped scheduling: each step is dispatched before the previous step's tokens are read
+        (they stay on the device and feed the next step), and `step` returns the previous step's
+        tokens; steps with forks, penalties or log-probabilities run synchronously. Not with a
+        drafter nor decode_steps > 1 (ValueError). `preemption`: what happens to the cache of a
+        sequence preempted for pages (allocation "on_demand"): "recompute" (prefilled again) or
+        "swap" (copied to host memory and back when it resumes; not with kv_quant)."""
         config = program.config
         check_servable(config)
         if drafter is not None and (not isinstance(k, int) or k < 1):
@@ -207,6 +225,23 @@ class Engine(EngineAPI):
         if not isinstance(decode_steps, int) or decode_steps < 1:
             raise ValueError(f"decode_steps={decode_steps!r} must be an integer >= 1")
         self.decode_steps = decode_steps
+        if overlap and (drafter is not None or decode_steps > 1):
+            raise ValueError(
+                "overlap=True (config.serve.overlap) schedules one step ahead of the sampled tokens; "
+                "speculative decoding (spec_k) and multi-step decoding (decode_steps > 1) need them "
+                "on the host at once: turn overlap off or set spec_k=0, decode_steps=1"
+            )
+        self.overlap = overlap
+        if preemption not in PREEMPTIONS:
+            raise ValueError(f"preemption={preemption!r}: choose one of {PREEMPTIONS}")
+        if preemption == "swap" and kv_quant != "none":
+            raise ValueError(
+                f"preemption='swap' copies a sequence's pages; kv_quant={kv_quant!r} keeps part of its "
+                "cache in separate full-precision pages: use preemption='recompute'"
+            )
+        self.preemption = preemption
+        self.swapped: dict = {}  # swap preemption: request id -> (tokens, its pages' contents in host memory)
+        self.inflight: _InFlight | None = None  # overlap: the step dispatched, its tokens not read yet
         self.schedulers = [
             Scheduler(
                 pool,
@@ -218,6 +253,7 @@ class Engine(EngineAPI):
                 allocation if cache == "paged" else "reserve",
                 self.prefix_cache,
                 on_preempt=self._preempted,
+                on_resume=self._resume,
             )
             for pool in self.pools
         ]
@@ -245,9 +281,14 @@ class Engine(EngineAPI):
                 "draft_read",
                 "full_read",
                 "loop_steps",  # decode steps run inside multi-step calls
+                "table_rows",  # rows of the resident page tables the steps used ...
+                "table_rows_sent",  # ... and those sent to the device (changed since the last step)
+                "swapped_out",  # swap preemption: tokens of cache copied to host memory
+                "swapped_in",  # ... and back
             ),
             0,
         )
+        self._tables: dict = {}  # (table, rows) -> (its rows on the host, the same on the device)
         self.k = k
         self.drafter = drafter
         if drafter is not None:
@@ -328,25 +369,76 @@ class Engine(EngineAPI):
             np.asarray(array), NamedSharding(self.program.mesh, self.program.layout.compute_spec(pspec_logical))
         )
 
-    def with_tables(self, cache, tables: dict):
-        """`cache` with this step's tables (flattened to [D width, ...]) on the devices."""
-        flat = {
-            name: self.put(t.reshape(-1), ROW)
-            if name in SEQUENCE_VECTORS
-            else self.put(t.reshape(-1, t.shape[-1]), ROWS)
-            for name, t in tables.items()
-        }
+    def with_tables(self, cache, tables: dict, resident: bool = False):
+        """`cache` with this step's tables (flattened to [D width, ...]) on the devices; `resident`:
+        the page tables as deltas against the device's copy from the last step of this width."""
+        flat = {}
+        for name, t in tables.items():
+            if name in SEQUENCE_VECTORS:
+                flat[name] = self.put(t.reshape(-1), ROW)
+            elif resident and name in RESIDENT_TABLES:
+                flat[name] = self._resident(name, t.reshape(-1, t.shape[-1]))
+            else:
+                flat[name] = self.put(t.reshape(-1, t.shape[-1]), ROWS)
         return dataclasses.replace(cache, **flat)
 
-    def forward(self, tokens, positions, tables: dict, cache=None):
+    def _resident(self, name: str, table: np.ndarray):
+        """`table` [rows, max_pages] on the device: the device's copy from the last step with as
+        many rows, the rows that differ scattered into it (their count padded to a power of two:
+        one small program per count, compiled in `warmup`); the whole table the first time."""
+        key = (name, table.shape[0])
+        held = self._tables.get(key)
+        self.stats["table_rows"] += table.shape[0]
+        if held is None or held[1].is_deleted():
+            out = self.put(table, ROWS)
+            self.stats["table_rows_sent"] += table.shape[0]
+        else:
+            changed = np.flatnonzero((held[0] != table).any(axis=1)).tolist()
+            out = held[1]
+            if changed:
+                rows = np.asarray(sampling_lib.pad(changed), np.int32)
+                out = self._scatter_fn()(out, rows, table[rows])
+                self.stats["table_rows_sent"] += len(changed)
+        self._tables[key] = (table, out)
+        return out
+
+    def _keep_tables(self, cache) -> None:
+        """After a step: its resident tables as the step returned them (the call donated its inputs)."""
+        for name in RESIDENT_TABLES:
+            a = getattr(cache, name, None)
+            if a is not None and (name, a.shape[0]) in self._tables:
+                self._tables[(name, a.shape[0])] = (self._tables[(name, a.shape[0])][0], a)
+
+    def _scatter_fn(self):
+        if "_scatter" not in self.__dict__:
+            rows = NamedSharding(self.program.mesh, self.program.layout.compute_spec(ROWS))
+            self._scatter = jax.jit(lambda t, at, new: t.at[at].set(new), donate_argnums=0, out_shardings=rows)
+        return self._scatter
+
+    def forward(self, tokens, positions, tables: dict, cache=None, feed=None):
         """One device call on rows [D, width] (shard d's rows first-to-last in block d) through the
-        engine's cache (or `cache`, a view of it): the logits [D width, V]; the cache is updated."""
-        view = self.with_tables(self.cache, tables) if cache is None else cache
-        logits, out = self.runner(
-            self.params, self.put(tokens.reshape(-1), ROW), self.put(positions.reshape(-1), ROW), view
-        )
+        engine's cache (or `cache`, a view of it): the logits [D width, V]; the cache is updated.
+        `feed` (overlap): (src [D, width], sampled tokens on the device): rows with src >= 0 take
+        token sampled[src] instead of theirs, gathered on the device."""
+        view = self.with_tables(self.cache, tables, resident=True) if cache is None else cache
+        ids = self.put(tokens.reshape(-1), ROW)
+        if feed is not None:
+            ids = self._feed_fn()(ids, self.put(feed[0].reshape(-1), ROW), feed[1])
+        logits, out = self.runner(self.params, ids, self.put(positions.reshape(-1), ROW), view)
+        if cache is None:
+            self._keep_tables(out)
         self.cache = self.without_tables(out)
         return logits
+
+    def _feed_fn(self):
+        """The device-side gather of pending tokens into a step's token rows (one program per row bucket)."""
+        if "_feed" not in self.__dict__:
+            row = NamedSharding(self.program.mesh, self.program.layout.compute_spec(ROW))
+            self._feed = jax.jit(
+                lambda ids, src, prev: jnp.where(src >= 0, prev[jnp.maximum(src, 0)].astype(ids.dtype), ids),
+                out_shardings=row,
+            )
+        return self._feed
 
     @staticmethod
     def without_tables(cache):
@@ -374,6 +466,14 @@ class Engine(EngineAPI):
             rows = np.zeros((self.shards, width), np.int32)
             for ragged in (False, True) if self.ragged else (False,):
                 logits = self.forward(rows, rows, self.tables(width, ragged=ragged))
+            for name in RESIDENT_TABLES:  # the scatters of 1, 2, 4, ... changed rows into its tables
+                key = (name, self.shards * width)
+                if key in self._tables:
+                    table, held = self._tables[key]
+                    for count in (1 << i for i in range((self.shards * width - 1).bit_length() + 1)):
+                        at = np.zeros(count, np.int32)
+                        held = self._scatter_fn()(held, at, table[at])
+                    self._tables[key] = (table, held)
             if self.decode_steps > 1:  # the multi-step decode loops (padding rows, zero steps)
                 for greedy in (True, False):
                     flat = rows.reshape(-1)
@@ -390,8 +490,15 @@ class Engine(EngineAPI):
                         greedy,
                     )
                     self.cache = self.without_tables(cache)
-            self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling()})  # greedy
-            self.sample(logits, {0: (0, Request(0, [0], 1))}, {0: Sampling(temperature=1.0)})  # drawn
+            for setting in (Sampling(), Sampling(temperature=1.0)):  # greedy, drawn
+                _, sampled = self._sample_device(logits, {0: (0, Request(0, [0], 1))}, {0: setting})
+                if self.overlap:  # the gather of pending tokens into this bucket's rows
+                    self._feed_fn()(self.put(rows.reshape(-1), ROW), self.put(rows.reshape(-1) - 1, ROW), sampled)
+        if self.preemption == "swap":  # its copies out and back, page counts padded to powers of two
+            for d in range(self.shards):
+                for count in (1 << i for i in range((self.max_pages - 1).bit_length() + 1)):
+                    block = jax.device_get(self.export_pages(d, [self.scratch] * count))
+                    self.import_pages(d, [self.scratch] * count, self.receive_pages(d, block)[0])
         if self.drafter is not None:
             self.drafter.warmup(self)
         jax.block_until_ready(self.cache)
@@ -432,15 +539,16 @@ class Engine(EngineAPI):
     # -- requests
     @property
     def idle(self) -> bool:
-        return all(s.idle for s in self.schedulers) and not any(self.forks.values())
+        return all(s.idle for s in self.schedulers) and not any(self.forks.values()) and self.inflight is None
 
     @property
     def finished(self) -> list[Request]:
-        return [r for s in self.schedulers for r in s.finished]
+        """Requests that have ended (under overlap, once their last token is read)."""
+        return [r for s in self.schedulers for r in s.finished if not r.pending]
 
     def forget_finished(self) -> None:
         for s in self.schedulers:
-            s.finished.clear()
+            s.finished[:] = [r for r in s.finished if r.pending]  # their last token is still to come
         self.failed.clear()
 
     def submit(
@@ -521,7 +629,7 @@ class Engine(EngineAPI):
         are freed at once. False if the engine does not hold it."""
         d = self.shard_of.get(request_id)
         if d is None:
-            return False
+            return self._finish_in_flight(request_id, reason)
         ended = self.schedulers[d].remove(request_id, reason, keep=reason != "abort")
         if ended is None:  # a fork still waiting for its parent's prefill
             for parent, children in self.forks.items():
@@ -537,9 +645,29 @@ class Engine(EngineAPI):
         self._forget(d, request_id)
         return True
 
+    def _finish_in_flight(self, request_id, reason: str) -> bool:
+        """Overlap: a request whose last token is sampled but not yet read (its pages are already
+        free) ends now with `reason`; that token is dropped when it arrives."""
+        for d, work in enumerate(self.inflight.plans if self.inflight else []):
+            for w in work:
+                r = w.request
+                if r.id == request_id and r.pending and r.finish_reason is None:
+                    r.finish_reason = reason
+                    if reason == "abort":
+                        self.schedulers[d].finished.remove(r)
+                    return True
+        return False
+
     def _preempted(self, r: Request) -> None:
-        """A scheduler took `r`'s pages back: drop what the device side holds for it."""
+        """A scheduler takes `r`'s pages back: drop what the device side holds for it; under swap
+        preemption, first copy the cache it has (`r.cached` tokens) to host memory."""
         d = self.shard_of[r.id]
+        if self.preemption == "swap" and r.cached:
+            pool = self.pools[d]
+            block = self.export_pages(d, sampling_lib.pad(pool.table(r.id)[: pool.pages_for(r.cached)]))
+            self.swapped[r.id] = (r.cached, jax.device_get(block))
+            r.swapped = r.cached
+            self.stats["swapped_out"] += r.cached
         if self.residual:
             self.residual[d].free(r.id)
         if self.drafter is not None:
@@ -548,7 +676,18 @@ class Engine(EngineAPI):
             self.schedulers[d].waiting.append(child)
             child.fork_of = None
 
+    def _resume(self, r: Request) -> int:
+        """A swapped request has pages again: its cache goes back into them. Returns its tokens."""
+        d = self.shard_of[r.id]
+        tokens, block = self.swapped.pop(r.id)
+        pool = self.pools[d]
+        placed, _ = self.receive_pages(d, block)
+        self.import_pages(d, sampling_lib.pad(pool.table(r.id)[: pool.pages_for(tokens)]), placed)
+        self.stats["swapped_in"] += tokens
+        return tokens
+
     def _forget(self, d: int, request_id) -> None:
+        self.swapped.pop(request_id, None)
         self.sampling.pop(request_id, None)
         self.shard_of.pop(request_id, None)
         if self.residual:
@@ -566,6 +705,11 @@ class Engine(EngineAPI):
         the others; if the device cache was lost with it, every running request fails."""
         plans = [s.plan() for s in self.schedulers]
         n = max(sum(w.tokens for w in work) for work in plans)
+        if self.overlap:
+            return self._overlapped(plans, n)
+        return self._synchronous(plans, n)
+
+    def _synchronous(self, plans, n: int) -> tuple[list, dict]:
         if n == 0:
             return [], {}
         try:
@@ -574,6 +718,99 @@ class Engine(EngineAPI):
             log.exception("jaxsys.serve: a step failed; its requests end with finish_reason 'error'")
             self._fail(plans, f"{type(e).__name__}: {e}")
             return [], {}
+
+    # -- overlapped scheduling (serve.overlap): step n + 1 is planned and dispatched while the
+    # device runs step n; its decodes read their input tokens from step n's sampled tokens on the
+    # device, and step n's tokens are read (stop ids, streaming, finishing) after the dispatch
+    def _overlapped(self, plans, n: int) -> tuple[list, dict]:
+        """Dispatch this step, then read the step in flight: its (work, tokens) are what returns. A
+        step with forks, penalties or log-probabilities runs synchronously after the read."""
+        prev, self.inflight = self.inflight, None
+        if n and self._overlappable(plans):
+            try:
+                self.inflight = self._dispatch(plans, n, prev)
+            except Exception as e:  # noqa: BLE001 - isolate the failure to the step's requests
+                log.exception("jaxsys.serve: a step failed; its requests end with finish_reason 'error'")
+                done = self._receive(prev)
+                self._fail(plans, f"{type(e).__name__}: {e}")
+                return done
+            done = self._receive(prev)
+            self._commit_pending(self.inflight)
+            return done
+        work, sampled = self._receive(prev)
+        for d, s in enumerate(self.schedulers):  # a stop id read just now ended some of them
+            running = {id(r) for r in s.running}
+            plans[d] = [w for w in plans[d] if id(w.request) in running]
+        more, later = self._synchronous(plans, max(sum(w.tokens for w in work) for work in plans))
+        for rid, tokens in later.items():
+            sampled[rid] = _as_list(sampled[rid]) + _as_list(tokens) if rid in sampled else tokens
+        return work + more, sampled
+
+    def _overlappable(self, plans) -> bool:
+        if any(self.forks.values()):
+            return False
+        settings = [self.sampling[w.request.id] for work in plans for w in work]
+        return not any(s.penalized or s.logprobs is not None or s.prompt_logprobs for s in settings)
+
+    def _dispatch(self, plans, n: int, prev: _InFlight | None) -> _InFlight:
+        """Run a step on the device without reading its tokens: decodes whose last token is still
+        on the device (pending) take it from `prev`'s sampled tokens there."""
+        self._prepare_residual(plans)
+        width = self.width(n)
+        tokens, positions, tables, sample_rows, _, _, src = self._rows(plans, width, None, prev)
+        feed = (src, prev.tokens) if prev is not None and (src >= 0).any() else None
+        logits = self.forward(tokens, positions, tables, feed=feed)
+        self.stats["target_steps"] += 1
+        if not sample_rows:
+            return _InFlight(plans, {}, None)
+        ids, sampled = self._sample_device(logits, sample_rows)
+        sampled.copy_to_host_async()  # on its way while the host plans the next step
+        return _InFlight(plans, {rid: i for i, rid in enumerate(ids[: len(sample_rows)])}, sampled)
+
+    def _commit_pending(self, step: _InFlight) -> None:
+        """The dispatched step's effect on the schedule, its sampled tokens not yet known: each
+        sampling request holds one pending token (a request that reaches max_new_tokens has ended:
+        its pages are free, it lists as finished once the token is read)."""
+        sampled = dict.fromkeys(step.slots, PENDING)
+        for d, (scheduler, work) in enumerate(zip(self.schedulers, step.plans)):
+            running = {id(r) for r in scheduler.running}
+            live = [w for w in work if id(w.request) in running]  # not ended by the read meanwhile
+            for req in scheduler.commit(live, sampled):
+                self._forget(d, req.id)
+            for w in live:
+                if w.kind == "decode":
+                    w.request.stats["decode_steps"] += 1
+                if self.residual and not w.request.ended:
+                    self.residual[d].advance(w.request.id, w.request.cached)
+
+    def _receive(self, step: _InFlight | None) -> tuple[list, dict]:
+        """Read a dispatched step's tokens and apply them: (its work, {request id: token}) for the
+        requests that keep theirs (an abort or a stop string meanwhile drops it); a stop id ends
+        its request now (the step dispatched since computed one token for it in vain)."""
+        if step is None:
+            return [], {}
+        work = [w for plan in step.plans for w in plan]
+        if step.tokens is None:
+            return work, {}
+        try:
+            values = np.asarray(step.tokens).tolist()
+        except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests end
+            log.exception("jaxsys.serve: a step failed; its requests end with finish_reason 'error'")
+            self._fail([list(plan) for plan in step.plans], f"{type(e).__name__}: {e}")
+            return [], {}
+        out = {}
+        for d, plan in enumerate(step.plans):
+            for w in plan:
+                r = w.request
+                if r.id not in step.slots or not r.pending:
+                    continue
+                kept, ended = self.schedulers[d].receive(r, values[step.slots[r.id]])
+                if kept:
+                    out[r.id] = values[step.slots[r.id]]
+                if ended:
+                    self._forget(d, r.id)
+        self.stats["tokens"] += len(out)
+        return work, out
 
     def _fail(self, plans, message: str) -> None:
         lost = any(getattr(a, "is_deleted", lambda: False)() for a in self.cache.per_layer().values())
@@ -594,42 +831,10 @@ class Engine(EngineAPI):
         steps = self._loop_steps(plans)
         if steps > 1:
             return self._decode_loop(plans, n, steps)
-        if self.residual:  # kv_quant: the full-precision pages the rows of this step (and its drafts) use
-            for d, work in enumerate(plans):
-                for w in work:
-                    self.residual[d].prepare(w.request.id, w.start, w.tokens)
+        self._prepare_residual(plans)
         drafts = self.drafter.propose(self, plans) if self.drafter is not None else None
         width = self.width(n)
-        tokens = np.zeros((self.shards, width), np.int32)
-        positions = np.zeros((self.shards, width), np.int32)
-        # the ragged kernel where a sequence has several rows (a prefill chunk, a speculative
-        # verify); a decode-only step reads each sequence's pages once anyway, row by row, and the
-        # ragged kernel would pad every decode to a query block
-        tables = self.tables(width, ragged=any(w.tokens > 1 for work in plans for w in work))
-        self.fill_sequences(tables, plans)
-        sample_rows, verify_rows, prompt_rows = {}, {}, []
-        for d, work in enumerate(plans):
-            r = 0
-            for w in work:
-                req = w.request
-                for i in range(w.tokens):
-                    pos = w.start + i
-                    if w.kind == "prefill":
-                        tokens[d, r] = req.prefix[pos]
-                        first = req.prefix is req.prompt  # not a recomputation after a preemption
-                        if self.sampling[req.id].prompt_logprobs and first and pos + 1 < len(req.prompt):
-                            prompt_rows.append((d * width + r, req.prompt[pos + 1], req))
-                    else:  # the last token, then under speculation the drafted ones
-                        tokens[d, r] = req.generated[-1] if i == 0 else drafts.tokens[req.id][i - 1]
-                    positions[d, r] = pos
-                    self.fill_row(tables, d, r, req.id)
-                    r += 1
-                if w.kind == "decode" and w.tokens > 1:
-                    verify_rows[req.id] = (d * width + r - w.tokens, w)
-                elif w.kind == "decode" or w.start + w.tokens == len(req.prefix):
-                    sample_rows[req.id] = (d * width + r - 1, req)
-                    for child in self.forks.get(req.id, []) if w.kind == "prefill" else []:
-                        sample_rows[child.id] = (d * width + r - 1, child)  # its first token, same logits
+        tokens, positions, tables, sample_rows, verify_rows, prompt_rows, _ = self._rows(plans, width, drafts)
         logits = self.forward(tokens, positions, tables)
         self.stats["target_steps"] += 1
         sampled = self.sample(logits, sample_rows) if sample_rows else {}
@@ -661,6 +866,52 @@ class Engine(EngineAPI):
                 self._forget(d, child.id)
         self.stats["tokens"] += sum(len(v) if isinstance(v, list) else 1 for v in sampled.values())
         return [w for work in plans for w in work], sampled
+
+    def _prepare_residual(self, plans) -> None:
+        if self.residual:  # kv_quant: the full-precision pages the rows of this step (and its drafts) use
+            for d, work in enumerate(plans):
+                for w in work:
+                    self.residual[d].prepare(w.request.id, w.start, w.tokens)
+
+    def _rows(self, plans, width: int, drafts=None, prev: _InFlight | None = None) -> tuple:
+        """A step's rows [D, width]: (tokens, positions, tables, sample_rows {request id: (row,
+        request)}, verify_rows {request id: (first row, work)} of speculative decodes, prompt_rows
+        [(row, next prompt token, request)] wanting prompt log-probabilities, src: for each row
+        whose token is a pending one (overlap), its index in `prev`'s sampled tokens, else -1)."""
+        tokens = np.zeros((self.shards, width), np.int32)
+        positions = np.zeros((self.shards, width), np.int32)
+        src = np.full((self.shards, width), -1, np.int32)
+        # the ragged kernel where a sequence has several rows (a prefill chunk, a speculative
+        # verify); a decode-only step reads each sequence's pages once anyway, row by row, and the
+        # ragged kernel would pad every decode to a query block
+        tables = self.tables(width, ragged=any(w.tokens > 1 for work in plans for w in work))
+        self.fill_sequences(tables, plans)
+        sample_rows, verify_rows, prompt_rows = {}, {}, []
+        for d, work in enumerate(plans):
+            r = 0
+            for w in work:
+                req = w.request
+                for i in range(w.tokens):
+                    pos = w.start + i
+                    if w.kind == "prefill":
+                        tokens[d, r] = req.prefix[pos]
+                        first = req.prefix is req.prompt  # not a recomputation after a preemption
+                        if self.sampling[req.id].prompt_logprobs and first and pos + 1 < len(req.prompt):
+                            prompt_rows.append((d * width + r, req.prompt[pos + 1], req))
+                    elif i == 0 and req.pending:  # sampled by the step in flight, still on the device
+                        src[d, r] = prev.slots[req.id]
+                    else:  # the last token, then under speculation the drafted ones
+                        tokens[d, r] = req.generated[-1] if i == 0 else drafts.tokens[req.id][i - 1]
+                    positions[d, r] = pos
+                    self.fill_row(tables, d, r, req.id)
+                    r += 1
+                if w.kind == "decode" and w.tokens > 1:
+                    verify_rows[req.id] = (d * width + r - w.tokens, w)
+                elif w.kind == "decode" or w.start + w.tokens == len(req.prefix):
+                    sample_rows[req.id] = (d * width + r - 1, req)
+                    for child in self.forks.get(req.id, []) if w.kind == "prefill" else []:
+                        sample_rows[child.id] = (d * width + r - 1, child)  # its first token, same logits
+        return tokens, positions, tables, sample_rows, verify_rows, prompt_rows, src
 
     def _loop_steps(self, plans) -> int:
         """How many decode steps this step can run in one call: `decode_steps` when every running
@@ -765,6 +1016,11 @@ class Engine(EngineAPI):
         rows, so that it compiles once per row bucket (in `warmup`), not once per number of
         sequences. Rows with penalties go through `sampling.sample_penalized` (their seen tokens
         padded to a power of two)."""
+        ids, tokens = self._sample_device(logits, sample_rows, settings_of)
+        return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
+
+    def _sample_device(self, logits, sample_rows: dict, settings_of: dict | None = None) -> tuple[list, Any]:
+        """`sample`'s call, its tokens left on the device: (the padded request ids, tokens [slots])."""
         settings_of = self.sampling if settings_of is None else settings_of
         ids = sampling_lib.pad(list(sample_rows), max(self.sample_slots, len(sample_rows)))
         settings = [settings_of[rid] for rid in ids]
@@ -772,7 +1028,8 @@ class Engine(EngineAPI):
             logits,
             np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
             np.asarray([s.seed for s in settings], np.int32),
-            np.asarray([len(sample_rows[rid][1].generated) for rid in ids], np.int32),
+            # the key of the request's next token (counting one sampled and still in flight)
+            np.asarray([len(sample_rows[rid][1].generated) + sample_rows[rid][1].pending for rid in ids], np.int32),
             np.asarray([s.temperature for s in settings], np.float32),
             np.asarray([s.top_k for s in settings], np.int32),
             np.asarray([s.top_p for s in settings], np.float32),
@@ -797,7 +1054,7 @@ class Engine(EngineAPI):
                 for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
             ]
             tokens = sampling_lib.sample_penalized(*args, history, generated, *penalties)
-        return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
+        return ids, tokens
 
     def _logprobs(self, logits, rows: dict, sampled: dict) -> dict:
         """{request id: (log-probabilities of its sampled tokens, their top alternatives)} for the
@@ -997,6 +1254,15 @@ class Engine(EngineAPI):
         """Write a `receive_pages` result into cache pages `pages` (local ids of batch shard `shard`)."""
         ids, counts = self._page_ids(shard, pages)
         self.cache = self.cache.with_layers(self._page_fn("import", shard, counts)(self.cache.per_layer(), placed, ids))
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """Overlap: a step on the device whose sampled tokens the host has not read."""
+
+    plans: list  # per batch shard, the step's work
+    slots: dict  # request id -> its token's index in `tokens`
+    tokens: Any  # the sampled tokens [slots] on the device (None: the step sampled nothing)
 
 
 def _overlap(a: tuple, b: tuple, shape: tuple) -> int:

@@ -19,7 +19,9 @@ A request is admitted when `max_seqs` allows and the pool holds its prefix's pag
 "reserve": a running sequence never waits for a page). When an on-demand sequence cannot grow, the
 most recently admitted running sequence is preempted (vLLM's recompute preemption): its pages go
 back (its full pages stay in the prefix cache), and it waits at the head of the queue to prefill
-its prompt and the tokens it has generated again; its output is unchanged. `policy` gives the
+its prompt and the tokens it has generated again; its output is unchanged. Under swap preemption
+the engine copies its cache to host memory first (`on_preempt`) and back into its new pages when
+it is admitted again (`on_resume`), which then prefills only what was not in the cache. `policy` gives the
 baselines the Sarathi paper compares with: "prefill_first" (vLLM's: whole prompts before any
 decode, the decodes of that step wait) and "decode_first" (decodes, then only whole prompts that
 fit what is left of the budget); "chunked" is the default.
@@ -37,6 +39,10 @@ import numpy as np
 from jaxsys.config import SERVE_POLICIES as POLICIES
 
 ALLOCATIONS = ("on_demand", "reserve")
+PREEMPTIONS = ("recompute", "swap")  # what a preempted sequence's cache becomes (the engine's serve.preemption)
+# what `Scheduler.commit` takes for a token sampled on the device whose value the host reads a step
+# later (overlapped scheduling, the engine's serve.overlap): the request counts it (`pending`)
+PENDING = object()
 
 
 class PoolExhausted(RuntimeError):
@@ -191,6 +197,10 @@ class Request:
     registered: int = 0  # of its pages, those named in the pool's prefix cache
     preempted: int = 0  # times it was preempted
     share_prefix: bool = True  # may start from cached pages (not when its prompt's logits are wanted)
+    # overlapped scheduling: tokens sampled on the device, not yet read by the host (0 or 1); they
+    # count for the cache and the schedule (`cached`, `ended`) but are not in `generated`
+    pending: int = 0
+    swapped: int = 0  # swap preemption: tokens of its cache copied to host memory, copied back on resume
 
     def __post_init__(self):
         if not self.prefix:
@@ -199,6 +209,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or len(self.generated) >= self.max_new_tokens
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more to schedule: done, or its last token is sampled but still on the device."""
+        return self.done or len(self.generated) + self.pending >= self.max_new_tokens
 
     def append(self, tokens: list) -> int:
         """Add generated tokens, cut after the first stop id; sets finish_reason when the request
@@ -217,7 +232,8 @@ class Request:
     @property
     def cached(self) -> int:
         """Tokens in the cache: the prefilled prefix and every token generated since but the last."""
-        return self.prefilled + max(len(self.generated) - (len(self.prefix) - len(self.prompt)) - 1, 0)
+        generated = len(self.generated) + self.pending
+        return self.prefilled + max(generated - (len(self.prefix) - len(self.prompt)) - 1, 0)
 
     @property
     def decoding(self) -> bool:
@@ -249,6 +265,7 @@ class Scheduler:
         allocation: str = "reserve",
         prefix_cache: bool = False,
         on_preempt=None,
+        on_resume=None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r}: choose one of {POLICIES}")
@@ -265,7 +282,10 @@ class Scheduler:
         )
         self.max_len = max_len
         self.allocation, self.prefix_cache = allocation, prefix_cache
-        self.on_preempt = on_preempt  # called with a preempted request (the engine drops its device state)
+        self.on_preempt = on_preempt  # called with a preempted request, its pages still held (the
+        # engine drops its device state, or copies its cache to host memory: r.swapped)
+        self.on_resume = on_resume  # called with a swapped request given its pages again: its
+        # cache copied back, returns the tokens restored
         self.waiting: list[Request] = []  # arrived (or preempted), no pages yet
         self.running: list[Request] = []  # holding pages: prefilling or decoding, oldest admitted first
         self.finished: list[Request] = []
@@ -298,7 +318,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_seqs:
             r = self.waiting[0]
             shared = 0
-            if self.prefix_cache and r.share_prefix and not r.prefilled:
+            if self.prefix_cache and r.share_prefix and not r.prefilled and not r.swapped:
                 # at least the last prefix token is computed (its logits give the next token)
                 r.names = page_hashes(r.prefix, self.pool.page_size, r.names)
                 shared = self.pool.match(r.id, r.names[: (len(r.prefix) - 1) // self.pool.page_size])
@@ -310,12 +330,16 @@ class Scheduler:
                 return  # first come, first served: later requests wait behind it
             r.prefilled = shared * self.pool.page_size
             r.registered = shared
+            if r.swapped:
+                r.prefilled, r.swapped = self.on_resume(r), 0
             self.running.append(self.waiting.pop(0))
 
     def preempt(self, r: Request) -> None:
         """Take `r`'s pages back (recompute preemption): it waits at the head of the queue to prefill
         its prompt and the tokens it generated, then decodes on."""
         self.running.remove(r)
+        if self.on_preempt is not None:
+            self.on_preempt(r)
         self.pool.free(r.id)
         r.prefix = r.prompt + r.generated
         r.prefilled = r.registered = 0
@@ -323,8 +347,6 @@ class Scheduler:
         r.preempted += 1
         self.preemptions += 1
         self.waiting.insert(0, r)
-        if self.on_preempt is not None:
-            self.on_preempt(r)
 
     def _grow(self, r: Request, tokens: int, planned: list) -> bool:
         """Give `r` pages for `tokens` slots, preempting the most recently admitted running
@@ -395,27 +417,48 @@ class Scheduler:
     def commit(self, work: list[Work], sampled: dict) -> list[Request]:
         """Apply a step's results: `sampled[request id]` is the token sampled after each decode and
         after each prefix's last chunk (a list of tokens after a speculative decode: the accepted
-        drafts and the next token). Names the sequences' newly full pages in the prefix cache.
+        drafts and the next token; PENDING: sampled on the device, its value read later). Names
+        the sequences' newly full pages in the prefix cache.
         Returns the requests that finished (their pages given back)."""
         done = []
         for w in work:
             r = w.request
             if w.kind == "prefill":
                 r.prefilled += w.tokens
-                if r.prefilled == len(r.prefix):
-                    r.append([sampled[r.id]])
-            else:
+            if w.kind == "decode" or r.prefilled == len(r.prefix):
                 tokens = sampled[r.id]
-                r.append(tokens if isinstance(tokens, list) else [tokens])
+                if tokens is PENDING:
+                    r.pending += 1
+                else:
+                    r.append(tokens if isinstance(tokens, list) else [tokens])
             if self.prefix_cache:
                 self._register(r)
-            if r.done:
+            if r.ended:
                 done.append(r)
         for r in done:
             self.running.remove(r)
             self.pool.free(r.id)
             self.finished.append(r)
         return done
+
+    def receive(self, r: Request, token: int) -> tuple[bool, bool]:
+        """Overlapped scheduling: the value of `r`'s pending token, read a step after it was
+        sampled. Dropped if `r` ended meanwhile (an abort, a stop string, a failure); a stop id ends
+        `r` now, running or preempted (the decode of it already dispatched is wasted). A preempted
+        `r` recomputes the token with its prefix. Returns (kept, `r` ended now: its pages freed)."""
+        r.pending -= 1
+        if r.finish_reason is not None:
+            return False, False
+        waiting = r in self.waiting
+        r.append([token])
+        if waiting:  # preempted with the token in flight: its prefix did not have it yet
+            r.prefix = r.prompt + r.generated
+        if r.finish_reason == "stop" and (waiting or r in self.running):
+            (self.waiting if waiting else self.running).remove(r)
+            self.pool.free(r.id)
+            self.finished.append(r)
+            return True, True
+        return True, False
 
     def _register(self, r: Request) -> None:
         full = r.cached // self.pool.page_size
