@@ -126,6 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.shard_docs = 10000  # documents per shard (the unit of parallel and resumable work)
     c.data.tokenize_workers = 0  # worker processes of the tokenize command (0: up to 8, one per core)
     c.data.packing = False  # several documents per row with segment ids (False: one per row, padded)
+    c.data.adaptive_cp = False  # packed rows laid out so short documents sit on one seq device (docs/bytescale.md)
     c.data.prefetch = 2  # batches the loader builds ahead of the step (grain threads)
 
     c.train = ml_collections.ConfigDict()
@@ -869,6 +870,18 @@ def _validate_data(config) -> None:
         "config.data.packing=True with config.data.format='preference': a pair's two completions sit on rows "
         "2i and 2i + 1 of the batch, one a row; use packing=False",
     )
+    _require(isinstance(d.adaptive_cp, bool), f"config.data.adaptive_cp={d.adaptive_cp!r}: choose True or False")
+    if d.adaptive_cp:
+        _require(
+            documents and d.packing,
+            "config.data.adaptive_cp=True lays out packed rows of documents: set config.data.packing=True with a "
+            f"source of documents ({', '.join(DOCUMENT_SOURCES)}), or adaptive_cp=False",
+        )
+        _require(
+            config.mesh.seq > 1,
+            "config.data.adaptive_cp=True places documents on the devices of the seq axis, but config.mesh.seq=1: "
+            "set mesh.seq > 1 (context parallelism) or adaptive_cp=False",
+        )
     if d.packing:
         _require(
             "linear" not in layer_pattern(config.model),

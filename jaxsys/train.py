@@ -40,7 +40,7 @@ from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_dist
 from jaxsys.models import adapters
 from jaxsys.models import params as params_lib
 from jaxsys.optim import outer as outer_lib
-from jaxsys.parallel import expert_placement
+from jaxsys.parallel import context, expert_placement
 
 # the program lives in jaxsys/program.py; these names stay importable from here
 from jaxsys.program import Placement, Program, TrainState, build  # noqa: F401
@@ -73,6 +73,14 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def adaptive_chunks(config):
+    """The seq axis's chunk table when config.data.adaptive_cp lays rows out for it
+    (data/bytescale.py), else None."""
+    if not config.data.adaptive_cp:
+        return None
+    return context.chunk_table(int(config.mesh.seq), bool(config.model.context_load_balance))
 
 
 def _array(x) -> np.ndarray:
@@ -252,7 +260,7 @@ def main(config, workdir: str) -> list[dict]:
             "converted model (`python -m jaxsys.quantize --workdir BASE --out BASE_Q --format "
             f"{config.model.quant}`) and pass config.checkpoint.init_from=BASE_Q (docs/finetune.md)"
         )
-    corpus = loader_lib.load_corpus(config.data)
+    corpus = loader_lib.load_corpus(config.data, chunks=adaptive_chunks(config))
     if corpus.vocab_needed > config.model.vocab_size:
         raise ConfigError(
             f"the corpus has token ids up to {corpus.vocab_needed - 1} but "

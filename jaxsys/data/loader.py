@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxsys import data as data_lib
-from jaxsys.data import DataError, packing
+from jaxsys.data import DataError, bytescale, packing
 
 
 @dataclasses.dataclass
@@ -105,8 +105,10 @@ class DocumentCorpus:
     def rows(self, seed: int, step: int, batch_size: int, split: str, rows):
         """(tokens, segments, weights) numpy arrays of rows `rows` of the global batch."""
         s = self.split(split)
-        members = [s.plan.row(r) for r in self.row_ids(seed, step, batch_size, split, rows)]
-        return packing.assemble(members, s.pieces, self.store.document, self.seq_len)
+        ids = self.row_ids(seed, step, batch_size, split, rows)
+        members = [s.plan.row(r) for r in ids]
+        starts = None if s.plan.starts is None else [s.plan.row_starts(r) for r in ids]
+        return packing.assemble(members, s.pieces, self.store.document, self.seq_len, starts)
 
     def global_batch(self, sharding, seed: int, step: int, batch_size: int, seq_len: int, split: str = "train"):
         """The `data.Batch` of (seed, step, split) with `sharding` on each array; each process
@@ -131,15 +133,16 @@ class DocumentCorpus:
         return data_lib.Batch(*(make(a) for a in arrays))
 
 
-def load_corpus(data_cfg, encode=None, splits=("train", "eval")):
+def load_corpus(data_cfg, encode=None, splits=("train", "eval"), chunks=None):
     """The corpus of `data_cfg`: a corpus of documents (`load_documents`), or a token stream
-    (`data.load_corpus`, with its `encode` and `splits`)."""
+    (`data.load_corpus`, with its `encode` and `splits`). `chunks` (`context.chunk_table`, with
+    config.data.adaptive_cp): lay packed rows out for length-adaptive context parallelism."""
     if data_lib.is_documents(data_cfg):
-        return load_documents(data_cfg)
+        return load_documents(data_cfg, chunks=chunks)
     return data_lib.load_corpus(data_cfg, encode, splits)
 
 
-def load_documents(data_cfg, progress: bool | None = None) -> DocumentCorpus:
+def load_documents(data_cfg, progress: bool | None = None, chunks=None) -> DocumentCorpus:
     """The corpus of documents of `data_cfg`, tokenized (`shards.load`: built first when missing
     and this is the only process) and cut into the rows of its splits."""
     from jaxsys.data import shards
@@ -151,10 +154,12 @@ def load_documents(data_cfg, progress: bool | None = None) -> DocumentCorpus:
         progress=lead if progress is None else progress,
         log=print if lead else (lambda *_: None),
     )
-    return split_documents(store, data_cfg)
+    return split_documents(store, data_cfg, chunks)
 
 
-def split_documents(store, data_cfg) -> DocumentCorpus:
+def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
+    """The splits' pieces and rows: one piece a row, best-fit packed rows, or (packing with
+    `chunks` given) rows laid out by `bytescale.plan` for length-adaptive context parallelism."""
     seq_len, fraction = int(data_cfg.seq_len), float(data_cfg.eval_fraction)
     n = store.num_docs
     n_eval = max(1, int(n * fraction)) if fraction > 0 else 0
@@ -184,7 +189,12 @@ def split_documents(store, data_cfg) -> DocumentCorpus:
                 f"the {name} split of the corpus ({store.directory}) has no document of 2 tokens or more: "
                 "nothing to predict"
             )
-        plan = packing.packed_plan(pieces.length, seq_len + 1) if data_cfg.packing else packing.padded_plan(len(pieces))
+        if data_cfg.packing and chunks is not None:
+            plan = bytescale.plan(pieces.length, seq_len, chunks).to_plan()
+        elif data_cfg.packing:
+            plan = packing.packed_plan(pieces.length, seq_len + 1)
+        else:
+            plan = packing.padded_plan(len(pieces))
         splits[name] = Split(pieces, plan)
     m = store.manifest
     train = splits["train"]
@@ -192,7 +202,7 @@ def split_documents(store, data_cfg) -> DocumentCorpus:
     desc = (
         f"{data_cfg.source} {data_cfg.format} documents ({m['docs']} docs{cut}, {m['tokens']} tokens, "
         f"{data_cfg.tokenizer} tokenizer, train {n - n_eval} / eval {n_eval}) "
-        f"{'packed' if data_cfg.packing else 'one a row'}: {train.num_rows} train rows of {seq_len + 1}, "
+        f"{('packed for adaptive CP' if chunks is not None else 'packed') if data_cfg.packing else 'one a row'}: {train.num_rows} train rows of {seq_len + 1}, "
         f"{train.padding(seq_len):.1%} padding; shards in {store.directory}"
     )
     return DocumentCorpus(store, splits, seq_len, bool(data_cfg.packing), int(m["vocab_needed"]), desc, pairs)

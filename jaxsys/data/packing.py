@@ -67,6 +67,7 @@ class Plan:
 
     row_ptr: np.ndarray  # [R + 1] int64
     members: np.ndarray  # [P] int64
+    starts: np.ndarray | None = None  # [P] int64: each member's first position (None: one after the other)
 
     @property
     def num_rows(self) -> int:
@@ -74,6 +75,9 @@ class Plan:
 
     def row(self, r: int) -> np.ndarray:
         return self.members[self.row_ptr[r] : self.row_ptr[r + 1]]
+
+    def row_starts(self, r: int) -> np.ndarray | None:
+        return None if self.starts is None else self.starts[self.row_ptr[r] : self.row_ptr[r + 1]]
 
 
 def padded_plan(num_pieces: int) -> Plan:
@@ -131,9 +135,13 @@ def weights_of(segments: np.ndarray, mask: np.ndarray) -> np.ndarray:
 Fetch = Callable[[int], tuple[np.ndarray, "np.ndarray | None"]]  # document -> (ids, mask or None)
 
 
-def assemble(rows: list[np.ndarray], pieces_: Pieces, fetch: Fetch, seq_len: int):
+def assemble(
+    rows: list[np.ndarray], pieces_: Pieces, fetch: Fetch, seq_len: int, starts: list[np.ndarray] | None = None
+):
     """(tokens [n, T + 1] int32, segments [n, T + 1] int32, weights [n, T] float32) of rows given as
-    arrays of piece indices; `fetch(doc)` gives a document's ids and mask (None: every token counts)."""
+    arrays of piece indices; `fetch(doc)` gives a document's ids and mask (None: every token counts).
+    `starts` (per row, each piece's first position, increasing): where the pieces sit; by default
+    one after the other from 0 (data/bytescale.py leaves gaps of padding between them)."""
     n, width = len(rows), seq_len + 1
     tokens = np.zeros((n, width), np.int32)
     segments = np.zeros((n, width), np.int32)
@@ -143,6 +151,9 @@ def assemble(rows: list[np.ndarray], pieces_: Pieces, fetch: Fetch, seq_len: int
         for k, p in enumerate(members.tolist()):
             ids, m = fetch(int(pieces_.doc[p]))
             a, length = int(pieces_.start[p]), int(pieces_.length[p])
+            if starts is not None:
+                assert int(starts[i][k]) >= pos, "pieces overlap"
+                pos = int(starts[i][k])
             tokens[i, pos : pos + length] = ids[a : a + length]
             mask[i, pos : pos + length] = 1 if m is None else m[a : a + length]
             segments[i, pos : pos + length] = k + 1

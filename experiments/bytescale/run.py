@@ -1,0 +1,264 @@
+"""Length-adaptive context parallelism (ByteScale) vs fixed context parallelism on a long-tailed
+length distribution: per-device work imbalance, the keys/values that must cross devices, the
+collectives of the step, and tokens/s on CPU (experiments/bytescale/README.md).
+
+    python experiments/bytescale/run.py [--quick]
+
+1. The plan (host only). 20,000 documents (quick: 5,000) with lognormal lengths (median 800
+   tokens, sigma 1.6, capped at 256K): most are short, a few far longer than a row. They are cut
+   into pieces of at most T + 1 = 16,385 tokens (`packing.pieces`) for a mesh seq=8 x data=4, B = 32
+   rows a step, on contiguous chunks and on the zigzag:
+     fixed           best-fit decreasing rows (`config.data.packing`), shuffled into batches;
+     adaptive_split  `bytescale.plan` over the whole split (what `config.data.adaptive_cp` does),
+                     shuffled into batches;
+     adaptive_batch  each fixed batch's pieces placed again by `bytescale.plan(min_rows=B,
+                     shards=4)` over that step's 32 devices; pieces past B rows are deferred.
+   Over 20 steps each device's work is summed over the rows it holds: a FLOPs per token + b per
+   visible (query, key) pair, per layer of a model with d_model 4,096 (a = 24 d^2 for the
+   projections and MLP, b = 4 d for QK^T and PV); also attention (pairs) and tokens alone.
+   Imbalance = max / mean - 1 over the 32 devices, per step (mean and max over the steps).
+   Keys/values crossing devices (forward, per row and layer, bf16, 8 KV heads of 128): what the
+   plan's groups need (`bytescale.kv_traffic`) against what the static ring moves (T (S - 1)).
+2. The step's collectives: the tiny model's step (T = 128, seq=4 x data=2, ring, packed documents)
+   lowered with and without adaptive_cp: the seq collectives in the HLO (count, bytes).
+3. tokens/s on CPU: that one program trains on each layout's first 8 batches, alternating, 5
+   rounds (8 simulated devices on this machine's CPU, shared); trained tokens/s counts the targets
+   of weight 1 per median step.
+
+    python experiments/bytescale/run.py --replot   # the tables from results.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import numpy as np  # noqa: E402
+
+from experiments.common import emit, load_results, markdown_table, run_worker, save_results, worker_devices  # noqa: E402
+
+S, D, B, T, STEPS, ROUNDS = 8, 4, 32, 16384, 20, 5
+D_MODEL, KV_BYTES_PER_TOKEN = 4096, 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16
+
+
+def lengths(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(np.log(800), 1.6, n).astype(np.int64) + 2, 262144)
+
+
+def _device_loads(work: dict, rows: np.ndarray) -> dict:
+    """Imbalance of each kind of work over the D x S devices holding `rows` (row i on shard i % D)."""
+    shard = np.arange(rows.shape[0]) % D
+    return {k: bytescale_imbalance(np.stack([w[rows[shard == d]].sum(0) for d in range(D)])) for k, w in work.items()}
+
+
+def bytescale_imbalance(load):
+    from jaxsys.data import bytescale
+
+    return bytescale.imbalance(load)
+
+
+def plan_stats(doc_len: np.ndarray) -> dict:
+    from jaxsys.data import bytescale, packing
+    from jaxsys.parallel import context
+
+    pieces = packing.pieces(doc_len, T)
+    a, b = 24.0 * D_MODEL**2, 4.0 * D_MODEL
+    kinds = {"flops": (a, b), "attention": (0.0, 1.0), "tokens": (1.0, 0.0)}
+    fixed = bytescale.packed_placement(pieces.length, T)
+    order = np.random.default_rng(1).permutation(fixed.num_rows)  # the loader's shuffle of the rows
+    batches = [order[i * B : (i + 1) * B] for i in range(min(STEPS, fixed.num_rows // B))]
+    out = {}
+    for layout in ("contiguous", "zigzag"):
+        chunks = context.chunk_table(S, layout == "zigzag")
+        fixed_work = {k: bytescale.work(fixed, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
+        t0 = time.perf_counter()
+        whole = bytescale.plan(pieces.length, T, chunks, a, b, min_rows=fixed.num_rows)
+        whole_s = time.perf_counter() - t0
+        whole_work = {k: bytescale.work(whole, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
+        whole_order = np.random.default_rng(1).permutation(whole.num_rows)
+        stats = {"fixed": [], "adaptive_split": [], "adaptive_batch": []}
+        needed = {"fixed": 0.0, "adaptive_split": 0.0, "adaptive_batch": 0.0}
+        deferred, batch_s = 0, 0.0
+        for i, rows in enumerate(batches):
+            stats["fixed"].append(_device_loads(fixed_work, rows))
+            stats["adaptive_split"].append(_device_loads(whole_work, whole_order[i * B : (i + 1) * B]))
+            # per batch: the fixed batch's pieces placed again on B rows over the D x S devices
+            members = np.flatnonzero(np.isin(fixed.row, rows))
+            t0 = time.perf_counter()
+            placed = bytescale.plan(pieces.length[members], T, chunks, a, b, min_rows=B, shards=D)
+            batch_s += time.perf_counter() - t0
+            lens = pieces.length[members]
+            kept = placed.row < B  # rows past B do not fit this step: deferred to a later one
+            deferred += int(lens[~kept].sum())
+            sub = bytescale.Placement(placed.row[kept], placed.start[kept], B)
+            w = {k: bytescale.work(sub, lens[kept], T, chunks, *ab) for k, ab in kinds.items()}
+            stats["adaptive_batch"].append(_device_loads(w, np.arange(B)))
+            needed["adaptive_batch"] += bytescale.kv_traffic(sub, lens[kept], T, chunks) / B
+        needed["fixed"] = bytescale.kv_traffic(fixed, pieces.length, T, chunks) / fixed.num_rows
+        needed["adaptive_split"] = bytescale.kv_traffic(whole, pieces.length, T, chunks) / whole.num_rows
+        needed["adaptive_batch"] /= len(batches)
+        for name, per_step in stats.items():
+            out[f"{name}/{layout}"] = {
+                **{f"imbalance_{k}_mean": float(np.mean([s[k] for s in per_step])) for k in kinds},
+                **{f"imbalance_{k}_max": float(np.max([s[k] for s in per_step])) for k in kinds},
+                "kv_needed_mib_per_row_layer": needed[name] * KV_BYTES_PER_TOKEN / 2**20,
+                "kv_static_ring_mib_per_row_layer": T * (S - 1) * KV_BYTES_PER_TOKEN / 2**20,
+            }
+        out[f"fixed/{layout}"]["rows"] = fixed.num_rows
+        out[f"adaptive_split/{layout}"].update(rows=whole.num_rows, plan_seconds=whole_s)
+        out[f"adaptive_batch/{layout}"].update(
+            deferred_token_fraction=deferred / float(sum(pieces.length[np.isin(fixed.row, r)].sum() for r in batches)),
+            plan_seconds_per_batch=batch_s / len(batches),
+        )
+        for name in stats:
+            print(name, layout, json.dumps(out[f"{name}/{layout}"]), flush=True)
+    out["documents"] = {
+        "count": int(doc_len.shape[0]),
+        "median": float(np.median(doc_len)),
+        "p90": float(np.percentile(doc_len, 90)),
+        "p99": float(np.percentile(doc_len, 99)),
+        "max": int(doc_len.max()),
+        "pieces": len(pieces),
+        "token_share_of_pieces_longer_than_a_zigzag_chunk": float(
+            pieces.length[pieces.length > T // (2 * S)].sum() / pieces.length.sum()
+        ),
+    }
+    return out
+
+
+def worker(n: int, jobs: list) -> None:
+    """Lower the step with and without adaptive_cp (the seq collectives), then time the one program
+    on both layouts' batches, alternating, ROUNDS x 8 steps each (the median per layout)."""
+    worker_devices(n)
+    import jax
+
+    from jaxsys import data, train
+    from jaxsys.analysis import collectives, cost_model, report
+    from jaxsys.data import loader
+    from jaxsys.mesh import make_mesh
+    from jaxsys.program import build
+    from tests.helpers import config_file
+
+    job = jobs[0]
+    batches, out, program = {}, {}, None
+    for adaptive in (False, True):
+        c = config_file("tiny")
+        c.mesh.seq, c.mesh.data = 4, 2
+        c.data.source, c.data.path, c.data.cache_dir = "jsonl", job["path"], job["cache"]
+        c.data.eval_fraction, c.data.packing, c.data.adaptive_cp = 0.0, True, adaptive
+        c.train.batch_size = 16
+        program = build(c, make_mesh(c, jax.devices()[:n]))
+        sizes = dict(program.layout.mesh_sizes)
+        found = collectives.parse(report.lower_unrolled(program).as_text(), sizes)
+        seq_ops = [x for x in found if x.axes == ("seq",)]
+        corpus = loader.load_corpus(c.data, chunks=train.adaptive_chunks(c))
+        batches[adaptive] = [
+            data.global_batch(corpus, program.batch_sharding, c.seed, s, 16, c.data.seq_len) for s in range(8)
+        ]
+        out[adaptive] = {
+            "adaptive": adaptive,
+            "rows": corpus.splits["train"].num_rows,
+            "padding": corpus.splits["train"].padding(c.data.seq_len),
+            "seq_collectives": len(seq_ops),
+            "seq_collective_mib_per_step": sum(
+                cost_model.ring_bytes(x.kind, x.operand_bytes, sizes["seq"]) for x in seq_ops
+            )
+            / 2**20,
+            "weighted_targets_per_step": float(
+                np.mean([float(np.asarray(bt.weights).sum()) for bt in batches[adaptive]])
+            ),
+            "step_seconds": [],
+        }
+    assert program is not None
+    step = program.train_step_fn()  # the same program for both layouts: adaptive_cp only moves tokens
+    state = program.init()
+    state, m = step(state, batches[False][0])
+    jax.block_until_ready(m)
+    for _ in range(ROUNDS):
+        for adaptive in (False, True):
+            start = time.perf_counter()
+            for bt in batches[adaptive]:
+                state, m = step(state, bt)
+            jax.block_until_ready(m)
+            out[adaptive]["step_seconds"].append((time.perf_counter() - start) / len(batches[adaptive]))
+    for r in out.values():
+        r["step_seconds_median"] = float(np.median(r["step_seconds"]))
+        r["trained_tokens_per_s"] = r["weighted_targets_per_step"] / r["step_seconds_median"]
+        emit(r)
+
+
+def corpus_file(path: str, n: int) -> None:
+    rng = np.random.default_rng(2)
+    with open(path, "w") as f:
+        for size in (rng.pareto(1.1, n) * 20).astype(int) + 2:
+            f.write(json.dumps({"text": "".join(rng.choice(list("abcdefgh "), min(size, 2000)))}) + "\n")
+
+
+def main() -> None:
+    if "--replot" in sys.argv:
+        print(report_tables(load_results(HERE)))
+        return
+    if "--worker" in sys.argv:
+        worker(int(sys.argv[sys.argv.index("--worker") + 1]), json.loads(sys.stdin.read()))
+        return
+    quick = "--quick" in sys.argv
+    results = {"mesh": {"seq": S, "data": D}, "batch_rows": B, "seq_len": T, "steps": STEPS}
+    results["plan"] = plan_stats(lengths(5000 if quick else 20000))
+    work = tempfile.mkdtemp(prefix="bytescale-")
+    path = os.path.join(work, "docs.jsonl")
+    corpus_file(path, 1000)
+    results["cpu"] = run_worker(__file__, 8, [{"path": path, "cache": os.path.join(work, "cache")}])
+    shutil.rmtree(work, ignore_errors=True)
+    print(save_results(HERE, results))
+    print(report_tables(results))
+
+
+def report_tables(results: dict) -> str:
+    rows = []
+    for key, r in results["plan"].items():
+        if key == "documents":
+            continue
+        rows.append(
+            [key]
+            + [
+                f"{r[f'imbalance_{k}_mean']:.3f} / {r[f'imbalance_{k}_max']:.3f}"
+                for k in ("flops", "attention", "tokens")
+            ]
+            + [f"{r['kv_needed_mib_per_row_layer']:.0f} / {r['kv_static_ring_mib_per_row_layer']:.0f}"]
+            + [f"{r.get('deferred_token_fraction', 0.0):.1%}"]
+        )
+    head = [
+        "plan/chunks",
+        "FLOP imbalance mean / max",
+        "attention",
+        "tokens",
+        "KV MiB/row/layer needed / ring",
+        "deferred",
+    ]
+    lines = markdown_table(head, "lrrrrr", rows)
+    cpu = [
+        [
+            ("adaptive" if r["adaptive"] else "fixed"),
+            r["rows"],
+            f"{r['padding']:.2%}",
+            r["seq_collectives"],
+            f"{r['seq_collective_mib_per_step']:.3f}",
+            f"{r['step_seconds_median']:.3f}",
+            f"{r['trained_tokens_per_s']:.0f}",
+        ]
+        for r in results["cpu"]
+    ]
+    head = ["layout", "rows", "padding", "seq collectives", "MiB/step", "step s (median)", "trained tokens/s"]
+    return "\n".join(lines + [""] + markdown_table(head, "lrrrrrr", cpu))
+
+
+if __name__ == "__main__":
+    main()

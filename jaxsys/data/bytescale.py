@@ -1,0 +1,199 @@
+"""Length-adaptive context parallelism (after ByteScale, Ge et al. 2025): the host decides where
+each piece of a packed batch sits in its row, so that short pieces lie whole on one device of the
+`seq` axis (data parallelism, no context-parallel traffic) and only long pieces are split over the
+fewest devices that hold them, with the work even over the devices.
+
+The row's T inputs are cut into the chunks of context parallelism (`context.chunk_table`: S
+chunks, or 2S with the zigzag of `model.context_load_balance`), chunk k of length c = T / chunks,
+owned by device owner[k] (position T is only a target: it belongs to no chunk, but a piece may end
+there). A piece of n tokens either fits one chunk (n <= c: it is local to that chunk's device) or
+starts on a chunk boundary and spans the fewest chunks that hold it; its context-parallel group is
+the set of devices owning those chunks. Under the zigzag, chunks S - 1 and S are both device
+S - 1's, so a piece of up to 2c tokens placed there is local too, and a piece centred on the middle
+gets the zigzag's balance within its group.
+
+The balancing rule (`plan`), on the host, per set of pieces: pieces from the longest, each placed
+where the most loaded device ends least loaded, a device's load summed over the rows it holds
+(ties: the row's most loaded device, then the fewest devices in the piece's group, then the least
+room left, then the first row), the load being the work,
+a tokens + b causal (query, key) pairs: linear and attention FLOPs up to a constant each. A long
+piece takes empty chunks only; a short one any chunk with room. A new row opens when nothing holds a
+piece. Planned over a whole split (the loader: rows are then shuffled into batches), this evens the
+devices' work over the split, so in expectation over a batch's rows; planned per batch
+(`shards` = the data axis), over the batch's devices exactly as the rule manages.
+
+The device program is the ordinary context-parallel step with segment ids (parallel/context.py):
+the plan only moves tokens within their rows, so the losses are the single-device ones. What this
+does not do that ByteScale does: the ring (or all-gather) stays over all S devices of every row (one
+static program), so the HLO's collective bytes are fixed context parallelism's; `kv_traffic` counts
+what the plan needs, which ByteScale's dynamic communication groups would move (docs/bytescale.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxsys.data import packing
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each piece sits: its row and first position in the row."""
+
+    row: np.ndarray  # [P] int64
+    start: np.ndarray  # [P] int64
+    num_rows: int
+
+    def rows(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per row: its pieces by position, and their first positions (`packing.assemble(starts=)`)."""
+        members, starts = [], []
+        for r in range(self.num_rows):
+            idx = np.flatnonzero(self.row == r)
+            idx = idx[np.argsort(self.start[idx], kind="stable")]
+            members.append(idx)
+            starts.append(self.start[idx])
+        return members, starts
+
+    def to_plan(self) -> packing.Plan:
+        """The rows as a `packing.Plan` with each member's first position (what the loader keeps)."""
+        order = np.lexsort((self.start, self.row))
+        counts = np.bincount(self.row, minlength=self.num_rows)
+        row_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return packing.Plan(row_ptr, order.astype(np.int64), self.start[order].astype(np.int64))
+
+
+def owners(chunks: np.ndarray) -> np.ndarray:
+    """[n_chunks] the device holding each global chunk, from `context.chunk_table` [S, c]."""
+    chunks = np.asarray(chunks)
+    out = np.empty(chunks.size, np.int64)
+    out[chunks.reshape(-1)] = np.repeat(np.arange(chunks.shape[0]), chunks.shape[1])
+    return out
+
+
+def _chunk_len(seq_len: int, n_chunks: int) -> int:
+    if seq_len % n_chunks:
+        raise ValueError(f"a row of T={seq_len} inputs does not cut into {n_chunks} equal chunks")
+    return seq_len // n_chunks
+
+
+def _device_work(start: int, n: int, seq_len: int, chunk: int, owner: np.ndarray, a: float, b: float) -> np.ndarray:
+    """[S] work each device does for a piece of n tokens at `start`: per input token it holds,
+    a + b (the keys of its piece it sees, causal)."""
+    out = np.zeros(int(owner.max()) + 1)
+    pos = np.arange(start, min(start + n, seq_len))  # position T is a target only
+    np.add.at(out, owner[pos // chunk], a + b * (pos - start + 1))
+    return out
+
+
+def plan(
+    length: np.ndarray,
+    seq_len: int,
+    chunks: np.ndarray,
+    token_cost: float = 1.0,
+    pair_cost: float = 1.0,
+    min_rows: int = 1,
+    shards: int = 1,
+) -> Placement:
+    """Place pieces of `length` tokens (each at most T + 1) in rows whose inputs are split as
+    `chunks` (`context.chunk_table`) by the balancing rule of the module docstring; at least
+    `min_rows` rows. With `shards` > 1, row r goes to data shard r % shards and a device's load is
+    summed over its shard's rows only (planning one batch for a mesh with a data axis)."""
+    length = np.asarray(length, np.int64)
+    owner = owners(chunks)
+    nk, devices = owner.shape[0], int(owner.max()) + 1
+    c = _chunk_len(seq_len, nk)
+    if length.size and int(length.max()) > seq_len + 1:
+        raise ValueError(f"a piece of {int(length.max())} tokens does not fit a row of {seq_len + 1}")
+    cap = np.full(nk, c, np.int64)
+    cap[-1] += 1  # a piece may end on position T
+    fill = np.zeros((max(1, int(min_rows)), nk), np.int64)  # tokens placed in each chunk, from its start
+    load = np.zeros((fill.shape[0], devices))
+    row = np.empty(length.shape[0], np.int64)
+    start = np.empty(length.shape[0], np.int64)
+    for p in np.argsort(-length, kind="stable").tolist():
+        n = int(length[p])
+        # candidates (chunk, first position, chunks covered): one chunk with room, or a run of empty ones
+        best = None
+        for _ in range(2):  # the second pass has a new empty row
+            for k in range(nk):
+                if k * c + n - 1 > seq_len:
+                    break
+                last = min(k * c + n - 1, seq_len - 1) // c
+                span = np.arange(k, last + 1)
+                if last == k:
+                    ok = np.flatnonzero(cap[k] - fill[:, k] >= n)
+                    first = k * c + fill[ok, k]
+                else:
+                    ok = np.flatnonzero((fill[:, span] == 0).all(-1))
+                    first = np.full(ok.shape[0], k * c)
+                if not ok.size:
+                    continue
+                # the device work is the same wherever in the chunk the piece starts
+                added = _device_work(k * c, n, seq_len, c, owner, token_cost, pair_cost)
+                shard = np.arange(load.shape[0]) % shards
+                column = np.stack([load[shard == d].sum(0) for d in range(shards)])  # [shards, S]
+                column = (column[shard[ok]] + added).max(-1)  # the most loaded device of the row's shard
+                peak = (load[ok] + added).max(-1)
+                room = cap[last] - fill[ok, last] - (n if last == k else n - (last - k) * c)
+                i = int(np.lexsort((ok, room, peak, column))[0])
+                key = (float(column[i]), float(peak[i]), int(np.count_nonzero(added)), int(room[i]), int(ok[i]))
+                if best is None or key < best[0]:
+                    best = (key, int(ok[i]), int(first[i]), span, added)
+            if best is not None:
+                break
+            fill = np.concatenate([fill, np.zeros((1, nk), np.int64)])
+            load = np.concatenate([load, np.zeros((1, devices))])
+        assert best is not None, "an empty row holds any piece of at most T + 1 tokens"
+        _, r, first_pos, span, added = best
+        row[p], start[p] = r, first_pos
+        for k in span.tolist():
+            end = min(first_pos + n, (k + 1) * c + (k == nk - 1))
+            fill[r, k] = end - k * c
+        load[r] += added
+    return Placement(row, start, int(fill.shape[0]))
+
+
+def packed_placement(length: np.ndarray, seq_len: int) -> Placement:
+    """The fixed-CP baseline: best-fit decreasing rows (`packing.packed_plan`, what
+    `config.data.packing` does), pieces one after the other from position 0."""
+    length = np.asarray(length, np.int64)
+    rows = packing.packed_plan(length, seq_len + 1)
+    row, start = np.empty(length.shape[0], np.int64), np.empty(length.shape[0], np.int64)
+    for r in range(rows.num_rows):
+        members = rows.row(r)
+        row[members] = r
+        start[members] = np.cumsum(length[members]) - length[members]
+    return Placement(row, start, rows.num_rows)
+
+
+def work(
+    placement: Placement, length: np.ndarray, seq_len: int, chunks: np.ndarray, a: float = 1.0, b: float = 1.0
+) -> np.ndarray:
+    """[rows, S] work of each device of the `seq` axis on each row (`chunks`: `context.chunk_table`)."""
+    owner = owners(chunks)
+    c = _chunk_len(seq_len, owner.shape[0])
+    out = np.zeros((placement.num_rows, int(owner.max()) + 1))
+    for p in range(len(length)):
+        out[placement.row[p]] += _device_work(int(placement.start[p]), int(length[p]), seq_len, c, owner, a, b)
+    return out
+
+
+def imbalance(load: np.ndarray) -> float:
+    """max / mean - 1 of per-device loads (0: perfectly even)."""
+    mean = float(np.mean(load))
+    return float(np.max(load)) / mean - 1.0 if mean > 0 else 0.0
+
+
+def kv_traffic(placement: Placement, length: np.ndarray, seq_len: int, chunks: np.ndarray) -> int:
+    """Tokens of keys/values (one direction, forward) that must cross devices: each device's tokens
+    of a piece reach the other devices of the piece's group once (ring or all-gather within the
+    group). Fixed context parallelism moves T (S - 1) per row whatever the row holds."""
+    owner = owners(chunks)
+    c = _chunk_len(seq_len, owner.shape[0])
+    total = 0
+    for p in range(len(length)):
+        tokens = _device_work(int(placement.start[p]), int(length[p]), seq_len, c, owner, 1.0, 0.0)
+        total += int(tokens.sum()) * (int(np.count_nonzero(tokens)) - 1)
+    return total
