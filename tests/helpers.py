@@ -143,3 +143,29 @@ def subprocess_env(devices: int, **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra)
     return env
+
+
+class Interrupted(Exception):
+    """A training run killed on purpose (a stand-in for a crash)."""
+
+
+def crash_then_resume(monkeypatch, make_config, workdir: str, crash_step: int = 4) -> list[dict]:
+    """Train `make_config()` in `workdir` with the train split's batch of step `crash_step` raising
+    Interrupted (the run dies there, after the checkpoints before it), then run the same command
+    again; returns the second run's records."""
+    real_batch = train.data_lib.global_batch
+
+    def batch_until_crash(corpus, sharding, seed, step, *args, **kw):
+        if step == crash_step and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
+            raise Interrupted
+        return real_batch(corpus, sharding, seed, step, *args, **kw)
+
+    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_crash)
+    try:
+        train.main(make_config(), workdir)
+        raise AssertionError(f"the run in {workdir} did not reach step {crash_step + 1}")
+    except Interrupted:
+        pass
+    finally:
+        monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
+    return train.main(make_config(), workdir)  # the same command again

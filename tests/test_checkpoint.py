@@ -9,7 +9,7 @@ import pytest
 
 from jaxsys import data, train
 from jaxsys.checkpoint import Checkpointer, CheckpointError
-from tests.helpers import program_for, small_config
+from tests.helpers import crash_then_resume, program_for, small_config
 
 
 def _losses(workdir):
@@ -23,26 +23,12 @@ def _config(mesh, steps, every):
     return c
 
 
-class Interrupted(Exception):
-    pass
-
-
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, monkeypatch):
     mesh = dict(data=2, fsdp=2, tensor=2)
     train.main(_config(mesh, 6, 3), str(tmp_path / "full"))
 
-    real_batch = train.data_lib.global_batch
-
-    def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
-        if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
-            raise Interrupted  # the run dies before its 5th step; step 3 was checkpointed
-        return real_batch(corpus, sharding, seed, step, *args, **kw)
-
-    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
-    with pytest.raises(Interrupted):
-        train.main(_config(mesh, 6, 3), str(tmp_path / "resumed"))
-    monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
-    records = train.main(_config(mesh, 6, 3), str(tmp_path / "resumed"))  # the same command again
+    # the run dies before its 5th step (step 3 was checkpointed); then the same command again
+    records = crash_then_resume(monkeypatch, lambda: _config(mesh, 6, 3), str(tmp_path / "resumed"))
     assert [r["step"] for r in records] == [4, 5, 6]
     full, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(1, 7))  # steps 1-3 before the crash, 4-6 after

@@ -27,7 +27,7 @@ from jaxsys.data import documents, loader
 from jaxsys.models import adapters, lora, transformer
 from jaxsys.models import params as params_lib
 from jaxsys.quantization import workdir as quant_workdir
-from tests.helpers import program_for, small_config
+from tests.helpers import crash_then_resume, program_for, small_config
 
 RANK = 4
 
@@ -353,10 +353,6 @@ def test_the_finetune_configs_validate(name, arg):
     validate(config_file(name, arg))
 
 
-class _Interrupted(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_lora_on_packed_chats_resumes_exactly(tmp_path, monkeypatch):
     """LoRA with dropout on packed chat rows (data=2 x fsdp=2 x tensor=2): a run killed after its
@@ -374,18 +370,7 @@ def test_lora_on_packed_chats_resumes_exactly(tmp_path, monkeypatch):
         return c
 
     train.main(config(), str(tmp_path / "full"))
-    real_batch = train.data_lib.global_batch
-
-    def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
-        if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
-            raise _Interrupted
-        return real_batch(corpus, sharding, seed, step, *args, **kw)
-
-    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
-    with pytest.raises(_Interrupted):
-        train.main(config(), str(tmp_path / "resumed"))
-    monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
-    records = train.main(config(), str(tmp_path / "resumed"))
+    records = crash_then_resume(monkeypatch, config, str(tmp_path / "resumed"))
     assert [r["step"] for r in records] == [4, 5, 6]
     losses = lambda w: {r["step"]: r["loss"] for r in map(json.loads, open(w / "metrics.jsonl"))}
     full, resumed = losses(tmp_path / "full"), losses(tmp_path / "resumed")

@@ -24,7 +24,7 @@ from jaxsys import data, train
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError
 from jaxsys.models import flax_model
-from tests.helpers import ROOT, config_file, program_for, run
+from tests.helpers import ROOT, config_file, crash_then_resume, program_for, run
 
 # data parallelism with ZeRO-1, FSDP (ZeRO-3), and both with ZeRO-2 (plain data parallelism, ZeRO-0,
 # is the layout of the checkpoint test)
@@ -105,27 +105,13 @@ def _ckpt_config(mesh, steps=6, every=3):
     return c
 
 
-class Interrupted(Exception):
-    pass
-
-
 @pytest.mark.slow  # three runs and four restores: ~25 s on 2 idle cores, ~60 s on a loaded machine
 def test_flax_gpt_resumes_bitwise(tmp_path, monkeypatch):
     mesh = dict(data=2, fsdp=4)
     train.main(_ckpt_config(mesh), str(tmp_path / "full"))
 
-    real_batch = train.data_lib.global_batch
-
-    def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
-        if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
-            raise Interrupted  # the run dies before its 5th step; step 3 was checkpointed
-        return real_batch(corpus, sharding, seed, step, *args, **kw)
-
-    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
-    with pytest.raises(Interrupted):
-        train.main(_ckpt_config(mesh), str(tmp_path / "resumed"))
-    monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
-    records = train.main(_ckpt_config(mesh), str(tmp_path / "resumed"))
+    # the run dies before its 5th step (step 3 was checkpointed); then the same command again
+    records = crash_then_resume(monkeypatch, lambda: _ckpt_config(mesh), str(tmp_path / "resumed"))
     assert [r["step"] for r in records] == [4, 5, 6]
     full, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(1, 7))

@@ -23,7 +23,7 @@ from jaxsys.config import ConfigError, validate
 from jaxsys.models.params import ParamSpec
 from jaxsys.optim import galore
 from jaxsys.parallel import offload
-from tests.helpers import program_for, run, small_config
+from tests.helpers import crash_then_resume, program_for, run, small_config
 
 LAYOUT = dict(data=2, fsdp=2, tensor=2)
 
@@ -299,10 +299,6 @@ def test_collectives_equal_the_formula(mesh, zero_stage):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-class Interrupted(Exception):
-    pass
-
-
 def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, open(workdir / "metrics.jsonl"))}
 
@@ -318,18 +314,7 @@ def test_resume_across_a_refresh_is_bitwise(tmp_path, monkeypatch):
         return c
 
     train.main(config(), str(tmp_path / "full"))
-    real_batch = train.data_lib.global_batch
-
-    def batch_until_step_4(corpus, sharding, seed, step, *args, **kw):
-        if step == 4 and kw.get("split", args[-1] if len(args) > 2 else "train") == "train":
-            raise Interrupted
-        return real_batch(corpus, sharding, seed, step, *args, **kw)
-
-    monkeypatch.setattr(train.data_lib, "global_batch", batch_until_step_4)
-    with pytest.raises(Interrupted):
-        train.main(config(), str(tmp_path / "resumed"))
-    monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
-    records = train.main(config(), str(tmp_path / "resumed"))
+    records = crash_then_resume(monkeypatch, config, str(tmp_path / "resumed"))
     assert [r["step"] for r in records] == [4, 5]
     full, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
     for step in range(1, 6):
