@@ -16,8 +16,9 @@ that text exactly: the value below is CPython 3.12.1's stdlib's; run.py passes t
 interpreter it runs on (--config.data.eval_fraction=...).
 """
 
-import importlib.util
 import os
+
+from jaxsys.config import load_config
 
 VOCAB = 2048  # experiments/bpe_chat/tokenizer: 3 special tokens, 256 bytes, 1789 merges
 TOKEN_FILE = "/tmp/jaxsys_bpe_chat/stdlib_bpe2048.npy"
@@ -25,18 +26,14 @@ EVAL_FRACTION = 0.009689636336893867  # (102,638 + 0.5) / 10,592,606 tokens; run
 
 
 def _tiny():
-    """configs/tiny.py beside this file (whatever the working directory)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
-    spec = importlib.util.spec_from_file_location("jaxsys_config_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """configs/tiny.py beside this file (whatever the working directory), loaded as --config loads it."""
+    return load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
 
 
 def get_config(arg=None):
     if arg is not None:
         raise ValueError(f"configs/tiny_bpe.py takes no argument, got {arg!r}")
-    c = _tiny().get_config()
+    c = _tiny()
     c.model.vocab_size = VOCAB
     c.data.source = "tokens"
     c.data.path = TOKEN_FILE

@@ -13,21 +13,18 @@ Arguments:
             beside the state and passed to each step
 """
 
-import importlib.util
 import os
+
+from jaxsys.config import load_config
 
 
 def _tiny():
-    """configs/tiny.py beside this file (whatever the working directory)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
-    spec = importlib.util.spec_from_file_location("jaxsys_config_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """configs/tiny.py beside this file (whatever the working directory), loaded as --config loads it."""
+    return load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
 
 
 def get_config(arg=None):
-    c = _tiny().get_config()
+    c = _tiny()
     c.data.source = "jsonl"
     c.data.path = "/tmp/jaxsys_dpo/pairs.jsonl"
     c.data.format = "preference"

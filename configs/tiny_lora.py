@@ -16,23 +16,20 @@ experiments/sft_lora/README.md has the held-out loss against full fine-tuning). 
                 --format w4a16 --group-size 64
 """
 
-import importlib.util
 import os
+
+from jaxsys.config import load_config
 
 DATA = "/tmp/jaxsys_sft_lora/data"
 
 
 def _tiny():
-    """configs/tiny.py beside this file (whatever the working directory)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
-    spec = importlib.util.spec_from_file_location("jaxsys_config_tiny", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """configs/tiny.py beside this file (whatever the working directory), loaded as --config loads it."""
+    return load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py"))
 
 
 def get_config(arg=None):
-    c = _tiny().get_config()
+    c = _tiny()
     c.data.source = "jsonl"
     c.data.path = f"{DATA}/chats.jsonl"
     c.data.format = "chat"
