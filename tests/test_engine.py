@@ -69,13 +69,14 @@ def test_after_warmup_no_step_compiles():
     params = program.init(0).params
     eng = engine.Engine(program, params, num_pages=24, page_size=4, token_budget=16, chunk_size=4, max_seqs=3)
     eng.warmup()
-    compiled = (eng.runner.compiled(), sampling.sample_at._cache_size())
+    counts = lambda: (eng.runner.compiled(), sampling.sample_at._cache_size(), eng._advance_fn()._cache_size())
+    compiled = counts()
     for i, (length, new) in enumerate([(3, 6), (9, 2), (5, 4)]):
         eng.submit(i, list(range(1, length + 1)), new)
     while not eng.idle:
         eng.step()
     assert len(eng.finished) == 3
-    assert (eng.runner.compiled(), sampling.sample_at._cache_size()) == compiled
+    assert counts() == compiled
 
 
 def test_engine_refuses_what_it_cannot_serve():

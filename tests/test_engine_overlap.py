@@ -7,6 +7,7 @@ arrivals and aborts are given per step index of the trace, not per token seen.
 Page tables stay on the device between steps: a step sends the rows that changed (a sequence that
 took a page, another sequence in that row), tested by counting rows sent against pages taken."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,6 +31,7 @@ def _serve(eng, prompts, news, arrivals, samplings):
     """Run the trace (request i submitted before step arrivals[i]); returns ({id: tokens}, {id:
     streamed tokens}, finish reasons)."""
     streamed: dict = {i: [] for i in range(len(prompts))}
+    eng.verify_steady = True  # every steady step's device inputs against the rows the host builds
     step = 0
     while step <= max(arrivals) or not eng.idle:
         for i, a in enumerate(arrivals):
@@ -156,6 +158,8 @@ def test_overlap_compiles_nothing_after_warmup():
         sampling.sample_at._cache_size(),
         eng._feed_fn()._cache_size(),
         eng._scatter_fn()._cache_size(),
+        eng._advance_fn()._cache_size(),
+        sampling.greedy_at._cache_size(),
     )
     compiled = counts()
     for i, (length, new) in enumerate([(3, 6), (9, 2), (5, 4), (2, 7)]):
@@ -168,26 +172,35 @@ def test_overlap_compiles_nothing_after_warmup():
 def test_page_tables_take_only_their_changed_rows(overlap):
     """Four sequences decoding together: a decode step sends the device exactly the table rows of
     the sequences that took a page in it (none in most steps), and the tokens are those generated
-    alone."""
+    alone. Steady decoding: these steps run from inputs the last step left on the device, equal to
+    the rows the host would build (verify_steady); a step in which no sequence takes a page sends
+    the device nothing at all (JAX's transfer guard, implicit and explicit uploads)."""
     program = program_for(small_config(n_kv_heads=4))
     params = program.init(3).params
     eng = engine.Engine(
         program, params, num_pages=32, page_size=4, token_budget=16, chunk_size=8, max_seqs=4, overlap=overlap
     )
+    eng.verify_steady = True
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4, 4, 4], [7]]
     reqs = [eng.submit(i, p, 14) for i, p in enumerate(prompts)]
     for _ in range(3):  # the prefills, then a decode step of this width
         eng.step()
     assert all(r.decoding for r in reqs)
-    grown_total = 0
+    grown_total, steady, guarded = 0, eng.stats["steady_steps"], 0
     for _ in range(8):
         pages = [len(eng.pools[0].table(r.id)) for r in reqs]
         sent = eng.stats["table_rows_sent"]
-        eng.step()
+        if any(r.cached % 4 == 0 for r in reqs):  # a sequence takes a page: its row is sent
+            eng.step()
+        else:
+            with jax.transfer_guard_host_to_device("disallow_explicit"):
+                eng.step()
+            guarded += 1
         grown = sum(len(eng.pools[0].table(r.id)) != n for r, n in zip(reqs, pages))
         assert eng.stats["table_rows_sent"] - sent == grown
         grown_total += grown
     assert 0 < grown_total < 8 * len(reqs)
+    assert eng.stats["steady_steps"] - steady == 8 and guarded >= 2
     eng.run()
     for r, p in zip(reqs, prompts):
         assert r.generated == generate_contiguous(program, params, [p], 14)[0]
@@ -200,7 +213,8 @@ def test_bench_serve_host_gap_with_overlap_off_and_on(capsys):
 
     from jaxsys import bench_serve
 
-    args = ["--config", "configs/tiny.py:test", "--host-gap", "4", "--overlap-both", "--json", "--pages", "128"]
+    args = ["--config", "configs/tiny.py:test", "--host-gap", "4", "--overlap-both", "--host-gap-rounds", "1", "--json"]
+    args += ["--pages", "128"]
     args += ["--max-seqs", "4", "--token-budget", "16", "--chunk-size", "16", "--config.mesh.tensor=1"]
     assert bench_serve.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -12,6 +12,7 @@ makespan.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -132,50 +133,65 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256, prompts: lis
     }
 
 
-def host_gap(eng, sequences: int = 64, prompt_len: int = 32, steps: int = 20, seed: int = 0) -> dict:
-    """How much of a decode step the host adds: `sequences` requests decoding together, the median
-    wall time of `eng.step()` against the median time of the step's compiled function called back
-    to back on the same inputs (the tables already on the device), in one run. `eng` is an idle,
-    warmed-up Engine with room for them (max_seqs, pages)."""
+def host_gap(eng, sequences: int = 64, prompt_len: int = 32, steps: int = 20, seed: int = 0, rounds: int = 5) -> dict:
+    """How much of a decode step the host adds: `sequences` requests decoding together, the wall
+    time of `eng.step()` against the step's compiled function (the runner) called back to back on
+    the inputs of one engine step, captured (their tables already on the device), in one run.
+    `rounds` rounds of `steps` engine steps then `steps` compiled calls, so that other load on the
+    machine falls on both alike: per round the ratio of the medians; the median of the rounds'
+    ratios. `eng` is an idle, warmed-up Engine with room for them (max_seqs, pages)."""
     import jax
 
-    from jaxsys.cache.base import ROW
-
+    if rounds < 1 or steps < 1:
+        raise ValueError(f"host_gap: rounds={rounds} and steps={steps} must be >= 1 (--host-gap-rounds)")
     rng = np.random.default_rng(seed)
     vocab = eng.program.config.model.vocab_size
     for i in range(sequences):
-        eng.submit(("host_gap", i), rng.integers(0, vocab, size=prompt_len).tolist(), 10 * steps + 64)
+        eng.submit(("host_gap", i), rng.integers(0, vocab, size=prompt_len).tolist(), (rounds + 1) * steps + 64)
     while any(not r.decoding for s in eng.schedulers for r in s.running) or any(s.waiting for s in eng.schedulers):
         eng.step()  # prefill them all
     for _ in range(3):
         eng.step()
-    engine_s = []
-    for _ in range(steps):
-        start = time.perf_counter()
+    runner, captured = eng.runner, {}
+
+    def capture(params, ids, positions, view):  # the step's inputs, its (donated) tables copied
+        fields = {f: jax.numpy.copy(getattr(view, f)) for f in view.row_fields if getattr(view, f) is not None}
+        captured.update(ids=ids, positions=positions, tables=fields)
+        return runner(params, ids, positions, view)
+
+    eng.runner = capture
+    try:
         eng.step()
-        engine_s.append(time.perf_counter() - start)
-    captured: dict = {}
-    forward = eng.forward
-
-    def capture(tokens, positions, tables, cache=None, feed=None):
-        captured.update(tokens=tokens, positions=positions, tables=tables)
-        return forward(tokens, positions, tables, cache, feed)
-
-    eng.forward = capture
-    eng.step()
-    eng.forward = forward
-    tokens, positions = (eng.put(captured[k].reshape(-1), ROW) for k in ("tokens", "positions"))
-    cache = eng.with_tables(eng.cache, captured["tables"])
-    device_s = []
-    for _ in range(steps):  # the step returns the (donated) cache with its tables: the same inputs again
-        start = time.perf_counter()
-        logits, cache = eng.runner(eng.params, tokens, positions, cache)
-        jax.block_until_ready(logits)
-        device_s.append(time.perf_counter() - start)
-    eng.cache = eng.without_tables(cache)
+    finally:
+        eng.runner = runner
+    tables = captured["tables"]
+    engine_s, device_s, ratios = [], [], []
+    for _ in range(rounds):
+        engine_r, device_r = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            eng.step()
+            engine_r.append(time.perf_counter() - start)
+        jax.block_until_ready(eng.cache)
+        cache = dataclasses.replace(eng.cache, **tables)
+        for _ in range(steps):  # the step returns the (donated) cache with its tables: the same inputs again
+            start = time.perf_counter()
+            logits, cache = runner(eng.params, captured["ids"], captured["positions"], cache)
+            jax.block_until_ready(logits)
+            device_r.append(time.perf_counter() - start)
+        tables = {f: getattr(cache, f) for f in tables}
+        eng.cache = eng.without_tables(cache)  # the calls rewrote the captured step's slots with the same values
+        engine_s += engine_r
+        device_s += device_r
+        ratios.append(float(np.median(engine_r) / np.median(device_r)))
     for i in range(sequences):
         eng.abort(("host_gap", i))
     while not eng.idle:  # overlap: the step in flight
         eng.step()
-    step, device = float(np.median(engine_s)), float(np.median(device_s))
-    return {"sequences": sequences, "engine_step_s": step, "compiled_step_s": device, "host_gap_ratio": step / device}
+    return {
+        "sequences": sequences,
+        "engine_step_s": float(np.median(engine_s)),
+        "compiled_step_s": float(np.median(device_s)),
+        "host_gap_ratio": float(np.median(ratios)),
+        "round_ratios": ratios,
+    }

@@ -285,10 +285,13 @@ class Engine(EngineAPI):
                 "table_rows_sent",  # ... and those sent to the device (changed since the last step)
                 "swapped_out",  # swap preemption: tokens of cache copied to host memory
                 "swapped_in",  # ... and back
+                "steady_steps",  # steps run from the steady inputs on the device (no rows built on the host)
             ),
             0,
         )
         self._tables: dict = {}  # (table, rows) -> (its rows on the host, the same on the device)
+        self._steady: _Steady | None = None  # steady decoding: the next step's inputs, on the device
+        self.verify_steady = False  # tests: check each steady step's inputs against the rows built on the host
         self.k = k
         self.drafter = drafter
         if drafter is not None:
@@ -393,14 +396,17 @@ class Engine(EngineAPI):
             out = self.put(table, ROWS)
             self.stats["table_rows_sent"] += table.shape[0]
         else:
-            changed = np.flatnonzero((held[0] != table).any(axis=1)).tolist()
-            out = held[1]
-            if changed:
-                rows = np.asarray(sampling_lib.pad(changed), np.int32)
-                out = self._scatter_fn()(out, rows, table[rows])
-                self.stats["table_rows_sent"] += len(changed)
+            out = self._send_rows(held[1], table, np.flatnonzero((held[0] != table).any(axis=1)).tolist())
         self._tables[key] = (table, out)
         return out
+
+    def _send_rows(self, device, table: np.ndarray, changed: list):
+        """`device` with rows `changed` of `table` scattered in (their count padded to a power of two)."""
+        if not changed:
+            return device
+        rows = np.asarray(sampling_lib.pad(changed), np.int32)
+        self.stats["table_rows_sent"] += len(changed)
+        return self._scatter_fn()(device, rows, table[rows])
 
     def _keep_tables(self, cache) -> None:
         """After a step: its resident tables as the step returned them (the call donated its inputs)."""
@@ -424,8 +430,12 @@ class Engine(EngineAPI):
         ids = self.put(tokens.reshape(-1), ROW)
         if feed is not None:
             ids = self._feed_fn()(ids, self.put(feed[0].reshape(-1), ROW), feed[1])
-        logits, out = self.runner(self.params, ids, self.put(positions.reshape(-1), ROW), view)
-        if cache is None:
+        return self._run(ids, self.put(positions.reshape(-1), ROW), view, keep=cache is None)
+
+    def _run(self, ids, positions, view, keep: bool = True):
+        """The runner on device inputs; the cache (and with `keep`, the resident tables) as it returns them."""
+        logits, out = self.runner(self.params, ids, positions, view)
+        if keep:
             self._keep_tables(out)
         self.cache = self.without_tables(out)
         return logits
@@ -491,14 +501,23 @@ class Engine(EngineAPI):
                     )
                     self.cache = self.without_tables(cache)
             for setting in (Sampling(), Sampling(temperature=1.0)):  # greedy, drawn
-                _, sampled = self._sample_device(logits, {0: (0, Request(0, [0], 1))}, {0: setting})
+                sample_rows = {0: (0, Request(0, [0], 1))}
+                _, sampled = self._sample_device(logits, sample_rows, {0: setting})
                 if self.overlap:  # the gather of pending tokens into this bucket's rows
                     self._feed_fn()(self.put(rows.reshape(-1), ROW), self.put(rows.reshape(-1) - 1, ROW), sampled)
+                if self.drafter is None and not self.residual:  # two steady steps of no sequence
+                    flat = self.put(rows.reshape(-1), ROW)
+                    columns = self._sample_columns(sample_rows, {0: setting})[2]
+                    empty = np.zeros(0, np.int64)
+                    args = (width, (), [], empty, empty, flat, flat, columns, sampled, setting.temperature == 0)
+                    self._steady = self._steady_state(*args)
+                    self._steady_step([[] for _ in self.schedulers], width)
+                    self._steady = None
         if self.preemption == "swap":  # its copies out and back, page counts padded to powers of two
             for d in range(self.shards):
                 for count in (1 << i for i in range((self.max_pages - 1).bit_length() + 1)):
-                    block = jax.device_get(self.export_pages(d, [self.scratch] * count))
-                    self.import_pages(d, [self.scratch] * count, self.receive_pages(d, block)[0])
+                    block = self._to_host(self.export_pages(d, [self.scratch] * count))
+                    self.import_pages(d, [self.scratch] * count, self.receive_pages(d, self._from_host(block))[0])
         if self.drafter is not None:
             self.drafter.warmup(self)
         jax.block_until_ready(self.cache)
@@ -665,7 +684,7 @@ class Engine(EngineAPI):
         if self.preemption == "swap" and r.cached:
             pool = self.pools[d]
             block = self.export_pages(d, sampling_lib.pad(pool.table(r.id)[: pool.pages_for(r.cached)]))
-            self.swapped[r.id] = (r.cached, jax.device_get(block))
+            self.swapped[r.id] = (r.cached, self._to_host(block))
             r.swapped = r.cached
             self.stats["swapped_out"] += r.cached
         if self.residual:
@@ -681,10 +700,30 @@ class Engine(EngineAPI):
         d = self.shard_of[r.id]
         tokens, block = self.swapped.pop(r.id)
         pool = self.pools[d]
-        placed, _ = self.receive_pages(d, block)
+        placed, _ = self.receive_pages(d, self._from_host(block))
         self.import_pages(d, sampling_lib.pad(pool.table(r.id)[: pool.pages_for(tokens)]), placed)
         self.stats["swapped_in"] += tokens
         return tokens
+
+    def _to_host(self, block: dict) -> dict:
+        """Swap preemption: an `export_pages` block copied to host memory without waiting for it
+        (a device_put to the devices' pinned_host memory, asynchronous; the host step loop goes
+        on); where the devices have no host memory kind, read into numpy (blocking)."""
+        if "_host_memory" not in self.__dict__:
+            device = self.program.mesh.devices.flat[0]
+            try:
+                self._host_memory = "pinned_host" in {m.kind for m in device.addressable_memories()}
+            except Exception:  # noqa: BLE001 - backends without memories raise various errors
+                self._host_memory = False
+        if not self._host_memory:
+            return jax.device_get(block)
+        return {name: jax.device_put(a, a.sharding.with_memory_kind("pinned_host")) for name, a in block.items()}
+
+    @staticmethod
+    def _from_host(block: dict) -> dict:
+        """A `_to_host` block back in device memory (numpy blocks as they are: `receive_pages` places them)."""
+        back = lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")) if isinstance(a, jax.Array) else a
+        return {name: back(a) for name, a in block.items()}
 
     def _forget(self, d: int, request_id) -> None:
         self.swapped.pop(request_id, None)
@@ -755,16 +794,23 @@ class Engine(EngineAPI):
     def _dispatch(self, plans, n: int, prev: _InFlight | None) -> _InFlight:
         """Run a step on the device without reading its tokens: decodes whose last token is still
         on the device (pending) take it from `prev`'s sampled tokens there."""
-        self._prepare_residual(plans)
         width = self.width(n)
+        steady = self._steady_step(plans, width, prev)
+        if steady is not None:
+            st, sampled = steady
+            sampled.copy_to_host_async()
+            return _InFlight(plans, {rid: i for i, rid in enumerate(st.ids[: len(st.requests)])}, sampled)
+        self._prepare_residual(plans)
         tokens, positions, tables, sample_rows, _, _, src = self._rows(plans, width, None, prev)
         feed = (src, prev.tokens) if prev is not None and (src >= 0).any() else None
         logits = self.forward(tokens, positions, tables, feed=feed)
         self.stats["target_steps"] += 1
         if not sample_rows:
+            self._steady = None
             return _InFlight(plans, {}, None)
         ids, sampled = self._sample_device(logits, sample_rows)
         sampled.copy_to_host_async()  # on its way while the host plans the next step
+        self._settle(plans, width, positions, sample_rows, sampled)
         return _InFlight(plans, {rid: i for i, rid in enumerate(ids[: len(sample_rows)])}, sampled)
 
     def _commit_pending(self, step: _InFlight) -> None:
@@ -813,6 +859,7 @@ class Engine(EngineAPI):
         return work, out
 
     def _fail(self, plans, message: str) -> None:
+        self._steady = None
         lost = any(getattr(a, "is_deleted", lambda: False)() for a in self.cache.per_layer().values())
         if lost:  # the step's call had taken (donated) the cache: start from an empty one
             for d, s in enumerate(self.schedulers):
@@ -830,23 +877,16 @@ class Engine(EngineAPI):
     def _step(self, plans, n: int) -> tuple[list, dict]:
         steps = self._loop_steps(plans)
         if steps > 1:
+            self._steady = None  # the loop moves every sequence several positions on
             return self._decode_loop(plans, n, steps)
-        self._prepare_residual(plans)
-        drafts = self.drafter.propose(self, plans) if self.drafter is not None else None
         width = self.width(n)
-        tokens, positions, tables, sample_rows, verify_rows, prompt_rows, _ = self._rows(plans, width, drafts)
-        logits = self.forward(tokens, positions, tables)
-        self.stats["target_steps"] += 1
-        sampled = self.sample(logits, sample_rows) if sample_rows else {}
-        rows = {rid: [row] for rid, (row, _) in sample_rows.items()}
-        if verify_rows:
-            verified = self.drafter.verify(self, logits, verify_rows, drafts)
-            sampled.update(verified)
-            rows.update({rid: [verify_rows[rid][0] + i for i in range(len(out))] for rid, out in verified.items()})
-        if prompt_rows:
-            self._prompt_logprobs(logits, prompt_rows)
-        logprobs = self._logprobs(logits, rows, sampled)
-        forked = self._fork(plans, sampled)
+        steady = self._steady_step(plans, width)
+        if steady is not None:
+            st, dev = steady
+            sampled = dict(zip(st.ids, np.asarray(dev)[: len(st.requests)].tolist()))
+            logprobs, forked = {}, []
+        else:
+            sampled, logprobs, forked = self._built_step(plans, width)
         for d, (scheduler, work) in enumerate(zip(self.schedulers, plans)):
             before = {w.request.id: len(w.request.generated) for w in work}
             for req in scheduler.commit(work, sampled):
@@ -866,6 +906,155 @@ class Engine(EngineAPI):
                 self._forget(d, child.id)
         self.stats["tokens"] += sum(len(v) if isinstance(v, list) else 1 for v in sampled.values())
         return [w for work in plans for w in work], sampled
+
+    def _built_step(self, plans, width: int) -> tuple[dict, dict, list]:
+        """A step whose rows the host builds (any mix of prefill, decode and drafts): (sampled
+        tokens, log-probabilities, forks started). A decode-only step leaves its successor's inputs
+        on the device (`_settle`)."""
+        self._prepare_residual(plans)
+        drafts = self.drafter.propose(self, plans) if self.drafter is not None else None
+        tokens, positions, tables, sample_rows, verify_rows, prompt_rows, _ = self._rows(plans, width, drafts)
+        logits = self.forward(tokens, positions, tables)
+        self.stats["target_steps"] += 1
+        sampled, dev = {}, None
+        if sample_rows:
+            ids, dev = self._sample_device(logits, sample_rows)
+            sampled = dict(zip(ids[: len(sample_rows)], np.asarray(dev).tolist()))
+        self._settle(plans, width, positions, sample_rows, dev)
+        rows = {rid: [row] for rid, (row, _) in sample_rows.items()}
+        if verify_rows:
+            verified = self.drafter.verify(self, logits, verify_rows, drafts)
+            sampled.update(verified)
+            rows.update({rid: [verify_rows[rid][0] + i for i in range(len(out))] for rid, out in verified.items()})
+        if prompt_rows:
+            self._prompt_logprobs(logits, prompt_rows)
+        return sampled, self._logprobs(logits, rows, sampled), self._fork(plans, sampled)
+
+    # -- steady decoding: a decode-only step of the same sequences in the same rows as the last
+    # step takes its inputs from that step on the device (tokens: its sampled ones; positions and
+    # sampling counts + 1), and sends only the page-table rows of sequences that took a page. The
+    # host neither builds rows nor uploads per-row arrays (issue 31).
+    def _settle(self, plans, width: int, positions: np.ndarray, sample_rows: dict, sampled) -> None:
+        """After a step built on the host: if it was decode-only (one token per sequence, sampling
+        without penalties or log-probabilities, no drafter nor kv_quant), keep its successor's
+        inputs on the device; else none."""
+        self._steady = None
+        works = [w for work in plans for w in work]
+        if sampled is None or self.drafter is not None or self.residual or not works:
+            return
+        if any(w.kind != "decode" or w.tokens != 1 for w in works) or any(self.forks.values()):
+            return
+        settings = [self.sampling[w.request.id] for w in works]
+        if any(s.penalized or s.logprobs is not None for s in settings):
+            return
+        ids, _, columns = self._sample_columns(sample_rows)
+        active = np.zeros(positions.size, np.int32)
+        active[columns[0]] = 1
+        self._steady = self._steady_state(
+            width,
+            tuple(w.request for w in works),
+            ids,
+            columns[0][: len(works)].astype(np.int64),
+            np.asarray([w.start + 1 for w in works], np.int64),
+            self.put(positions.reshape(-1), ROW),
+            self.put(active, ROW),
+            columns,
+            sampled,
+            all(s.temperature == 0 for s in settings),
+        )
+
+    def _steady_state(self, width, requests, ids, rows, next_positions, positions, active, columns, sampled, greedy):
+        """A `_Steady` whose inputs follow a step that sampled `sampled` (device) at positions
+        `positions` (device [D width]) with `columns` (host: rows, seed, count, temperature, top_k,
+        top_p per sampling slot)."""
+        rep = NamedSharding(self.program.mesh, jax.sharding.PartitionSpec())
+        cols = tuple(jax.device_put(c, rep) for c in columns)
+        tokens, positions, counts = self._advance_fn()(sampled, cols[0], positions, cols[2], active)
+        return _Steady(
+            width,
+            requests,
+            tuple(map(id, requests)),
+            ids,
+            rows,
+            next_positions,
+            tokens,
+            positions,
+            active,
+            (cols[0], cols[1], counts, *cols[3:]),
+            greedy,
+        )
+
+    def _advance_fn(self):
+        """The next steady step's inputs from this step's, on the device (one program per row bucket)."""
+        if "_advance" not in self.__dict__:
+            row = NamedSharding(self.program.mesh, self.program.layout.compute_spec(ROW))
+            rep = NamedSharding(self.program.mesh, jax.sharding.PartitionSpec())
+            self._advance = jax.jit(
+                lambda sampled, at, positions, counts, active: (
+                    jnp.zeros(positions.shape, jnp.int32).at[at].set(sampled.astype(jnp.int32)),
+                    positions + active,
+                    counts + 1,
+                ),
+                out_shardings=(row, row, rep),
+            )
+        return self._advance
+
+    def _steady_step(self, plans, width: int, prev: _InFlight | None = None):
+        """Run this step from the steady inputs if its plan is the last step's sequences, each
+        decoding one token, in the same rows: (the state, the sampled tokens on the device), the
+        state advanced to the next step; else None (the step is built on the host)."""
+        st = self._steady
+        if st is None or st.width != width:
+            return None
+        works = [w for work in plans for w in work]
+        if len(works) != len(st.requests) or any(w.kind != "decode" or w.tokens != 1 for w in works):
+            return None
+        if tuple(id(w.request) for w in works) != st.keys:
+            return None
+        key = ("page_table", self.shards * width)
+        held = self._tables.get(key)
+        if held is None or held[1].is_deleted():
+            return None
+        table, device = held
+        # a sequence's table row changes only when it takes a page: at a page's first position
+        page_size = self.pools[0].page_size
+        changed = []
+        for i in np.flatnonzero(st.positions_host % page_size == 0).tolist():
+            row = int(st.rows[i])
+            pages = self.pools[row // width].table(st.requests[i].id)[: self.max_pages]
+            if not np.array_equal(table[row, : len(pages)], pages):
+                table[row, : len(pages)] = pages
+                changed.append(row)
+        self.stats["table_rows"] += table.shape[0]
+        device = self._send_rows(device, table, changed)
+        self._tables[key] = (table, device)
+        if self.verify_steady and st.requests:  # (warmup runs sequence-less steps)
+            self._verify_steady(st, plans, width, prev, table)
+        logits = self._run(st.tokens, st.positions, dataclasses.replace(self.cache, page_table=device))
+        if st.requests:
+            self.stats["target_steps"] += 1
+            self.stats["steady_steps"] += 1
+        if st.greedy:
+            sampled = sampling_lib.greedy_at(logits, st.sample[0])
+        else:
+            sampled = sampling_lib.sample_at(logits, *st.sample)
+        st.tokens, st.positions, counts = self._advance_fn()(
+            sampled, st.sample[0], st.positions, st.sample[2], st.active
+        )
+        st.sample = (*st.sample[:2], counts, *st.sample[3:])
+        st.positions_host = st.positions_host + 1
+        return st, sampled
+
+    def _verify_steady(self, st, plans, width: int, prev, table: np.ndarray) -> None:
+        """The steady inputs equal the rows the host would build for this step (tests)."""
+        tokens, positions, tables, sample_rows, _, _, src = self._rows(plans, width, None, prev)
+        flat = src.reshape(-1) < 0
+        assert np.array_equal(np.asarray(st.tokens)[flat], tokens.reshape(-1)[flat]), "steady tokens"
+        assert np.array_equal(np.asarray(st.positions), positions.reshape(-1)), "steady positions"
+        assert np.array_equal(table, tables["page_table"].reshape(table.shape)), "steady page table"
+        reqs = [sample_rows[rid][1] for rid in st.ids]
+        assert np.asarray(st.sample[0]).tolist() == [sample_rows[rid][0] for rid in st.ids], "steady rows"
+        assert np.asarray(st.sample[2]).tolist() == [len(r.generated) + r.pending for r in reqs], "steady counts"
 
     def _prepare_residual(self, plans) -> None:
         if self.residual:  # kv_quant: the full-precision pages the rows of this step (and its drafts) use
@@ -1019,13 +1208,13 @@ class Engine(EngineAPI):
         ids, tokens = self._sample_device(logits, sample_rows, settings_of)
         return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
 
-    def _sample_device(self, logits, sample_rows: dict, settings_of: dict | None = None) -> tuple[list, Any]:
-        """`sample`'s call, its tokens left on the device: (the padded request ids, tokens [slots])."""
+    def _sample_columns(self, sample_rows: dict, settings_of: dict | None = None) -> tuple[list, list, tuple]:
+        """(request ids padded to `sample_slots`, their Sampling, and per slot: row, seed, count,
+        temperature, top_k, top_p) of a sampling call."""
         settings_of = self.sampling if settings_of is None else settings_of
         ids = sampling_lib.pad(list(sample_rows), max(self.sample_slots, len(sample_rows)))
         settings = [settings_of[rid] for rid in ids]
-        args = (
-            logits,
+        columns = (
             np.asarray([sample_rows[rid][0] for rid in ids], np.int32),
             np.asarray([s.seed for s in settings], np.int32),
             # the key of the request's next token (counting one sampled and still in flight)
@@ -1034,6 +1223,12 @@ class Engine(EngineAPI):
             np.asarray([s.top_k for s in settings], np.int32),
             np.asarray([s.top_p for s in settings], np.float32),
         )
+        return ids, settings, columns
+
+    def _sample_device(self, logits, sample_rows: dict, settings_of: dict | None = None) -> tuple[list, Any]:
+        """`sample`'s call, its tokens left on the device: (the padded request ids, tokens [slots])."""
+        ids, settings, columns = self._sample_columns(sample_rows, settings_of)
+        args = (logits, *columns)
         if all(s.temperature == 0 and not s.penalized for s in settings):
             tokens = sampling_lib.greedy_at(logits, args[1])
         elif not any(s.penalized for s in settings):
@@ -1263,6 +1458,24 @@ class _InFlight:
     plans: list  # per batch shard, the step's work
     slots: dict  # request id -> its token's index in `tokens`
     tokens: Any  # the sampled tokens [slots] on the device (None: the step sampled nothing)
+
+
+@dataclasses.dataclass
+class _Steady:
+    """Steady decoding: the inputs of the next step of `requests` (a decode each, in the rows of the
+    last step), on the device, advanced there after every step."""
+
+    width: int
+    requests: tuple  # the sequences, in plan order (held: their ids cannot be reused meanwhile)
+    keys: tuple  # id() of each
+    ids: list  # request ids per sampling slot (padded to the engine's slots)
+    rows: np.ndarray  # host: each sequence's flat row
+    positions_host: np.ndarray  # host: the position each sequence writes in the next step
+    tokens: Any  # device [D width]: the next step's input tokens (this step's sampled ones)
+    positions: Any  # device [D width]
+    active: Any  # device [D width]: 1 on the sequences' rows
+    sample: tuple  # device, per slot: (row, seed, count, temperature, top_k, top_p)
+    greedy: bool
 
 
 def _overlap(a: tuple, b: tuple, shape: tuple) -> int:
