@@ -161,6 +161,8 @@ def test_swap_preemption_keeps_every_requests_tokens(mesh, overlap):
             prefill += sum(w.tokens for w in work if w.kind == "prefill")
             for pool in eng.pools:
                 pool.check()
+            for _, block in eng.swapped.values():  # copied out without blocking: host memory (CPU has it)
+                assert all(a.sharding.memory_kind == "pinned_host" for a in block.values())
         assert eng.idle, "starved"
         assert {r.id: r.generated for r in eng.finished} == want, preemption
         assert all(p.free_pages == p.num_pages for p in eng.pools) and not eng.swapped

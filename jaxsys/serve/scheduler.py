@@ -380,7 +380,7 @@ class Scheduler:
             for r in [r for r in self.running if r.decoding]:
                 if left == 0:
                     return
-                if r not in self.running:  # preempted to make room for an older sequence
+                if not r.decoding:  # preempted to make room for an older sequence (O(1): `in` is O(running))
                     continue
                 n = min(1 + self.lookahead(r), left)
                 if self.allocation == "on_demand" and not self._grow(r, r.cached + n, planned):
