@@ -133,13 +133,15 @@ def replay(eng, trace: list[dict], seed: int = 0, vocab: int = 256, prompts: lis
     }
 
 
-def host_gap(eng, sequences: int = 64, prompt_len: int = 32, steps: int = 20, seed: int = 0, rounds: int = 5) -> dict:
+def host_gap(eng, sequences: int = 64, prompt_len: int = 32, steps: int = 1, seed: int = 0, rounds: int = 100) -> dict:
     """How much of a decode step the host adds: `sequences` requests decoding together, the wall
     time of `eng.step()` against the step's compiled function (the runner) called back to back on
     the inputs of one engine step, captured (their tables already on the device), in one run.
-    `rounds` rounds of `steps` engine steps then `steps` compiled calls, so that other load on the
-    machine falls on both alike: per round the ratio of the medians; the median of the rounds'
-    ratios. `eng` is an idle, warmed-up Engine with room for them (max_seqs, pages)."""
+    `rounds` rounds of `steps` engine steps then `steps` compiled calls, interleaved so that other
+    load on the machine falls on both alike: per round the ratio of the medians (with steps=1, each
+    engine step against the compiled call right after it), and their median. An overlapped engine
+    needs steps > 1 (each round's first step finds no step in flight). `eng` is an idle, warmed-up
+    Engine with room for them (max_seqs, pages)."""
     import jax
 
     if rounds < 1 or steps < 1:

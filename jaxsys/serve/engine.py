@@ -1124,6 +1124,7 @@ class Engine(EngineAPI):
                 try:
                     self.pools[d].reserve(w.request.id, w.start + steps)
                 except PoolExhausted:
+                    self._steady = None  # tables grew away from a page's first position: rebuild them
                     return 1
         return steps
 
