@@ -18,7 +18,8 @@ device runs one compiled call per row bucket (a power of two >= 8, at most the b
 (sampling.py). Row r of a step is one token of some sequence at position p_r with that sequence's
 cache table, so decodes and prefill chunks of any lengths share one program; padding rows write a
 scratch page no sequence owns. The per-row page tables stay on the device between steps (a step
-scatters in the rows that changed). With `overlap` (config.serve.overlap) a step is dispatched
+scatters in the rows that changed), and a decode-only step of the same sequences as the last one
+runs from inputs that step left on the device (steady decoding: no rows built or uploaded). With `overlap` (config.serve.overlap) a step is dispatched
 before the previous step's sampled tokens are read: they feed its decodes on the device, and the
 host applies them (stop ids, finishing, streaming) a step late. A sequence preempted for pages is
 recomputed, or with preemption "swap" its pages go to host memory and back.
