@@ -26,12 +26,13 @@ from tests.helpers import program_for, run, small_config
 MESH = dict(data=2, fsdp=4)
 
 
-def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0, lora=0):
+def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0, lora=0, bits=8):
     c = small_config(MESH)
     c.lora.rank = lora
     c.sharding.params.embed = embed
     c.train.zero_stage = stage
     c.parallel.zeropp_hpz, c.parallel.zeropp_qwz, c.parallel.zeropp_qgz = hpz, qwz, qgz
+    c.parallel.zeropp_qgz_bits = bits
     return c
 
 
@@ -47,6 +48,7 @@ VARIANTS = {
     "hpz_prefetch": lambda: _prefetch(_config(hpz=True)),
     "hpz_qwz": lambda: _config(hpz=True, qwz=True),
     "hpz_qwz_qgz": lambda: _config(hpz=True, qwz=True, qgz=True),
+    "hpz_qwz_qgz4": lambda: _config(hpz=True, qwz=True, qgz=True, bits=4),
 }
 
 
@@ -124,6 +126,29 @@ def test_quantized_weight_gather_and_gradient_reduce_scatter(runs):
     # absmax; bounded by 2 / 254 of the leaf's largest partial, taken as 2.5x the total's here
     assert qg_loss == qw_loss
     assert 0 < _max_error(qg_grads, qw_grads) < 2.5 * 2 / 254
+    # int4 qgZ (codes packed two to a byte): each partial off by at most 1/14 of its row's absmax,
+    # bounded the same way; coarser than int8 (a check that int4 codes were sent)
+    q4_loss, q4_grads, _ = runs["hpz_qwz_qgz4"]
+    assert q4_loss == qw_loss
+    assert 2 * _max_error(qg_grads, qw_grads) < _max_error(q4_grads, qw_grads) < 2.5 * 2 / 14
+
+
+def _rows(c) -> dict:
+    """Per device, over the leaves of 2 or more dims: `s` elements of the local shards (embed split
+    over fsdp x data) and `r` rows (one scale each: the rows run along the last dim other than
+    embed's); `flat`: the 1-D leaves' fp32 bytes in the data reduce-scatter, (d - 1) s 4."""
+    n, d = MESH["fsdp"] * MESH["data"], MESH["data"]
+    out = dict(s=0, r=0, flat=0)
+    for spec in jax.tree.leaves(transformer.param_specs(c.model), is_leaf=lambda x: hasattr(x, "axes")):
+        dim = spec.axes.index("embed")
+        local = tuple(x // n if i == dim else x for i, x in enumerate(spec.shape))
+        if len(local) == 1:
+            out["flat"] += (d - 1) * local[0] * 4
+            continue
+        row = local[-1] if dim != len(local) - 1 else local[-2]
+        out["s"] += math.prod(local)
+        out["r"] += math.prod(local) // row
+    return out
 
 
 def test_bytes_per_link_class_formula_and_hlo(runs):
@@ -149,7 +174,14 @@ def test_bytes_per_link_class_formula_and_hlo(runs):
     quantized = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True))
     assert quantized["intra"] == pytest.approx(hpz["intra"])
     assert quantized["inter"] < 0.3 * hpz["inter"]  # int8 codes + scales for fp32
-    for name in ("zero3", "hpz_qwz", "hpz_qwz_qgz"):
+    # int4 qgZ: the gradient half of the data traffic shrinks by (s / 2 + 4 r) / (s + 4 r); every
+    # quantized leaf of the test model has even rows (zeropp.grad_bits), its 1-D leaves go as fp32
+    int4 = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True, bits=4))
+    half = analysis.link_bytes(_config(hpz=True, qwz=True))["inter"] - hpz["inter"] / 2  # the qwZ gather
+    rows = _rows(c)
+    assert int4["inter"] - half == pytest.approx((d - 1) * (rows["s"] / 2 + 4 * rows["r"]) + rows["flat"])
+    assert quantized["inter"] - half == pytest.approx((d - 1) * (rows["s"] + 4 * rows["r"]) + rows["flat"])
+    for name in ("zero3", "hpz_qwz", "hpz_qwz_qgz", "hpz_qwz_qgz4"):
         assert runs[name][2] == pytest.approx(analysis.link_bytes(VARIANTS[name]()))
 
 
