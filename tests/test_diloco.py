@@ -2,6 +2,8 @@
 axis that train apart and synchronise by an outer step; checked against plain data parallelism and
 NumPy statements of the outer update and of the quantizer's bound."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,7 +152,9 @@ def test_co2_with_gap_penalty_and_momentum_clipping_against_numpy():
         new, m, delta, last, norm = _co2_reference(*before, 0.7, 0.5, CLIP)
         norms.append(norm)
         penalties.append(
-            max(float(np.max(np.abs(g) / (0.7 * np.abs(d) + 1e-300))) for d, g in zip(*map(jax.tree.leaves, before[3:])))
+            max(
+                float(np.max(np.abs(g) / (0.7 * np.abs(d) + 1e-300))) for d, g in zip(*map(jax.tree.leaves, before[3:]))
+            )
         )
         state = sync(state)
         s = state.opt_state
@@ -261,7 +265,7 @@ def test_streaming_fragments_sync_on_a_staggered_schedule():
     c = _config(every=4, fragments=2)
     assert [outer.fragment_due(c.train, s) for s in range(1, 9)] == [[], [0], [], [1], [], [0], [], [1]]
     c = _config(every=2, fragments=2, lr=1.0, momentum=0.0, nesterov=False)
-    c.model.n_layers = 4
+    c.model.n_layers = 2
     program = program_for(c)
     step, sync0 = program.train_step_fn(), outer.sync_fn(program, 0)
     state = program.init()
@@ -270,12 +274,71 @@ def test_streaming_fragments_sync_on_a_staggered_schedule():
     state = sync0(state)
     got = _np(state.params)
     mean = lambda x: x.mean(0)
-    # fragment 0: layers 0 and 2, and the leaves outside the stack; layers 1 and 3 wait
+    # fragment 0: layer 0 and the leaves outside the stack; layer 1 waits
     np.testing.assert_allclose(got["layers"]["wq"][0::2], mean(local["layers"]["wq"])[0::2], rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(got["layers"]["wq"][1::2], theta["layers"]["wq"][1::2])
     np.testing.assert_allclose(got["embed"], mean(local["embed"]), rtol=1e-5, atol=1e-7)
     islands = _np(state.opt_state.local)["layers"]["wq"]
     np.testing.assert_array_equal(islands[:, 1::2], local["layers"]["wq"][:, 1::2])  # still their own
+
+
+def _streaming_reference(tree, step, t, fragments=2, tau=1, alpha=0.5, lr=0.7, mu=0.9):
+    """NumPy: Streaming DiLoCo's syncs after inner step `step` (Nesterov outer step). `tree`: dict of
+    theta, local [M, ...], momentum, delayed (float64), taken after the inner step. Fragment p (rows
+    p::P of the layer stack; fragment 0 also the other leaves) starts at steps s with
+    s % H == (p+1) H/P % H: delayed_p = theta_p - mean_i local_i,p (the deltas as of s); at s + tau
+    it finishes: theta_p' = theta_p - lr (avg + mu m'), m' = mu m + avg, and every island merges,
+    local_i,p = alpha local_i,p (its values now) + (1 - alpha) theta_p'."""
+    out = jax.tree.map(np.copy, tree)
+    h = t.outer.every
+    due = lambda s: [p for p in range(fragments) if s >= 1 and s % h == ((p + 1) * h // fragments) % h]
+    for path, theta in jax.tree_util.tree_leaves_with_path(tree["theta"]):
+        stacked = jax.tree_util.keystr(path[:1]) == "['layers']"
+        get = lambda name: functools.reduce(lambda x, k: x[k.key], path, out[name])
+        th, loc, mom, dly = get("theta"), get("local"), get("momentum"), get("delayed")
+        rows = lambda p: slice(p, None, fragments) if stacked else slice(None)
+        for p in due(step - tau):  # finish
+            if not stacked and p:
+                continue
+            r = rows(p)
+            avg = dly[r].copy()
+            mom[r] = mu * mom[r] + avg
+            th[r] = th[r] - lr * (avg + mu * mom[r])
+            loc[:, r] = alpha * loc[:, r] + (1 - alpha) * th[r][None]
+        for p in due(step):  # start
+            if not stacked and p:
+                continue
+            r = rows(p)
+            dly[r] = th[r] - loc[:, r].mean(0)
+    return out
+
+
+def test_streaming_overlap_and_merge_against_numpy():
+    """Streaming DiLoCo with tau = 1 and alpha = 0.5 (2 fragments, H = 2, AdamW inside, Nesterov
+    0.9, lr 0.7), four inner steps: after each, the syncs due (`outer.Syncs`: finishes of the
+    fragments started tau steps ago, starts of those due) against `_streaming_reference`. Fragments
+    0 and 1 start at odd and even steps, so every step after the first finishes one and starts the
+    other; fragment 0 finishes twice (the second time with momentum)."""
+    c = _config(every=2, fragments=2, overlap_steps=1, merge=0.5)
+    c.model.n_layers = 2  # one a fragment
+    program = program_for(c)
+    step, state = program.train_step_fn(), program.init()
+    syncs = outer.Syncs(program, state)
+    names = ("theta", "local", "momentum", "delayed")
+    for i, b in enumerate(_batches(program, 4), start=1):
+        state, _ = step(state, b)
+        s = state.opt_state
+        want = _streaming_reference(
+            dict(zip(names, map(_np, (state.params, s.local, s.momentum, s.delayed)))), i, c.train
+        )
+        state = syncs(state, i)
+        s = state.opt_state
+        got = dict(zip(names, map(_np, (state.params, s.local, s.momentum, s.delayed))))
+        for name in names:
+            for a, b in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name])):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=f"{name} after step {i}")
+    local = got["local"]["layers"]["wq"]
+    assert not np.allclose(local[0], local[1])  # the islands keep half of their own values
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])

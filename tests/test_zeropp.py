@@ -5,7 +5,8 @@
   losses of two steps are bitwise equal. Against ZeRO-3 over fsdp x data (one reduce-scatter over
   all 8 ranks) the loss is bitwise equal and the gradients differ by the order of the 8-term sums.
 - qwZ, qgZ: int8 with one absmax scale per row has a step of (row's absmax) / 127, an error of at
-  most half of it per element. Tolerances (relative to the leaf's largest entry) are stated below.
+  most half of it per element; int4 qgZ a step of (row's absmax) / 7. Tolerances (relative to the
+  leaf's largest entry) are stated below.
 - Bytes per link class: the analysis formula equals the compiled (XLA:CPU) step's collectives, and
   both equal the closed form from the parameter count.
 """

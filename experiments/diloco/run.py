@@ -56,6 +56,14 @@ VARIANTS = [
     ("DiLoCo H=50 int4", dict(method="diloco", every=50, quantize="int4")),
     ("Streaming H=100 P=4 int4", dict(method="diloco", every=100, fragments=4, quantize="int4")),
     ("CO2 H=50", dict(method="co2", every=50)),
+    # Streaming DiLoCo's overlap (tau = 5 steps, merge alpha = 0.5), CO2's stabilisers, error feedback
+    (
+        "Streaming H=100 P=4 int4 tau=5 a=0.5",
+        dict(method="diloco", every=100, fragments=4, quantize="int4", overlap_steps=5, merge=0.5),
+    ),
+    ("CO2 H=50 gap penalty", dict(method="co2", every=50, co2_penalty=True)),
+    ("CO2 H=50 gap penalty + clip 1", dict(method="co2", every=50, co2_penalty=True, momentum_clip=1.0)),
+    ("DiLoCo H=50 int4 error feedback", dict(method="diloco", every=50, quantize="int4", error_feedback=True)),
     # controls: where the gap to DP comes from, and CO2 without outer momentum
     ("DiLoCo H=1 lr 1 no momentum", dict(method="diloco", every=1, lr=1.0, momentum=0.0, nesterov=False)),
     ("CO2 H=50 no momentum", dict(method="co2", every=50, momentum=0.0, nesterov=False)),

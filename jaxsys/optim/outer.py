@@ -15,17 +15,19 @@ theta_i island i's after it:
 Streaming DiLoCo (Douillard et al. 2025): the parameters are P fragments (fragment p: layers
 p, p+P, ... of every layer-stacked leaf; the other leaves, embeddings and final norm, go with
 fragment 0), each synchronised every H steps, fragment p at steps s with s % H == (p+1) H / P % H:
-one fragment's bytes every H / P steps, so the peak bandwidth falls by P. The outer gradients may be
-quantized to int8 or int4 before the average (`quantize` / `dequantize`: symmetric round-to-nearest
-with one f32 scale per block of `BLOCK` values; the islands all-gather codes and scales and average
-in f32). Not implemented: Streaming DiLoCo's overlap of a fragment's communication with the next
-tau inner steps and its mixing factor alpha (islands here take theta' as it is, alpha = 0).
+one fragment's bytes every H / P steps, so the peak bandwidth falls by P. With overlap_steps = tau
+> 0 a fragment's average (of the deltas as of its sync step s) is applied at s + tau, and each island
+keeps alpha (`merge`) of its own current values: theta_i <- alpha theta_i + (1 - alpha) theta'
+(`start` and `finish` phases of `local_sync`). The outer gradients may be quantized to int8 or int4
+before the average (`quantize` / `dequantize`: symmetric round-to-nearest with one f32 scale per
+block of `BLOCK` values; the islands all-gather codes and scales and average in f32), with error
+feedback (each island adds its last quantization residual to the next round's outer gradient).
 
 CO2 (Sun et al. 2024): the outer update applies the previous round's averaged outer gradient, so
 the all-reduce of round k can run during round k+1's inner steps; theta' = theta - lr_out u(Delta_{k-1})
-and the islands continue from theta'. The paper's staleness gap penalty and outer momentum
-clipping are not implemented (docs/diloco.md). XLA:CPU runs the all-reduce between the steps: the
-arithmetic is CO2's, the overlap is not measured here.
+and the islands continue from theta'. Its staleness gap penalty (`gap_penalized`) and outer
+momentum clipping are options (docs/diloco.md states the equations). XLA:CPU runs the all-reduce
+between the steps: the arithmetic is CO2's and Streaming DiLoCo's, the overlap is not measured here.
 
 State: `TrainState.params` is theta (what evaluation and checkpoints' consumers read); the islands'
 parameters and inner optimizer states are in `OuterState`, stacked [M, ...] and split over `data`,

@@ -17,7 +17,8 @@ qwZ (`zeropp_qwz`) sends the secondary gather as int8 codes with one fp32 absmax
 weights' cotangent (straight through). qgZ (`zeropp_qgz`) replaces the `data` reduce-scatter with
 an all-to-all of int8 codes and scales: each rank quantizes its fsdp-reduced gradient block, sends
 rank j its j-th chunk, and sums the chunks it receives in fp32 (the paper's all-to-all reduce-
-scatter for the inter-node hop; the intra-node hop stays in the compute dtype). 1-D leaves (norm
+scatter for the inter-node hop; the intra-node hop stays in the compute dtype); with
+`zeropp_qgz_bits = 4` the codes are int4, packed two to a byte along the row. 1-D leaves (norm
 scales) go unquantized: one scale per element would cost more than it saves.
 """
 
