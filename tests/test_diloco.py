@@ -378,6 +378,16 @@ def test_config_errors_name_the_problem():
     c = _config(method="diloko")
     with pytest.raises(ConfigError, match="choose one of"):
         validate(c)
+    for keys, message in [
+        (dict(every=4, overlap_steps=4), r"overlap_steps=4 must be an integer in \[0, every=4\)"),
+        (dict(method="co2", overlap_steps=1), r"overlap_steps=1 is Streaming DiLoCo's overlap"),
+        (dict(merge=1.0), r"merge=1.0 must be in \[0, 1\)"),
+        (dict(error_feedback=True), r"error_feedback=True .* set config.train.outer.quantize"),
+        (dict(co2_penalty=True), r"co2_penalty=True .* set config.train.outer.method='co2'"),
+        (dict(momentum_clip=-1.0), r"momentum_clip=-1.0 must be >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(_config(**keys))
     c = small_config(dict(fsdp=8))
     c.train.outer.method = "diloco"
     with pytest.raises(ConfigError, match="mesh.data >= 2"):

@@ -194,6 +194,8 @@ def test_bytes_per_link_class_formula_and_hlo(runs):
         (dict(stage=2), r"zero_stage=2 with `data` in config.sharding.params.embed.*set zero_stage=0"),
         (dict(embed="data,fsdp"), r"with `data` write 'fsdp,data'"),
         (dict(hpz=True, lora=4), r"zeropp_hpz is for the transformer's non-pipelined full training step.*lora.rank=0"),
+        (dict(hpz=True, qgz=True, bits=2), r"zeropp_qgz_bits=2: choose 8 or 4"),
+        (dict(hpz=True, bits=4), r"zeropp_qgz_bits=4 sets qgZ's codes: set config.parallel.zeropp_qgz=True"),
     ],
 )
 def test_bad_zeropp_config_is_refused(change, message):

@@ -255,13 +255,6 @@ def local_step(program, state, batch):
     return state._replace(step=state.step + 1, opt_state=o._replace(inner=_stack(inner), local=_stack(params))), metrics
 
 
-def outer_update(theta, delta, momentum, lr: float, mu: float, nesterov: bool):
-    """(theta', momentum') of one outer Nesterov-SGD step on the outer gradient `delta`."""
-    m = mu * momentum + delta
-    u = delta + mu * m if nesterov else m
-    return theta - lr * u, m
-
-
 def gap_penalized(stale, gap, lr: float):
     """CO2's staleness gap penalty (docs/diloco.md): the stale outer gradient divided, element by
     element, by 1 + |gap| / |lr stale|: the parameters' move since it was computed (the last outer
@@ -336,7 +329,7 @@ def local_sync(program, state, fragment: int, phase: str = "all"):
         clip = jnp.minimum(1.0, o_cfg.momentum_clip / (norm + 1e-12))
         moms = {i: m * clip for i, m in moms.items()}
     alpha = o_cfg.merge
-    for i in mine:
+    for i in mine:  # the outer Nesterov-SGD step: u = Delta + mu m (or m), theta' = theta - lr u
         m = moms[i]
         u = applied[i] + o_cfg.momentum * m if o_cfg.nesterov else m
         theta = part("theta", i)
