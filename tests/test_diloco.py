@@ -318,7 +318,8 @@ def test_streaming_overlap_and_merge_against_numpy():
     0.9, lr 0.7), four inner steps: after each, the syncs due (`outer.Syncs`: finishes of the
     fragments started tau steps ago, starts of those due) against `_streaming_reference`. Fragments
     0 and 1 start at odd and even steps, so every step after the first finishes one and starts the
-    other; fragment 0 finishes twice (the second time with momentum)."""
+    other; fragment 0 finishes twice (the second time with momentum). Then: `start` and `finish`
+    run back to back equal the synchronous program (`phase="all"`, what tau = 0 runs) bitwise."""
     c = _config(every=2, fragments=2, overlap_steps=1, merge=0.5)
     c.model.n_layers = 2  # one a fragment
     program = program_for(c)
@@ -339,6 +340,13 @@ def test_streaming_overlap_and_merge_against_numpy():
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=f"{name} after step {i}")
     local = got["local"]["layers"]["wq"]
     assert not np.allclose(local[0], local[1])  # the islands keep half of their own values
+    # with no inner step between them, start then finish is the synchronous sync (tau = 0) bitwise
+    copy = lambda st: jax.tree.map(lambda x: x.copy(), st)
+    split = syncs.fns[0, "finish"](syncs.fns[0, "start"](copy(state)))
+    whole = outer.sync_fn(program, 0)(copy(state))
+    kept = lambda st: (st.params, st.opt_state.local, st.opt_state.momentum)  # `delayed`: start's only
+    for a, b in zip(jax.tree.leaves(kept(split)), jax.tree.leaves(kept(whole))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
