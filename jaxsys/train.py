@@ -389,10 +389,12 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
             jax.block_until_ready(state)
         resume_step, saved_data = snap_step, meta["data"]
         gp.lost_steps = _logged_after(workdir, resume_step)
+        digest = snapshot_lib.fingerprint(state)  # a collective: every process
         if lead:
             print(
                 f"jaxsys: resumed from in-memory snapshot step {snap_step} of {snap_root} "
-                f"({', '.join(files)}) in {gp.seconds['restore']:.2f}s, saved by {meta['processes']} processes",
+                f"({', '.join(files)}) in {gp.seconds['restore']:.2f}s, saved by {meta['processes']} processes; "
+                f"fingerprint {digest}",
                 flush=True,
             )
     elif resume_step is not None:
