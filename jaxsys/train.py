@@ -549,6 +549,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
             finish(*pending)
         gp.loop_ended()
         _report_goodput(workdir, lead, t.steps, gp, cache_path, cache_counter)
+        if snapshotter and lead:
+            print(f"jaxsys: {snapshotter.line()}", flush=True)
         if routing is not None and lead:
             routing.save(os.path.join(workdir, "moe_routing.npz"))
     finally:

@@ -195,6 +195,7 @@ class Snapshotter:
         self.area = os.path.join(self.root, f"p{self.pid}")
         os.makedirs(self.area, exist_ok=True)
         self.seconds, self.count, self.nbytes = 0.0, 0, 0
+        self.phases = dict.fromkeys(("host", "ring", "write", "barrier"), 0.0)  # seconds by phase
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -205,7 +206,9 @@ class Snapshotter:
         start = time.perf_counter()
         meta = {"step": int(step), "process": self.pid, "processes": self.n_proc, "data": data}
         own = pack(pieces(state), meta)
+        t_ring = time.perf_counter()
         replica = ring_send(own)
+        t_write = time.perf_counter()
         final = os.path.join(self.area, str(step))
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -215,6 +218,7 @@ class Snapshotter:
             _write(os.path.join(tmp, f"replica_of_p{(self.pid - 1) % self.n_proc}.bin"), replica)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        t_barrier = time.perf_counter()
         _barrier(f"jaxsys_snapshot_{step}", self.timeout_s)
         if self.pid == 0:
             marker = os.path.join(self.root, f"complete_{step}")
@@ -223,10 +227,21 @@ class Snapshotter:
             os.rename(marker + ".tmp", marker)
         self._prune()
         seconds = time.perf_counter() - start
+        for phase, a, b in (("host", start, t_ring), ("ring", t_ring, t_write), ("write", t_write, t_barrier)):
+            self.phases[phase] += b - a
+        self.phases["barrier"] += start + seconds - t_barrier
         self.seconds += seconds
         self.count += 1
         self.nbytes = len(own) + (len(replica) if self.n_proc > 1 else 0)
         return seconds
+
+    def line(self) -> str:
+        """One printed line: count, seconds, by phase, bytes per process."""
+        phases = ", ".join(f"{k} {v:.3f} s" for k, v in self.phases.items())
+        return (
+            f"snapshots: {self.count} in {self.seconds:.3f} s ({phases}); "
+            f"{self.nbytes / 2**20:.2f} MiB per process (own + replica)"
+        )
 
     def _prune(self) -> None:
         """Drop this process's steps older than its last `keep` (any newer step than a complete
@@ -339,8 +354,8 @@ def fingerprint(state) -> str:
 class Watchdog(threading.Thread):
     """Exit this process with a named error when a peer stops: every `interval` s, bump this
     process's counter in the coordination service's key-value store and read the others'. A peer
-    whose counter has not moved for `timeout_s` (or whose key is `done`: it finished) ... is lost
-    unless done; the coordinator not answering is process 0 lost. The bound from the kill to the
+    whose counter has not moved for `timeout_s` is lost (one that wrote `done` finished and is not);
+    the coordinator not answering is process 0 lost. The bound from the kill to the
     exit is timeout_s + 2 x interval (docs/fault_tolerance.md)."""
 
     def __init__(self, timeout_s: float, interval: float = 1.0, on_lost=None):
@@ -364,15 +379,17 @@ class Watchdog(threading.Thread):
             except Exception as e:  # the coordination service (on process 0) is gone
                 if self.stopped.is_set():
                     return
-                return self.on_lost(0, f"the coordinator does not answer ({type(e).__name__}: {str(e)[:200]})")
+                self.on_lost(0, f"the coordinator does not answer ({type(e).__name__}: {str(e)[:200]})")
+                return
             now = time.monotonic()
             for q, value in values.items():
                 if value == "done":
                     seen[q] = ("done", now)
                 elif value != seen[q][0]:
                     seen[q] = (value, now)
-                elif value != "done" and now - seen[q][1] > self.timeout_s:
-                    return self.on_lost(q, f"no heartbeat for {now - seen[q][1]:.1f} s (timeout {self.timeout_s:g} s)")
+                elif now - seen[q][1] > self.timeout_s:
+                    self.on_lost(q, f"no heartbeat for {now - seen[q][1]:.1f} s (timeout {self.timeout_s:g} s)")
+                    return
 
     def _get(self, q: int) -> str:
         try:
