@@ -281,13 +281,19 @@ def main(config, workdir: str) -> list[dict]:
         mesh = make_mesh(config)
         checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
         try:
-            return _train(config, workdir, corpus, mesh, checkpointer, gp)
+            records = _train(config, workdir, corpus, mesh, checkpointer, gp)
         finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
             if checkpointer:
                 checkpointer.close()
-    finally:
-        if watchdog is not None:
-            watchdog.finish()
+    except jax.errors.JaxRuntimeError:
+        if watchdog is not None:  # a dead peer often surfaces first as a collective's error (gloo:
+            # "Connection reset by peer"): let the watchdog name it and exit, rather than end here and
+            # then wait in jax.distributed's shutdown barrier for the peer that is gone
+            watchdog.join(timeout=sn.peer_timeout_s + 3 * watchdog.interval)
+        raise
+    if watchdog is not None:
+        watchdog.finish()
+    return records
 
 
 def _resumable(config, workdir: str) -> bool:
@@ -358,7 +364,9 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     # a snapshot of this workdir's run (a stale one of a removed workdir at the same path is not)
     snap_steps = snapshot_lib.complete_steps(snap_root) if sn.every and logged else []
     snap_step = snap_steps[0] if snap_steps and (resume_step is None or snap_steps[0] >= resume_step) else -1
-    exists = logged and resume_step is None and snap_step < 0
+    # killed before its first snapshot (at most k steps logged): start again from step 0
+    early = bool(sn.every) and logged and _logged_after(workdir, 0) <= sn.every
+    exists = logged and resume_step is None and snap_step < 0 and not early
     if jax.process_count() > 1:  # process 0 decides for all, so that none is left waiting
         from jax.experimental import multihost_utils
 
@@ -416,6 +424,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     else:
         with gp.timed("init"):
             state = program.init()
+        if early and snap_step < 0:
+            gp.lost_steps = _logged_after(workdir, 0)
     reference = _reference_params(program, config) if program.needs_reference else None
     step_args = () if reference is None else (reference,)
     start_step = int(resume_step or 0)
