@@ -285,15 +285,31 @@ def main(config, workdir: str) -> list[dict]:
         finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
             if checkpointer:
                 checkpointer.close()
-    except jax.errors.JaxRuntimeError:
-        if watchdog is not None:  # a dead peer often surfaces first as a collective's error (gloo:
-            # "Connection reset by peer"): let the watchdog name it and exit, rather than end here and
-            # then wait in jax.distributed's shutdown barrier for the peer that is gone
+    except BaseException as e:
+        if watchdog is None:
+            raise
+        if isinstance(e, jax.errors.JaxRuntimeError):  # a dead peer often surfaces first as a collective's
+            # error (gloo: "Connection reset by peer"): let the watchdog name it and exit
             watchdog.join(timeout=sn.peer_timeout_s + 3 * watchdog.interval)
-        raise
+        _exit_now(e)
     if watchdog is not None:
         watchdog.finish()
     return records
+
+
+def _exit_now(e: BaseException) -> None:
+    """End a process of a watched multi-process job on its own error at once, as `cli` would (exit 2
+    for the errors it names, else the traceback and 1), without waiting in jax.distributed's
+    shutdown barrier for peers that are blocked in a collective with it: their watchdogs see it gone
+    within peer_timeout_s and exit too (docs/fault_tolerance.md)."""
+    import traceback
+
+    if isinstance(e, CLI_ERRORS):
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    traceback.print_exception(e)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _resumable(config, workdir: str) -> bool:
@@ -657,6 +673,10 @@ def _report_goodput(workdir: str, lead: bool, step: int, gp, cache_path, counter
     print(f"jaxsys: {cache_line}", flush=True)
 
 
+# the errors `cli` reports as one line and exit code 2
+CLI_ERRORS = (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError, FloatingPointError)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Train a jaxsys config.")
     parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
@@ -670,7 +690,7 @@ def cli(argv=None) -> int:
     try:
         config = load_config(args.config, overrides)
         main(config, args.workdir)
-    except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError, FloatingPointError) as e:
+    except CLI_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -156,6 +156,41 @@ def costs(tmp) -> list[dict]:
     return rows
 
 
+def tables(result: dict) -> str:
+    """The README's tables from results.json."""
+    lines = []
+    if result.get("kills"):
+        lines += [
+            "| processes x devices | repeat | killed process @ step | survivors' exit | detect s | hangs | "
+            "attempts | steps lost (k = 3) | restore s | restart startup s | max rel loss diff vs uninterrupted |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in result["kills"]:
+            detect = "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}"
+            lines.append(
+                f"| {r['processes']} x {r['devices_per_process']} | {r['repeat']} | "
+                f"{r['killed_process']} @ {r['killed_after_step']} | {r['survivor_codes']} | {detect} | {r['hangs']} | "
+                f"{r['attempts']} | {r['steps_lost']} | {r['restore_s']:.2f} | {r['restart_startup_s']:.1f} | "
+                f"{r['max_rel_loss_diff_vs_uninterrupted']:.1e} |"
+            )
+        lines.append("")
+    if result.get("costs"):
+        lines += [
+            "| model | params (M) | k | MiB / process (own + replica) | per snapshot s (host, ring, write, barrier) | "
+            "snapshot s per step | step s | overhead |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in result["costs"]:
+            ph = r["phases_per_snapshot_s"]
+            parts = ", ".join(f"{ph[k]:.3f}" for k in ("host", "ring", "write", "barrier"))
+            lines.append(
+                f"| {r['model']} | {r['params_M']:.2f} | {r['k']} | {r['mib_per_process']:.1f} | "
+                f"{r['per_snapshot_s']:.3f} ({parts}) | {r['per_step_s']:.3f} | {r['step_s']:.3f} | "
+                f"{100 * r['overhead']:.0f}% |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=10)
@@ -163,7 +198,12 @@ def main() -> None:
     parser.add_argument("--skip-costs", action="store_true")
     parser.add_argument("--skip-kills", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
+    parser.add_argument("--table", default="", help="print the tables of this results.json and stop")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            print(tables(json.load(f)))
+        return
     tmp = tempfile.mkdtemp(prefix="jaxsys_ft_")
     result = {"steps": STEPS, "k": K, "peer_timeout_s": TIMEOUT_S, "repeats": args.repeats, "seed": args.seed}
     if not args.skip_kills:
@@ -172,6 +212,7 @@ def main() -> None:
         result["costs"] = costs(tmp)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    print(tables(result))
     shutil.rmtree(tmp, ignore_errors=True)
 
 
