@@ -36,12 +36,12 @@ import sys
 import tempfile
 import threading
 import time
-from functools import lru_cache
 
 import jax
 import numpy as np
 
 from jaxsys.checkpoint import CheckpointError, _name
+from jaxsys.parallel import process_ring
 
 EXIT_PEER_LOST = 75  # EX_TEMPFAIL: a launcher restarts the job
 _MAGIC = b"JXSNAP01"
@@ -122,30 +122,6 @@ def unpack(buf: np.ndarray) -> tuple[dict, list[tuple[str, list, np.ndarray]]]:
 # ----------------------------------------------------------------------------- the ring
 
 
-def _process_devices() -> list:
-    """One device per process (its lowest id), in process order."""
-    first: dict = {}
-    for d in jax.devices():
-        if d.process_index not in first or d.id < first[d.process_index].id:
-            first[d.process_index] = d
-    return [first[p] for p in sorted(first)]
-
-
-@lru_cache(maxsize=8)
-def _ring_fn(n_proc: int, length: int):
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.array(_process_devices()), ("proc",))
-    sharding = NamedSharding(mesh, P("proc"))
-    perm = [(i, (i + 1) % n_proc) for i in range(n_proc)]
-    fn = jax.jit(
-        jax.shard_map(lambda x: jax.lax.ppermute(x, "proc", perm), mesh=mesh, in_specs=P("proc"), out_specs=P("proc")),
-        out_shardings=sharding,
-    )
-    return fn, sharding
-
-
 def ring_send(buf: np.ndarray) -> np.ndarray:
     """Send `buf` to process (p + 1) % P and return the buffer of process (p - 1) % P, through one
     ppermute over one device per process (buffers padded to the longest, rounded up to 64 KiB so
@@ -157,10 +133,10 @@ def ring_send(buf: np.ndarray) -> np.ndarray:
 
     lengths = np.asarray(multihost_utils.process_allgather(np.int64(len(buf)))).reshape(-1)
     length = -(-int(lengths.max()) // 65536) * 65536
-    fn, sharding = _ring_fn(n_proc, length)
+    fn, sharding = process_ring.ring_fn(n_proc, length)
     local = np.zeros((1, length), np.uint8)
     local[0, : len(buf)] = buf
-    device = _process_devices()[pid]
+    device = process_ring.process_devices()[pid]
     arr = jax.make_array_from_single_device_arrays((n_proc, length), sharding, [jax.device_put(local, device)])
     received = np.asarray(fn(arr).addressable_shards[0].data)[0]
     return received[: int(lengths[(pid - 1) % n_proc])].copy()
