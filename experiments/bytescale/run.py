@@ -45,6 +45,8 @@ import numpy as np  # noqa: E402
 from experiments.common import emit, load_results, markdown_table, run_worker, save_results, worker_devices  # noqa: E402
 
 S, D, B, T, STEPS, ROUNDS = 8, 4, 32, 16384, 20, 5
+LOCALS = (0.125, 0.25, 0.5)  # adaptive_cp_local of the per-batch plans with local regions
+CPU_LOCAL = 0.5  # ... of the tiny model's split program
 D_MODEL, KV_BYTES_PER_TOKEN = 4096, 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16
 
 
@@ -63,6 +65,18 @@ def bytescale_imbalance(load):
     from jaxsys.data import bytescale
 
     return bytescale.imbalance(load)
+
+
+def one_batch(stats, needed, deferred, name, placed, lens, chunks, kinds, n_local) -> None:
+    """One step's per-batch plan: rows past B do not fit this step (deferred to a later one)."""
+    from jaxsys.data import bytescale
+
+    kept = placed.row < B
+    deferred[name] += int(lens[~kept].sum())
+    sub = bytescale.Placement(placed.row[kept], placed.start[kept], B)
+    w = {k: bytescale.work(sub, lens[kept], T, chunks, *ab, local=n_local) for k, ab in kinds.items()}
+    stats[name].append(_device_loads(w, np.arange(B)))
+    needed[name] += bytescale.kv_traffic(sub, lens[kept], T, chunks, local=n_local) / B
 
 
 def plan_stats(doc_len: np.ndarray) -> dict:
@@ -84,9 +98,11 @@ def plan_stats(doc_len: np.ndarray) -> dict:
         whole_s = time.perf_counter() - t0
         whole_work = {k: bytescale.work(whole, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
         whole_order = np.random.default_rng(1).permutation(whole.num_rows)
-        stats = {"fixed": [], "adaptive_split": [], "adaptive_batch": []}
-        needed = {"fixed": 0.0, "adaptive_split": 0.0, "adaptive_batch": 0.0}
-        deferred, batch_s = 0, 0.0
+        split_names = [f"adaptive_local{f:g}" for f in LOCALS]
+        stats = {n: [] for n in ["fixed", "adaptive_split", "adaptive_batch"] + split_names}
+        needed = {n: 0.0 for n in stats}
+        deferred = {n: 0 for n in stats}
+        batch_s = 0.0
         for i, rows in enumerate(batches):
             stats["fixed"].append(_device_loads(fixed_work, rows))
             stats["adaptive_split"].append(_device_loads(whole_work, whole_order[i * B : (i + 1) * B]))
@@ -96,28 +112,33 @@ def plan_stats(doc_len: np.ndarray) -> dict:
             placed = bytescale.plan(pieces.length[members], T, chunks, a, b, min_rows=B, shards=D)
             batch_s += time.perf_counter() - t0
             lens = pieces.length[members]
-            kept = placed.row < B  # rows past B do not fit this step: deferred to a later one
-            deferred += int(lens[~kept].sum())
-            sub = bytescale.Placement(placed.row[kept], placed.start[kept], B)
-            w = {k: bytescale.work(sub, lens[kept], T, chunks, *ab) for k, ab in kinds.items()}
-            stats["adaptive_batch"].append(_device_loads(w, np.arange(B)))
-            needed["adaptive_batch"] += bytescale.kv_traffic(sub, lens[kept], T, chunks) / B
+            one_batch(stats, needed, deferred, "adaptive_batch", placed, lens, chunks, kinds, 0)
+            for f, name in zip(LOCALS, split_names):
+                # local regions: the batch's pieces cut to fit the ring region, then planned again
+                n_local = context.region_sizes(T, S, layout == "zigzag", f)[0]
+                cut = packing.pieces(lens, T - S * n_local).length
+                placed = bytescale.plan(cut, T, chunks, a, b, min_rows=B, shards=D, local=n_local)
+                one_batch(stats, needed, deferred, name, placed, cut, chunks, kinds, n_local)
         needed["fixed"] = bytescale.kv_traffic(fixed, pieces.length, T, chunks) / fixed.num_rows
         needed["adaptive_split"] = bytescale.kv_traffic(whole, pieces.length, T, chunks) / whole.num_rows
-        needed["adaptive_batch"] /= len(batches)
+        batch_tokens = float(sum(pieces.length[np.isin(fixed.row, r)].sum() for r in batches))
         for name, per_step in stats.items():
+            f = float(name.removeprefix("adaptive_local")) if name in split_names else 0.0
+            n_local = context.region_sizes(T, S, layout == "zigzag", f)[0]
             out[f"{name}/{layout}"] = {
                 **{f"imbalance_{k}_mean": float(np.mean([s[k] for s in per_step])) for k in kinds},
                 **{f"imbalance_{k}_max": float(np.max([s[k] for s in per_step])) for k in kinds},
-                "kv_needed_mib_per_row_layer": needed[name] * KV_BYTES_PER_TOKEN / 2**20,
-                "kv_static_ring_mib_per_row_layer": T * (S - 1) * KV_BYTES_PER_TOKEN / 2**20,
+                "kv_needed_mib_per_row_layer": needed[name]
+                / (len(batches) if name not in ("fixed", "adaptive_split") else 1)
+                * KV_BYTES_PER_TOKEN
+                / 2**20,
+                "kv_static_ring_mib_per_row_layer": bytescale.ring_traffic(T, S, n_local) * KV_BYTES_PER_TOKEN / 2**20,
+                "local": f,
+                "deferred_token_fraction": deferred[name] / batch_tokens,
             }
         out[f"fixed/{layout}"]["rows"] = fixed.num_rows
         out[f"adaptive_split/{layout}"].update(rows=whole.num_rows, plan_seconds=whole_s)
-        out[f"adaptive_batch/{layout}"].update(
-            deferred_token_fraction=deferred / float(sum(pieces.length[np.isin(fixed.row, r)].sum() for r in batches)),
-            plan_seconds_per_batch=batch_s / len(batches),
-        )
+        out[f"adaptive_batch/{layout}"].update(plan_seconds_per_batch=batch_s / len(batches))
         for name in stats:
             print(name, layout, json.dumps(out[f"{name}/{layout}"]), flush=True)
     out["documents"] = {
@@ -134,9 +155,13 @@ def plan_stats(doc_len: np.ndarray) -> dict:
     return out
 
 
+CPU_LAYOUTS = (("fixed", False, 0.0), ("adaptive", True, 0.0), ("adaptive_local", True, CPU_LOCAL))
+
+
 def worker(n: int, jobs: list) -> None:
-    """Lower the step with and without adaptive_cp (the seq collectives), then time the one program
-    on both layouts' batches, alternating, ROUNDS x 8 steps each (the median per layout)."""
+    """Lower the step of each layout (fixed, adaptive_cp, adaptive_cp with local regions): the seq
+    collectives; then time each program on its layout's batches, alternating, ROUNDS x 8 steps
+    each (the median per layout)."""
     worker_devices(n)
     import jax
 
@@ -148,23 +173,29 @@ def worker(n: int, jobs: list) -> None:
     from tests.helpers import config_file
 
     job = jobs[0]
-    batches, out, program = {}, {}, None
-    for adaptive in (False, True):
+    batches, out, steps, states = {}, {}, {}, {}
+    for name, adaptive, local in CPU_LAYOUTS:
         c = config_file("tiny")
         c.mesh.seq, c.mesh.data = 4, 2
         c.data.source, c.data.path, c.data.cache_dir = "jsonl", job["path"], job["cache"]
         c.data.eval_fraction, c.data.packing, c.data.adaptive_cp = 0.0, True, adaptive
+        c.data.adaptive_cp_local = local
         c.train.batch_size = 16
         program = build(c, make_mesh(c, jax.devices()[:n]))
         sizes = dict(program.layout.mesh_sizes)
         found = collectives.parse(report.lower_unrolled(program).as_text(), sizes)
         seq_ops = [x for x in found if x.axes == ("seq",)]
         corpus = loader.load_corpus(c.data, chunks=train.adaptive_chunks(c))
-        batches[adaptive] = [
+        batches[name] = [
             data.global_batch(corpus, program.batch_sharding, c.seed, s, 16, c.data.seq_len) for s in range(8)
         ]
-        out[adaptive] = {
+        steps[name], states[name] = program.train_step_fn(), program.init()
+        out[name] = {
+            "layout": name,
             "adaptive": adaptive,
+            "local": local,
+            "seq_len": int(c.data.seq_len),
+            "context_load_balance": bool(c.model.context_load_balance),
             "rows": corpus.splits["train"].num_rows,
             "padding": corpus.splits["train"].padding(c.data.seq_len),
             "seq_collectives": len(seq_ops),
@@ -172,23 +203,19 @@ def worker(n: int, jobs: list) -> None:
                 cost_model.ring_bytes(x.kind, x.operand_bytes, sizes["seq"]) for x in seq_ops
             )
             / 2**20,
-            "weighted_targets_per_step": float(
-                np.mean([float(np.asarray(bt.weights).sum()) for bt in batches[adaptive]])
-            ),
+            "weighted_targets_per_step": float(np.mean([float(np.asarray(bt.weights).sum()) for bt in batches[name]])),
             "step_seconds": [],
         }
-    assert program is not None
-    step = program.train_step_fn()  # the same program for both layouts: adaptive_cp only moves tokens
-    state = program.init()
-    state, m = step(state, batches[False][0])
-    jax.block_until_ready(m)
+    for name in out:  # compile each step first
+        states[name], m = steps[name](states[name], batches[name][0])
+        jax.block_until_ready(m)
     for _ in range(ROUNDS):
-        for adaptive in (False, True):
+        for name in out:
             start = time.perf_counter()
-            for bt in batches[adaptive]:
-                state, m = step(state, bt)
+            for bt in batches[name]:
+                states[name], m = steps[name](states[name], bt)
             jax.block_until_ready(m)
-            out[adaptive]["step_seconds"].append((time.perf_counter() - start) / len(batches[adaptive]))
+            out[name]["step_seconds"].append((time.perf_counter() - start) / len(batches[name]))
     for r in out.values():
         r["step_seconds_median"] = float(np.median(r["step_seconds"]))
         r["trained_tokens_per_s"] = r["weighted_targets_per_step"] / r["step_seconds_median"]
@@ -240,13 +267,13 @@ def report_tables(results: dict) -> str:
         "FLOP imbalance mean / max",
         "attention",
         "tokens",
-        "KV MiB/row/layer needed / ring",
+        "KV MiB/row/layer needed / moved",
         "deferred",
     ]
     lines = markdown_table(head, "lrrrrr", rows)
     cpu = [
         [
-            ("adaptive" if r["adaptive"] else "fixed"),
+            r.get("layout", "adaptive" if r["adaptive"] else "fixed"),
             r["rows"],
             f"{r['padding']:.2%}",
             r["seq_collectives"],
