@@ -46,13 +46,16 @@ from experiments.common import emit, load_results, markdown_table, run_worker, s
 
 S, D, B, T, STEPS, ROUNDS = 8, 4, 32, 16384, 20, 5
 LOCALS = (0.125, 0.25, 0.5)  # adaptive_cp_local of the per-batch plans with local regions
-CPU_LOCAL = 0.5  # ... of the tiny model's split program
+CPU_LOCALS = (0.125, 0.5)  # ... of the tiny model's split programs
 D_MODEL, KV_BYTES_PER_TOKEN = 4096, 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16
 
 
-def lengths(n: int, seed: int = 0) -> np.ndarray:
+MIXES = {"plan": (800, 1.6), "plan_short": (100, 2.0)}  # lognormal median and sigma of each length mix
+
+
+def lengths(n: int, seed: int = 0, median: float = 800, sigma: float = 1.6) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return np.minimum(rng.lognormal(np.log(800), 1.6, n).astype(np.int64) + 2, 262144)
+    return np.minimum(rng.lognormal(np.log(median), sigma, n).astype(np.int64) + 2, 262144)
 
 
 def _device_loads(work: dict, rows: np.ndarray) -> dict:
@@ -79,7 +82,7 @@ def one_batch(stats, needed, deferred, name, placed, lens, chunks, kinds, n_loca
     needed[name] += bytescale.kv_traffic(sub, lens[kept], T, chunks, local=n_local) / B
 
 
-def plan_stats(doc_len: np.ndarray) -> dict:
+def plan_stats(doc_len: np.ndarray, whole_split: bool = True) -> dict:
     from jaxsys.data import bytescale, packing
     from jaxsys.parallel import context
 
@@ -93,19 +96,22 @@ def plan_stats(doc_len: np.ndarray) -> dict:
     for layout in ("contiguous", "zigzag"):
         chunks = context.chunk_table(S, layout == "zigzag")
         fixed_work = {k: bytescale.work(fixed, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
-        t0 = time.perf_counter()
-        whole = bytescale.plan(pieces.length, T, chunks, a, b, min_rows=fixed.num_rows)
-        whole_s = time.perf_counter() - t0
-        whole_work = {k: bytescale.work(whole, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
-        whole_order = np.random.default_rng(1).permutation(whole.num_rows)
+        if whole_split:  # the loader's plan, over the whole split (slow: minutes)
+            t0 = time.perf_counter()
+            whole = bytescale.plan(pieces.length, T, chunks, a, b, min_rows=fixed.num_rows)
+            whole_s = time.perf_counter() - t0
+            whole_work = {k: bytescale.work(whole, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
+            whole_order = np.random.default_rng(1).permutation(whole.num_rows)
         split_names = [f"adaptive_local{f:g}" for f in LOCALS]
-        stats = {n: [] for n in ["fixed", "adaptive_split", "adaptive_batch"] + split_names}
+        names = ["fixed"] + (["adaptive_split"] if whole_split else []) + ["adaptive_batch"] + split_names
+        stats = {n: [] for n in names}
         needed = {n: 0.0 for n in stats}
         deferred = {n: 0 for n in stats}
         batch_s = 0.0
         for i, rows in enumerate(batches):
             stats["fixed"].append(_device_loads(fixed_work, rows))
-            stats["adaptive_split"].append(_device_loads(whole_work, whole_order[i * B : (i + 1) * B]))
+            if whole_split:
+                stats["adaptive_split"].append(_device_loads(whole_work, whole_order[i * B : (i + 1) * B]))
             # per batch: the fixed batch's pieces placed again on B rows over the D x S devices
             members = np.flatnonzero(np.isin(fixed.row, rows))
             t0 = time.perf_counter()
@@ -120,7 +126,8 @@ def plan_stats(doc_len: np.ndarray) -> dict:
                 placed = bytescale.plan(cut, T, chunks, a, b, min_rows=B, shards=D, local=n_local)
                 one_batch(stats, needed, deferred, name, placed, cut, chunks, kinds, n_local)
         needed["fixed"] = bytescale.kv_traffic(fixed, pieces.length, T, chunks) / fixed.num_rows
-        needed["adaptive_split"] = bytescale.kv_traffic(whole, pieces.length, T, chunks) / whole.num_rows
+        if whole_split:
+            needed["adaptive_split"] = bytescale.kv_traffic(whole, pieces.length, T, chunks) / whole.num_rows
         batch_tokens = float(sum(pieces.length[np.isin(fixed.row, r)].sum() for r in batches))
         for name, per_step in stats.items():
             f = float(name.removeprefix("adaptive_local")) if name in split_names else 0.0
@@ -137,7 +144,8 @@ def plan_stats(doc_len: np.ndarray) -> dict:
                 "deferred_token_fraction": deferred[name] / batch_tokens,
             }
         out[f"fixed/{layout}"]["rows"] = fixed.num_rows
-        out[f"adaptive_split/{layout}"].update(rows=whole.num_rows, plan_seconds=whole_s)
+        if whole_split:
+            out[f"adaptive_split/{layout}"].update(rows=whole.num_rows, plan_seconds=whole_s)
         out[f"adaptive_batch/{layout}"].update(plan_seconds_per_batch=batch_s / len(batches))
         for name in stats:
             print(name, layout, json.dumps(out[f"{name}/{layout}"]), flush=True)
@@ -155,7 +163,9 @@ def plan_stats(doc_len: np.ndarray) -> dict:
     return out
 
 
-CPU_LAYOUTS = (("fixed", False, 0.0), ("adaptive", True, 0.0), ("adaptive_local", True, CPU_LOCAL))
+CPU_LAYOUTS = (("fixed", False, 0.0), ("adaptive", True, 0.0)) + tuple(
+    (f"adaptive_local{f:g}", True, f) for f in CPU_LOCALS
+)
 
 
 def worker(n: int, jobs: list) -> None:
@@ -238,7 +248,8 @@ def main() -> None:
         return
     quick = "--quick" in sys.argv
     results = {"mesh": {"seq": S, "data": D}, "batch_rows": B, "seq_len": T, "steps": STEPS}
-    results["plan"] = plan_stats(lengths(5000 if quick else 20000))
+    for key, (median, sigma) in MIXES.items():
+        results[key] = plan_stats(lengths(5000 if quick else 20000, 0, median, sigma), whole_split=key == "plan")
     work = tempfile.mkdtemp(prefix="bytescale-")
     path = os.path.join(work, "docs.jsonl")
     corpus_file(path, 1000)
@@ -249,8 +260,14 @@ def main() -> None:
 
 
 def report_tables(results: dict) -> str:
+    return "\n\n".join([plan_table(results[k]) for k in MIXES if k in results] + [cpu_table(results)])
+
+
+def plan_table(plan: dict) -> str:
+    d = plan["documents"]
+    ring = T * (S - 1) * KV_BYTES_PER_TOKEN / 2**20  # fixed CP's KV per row and layer
     rows = []
-    for key, r in results["plan"].items():
+    for key, r in plan.items():
         if key == "documents":
             continue
         rows.append(
@@ -261,6 +278,8 @@ def report_tables(results: dict) -> str:
             ]
             + [f"{r['kv_needed_mib_per_row_layer']:.0f} / {r['kv_static_ring_mib_per_row_layer']:.0f}"]
             + [f"{r.get('deferred_token_fraction', 0.0):.1%}"]
+            # KV bytes the program moves per token it trains, against fixed CP's full rows
+            + [f"{r['kv_static_ring_mib_per_row_layer'] / ring / (1 - r.get('deferred_token_fraction', 0.0)):.2f}"]
         )
     head = [
         "plan/chunks",
@@ -269,8 +288,18 @@ def report_tables(results: dict) -> str:
         "tokens",
         "KV MiB/row/layer needed / moved",
         "deferred",
+        "moved per token",
     ]
-    lines = markdown_table(head, "lrrrrr", rows)
+    lines = [
+        f"{d['count']} documents: median {d['median']:.0f}, p90 {d['p90']:.0f}, p99 {d['p99']:.0f}, max {d['max']} "
+        f"tokens; {d['token_share_of_pieces_longer_than_a_zigzag_chunk']:.0%} of the tokens in pieces longer than a "
+        "zigzag chunk",
+        "",
+    ] + markdown_table(head, "lrrrrrr", rows)
+    return "\n".join(lines)
+
+
+def cpu_table(results: dict) -> str:
     cpu = [
         [
             r.get("layout", "adaptive" if r["adaptive"] else "fixed"),
@@ -278,13 +307,23 @@ def report_tables(results: dict) -> str:
             f"{r['padding']:.2%}",
             r["seq_collectives"],
             f"{r['seq_collective_mib_per_step']:.3f}",
+            f"{r['seq_collective_mib_per_step'] * 1024 / r['weighted_targets_per_step']:.2f}",
             f"{r['step_seconds_median']:.3f}",
             f"{r['trained_tokens_per_s']:.0f}",
         ]
         for r in results["cpu"]
     ]
-    head = ["layout", "rows", "padding", "seq collectives", "MiB/step", "step s (median)", "trained tokens/s"]
-    return "\n".join(lines + [""] + markdown_table(head, "lrrrrrr", cpu))
+    head = [
+        "layout",
+        "rows",
+        "padding",
+        "seq collectives",
+        "MiB/step",
+        "KiB/trained token",
+        "step s (median)",
+        "trained tokens/s",
+    ]
+    return "\n".join(markdown_table(head, "lrrrrrrr", cpu))
 
 
 if __name__ == "__main__":
