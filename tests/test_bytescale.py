@@ -58,6 +58,29 @@ def test_every_piece_sits_once_in_its_row_short_ones_inside_a_chunk(table):
         np.testing.assert_array_equal(rows.row_starts(r), placed.start[members])
 
 
+@pytest.mark.parametrize("table", TABLES)
+def test_the_plan_places_local_pieces_where_the_device_keeps_its_local_region(table):
+    """The host plan's regions are the device's (`context.row_regions`, which `shard_sequence`
+    follows): every position's device agrees, and a piece in a local region lies inside one
+    device's region."""
+    size, zigzag = TABLES[table]
+    t, chunks = 64, context.chunk_table(size, zigzag)
+    n_local = context.region_sizes(t, size, zigzag, 0.25)[0]  # 4 of each device's 16
+    regions = context.row_regions(t, size, zigzag, 0.25)
+    assert sorted(regions.reshape(-1).tolist()) == list(range(t))
+    where = bytescale._layout(t, chunks, n_local).position_device
+    for d in range(size):
+        assert (where[regions[d]] == d).all()
+    lengths = np.clip(_long_tail(80, t, seed=6), 2, t - size * n_local + 1)
+    placed = bytescale.plan(lengths, t, chunks, local=n_local)
+    for n, s in zip(lengths.tolist(), placed.start.tolist()):
+        if s < size * n_local:
+            assert n <= n_local and s // n_local == (s + n - 1) // n_local
+        else:
+            assert s + n <= t + 1
+    assert (placed.start < size * n_local).any()
+
+
 def _segments(placed, lengths, t: int) -> np.ndarray:
     seg = np.zeros((placed.num_rows, t + 1), np.int64)
     for i, (n, r, s) in enumerate(zip(lengths.tolist(), placed.row.tolist(), placed.start.tolist())):

@@ -22,11 +22,20 @@ piece. Planned over a whole split (the loader: rows are then shuffled into batch
 devices' work over the split, so in expectation over a batch's rows; planned per batch
 (`shards` = the data axis), over the batch's devices exactly as the rule manages.
 
-The device program is the ordinary context-parallel step with segment ids (parallel/context.py):
-the plan only moves tokens within their rows, so the losses are the single-device ones. What this
-does not do that ByteScale does: the ring (or all-gather) stays over all S devices of every row (one
-static program), so the HLO's collective bytes are fixed context parallelism's; `kv_traffic` counts
-what the plan needs, which ByteScale's dynamic communication groups would move (docs/bytescale.md).
+Local regions (config.data.adaptive_cp_local > 0, `local` = L tokens a device): the row is laid
+out as `context.row_regions` says, device d's local region [d L, (d + 1) L) first, then the ring
+region [S L, T) cut into the chunks above. A local region holds whole pieces of at most L tokens,
+never running on into the next region; the ring region holds the rest, pieces of at most
+T - S L + 1 tokens (the loader cuts documents there). The device program attends each local
+region with no communication and runs the ring (or all-gather) over the ring region only, so its
+collective bytes are fixed CP's times (T/S - L) / (T/S) (`ring_traffic`; parallel/context.py).
+
+Otherwise the device program is the ordinary context-parallel step with segment ids
+(parallel/context.py): the plan only moves tokens within their rows, so the losses are the
+single-device ones. What is not here that ByteScale does: groups of g < S devices for pieces that
+span fewer devices (each piece of the ring region still travels round all S), and a local share
+chosen per batch (it is one static number, so one compiled program); `kv_traffic` counts what the
+plan's groups would need (docs/bytescale.md).
 """
 
 from __future__ import annotations
