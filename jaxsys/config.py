@@ -170,6 +170,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.outer.nesterov = True
     c.train.outer.fragments = 1  # P > 1: Streaming DiLoCo, fragment p (layers p, p+P, ...) syncs H/P steps after p-1
     c.train.outer.quantize = "none"  # none | int8 | int4: outer gradients quantized before the average
+    c.train.outer.error_feedback = False  # quantized: each island adds its last quantization residual to the next
+    # Streaming DiLoCo's overlap: a fragment's average (of the deltas at step s) is applied tau steps later,
+    # where each island keeps merge * its own + (1 - merge) * the new global (alpha; 0: take the global)
+    c.train.outer.overlap_steps = 0  # tau, < every (0: synchronous)
+    c.train.outer.merge = 0.0  # alpha in [0, 1)
+    # CO2's stabilisers (docs/diloco.md states the equations)
+    c.train.outer.co2_penalty = False  # staleness gap penalty: the stale outer gradient / (1 + |gap| / |lr Delta|)
+    c.train.outer.momentum_clip = 0.0  # > 0: the outer momentum's L2 norm clipped to this (0: off)
     # Zeroth-order SGD (MeZO, Malladi et al. 2023): two forwards at theta +- eps z, z from a seed
     c.train.zo = ml_collections.ConfigDict()
     c.train.zo.eps = 1e-3  # perturbation scale
@@ -229,6 +237,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.zeropp_hpz = False
     c.parallel.zeropp_qwz = False  # hpZ's `data` all-gather in int8 (row-wise absmax), dequantized after
     c.parallel.zeropp_qgz = False  # hpZ's `data` gradient reduce-scatter as an int8 all-to-all, summed in fp32
+    c.parallel.zeropp_qgz_bits = 8  # 8 | 4: qgZ's codes (4: packed two to a byte)
     # pipeline sends issued outside the per-tick conds, beside the other compute (a tick's activations
     # beside its backward, its gradients beside the next tick's forward); every tick then sends, zeros
     # when idle: +15-50% transfers for the 1F1B schedules, +100% and nothing hidden for gpipe
@@ -1314,6 +1323,32 @@ def _validate_outer(config) -> None:
     )
     _require(o.lr > 0, f"config.train.outer.lr={o.lr!r} must be > 0 (1 with momentum 0: the islands' mean)")
     _require(0 <= o.momentum < 1, f"config.train.outer.momentum={o.momentum!r} must be in [0, 1)")
+    for key in ("error_feedback", "co2_penalty"):
+        _require(isinstance(o[key], bool), f"config.train.outer.{key}={o[key]!r}: choose True or False")
+    _require(
+        isinstance(o.overlap_steps, int) and 0 <= o.overlap_steps < o.every,
+        f"config.train.outer.overlap_steps={o.overlap_steps!r} must be an integer in [0, every={o.every}) (tau: a "
+        "fragment's sync lands before its next one starts)",
+    )
+    _require(0 <= o.merge < 1, f"config.train.outer.merge={o.merge!r} must be in [0, 1) (alpha: the islands' share)")
+    _require(
+        o.momentum_clip >= 0, f"config.train.outer.momentum_clip={o.momentum_clip!r} must be >= 0 (0: no clipping)"
+    )
+    _require(
+        not o.error_feedback or o.quantize != "none",
+        "config.train.outer.error_feedback=True keeps the quantization residual: set config.train.outer.quantize "
+        "to 'int8' or 'int4'",
+    )
+    _require(
+        not o.co2_penalty or o.method == "co2",
+        f"config.train.outer.co2_penalty=True damps CO2's stale update: set config.train.outer.method='co2' "
+        f"(now {o.method!r})",
+    )
+    _require(
+        o.overlap_steps == 0 or o.method == "diloco",
+        f"config.train.outer.overlap_steps={o.overlap_steps} is Streaming DiLoCo's overlap: with method="
+        f"{o.method!r} use overlap_steps=0 (CO2 overlaps a whole round)",
+    )
     if o.method == "none":
         return
     what = f"config.train.outer.method={o.method!r}"
@@ -1359,6 +1394,12 @@ def _check_zeropp(config) -> None:
     embed = axes_of(config.sharding.params.embed)
     for key in ("zeropp_hpz", "zeropp_qwz", "zeropp_qgz"):
         _require(isinstance(p.get(key, False), bool), f"config.parallel.{key}={p.get(key)!r}: choose True or False")
+    bits = p.get("zeropp_qgz_bits", 8)
+    _require(bits in (8, 4), f"config.parallel.zeropp_qgz_bits={bits!r}: choose 8 or 4")
+    _require(
+        bits == 8 or p.get("zeropp_qgz", False),
+        f"config.parallel.zeropp_qgz_bits={bits} sets qgZ's codes: set config.parallel.zeropp_qgz=True",
+    )
     if "data" in embed:
         _require(
             embed in (("fsdp", "data"), ("data",)),

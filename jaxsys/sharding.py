@@ -36,6 +36,7 @@ class Layout:
     hpz: bool = False
     qwz: bool = False
     qgz: bool = False
+    qgz_bits: int = 8  # qgZ's codes: 8, or 4 packed two to a byte
 
     @classmethod
     def from_config(cls, config) -> "Layout":
@@ -64,6 +65,7 @@ class Layout:
             hpz=bool(config.parallel.get("zeropp_hpz", False)),
             qwz=bool(config.parallel.get("zeropp_qwz", False)),
             qgz=bool(config.parallel.get("zeropp_qgz", False)),
+            qgz_bits=int(config.parallel.get("zeropp_qgz_bits", 8)),
         )
 
     # -- mesh axes of logical names

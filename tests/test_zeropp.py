@@ -5,7 +5,8 @@
   losses of two steps are bitwise equal. Against ZeRO-3 over fsdp x data (one reduce-scatter over
   all 8 ranks) the loss is bitwise equal and the gradients differ by the order of the 8-term sums.
 - qwZ, qgZ: int8 with one absmax scale per row has a step of (row's absmax) / 127, an error of at
-  most half of it per element. Tolerances (relative to the leaf's largest entry) are stated below.
+  most half of it per element; int4 qgZ a step of (row's absmax) / 7. Tolerances (relative to the
+  leaf's largest entry) are stated below.
 - Bytes per link class: the analysis formula equals the compiled (XLA:CPU) step's collectives, and
   both equal the closed form from the parameter count.
 """
@@ -26,12 +27,13 @@ from tests.helpers import program_for, run, small_config
 MESH = dict(data=2, fsdp=4)
 
 
-def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0, lora=0):
+def _config(embed="fsdp,data", hpz=False, qwz=False, qgz=False, stage=0, lora=0, bits=8):
     c = small_config(MESH)
     c.lora.rank = lora
     c.sharding.params.embed = embed
     c.train.zero_stage = stage
     c.parallel.zeropp_hpz, c.parallel.zeropp_qwz, c.parallel.zeropp_qgz = hpz, qwz, qgz
+    c.parallel.zeropp_qgz_bits = bits
     return c
 
 
@@ -47,6 +49,7 @@ VARIANTS = {
     "hpz_prefetch": lambda: _prefetch(_config(hpz=True)),
     "hpz_qwz": lambda: _config(hpz=True, qwz=True),
     "hpz_qwz_qgz": lambda: _config(hpz=True, qwz=True, qgz=True),
+    "hpz_qwz_qgz4": lambda: _config(hpz=True, qwz=True, qgz=True, bits=4),
 }
 
 
@@ -124,6 +127,29 @@ def test_quantized_weight_gather_and_gradient_reduce_scatter(runs):
     # absmax; bounded by 2 / 254 of the leaf's largest partial, taken as 2.5x the total's here
     assert qg_loss == qw_loss
     assert 0 < _max_error(qg_grads, qw_grads) < 2.5 * 2 / 254
+    # int4 qgZ (codes packed two to a byte): each partial off by at most 1/14 of its row's absmax,
+    # bounded the same way; coarser than int8 (a check that int4 codes were sent)
+    q4_loss, q4_grads, _ = runs["hpz_qwz_qgz4"]
+    assert q4_loss == qw_loss
+    assert 2 * _max_error(qg_grads, qw_grads) < _max_error(q4_grads, qw_grads) < 2.5 * 2 / 14
+
+
+def _rows(c) -> dict:
+    """Per device, over the leaves of 2 or more dims: `s` elements of the local shards (embed split
+    over fsdp x data) and `r` rows (one scale each: the rows run along the last dim other than
+    embed's); `flat`: the 1-D leaves' fp32 bytes in the data reduce-scatter, (d - 1) s 4."""
+    n, d = MESH["fsdp"] * MESH["data"], MESH["data"]
+    out = dict(s=0, r=0, flat=0)
+    for spec in jax.tree.leaves(transformer.param_specs(c.model), is_leaf=lambda x: hasattr(x, "axes")):
+        dim = spec.axes.index("embed")
+        local = tuple(x // n if i == dim else x for i, x in enumerate(spec.shape))
+        if len(local) == 1:
+            out["flat"] += (d - 1) * local[0] * 4
+            continue
+        row = local[-1] if dim != len(local) - 1 else local[-2]
+        out["s"] += math.prod(local)
+        out["r"] += math.prod(local) // row
+    return out
 
 
 def test_bytes_per_link_class_formula_and_hlo(runs):
@@ -149,7 +175,14 @@ def test_bytes_per_link_class_formula_and_hlo(runs):
     quantized = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True))
     assert quantized["intra"] == pytest.approx(hpz["intra"])
     assert quantized["inter"] < 0.3 * hpz["inter"]  # int8 codes + scales for fp32
-    for name in ("zero3", "hpz_qwz", "hpz_qwz_qgz"):
+    # int4 qgZ: the gradient half of the data traffic shrinks by (s / 2 + 4 r) / (s + 4 r); every
+    # quantized leaf of the test model has even rows (zeropp.grad_bits), its 1-D leaves go as fp32
+    int4 = analysis.link_bytes(_config(hpz=True, qwz=True, qgz=True, bits=4))
+    half = analysis.link_bytes(_config(hpz=True, qwz=True))["inter"] - hpz["inter"] / 2  # the qwZ gather
+    rows = _rows(c)
+    assert int4["inter"] - half == pytest.approx((d - 1) * (rows["s"] / 2 + 4 * rows["r"]) + rows["flat"])
+    assert quantized["inter"] - half == pytest.approx((d - 1) * (rows["s"] + 4 * rows["r"]) + rows["flat"])
+    for name in ("zero3", "hpz_qwz", "hpz_qwz_qgz", "hpz_qwz_qgz4"):
         assert runs[name][2] == pytest.approx(analysis.link_bytes(VARIANTS[name]()))
 
 
@@ -161,6 +194,8 @@ def test_bytes_per_link_class_formula_and_hlo(runs):
         (dict(stage=2), r"zero_stage=2 with `data` in config.sharding.params.embed.*set zero_stage=0"),
         (dict(embed="data,fsdp"), r"with `data` write 'fsdp,data'"),
         (dict(hpz=True, lora=4), r"zeropp_hpz is for the transformer's non-pipelined full training step.*lora.rank=0"),
+        (dict(hpz=True, qgz=True, bits=2), r"zeropp_qgz_bits=2: choose 8 or 4"),
+        (dict(hpz=True, bits=4), r"zeropp_qgz_bits=4 sets qgZ's codes: set config.parallel.zeropp_qgz=True"),
     ],
 )
 def test_bad_zeropp_config_is_refused(change, message):

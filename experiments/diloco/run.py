@@ -56,6 +56,14 @@ VARIANTS = [
     ("DiLoCo H=50 int4", dict(method="diloco", every=50, quantize="int4")),
     ("Streaming H=100 P=4 int4", dict(method="diloco", every=100, fragments=4, quantize="int4")),
     ("CO2 H=50", dict(method="co2", every=50)),
+    # Streaming DiLoCo's overlap (tau = 5 steps, merge alpha = 0.5), CO2's stabilisers, error feedback
+    (
+        "Streaming H=100 P=4 int4 tau=5 a=0.5",
+        dict(method="diloco", every=100, fragments=4, quantize="int4", overlap_steps=5, merge=0.5),
+    ),
+    ("CO2 H=50 gap penalty", dict(method="co2", every=50, co2_penalty=True)),
+    ("CO2 H=50 gap penalty + clip 1", dict(method="co2", every=50, co2_penalty=True, momentum_clip=1.0)),
+    ("DiLoCo H=50 int4 error feedback", dict(method="diloco", every=50, quantize="int4", error_feedback=True)),
     # controls: where the gap to DP comes from, and CO2 without outer momentum
     ("DiLoCo H=1 lr 1 no momentum", dict(method="diloco", every=1, lr=1.0, momentum=0.0, nesterov=False)),
     ("CO2 H=50 no momentum", dict(method="co2", every=50, momentum=0.0, nesterov=False)),
@@ -187,16 +195,18 @@ def report(results: dict) -> None:
 def plot(results: dict) -> None:
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results["runs"]:
+    colors = plt.get_cmap("tab20").colors  # more rows than the default cycle's 10 colors
+    for i, r in enumerate(results["runs"]):
         steps, losses = zip(*r["eval"])
-        ax1.plot(steps, losses, marker="o", label=r["name"])
-        ax2.scatter(r["total_wire"] / 2**20, r["eval"][-1][1], label=r["name"])
+        color = colors[(2 * i) % 20 + (2 * i) // 20]
+        ax1.plot(steps, losses, marker="o", label=r["name"], color=color)
+        ax2.scatter(r["total_wire"] / 2**20, r["eval"][-1][1], label=r["name"], color=color)
     top = 3.7  # CO2 with outer momentum oscillates far above: clipped, named in the title
     off = [r["name"] for r in results["runs"] if max(loss for _, loss in r["eval"]) > top]
     for ax in (ax1, ax2):
         ax.set_ylim(1.9, top)
-    note = f" ({', '.join(off)}: above the top)" if off else ""
-    style_axes(ax1, "step", "eval loss (theta)", "eval loss at equal tokens" + note, legend=7)
+    note = f"\n({', '.join(off)}: above the top)" if off else ""
+    style_axes(ax1, "step", "eval loss (theta)", "eval loss at equal tokens" + note, legend=6)
     style_axes(ax2, "MiB received per device", "final eval loss", "loss vs bytes communicated", xlog=10, legend=None)
     save_figure(fig, os.path.join(HERE, "diloco.png"))
 

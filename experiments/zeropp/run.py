@@ -5,7 +5,8 @@ loss parity on a small model (docs/zeropp.md).
 
 Bytes: `analysis.zeropp.link_bytes` for configs/llama_8b.py on 2 v5p-256 slices (mesh data=2 across
 the slices, fsdp=16 and tensor=8 inside each), bf16 compute: ZeRO-3 over fsdp x data
-(sharding.params.embed = "fsdp,data"), hpZ, hpZ + qwZ, hpZ + qwZ + qgZ. Per device and step (one
+(sharding.params.embed = "fsdp,data"), hpZ, hpZ + qwZ, hpZ + qwZ + qgZ (int8, and int4: bytes only,
+`--bytes` recomputes this table alone). Per device and step (one
 micro-batch), the weight and gradient collectives only, counted two ways (analysis/zeropp.py):
 hierarchical (ZeRO-3's collectives over fsdp x data split into their data and fsdp hops) and flat
 (a collective whose group spans data counted wholly on the slow links); seconds from the
@@ -45,6 +46,10 @@ VARIANTS = [
     ("hpZ+qwZ", dict(zeropp_hpz=True, zeropp_qwz=True)),
     ("hpZ+qwZ+qgZ", dict(zeropp_hpz=True, zeropp_qwz=True, zeropp_qgz=True)),
 ]
+# bytes only (not trained): qgZ with int4 codes, the paper's setting for the gradients
+BYTES_VARIANTS = VARIANTS + [
+    ("hpZ+qwZ+qgZ(int4)", dict(zeropp_hpz=True, zeropp_qwz=True, zeropp_qgz=True, zeropp_qgz_bits=4))
+]
 SLICES, SLICE_CHIPS, TENSOR = 2, 128, 8  # 2 x v5p-256 (128 chips each)
 
 
@@ -63,7 +68,7 @@ def llama_bytes() -> list[dict]:
 
     chip = hardware.TPU_CHIPS["v5p"]
     rows = []
-    for name, options in VARIANTS:
+    for name, options in BYTES_VARIANTS:
         c = load_config(os.path.join(ROOT, "configs", "llama_8b.py"))
         c.mesh.data, c.mesh.fsdp, c.mesh.tensor = SLICES, SLICE_CHIPS // TENSOR, TENSOR
         c = _apply(c, options)
@@ -186,11 +191,14 @@ def seeds_report() -> None:
 
 
 def main() -> None:
-    add = lambda p: p.add_argument(
-        "--seed", type=int, default=0, help="loss parity only, with this seed (results_seed<N>.json)"
-    )
+    def add(p):
+        p.add_argument("--seed", type=int, default=0, help="loss parity only, with this seed (results_seed<N>.json)")
+        p.add_argument("--bytes", action="store_true", help="recompute the bytes table only, keep the parity runs")
+
     args = parse_args(__doc__, worker, quick="60 training steps instead of 300", add=add)
-    if not args.replot:
+    if args.bytes:
+        save_results(HERE, load_results(HERE) | dict(bytes=llama_bytes()))
+    elif not args.replot:
         steps = 60 if args.quick else 300
         jobs = [dict(name=name, options=o, steps=steps, seed=args.seed) for name, o in VARIANTS]
         if args.seed:

@@ -18,7 +18,9 @@ Per leaf with a local shard of s elements (b bytes in the compute dtype), f = fs
         data (d - 1) s b: inter; the layers' gathers and reduce-scatter over fsdp of the d s-element
         secondary shard (f - 1) d s b each: intra.
     qwZ: the secondary all-gather sends int8 codes and fp32 row scales: (d - 1) (s + 4 r) with r rows.
-    qgZ: the data reduce-scatter is an all-to-all of int8 codes and scales: (d - 1) (s + 4 r).
+    qgZ: the data reduce-scatter is an all-to-all of codes and scales: (d - 1) (s b_g / 8 + 4 r), b_g
+        = 8, or 4 with `parallel.zeropp_qgz_bits=4` (two codes a byte; `zeropp.grad_bits`: 8 where a
+        row has an odd length).
 1-D leaves are not quantized (parallel/zeropp.quantized). Only all-gathers, reduce-scatters and
 all-to-alls count (the scalar all-reduces of the loss and the gradient norm do not).
 """
@@ -53,8 +55,10 @@ def leaf_bytes(
         d = layout.mesh_sizes[zeropp.AXIS]
         rows = s // local[zeropp.scale_axis(len(local), dim)] if len(local) >= 2 else s
         quant = zeropp.quantized(len(local))
-        full, q = (d - 1) * s * compute_bytes, (d - 1) * (s + zeropp.SCALE_BYTES * rows)
-        out["inter"] += (q if layout.qwz and quant else full) + (q if layout.qgz and quant else full)
+        full = (d - 1) * s * compute_bytes
+        coded = lambda bits: (d - 1) * (s * bits // 8 + zeropp.SCALE_BYTES * rows)
+        out["inter"] += coded(8) if layout.qwz and quant else full
+        out["inter"] += coded(zeropp.grad_bits(layout, local, dim)) if layout.qgz and quant else full
         s *= d  # the secondary shard the layers gather
     times = 3 if regathered else 2
     if hierarchical and zeropp.AXIS in gathered:  # the data hop first (data is minor), then the rest

@@ -15,17 +15,19 @@ theta_i island i's after it:
 Streaming DiLoCo (Douillard et al. 2025): the parameters are P fragments (fragment p: layers
 p, p+P, ... of every layer-stacked leaf; the other leaves, embeddings and final norm, go with
 fragment 0), each synchronised every H steps, fragment p at steps s with s % H == (p+1) H / P % H:
-one fragment's bytes every H / P steps, so the peak bandwidth falls by P. The outer gradients may be
-quantized to int8 or int4 before the average (`quantize` / `dequantize`: symmetric round-to-nearest
-with one f32 scale per block of `BLOCK` values; the islands all-gather codes and scales and average
-in f32). Not implemented: Streaming DiLoCo's overlap of a fragment's communication with the next
-tau inner steps and its mixing factor alpha (islands here take theta' as it is, alpha = 0).
+one fragment's bytes every H / P steps, so the peak bandwidth falls by P. With overlap_steps = tau
+> 0 a fragment's average (of the deltas as of its sync step s) is applied at s + tau, and each island
+keeps alpha (`merge`) of its own current values: theta_i <- alpha theta_i + (1 - alpha) theta'
+(`start` and `finish` phases of `local_sync`). The outer gradients may be quantized to int8 or int4
+before the average (`quantize` / `dequantize`: symmetric round-to-nearest with one f32 scale per
+block of `BLOCK` values; the islands all-gather codes and scales and average in f32), with error
+feedback (each island adds its last quantization residual to the next round's outer gradient).
 
 CO2 (Sun et al. 2024): the outer update applies the previous round's averaged outer gradient, so
 the all-reduce of round k can run during round k+1's inner steps; theta' = theta - lr_out u(Delta_{k-1})
-and the islands continue from theta'. The paper's staleness gap penalty and outer momentum
-clipping are not implemented (docs/diloco.md). XLA:CPU runs the all-reduce between the steps: the
-arithmetic is CO2's, the overlap is not measured here.
+and the islands continue from theta'. Its staleness gap penalty (`gap_penalized`) and outer
+momentum clipping are options (docs/diloco.md states the equations). XLA:CPU runs the all-reduce
+between the steps: the arithmetic is CO2's and Streaming DiLoCo's, the overlap is not measured here.
 
 State: `TrainState.params` is theta (what evaluation and checkpoints' consumers read); the islands'
 parameters and inner optimizer states are in `OuterState`, stacked [M, ...] and split over `data`,
@@ -43,6 +45,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxsys.config import ConfigError
+from jaxsys.kernels.quantized_matmul import reference as qref
 from jaxsys.models.params import is_spec
 from jaxsys.optim.schedules import schedule
 from jaxsys.parallel import diloco, zero
@@ -55,7 +58,11 @@ class OuterState(NamedTuple):
     inner: Any  # the inner optimizer's state of every island, each leaf [M, ...] split over `data`
     local: Any  # the islands' parameters, [M, ...] split over `data`
     momentum: Any  # the outer momentum, shaped and split as the parameters (equal on every island)
-    delayed: Any  # CO2: the last round's averaged outer gradient (as the parameters); () otherwise
+    # CO2: the last round's averaged outer gradient; Streaming DiLoCo with overlap_steps > 0: the
+    # average in flight (as the parameters); () otherwise
+    delayed: Any = ()
+    residual: Any = ()  # error feedback: each island's last quantization residual, [M, ...] as `local`
+    last_step: Any = ()  # CO2's gap penalty: the last outer step theta' - theta (as the parameters)
 
 
 def enabled(t) -> bool:
@@ -82,19 +89,30 @@ def check(config, mesh_sizes) -> None:
         )
 
 
+def _holds(o) -> dict[str, bool]:
+    """Which optional `OuterState` fields config.train.outer `o` keeps."""
+    return dict(
+        delayed=o.method == "co2" or o.overlap_steps > 0,
+        residual=bool(o.error_feedback),
+        last_step=bool(o.co2_penalty),
+    )
+
+
 def make(inner: optax.GradientTransformation, t, islands: int):
     """The optimizer slot of an outer run: `init` makes the `OuterState` around `inner`'s; the
     update is `local_step`'s and `sync`'s. `.inner` is the inner optimizer."""
-    co2 = t.outer.method == "co2"
+    holds = _holds(t.outer)
 
     def init(params):
         stack = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (islands, *jnp.shape(x)))
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = lambda: jax.tree.map(jnp.zeros_like, params)
         return OuterState(
             jax.tree.map(stack, inner.init(params)),
             jax.tree.map(stack, params),
-            zeros,
-            jax.tree.map(jnp.zeros_like, params) if co2 else (),
+            zeros(),
+            zeros() if holds["delayed"] else (),
+            jax.tree.map(stack, zeros()) if holds["residual"] else (),
+            zeros() if holds["last_step"] else (),
         )
 
     def refuse(updates, state, params=None):
@@ -113,8 +131,14 @@ class _Outer(NamedTuple):
 def state_pspecs(inner_pspecs, param_pspecs, t) -> OuterState:
     stacked = lambda spec: P(diloco.ISLAND_AXIS, *spec)
     over = lambda tree: jax.tree.map(stacked, tree, is_leaf=lambda x: isinstance(x, P))
+    holds = _holds(t.outer)
     return OuterState(
-        over(inner_pspecs), over(param_pspecs), param_pspecs, param_pspecs if t.outer.method == "co2" else ()
+        over(inner_pspecs),
+        over(param_pspecs),
+        param_pspecs,
+        param_pspecs if holds["delayed"] else (),
+        over(param_pspecs) if holds["residual"] else (),
+        param_pspecs if holds["last_step"] else (),
     )
 
 
@@ -132,17 +156,14 @@ def quantize(x, bits: int):
     absmax = jnp.max(jnp.abs(flat), axis=1)
     scales = jnp.where(absmax > 0, absmax / q, 1.0)
     codes = jnp.clip(jnp.round(flat / scales[:, None]), -q, q).astype(jnp.int8)
-    if bits == 4:
-        nibbles = (codes + 8).astype(jnp.uint8)  # 1..15
-        codes = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+    if bits == 4:  # values 2i, 2i + 1 of a block in one byte
+        codes = qref.pack_int4(codes.reshape(-1, 1)).reshape(codes.shape[0], -1)
     return codes, scales
 
 
 def dequantize(codes, scales, shape, bits: int):
     if bits == 4:
-        lo = (codes & 0xF).astype(jnp.int8) - 8
-        hi = (codes >> 4).astype(jnp.int8) - 8
-        codes = jnp.stack([lo, hi], axis=-1).reshape(codes.shape[0], -1)
+        codes = qref.unpack_int4(codes.reshape(-1, 1), signed=True).reshape(codes.shape[0], -1)
     values = codes.astype(jnp.float32) * scales[:, None]
     n = 1
     for d in shape:
@@ -234,78 +255,140 @@ def local_step(program, state, batch):
     return state._replace(step=state.step + 1, opt_state=o._replace(inner=_stack(inner), local=_stack(params))), metrics
 
 
-def outer_update(theta, delta, momentum, lr: float, mu: float, nesterov: bool):
-    """(theta', momentum') of one outer Nesterov-SGD step on the outer gradient `delta`."""
-    m = mu * momentum + delta
-    u = delta + mu * m if nesterov else m
-    return theta - lr * u, m
+def gap_penalized(stale, gap, lr: float):
+    """CO2's staleness gap penalty (docs/diloco.md): the stale outer gradient divided, element by
+    element, by 1 + |gap| / |lr stale|: the parameters' move since it was computed (the last outer
+    step) in units of the plain step it would take itself."""
+    tiny = jnp.finfo(jnp.float32).tiny  # 0 / 0 -> no penalty; a gap over a zero gradient -> 0
+    return stale / (1 + jnp.abs(gap) / (lr * jnp.abs(stale) + tiny))
 
 
-def local_sync(program, state, fragment: int):
+PHASES = ("all", "start", "finish")  # one sync; Streaming DiLoCo's overlap: the average, then the step
+
+
+def local_sync(program, state, fragment: int, phase: str = "all"):
     """The outer step of `fragment` (inside a shard_map): the islands' outer gradients averaged over
-    `data` (quantized when config.train.outer.quantize says), theta and the momentum updated, every
-    island restarted from the new theta."""
+    `data` (quantized when config.train.outer.quantize says, with error feedback), theta and the
+    momentum updated, every island restarted from the new theta (or merged with it). With
+    overlap_steps > 0 the sync is two programs: `start` averages and keeps the average in
+    `delayed`, `finish` (tau steps later) takes the outer step with it."""
     o_cfg = program.config.train.outer
     bits = BITS.get(o_cfg.quantize)
-    co2 = o_cfg.method == "co2"
+    co2, ef, penalty = o_cfg.method == "co2", bool(o_cfg.error_feedback), bool(o_cfg.co2_penalty)
     s = state.opt_state
     leaves, treedef = jax.tree.flatten(state.params)
     specs = jax.tree.leaves(program.specs, is_leaf=is_spec)  # the parameters' order
-    local = jax.tree.leaves(_unstack(s.local))
-    momentum = jax.tree.leaves(s.momentum)
-    delayed = jax.tree.leaves(s.delayed) if co2 else [None] * len(leaves)
-    out = {"theta": [], "local": [], "momentum": [], "delayed": []}
-    for theta, x, mom, late, spec in zip(leaves, local, momentum, delayed, specs):
-        part = lambda a: fragment_part(a, spec, fragment, o_cfg.fragments)
-        put = lambda a, v: fragment_put(a, v, spec, fragment, o_cfg.fragments)
-        if part(theta) is None:  # not in this fragment
-            out["theta"].append(theta)
-            out["local"].append(x)
-            out["momentum"].append(mom)
-            out["delayed"].append(late)
-            continue
-        delta = (part(theta) - part(x)).astype(jnp.float32)
-        if bits is None:
-            avg = diloco.island_mean(delta)
-        else:
-            avg = diloco.island_mean_quantized(
-                delta, lambda v: quantize(v, bits), lambda c, sc: dequantize(c, sc, delta.shape, bits)
-            )
-        applied = part(late) if co2 else avg
-        new, m = outer_update(part(theta), applied, part(mom), o_cfg.lr, o_cfg.momentum, o_cfg.nesterov)
-        new = new.astype(theta.dtype)
-        out["theta"].append(put(theta, new))
-        out["local"].append(put(x, new))
-        out["momentum"].append(put(mom, m.astype(mom.dtype)))
-        out["delayed"].append(put(late, avg.astype(late.dtype)) if co2 else None)
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-    opt_state = s._replace(
-        local=_stack(unflat(out["local"])),
-        momentum=unflat(out["momentum"]),
-        delayed=unflat(out["delayed"]) if co2 else (),
+    pspecs = jax.tree.leaves(program.param_pspecs, is_leaf=lambda x: isinstance(x, P))
+    absent = lambda tree, f=lambda t: t: [None] * len(leaves) if _empty(tree) else jax.tree.leaves(f(tree))
+    fields = dict(
+        theta=leaves,
+        local=jax.tree.leaves(_unstack(s.local)),
+        momentum=jax.tree.leaves(s.momentum),
+        delayed=absent(s.delayed),
+        residual=absent(s.residual, _unstack),
+        last_step=absent(s.last_step),
     )
-    return state._replace(params=unflat(out["theta"]), opt_state=opt_state)
+    out = {k: list(v) for k, v in fields.items()}
+    mine = [i for i, spec in enumerate(specs) if fragment_part(leaves[i], spec, fragment, o_cfg.fragments) is not None]
+    part = lambda k, i: fragment_part(fields[k][i], specs[i], fragment, o_cfg.fragments)
+
+    def put(k, i, value):
+        out[k][i] = fragment_put(fields[k][i], value.astype(fields[k][i].dtype), specs[i], fragment, o_cfg.fragments)
+
+    avg = {}
+    if phase in ("all", "start"):
+        for i in mine:
+            delta = (part("theta", i) - part("local", i)).astype(jnp.float32)
+            if bits is None:
+                avg[i] = diloco.island_mean(delta)
+                continue
+            sent = delta + part("residual", i) if ef else delta
+            avg[i], own = diloco.island_mean_quantized(
+                sent, lambda v: quantize(v, bits), lambda c, sc: dequantize(c, sc, sent.shape, bits)
+            )
+            if ef:
+                put("residual", i, sent - own)  # what this island's codes left out, sent next round
+        if phase == "start":
+            for i in mine:
+                put("delayed", i, avg[i])
+            return _rebuild(state, treedef, out)
+    applied, moms = {}, {}
+    for i in mine:
+        if phase == "finish" or co2:
+            stale = part("delayed", i).astype(jnp.float32)
+            if penalty:
+                stale = gap_penalized(stale, part("last_step", i), o_cfg.lr)
+            applied[i] = stale
+        else:
+            applied[i] = avg[i]
+        moms[i] = o_cfg.momentum * part("momentum", i) + applied[i]
+    if o_cfg.momentum_clip > 0:  # one norm over the fragment's momentum, equal on every island
+        norm = zero.global_norm(
+            [moms[i] for i in mine], [pspecs[i] for i in mine], program.layout, skip=(diloco.ISLAND_AXIS,)
+        )
+        clip = jnp.minimum(1.0, o_cfg.momentum_clip / (norm + 1e-12))
+        moms = {i: m * clip for i, m in moms.items()}
+    alpha = o_cfg.merge
+    for i in mine:  # the outer Nesterov-SGD step: u = Delta + mu m (or m), theta' = theta - lr u
+        m = moms[i]
+        u = applied[i] + o_cfg.momentum * m if o_cfg.nesterov else m
+        theta = part("theta", i)
+        new = (theta - o_cfg.lr * u).astype(theta.dtype)
+        put("theta", i, new)
+        put("momentum", i, m)
+        # Streaming DiLoCo's merge: alpha of the island's own (current) values, 1 - alpha of the global
+        put("local", i, new if alpha == 0 else alpha * part("local", i) + (1 - alpha) * new)
+        if co2:
+            put("delayed", i, avg[i])
+        if penalty:
+            put("last_step", i, new - theta)
+    return _rebuild(state, treedef, out)
 
 
-def sync_fn(program, fragment: int):
-    """jit(state -> state) of `local_sync` of `fragment`; the state is donated."""
+def _empty(tree) -> bool:
+    return isinstance(tree, tuple) and not tree
+
+
+def _rebuild(state, treedef, out):
+    s = state.opt_state
+    unflat = lambda k: jax.tree.unflatten(treedef, out[k])
+    opt_state = s._replace(
+        local=_stack(unflat("local")),
+        momentum=unflat("momentum"),
+        delayed=() if _empty(s.delayed) else unflat("delayed"),
+        residual=() if _empty(s.residual) else _stack(unflat("residual")),
+        last_step=() if _empty(s.last_step) else unflat("last_step"),
+    )
+    return state._replace(params=unflat("theta"), opt_state=opt_state)
+
+
+def sync_fn(program, fragment: int, phase: str = "all"):
+    """jit(state -> state) of `local_sync` of `fragment` (`phase`: PHASES); the state is donated."""
     step = program._shard_map(
-        lambda st: local_sync(program, st, fragment), (program.state_pspecs,), program.state_pspecs
+        lambda st: local_sync(program, st, fragment, phase), (program.state_pspecs,), program.state_pspecs
     )
     return jax.jit(step, donate_argnums=0)
 
 
 class Syncs:
     """The training loop's outer steps: `syncs(state, step)` after inner step `step` runs the outer
-    step of every fragment due then. Compiled ahead (`state`: one to lower against)."""
+    step of every fragment due then; with overlap_steps = tau > 0, the `start` of those due at
+    `step` and the `finish` of those started at `step - tau`. Compiled ahead (`state`: one to lower
+    against)."""
 
     def __init__(self, program, state):
         self.t = program.config.train
-        self.fns = [sync_fn(program, p).lower(state).compile() for p in range(self.t.outer.fragments)]
+        self.tau = self.t.outer.overlap_steps
+        compile_ = lambda p, phase: sync_fn(program, p, phase).lower(state).compile()
+        phases = ("start", "finish") if self.tau else ("all",)
+        self.fns = {(p, ph): compile_(p, ph) for p in range(self.t.outer.fragments) for ph in phases}
 
     def __call__(self, state, step: int):
+        if self.tau and step - self.tau >= 1:
+            for p in fragment_due(self.t, step - self.tau):
+                state = self.fns[p, "finish"](state)
         for p in fragment_due(self.t, step):
-            state = self.fns[p](state)
+            state = self.fns[p, "start" if self.tau else "all"](state)
         return state
 
 

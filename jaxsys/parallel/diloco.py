@@ -23,13 +23,14 @@ def island_mean(x):
 
 
 def island_mean_quantized(x, quantize, dequantize):
-    """The mean over the islands of `dequantize(*quantize(x))` of every island: all-gather of the
-    codes and scales (`quantize(x) -> (codes, scales)`, both arrays), dequantized and averaged here.
-    `dequantize(codes, scales) -> array shaped as x`."""
+    """(the mean over the islands of `dequantize(*quantize(x))` of every island, this island's own
+    `dequantize(*quantize(x))`): all-gather of the codes and scales (`quantize(x) -> (codes,
+    scales)`, both arrays), dequantized and averaged here. `dequantize(codes, scales) -> array
+    shaped as x`."""
     codes, scales = quantize(x)
     all_codes = lax.all_gather(codes, ISLAND_AXIS)  # [M, ...codes]
     all_scales = lax.all_gather(scales, ISLAND_AXIS)
     total = jnp.zeros(x.shape, jnp.float32)
     for i in range(all_codes.shape[0]):  # M is small (islands): unrolled
         total = total + dequantize(all_codes[i], all_scales[i])
-    return total / all_codes.shape[0]
+    return total / all_codes.shape[0], dequantize(codes, scales)
