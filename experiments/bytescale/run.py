@@ -1,29 +1,34 @@
-"""Length-adaptive context parallelism (ByteScale) vs fixed context parallelism on a long-tailed
-length distribution: per-device work imbalance, the keys/values that must cross devices, the
-collectives of the step, and tokens/s on CPU (experiments/bytescale/README.md).
+"""Length-adaptive context parallelism (ByteScale) vs fixed context parallelism on long-tailed
+length distributions: per-device work imbalance, the keys/values that must cross devices and those
+the program moves, the collectives of the step, and tokens/s on CPU (experiments/bytescale/README.md).
 
     python experiments/bytescale/run.py [--quick]
 
-1. The plan (host only). 20,000 documents (quick: 5,000) with lognormal lengths (median 800
-   tokens, sigma 1.6, capped at 256K): most are short, a few far longer than a row. They are cut
-   into pieces of at most T + 1 = 16,385 tokens (`packing.pieces`) for a mesh seq=8 x data=4, B = 32
-   rows a step, on contiguous chunks and on the zigzag:
-     fixed           best-fit decreasing rows (`config.data.packing`), shuffled into batches;
-     adaptive_split  `bytescale.plan` over the whole split (what `config.data.adaptive_cp` does),
-                     shuffled into batches;
-     adaptive_batch  each fixed batch's pieces placed again by `bytescale.plan(min_rows=B,
-                     shards=4)` over that step's 32 devices; pieces past B rows are deferred.
+1. The plan (host only). Two mixes of 20,000 documents (quick: 5,000) with lognormal lengths
+   capped at 256K: `plan` (median 800 tokens, sigma 1.6) and `plan_short` (median 100, sigma 2).
+   They are cut into pieces of at most T + 1 = 16,385 tokens (`packing.pieces`) for a mesh
+   seq=8 x data=4, B = 32 rows a step, on contiguous chunks and on the zigzag:
+     fixed              best-fit decreasing rows (`config.data.packing`), shuffled into batches;
+     adaptive_split     `bytescale.plan` over the whole split (what `config.data.adaptive_cp`
+                        does), shuffled into batches (first mix only: minutes of host time);
+     adaptive_batch     each fixed batch's pieces placed again by `bytescale.plan(min_rows=B,
+                        shards=4)` over that step's 32 devices; pieces past B rows are deferred;
+     adaptive_local<f>  the same with local regions, `adaptive_cp_local` = f: the batch's pieces
+                        cut to fit the ring region (T (1 - f) + 1), then planned with `local`.
    Over 20 steps each device's work is summed over the rows it holds: a FLOPs per token + b per
    visible (query, key) pair, per layer of a model with d_model 4,096 (a = 24 d^2 for the
    projections and MLP, b = 4 d for QK^T and PV); also attention (pairs) and tokens alone.
    Imbalance = max / mean - 1 over the 32 devices, per step (mean and max over the steps).
    Keys/values crossing devices (forward, per row and layer, bf16, 8 KV heads of 128): what the
-   plan's groups need (`bytescale.kv_traffic`) against what the static ring moves (T (S - 1)).
-2. The step's collectives: the tiny model's step (T = 128, seq=4 x data=2, ring, packed documents)
-   lowered with and without adaptive_cp: the seq collectives in the HLO (count, bytes).
-3. tokens/s on CPU: that one program trains on each layout's first 8 batches, alternating, 5
-   rounds (8 simulated devices on this machine's CPU, shared); trained tokens/s counts the targets
-   of weight 1 per median step.
+   plan's groups need (`bytescale.kv_traffic`) against what the program moves
+   (`bytescale.ring_traffic`, T (1 - f) (S - 1)); "moved per token" divides the latter by the
+   tokens kept (1 - deferred), relative to fixed CP's full rows.
+2. The step's collectives: the tiny model's step (T = 128, seq=4 x data=2, ring, zigzag, packed
+   documents) lowered fixed, with adaptive_cp, and with adaptive_cp_local 0.125 and 0.5: the seq
+   collectives in the HLO (count, bytes).
+3. tokens/s on CPU: each program trains on its layout's first 8 batches, alternating, 5 rounds (8
+   simulated devices on this machine's CPU, shared); trained tokens/s counts the targets of
+   weight 1 per median step.
 
     python experiments/bytescale/run.py --replot   # the tables from results.json
 """
