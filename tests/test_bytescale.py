@@ -184,10 +184,10 @@ def _batch(placement, lengths, docs, t: int, rows: int):
 T, ROWS, LOCAL = 32, 8, 0.5  # seq=4: 8 tokens a device, 4 of them local (16 a row), a ring region of 16
 
 
-def _program(mesh, zigzag: bool, local: float | None = None):
+def _program(mesh, zigzag: bool, local: float | None = None, variant: str = "ring"):
     """The program and its loss-and-gradients function (one jit: each loss_and_grads_fn() call
     makes a new one, which would compile again)."""
-    c = small_config(mesh, context_load_balance=zigzag)
+    c = small_config(mesh, context_load_balance=zigzag, context_parallel=variant)
     c.data.source, c.data.packing = "jsonl", True
     if local is not None:
         c.data.adaptive_cp, c.data.adaptive_cp_local = True, local
@@ -271,6 +271,16 @@ def test_local_regions_give_the_single_device_loss_and_gradients(zigzag, documen
     _close_to_one_device(program, batch, documents)
     _far_from_one_device(program, documents[3], documents)
     _far_from_one_device(program, batch._replace(segments=(batch.segments > 0).astype(np.int32)), documents)
+
+
+def test_local_regions_with_the_all_gather_variant(documents):
+    """The split is the variant's business only on the ring region: all-gather CP (contiguous)
+    with local regions gives the single-device loss and gradients too."""
+    lengths, docs = documents[:2]
+    n_local, _ = context.region_sizes(T, 4, False, LOCAL)
+    placed = bytescale.plan(lengths, T, context.chunk_table(4, False), min_rows=ROWS, local=n_local)
+    program = _program({"seq": 4, "data": 2}, False, LOCAL, variant="allgather")
+    _close_to_one_device(program, _batch(placed, lengths, docs, T, ROWS), documents)
 
 
 def _seq_bytes(program) -> dict:
