@@ -188,6 +188,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.dpo.beta = 0.1  # beta: the strength of the KL tie to the reference model
     # "a:b": a JAX profiler trace of steps a..b (1-based, inclusive) into {workdir}/tb/plugins/profile
     c.train.profile_steps = ""
+    # In-memory snapshots and elastic restart (docs/fault_tolerance.md): every `every` steps each
+    # process writes its unique shards, the loader position and the step to host memory and sends a
+    # replica of its shards to process (p + 1) % P; a restart resumes from the newest complete one.
+    c.train.snapshot = ml_collections.ConfigDict()
+    c.train.snapshot.every = 0  # k; 0 = off
+    c.train.snapshot.dir = ""  # "" = /dev/shm/jaxsys-snapshots/<hash of the workdir> (RAM on Linux)
+    c.train.snapshot.keep = 2  # complete snapshots kept
+    c.train.snapshot.peer_timeout_s = 10.0  # multi-process: a peer silent this long -> PeerLost, exit 75
+    c.train.snapshot.elastic = True  # resume on a device count the mesh does not fit: the planner's layout
 
     # LoRA / QLoRA (Hu et al. 2021; Dettmers et al. 2023; docs/finetune.md): low-rank adapters on the
     # dense projections, trained with the base frozen (a quantized base, config.model.quant, is QLoRA)
@@ -837,6 +846,16 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(
         ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
         "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0",
+    )
+    sn = t.snapshot
+    _require(
+        sn.every >= 0,
+        f"config.train.snapshot.every={sn.every}: use k >= 1 (a snapshot every k steps) or 0 (off)",
+    )
+    _require(sn.keep >= 1, f"config.train.snapshot.keep={sn.keep}: keep at least 1 complete snapshot")
+    _require(
+        sn.peer_timeout_s >= 0,
+        f"config.train.snapshot.peer_timeout_s={sn.peer_timeout_s}: use seconds > 0, or 0 for no watchdog",
     )
     _validate_compile_cache(config)
     _validate_outer(config)
