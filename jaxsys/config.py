@@ -127,6 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenize_workers = 0  # worker processes of the tokenize command (0: up to 8, one per core)
     c.data.packing = False  # several documents per row with segment ids (False: one per row, padded)
     c.data.adaptive_cp = False  # packed rows laid out so short documents sit on one seq device (docs/bytescale.md)
+    c.data.adaptive_cp_local = 0.0  # with adaptive_cp: share of each seq device's tokens attended locally (no ring)
     c.data.prefetch = 2  # batches the loader builds ahead of the step (grain threads)
 
     c.train = ml_collections.ConfigDict()
@@ -910,6 +911,24 @@ def _validate_data(config) -> None:
             "config.data.adaptive_cp=True places documents on the devices of the seq axis, but config.mesh.seq=1: "
             "set mesh.seq > 1 (context parallelism) or adaptive_cp=False",
         )
+    local = d.adaptive_cp_local
+    _require(
+        isinstance(local, (int, float)) and not isinstance(local, bool) and 0 <= local < 1,
+        f"config.data.adaptive_cp_local={local!r}: the share of each seq device's tokens in its local region, "
+        "a number in [0, 1) (0: the whole row on the ring)",
+    )
+    if local:
+        _require(
+            d.adaptive_cp,
+            f"config.data.adaptive_cp_local={local} needs config.data.adaptive_cp=True (the host plan fills the "
+            "local regions with whole documents); set it, or adaptive_cp_local=0",
+        )
+        from jaxsys.parallel import context
+
+        try:
+            context.region_sizes(int(d.seq_len), int(config.mesh.seq), bool(config.model.context_load_balance), local)
+        except ValueError as e:
+            _require(False, f"config.data.adaptive_cp_local={local} with config.data.seq_len={d.seq_len}: {e}")
     if d.packing:
         _require(
             "linear" not in layer_pattern(config.model),
