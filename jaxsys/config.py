@@ -127,6 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.tokenize_workers = 0  # worker processes of the tokenize command (0: up to 8, one per core)
     c.data.packing = False  # several documents per row with segment ids (False: one per row, padded)
     c.data.adaptive_cp = False  # packed rows laid out so short documents sit on one seq device (docs/bytescale.md)
+    c.data.adaptive_cp_local = 0.0  # with adaptive_cp: share of each seq device's tokens attended locally (no ring)
     c.data.prefetch = 2  # batches the loader builds ahead of the step (grain threads)
 
     c.train = ml_collections.ConfigDict()
@@ -187,6 +188,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.dpo.beta = 0.1  # beta: the strength of the KL tie to the reference model
     # "a:b": a JAX profiler trace of steps a..b (1-based, inclusive) into {workdir}/tb/plugins/profile
     c.train.profile_steps = ""
+    # In-memory snapshots and elastic restart (docs/fault_tolerance.md): every `every` steps each
+    # process writes its unique shards, the loader position and the step to host memory and sends a
+    # replica of its shards to process (p + 1) % P; a restart resumes from the newest complete one.
+    c.train.snapshot = ml_collections.ConfigDict()
+    c.train.snapshot.every = 0  # k; 0 = off
+    c.train.snapshot.dir = ""  # "" = /dev/shm/jaxsys-snapshots/<hash of the workdir> (RAM on Linux)
+    c.train.snapshot.keep = 2  # complete snapshots kept
+    c.train.snapshot.peer_timeout_s = 10.0  # multi-process: a peer silent this long -> PeerLost, exit 75
+    c.train.snapshot.elastic = True  # resume on a device count the mesh does not fit: the planner's layout
 
     # LoRA / QLoRA (Hu et al. 2021; Dettmers et al. 2023; docs/finetune.md): low-rank adapters on the
     # dense projections, trained with the base frozen (a quantized base, config.model.quant, is QLoRA)
@@ -837,6 +847,16 @@ def validate(config, num_devices: int | None = None) -> None:
         ck.every_steps >= 0 and ck.every_minutes >= 0 and ck.keep >= 0 and ck.keep_period >= 0,
         "config.checkpoint.every_steps, .every_minutes, .keep and .keep_period must be >= 0",
     )
+    sn = t.snapshot
+    _require(
+        sn.every >= 0,
+        f"config.train.snapshot.every={sn.every}: use k >= 1 (a snapshot every k steps) or 0 (off)",
+    )
+    _require(sn.keep >= 1, f"config.train.snapshot.keep={sn.keep}: keep at least 1 complete snapshot")
+    _require(
+        sn.peer_timeout_s >= 0,
+        f"config.train.snapshot.peer_timeout_s={sn.peer_timeout_s}: use seconds > 0, or 0 for no watchdog",
+    )
     _validate_compile_cache(config)
     _validate_outer(config)
 
@@ -891,6 +911,24 @@ def _validate_data(config) -> None:
             "config.data.adaptive_cp=True places documents on the devices of the seq axis, but config.mesh.seq=1: "
             "set mesh.seq > 1 (context parallelism) or adaptive_cp=False",
         )
+    local = d.adaptive_cp_local
+    _require(
+        isinstance(local, (int, float)) and not isinstance(local, bool) and 0 <= local < 1,
+        f"config.data.adaptive_cp_local={local!r}: the share of each seq device's tokens in its local region, "
+        "a number in [0, 1) (0: the whole row on the ring)",
+    )
+    if local:
+        _require(
+            d.adaptive_cp,
+            f"config.data.adaptive_cp_local={local} needs config.data.adaptive_cp=True (the host plan fills the "
+            "local regions with whole documents); set it, or adaptive_cp_local=0",
+        )
+        from jaxsys.parallel import context
+
+        try:
+            context.region_sizes(int(d.seq_len), int(config.mesh.seq), bool(config.model.context_load_balance), local)
+        except ValueError as e:
+            _require(False, f"config.data.adaptive_cp_local={local} with config.data.seq_len={d.seq_len}: {e}")
     if d.packing:
         _require(
             "linear" not in layer_pattern(config.model),

@@ -11,8 +11,9 @@ host work of the steps counts as training. What no kind claims (building the pro
 corpus, the startup report, logging after the loop) is `other`.
 
 Kinds (seconds each): `compile` (the train step's ahead-of-time compile; evaluation's compile is
-in `eval`), `init` (a fresh state), `restore` (recovery: reading the checkpoint a restart resumes
-from), `data_wait` (the loop waiting for its next batch), `checkpoint` (saves), `eval`, `other`.
+in `eval`), `init` (a fresh state), `restore` (recovery: reading the checkpoint or in-memory snapshot
+a restart resumes from), `data_wait` (the loop waiting for its next batch), `checkpoint` (saves),
+`snapshot` (in-memory snapshots, docs/fault_tolerance.md), `eval`, `other`.
 A restart also reports `lost_steps`: steps the previous launch logged after its last checkpoint,
 trained again now.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-KINDS = ("compile", "init", "restore", "data_wait", "checkpoint", "eval", "other")
+KINDS = ("compile", "init", "restore", "data_wait", "checkpoint", "snapshot", "eval", "other")
 
 
 class Goodput:

@@ -31,6 +31,7 @@ class Layout:
     offload_activations: tuple[str, ...] = ()  # config.offload.activations: saved to host memory
     collective_matmul: bool = False  # config.parallel.collective_matmul (with sequence parallelism)
     fsdp_prefetch: bool = False  # config.parallel.fsdp_prefetch: gather layer i+1 during layer i
+    seq_local: float = 0.0  # config.data.adaptive_cp_local: each seq device's local region (parallel/context.py)
     # ZeRO++ (parallel/zeropp.py): hpZ's secondary copy over `data`, its int8 gather and reduce-scatter
     hpz: bool = False
     qwz: bool = False
@@ -60,6 +61,7 @@ class Layout:
             and bool(config.parallel.sequence_parallel)
             and sizes["tensor"] > 1,
             fsdp_prefetch=bool(config.parallel.get("fsdp_prefetch", False)),
+            seq_local=float(config.data.get("adaptive_cp_local", 0.0)) if config.data.get("adaptive_cp") else 0.0,
             hpz=bool(config.parallel.get("zeropp_hpz", False)),
             qwz=bool(config.parallel.get("zeropp_qwz", False)),
             qgz=bool(config.parallel.get("zeropp_qgz", False)),

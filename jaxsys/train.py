@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -33,6 +34,7 @@ from jaxsys import tokenizer as tokenizer_lib
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
+from jaxsys.checkpoint import snapshot as snapshot_lib
 from jaxsys.config import ConfigError, load_config, parse_with_overrides, profile_range, validate
 from jaxsys.data import loader as loader_lib
 from jaxsys.data.loader import Loader
@@ -268,13 +270,73 @@ def main(config, workdir: str) -> list[dict]:
         )
     if data_lib.is_documents(config.data) and jax.process_index() == 0:
         _record_tokenizer(config, workdir)
-    mesh = make_mesh(config)
-    checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+    sn = config.train.snapshot
+    watchdog = None
+    if sn.every and sn.peer_timeout_s and jax.process_count() > 1:  # survivors of a lost peer exit, not hang
+        watchdog = snapshot_lib.Watchdog(sn.peer_timeout_s)
+        watchdog.start()
     try:
-        return _train(config, workdir, corpus, mesh, checkpointer, gp)
-    finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
-        if checkpointer:
-            checkpointer.close()
+        if sn.every and sn.elastic and _resumable(config, workdir):
+            _elastic_layout(config)
+        mesh = make_mesh(config)
+        checkpointer = Checkpointer(workdir, config.checkpoint) if config.checkpoint.enabled else None
+        try:
+            records = _train(config, workdir, corpus, mesh, checkpointer, gp)
+        finally:  # on every exit path, so that an error ends with the error alone (no Orbax teardown noise)
+            if checkpointer:
+                checkpointer.close()
+    except BaseException as e:
+        if watchdog is None:
+            raise
+        if isinstance(e, jax.errors.JaxRuntimeError):  # a dead peer often surfaces first as a collective's
+            # error (gloo: "Connection reset by peer"): let the watchdog name it and exit
+            watchdog.join(timeout=sn.peer_timeout_s + 3 * watchdog.interval)
+        _exit_now(e)
+    if watchdog is not None:
+        watchdog.finish()
+    return records
+
+
+def _exit_now(e: BaseException) -> None:
+    """End a process of a watched multi-process job on its own error at once, as `cli` would (exit 2
+    for the errors it names, else the traceback and 1), without waiting in jax.distributed's
+    shutdown barrier for peers that are blocked in a collective with it: their watchdogs see it gone
+    within peer_timeout_s and exit too (docs/fault_tolerance.md)."""
+    import traceback
+
+    if isinstance(e, CLI_ERRORS):
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    traceback.print_exception(e)
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _resumable(config, workdir: str) -> bool:
+    """A complete snapshot or checkpoint step exists for `workdir`."""
+    if snapshot_lib.complete_steps(snapshot_lib.root(config.train.snapshot, workdir)):
+        return True
+    ckpt = checkpoint_lib.directory(workdir)
+    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+
+
+def _elastic_layout(config) -> None:
+    """A restart on a device count the configured mesh does not fit (fewer processes or devices
+    after a failure): apply the planner's best layout for the devices there are (ranked by its cost
+    model, none compiled), in place, and say so."""
+    from jaxsys.analysis import hardware, planner
+    from jaxsys.config import MESH_AXES, apply_overrides
+
+    n = jax.device_count()
+    if math.prod(config.mesh[a] for a in MESH_AXES) in (n, -1) or any(config.mesh[a] == -1 for a in MESH_AXES):
+        return
+    before = " ".join(f"{a}={config.mesh[a]}" for a in MESH_AXES if config.mesh[a] > 1)
+    config.dcn.update({a: 1 for a in MESH_AXES})
+    hw = hardware.profile(hardware.profile_name(jax.devices()[0]) or "cpu")
+    winner = planner.plan(config, n, hw, top=0, log=lambda s: None)["winner"]
+    apply_overrides(config, winner.override_lines())
+    if jax.process_index() == 0:
+        print(f"jaxsys: elastic restart on {n} devices: mesh {before} does not fit; the planner chose {winner.name}")
 
 
 def _record_tokenizer(config, workdir: str) -> None:
@@ -288,15 +350,14 @@ def _record_tokenizer(config, workdir: str) -> None:
         pass  # e.g. bytes for a vocabulary wider than 256 ids: the model then takes ids
 
 
-def _loader(config, program, corpus, checkpointer, resume_step: int | None) -> Loader:
-    """The train batches from the resumed step on: the loader state saved with the checkpoint (or,
-    for a checkpoint without one, its step: the same position)."""
+def _loader(config, program, corpus, saved: dict | None, resume_step: int | None) -> Loader:
+    """The train batches from the resumed step on: the loader state `saved` with the checkpoint or
+    snapshot (or, for a checkpoint without one, its step: the same position)."""
     t = config.train
     loader = Loader(
         corpus, program.batch_sharding, config.seed, t.batch_size, config.data.seq_len, t.steps, config.data.prefetch
     )
     if resume_step is not None:
-        saved = checkpointer.data_state(resume_step)
         if saved is None:
             saved = {"grain": {"next_index": int(resume_step)}}
         if int(saved["grain"]["next_index"]) != int(resume_step):
@@ -313,11 +374,19 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     cache_path, cache_counter = compile_cache.directory(config.compile_cache), compile_cache.Counter()
     lead = jax.process_index() == 0
     resume_step = checkpointer.latest_step() if checkpointer else None
-    exists = os.path.exists(os.path.join(workdir, "metrics.jsonl")) and resume_step is None
+    sn = config.train.snapshot
+    snap_root = snapshot_lib.root(sn, workdir)
+    logged = os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+    # a snapshot of this workdir's run (a stale one of a removed workdir at the same path is not)
+    snap_steps = snapshot_lib.complete_steps(snap_root) if sn.every and logged else []
+    snap_step = snap_steps[0] if snap_steps and (resume_step is None or snap_steps[0] >= resume_step) else -1
+    # killed before its first snapshot (at most k steps logged): start again from step 0
+    early = bool(sn.every) and logged and _logged_after(workdir, 0) <= sn.every
+    exists = logged and resume_step is None and snap_step < 0 and not early
     if jax.process_count() > 1:  # process 0 decides for all, so that none is left waiting
         from jax.experimental import multihost_utils
 
-        exists = bool(multihost_utils.broadcast_one_to_all(np.int32(exists)))
+        exists, snap_step = (int(v) for v in multihost_utils.broadcast_one_to_all(np.int32([exists, snap_step])))
     if exists:
         raise FileExistsError(
             f"{workdir} already holds a run (metrics.jsonl) with no checkpoint to "
@@ -325,6 +394,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
             "overwritten"
         )
     os.makedirs(workdir, exist_ok=True)
+    if sn.every and snap_step < 0 and lead:  # a new run: snapshots left at this path are not its own
+        shutil.rmtree(snap_root, ignore_errors=True)
     if lead:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
@@ -335,9 +406,25 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     flops_per_step = flops_lib.step_flops_per_token(config) * tokens_per_step
     peak = config.hardware.peak_flops or hardware.job_peak_flops(m.compute_dtype)
 
-    if resume_step is not None:
+    saved_data = None
+    if snap_step >= 0:  # recovery from host memory: no Orbax read
+        with gp.timed("restore"):
+            state, meta, files = snapshot_lib.restore(snap_root, snap_step, program.abstract_state())
+            jax.block_until_ready(state)
+        resume_step, saved_data = snap_step, meta["data"]
+        gp.lost_steps = _logged_after(workdir, resume_step)
+        digest = snapshot_lib.fingerprint(state)  # a collective: every process
+        if lead:
+            print(
+                f"jaxsys: resumed from in-memory snapshot step {snap_step} of {snap_root} "
+                f"({', '.join(files)}) in {gp.seconds['restore']:.2f}s, saved by {meta['processes']} processes; "
+                f"fingerprint {digest}",
+                flush=True,
+            )
+    elif resume_step is not None:
         with gp.timed("restore"):
             state = checkpointer.restore(program.abstract_state())
+        saved_data = checkpointer.data_state(resume_step)
         gp.lost_steps = _logged_after(workdir, resume_step)
         if lead:
             print(f"jaxsys: resumed from step {resume_step} of {checkpoint_lib.directory(workdir)}", flush=True)
@@ -353,10 +440,13 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     else:
         with gp.timed("init"):
             state = program.init()
+        if early and snap_step < 0:
+            gp.lost_steps = _logged_after(workdir, 0)
     reference = _reference_params(program, config) if program.needs_reference else None
     step_args = () if reference is None else (reference,)
     start_step = int(resume_step or 0)
-    loader = _loader(config, program, corpus, checkpointer, resume_step)
+    loader = _loader(config, program, corpus, saved_data, resume_step)
+    snapshotter = snapshot_lib.Snapshotter(sn, workdir) if sn.every else None
     start = time.perf_counter()
     with gp.timed("compile"):
         step_fn = program.train_step_fn().lower(state, program.abstract_batch(), *step_args).compile()
@@ -472,10 +562,21 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
                 checkpointer.save(step + 1, state, config, data=loader.state())
                 window.pause(time.perf_counter() - paused)  # not training time
                 gp.add("checkpoint", time.perf_counter() - paused)
+            if snapshotter and snapshotter.due(step + 1):
+                if pending is not None:
+                    finish(*pending)  # a state is snapshotted only once its step's numbers are checked
+                    pending = None
+                jax.block_until_ready(state)
+                paused = time.perf_counter()
+                snapshotter.save(step + 1, state, loader.state())
+                window.pause(time.perf_counter() - paused)  # not training time
+                gp.add("snapshot", time.perf_counter() - paused)
         if pending is not None:
             finish(*pending)
         gp.loop_ended()
         _report_goodput(workdir, lead, t.steps, gp, cache_path, cache_counter)
+        if snapshotter and lead:
+            print(f"jaxsys: {snapshotter.line()}", flush=True)
         if routing is not None and lead:
             routing.save(os.path.join(workdir, "moe_routing.npz"))
     finally:
@@ -572,6 +673,10 @@ def _report_goodput(workdir: str, lead: bool, step: int, gp, cache_path, counter
     print(f"jaxsys: {cache_line}", flush=True)
 
 
+# the errors `cli` reports as one line and exit code 2
+CLI_ERRORS = (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError, FloatingPointError)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="Train a jaxsys config.")
     parser.add_argument("--config", required=True, help="configs/<name>.py[:arg]")
@@ -585,7 +690,7 @@ def cli(argv=None) -> int:
     try:
         config = load_config(args.config, overrides)
         main(config, args.workdir)
-    except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FileExistsError, FloatingPointError) as e:
+    except CLI_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import jaxsys.kernels.flash_attention  # noqa: F401  imported inside the first trace, it changes JAX's tracing context and the step recompiles on its second call
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError, validate
 from jaxsys.data import bytescale, loader, packing
@@ -55,6 +56,29 @@ def test_every_piece_sits_once_in_its_row_short_ones_inside_a_chunk(table):
         members = rows.row(r)
         assert sorted(members.tolist()) == sorted(np.flatnonzero(placed.row == r).tolist())
         np.testing.assert_array_equal(rows.row_starts(r), placed.start[members])
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_the_plan_places_local_pieces_where_the_device_keeps_its_local_region(table):
+    """The host plan's regions are the device's (`context.row_regions`, which `shard_sequence`
+    follows): every position's device agrees, and a piece in a local region lies inside one
+    device's region."""
+    size, zigzag = TABLES[table]
+    t, chunks = 64, context.chunk_table(size, zigzag)
+    n_local = context.region_sizes(t, size, zigzag, 0.25)[0]  # 4 of each device's 16
+    regions = context.row_regions(t, size, zigzag, 0.25)
+    assert sorted(regions.reshape(-1).tolist()) == list(range(t))
+    where = bytescale._layout(t, chunks, n_local).position_device
+    for d in range(size):
+        assert (where[regions[d]] == d).all()
+    lengths = np.clip(_long_tail(80, t, seed=6), 2, t - size * n_local + 1)
+    placed = bytescale.plan(lengths, t, chunks, local=n_local)
+    for n, s in zip(lengths.tolist(), placed.start.tolist()):
+        if s < size * n_local:
+            assert n <= n_local and s // n_local == (s + n - 1) // n_local
+        else:
+            assert s + n <= t + 1
+    assert (placed.start < size * n_local).any()
 
 
 def _segments(placed, lengths, t: int) -> np.ndarray:
@@ -121,6 +145,28 @@ def test_adaptive_cp_is_refused_without_packing_or_a_seq_axis():
         validate(c)
 
 
+@pytest.mark.parametrize(
+    "local,adaptive,zigzag,match",
+    [
+        (1.0, True, False, r"adaptive_cp_local=1.0: .*\[0, 1\)"),
+        (0.25, False, False, "adaptive_cp_local=0.25 needs config.data.adaptive_cp=True"),
+        (0.3, True, False, "adaptive_cp_local=0.3 with config.data.seq_len=32: .*must be whole"),
+        (0.875, True, True, "adaptive_cp_local=0.875 with config.data.seq_len=32: .*multiple of 2"),
+    ],
+)
+def test_local_regions_are_refused_when_they_do_not_cut_the_row(local, adaptive, zigzag, match):
+    """seq=4, T=32: 8 tokens a device. 0.875 leaves 1 ring token, which the zigzag cannot halve."""
+    c = small_config({"seq": 4, "data": 2}, context_load_balance=zigzag)
+    c.data.source, c.data.packing = "jsonl", True
+    c.data.adaptive_cp, c.data.adaptive_cp_local = adaptive, local
+    with pytest.raises(ConfigError, match=match):
+        validate(c)
+    c.data.adaptive_cp, c.data.adaptive_cp_local = True, 0.5
+    validate(c)
+    with pytest.raises(ValueError, match="does not fit a ring region of 17"):  # the plan: pieces fit the ring region
+        bytescale.plan(np.array([18]), 32, context.chunk_table(4, zigzag), local=4)
+
+
 # ------------------------------------------------------------------------------------------ the step
 
 
@@ -135,39 +181,134 @@ def _batch(placement, lengths, docs, t: int, rows: int):
     return data_lib.Batch(grow(tokens), grow(segments), grow(weights))
 
 
-def _program(mesh, **model):
-    c = small_config(mesh, **model)
+T, ROWS, LOCAL = 32, 8, 0.5  # seq=4: 8 tokens a device, 4 of them local (16 a row), a ring region of 16
+
+
+def _program(mesh, zigzag: bool, local: float | None = None, variant: str = "ring"):
+    """The program and its loss-and-gradients function (one jit: each loss_and_grads_fn() call
+    makes a new one, which would compile again)."""
+    c = small_config(mesh, context_load_balance=zigzag, context_parallel=variant)
     c.data.source, c.data.packing = "jsonl", True
-    return program_for(c)
+    if local is not None:
+        c.data.adaptive_cp, c.data.adaptive_cp_local = True, local
+    program = program_for(c)
+    return program, program.loss_and_grads_fn()
+
+
+@pytest.fixture(scope="module")
+def documents():
+    """Short documents (2-4 tokens: a local region's 4 holds them) and long ones (up to the ring
+    region + 1 = 17 tokens), and the single-device loss and gradients of them packed best-fit."""
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(2, 5, 24), rng.integers(9, 18, 7)])
+    docs = [rng.integers(1, 256, n).astype(np.int32) for n in lengths.tolist()]
+    one, loss_and_grads = _program({}, False)
+    params = jax.tree.map(np.asarray, one.init().params)
+    want = _batch(bytescale.packed_placement(lengths, T), lengths, docs, T, ROWS)
+    loss, grads = loss_and_grads(params, jax.device_put(want, one.batch_sharding))
+    return lengths, docs, params, want, float(loss), jax.tree.map(np.asarray, grads)
+
+
+def _close_to_one_device(program, batch, documents):
+    (program, loss_and_grads), (*_, params, _, want_loss, want_grads) = program, documents
+    loss, grads = loss_and_grads(params, jax.device_put(batch, program.batch_sharding))
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    grads = jax.tree.map(np.asarray, grads)
+    assert_trees_close_leafwise(grads, want_grads, rtol=1e-5, atol=lambda w: 2e-5 * np.abs(w).max())
+
+
+def _far_from_one_device(program, batch, documents):
+    (program, loss_and_grads), (*_, params, _, _, want_grads) = program, documents
+    _, grads = loss_and_grads(params, jax.device_put(batch, program.batch_sharding))
+    gaps = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max()), grads, want_grads)
+    assert max(jax.tree.leaves(gaps)) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def fixed_programs():
+    """seq=4 x data=2, the whole row on the ring, contiguous and zigzag."""
+    return {z: _program({"seq": 4, "data": 2}, z) for z in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def split_programs():
+    """The same with local regions of LOCAL of each device's tokens."""
+    return {z: _program({"seq": 4, "data": 2}, z, LOCAL) for z in (False, True)}
 
 
 @pytest.mark.parametrize("zigzag", [False, True], ids=["contiguous", "zigzag"])
-def test_adaptive_rows_give_the_single_device_loss_and_gradients(zigzag):
-    """seq=4 x data=2, ring: the plan's rows give the loss and gradients of the same documents
-    packed best-fit on one device."""
-    t, rows = 32, 8
-    lengths = _long_tail(18, t, seed=3)
-    rng = np.random.default_rng(4)
-    docs = [rng.integers(1, 256, n).astype(np.int32) for n in lengths.tolist()]
+def test_adaptive_rows_give_the_single_device_loss_and_gradients(zigzag, documents, fixed_programs):
+    """seq=4 x data=2, ring, the whole row on the ring (adaptive_cp_local=0): the plan's rows give
+    the loss and gradients of the same documents packed best-fit on one device; with one segment a
+    row (documents see the ones before them) they do not."""
+    lengths, docs = documents[:2]
     chunks = context.chunk_table(4, zigzag)
-    adaptive = bytescale.plan(lengths, t, chunks, min_rows=rows)
-    assert adaptive.num_rows == rows
-    assert bytescale.kv_traffic(adaptive, lengths, t, chunks) > 0  # some documents are split
-    one = _program({})
-    params = jax.tree.map(np.asarray, one.init().params)
-    want = _batch(bytescale.packed_placement(lengths, t), lengths, docs, t, rows)
-    want_loss, want_grads = one.loss_and_grads_fn()(params, jax.device_put(want, one.batch_sharding))
-    program = _program({"seq": 4, "data": 2}, context_load_balance=zigzag)
-    batch = _batch(adaptive, lengths, docs, t, rows)
-    loss, grads = program.loss_and_grads_fn()(params, jax.device_put(batch, program.batch_sharding))
-    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    grads, want_grads = jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, want_grads)
-    assert_trees_close_leafwise(grads, want_grads, rtol=1e-5, atol=lambda w: 2e-5 * np.abs(w).max())
-    # the check can fail: the same rows with one segment a row (documents see the ones before them)
+    adaptive = bytescale.plan(lengths, T, chunks, min_rows=ROWS)
+    assert adaptive.num_rows == ROWS
+    assert bytescale.kv_traffic(adaptive, lengths, T, chunks) > 0  # some documents are split
+    batch = _batch(adaptive, lengths, docs, T, ROWS)
+    _close_to_one_device(fixed_programs[zigzag], batch, documents)
     merged = batch._replace(segments=(batch.segments > 0).astype(np.int32))
-    _, unmasked = program.loss_and_grads_fn()(params, jax.device_put(merged, program.batch_sharding))
-    gaps = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max() / np.abs(b).max()), unmasked, want_grads)
-    assert max(jax.tree.leaves(gaps)) > 1e-3
+    _far_from_one_device(fixed_programs[zigzag], merged, documents)
+
+
+@pytest.mark.parametrize("zigzag", [False, True], ids=["contiguous", "zigzag"])
+def test_local_regions_give_the_single_device_loss_and_gradients(zigzag, documents, split_programs):
+    """adaptive_cp_local=0.5 on seq=4 x data=2, ring: each device's first 4 tokens are attended
+    with no communication and only the ring region's K/V travel. The plan's rows (short documents
+    in the local regions, long ones over the ring region) give the single-device loss and
+    gradients; best-fit rows, whose documents cross from one region into another (or from one
+    device's local region into the next's), do not, nor do the plan's rows with one segment a row."""
+    lengths, docs = documents[:2]
+    chunks = context.chunk_table(4, zigzag)
+    n_local, _ = context.region_sizes(T, 4, zigzag, LOCAL)
+    placed = bytescale.plan(lengths, T, chunks, min_rows=ROWS, local=n_local)
+    assert placed.num_rows == ROWS
+    in_local = placed.start < 4 * n_local
+    assert in_local.sum() >= 8 and (lengths[~in_local] > 4).any()  # both regions hold documents
+    assert bytescale.kv_traffic(placed, lengths, T, chunks, local=n_local) > 0  # some documents are split
+    program, batch = split_programs[zigzag], _batch(placed, lengths, docs, T, ROWS)
+    _close_to_one_device(program, batch, documents)
+    _far_from_one_device(program, documents[3], documents)
+    _far_from_one_device(program, batch._replace(segments=(batch.segments > 0).astype(np.int32)), documents)
+
+
+def test_local_regions_with_the_all_gather_variant(documents):
+    """The split is the variant's business only on the ring region: all-gather CP (contiguous)
+    with local regions gives the single-device loss and gradients too."""
+    lengths, docs = documents[:2]
+    n_local, _ = context.region_sizes(T, 4, False, LOCAL)
+    placed = bytescale.plan(lengths, T, context.chunk_table(4, False), min_rows=ROWS, local=n_local)
+    program = _program({"seq": 4, "data": 2}, False, LOCAL, variant="allgather")
+    _close_to_one_device(program, _batch(placed, lengths, docs, T, ROWS), documents)
+
+
+def _seq_bytes(program) -> dict:
+    """{kind: (count, bytes)} of the step's collectives over `seq` alone (lowered, layers unrolled)."""
+    from jaxsys.analysis import collectives, report
+
+    sizes = dict(program.layout.mesh_sizes)
+    out: dict = {}
+    for c in collectives.parse(report.lower_unrolled(program).as_text(), sizes):
+        if c.axes == ("seq",):
+            n, b = out.get(c.kind, (0, 0))
+            out[c.kind] = (n + 1, b + c.operand_bytes)
+    return out
+
+
+def test_local_regions_cut_the_seq_collective_bytes_by_the_ring_share(fixed_programs, split_programs):
+    """The split program's seq collectives are fixed CP's, each carrying the ring region's
+    T/P - L tokens instead of T/P (K, V, dK, dV and the segment ids alike): bytes x (1 - local),
+    counts unchanged; cost_model.context_parallel_rows says the same."""
+    from jaxsys.analysis import cost_model
+
+    fixed, split = fixed_programs[False][0], split_programs[False][0]
+    want, got = _seq_bytes(fixed), _seq_bytes(split)
+    assert set(got) == set(want) and "collective_permute" in got
+    for kind, (count, size) in want.items():
+        assert got[kind] == (count, size * (1 - LOCAL)), kind
+    rows = lambda p: {r.kind: r.bytes for r in cost_model.context_parallel_rows(p.config)}
+    assert rows(split) == {k: b * (1 - LOCAL) for k, b in rows(fixed).items()}
 
 
 def test_the_loader_lays_rows_out_by_the_plan():

@@ -1,29 +1,34 @@
-"""Length-adaptive context parallelism (ByteScale) vs fixed context parallelism on a long-tailed
-length distribution: per-device work imbalance, the keys/values that must cross devices, the
-collectives of the step, and tokens/s on CPU (experiments/bytescale/README.md).
+"""Length-adaptive context parallelism (ByteScale) vs fixed context parallelism on long-tailed
+length distributions: per-device work imbalance, the keys/values that must cross devices and those
+the program moves, the collectives of the step, and tokens/s on CPU (experiments/bytescale/README.md).
 
     python experiments/bytescale/run.py [--quick]
 
-1. The plan (host only). 20,000 documents (quick: 5,000) with lognormal lengths (median 800
-   tokens, sigma 1.6, capped at 256K): most are short, a few far longer than a row. They are cut
-   into pieces of at most T + 1 = 16,385 tokens (`packing.pieces`) for a mesh seq=8 x data=4, B = 32
-   rows a step, on contiguous chunks and on the zigzag:
-     fixed           best-fit decreasing rows (`config.data.packing`), shuffled into batches;
-     adaptive_split  `bytescale.plan` over the whole split (what `config.data.adaptive_cp` does),
-                     shuffled into batches;
-     adaptive_batch  each fixed batch's pieces placed again by `bytescale.plan(min_rows=B,
-                     shards=4)` over that step's 32 devices; pieces past B rows are deferred.
+1. The plan (host only). Two mixes of 20,000 documents (quick: 5,000) with lognormal lengths
+   capped at 256K: `plan` (median 800 tokens, sigma 1.6) and `plan_short` (median 100, sigma 2).
+   They are cut into pieces of at most T + 1 = 16,385 tokens (`packing.pieces`) for a mesh
+   seq=8 x data=4, B = 32 rows a step, on contiguous chunks and on the zigzag:
+     fixed              best-fit decreasing rows (`config.data.packing`), shuffled into batches;
+     adaptive_split     `bytescale.plan` over the whole split (what `config.data.adaptive_cp`
+                        does), shuffled into batches (first mix only: minutes of host time);
+     adaptive_batch     each fixed batch's pieces placed again by `bytescale.plan(min_rows=B,
+                        shards=4)` over that step's 32 devices; pieces past B rows are deferred;
+     adaptive_local<f>  the same with local regions, `adaptive_cp_local` = f: the batch's pieces
+                        cut to fit the ring region (T (1 - f) + 1), then planned with `local`.
    Over 20 steps each device's work is summed over the rows it holds: a FLOPs per token + b per
    visible (query, key) pair, per layer of a model with d_model 4,096 (a = 24 d^2 for the
    projections and MLP, b = 4 d for QK^T and PV); also attention (pairs) and tokens alone.
    Imbalance = max / mean - 1 over the 32 devices, per step (mean and max over the steps).
    Keys/values crossing devices (forward, per row and layer, bf16, 8 KV heads of 128): what the
-   plan's groups need (`bytescale.kv_traffic`) against what the static ring moves (T (S - 1)).
-2. The step's collectives: the tiny model's step (T = 128, seq=4 x data=2, ring, packed documents)
-   lowered with and without adaptive_cp: the seq collectives in the HLO (count, bytes).
-3. tokens/s on CPU: that one program trains on each layout's first 8 batches, alternating, 5
-   rounds (8 simulated devices on this machine's CPU, shared); trained tokens/s counts the targets
-   of weight 1 per median step.
+   plan's groups need (`bytescale.kv_traffic`) against what the program moves
+   (`bytescale.ring_traffic`, T (1 - f) (S - 1)); "moved per token" divides the latter by the
+   tokens kept (1 - deferred), relative to fixed CP's full rows.
+2. The step's collectives: the tiny model's step (T = 128, seq=4 x data=2, ring, zigzag, packed
+   documents) lowered fixed, with adaptive_cp, and with adaptive_cp_local 0.125 and 0.5: the seq
+   collectives in the HLO (count, bytes).
+3. tokens/s on CPU: each program trains on its layout's first 8 batches, alternating, 5 rounds (8
+   simulated devices on this machine's CPU, shared); trained tokens/s counts the targets of
+   weight 1 per median step.
 
     python experiments/bytescale/run.py --replot   # the tables from results.json
 """
@@ -45,12 +50,17 @@ import numpy as np  # noqa: E402
 from experiments.common import emit, load_results, markdown_table, run_worker, save_results, worker_devices  # noqa: E402
 
 S, D, B, T, STEPS, ROUNDS = 8, 4, 32, 16384, 20, 5
+LOCALS = (0.125, 0.25, 0.5)  # adaptive_cp_local of the per-batch plans with local regions
+CPU_LOCALS = (0.125, 0.5)  # ... of the tiny model's split programs
 D_MODEL, KV_BYTES_PER_TOKEN = 4096, 2 * 8 * 128 * 2  # K and V, 8 heads of 128, bf16
 
 
-def lengths(n: int, seed: int = 0) -> np.ndarray:
+MIXES = {"plan": (800, 1.6), "plan_short": (100, 2.0)}  # lognormal median and sigma of each length mix
+
+
+def lengths(n: int, seed: int = 0, median: float = 800, sigma: float = 1.6) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return np.minimum(rng.lognormal(np.log(800), 1.6, n).astype(np.int64) + 2, 262144)
+    return np.minimum(rng.lognormal(np.log(median), sigma, n).astype(np.int64) + 2, 262144)
 
 
 def _device_loads(work: dict, rows: np.ndarray) -> dict:
@@ -65,7 +75,19 @@ def bytescale_imbalance(load):
     return bytescale.imbalance(load)
 
 
-def plan_stats(doc_len: np.ndarray) -> dict:
+def one_batch(stats, needed, deferred, name, placed, lens, chunks, kinds, n_local) -> None:
+    """One step's per-batch plan: rows past B do not fit this step (deferred to a later one)."""
+    from jaxsys.data import bytescale
+
+    kept = placed.row < B
+    deferred[name] += int(lens[~kept].sum())
+    sub = bytescale.Placement(placed.row[kept], placed.start[kept], B)
+    w = {k: bytescale.work(sub, lens[kept], T, chunks, *ab, local=n_local) for k, ab in kinds.items()}
+    stats[name].append(_device_loads(w, np.arange(B)))
+    needed[name] += bytescale.kv_traffic(sub, lens[kept], T, chunks, local=n_local) / B
+
+
+def plan_stats(doc_len: np.ndarray, whole_split: bool = True) -> dict:
     from jaxsys.data import bytescale, packing
     from jaxsys.parallel import context
 
@@ -79,45 +101,57 @@ def plan_stats(doc_len: np.ndarray) -> dict:
     for layout in ("contiguous", "zigzag"):
         chunks = context.chunk_table(S, layout == "zigzag")
         fixed_work = {k: bytescale.work(fixed, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
-        t0 = time.perf_counter()
-        whole = bytescale.plan(pieces.length, T, chunks, a, b, min_rows=fixed.num_rows)
-        whole_s = time.perf_counter() - t0
-        whole_work = {k: bytescale.work(whole, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
-        whole_order = np.random.default_rng(1).permutation(whole.num_rows)
-        stats = {"fixed": [], "adaptive_split": [], "adaptive_batch": []}
-        needed = {"fixed": 0.0, "adaptive_split": 0.0, "adaptive_batch": 0.0}
-        deferred, batch_s = 0, 0.0
+        if whole_split:  # the loader's plan, over the whole split (slow: minutes)
+            t0 = time.perf_counter()
+            whole = bytescale.plan(pieces.length, T, chunks, a, b, min_rows=fixed.num_rows)
+            whole_s = time.perf_counter() - t0
+            whole_work = {k: bytescale.work(whole, pieces.length, T, chunks, *ab) for k, ab in kinds.items()}
+            whole_order = np.random.default_rng(1).permutation(whole.num_rows)
+        split_names = [f"adaptive_local{f:g}" for f in LOCALS]
+        names = ["fixed"] + (["adaptive_split"] if whole_split else []) + ["adaptive_batch"] + split_names
+        stats = {n: [] for n in names}
+        needed = {n: 0.0 for n in stats}
+        deferred = {n: 0 for n in stats}
+        batch_s = 0.0
         for i, rows in enumerate(batches):
             stats["fixed"].append(_device_loads(fixed_work, rows))
-            stats["adaptive_split"].append(_device_loads(whole_work, whole_order[i * B : (i + 1) * B]))
+            if whole_split:
+                stats["adaptive_split"].append(_device_loads(whole_work, whole_order[i * B : (i + 1) * B]))
             # per batch: the fixed batch's pieces placed again on B rows over the D x S devices
             members = np.flatnonzero(np.isin(fixed.row, rows))
             t0 = time.perf_counter()
             placed = bytescale.plan(pieces.length[members], T, chunks, a, b, min_rows=B, shards=D)
             batch_s += time.perf_counter() - t0
             lens = pieces.length[members]
-            kept = placed.row < B  # rows past B do not fit this step: deferred to a later one
-            deferred += int(lens[~kept].sum())
-            sub = bytescale.Placement(placed.row[kept], placed.start[kept], B)
-            w = {k: bytescale.work(sub, lens[kept], T, chunks, *ab) for k, ab in kinds.items()}
-            stats["adaptive_batch"].append(_device_loads(w, np.arange(B)))
-            needed["adaptive_batch"] += bytescale.kv_traffic(sub, lens[kept], T, chunks) / B
+            one_batch(stats, needed, deferred, "adaptive_batch", placed, lens, chunks, kinds, 0)
+            for f, name in zip(LOCALS, split_names):
+                # local regions: the batch's pieces cut to fit the ring region, then planned again
+                n_local = context.region_sizes(T, S, layout == "zigzag", f)[0]
+                cut = packing.pieces(lens, T - S * n_local).length
+                placed = bytescale.plan(cut, T, chunks, a, b, min_rows=B, shards=D, local=n_local)
+                one_batch(stats, needed, deferred, name, placed, cut, chunks, kinds, n_local)
         needed["fixed"] = bytescale.kv_traffic(fixed, pieces.length, T, chunks) / fixed.num_rows
-        needed["adaptive_split"] = bytescale.kv_traffic(whole, pieces.length, T, chunks) / whole.num_rows
-        needed["adaptive_batch"] /= len(batches)
+        if whole_split:
+            needed["adaptive_split"] = bytescale.kv_traffic(whole, pieces.length, T, chunks) / whole.num_rows
+        batch_tokens = float(sum(pieces.length[np.isin(fixed.row, r)].sum() for r in batches))
         for name, per_step in stats.items():
+            f = float(name.removeprefix("adaptive_local")) if name in split_names else 0.0
+            n_local = context.region_sizes(T, S, layout == "zigzag", f)[0]
             out[f"{name}/{layout}"] = {
                 **{f"imbalance_{k}_mean": float(np.mean([s[k] for s in per_step])) for k in kinds},
                 **{f"imbalance_{k}_max": float(np.max([s[k] for s in per_step])) for k in kinds},
-                "kv_needed_mib_per_row_layer": needed[name] * KV_BYTES_PER_TOKEN / 2**20,
-                "kv_static_ring_mib_per_row_layer": T * (S - 1) * KV_BYTES_PER_TOKEN / 2**20,
+                "kv_needed_mib_per_row_layer": needed[name]
+                / (len(batches) if name not in ("fixed", "adaptive_split") else 1)
+                * KV_BYTES_PER_TOKEN
+                / 2**20,
+                "kv_static_ring_mib_per_row_layer": bytescale.ring_traffic(T, S, n_local) * KV_BYTES_PER_TOKEN / 2**20,
+                "local": f,
+                "deferred_token_fraction": deferred[name] / batch_tokens,
             }
         out[f"fixed/{layout}"]["rows"] = fixed.num_rows
-        out[f"adaptive_split/{layout}"].update(rows=whole.num_rows, plan_seconds=whole_s)
-        out[f"adaptive_batch/{layout}"].update(
-            deferred_token_fraction=deferred / float(sum(pieces.length[np.isin(fixed.row, r)].sum() for r in batches)),
-            plan_seconds_per_batch=batch_s / len(batches),
-        )
+        if whole_split:
+            out[f"adaptive_split/{layout}"].update(rows=whole.num_rows, plan_seconds=whole_s)
+        out[f"adaptive_batch/{layout}"].update(plan_seconds_per_batch=batch_s / len(batches))
         for name in stats:
             print(name, layout, json.dumps(out[f"{name}/{layout}"]), flush=True)
     out["documents"] = {
@@ -134,9 +168,15 @@ def plan_stats(doc_len: np.ndarray) -> dict:
     return out
 
 
+CPU_LAYOUTS = (("fixed", False, 0.0), ("adaptive", True, 0.0)) + tuple(
+    (f"adaptive_local{f:g}", True, f) for f in CPU_LOCALS
+)
+
+
 def worker(n: int, jobs: list) -> None:
-    """Lower the step with and without adaptive_cp (the seq collectives), then time the one program
-    on both layouts' batches, alternating, ROUNDS x 8 steps each (the median per layout)."""
+    """Lower the step of each layout (fixed, adaptive_cp, adaptive_cp with local regions): the seq
+    collectives; then time each program on its layout's batches, alternating, ROUNDS x 8 steps
+    each (the median per layout)."""
     worker_devices(n)
     import jax
 
@@ -148,23 +188,29 @@ def worker(n: int, jobs: list) -> None:
     from tests.helpers import config_file
 
     job = jobs[0]
-    batches, out, program = {}, {}, None
-    for adaptive in (False, True):
+    batches, out, steps, states = {}, {}, {}, {}
+    for name, adaptive, local in CPU_LAYOUTS:
         c = config_file("tiny")
         c.mesh.seq, c.mesh.data = 4, 2
         c.data.source, c.data.path, c.data.cache_dir = "jsonl", job["path"], job["cache"]
         c.data.eval_fraction, c.data.packing, c.data.adaptive_cp = 0.0, True, adaptive
+        c.data.adaptive_cp_local = local
         c.train.batch_size = 16
         program = build(c, make_mesh(c, jax.devices()[:n]))
         sizes = dict(program.layout.mesh_sizes)
         found = collectives.parse(report.lower_unrolled(program).as_text(), sizes)
         seq_ops = [x for x in found if x.axes == ("seq",)]
         corpus = loader.load_corpus(c.data, chunks=train.adaptive_chunks(c))
-        batches[adaptive] = [
+        batches[name] = [
             data.global_batch(corpus, program.batch_sharding, c.seed, s, 16, c.data.seq_len) for s in range(8)
         ]
-        out[adaptive] = {
+        steps[name], states[name] = program.train_step_fn(), program.init()
+        out[name] = {
+            "layout": name,
             "adaptive": adaptive,
+            "local": local,
+            "seq_len": int(c.data.seq_len),
+            "context_load_balance": bool(c.model.context_load_balance),
             "rows": corpus.splits["train"].num_rows,
             "padding": corpus.splits["train"].padding(c.data.seq_len),
             "seq_collectives": len(seq_ops),
@@ -172,23 +218,19 @@ def worker(n: int, jobs: list) -> None:
                 cost_model.ring_bytes(x.kind, x.operand_bytes, sizes["seq"]) for x in seq_ops
             )
             / 2**20,
-            "weighted_targets_per_step": float(
-                np.mean([float(np.asarray(bt.weights).sum()) for bt in batches[adaptive]])
-            ),
+            "weighted_targets_per_step": float(np.mean([float(np.asarray(bt.weights).sum()) for bt in batches[name]])),
             "step_seconds": [],
         }
-    assert program is not None
-    step = program.train_step_fn()  # the same program for both layouts: adaptive_cp only moves tokens
-    state = program.init()
-    state, m = step(state, batches[False][0])
-    jax.block_until_ready(m)
+    for name in out:  # compile each step first
+        states[name], m = steps[name](states[name], batches[name][0])
+        jax.block_until_ready(m)
     for _ in range(ROUNDS):
-        for adaptive in (False, True):
+        for name in out:
             start = time.perf_counter()
-            for bt in batches[adaptive]:
-                state, m = step(state, bt)
+            for bt in batches[name]:
+                states[name], m = steps[name](states[name], bt)
             jax.block_until_ready(m)
-            out[adaptive]["step_seconds"].append((time.perf_counter() - start) / len(batches[adaptive]))
+            out[name]["step_seconds"].append((time.perf_counter() - start) / len(batches[name]))
     for r in out.values():
         r["step_seconds_median"] = float(np.median(r["step_seconds"]))
         r["trained_tokens_per_s"] = r["weighted_targets_per_step"] / r["step_seconds_median"]
@@ -211,7 +253,8 @@ def main() -> None:
         return
     quick = "--quick" in sys.argv
     results = {"mesh": {"seq": S, "data": D}, "batch_rows": B, "seq_len": T, "steps": STEPS}
-    results["plan"] = plan_stats(lengths(5000 if quick else 20000))
+    for key, (median, sigma) in MIXES.items():
+        results[key] = plan_stats(lengths(5000 if quick else 20000, 0, median, sigma), whole_split=key == "plan")
     work = tempfile.mkdtemp(prefix="bytescale-")
     path = os.path.join(work, "docs.jsonl")
     corpus_file(path, 1000)
@@ -222,8 +265,14 @@ def main() -> None:
 
 
 def report_tables(results: dict) -> str:
+    return "\n\n".join([plan_table(results[k]) for k in MIXES if k in results] + [cpu_table(results)])
+
+
+def plan_table(plan: dict) -> str:
+    d = plan["documents"]
+    ring = T * (S - 1) * KV_BYTES_PER_TOKEN / 2**20  # fixed CP's KV per row and layer
     rows = []
-    for key, r in results["plan"].items():
+    for key, r in plan.items():
         if key == "documents":
             continue
         rows.append(
@@ -234,30 +283,52 @@ def report_tables(results: dict) -> str:
             ]
             + [f"{r['kv_needed_mib_per_row_layer']:.0f} / {r['kv_static_ring_mib_per_row_layer']:.0f}"]
             + [f"{r.get('deferred_token_fraction', 0.0):.1%}"]
+            # KV bytes the program moves per token it trains, against fixed CP's full rows
+            + [f"{r['kv_static_ring_mib_per_row_layer'] / ring / (1 - r.get('deferred_token_fraction', 0.0)):.2f}"]
         )
     head = [
         "plan/chunks",
         "FLOP imbalance mean / max",
         "attention",
         "tokens",
-        "KV MiB/row/layer needed / ring",
+        "KV MiB/row/layer needed / moved",
         "deferred",
+        "moved per token",
     ]
-    lines = markdown_table(head, "lrrrrr", rows)
+    lines = [
+        f"{d['count']} documents: median {d['median']:.0f}, p90 {d['p90']:.0f}, p99 {d['p99']:.0f}, max {d['max']} "
+        f"tokens; {d['token_share_of_pieces_longer_than_a_zigzag_chunk']:.0%} of the tokens in pieces longer than a "
+        "zigzag chunk",
+        "",
+    ] + markdown_table(head, "lrrrrrr", rows)
+    return "\n".join(lines)
+
+
+def cpu_table(results: dict) -> str:
     cpu = [
         [
-            ("adaptive" if r["adaptive"] else "fixed"),
+            r.get("layout", "adaptive" if r["adaptive"] else "fixed"),
             r["rows"],
             f"{r['padding']:.2%}",
             r["seq_collectives"],
             f"{r['seq_collective_mib_per_step']:.3f}",
+            f"{r['seq_collective_mib_per_step'] * 1024 / r['weighted_targets_per_step']:.2f}",
             f"{r['step_seconds_median']:.3f}",
             f"{r['trained_tokens_per_s']:.0f}",
         ]
         for r in results["cpu"]
     ]
-    head = ["layout", "rows", "padding", "seq collectives", "MiB/step", "step s (median)", "trained tokens/s"]
-    return "\n".join(lines + [""] + markdown_table(head, "lrrrrrr", cpu))
+    head = [
+        "layout",
+        "rows",
+        "padding",
+        "seq collectives",
+        "MiB/step",
+        "KiB/trained token",
+        "step s (median)",
+        "trained tokens/s",
+    ]
+    return "\n".join(markdown_table(head, "lrrrrrrr", cpu))
 
 
 if __name__ == "__main__":

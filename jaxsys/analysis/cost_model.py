@@ -501,13 +501,20 @@ def context_parallel_rows(config) -> list[Row]:
                  transposes backward: 2 (P-1) (S_q + S_o + S_lse)
       LASP-2     one all-gather of the c [B, N, H, H] fp32 chunk states per linear layer forward and
                  its reduce-scatter backward: 2 (P-1) c B N H^2 4 bytes, independent of T
-    A remat policy other than `none` recomputes the forward's share in the backward."""
+    A remat policy other than `none` recomputes the forward's share in the backward. With
+    adaptive CP's local regions (config.data.adaptive_cp_local) T/P is the ring region's tokens."""
     from jaxsys.models import attention
 
     mesh, m = config.mesh, config.model
     p, t = mesh.seq, mesh.tensor
     b = local_batch(config)
     tl, h, bc = config.data.seq_len // p, m.head_dim, _dtype_bytes(m.compute_dtype)
+    if config.data.get("adaptive_cp") and config.data.get("adaptive_cp_local", 0.0):
+        from jaxsys.parallel import context  # only the ring region's T/P - L tokens travel (docs/bytescale.md)
+
+        tl = context.region_sizes(config.data.seq_len, p, bool(m.context_load_balance), config.data.adaptive_cp_local)[
+            1
+        ]
     n, k = m.n_heads // t, m.n_kv_heads // t
     types = attention.layer_types(m)
     softmax, linear = types.count("softmax"), types.count("linear")

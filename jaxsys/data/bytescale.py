@@ -22,11 +22,20 @@ piece. Planned over a whole split (the loader: rows are then shuffled into batch
 devices' work over the split, so in expectation over a batch's rows; planned per batch
 (`shards` = the data axis), over the batch's devices exactly as the rule manages.
 
-The device program is the ordinary context-parallel step with segment ids (parallel/context.py):
-the plan only moves tokens within their rows, so the losses are the single-device ones. What this
-does not do that ByteScale does: the ring (or all-gather) stays over all S devices of every row (one
-static program), so the HLO's collective bytes are fixed context parallelism's; `kv_traffic` counts
-what the plan needs, which ByteScale's dynamic communication groups would move (docs/bytescale.md).
+Local regions (config.data.adaptive_cp_local > 0, `local` = L tokens a device): the row is laid
+out as `context.row_regions` says, device d's local region [d L, (d + 1) L) first, then the ring
+region [S L, T) cut into the chunks above. A local region holds whole pieces of at most L tokens,
+never running on into the next region; the ring region holds the rest, pieces of at most
+T - S L + 1 tokens (the loader cuts documents there). The device program attends each local
+region with no communication and runs the ring (or all-gather) over the ring region only, so its
+collective bytes are fixed CP's times (T/S - L) / (T/S) (`ring_traffic`; parallel/context.py).
+
+Otherwise the device program is the ordinary context-parallel step with segment ids
+(parallel/context.py): the plan only moves tokens within their rows, so the losses are the
+single-device ones. What is not here that ByteScale does: groups of g < S devices for pieces that
+span fewer devices (each piece of the ring region still travels round all S), and a local share
+chosen per batch (it is one static number, so one compiled program); `kv_traffic` counts what the
+plan's groups would need (docs/bytescale.md).
 """
 
 from __future__ import annotations
@@ -78,12 +87,46 @@ def _chunk_len(seq_len: int, n_chunks: int) -> int:
     return seq_len // n_chunks
 
 
-def _device_work(start: int, n: int, seq_len: int, chunk: int, owner: np.ndarray, a: float, b: float) -> np.ndarray:
-    """[S] work each device does for a piece of n tokens at `start`: per input token it holds,
-    a + b (the keys of its piece it sees, causal)."""
-    out = np.zeros(int(owner.max()) + 1)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A row's chunks in position order: first position, length, device, and whether a piece may
+    run on into the next chunk (ring region: yes; a local region: no, its documents stay whole)."""
+
+    start: np.ndarray
+    length: np.ndarray
+    device: np.ndarray
+    ring: np.ndarray
+    devices: int
+
+    @property
+    def position_device(self) -> np.ndarray:
+        """[T] the device holding each input position."""
+        return np.repeat(self.device, self.length)
+
+
+def _layout(seq_len: int, chunks: np.ndarray, local: int) -> _Layout:
+    """Local regions [d L, (d + 1) L) of device d, then the ring region cut as `chunks` cuts a row
+    (`context.row_regions`)."""
+    owner = owners(chunks)
+    devices = int(owner.max()) + 1
+    ring_len = seq_len - devices * local
+    if local < 0 or ring_len <= 0:
+        raise ValueError(f"local regions of {local} tokens on {devices} devices leave no ring region of T={seq_len}")
+    c = _chunk_len(ring_len, owner.shape[0])
+    n_local = devices if local else 0
+    start = np.concatenate([np.arange(n_local) * local, devices * local + np.arange(owner.shape[0]) * c])
+    length = np.concatenate([np.full(n_local, local), np.full(owner.shape[0], c)])
+    device = np.concatenate([np.arange(n_local), owner])
+    ring = np.arange(start.shape[0]) >= n_local
+    return _Layout(start.astype(np.int64), length.astype(np.int64), device, ring, devices)
+
+
+def _device_work(start: int, n: int, seq_len: int, where: np.ndarray, devices: int, a: float, b: float) -> np.ndarray:
+    """[S] work each device does for a piece of n tokens at `start` (`where`: each position's
+    device): per input token it holds, a + b (the keys of its piece it sees, causal)."""
+    out = np.zeros(devices)
     pos = np.arange(start, min(start + n, seq_len))  # position T is a target only
-    np.add.at(out, owner[pos // chunk], a + b * (pos - start + 1))
+    np.add.at(out, where[pos], a + b * (pos - start + 1))
     return out
 
 
@@ -95,18 +138,22 @@ def plan(
     pair_cost: float = 1.0,
     min_rows: int = 1,
     shards: int = 1,
+    local: int = 0,
 ) -> Placement:
     """Place pieces of `length` tokens (each at most T + 1) in rows whose inputs are split as
     `chunks` (`context.chunk_table`) by the balancing rule of the module docstring; at least
     `min_rows` rows. With `shards` > 1, row r goes to data shard r % shards and a device's load is
-    summed over its shard's rows only (planning one batch for a mesh with a data axis)."""
+    summed over its shard's rows only (planning one batch for a mesh with a data axis). `local`:
+    tokens of each device's local region (`context.region_sizes`, config.data.adaptive_cp_local),
+    which hold whole pieces of at most that length; the ring region, T - S local positions, then
+    holds pieces of at most its length + 1."""
     length = np.asarray(length, np.int64)
-    owner = owners(chunks)
-    nk, devices = owner.shape[0], int(owner.max()) + 1
-    c = _chunk_len(seq_len, nk)
-    if length.size and int(length.max()) > seq_len + 1:
-        raise ValueError(f"a piece of {int(length.max())} tokens does not fit a row of {seq_len + 1}")
-    cap = np.full(nk, c, np.int64)
+    lay = _layout(seq_len, chunks, local)
+    where, devices, nk = lay.position_device, lay.devices, lay.start.shape[0]
+    ring_len = seq_len - devices * local
+    if length.size and int(length.max()) > ring_len + 1:
+        raise ValueError(f"a piece of {int(length.max())} tokens does not fit a ring region of {ring_len + 1}")
+    cap = lay.length.copy()
     cap[-1] += 1  # a piece may end on position T
     fill = np.zeros((max(1, int(min_rows)), nk), np.int64)  # tokens placed in each chunk, from its start
     load = np.zeros((fill.shape[0], devices))
@@ -118,25 +165,31 @@ def plan(
         best = None
         for _ in range(2):  # the second pass has a new empty row
             for k in range(nk):
-                if k * c + n - 1 > seq_len:
+                s0 = int(lay.start[k])
+                if s0 + n - 1 > seq_len:
                     break
-                last = min(k * c + n - 1, seq_len - 1) // c
+                last = int(np.searchsorted(lay.start, min(s0 + n - 1, seq_len - 1), side="right")) - 1
                 span = np.arange(k, last + 1)
                 if last == k:
+                    if n > cap[k]:
+                        continue
                     ok = np.flatnonzero(cap[k] - fill[:, k] >= n)
-                    first = k * c + fill[ok, k]
+                    first = s0 + fill[ok, k]
+                    room = cap[k] - fill[ok, k] - n
                 else:
+                    if not lay.ring[k]:  # a local region's documents stay whole
+                        continue
                     ok = np.flatnonzero((fill[:, span] == 0).all(-1))
-                    first = np.full(ok.shape[0], k * c)
+                    first = np.full(ok.shape[0], s0)
+                    room = np.full(ok.shape[0], lay.start[last] + cap[last] - s0 - n)
                 if not ok.size:
                     continue
                 # the device work is the same wherever in the chunk the piece starts
-                added = _device_work(k * c, n, seq_len, c, owner, token_cost, pair_cost)
+                added = _device_work(s0, n, seq_len, where, devices, token_cost, pair_cost)
                 shard = np.arange(load.shape[0]) % shards
                 column = np.stack([load[shard == d].sum(0) for d in range(shards)])  # [shards, S]
                 column = (column[shard[ok]] + added).max(-1)  # the most loaded device of the row's shard
                 peak = (load[ok] + added).max(-1)
-                room = cap[last] - fill[ok, last] - (n if last == k else n - (last - k) * c)
                 i = int(np.lexsort((ok, room, peak, column))[0])
                 key = (float(column[i]), float(peak[i]), int(np.count_nonzero(added)), int(room[i]), int(ok[i]))
                 if best is None or key < best[0]:
@@ -145,12 +198,11 @@ def plan(
                 break
             fill = np.concatenate([fill, np.zeros((1, nk), np.int64)])
             load = np.concatenate([load, np.zeros((1, devices))])
-        assert best is not None, "an empty row holds any piece of at most T + 1 tokens"
+        assert best is not None, "an empty row holds any piece of at most its ring region + 1 tokens"
         _, r, first_pos, span, added = best
         row[p], start[p] = r, first_pos
         for k in span.tolist():
-            end = min(first_pos + n, (k + 1) * c + (k == nk - 1))
-            fill[r, k] = end - k * c
+            fill[r, k] = min(first_pos + n, int(lay.start[k] + cap[k])) - int(lay.start[k])
         load[r] += added
     return Placement(row, start, int(fill.shape[0]))
 
@@ -169,14 +221,23 @@ def packed_placement(length: np.ndarray, seq_len: int) -> Placement:
 
 
 def work(
-    placement: Placement, length: np.ndarray, seq_len: int, chunks: np.ndarray, a: float = 1.0, b: float = 1.0
+    placement: Placement,
+    length: np.ndarray,
+    seq_len: int,
+    chunks: np.ndarray,
+    a: float = 1.0,
+    b: float = 1.0,
+    local: int = 0,
 ) -> np.ndarray:
-    """[rows, S] work of each device of the `seq` axis on each row (`chunks`: `context.chunk_table`)."""
-    owner = owners(chunks)
-    c = _chunk_len(seq_len, owner.shape[0])
-    out = np.zeros((placement.num_rows, int(owner.max()) + 1))
+    """[rows, S] work of each device of the `seq` axis on each row (`chunks`: `context.chunk_table`;
+    `local`: tokens of each device's local region, as `plan`)."""
+    lay = _layout(seq_len, chunks, local)
+    where = lay.position_device
+    out = np.zeros((placement.num_rows, lay.devices))
     for p in range(len(length)):
-        out[placement.row[p]] += _device_work(int(placement.start[p]), int(length[p]), seq_len, c, owner, a, b)
+        out[placement.row[p]] += _device_work(
+            int(placement.start[p]), int(length[p]), seq_len, where, lay.devices, a, b
+        )
     return out
 
 
@@ -186,14 +247,20 @@ def imbalance(load: np.ndarray) -> float:
     return float(np.max(load)) / mean - 1.0 if mean > 0 else 0.0
 
 
-def kv_traffic(placement: Placement, length: np.ndarray, seq_len: int, chunks: np.ndarray) -> int:
+def kv_traffic(placement: Placement, length: np.ndarray, seq_len: int, chunks: np.ndarray, local: int = 0) -> int:
     """Tokens of keys/values (one direction, forward) that must cross devices: each device's tokens
     of a piece reach the other devices of the piece's group once (ring or all-gather within the
-    group). Fixed context parallelism moves T (S - 1) per row whatever the row holds."""
-    owner = owners(chunks)
-    c = _chunk_len(seq_len, owner.shape[0])
+    group). The static ring moves `ring_traffic` per row whatever the row holds."""
+    lay = _layout(seq_len, chunks, local)
+    where = lay.position_device
     total = 0
     for p in range(len(length)):
-        tokens = _device_work(int(placement.start[p]), int(length[p]), seq_len, c, owner, 1.0, 0.0)
+        tokens = _device_work(int(placement.start[p]), int(length[p]), seq_len, where, lay.devices, 1.0, 0.0)
         total += int(tokens.sum()) * (int(np.count_nonzero(tokens)) - 1)
     return total
+
+
+def ring_traffic(seq_len: int, devices: int, local: int = 0) -> int:
+    """Tokens of keys/values (one direction, forward) the static program moves per row: every ring
+    position's K/V reach the S - 1 other devices, (T - S L)(S - 1); the local regions move none."""
+    return (seq_len - devices * local) * (devices - 1)

@@ -177,11 +177,18 @@ def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
                 f"config.data.eval_fraction={fraction} and train on the rest"
             )
     chat = data_cfg.format in ("chat", "preference")
+    local, cut_at = 0, seq_len  # adaptive CP's local regions: pieces then fit the ring region
+    if data_cfg.packing and chunks is not None:
+        from jaxsys.parallel import context
+
+        shape = np.asarray(chunks).shape
+        local = context.region_sizes(seq_len, shape[0], shape[1] == 2, float(data_cfg.get("adaptive_cp_local", 0.0)))[0]
+        cut_at = seq_len - shape[0] * local
     splits = {}
     for name, docs in (("train", np.arange(n - n_eval)), ("eval", np.arange(n - n_eval, n))):
         if name == "eval" and not n_eval:
             continue
-        pieces = packing.pieces(store.doc_len[docs], seq_len, split_long=not chat, docs=docs)
+        pieces = packing.pieces(store.doc_len[docs], cut_at, split_long=not chat, docs=docs)
         if pairs and len(pieces) != docs.shape[0]:  # encode_preference refuses shorter documents
             raise DataError(f"the {name} split of {store.directory} has a preference document of fewer than 2 tokens")
         if not len(pieces):
@@ -190,7 +197,7 @@ def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
                 "nothing to predict"
             )
         if data_cfg.packing and chunks is not None:
-            plan = bytescale.plan(pieces.length, seq_len, chunks).to_plan()
+            plan = bytescale.plan(pieces.length, seq_len, chunks, local=local).to_plan()
         elif data_cfg.packing:
             plan = packing.packed_plan(pieces.length, seq_len + 1)
         else:

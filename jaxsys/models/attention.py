@@ -85,7 +85,8 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
     the document ids of packed rows; a query then sees only earlier keys of its own document."""
     if seq.axes:
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
-        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block), segments)
+        one_device = lambda q, k, v, s: softmax_attention(q, k, v, m, context.SeqLayout((), 1, False), s)
+        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block), segments, one_device)
     if m.attention_impl == "pallas":
         from jaxsys.kernels.flash_attention import flash_attention
 

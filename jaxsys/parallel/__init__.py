@@ -17,4 +17,6 @@ name of the technique it belongs to, and `spmd.per_shard` is the one place a sha
     galore            the gathers and sums of GaLore's optimizer update (jaxsys/optim/galore.py)
     diloco            DiLoCo's average of the islands' outer gradients over `data` (f32 all-reduce, or
                       an all-gather of quantized codes; jaxsys/optim/outer.py)
+    zeropp            ZeRO++: hpZ's secondary gather, qwZ / qgZ's quantized collectives
+    process_ring      a buffer to the next process over the devices (snapshot peer copies)
 """

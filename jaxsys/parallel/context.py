@@ -55,11 +55,18 @@ class SeqLayout:
     size: int
     balance: bool
     variant: str = "ring"
+    local: float = 0.0  # share of each device's tokens in its local region (config.data.adaptive_cp_local)
 
     @classmethod
     def of(cls, layout, m) -> "SeqLayout":
         axes = layout.compute_axes("seq")
-        return cls(axes, layout.size(axes), bool(m.context_load_balance), m.context_parallel)
+        local = layout.seq_local if axes else 0.0
+        return cls(axes, layout.size(axes), bool(m.context_load_balance), m.context_parallel, local)
+
+    def regions(self, seq_len: int) -> tuple[int, int]:
+        """(L, R): a device's tokens in its local region and in the ring region, of a row of
+        `seq_len` positions (`row_regions`)."""
+        return region_sizes(seq_len, self.size, self.balance, self.local)
 
     @property
     def chunks_per_device(self) -> int:
@@ -77,19 +84,52 @@ def chunk_table(size: int, balance: bool) -> np.ndarray:
     return np.arange(size, dtype=np.int32)[:, None]
 
 
+def region_sizes(seq_len: int, size: int, balance: bool, local: float) -> tuple[int, int]:
+    """(L, R) per device: tokens of its local region and of the ring region, L = local * T / P.
+    Raises ValueError when they are not whole (the config checks this first)."""
+    per, cpd = seq_len // size, 2 if balance else 1
+    if not local:
+        return 0, per
+    n_local = int(round(local * per))
+    if seq_len % size or abs(n_local - local * per) > 1e-6 or (per - n_local) % cpd or not 0 <= n_local < per:
+        raise ValueError(
+            f"a row of T={seq_len} on {size} devices (zigzag: {balance}) has no local region of {local} of each "
+            f"device's T/P tokens: T/P and L = local * T/P must be whole, with T/P - L > 0 a multiple of {cpd}"
+        )
+    return n_local, per - n_local
+
+
+def row_regions(seq_len: int, size: int, balance: bool, local: float = 0.0) -> np.ndarray:
+    """[P, T/P] the row positions each device holds, in its local order: its local region first
+    (device d: positions [d L, (d + 1) L), whole documents, attended with no communication), then
+    its chunks of the ring region (positions [P L, T), cut as `chunk_table` cuts a row). With
+    local = 0 this is plain context parallelism's assignment."""
+    n_local, n_ring = region_sizes(seq_len, size, balance, local)
+    table = chunk_table(size, balance)
+    tc = n_ring // table.shape[1]
+    rows = []
+    for d in range(size):
+        parts = [np.arange(d * n_local, (d + 1) * n_local)]
+        parts += [size * n_local + int(k) * tc + np.arange(tc) for k in table[d]]
+        rows.append(np.concatenate(parts))
+    return np.stack(rows)
+
+
 def _my_chunks(seq: SeqLayout):
     return jnp.asarray(chunk_table(seq.size, seq.balance))[axis_index(seq.axes)]
 
 
 def shard_sequence(x, seq: SeqLayout, dim: int = SEQ_DIM):
-    """This device's chunks of x (full length T along `dim`), concatenated: T / P tokens."""
+    """This device's positions of x (full length T along `dim`), concatenated as `row_regions`
+    orders them: its local region (if any), then its chunks of the ring region. T / P tokens."""
     if not seq.axes:
         return x
-    tc = x.shape[dim] // seq.n_chunks
-    ids = _my_chunks(seq)
-    return jnp.concatenate(
-        [lax.dynamic_slice_in_dim(x, ids[i] * tc, tc, axis=dim) for i in range(seq.chunks_per_device)], axis=dim
-    )
+    n_local, n_ring = seq.regions(x.shape[dim])
+    tc = n_ring // seq.chunks_per_device
+    ids, base = _my_chunks(seq), seq.size * n_local
+    parts = [lax.dynamic_slice_in_dim(x, axis_index(seq.axes) * n_local, n_local, axis=dim)] if n_local else []
+    parts += [lax.dynamic_slice_in_dim(x, base + ids[i] * tc, tc, axis=dim) for i in range(seq.chunks_per_device)]
+    return jnp.concatenate(parts, axis=dim)
 
 
 def positions(seq_len: int, seq: SeqLayout):
@@ -285,11 +325,16 @@ def tokenring_attention(q, k, v, segments, seq: SeqLayout, blocks: BlockAttentio
     return o.astype(q.dtype)
 
 
-def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention, segments=None):
+def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention, segments=None, local_attention=None):
     """Causal GQA attention of local queries q[B, T/P, N, H] over the sequence split on `seq`.
     `segments` [B, T/P] (this device's tokens' document ids, from `shard_sequence`): a query sees
     only keys of its own document; the ids travel with the keys (ring, all-gather) or with the
-    queries (TokenRing)."""
+    queries (TokenRing).
+
+    With a local region (`seq.local`, length-adaptive CP, docs/bytescale.md) the first L tokens
+    hold whole documents: `local_attention(q, k, v, segments)` (one device's causal attention)
+    attends them with no communication, and only the ring region's K/V (T/P - L tokens) go
+    round the ring. Documents must not cross the regions (the host plan ensures it)."""
     shapes = "context.attention takes q[B, T/P, N, H], k/v[B, T/P, K, H], segments[B, T/P]"
     chex.assert_rank([q, k, v], 4, custom_message=shapes)
     chex.assert_equal_shape([k, v], custom_message=shapes)
@@ -297,6 +342,15 @@ def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention, segments=None):
     if segments is not None:
         chex.assert_shape(segments, q.shape[:2], custom_message=shapes)
         chex.assert_type(segments, int, custom_message=shapes)
+    if seq.local:
+        n_local = seq.regions(q.shape[SEQ_DIM] * seq.size)[0]
+        if local_attention is None:
+            raise ValueError("context.attention with a local region needs local_attention (one device's attention)")
+        head = lambda x: None if x is None else x[:, :n_local]
+        tail = lambda x: None if x is None else x[:, n_local:]
+        o_local = local_attention(head(q), head(k), head(v), head(segments))
+        o_ring = attention(tail(q), tail(k), tail(v), dataclasses.replace(seq, local=0.0), blocks, tail(segments))
+        return jnp.concatenate([o_local.astype(q.dtype), o_ring], axis=SEQ_DIM)
     return {"ring": ring_attention, "allgather": allgather_attention, "tokenring": tokenring_attention}[seq.variant](
         q, k, v, segments, seq, blocks
     )
