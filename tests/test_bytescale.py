@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 
-import jaxsys.kernels.flash_attention  # noqa: F401  imported inside the first trace, it changes JAX's tracing context and the step recompiles on its second call
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError, validate
 from jaxsys.data import bytescale, loader, packing

@@ -26,7 +26,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# The kernels (jaxsys.kernels) are imported here, never inside a function that runs while a step is
+# traced: importing them imports jax.experimental.pallas.tpu, which defines a JAX config state that
+# is part of the jit cache key (pallas_fuser_disable_nested_fuse), so a first import mid-trace makes
+# the step's second call miss its cache and compile again (tests/test_recompile.py).
 from jaxsys.config import layer_pattern
+from jaxsys.kernels import flash_attention as flash
+from jaxsys.kernels import linear_attention as lin
 from jaxsys.models import layers
 from jaxsys.parallel import context, tensor
 
@@ -55,27 +61,21 @@ class BlockAttention:
         kv_seg[B, Tk] (packed documents) a query sees only keys of its own segment."""
         segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if self.impl == "pallas":
-            from jaxsys.kernels.flash_attention import flash_attention_forward
-
-            o, lse = flash_attention_forward(q, k, v, causal=causal, block_q=self.block, block_k=self.block, **segments)
+            o, lse = flash.flash_attention_forward(
+                q, k, v, causal=causal, block_q=self.block, block_k=self.block, **segments
+            )
         else:
-            from jaxsys.kernels.flash_attention import reference_attention
-
-            o, lse = reference_attention(q, k, v, causal=causal, return_lse=True, **segments)
+            o, lse = flash.reference_attention(q, k, v, causal=causal, return_lse=True, **segments)
         return o.astype(jnp.float32), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool, q_seg=None, kv_seg=None):
         segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if self.impl == "pallas":
-            from jaxsys.kernels.flash_attention import flash_attention_backward
-
-            grads = flash_attention_backward(
+            grads = flash.flash_attention_backward(
                 q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block, **segments
             )
         else:
-            from jaxsys.kernels.flash_attention import reference_attention_backward
-
-            grads = reference_attention_backward(q, k, v, o, lse, do, causal=causal, **segments)
+            grads = flash.reference_attention_backward(q, k, v, o, lse, do, causal=causal, **segments)
         return tuple(g.astype(jnp.float32) for g in grads)
 
 
@@ -88,9 +88,7 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
         one_device = lambda q, k, v, s: softmax_attention(q, k, v, m, context.SeqLayout((), 1, False), s)
         return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block), segments, one_device)
     if m.attention_impl == "pallas":
-        from jaxsys.kernels.flash_attention import flash_attention
-
-        return flash_attention(
+        return flash.flash_attention(
             q,
             k,
             v,
@@ -119,8 +117,6 @@ def head_log_decay(n_local: int, heads_axes: tuple[str, ...]):
 def linear_attention(q, k, v, m, heads_axes: tuple[str, ...], seq: context.SeqLayout):
     """Causal linear attention of one layer: q[B, T, N, H], k/v[B, T, K, H] -> [B, T, N, H];
     LASP-2 over the sequence split on `seq` when there is one."""
-    from jaxsys.kernels import linear_attention as lin
-
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     log_decay = head_log_decay(q.shape[2], heads_axes)
