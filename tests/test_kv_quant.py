@@ -227,6 +227,7 @@ def _submit(eng, n=3, new=8, seed=1):
 def _record(eng):
     """Every row the engine runs: (tokens, positions, quantized page table, logits) per step."""
     steps, forward = [], eng.forward
+    eng.steady = False  # steady decode steps run without `forward`: build every step's rows on the host
 
     def recording(tokens, positions, tables, cache=None):
         logits = forward(tokens, positions, tables, cache)

@@ -293,6 +293,7 @@ class Engine(EngineAPI):
         self._tables: dict = {}  # (table, rows) -> (its rows on the host, the same on the device)
         self._steady: _Steady | None = None  # steady decoding: the next step's inputs, on the device
         self.verify_steady = False  # tests: check each steady step's inputs against the rows built on the host
+        self.steady = True  # False: every step built on the host (tests that record forward's rows; A/B timing)
         self.k = k
         self.drafter = drafter
         if drafter is not None:
@@ -941,7 +942,7 @@ class Engine(EngineAPI):
         inputs on the device; else none."""
         self._steady = None
         works = [w for work in plans for w in work]
-        if sampled is None or self.drafter is not None or self.residual or not works:
+        if not self.steady or sampled is None or self.drafter is not None or self.residual or not works:
             return
         if any(w.kind != "decode" or w.tokens != 1 for w in works) or any(self.forks.values()):
             return
