@@ -190,9 +190,9 @@ def test_multi_step_decoding_gives_the_single_step_tokens(model, kv_quant):
     prompts = [rng.integers(0, 256, size=int(rng.integers(3, 12))).tolist() for _ in range(5)]
     news = [int(rng.integers(3, 15)) for _ in range(5)]
     samplings = [Sampling(), Sampling(temperature=1.0, seed=3), Sampling(), Sampling(temperature=0.7, seed=9), None]
-    out = {}
+    out, engines = {}, {}
     for steps in (1, 4):
-        eng = engine.Engine(program, params, **KW, kv_quant=kv_quant, decode_steps=steps)
+        eng = engines[steps] = engine.Engine(program, params, **KW, kv_quant=kv_quant, decode_steps=steps)
         eng.warmup()
         compiled = eng.runner.compiled()
         for i, (p, n, s) in enumerate(zip(prompts, news, samplings)):
@@ -201,8 +201,8 @@ def test_multi_step_decoding_gives_the_single_step_tokens(model, kv_quant):
         assert eng.runner.compiled() == compiled
         out[steps] = ({r.id: r.generated for r in eng.finished}, eng.stats["loop_steps"])
     stop = out[1][0][4][2]  # request 4 is greedy: its third token
-    for steps in (1, 4):
-        eng = engine.Engine(program, params, **KW, kv_quant=kv_quant, decode_steps=steps)
+    for steps in (1, 4):  # the same (warm) engines, idle again
+        eng = engines[steps]
         r = eng.submit("s", prompts[4], 14, Sampling(stop_ids=(stop,)))
         eng.run()
         out[steps] += (r.generated, r.finish_reason)
