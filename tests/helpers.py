@@ -16,6 +16,18 @@ from tests.xla_flags import xla_flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# `python -m jaxsys.train` flags of the multi-process tests: tiny on data=2 x fsdp=2 x tensor=2 (8 devices
+# in 2 processes; tiny's n_heads=8 and n_kv_heads=2 both divide tensor=2)
+TINY_8_DEVICES = [
+    "--config",
+    "configs/tiny.py:test",
+    "--config.mesh.data=2",
+    "--config.mesh.fsdp=2",
+    "--config.mesh.tensor=2",
+    "--config.model.n_kv_heads=2",
+]
+
+
 def config_file(name: str, arg: str | None = None):
     spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)

@@ -17,18 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, subprocess_env
+from tests.helpers import ROOT, TINY_8_DEVICES, subprocess_env
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 300
 ARGS = [
-    "--config",
-    "configs/tiny.py:test",
-    "--config.mesh.data=2",
-    "--config.mesh.fsdp=2",
-    "--config.mesh.tensor=2",
-    "--config.model.n_kv_heads=2",
+    *TINY_8_DEVICES,
     "--config.train.steps=6",
     "--config.checkpoint.every_steps=1",
     "--config.checkpoint.keep=0",

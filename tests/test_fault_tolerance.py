@@ -28,7 +28,7 @@ import pytest
 
 from jaxsys import train
 from jaxsys.checkpoint import snapshot
-from tests.helpers import small_config, subprocess_env
+from tests.helpers import TINY_8_DEVICES, small_config, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 K, STEPS, KILL_AFTER, TIMEOUT_S = 3, 8, 4, 5.0
 BOUND_S = TIMEOUT_S + 2 * 1.0 + 3.0  # watchdog timeout + 2 heartbeat intervals + process teardown
 TRAIN = [
-    "--config",
-    "configs/tiny.py:test",
-    "--config.mesh.data=2",
-    "--config.mesh.fsdp=2",
-    "--config.mesh.tensor=2",
-    "--config.model.n_kv_heads=2",
+    *TINY_8_DEVICES,
     "--config.train.schedule=constant",
     f"--config.train.steps={STEPS}",
     f"--config.train.snapshot.every={K}",

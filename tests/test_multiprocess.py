@@ -22,20 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, subprocess_env
+from tests.helpers import TINY_8_DEVICES, free_port, subprocess_env
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 ARGS = [
-    "--config",
-    "configs/tiny.py:test",
-    # tiny has n_heads=8; n_kv_heads=2: both divide tensor=2.
-    "--config.mesh.data=2",
-    "--config.mesh.fsdp=2",
-    "--config.mesh.tensor=2",
-    "--config.model.n_kv_heads=2",
+    *TINY_8_DEVICES,
     # constant after warmup, so that a 4-step run is the start of a 6-step one
     "--config.train.schedule=constant",
 ]
