@@ -34,7 +34,7 @@ OBJECTIVES = ("lm", "dpo")  # config.train.objective (docs/finetune.md)
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # config.lora.targets
 OPTIMIZER_UPDATE = ("device", "host")
 QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
-QUANT_TRAIN = ("none", "int8")  # config.model.quant_train
+QUANT_TRAIN = ("none", "int8", "fp8")  # config.model.quant_train
 QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
@@ -85,12 +85,13 @@ def base_config() -> ml_collections.ConfigDict:
     # Quantized dense layers (docs/quantization.md). `quant`: the format of a quantized checkpoint's
     # weights (written by `python -m jaxsys.quantize`; inference only), run through the Pallas kernels
     # (`quant_impl='reference'`: the same integer semantics in plain XLA). `quant_train='int8'`:
-    # training with int8 forward and backward matmuls and a straight-through estimator.
+    # training with int8 forward and backward matmuls and a straight-through estimator; 'fp8': e4m3
+    # forward and e5m2 gradient matmuls with current per-tensor scales, fp32 master weights.
     c.model.quant = "none"  # none | w8a16 | w4a16 | w8a8
     c.model.quant_group_size = 128  # G of w4a16: k per scale (32 | 64 | 128)
     c.model.quant_zero_point = False  # w4a16 with a zero point per group (asymmetric codes)
     c.model.quant_impl = "pallas"  # pallas | reference
-    c.model.quant_train = "none"  # none | int8
+    c.model.quant_train = "none"  # none | int8 | fp8
     # Bring your own Flax NNX model (docs/flax.md): kind "flax" trains flax_module
     # ("package.module:ClassName", built as ClassName(**flax_kwargs, rngs=nnx.Rngs(key))) in place of
     # the transformer, whose shape keys then do not apply (vocab_size does: the width of its logits).
@@ -128,6 +129,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.packing = False  # several documents per row with segment ids (False: one per row, padded)
     c.data.adaptive_cp = False  # packed rows laid out so short documents sit on one seq device (docs/bytescale.md)
     c.data.adaptive_cp_local = 0.0  # with adaptive_cp: share of each seq device's tokens attended locally (no ring)
+    c.data.adaptive_cp_buckets = ""  # with adaptive_cp: local shares, one program each, chosen per batch ("0,0.5")
+    c.data.adaptive_cp_groups = ""  # with adaptive_cp: "g:share,...", tiers of rings within groups of g seq devices
     c.data.prefetch = 2  # batches the loader builds ahead of the step (grain threads)
 
     c.train = ml_collections.ConfigDict()
@@ -929,6 +932,53 @@ def _validate_data(config) -> None:
             context.region_sizes(int(d.seq_len), int(config.mesh.seq), bool(config.model.context_load_balance), local)
         except ValueError as e:
             _require(False, f"config.data.adaptive_cp_local={local} with config.data.seq_len={d.seq_len}: {e}")
+    groups_text = d.get("adaptive_cp_groups", "")
+    _require(
+        isinstance(groups_text, str),
+        f"config.data.adaptive_cp_groups={groups_text!r}: a string like '2:0.25,4:0.25' (g:share of each seq "
+        "device's tokens in rings within groups of g), or '' for none",
+    )
+    if groups_text.strip():
+        from jaxsys.parallel import context
+
+        key = f"config.data.adaptive_cp_groups={groups_text!r}"
+        try:
+            groups = context.parse_groups(groups_text)
+        except ValueError as e:
+            groups = ()
+            _require(False, f"{key}: {e}; write g:share items separated by commas, e.g. '2:0.25,4:0.25'")
+        _require(
+            d.adaptive_cp,
+            f"{key} needs config.data.adaptive_cp=True (the host plan fills the group regions); set it, or "
+            "adaptive_cp_groups=''",
+        )
+        _require(
+            config.model.context_parallel == "ring",
+            f"{key} with config.model.context_parallel={config.model.context_parallel!r}: rings within groups run "
+            "only with context_parallel='ring'; set it, or adaptive_cp_groups=''",
+        )
+        seq = int(config.mesh.seq)
+        for g, share in groups:
+            _require(
+                1 < g < seq and seq % g == 0,
+                f"{key}: group size {g} must divide config.mesh.seq={seq} with 1 < g < {seq} (g=1 is "
+                "adaptive_cp_local, g=mesh.seq the full ring)",
+            )
+            _require(0 < share < 1, f"{key}: share {share} of group size {g} must be in (0, 1)")
+        _require(
+            all(a < b for (a, _), (b, _) in zip(groups, groups[1:])),
+            f"{key}: list the group sizes once each, smallest first (their regions follow that order in the row)",
+        )
+        _require(
+            local + sum(s for _, s in groups) < 1,
+            f"{key} with config.data.adaptive_cp_local={local}: the shares sum to {local + sum(s for _, s in groups)}; "
+            "they must leave a positive remainder (< 1) for the full ring",
+        )
+        try:
+            context.region_sizes(int(d.seq_len), seq, bool(config.model.context_load_balance), local, groups)
+        except ValueError as e:
+            _require(False, f"{key} with config.data.seq_len={d.seq_len} and adaptive_cp_local={local}: {e}")
+    _validate_buckets(config)
     if d.packing:
         _require(
             "linear" not in layer_pattern(config.model),
@@ -941,6 +991,57 @@ def _validate_data(config) -> None:
             "config.data.packing=True with config.model.kind='flax': a Flax module takes no segment ids; use "
             "packing=False (padded rows)",
         )
+
+
+def adaptive_buckets(data_cfg) -> tuple[float, ...]:
+    """config.data.adaptive_cp_buckets as local shares ("0,0.5" -> (0.0, 0.5)); () when unset."""
+    spec = str(data_cfg.get("adaptive_cp_buckets", "") or "")
+    return tuple(float(x) for x in spec.split(",") if x.strip())
+
+
+def _validate_buckets(config) -> None:
+    """config.data.adaptive_cp_buckets: local shares each of which suits the row, with
+    adaptive_cp_local (the eval layout) among them."""
+    d = config.data
+    spec = d.get("adaptive_cp_buckets", "")
+    _require(
+        isinstance(spec, str), f"config.data.adaptive_cp_buckets={spec!r}: a comma list of local shares, e.g. '0,0.5'"
+    )
+    if not spec.strip():
+        return
+    try:
+        shares = list(adaptive_buckets(d))
+    except ValueError:
+        shares = []
+    _require(
+        len(shares) >= 2 and len(set(shares)) == len(shares),
+        f"config.data.adaptive_cp_buckets={spec!r}: two or more distinct local shares, comma separated "
+        "(e.g. '0,0.5'), or '' for one layout",
+    )
+    _require(
+        d.adaptive_cp,
+        f"config.data.adaptive_cp_buckets={spec!r} needs config.data.adaptive_cp=True (the host plan lays each "
+        "batch out for its bucket); set it, or adaptive_cp_buckets=''",
+    )
+    _require(
+        float(d.adaptive_cp_local) in shares,
+        f"config.data.adaptive_cp_buckets={spec!r} must include config.data.adaptive_cp_local="
+        f"{d.adaptive_cp_local} (the eval split's layout, whose program evaluates)",
+    )
+    from jaxsys.parallel import context
+
+    try:
+        groups = context.parse_groups(str(d.get("adaptive_cp_groups", "")))
+    except ValueError:
+        groups = ()  # named by the adaptive_cp_groups check
+    for f in shares:
+        try:
+            _require(0 <= f < 1, f"config.data.adaptive_cp_buckets={spec!r}: share {f} is not in [0, 1)")
+            context.region_sizes(
+                int(d.seq_len), int(config.mesh.seq), bool(config.model.context_load_balance), f, groups
+            )
+        except ValueError as e:
+            _require(False, f"config.data.adaptive_cp_buckets={spec!r} with config.data.seq_len={d.seq_len}: {e}")
 
 
 def lora_targets(config) -> tuple[str, ...]:
@@ -1164,7 +1265,14 @@ def _validate_quant(config) -> None:
     _require(
         m.quant == "none" or m.quant_train == "none",
         f"config.model.quant={m.quant!r} (a quantized checkpoint, for inference) and quant_train="
-        f"{m.quant_train!r} (int8 training of float weights) exclude each other: set one to 'none'",
+        f"{m.quant_train!r} ({m.quant_train} training of float weights) exclude each other: set one to 'none'",
+    )
+    _require(
+        m.quant_train != "fp8" or config.train.outer.method == "none",
+        f"config.model.quant_train='fp8' with config.train.outer.method={config.train.outer.method!r}: fp8's "
+        "per-tensor scales take each tensor's amax over every data-parallel shard, an all-reduce per matmul "
+        "across the islands that DiLoCo keeps apart; use quant_train='int8' (per-row scales, no "
+        "communication) or outer.method='none'",
     )
     if m.quant != "w4a16":
         return

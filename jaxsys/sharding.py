@@ -18,6 +18,15 @@ from jaxsys.config import MESH_AXES, axes_of
 Logical = tuple[str | None, ...]
 
 
+def adaptive_groups(config) -> tuple[tuple[int, float], ...]:
+    """config.data.adaptive_cp_groups parsed ((g, share), ...), () without adaptive_cp."""
+    if not config.data.get("adaptive_cp"):
+        return ()
+    from jaxsys.parallel import context
+
+    return context.parse_groups(str(config.data.get("adaptive_cp_groups", "")))
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How logical axes map onto the mesh. Axes of size 1 are dropped everywhere so that a
@@ -32,6 +41,7 @@ class Layout:
     collective_matmul: bool = False  # config.parallel.collective_matmul (with sequence parallelism)
     fsdp_prefetch: bool = False  # config.parallel.fsdp_prefetch: gather layer i+1 during layer i
     seq_local: float = 0.0  # config.data.adaptive_cp_local: each seq device's local region (parallel/context.py)
+    seq_groups: tuple[tuple[int, float], ...] = ()  # config.data.adaptive_cp_groups: subgroup ring tiers
     # ZeRO++ (parallel/zeropp.py): hpZ's secondary copy over `data`, its int8 gather and reduce-scatter
     hpz: bool = False
     qwz: bool = False
@@ -62,6 +72,7 @@ class Layout:
             and sizes["tensor"] > 1,
             fsdp_prefetch=bool(config.parallel.get("fsdp_prefetch", False)),
             seq_local=float(config.data.get("adaptive_cp_local", 0.0)) if config.data.get("adaptive_cp") else 0.0,
+            seq_groups=adaptive_groups(config),
             hpz=bool(config.parallel.get("zeropp_hpz", False)),
             qwz=bool(config.parallel.get("zeropp_qwz", False)),
             qgz=bool(config.parallel.get("zeropp_qgz", False)),

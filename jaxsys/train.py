@@ -35,7 +35,7 @@ from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis import hardware, report
 from jaxsys.checkpoint import Checkpointer
 from jaxsys.checkpoint import snapshot as snapshot_lib
-from jaxsys.config import ConfigError, load_config, parse_with_overrides, profile_range, validate
+from jaxsys.config import ConfigError, adaptive_buckets, load_config, parse_with_overrides, profile_range, validate
 from jaxsys.data import loader as loader_lib
 from jaxsys.data.loader import Loader
 from jaxsys.mesh import cpu_unless_accelerator, make_mesh, maybe_initialize_distributed
@@ -83,6 +83,32 @@ def adaptive_chunks(config):
     if not config.data.adaptive_cp:
         return None
     return context.chunk_table(int(config.mesh.seq), bool(config.model.context_load_balance))
+
+
+def adaptive_batch(config) -> tuple[int, int] | None:
+    """(B, D): the global batch's rows and its data shards, when config.data.adaptive_cp_buckets
+    plans the train split in whole batches (data/bytescale.py `plan_batches`), else None."""
+    if not (config.data.adaptive_cp and adaptive_buckets(config.data)):
+        return None
+    mesh = config.mesh
+    return int(config.train.batch_size), int(mesh.data * mesh.fsdp * mesh.expert)
+
+
+def _bucket_steps(config, mesh, compiled, state, step_args) -> list:
+    """One compiled step per layout bucket (config.data.adaptive_cp_buckets), in their order; the
+    bucket of adaptive_cp_local reuses `compiled`. The programs differ only in where attention
+    splits each device's tokens (parallel/context.py), so they share the state and the batch."""
+    shares = adaptive_buckets(config.data)
+    steps = []
+    for f in shares:
+        if f == float(config.data.adaptive_cp_local):
+            steps.append(compiled)
+            continue
+        other = config.copy_and_resolve_references()
+        other.data.adaptive_cp_local = f
+        p = build(other, mesh)
+        steps.append(p.train_step_fn().lower(state, p.abstract_batch(), *step_args).compile())
+    return steps
 
 
 def _array(x) -> np.ndarray:
@@ -262,7 +288,7 @@ def main(config, workdir: str) -> list[dict]:
             "converted model (`python -m jaxsys.quantize --workdir BASE --out BASE_Q --format "
             f"{config.model.quant}`) and pass config.checkpoint.init_from=BASE_Q (docs/finetune.md)"
         )
-    corpus = loader_lib.load_corpus(config.data, chunks=adaptive_chunks(config))
+    corpus = loader_lib.load_corpus(config.data, chunks=adaptive_chunks(config), batch=adaptive_batch(config))
     if corpus.vocab_needed > config.model.vocab_size:
         raise ConfigError(
             f"the corpus has token ids up to {corpus.vocab_needed - 1} but "
@@ -288,13 +314,26 @@ def main(config, workdir: str) -> list[dict]:
     except BaseException as e:
         if watchdog is None:
             raise
-        if isinstance(e, jax.errors.JaxRuntimeError):  # a dead peer often surfaces first as a collective's
-            # error (gloo: "Connection reset by peer"): let the watchdog name it and exit
+        if _runtime_failure(e):  # a dead peer often surfaces first as a collective's error (gloo:
+            # "Connection reset by peer"): let the watchdog name it and exit
             watchdog.join(timeout=sn.peer_timeout_s + 3 * watchdog.interval)
         _exit_now(e)
     if watchdog is not None:
         watchdog.finish()
     return records
+
+
+_XLA_STATUS = ("UNKNOWN:", "INTERNAL:", "UNAVAILABLE:", "ABORTED:", "DEADLINE_EXCEEDED:", "CANCELLED:")
+
+
+def _runtime_failure(e: BaseException) -> bool:
+    """An error of the running device program (a collective whose peer is gone): JAX raises it as
+    JaxRuntimeError, or, reading a result back (`np.asarray` of the snapshot's ring), as a
+    ValueError carrying XLA's status ("UNKNOWN: Gloo collective permute failed: ... Connection
+    reset by peer", seen in experiments/fault_tolerance)."""
+    if isinstance(e, jax.errors.JaxRuntimeError):
+        return True
+    return isinstance(e, ValueError) and str(e).startswith(_XLA_STATUS)
 
 
 def _exit_now(e: BaseException) -> None:
@@ -383,9 +422,15 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     # killed before its first snapshot (at most k steps logged): start again from step 0
     early = bool(sn.every) and logged and _logged_after(workdir, 0) <= sn.every
     exists = logged and resume_step is None and snap_step < 0 and not early
-    if jax.process_count() > 1:  # process 0 decides for all, so that none is left waiting
+    if jax.process_count() > 1:  # one decision for all, so that none is left waiting
         from jax.experimental import multihost_utils
 
+        # any process's marker means every process passed that step's barrier: with host-local
+        # snapshot directories process 0's may be gone with its host
+        newest = int(np.max(multihost_utils.process_allgather(np.int32(snap_steps[0] if snap_steps else -1))))
+        if newest >= 0 and (resume_step is None or newest >= resume_step):
+            snap_step = newest
+            exists = False
         exists, snap_step = (int(v) for v in multihost_utils.broadcast_one_to_all(np.int32([exists, snap_step])))
     if exists:
         raise FileExistsError(
@@ -421,6 +466,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
                 f"fingerprint {digest}",
                 flush=True,
             )
+        elif any("from process" in f for f in files):  # host-local snapshots: what came over the ring
+            print(f"jaxsys: process {jax.process_index()} restored snapshot step {snap_step}: {', '.join(files)}")
     elif resume_step is not None:
         with gp.timed("restore"):
             state = checkpointer.restore(program.abstract_state())
@@ -450,6 +497,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
     start = time.perf_counter()
     with gp.timed("compile"):
         step_fn = program.train_step_fn().lower(state, program.abstract_batch(), *step_args).compile()
+        bucket_steps = _bucket_steps(config, mesh, step_fn, state, step_args) if adaptive_batch(config) else None
         syncs = outer_lib.Syncs(program, state) if outer_lib.enabled(t) else None  # DiLoCo's outer steps
     eval_fn = program.eval_metrics_fn() if corpus.has_eval else None
     n_params = params_lib.count(program.specs)
@@ -529,6 +577,8 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
                 tokens = next(loader)  # built ahead on the loader's thread while the last step ran
             profiler.before(step + 1, state)
             window.dispatched(step + 1)
+            if bucket_steps is not None:  # the program of this batch's layout (adaptive CP buckets)
+                step_fn = bucket_steps[corpus.bucket(config.seed, step)]
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 state, metrics = step_fn(state, tokens, *step_args)
             if syncs is not None:

@@ -38,10 +38,18 @@ def _assert_matches(config, pattern):
 LAYOUTS = {"seq8": dict(seq=8), "seq2_tensor2_data2": dict(seq=2, tensor=2, data=2)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("balance", [False, True], ids=["contiguous", "zigzag"])
-@pytest.mark.parametrize("variant", context.VARIANTS)
+def _softmax_cases():
+    """Every (variant, chunks, layout); seq=2 x tensor=2 x data=2 by default (TokenRing contiguous
+    only), the rest `slow` (the same code on more devices, 10-45 s each)."""
+    for layout in LAYOUTS:
+        for balance in (False, True):
+            for variant in context.VARIANTS:
+                heavy = layout == "seq8" or (variant == "tokenring" and balance)
+                ids = f"{variant}-{'zigzag' if balance else 'contiguous'}-{layout}"
+                yield pytest.param(variant, balance, layout, id=ids, marks=[pytest.mark.slow] if heavy else [])
+
+
+@pytest.mark.parametrize("variant,balance,layout", list(_softmax_cases()))
 def test_softmax_context_parallel_matches_single_device(variant, balance, layout):
     _assert_matches(small_config(LAYOUTS[layout], context_parallel=variant, context_load_balance=balance), "softmax")
 

@@ -3,16 +3,19 @@ snapshot every k = 3 steps; the launcher SIGKILLs process 1 once step 4 is logge
 
 One killed run feeds every assertion (module fixture):
 - the survivor exits with `PeerLost` (exit code 75) within the watchdog's bound, no hang;
-- the killed process's own snapshot area is deleted before the restart, so the restart (through
-  the launcher, no kill) reads process 1's shards from process 0's ring replica, restores the
-  step-3 state bit for bit (its fingerprint equals that of the files written before the kill),
-  and no Orbax checkpoint exists to read (checkpoints are off);
+- each process snapshots into its own directory (`snapshot.dir=.../{process}`: host-local memory,
+  as on a cluster), and the killed process's whole directory is deleted before the restart (its
+  host replaced), so the restarted process 1 sees nothing: the processes exchange what they see
+  (`snapshot._exchange`), process 1 gets its shards from process 0's ring replica, the step-3
+  state is restored bit for bit (its fingerprint equals that of the files written before the
+  kill), and no Orbax checkpoint exists to read (checkpoints are off);
 - the steps trained again are <= k, and the replayed steps 4-5 have the losses the killed run
   logged for them (same layout, same data order: equal to float rounding), and every loss after
   recovery equals an uninterrupted 1 x 8 run on the same layout (rel 1e-5, as
   tests/test_multiprocess.py);
-- the same snapshot restored by 1 process x 4 devices (the planner re-lays the mesh) continues with
-  the losses of the 2 x 4 restart within rel 1e-5: see test_restart_on_fewer_devices.
+- the same snapshot, as process 0's host memory holds it (its own pieces and process 1's
+  replica), restored by 1 process x 4 devices (the planner re-lays the mesh) continues with the
+  losses of the 2 x 4 restart within rel 1e-5: see test_restart_on_fewer_devices.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ import pytest
 from jaxsys import train
 from jaxsys.checkpoint import snapshot
 from tests.helpers import TINY_8_DEVICES, small_config, subprocess_env
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 K, STEPS, KILL_AFTER, TIMEOUT_S = 3, 8, 4, 5.0
@@ -49,7 +50,7 @@ def _launch(logs: Path, workdir: Path, snap: Path, *launch_args: str) -> dict:
     """One launcher attempt (no restart): its record."""
     args = [sys.executable, "-m", "jaxsys.launch", "--processes", "2", "--devices-per-process", "4"]
     args += [*launch_args, "--max-restarts", "0", "--log-dir", str(logs), "--"]
-    args += [*TRAIN, f"--config.train.snapshot.dir={snap}", "--workdir", str(workdir)]
+    args += [*TRAIN, f"--config.train.snapshot.dir={snap / '{process}'}", "--workdir", str(workdir)]
     subprocess.run(args, cwd=REPO, env=subprocess_env(4), timeout=400, check=False)
     [record] = [json.loads(line) for line in open(logs / "launch.jsonl")]
     return record
@@ -67,10 +68,10 @@ def run(tmp_path_factory):
     workdir, snap = tmp / "w", tmp / "snap"
     killed = _launch(tmp / "logs_killed", workdir, snap, "--grace-s", "60", "--kill", f"1@{KILL_AFTER}")
     before = _losses(workdir)
-    step = snapshot.complete_steps(str(snap))[0]
-    shutil.copytree(snap, tmp / "snap_copy")  # for the restart on fewer devices
+    step = snapshot.complete_steps(str(snap / "0"))[0]  # process 0 marks complete steps
+    shutil.copytree(snap / "0", tmp / "snap_copy")  # process 0's host memory, for the restart on fewer devices
     shutil.copytree(workdir, tmp / "w_copy")
-    shutil.rmtree(snap / "p1")  # process 1's host memory is gone with it
+    shutil.rmtree(snap / "1")  # process 1's host memory is gone with its host
     restarted = _launch(tmp / "logs_restart", workdir, snap)
     return dict(tmp=tmp, workdir=workdir, killed=killed, restarted=restarted, before=before, step=step)
 
@@ -91,7 +92,11 @@ def test_restart_recovers_bitwise_from_the_peer_replica_and_trains_on(run, tmp_p
     assert 0 < logged - step <= K, (step, logged)
     m = re.search(rf"resumed from in-memory snapshot step {step} of \S+ \((.*)\) .* fingerprint (\w+)", out)
     assert m, out
-    assert f"p0/{step}/replica_of_p1.bin" in m.group(1) and "p1/" not in m.group(1), m.group(1)
+    # process 0 reads its own area (its pieces and process 1's replica) and receives nothing: process 1
+    # sees no area (its directory is gone) and was sent its pieces by process 0
+    assert f"p0/{step}/replica_of_p1.bin" in m.group(1) and "from process 1" not in m.group(1), m.group(1)
+    p1 = (run["tmp"] / "logs_restart" / "a0_p1.out").read_text()
+    assert re.search(rf"process 1 restored snapshot step {step}: \d+ pieces from process 0", p1), p1[-2000:]
     # the bits the killed job wrote, read here onto the same layout
     config = small_config(dict(data=2, fsdp=2, tensor=2), n_kv_heads=2)
     program = train.build(config, train.make_mesh(config))

@@ -157,7 +157,6 @@ def runs(tmp_path_factory):
     )
 
 
-@pytest.mark.slow  # the module's `runs` fixture: four short runs, ~70 s on 2 cores
 def test_merged_export_equals_the_adapted_model(runs):
     program, params, config = checkpoint_lib.load(runs["lora"], checkpoint_lib.ONE_DEVICE, adapters="apply")
     b_values = [np.abs(np.asarray(n["lora_b"])).max() for n in adapters.trainable(params)["layers"].values()]
@@ -174,14 +173,12 @@ def test_merged_export_equals_the_adapted_model(runs):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)  # fp32 weights, W + scale A B rounded once
 
 
-@pytest.mark.slow  # the module's `runs` fixture: four short runs, ~70 s on 2 cores
 def test_profile_steps_write_a_trace_and_tflops(runs):
     traces = glob.glob(os.path.join(runs["lora"], "tb", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
     assert all(r["tflop_per_s"] > 0 for r in runs["lora_records"])
 
 
-@pytest.mark.slow  # the module's `runs` fixture: four short runs, ~70 s on 2 cores
 def test_qlora_over_w4a16_trains_and_leaves_the_codes(runs):
     losses = [r["loss"] for r in runs["qlora_records"]]
     assert np.mean(losses[-3:]) < losses[0] - 0.05, losses

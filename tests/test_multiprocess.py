@@ -24,8 +24,6 @@ import pytest
 
 from tests.helpers import TINY_8_DEVICES, free_port, subprocess_env
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 ARGS = [

@@ -180,11 +180,16 @@ def test_bad_offload_keys_are_named():
 # ----------------------------------------------------------------------------- the TPU compiler
 
 
+_TPU_MEMORY: dict = {}  # config JSON -> memory analysis: the tests below share their baselines
+
+
 def _tpu_memory(config, devices):
     from tests.test_tpu_compile import compile_on_tpu
 
-    stats = compile_on_tpu(config, devices).memory_analysis()
-    return stats
+    key = config.to_json_best_effort(sort_keys=True)
+    if key not in _TPU_MEMORY:
+        _TPU_MEMORY[key] = compile_on_tpu(config, devices).memory_analysis()
+    return _TPU_MEMORY[key]
 
 
 @pytest.fixture(scope="module")

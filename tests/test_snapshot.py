@@ -108,3 +108,15 @@ def test_bad_snapshot_config_is_named():
         c.train.snapshot[key] = value
         with pytest.raises(ConfigError, match=f"config.train.snapshot.{key}"):
             validate(c)
+
+
+def test_a_collective_failing_on_read_back_lets_the_watchdog_name_the_lost_peer():
+    """A dead peer can surface first as the snapshot ring's read-back error, a ValueError with XLA's
+    status (seen in experiments/fault_tolerance: the survivor exited 1 instead of PeerLost 75);
+    train.main then waits for the watchdog as for a JaxRuntimeError. Other errors exit at once."""
+    from jaxsys import train
+
+    lost = "UNKNOWN: Gloo collective permute failed: [pair.cc:538] Read error: Connection reset by peer"
+    assert train._runtime_failure(ValueError(lost))
+    assert not train._runtime_failure(ValueError("config.train.snapshot.every=-1: use k >= 1"))
+    assert not train._runtime_failure(KeyError("UNKNOWN: not a runtime error type"))

@@ -261,7 +261,11 @@ def _by_axes(rows):
 
 
 @pytest.mark.parametrize(
-    "mesh, model", [(dict(data=8), {}), (dict(tensor=8), dict(n_kv_heads=8))], ids=["data8", "tensor8"]
+    "mesh, model",
+    [
+        pytest.param(dict(data=8), {}, id="data8"),
+        pytest.param(dict(tensor=8), dict(n_kv_heads=8), id="tensor8", marks=pytest.mark.slow),  # 66 s
+    ],
 )
 def test_tpu_analysis_has_the_compilers_memory_and_the_formulas_bytes(mesh, model, v5p_16):
     config = _config(mesh, **model)
@@ -368,7 +372,7 @@ def test_cli_json_for_a_target():
     assert text.returncode == 0 and "TPU compiler (libtpu" in text.stdout and "HBM 16.00 GiB: fits" in text.stdout
 
 
-@pytest.mark.parametrize("name", ["pipe2-seq2-tensor2-ring", "ep-ragged-ep8"])
+@pytest.mark.parametrize("name", [pytest.param("pipe2-seq2-tensor2-ring", marks=pytest.mark.slow), "ep-ragged-ep8"])
 def test_what_cpu_refuses_compiles_for_gpu(name):
     """Ring context parallelism under a pipeline and the ragged all-to-all dispatch, refused on CPU,
     compile with XLA:GPU (tests/test_tpu_compile.py does the same for TPU)."""

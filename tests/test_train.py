@@ -65,7 +65,9 @@ def test_every_throughput_window_holds_the_compute_it_counts(tmp_path, monkeypat
     metrics sink slower than a step (as TensorBoard on a network disk can be), that step finishes
     while the previous one is logged, so a window opened after the logging would hold no compute
     (the old loop logged MFU > 1 and 100x the median tokens/s there). Every window must contain
-    its steps' compute: MFU < 1, tokens/s within 10x of the median."""
+    its steps' compute: MFU < 1, tokens/s below 10x the median. (No lower bound: a window that
+    holds more than its steps is a stall of the machine, not this bug; in the CI of 2026-12-06 two
+    windows were 13-20x slower than the median while the other worker ran multi-process tests.)"""
     c = small_config(dict(data=8))
     c.train.steps, c.train.log_every, c.train.eval_every = 8, 1, 3
     c.checkpoint.every_steps = 2
@@ -83,7 +85,7 @@ def test_every_throughput_window_holds_the_compute_it_counts(tmp_path, monkeypat
     tokens_per_s = np.array([r["tokens_per_s"] for r in records])
     median = np.median(tokens_per_s)
     assert all(0 < r["mfu"] < 1 for r in records), [(r["step"], r["mfu"]) for r in records]
-    assert np.all(tokens_per_s < 10 * median) and np.all(tokens_per_s > median / 10), tokens_per_s / median
+    assert np.all(tokens_per_s < 10 * median), tokens_per_s / median
 
 
 def test_a_window_opens_no_later_than_its_first_step_computes():

@@ -12,6 +12,12 @@ restart's snapshot read (goodput `restore`) and its startup (wall time before it
 the steps trained again, and whether the final loss equals an uninterrupted run's (no data lost
 or repeated: the losses of every step after recovery equal the reference's, rel 1e-5).
 
+With --host-local each process snapshots into its own directory (`snapshot.dir=.../{process}`,
+as host-local /dev/shm on a cluster) and the killed process's directory is deleted before the job
+is launched again (its host replaced): the restart must exchange the pieces over the ring
+(`snapshot._exchange`). The kill attempt then has no automatic restart; the second launch is the
+restart (2 attempts).
+
 Part B (cost): 2 processes x 4 devices, no kill, three model sizes x k in {1, 5}: the seconds of
 the snapshots by phase (host copy, ring ppermute, write to /dev/shm, barrier) over the steps.
 """
@@ -82,7 +88,7 @@ def goodput(workdir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def kills(tmp, repeats, seed) -> list[dict]:
+def kills(tmp, repeats, seed, host_local: bool = False) -> list[dict]:
     rows = []
     extra = [f"--config.train.steps={STEPS}", f"--config.train.snapshot.every={K}"]
     for n, devices in ((2, 4), (4, 2)):
@@ -94,15 +100,24 @@ def kills(tmp, repeats, seed) -> list[dict]:
             victim, at = rng.randrange(n), rng.randint(2, STEPS - 2)
             workdir, snap = os.path.join(tmp, f"kill_{n}_{r}"), f"/dev/shm/jaxsys-ft-exp-{os.getpid()}-{n}-{r}"
             start = time.perf_counter()
-            records = launch(workdir, snap, n, devices, extra, ["--max-restarts", "2", "--kill", f"{victim}@{at}"])
+            if host_local:  # kill, wipe the victim's memory, launch again
+                records = launch(
+                    workdir, snap + "/{process}", n, devices, extra, ["--max-restarts", "0", "--kill", f"{victim}@{at}"]
+                )
+                shutil.rmtree(os.path.join(snap, str(victim)), ignore_errors=True)
+                os.rename(workdir + "_logs", workdir + "_logs_killed")
+                records += launch(workdir, snap + "/{process}", n, devices, extra, ["--max-restarts", "1"])
+            else:
+                records = launch(workdir, snap, n, devices, extra, ["--max-restarts", "2", "--kill", f"{victim}@{at}"])
             wall = time.perf_counter() - start
             shutil.rmtree(snap, ignore_errors=True)
             first, last = records[0], records[-1]
             survivors = {p: t for p, t in first.get("exit_after_failure_s", {}).items() if int(p) != victim}
             got = losses(workdir)
-            gp = goodput(workdir)[-1]
+            gp = goodput(workdir)[-1] if os.path.exists(os.path.join(workdir, "goodput.jsonl")) else {}
             row = {
                 "processes": n,
+                "host_local": host_local,
                 "devices_per_process": devices,
                 "repeat": r,
                 "killed_process": victim,
@@ -113,10 +128,10 @@ def kills(tmp, repeats, seed) -> list[dict]:
                 "attempts": len(records),
                 "finished": last["codes"] == [0] * n,
                 "restore_s": gp.get("restore_s"),
-                "restart_startup_s": gp["wall_s"] - gp["step_s"] - gp["snapshot_s"] - gp["eval_s"],
+                "restart_startup_s": gp["wall_s"] - gp["step_s"] - gp["snapshot_s"] - gp["eval_s"] if gp else None,
                 "steps_lost": gp.get("lost_steps", 0),
                 "all_steps_logged": sorted(got) == list(range(1, STEPS + 1)),
-                "max_rel_loss_diff_vs_uninterrupted": max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref),
+                "max_rel_loss_diff_vs_uninterrupted": max(abs(got[s] - ref[s]) / abs(ref[s]) for s in ref if s in got),
                 "wall_s": wall,
             }
             rows.append(row)
@@ -156,6 +171,10 @@ def costs(tmp) -> list[dict]:
     return rows
 
 
+def _num(x, digits: int) -> str:
+    return "failed" if x is None else f"{x:.{digits}f}"
+
+
 def tables(result: dict) -> str:
     """The README's tables from results.json."""
     lines = []
@@ -167,10 +186,11 @@ def tables(result: dict) -> str:
         ]
         for r in result["kills"]:
             detect = "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}"
+            where = " (host-local)" if r.get("host_local") else ""
             lines.append(
-                f"| {r['processes']} x {r['devices_per_process']} | {r['repeat']} | "
+                f"| {r['processes']} x {r['devices_per_process']}{where} | {r['repeat']} | "
                 f"{r['killed_process']} @ {r['killed_after_step']} | {r['survivor_codes']} | {detect} | {r['hangs']} | "
-                f"{r['attempts']} | {r['steps_lost']} | {r['restore_s']:.2f} | {r['restart_startup_s']:.1f} | "
+                f"{r['attempts']} | {r['steps_lost']} | {_num(r['restore_s'], 2)} | {_num(r['restart_startup_s'], 1)} | "
                 f"{r['max_rel_loss_diff_vs_uninterrupted']:.1e} |"
             )
         lines.append("")
@@ -199,6 +219,9 @@ def main() -> None:
     parser.add_argument("--skip-kills", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results.json"))
     parser.add_argument("--table", default="", help="print the tables of this results.json and stop")
+    parser.add_argument(
+        "--host-local", action="store_true", help="one snapshot directory per process; wipe the victim's"
+    )
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:
@@ -206,8 +229,9 @@ def main() -> None:
         return
     tmp = tempfile.mkdtemp(prefix="jaxsys_ft_")
     result = {"steps": STEPS, "k": K, "peer_timeout_s": TIMEOUT_S, "repeats": args.repeats, "seed": args.seed}
+    result["host_local"] = args.host_local
     if not args.skip_kills:
-        result["kills"] = kills(tmp, args.repeats, args.seed)
+        result["kills"] = kills(tmp, args.repeats, args.seed, args.host_local)
     if not args.skip_costs:
         result["costs"] = costs(tmp)
     with open(args.out, "w") as f:

@@ -502,19 +502,24 @@ def context_parallel_rows(config) -> list[Row]:
       LASP-2     one all-gather of the c [B, N, H, H] fp32 chunk states per linear layer forward and
                  its reduce-scatter backward: 2 (P-1) c B N H^2 4 bytes, independent of T
     A remat policy other than `none` recomputes the forward's share in the backward. With
-    adaptive CP's local regions (config.data.adaptive_cp_local) T/P is the ring region's tokens."""
+    adaptive CP's tiers (config.data.adaptive_cp_local, adaptive_cp_groups) T/P is the full ring
+    region's tokens, and each group tier (g, L_g) adds the ring's terms with g for P and L_g for T/P."""
     from jaxsys.models import attention
 
     mesh, m = config.mesh, config.model
     p, t = mesh.seq, mesh.tensor
     b = local_batch(config)
     tl, h, bc = config.data.seq_len // p, m.head_dim, _dtype_bytes(m.compute_dtype)
-    if config.data.get("adaptive_cp") and config.data.get("adaptive_cp_local", 0.0):
-        from jaxsys.parallel import context  # only the ring region's T/P - L tokens travel (docs/bytescale.md)
+    rings = [(p, tl)]  # (devices, tokens a device) of each ring: the tiers' (docs/bytescale.md)
+    if config.data.get("adaptive_cp") and p > 1:
+        from jaxsys.parallel import context
+        from jaxsys.sharding import adaptive_groups
 
-        tl = context.region_sizes(config.data.seq_len, p, bool(m.context_load_balance), config.data.adaptive_cp_local)[
-            1
-        ]
+        groups = adaptive_groups(config)
+        local = float(config.data.get("adaptive_cp_local", 0.0))
+        sizes = context.region_sizes(config.data.seq_len, p, bool(m.context_load_balance), local, groups)
+        tl = sizes[-1]  # the local regions' tokens never travel
+        rings = [(int(g), n) for (g, _), n in zip(groups, sizes[1:-1])] + [(p, tl)]
     n, k = m.n_heads // t, m.n_kv_heads // t
     types = attention.layer_types(m)
     softmax, linear = types.count("softmax"), types.count("linear")
@@ -523,18 +528,14 @@ def context_parallel_rows(config) -> list[Row]:
     if softmax:
         s_kv = b * tl * k * h * bc
         if m.context_parallel == "ring":
-            s_grad = b * tl * k * h * 4  # dK, dV accumulate (and travel) in fp32
-            fwd = 2 * (p - 1)
-            bwd_bytes = 2 * (p - 1) * s_kv + (2 * (p - 1) + 2) * s_grad
-            rows.append(
-                Row(
-                    "ring attention K/V (+dK/dV) permutes",
-                    "collective_permute",
-                    ("seq",),
-                    softmax * (fwd * (1 + forward_again) + 4 * (p - 1) + 2),
-                    softmax * (fwd * (1 + forward_again) * s_kv + bwd_bytes),
-                )
-            )
+            count = size = 0
+            for g, n in rings:  # one ring per tier, within groups of g
+                s_kv_g, s_grad = b * n * k * h * bc, b * n * k * h * 4  # dK, dV accumulate (and travel) in fp32
+                fwd = 2 * (g - 1)
+                bwd_bytes = 2 * (g - 1) * s_kv_g + (2 * (g - 1) + 2) * s_grad
+                count += softmax * (fwd * (1 + forward_again) + 4 * (g - 1) + 2)
+                size += softmax * (fwd * (1 + forward_again) * s_kv_g + bwd_bytes)
+            rows.append(Row("ring attention K/V (+dK/dV) permutes", "collective_permute", ("seq",), count, size))
         elif m.context_parallel == "allgather":
             rows.append(
                 Row(

@@ -10,8 +10,8 @@ Every `config.train.snapshot.every` (k) steps each process P_p:
    1-D mesh of one device per process (`ring_send`), the same collective path as the step's, so it
    works across hosts over ICI/NVLink/DCN or gloo, with no second transport to configure;
 3. writes its own buffer and the one it received to its area `{root}/p{p}/{step}/` (a temporary
-   directory renamed when whole), waits at a barrier of the coordination service, and process 0
-   marks the step complete (`{root}/complete_{step}`). A kill mid-snapshot leaves the previous
+   directory renamed when whole), waits at a barrier of the coordination service, and then marks
+   the step complete (`{root}/complete_{step}`; every process, in its own root when they differ). A kill mid-snapshot leaves the previous
    complete step as the newest.
 
 `root` defaults to /dev/shm (tmpfs: host RAM that outlives the process, not the host). A restart
@@ -28,6 +28,7 @@ not hang in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,9 +55,11 @@ class SnapshotError(CheckpointError):
 def root(snap_cfg, workdir: str) -> str:
     """The snapshot directory of `workdir`: config.train.snapshot.dir, else a directory under
     /dev/shm (or the temp dir where there is none) named by a hash of the workdir's path, so that
-    a restart of the same workdir finds it and two runs never share one."""
+    a restart of the same workdir finds it and two runs never share one. A `{process}` in the
+    directory gives each process its own (host-local memory, as on a cluster whose hosts each have
+    their own /dev/shm): a restart then exchanges what each process sees (`restore`)."""
     if snap_cfg.dir:
-        return os.path.abspath(snap_cfg.dir)
+        return os.path.abspath(str(snap_cfg.dir).replace("{process}", str(jax.process_index())))
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     key = hashlib.sha1(os.path.abspath(workdir).encode()).hexdigest()[:12]
     return os.path.join(base, "jaxsys-snapshots", key)
@@ -125,7 +128,7 @@ def unpack(buf: np.ndarray) -> tuple[dict, list[tuple[str, list, np.ndarray]]]:
 def ring_send(buf: np.ndarray) -> np.ndarray:
     """Send `buf` to process (p + 1) % P and return the buffer of process (p - 1) % P, through one
     ppermute over one device per process (buffers padded to the longest, rounded up to 64 KiB so
-    that the program compiles once for a model)."""
+    that the program compiles once for a model). Every process calls it (a collective)."""
     n_proc, pid = jax.process_count(), jax.process_index()
     if n_proc == 1:
         return buf
@@ -196,11 +199,12 @@ class Snapshotter:
         os.rename(tmp, final)
         t_barrier = time.perf_counter()
         _barrier(f"jaxsys_snapshot_{step}", self.timeout_s)
-        if self.pid == 0:
-            marker = os.path.join(self.root, f"complete_{step}")
-            with open(marker + ".tmp", "w") as f:
-                json.dump({"step": int(step), "processes": self.n_proc}, f)
-            os.rename(marker + ".tmp", marker)
+        # past the barrier every process has written its step: each marks it complete in its own
+        # directory (host-local directories: any survivor's marker names the step)
+        marker = os.path.join(self.root, f"complete_{step}")
+        with open(f"{marker}.tmp{self.pid}", "w") as f:
+            json.dump({"step": int(step), "processes": self.n_proc}, f)
+        os.replace(f"{marker}.tmp{self.pid}", marker)
         self._prune()
         seconds = time.perf_counter() - start
         for phase, a, b in (("host", start, t_ring), ("ring", t_ring, t_write), ("write", t_write, t_barrier)):
@@ -225,8 +229,8 @@ class Snapshotter:
         steps = sorted(int(d) for d in os.listdir(self.area) if d.isdigit())
         for s in steps[: -self.keep]:
             shutil.rmtree(os.path.join(self.area, str(s)), ignore_errors=True)
-        if self.pid == 0:
-            for s in complete_steps(self.root)[self.keep :]:
+        for s in complete_steps(self.root)[self.keep :]:
+            with contextlib.suppress(FileNotFoundError):  # a shared directory: another process's prune
                 os.remove(os.path.join(self.root, f"complete_{s}"))
 
 
@@ -241,12 +245,14 @@ def complete_steps(root_dir: str) -> list[int]:
     return sorted((int(s) for s in names if s.isdigit()), reverse=True)
 
 
-def read(root_dir: str, step: int) -> tuple[dict, dict, list[str]]:
+def read(root_dir: str, step: int, required: bool = True) -> tuple[dict | None, dict, list[str]]:
     """(meta, {leaf name: {bounds: array}}, files read) of `step` from every area visible here:
-    own buffers and peer replicas, each piece once."""
+    own buffers and peer replicas, each piece once. `required=False`: nothing visible is not an
+    error (meta None; `restore` then gets the pieces from the other processes)."""
     by_leaf: dict = {}
     meta, files = None, []
-    for area in sorted(d for d in os.listdir(root_dir) if d.startswith("p") and d[1:].isdigit()):
+    areas = os.listdir(root_dir) if os.path.isdir(root_dir) else []
+    for area in sorted(d for d in areas if d.startswith("p") and d[1:].isdigit()):
         directory = os.path.join(root_dir, area, str(step))
         if not os.path.isdir(directory):
             continue
@@ -259,9 +265,59 @@ def read(root_dir: str, step: int) -> tuple[dict, dict, list[str]]:
             files.append(os.path.relpath(path, root_dir))
             for leaf, bounds, a in parts:
                 by_leaf.setdefault(leaf, {}).setdefault(tuple(bounds), a)
-    if meta is None:
+    if meta is None and required:
         raise SnapshotError(f"snapshot step {step} under {root_dir}: no process area holds it")
     return meta, by_leaf, files
+
+
+def _sees_every_process(root_dir: str, step: int, meta: dict | None) -> bool:
+    """Whether this process can read every saving process's pieces of `step` (its own buffer or
+    its ring successor's replica of it), as on one machine with one shared directory."""
+    if meta is None:
+        return False
+    n = int(meta["processes"])
+    at = lambda q, name: os.path.isfile(os.path.join(root_dir, f"p{q % n}", str(step), name))
+    return all(at(q, "own.bin") or at(q + 1, f"replica_of_p{q}.bin") for q in range(n))
+
+
+def _needed(abstract_state) -> dict:
+    """{leaf name: [bounds of each block this process's devices hold]}."""
+    out = {}
+    for path, want in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        blocks = want.sharding.addressable_devices_indices_map(want.shape).values()
+        out[_name(path)] = [_bounds(index, want.shape) for index in blocks]
+    return out
+
+
+def _exchange(meta: dict | None, by_leaf: dict, files: list[str], abstract_state) -> tuple[dict, dict, list[str]]:
+    """Ring all-gather of what each process read, each keeping the pieces its devices need: P - 1
+    `ring_send` hops of one buffer (the pieces visible to the process it started from), so that a
+    process whose host memory is gone (a replaced host) gets its own pieces back from its
+    successor's replica, and the others theirs wherever they are."""
+    needed = _needed(abstract_state)
+    overlaps = lambda name, bounds: any(
+        all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(bounds, want)) for want in needed.get(name, [])
+    )
+    visible = [(name, list(bounds), a) for name, parts in by_leaf.items() for bounds, a in parts.items()]
+    buf = pack(visible, meta or {})
+    kept = {name: {b: a for b, a in parts.items() if overlaps(name, b)} for name, parts in by_leaf.items()}
+    n_proc, pid = jax.process_count(), jax.process_index()
+    for hop in range(1, n_proc):
+        buf = ring_send(buf)  # the buffer process (pid - hop) started with
+        m, parts = unpack(buf)
+        meta = meta or (m or None)
+        got = 0
+        for name, bounds, a in parts:
+            if overlaps(name, bounds) and tuple(bounds) not in kept.setdefault(name, {}):
+                kept[name][tuple(bounds)] = a.copy()
+                got += 1
+        if got:
+            files.append(f"{got} pieces from process {(pid - hop) % n_proc}")
+    if not meta:
+        raise SnapshotError(
+            "snapshot: no process holds it (every host's memory is gone): restart from the Orbax checkpoint"
+        )
+    return meta, kept, files
 
 
 def _cut(name: str, parts: dict, index, shape, dtype) -> np.ndarray:
@@ -287,8 +343,17 @@ def _cut(name: str, parts: dict, index, shape, dtype) -> np.ndarray:
 
 def restore(root_dir: str, step: int, abstract_state):
     """(state, meta, files read): the snapshot at `step` in the shardings of `abstract_state`
-    (`Program.abstract_state()`: any mesh)."""
-    meta, by_leaf, files = read(root_dir, step)
+    (`Program.abstract_state()`: any mesh). With several processes that do not all see every
+    saving process's pieces (host-local directories), they exchange them first (`_exchange`)."""
+    multi = jax.process_count() > 1
+    meta, by_leaf, files = read(root_dir, step, required=not multi)
+    if multi:
+        from jax.experimental import multihost_utils
+
+        sees = np.asarray(multihost_utils.process_allgather(np.int32(_sees_every_process(root_dir, step, meta))))
+        if not sees.all():  # a collective decision: every process joins the ring or none does
+            meta, by_leaf, files = _exchange(meta, by_leaf, files, abstract_state)
+    assert meta is not None
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     leaves = []
     for path, want in flat:

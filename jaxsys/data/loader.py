@@ -31,15 +31,20 @@ import jax
 import numpy as np
 
 from jaxsys import data as data_lib
+from jaxsys.config import adaptive_buckets
 from jaxsys.data import DataError, bytescale, packing
 
 
 @dataclasses.dataclass
 class Split:
-    """One split of a corpus of documents: its pieces and their rows."""
+    """One split of a corpus of documents: its pieces and their rows; with adaptive CP's layout
+    buckets (config.data.adaptive_cp_buckets), also its batches: batch i is rows batches[i], laid
+    out with local regions of `locals_[bucket[i]]` tokens a device (`bytescale.plan_batches`)."""
 
     pieces: packing.Pieces
     plan: packing.Plan
+    batches: np.ndarray | None = None  # [NB, B] row ids
+    bucket: np.ndarray | None = None  # [NB] index into config.data.adaptive_cp_buckets
 
     @property
     def num_rows(self) -> int:
@@ -85,9 +90,21 @@ class DocumentCorpus:
         if seed not in self._orders:
             import grain
 
-            rows = self.splits["train"].num_rows // (2 if self.pairs else 1)  # pairs are shuffled whole
-            self._orders[seed] = grain.MapDataset.range(rows).shuffle(seed=seed).repeat(None)
+            train = self.splits["train"]
+            if train.batches is not None:  # layout buckets: whole batches are shuffled
+                units = train.batches.shape[0]
+            else:
+                units = train.num_rows // (2 if self.pairs else 1)  # pairs are shuffled whole
+            self._orders[seed] = grain.MapDataset.range(units).shuffle(seed=seed).repeat(None)
         return self._orders[seed]
+
+    def bucket(self, seed: int, step: int) -> int:
+        """The layout bucket of step `step`'s train batch (config.data.adaptive_cp_buckets: which
+        compiled program runs it); 0 without buckets."""
+        train = self.splits["train"]
+        if train.bucket is None:
+            return 0
+        return int(train.bucket[int(self._order(int(seed))[step])])
 
     def row_ids(self, seed: int, step: int, batch_size: int, split: str, rows) -> list[int]:
         """The plan rows of rows `rows` of step `step`'s global batch: train rows in a Grain shuffle
@@ -98,6 +115,14 @@ class DocumentCorpus:
         if split == "eval":
             return [(first + r) % n for r in rows]
         order = self._order(int(seed))
+        batches = self.split(split).batches
+        if batches is not None:  # step `step` is one planned batch, whole
+            if batch_size != batches.shape[1]:
+                raise DataError(
+                    f"the corpus was planned in batches of {batches.shape[1]} rows "
+                    f"(config.data.adaptive_cp_buckets), not {batch_size}"
+                )
+            return [int(batches[int(order[step]), r]) for r in rows]
         if self.pairs:  # element step * B / 2 + j is pair j of the step: rows 2j (chosen), 2j + 1 (rejected)
             return [2 * int(order[(first + r) // 2]) + (first + r) % 2 for r in rows]
         return [int(order[first + r]) for r in rows]
@@ -133,16 +158,17 @@ class DocumentCorpus:
         return data_lib.Batch(*(make(a) for a in arrays))
 
 
-def load_corpus(data_cfg, encode=None, splits=("train", "eval"), chunks=None):
+def load_corpus(data_cfg, encode=None, splits=("train", "eval"), chunks=None, batch=None):
     """The corpus of `data_cfg`: a corpus of documents (`load_documents`), or a token stream
     (`data.load_corpus`, with its `encode` and `splits`). `chunks` (`context.chunk_table`, with
-    config.data.adaptive_cp): lay packed rows out for length-adaptive context parallelism."""
+    config.data.adaptive_cp): lay packed rows out for length-adaptive context parallelism; `batch`
+    (B rows, D data shards): with config.data.adaptive_cp_buckets, the batches to plan."""
     if data_lib.is_documents(data_cfg):
-        return load_documents(data_cfg, chunks=chunks)
+        return load_documents(data_cfg, chunks=chunks, batch=batch)
     return data_lib.load_corpus(data_cfg, encode, splits)
 
 
-def load_documents(data_cfg, progress: bool | None = None, chunks=None) -> DocumentCorpus:
+def load_documents(data_cfg, progress: bool | None = None, chunks=None, batch=None) -> DocumentCorpus:
     """The corpus of documents of `data_cfg`, tokenized (`shards.load`: built first when missing
     and this is the only process) and cut into the rows of its splits."""
     from jaxsys.data import shards
@@ -154,12 +180,14 @@ def load_documents(data_cfg, progress: bool | None = None, chunks=None) -> Docum
         progress=lead if progress is None else progress,
         log=print if lead else (lambda *_: None),
     )
-    return split_documents(store, data_cfg, chunks)
+    return split_documents(store, data_cfg, chunks, batch)
 
 
-def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
+def split_documents(store, data_cfg, chunks=None, batch=None) -> DocumentCorpus:
     """The splits' pieces and rows: one piece a row, best-fit packed rows, or (packing with
-    `chunks` given) rows laid out by `bytescale.plan` for length-adaptive context parallelism."""
+    `chunks` given) rows laid out by `bytescale.plan` for length-adaptive context parallelism;
+    with config.data.adaptive_cp_buckets the train split in whole batches of `batch` = (B, D),
+    each laid out for one bucket (`bytescale.plan_batches`)."""
     seq_len, fraction = int(data_cfg.seq_len), float(data_cfg.eval_fraction)
     n = store.num_docs
     n_eval = max(1, int(n * fraction)) if fraction > 0 else 0
@@ -177,13 +205,20 @@ def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
                 f"config.data.eval_fraction={fraction} and train on the rest"
             )
     chat = data_cfg.format in ("chat", "preference")
-    local, cut_at = 0, seq_len  # adaptive CP's local regions: pieces then fit the ring region
+    local, groups, cut_at = 0, (), seq_len  # adaptive CP's tiers: pieces then fit the full ring region
+    buckets: tuple[int, ...] = ()
     if data_cfg.packing and chunks is not None:
         from jaxsys.parallel import context
 
         shape = np.asarray(chunks).shape
-        local = context.region_sizes(seq_len, shape[0], shape[1] == 2, float(data_cfg.get("adaptive_cp_local", 0.0)))[0]
-        cut_at = seq_len - shape[0] * local
+        shares = context.parse_groups(str(data_cfg.get("adaptive_cp_groups", "")))
+        sizes = lambda f: context.region_sizes(seq_len, shape[0], shape[1] == 2, f, shares)
+        tiers = sizes(float(data_cfg.get("adaptive_cp_local", 0.0)))
+        local, groups = tiers[0], tuple((g, n) for (g, _), n in zip(shares, tiers[1:-1]))
+        buckets = tuple(sizes(f)[0] for f in adaptive_buckets(data_cfg))
+        if buckets and batch is None:
+            raise ValueError("config.data.adaptive_cp_buckets plans whole batches: pass batch=(B, D)")
+        cut_at = shape[0] * tiers[-1]  # (with buckets each bucket cuts at its own, `plan_batches`)
     splits = {}
     for name, docs in (("train", np.arange(n - n_eval)), ("eval", np.arange(n - n_eval, n))):
         if name == "eval" and not n_eval:
@@ -196,13 +231,20 @@ def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
                 f"the {name} split of the corpus ({store.directory}) has no document of 2 tokens or more: "
                 "nothing to predict"
             )
-        if data_cfg.packing and chunks is not None:
-            plan = bytescale.plan(pieces.length, seq_len, chunks, local=local).to_plan()
+        batches = bucket = None
+        if data_cfg.packing and chunks is not None and buckets and name == "train":
+            planned = bytescale.plan_batches(
+                store.doc_len[docs], seq_len, chunks, buckets, *batch, groups=groups, split_long=not chat, docs=docs
+            )
+            pieces, plan = planned.pieces, planned.placement.to_plan()
+            batches, bucket = planned.batches, planned.bucket
+        elif data_cfg.packing and chunks is not None:  # eval: the adaptive_cp_local layout
+            plan = bytescale.plan(pieces.length, seq_len, chunks, local=local, groups=groups).to_plan()
         elif data_cfg.packing:
             plan = packing.packed_plan(pieces.length, seq_len + 1)
         else:
             plan = packing.padded_plan(len(pieces))
-        splits[name] = Split(pieces, plan)
+        splits[name] = Split(pieces, plan, batches, bucket)
     m = store.manifest
     train = splits["train"]
     cut = f", {_cut_pairs(store, seq_len)} pairs with a completion cut away at T + 1 tokens" if pairs else ""
@@ -212,6 +254,10 @@ def split_documents(store, data_cfg, chunks=None) -> DocumentCorpus:
         f"{('packed for adaptive CP' if chunks is not None else 'packed') if data_cfg.packing else 'one a row'}: {train.num_rows} train rows of {seq_len + 1}, "
         f"{train.padding(seq_len):.1%} padding; shards in {store.directory}"
     )
+    if train.bucket is not None:  # how many batches each layout runs
+        counts = np.bincount(train.bucket, minlength=len(buckets))
+        mix = ", ".join(f"local {f:g}: {int(k)}" for f, k in zip(adaptive_buckets(data_cfg), counts))
+        desc += f"; {train.bucket.shape[0]} batches of {train.batches.shape[1]} by layout ({mix})"
     return DocumentCorpus(store, splits, seq_len, bool(data_cfg.packing), int(m["vocab_needed"]), desc, pairs)
 
 

@@ -1,12 +1,14 @@
 """Quantized matmuls of the transformer's dense layers: inference formats read from a quantized
-checkpoint (`config.model.quant`) and int8 training with a straight-through estimator
-(`config.model.quant_train`). docs/quantization.md says how this fits together.
+checkpoint (`config.model.quant`), int8 training with a straight-through estimator and fp8
+training (`config.model.quant_train`). docs/quantization.md says how this fits together.
 
 Every dense weight is used by one einsum whose contracted letters lead the weight and end the
 activation ("btd,dnh->btnh", "btnh,nhd->btd", "btf,fd->btd"), so each is a matmul
 x[M, K'] @ W[K', N'] with K' the product of the contracted dimensions and N' of the others.
-`linear` runs that einsum: on a float weight as it is, or with `quant_train='int8'` as an int8
-matmul with a straight-through estimator; on a quantized weight (a dict of codes and scales,
+`linear` runs that einsum: on a float weight as it is, with `quant_train='int8'` as an int8
+matmul with a straight-through estimator (`int8_matmul`), with `quant_train='fp8'` as an fp8 one
+(`fp8_matmul`: e4m3 operands, e5m2 gradient, current per-tensor scales from the whole tensor's
+amax, reduced over the shards by jaxsys.parallel); on a quantized weight (a dict of codes and scales,
 `quantized_spec`) through the kernels of jaxsys.kernels.quantized_matmul.
 
 Quantized weights keep the float weight's dimensions and logical axes, so they shard like the
@@ -44,6 +46,7 @@ from jaxsys.kernels.quantized_matmul import kernel as qkernel
 from jaxsys.kernels.quantized_matmul import reference as qref
 from jaxsys.models import lora
 from jaxsys.models.params import ParamSpec
+from jaxsys.parallel import collectives
 
 # The dense weights a quantized model stores as codes, and how many of their dimensions (after
 # the layer dimensions) are contracted. Embeddings, the output layer, norms and MoE experts stay
@@ -211,7 +214,7 @@ def linear(eq: str, x, w, m, name: str = ""):
     """jnp.einsum(eq, x, w) for one dense layer, x[..., K dims] and w[K dims, N dims]: as written
     for a float weight; through the quantized kernels for a quantized one (`m.quant`,
     `m.quant_impl`); as an int8 matmul with a straight-through estimator for a float weight under
-    `m.quant_train='int8'`. `name` labels the input for `capture_inputs`."""
+    `m.quant_train='int8'`, or an fp8 one under `'fp8'`. `name` labels the input for `capture_inputs`."""
     if lora.is_lora(w):  # a LoRA-wrapped weight (models/lora.py): the base's product plus the adapter's
         y = linear(eq, x, w.base, m, name)
         return y + lora.low_rank(x, w, _parse(eq).contracted).astype(y.dtype)
@@ -229,7 +232,10 @@ def linear(eq: str, x, w, m, name: str = ""):
     else:
         out_dims = w.shape[form.contracted :]
         w2 = w.reshape(x2.shape[1], -1)
-        y2 = int8_matmul(x2, w2, m.quant_impl == "pallas").astype(x.dtype)
+        if m.quant_train == "fp8":
+            y2 = fp8_matmul(x2, w2).astype(x.dtype)
+        else:
+            y2 = int8_matmul(x2, w2, m.quant_impl == "pallas").astype(x.dtype)
     return y2.reshape(*batch_dims, *out_dims)
 
 
@@ -277,6 +283,81 @@ def _int8_bwd(pallas, residuals, dy):
 
 
 int8_matmul.defvjp(_int8_fwd, _int8_bwd)
+
+
+# ----------------------------------------------------------------------------- fp8 training
+
+E4M3 = jnp.float8_e4m3fn  # forward operands: 4 exponent bits, 3 mantissa bits, max 448, no inf
+E5M2 = jnp.float8_e5m2  # gradients: 5 exponent bits, 2 mantissa bits, max 57344
+
+
+def fp8_scale(amax, dtype):
+    """The current scale of a tensor whose absmax is `amax`: amax / max(dtype), 1 where amax is 0."""
+    return jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0).astype(jnp.float32)
+
+
+def fp8_quantize(x, dtype, scale=None):
+    """x as `dtype` codes with one per-tensor scale: by default the current one (`fp8_scale` of
+    amax(|x|) on this device); codes = x / scale rounded to nearest even and saturated at
+    +-max(dtype) (e4m3fn has no infinity: an unclipped overflow would be NaN), which a given
+    `scale` (a stale or delayed one) can reach. x ~ codes * scale."""
+    fmax = float(jnp.finfo(dtype).max)
+    x = x.astype(jnp.float32)
+    if scale is None:
+        scale = fp8_scale(jnp.max(jnp.abs(x)), dtype)
+    return jnp.clip(x / scale, -fmax, fmax).astype(dtype), scale
+
+
+def _global_scales(dtype, *tensors):
+    """The current scales of `tensors`, each from its amax over the whole tensor: the local absmaxes
+    reduced in one collective over the devices that hold the other shards (and replicas) of it."""
+    amax = jnp.stack([jnp.max(jnp.abs(t.astype(jnp.float32))) for t in tensors])
+    amax = collectives.max_over_replicas_and_shards(amax)
+    return [fp8_scale(amax[i], dtype) for i in range(len(tensors))]
+
+
+def _fp8_product(a, b, sa, sb, a_contract: int = 1, b_contract: int = 0):
+    """fp8 a @ fp8 b (contracting a's dimension `a_contract` with b's `b_contract`), accumulated in
+    fp32, times the per-tensor scales sa * sb: one dot_general on the fp8 operands with an fp32
+    result, which XLA:GPU (sm90) keeps as a GEMM on the fp8 operands (a Triton GEMM fusion when
+    compiled deviceless); dequantize-then-dot does not (docs/quantization.md)."""
+    dims = (((a_contract,), (b_contract,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32) * (sa * sb)
+
+
+@jax.custom_vjp
+def fp8_matmul(x, w):
+    """x[M, K] @ w[K, N] with both operands cast to float8_e4m3fn (one current scale per tensor,
+    from the amax of the whole tensor across its shards: `_global_scales`, `fp8_quantize`), products accumulated in fp32. Backward (straight-through), dy is cast to
+    float8_e5m2 with its own per-tensor scale and the gradient matmuls reuse the forward's e4m3
+    operands:  dx = q(dy) @ q(w)^T,  dw = q(x)^T @ q(dy), fp32 accumulation. The residuals are the
+    fp8 codes and their scales, a quarter of fp32 x and w."""
+    return _fp8_fwd(x, w)[0]
+
+
+def _fp8_fwd(x, w):
+    sx, sw = _global_scales(E4M3, x, w)
+    xq, _ = fp8_quantize(x, E4M3, sx)
+    wq, _ = fp8_quantize(w, E4M3, sw)
+    # The codes are kept as their bits (uint8): a scan over layers stacks its residuals with
+    # dynamic-update-slice, which XLA:CPU widens for float8 through an IEEE-style reduce-precision
+    # that turns e4m3fn's codes above 240 into NaN. The dtypes ride as zero-size arrays (a
+    # custom_vjp residual must be an array).
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return _fp8_product(xq, wq, sx, sw), (bits(xq), sx, bits(wq), sw, dtypes)
+
+
+def _fp8_bwd(residuals, dy):
+    xbits, sx, wbits, sw, (x_dtype, w_dtype) = residuals
+    xq, wq = (jax.lax.bitcast_convert_type(b, E4M3) for b in (xbits, wbits))
+    dyq, sdy = fp8_quantize(dy, E5M2, *_global_scales(E5M2, dy))
+    dx = _fp8_product(dyq, wq, sdy, sw, 1, 1)  # dy[M, N] . w[K, N] over N -> [M, K]
+    dw = _fp8_product(xq, dyq, sx, sdy, 0, 0)  # x[M, K] . dy[M, N] over M -> [K, N]
+    return dx.astype(x_dtype.dtype), dw.astype(w_dtype.dtype)
+
+
+fp8_matmul.defvjp(_fp8_fwd, _fp8_bwd)
 
 
 # ----------------------------------------------------------------------------- storage

@@ -81,6 +81,18 @@ def _rs_bwd(axes, dim, _, g):
 reduce_scatter_fwd_all_gather_bwd.defvjp(_rs_fwd, _rs_bwd)
 
 
+def max_over_replicas_and_shards(x):
+    """The elementwise max of `x` (a statistic such as an absmax, not differentiated) over every
+    device that holds a shard or a replica of the same tensor: inside the training shard_map, all
+    mesh axes of size > 1 but `pipe` (whose stages hold other layers and other microbatches);
+    outside one (a single device, plain jit) x itself. fp8 training's per-tensor scales
+    (models/quant.py) take their amax here, so a sharded run scales as one device does."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    axes = tuple(a for a in mesh.manual_axes if a != "pipe" and sizes[a] > 1)
+    return lax.pmax(x, axes) if axes else x
+
+
 def axis_index(axes: tuple[str, ...]):
     """Linear index of this device along `axes` (major to minor), 0 when `axes` is empty."""
     return lax.axis_index(axes) if axes else 0

@@ -7,6 +7,11 @@ r (P chunks). With it (`model.context_load_balance`), there are 2P chunks and de
 the same number of visible (query, key) pairs. The tokens, targets and RoPE positions of a device
 are its chunks' (`shard_sequence`, `positions`); nothing else in the model knows.
 
+Tiers (length-adaptive CP, docs/bytescale.md; `region_sizes`, `row_regions`): a device's T/P
+tokens may be split into a local region (no communication), group tiers (a ring within each
+group of g consecutive ranks, `SeqLayout.group`) and the full ring region, each cut as above over
+its own devices.
+
 Softmax attention, `model.context_parallel`:
   ring       K/V blocks go round the ring (ppermute), each step's block attention is merged into
              the running output by its log-sum-exp (Liu et al., Ring Attention). The backward is a
@@ -56,17 +61,28 @@ class SeqLayout:
     balance: bool
     variant: str = "ring"
     local: float = 0.0  # share of each device's tokens in its local region (config.data.adaptive_cp_local)
+    groups: tuple[tuple[int, float], ...] = ()  # (g, share) subgroup tiers (config.data.adaptive_cp_groups)
+    group: int = 0  # the ring runs within consecutive groups of this many ranks (0: all P)
 
     @classmethod
     def of(cls, layout, m) -> "SeqLayout":
         axes = layout.compute_axes("seq")
-        local = layout.seq_local if axes else 0.0
-        return cls(axes, layout.size(axes), bool(m.context_load_balance), m.context_parallel, local)
+        local, groups = (layout.seq_local, layout.seq_groups) if axes else (0.0, ())
+        return cls(axes, layout.size(axes), bool(m.context_load_balance), m.context_parallel, local, groups)
 
-    def regions(self, seq_len: int) -> tuple[int, int]:
-        """(L, R): a device's tokens in its local region and in the ring region, of a row of
-        `seq_len` positions (`row_regions`)."""
-        return region_sizes(seq_len, self.size, self.balance, self.local)
+    def regions(self, seq_len: int) -> tuple[int, ...]:
+        """A device's tokens in each tier of a row of `seq_len` positions (`region_sizes`): its
+        local region, each group tier's, the full ring's."""
+        return region_sizes(seq_len, self.size, self.balance, self.local, self.groups)
+
+    def tiers(self) -> tuple[int, ...]:
+        """Group size of each entry of `regions`: 1, the group tiers' g, P."""
+        return tier_groups(self.size, self.groups)
+
+    @property
+    def ring(self) -> int:
+        """Devices one ring runs over (`group`, else all P)."""
+        return self.group or self.size
 
     @property
     def chunks_per_device(self) -> int:
@@ -84,35 +100,81 @@ def chunk_table(size: int, balance: bool) -> np.ndarray:
     return np.arange(size, dtype=np.int32)[:, None]
 
 
-def region_sizes(seq_len: int, size: int, balance: bool, local: float) -> tuple[int, int]:
-    """(L, R) per device: tokens of its local region and of the ring region, L = local * T / P.
-    Raises ValueError when they are not whole (the config checks this first)."""
+def parse_groups(text: str) -> tuple[tuple[int, float], ...]:
+    """config.data.adaptive_cp_groups, "g:share,g:share" -> ((g, share), ...); "" -> ().
+    Raises ValueError on anything else (the config checks the values)."""
+    out = []
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        g, sep, share = item.partition(":")
+        if not sep:
+            raise ValueError(f"{item!r} is not g:share")
+        out.append((int(g), float(share)))
+    return tuple(out)
+
+
+def tier_groups(size: int, groups=()) -> tuple[int, ...]:
+    """Group size of each tier in row order: 1 (local regions), each of `groups`' g, P (the full ring)."""
+    return (1, *(int(g) for g, _ in groups), size)
+
+
+def region_sizes(seq_len: int, size: int, balance: bool, local: float, groups=()) -> tuple[int, ...]:
+    """Per device, tokens of each tier (`tier_groups`): (L, L_g..., R), L = local * T / P,
+    L_g = share * T / P, R the rest. Without groups this is (L, R). Raises ValueError when a tier
+    is not whole, a group tier's g does not divide P with 1 < g < P, or R <= 0 (the config checks
+    this first)."""
     per, cpd = seq_len // size, 2 if balance else 1
-    if not local:
+    if not local and not groups:
         return 0, per
-    n_local = int(round(local * per))
-    if seq_len % size or abs(n_local - local * per) > 1e-6 or (per - n_local) % cpd or not 0 <= n_local < per:
+    shares = [float(local)] + [float(s) for _, s in groups]
+    counts = [int(round(f * per)) for f in shares]
+    n_ring = per - sum(counts)
+    for i, (f, n) in enumerate(zip(shares, counts)):
+        tier = "local region" if i == 0 else f"group tier {groups[i - 1][0]}:{f}"
+        ok = abs(n - f * per) < 1e-6 and n >= 0 and (i == 0 or (n > 0 and n % cpd == 0))
+        if seq_len % size or not ok:
+            raise ValueError(
+                f"a row of T={seq_len} on {size} devices (zigzag: {balance}) has no {tier} of {f} of each device's "
+                f"T/P tokens: T/P and the tier's share of T/P must be whole"
+                + (f", > 0 and a multiple of {cpd}" if i else "")
+            )
+    for g, _ in groups:
+        if not 1 < g < size or size % g:
+            raise ValueError(f"a group tier of g={g} on {size} devices: g must divide {size} with 1 < g < {size}")
+    if n_ring <= 0 or n_ring % cpd:
         raise ValueError(
-            f"a row of T={seq_len} on {size} devices (zigzag: {balance}) has no local region of {local} of each "
-            f"device's T/P tokens: T/P and L = local * T/P must be whole, with T/P - L > 0 a multiple of {cpd}"
+            f"a row of T={seq_len} on {size} devices (zigzag: {balance}) has no full ring region: the tiers take "
+            f"{sum(counts)} of each device's {per} tokens, leaving T/P - L > 0 a multiple of {cpd}"
         )
-    return n_local, per - n_local
+    return (*counts, n_ring)
 
 
-def row_regions(seq_len: int, size: int, balance: bool, local: float = 0.0) -> np.ndarray:
+def tier_positions(seq_len: int, size: int, balance: bool, local: float = 0.0, groups=()):
+    """Per tier in row order: (g, L_g tokens a device, [P, L_g] the row positions each device holds
+    of it, in its local order). Tier g covers positions [base, base + P L_g): P/g group regions
+    of g L_g tokens, group j (ranks [j g, (j + 1) g)) cut as context parallelism cuts a row of g L_g
+    tokens over its g devices (`chunk_table(g, balance)`; the local tier g = 1 is one block)."""
+    out, base = [], 0
+    for g, n in zip(tier_groups(size, groups), region_sizes(seq_len, size, balance, local, groups)):
+        table = chunk_table(g, balance and g > 1)
+        tc = n // table.shape[1]
+        rows = []
+        for d in range(size):
+            j, r = divmod(d, g)
+            rows.append(np.concatenate([base + j * g * n + int(k) * tc + np.arange(tc) for k in table[r]]))
+        out.append((g, n, np.stack(rows).astype(np.int64)))
+        base += size * n
+    return out
+
+
+def row_regions(seq_len: int, size: int, balance: bool, local: float = 0.0, groups=()) -> np.ndarray:
     """[P, T/P] the row positions each device holds, in its local order: its local region first
     (device d: positions [d L, (d + 1) L), whole documents, attended with no communication), then
-    its chunks of the ring region (positions [P L, T), cut as `chunk_table` cuts a row). With
-    local = 0 this is plain context parallelism's assignment."""
-    n_local, n_ring = region_sizes(seq_len, size, balance, local)
-    table = chunk_table(size, balance)
-    tc = n_ring // table.shape[1]
-    rows = []
-    for d in range(size):
-        parts = [np.arange(d * n_local, (d + 1) * n_local)]
-        parts += [size * n_local + int(k) * tc + np.arange(tc) for k in table[d]]
-        rows.append(np.concatenate(parts))
-    return np.stack(rows)
+    its chunks of each group tier's group region (`tier_positions`), then its chunks of the full
+    ring region (the last P R positions, cut as `chunk_table` cuts a row). With local = 0 and no
+    groups this is plain context parallelism's assignment."""
+    return np.concatenate([pos for *_, pos in tier_positions(seq_len, size, balance, local, groups)], axis=1)
 
 
 def _my_chunks(seq: SeqLayout):
@@ -121,14 +183,18 @@ def _my_chunks(seq: SeqLayout):
 
 def shard_sequence(x, seq: SeqLayout, dim: int = SEQ_DIM):
     """This device's positions of x (full length T along `dim`), concatenated as `row_regions`
-    orders them: its local region (if any), then its chunks of the ring region. T / P tokens."""
+    orders them: its local region (if any), its chunks of each group tier, then its chunks of the
+    full ring region. T / P tokens."""
     if not seq.axes:
         return x
-    n_local, n_ring = seq.regions(x.shape[dim])
-    tc = n_ring // seq.chunks_per_device
-    ids, base = _my_chunks(seq), seq.size * n_local
-    parts = [lax.dynamic_slice_in_dim(x, axis_index(seq.axes) * n_local, n_local, axis=dim)] if n_local else []
-    parts += [lax.dynamic_slice_in_dim(x, base + ids[i] * tc, tc, axis=dim) for i in range(seq.chunks_per_device)]
+    rank, parts, base = axis_index(seq.axes), [], 0
+    for g, n in zip(seq.tiers(), seq.regions(x.shape[dim])):
+        table = jnp.asarray(chunk_table(g, seq.balance and g > 1))
+        tc = n // table.shape[1]
+        for i in range(table.shape[1] if n else 0):
+            first = base + (rank // g) * g * n + table[rank % g, i] * tc
+            parts.append(lax.dynamic_slice_in_dim(x, first, tc, axis=dim))
+        base += seq.size * n
     return jnp.concatenate(parts, axis=dim)
 
 
@@ -207,8 +273,16 @@ def _attend_chunks(q, k, v, q_ids, kv_ids, blocks: BlockAttention, q_seg=None, k
     return jnp.concatenate(outs, axis=SEQ_DIM), jnp.concatenate(lses, axis=-1)
 
 
-def _ring_perm(size: int, shift: int = 1):
-    return [(i, (i + shift) % size) for i in range(size)]
+def _ring_perm(size: int, shift: int = 1, group: int = 0):
+    """Pairs of a ring over `size` ranks, or one ring per consecutive group of `group` ranks
+    (rank r -> j g + (r - j g + shift) % g): the groups never exchange."""
+    g = group or size
+    return [(i, i - i % g + (i % g + shift) % g) for i in range(size)]
+
+
+def _ring_place(seq: SeqLayout):
+    """(chunk table of the ring, this device's rank in it): the whole axis, or its group."""
+    return jnp.asarray(chunk_table(seq.ring, seq.balance)), axis_index(seq.axes) % seq.ring
 
 
 # ----------------------------------------------------------------------------- the three variants
@@ -217,19 +291,20 @@ def _ring_perm(size: int, shift: int = 1):
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def ring_attention(q, k, v, segments, seq: SeqLayout, blocks: BlockAttention):
     """Causal attention of this device's query chunks over the whole sequence, K/V on a ring (with
-    their segment ids, when `segments` [B, T/P] are given)."""
+    their segment ids, when `segments` [B, T/P] are given). With `seq.group` = g the ring runs
+    within each group of g consecutive ranks (a group tier's sequence of g chunks, or 2g)."""
     return _ring_forward(q, k, v, segments, seq, blocks)[0]
 
 
 def _ring_forward(q, k, v, segments, seq, blocks):
-    table, rank = jnp.asarray(chunk_table(seq.size, seq.balance)), axis_index(seq.axes)
+    (table, rank), perm = _ring_place(seq), _ring_perm(seq.size, 1, seq.group)
     o = lse = None
     kv_seg = segments
-    for step in range(seq.size):
-        ob, lb = _attend_chunks(q, k, v, table[rank], table[(rank - step) % seq.size], blocks, segments, kv_seg)
+    for step in range(seq.ring):
+        ob, lb = _attend_chunks(q, k, v, table[rank], table[(rank - step) % seq.ring], blocks, segments, kv_seg)
         o, lse = (ob, lb) if o is None else merge(o, lse, ob, lb)
-        if step < seq.size - 1:
-            k, v, kv_seg = lax.ppermute((k, v, kv_seg), seq.axes, _ring_perm(seq.size))
+        if step < seq.ring - 1:
+            k, v, kv_seg = lax.ppermute((k, v, kv_seg), seq.axes, perm)
     return o.astype(q.dtype), lse
 
 
@@ -240,7 +315,7 @@ def _ring_fwd(q, k, v, segments, seq, blocks):
 
 def _ring_bwd(seq, blocks, residuals, do):
     q, k, v, segments, o, lse = residuals
-    table, rank = jnp.asarray(chunk_table(seq.size, seq.balance)), axis_index(seq.axes)
+    (table, rank), perm = _ring_place(seq), _ring_perm(seq.size, 1, seq.group)
     q_ids = table[rank]
     c = seq.chunks_per_device
     qs, os_, dos = _split(q, c), _split(o, c), _split(do, c)
@@ -248,8 +323,8 @@ def _ring_bwd(seq, blocks, residuals, do):
     lses = jnp.split(lse, c, axis=-1)
     dq = [jnp.zeros(x.shape, jnp.float32) for x in qs]
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for step in range(seq.size):
-        kv_ids = table[(rank - step) % seq.size]
+    for step in range(seq.ring):
+        kv_ids = table[(rank - step) % seq.ring]
         ks, vs, kv_segs = _split(k, c), _split(v, c), _split(kv_seg, c)
         dks, dvs = _split(dk, c), _split(dv, c)
         for i in range(c):
@@ -278,10 +353,10 @@ def _ring_bwd(seq, blocks, residuals, do):
                 dq[i], dks[j], dvs[j] = dq[i] + dqb, dks[j] + dkb, dvs[j] + dvb
         dk, dv = jnp.concatenate(dks, axis=SEQ_DIM), jnp.concatenate(dvs, axis=SEQ_DIM)
         # dK/dV travel with their K/V (and segment ids); after the last step one more hop takes them home.
-        if step < seq.size - 1:
-            k, v, kv_seg, dk, dv = lax.ppermute((k, v, kv_seg, dk, dv), seq.axes, _ring_perm(seq.size))
+        if step < seq.ring - 1:
+            k, v, kv_seg, dk, dv = lax.ppermute((k, v, kv_seg, dk, dv), seq.axes, perm)
         else:
-            dk, dv = lax.ppermute((dk, dv), seq.axes, _ring_perm(seq.size))
+            dk, dv = lax.ppermute((dk, dv), seq.axes, perm)
     return (jnp.concatenate(dq, axis=SEQ_DIM).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
 
 
@@ -331,10 +406,11 @@ def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention, segments=None, lo
     only keys of its own document; the ids travel with the keys (ring, all-gather) or with the
     queries (TokenRing).
 
-    With a local region (`seq.local`, length-adaptive CP, docs/bytescale.md) the first L tokens
-    hold whole documents: `local_attention(q, k, v, segments)` (one device's causal attention)
-    attends them with no communication, and only the ring region's K/V (T/P - L tokens) go
-    round the ring. Documents must not cross the regions (the host plan ensures it)."""
+    With tiers (length-adaptive CP, docs/bytescale.md) the tokens split as `row_regions` orders
+    them: the local region's first L hold whole documents, which `local_attention(q, k, v,
+    segments)` (one device's causal attention) attends with no communication; each group tier's
+    L_g go round a ring within the device's group of g (`seq.group`); only the full ring region's
+    K/V (R tokens) go round all P. Documents must not cross the regions (the host plan ensures it)."""
     shapes = "context.attention takes q[B, T/P, N, H], k/v[B, T/P, K, H], segments[B, T/P]"
     chex.assert_rank([q, k, v], 4, custom_message=shapes)
     chex.assert_equal_shape([k, v], custom_message=shapes)
@@ -342,15 +418,21 @@ def attention(q, k, v, seq: SeqLayout, blocks: BlockAttention, segments=None, lo
     if segments is not None:
         chex.assert_shape(segments, q.shape[:2], custom_message=shapes)
         chex.assert_type(segments, int, custom_message=shapes)
-    if seq.local:
-        n_local = seq.regions(q.shape[SEQ_DIM] * seq.size)[0]
-        if local_attention is None:
+    if seq.local or seq.groups:
+        if local_attention is None and seq.local:
             raise ValueError("context.attention with a local region needs local_attention (one device's attention)")
-        head = lambda x: None if x is None else x[:, :n_local]
-        tail = lambda x: None if x is None else x[:, n_local:]
-        o_local = local_attention(head(q), head(k), head(v), head(segments))
-        o_ring = attention(tail(q), tail(k), tail(v), dataclasses.replace(seq, local=0.0), blocks, tail(segments))
-        return jnp.concatenate([o_local.astype(q.dtype), o_ring], axis=SEQ_DIM)
+        outs, first = [], 0
+        for g, n in zip(seq.tiers(), seq.regions(q.shape[SEQ_DIM] * seq.size)):
+            part = lambda x: None if x is None else x[:, first : first + n]
+            if g == 1 and n:
+                outs.append(local_attention(part(q), part(k), part(v), part(segments)).astype(q.dtype))
+            elif n:
+                tier = dataclasses.replace(seq, local=0.0, groups=(), group=0 if g == seq.size else g)
+                outs.append(attention(part(q), part(k), part(v), tier, blocks, part(segments)))
+            first += n
+        return jnp.concatenate(outs, axis=SEQ_DIM)
+    if seq.group and seq.variant != "ring":
+        raise ValueError(f"context_parallel={seq.variant!r} within groups of {seq.group}: only 'ring' runs in groups")
     return {"ring": ring_attention, "allgather": allgather_attention, "tokenring": tokenring_attention}[seq.variant](
         q, k, v, segments, seq, blocks
     )
