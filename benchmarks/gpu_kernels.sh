@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issue 35's target table in one call on one GPU (an H100 or H200; under 8 minutes): every kernel
+# against its vendor baseline, side by side in the same process, with a correctness column.
+#   1. check: each kernel against its reference on the device (benchmarks/gpu_check.py);
+#   2. flash attention, bf16, T = 4K and 16K, H = 64 and 128, causal and full, forward and
+#      forward+backward: the Triton kernel, the Mosaic GPU kernel (sm90+), cuDNN
+#      (jax.nn.dot_product_attention), tokamax's Mosaic kernel, the XLA reference; ratios to cuDNN;
+#   3. quantized matmul on the llama-7B and -70B shapes, batch 1-128: W8A16 / W4A16 / W8A8 with split-K
+#      chosen from the SM count and without (split_k=1), XLA's bf16 dot; ratios to the bf16 dot;
+#   4. llama_1b training on one GPU: the step with the Pallas attention kernel against cuDNN's, and
+#      fp8 matmuls (model.quant_train=fp8) against bf16 over 200 steps (tokens/s and the last loss).
+# Each step has its own time limit and writes its log / JSON under $OUT, so one that fails loses
+# nothing else; everything is copied to docs/benchmarks/gpu_kernels_<date>/ at the end.
+#
+#   bash benchmarks/gpu_wheels.sh                 # here, once: the wheels the GPU image lacks, in .whl/
+#   bash benchmarks/gpu_kernels.sh                # on the GPU machine (carry .whl), repository root
+#   CPU=1 bash benchmarks/gpu_kernels.sh          # every command on CPU with tiny stand-ins (a check)
+#   PARTS=flash,quant bash benchmarks/gpu_kernels.sh   # a subset: check, flash, quant, train
+TAIL=${TAIL:-30}
+source "$(dirname "$0")/gpu_common.sh"  # OUT, PY, PYTHONPATH, .whl installs and step()
+DATE=${DATE:-$(date -u +%F)}
+PARTS=${PARTS:-check,flash,quant,train}
+has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
+if [ "${CPU:-0}" = 1 ]; then  # tiny stand-ins: interpret mode, configs/tiny.py
+  export JAX_PLATFORMS=cpu
+  CHECK="--small" FLASH="--interpret-smoke" QUANT="--smoke" CONFIG=configs/tiny.py BATCH=4 STEPS=6 FP8_STEPS=6
+  DEVICE="CPU stand-in" DEST=${DEST:-}
+else
+  CHECK="" QUANT="--models llama-7b,llama-70b --batches 1,2,4,8,16,32,64,128 --repeats 3"
+  FLASH="--seq-lens 4096,16384 --tokens 32768 --repeats 3 --min-time 0.02"
+  CONFIG=configs/llama_1b.py BATCH=8 STEPS=30 FP8_STEPS=200
+  DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n1)
+  DEST=${DEST:-docs/benchmarks/gpu_kernels_$DATE}
+fi
+echo "device: ${DEVICE:-unknown}; parts: $PARTS"
+$PY -c "import jax; print('jax', jax.__version__, jax.devices())"
+$PY -c "import tokamax; print('tokamax', tokamax.__version__)" 2> /dev/null \
+  || echo "tokamax is not installed: its column is skipped (bash benchmarks/gpu_wheels.sh, then carry .whl)"
+
+has check && step check 40 $PY benchmarks/gpu_check.py $CHECK --out "$OUT/check.json"
+if has flash; then
+  step flash64 75 $PY -m jaxsys.kernels.flash_attention.bench $FLASH --head-dims 64 --out "$OUT/flash_h64.json"
+  step flash128 75 $PY -m jaxsys.kernels.flash_attention.bench $FLASH --head-dims 128 --out "$OUT/flash_h128.json"
+fi
+has quant && step quant 85 $PY -m jaxsys.kernels.quantized_matmul.bench $QUANT --out "$OUT/quantized_matmul.json"
+if has train; then
+  # one bf16 cuDNN run is the baseline of both comparisons: the Pallas kernel's step (its first
+  # STEPS steps' windows) and fp8 over FP8_STEPS steps
+  TRAIN="$PY -m jaxsys.train --config $CONFIG --config.train.batch_size=$BATCH --config.train.log_every=10 \
+    --config.train.eval_every=0 --config.train.progress=False --config.checkpoint.enabled=False"
+  ATTN=cudnn; [ "${CPU:-0}" = 1 ] && ATTN=reference  # cuDNN needs a GPU
+  rm -rf /tmp/gk_train && mkdir -p /tmp/gk_train
+  step train_bf16 75 $TRAIN --workdir /tmp/gk_train/bf16 --config.train.steps=$FP8_STEPS --config.model.attention_impl=$ATTN
+  step train_pallas 45 $TRAIN --workdir /tmp/gk_train/pallas --config.train.steps=$STEPS --config.model.attention_impl=pallas
+  step train_fp8 75 $TRAIN --workdir /tmp/gk_train/fp8 --config.train.steps=$FP8_STEPS --config.model.attention_impl=$ATTN \
+    --config.model.quant_train=fp8
+  step train_table 10 $PY benchmarks/train_table.py --runs bf16_$ATTN=/tmp/gk_train/bf16,pallas=/tmp/gk_train/pallas,fp8=/tmp/gk_train/fp8 \
+    --json "$OUT/train.json"
+fi
+# at most 8 files come back from a lent machine: the logs go into one
+for f in "$OUT"/*.log; do echo "===== $(basename "$f")"; cat "$f"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+if [ -n "$DEST" ]; then
+  mkdir -p "$DEST" && cp "$OUT"/*.json "$OUT/logs.txt" "$DEST/" && echo "copied to $DEST"
+fi
+ls -la "$OUT"
