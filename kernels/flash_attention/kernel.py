@@ -9,6 +9,11 @@ Forward, one program per (q block i, b, n): q_i[block_q, H] stays resident while
 kv blocks of kv head n // G, keeping the running row max m, row sum l and unnormalised output acc
 in fp32; at the end o = acc / l and lse = m + log l.
 
+exp2: the scores are multiplied once by scale * log2(e), so every exponential is exp2 (one ex2 on a
+GPU, where exp costs an extra multiply per score element); m is then in log2 units and the lse
+written out is converted back to natural log (m * ln 2 + log l), so its contract is unchanged. The
+backward likewise computes P = exp2(s * scale * log2(e) - lse * log2(e)).
+
 Backward (FlashAttention-2's split, no atomics), with P = exp(s - lse), dP = dO V^T and
 Delta = rowsum(dO * O) - dlse (the lse cotangent folds in here: d lse_i / d s_ij = P_ij):
 - dq kernel, one program per (q block, b, n): loops over kv blocks, dQ = scale * sum dS K with
@@ -29,6 +34,11 @@ padded queries carry dO = 0 and are sliced off, so they add nothing to dk/dv.
 
 Empty rows (nothing visible, e.g. a query whose segment has no keys in this block) give o = 0 and
 lse = -inf and contribute nothing to the gradients; no NaN is produced on the way.
+
+Tiles and launch parameters. block_q / block_k (and the backward's) left None come from the
+tuning cache for (head dim, dtype, causal, T bucket) on the current device kind (kernels/tuning.py,
+docs/kernels_tuning.md), else 128; Triton's num_warps / num_stages likewise, else the per-head-dim
+defaults of `_default_launch`. Explicit arguments win. The TPU variant is not tuned.
 
 Platforms. The kernels here are the "generic" variant (interpret mode on CPU, Triton on GPU); TPUs
 get kernel_tpu.py's Mosaic variant. The public functions choose per lowering platform with
@@ -616,7 +626,8 @@ def flash_attention(
     `reference.attention`.
 
     block_q, block_k: forward tiles; block_q_bwd, block_k_bwd: backward tiles, default the forward
-    ones. The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
+    ones. None (the default): the tuning cache's tiles for this shape on this device, else 128
+    (module docstring). The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
     the TPU kernel rounds them up to multiples of 128 (at most the padded sequence).
     backend: None picks by the platform the program is lowered for (Mosaic kernels on TPU, the
     generic kernels elsewhere), "tpu" or "generic" forces one. interpret: None interprets when
