@@ -78,6 +78,20 @@ def _grid(**axes) -> list[dict]:
 # flash attention
 
 
+def flash_stages(h: int, smoke: bool = False) -> list:
+    """[(metric, candidates)] of the flash sweep at head dim h."""
+    if smoke:
+        return [("fwd_bwd", [dict(block_q=16, block_k=16), dict(block_q=32, block_k=16)])]
+    # At H > 64 the kernel caps block_k at 64 (shared memory), so larger key tiles are not tried.
+    ks = [32, 64] if h > 64 else [32, 64, 128]
+    qs = [64, 128]
+    return [
+        ("fwd", _grid(block_q=qs, block_k=ks)),
+        ("fwd_bwd", _grid(block_q_bwd=qs, block_k_bwd=ks)),
+        ("fwd_bwd", _grid(num_warps=[4, 8], num_stages=[1, 2, 3])),
+    ]
+
+
 def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smoke: bool = False) -> Problem:
     b, n = (1, 2) if smoke else (max(1, args.tokens // t), max(1, args.hidden // h))
     key = jax.random.split(jax.random.PRNGKey(t * 1000 + h + int(causal)), 4)
@@ -118,22 +132,11 @@ def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smo
             return max(_rel_err(one(o), ref_o), _rel_err(lse[:1, :1], ref_lse))
         return max(_rel_err(one(got), want) for got, want in zip(out, (ref_o, *ref_grads)))
 
-    if smoke:
-        stages = [("fwd_bwd", [dict(block_q=16, block_k=16), dict(block_q=32, block_k=16)])]
-    else:
-        # At H > 64 the kernel caps block_k at 64 (shared memory), so larger key tiles are not tried.
-        ks = [32, 64] if h > 64 else [32, 64, 128]
-        qs = [64, 128]
-        stages = [
-            ("fwd", _grid(block_q=qs, block_k=ks)),
-            ("fwd_bwd", _grid(block_q_bwd=qs, block_k_bwd=ks)),
-            ("fwd_bwd", _grid(num_warps=[4, 8], num_stages=[1, 2, 3])),
-        ]
     return Problem(
         kernel="flash_attention",
         shape_class=tuning.flash_attention_class(head_dim=h, dtype=dtype, causal=causal, seq_len=t),
         shape=dict(B=b, T=t, N=n, K=n, H=h, causal=causal, dtype=jnp.dtype(dtype).name),
-        stages=stages,
+        stages=flash_stages(h, smoke),
         build=build,
         error=error,
         tolerance=FLASH_TOL,
@@ -184,6 +187,18 @@ def _quant_reference(kind, group):
     return lambda data, w: qref.matmul_w8a8(*data, *w, jnp.bfloat16)
 
 
+def quant_stages(kind: str, m: int, smoke: bool = False) -> list:
+    """[(metric, candidates)] of the quantized-matmul sweep for one format and M."""
+    if smoke:
+        extra = {} if kind == "w4a16" else dict(block_k=32)
+        return [("call", [dict(block_m=16, block_n=16, **extra), dict(block_m=16, block_n=32, **extra)])]
+    tiles = dict(block_m=[b for b in (16, 32, 64, 128) if b <= max(16, tuning.pow2_bucket(m))])
+    tiles["block_n"] = [32, 64, 128, 256]
+    if kind != "w4a16":  # W4A16 steps one quantization group at a time: no block_k
+        tiles["block_k"] = [64, 128, 256]
+    return [("call", _grid(**tiles)), ("call", _grid(num_warps=[2, 4, 8], num_stages=[2, 3, 4]))]
+
+
 def quant_problem(kind, m, k, n, args, *, smoke: bool = False) -> Problem:
     group = args.group_size if kind == "w4a16" else None
     weight_bytes = k * n // (2 if kind == "w4a16" else 1)
@@ -200,20 +215,11 @@ def quant_problem(kind, m, k, n, args, *, smoke: bool = False) -> Problem:
     def error(out, metric):
         return _rel_err(out[0], want)
 
-    if smoke:
-        extra = {} if kind == "w4a16" else dict(block_k=32)
-        stages = [("call", [dict(block_m=16, block_n=16, **extra), dict(block_m=16, block_n=32, **extra)])]
-    else:
-        tiles = dict(block_m=[b for b in (16, 32, 64, 128) if b <= max(16, tuning.pow2_bucket(m))])
-        tiles["block_n"] = [32, 64, 128, 256]
-        if kind != "w4a16":  # W4A16 steps one quantization group at a time: no block_k
-            tiles["block_k"] = [64, 128, 256]
-        stages = [("call", _grid(**tiles)), ("call", _grid(num_warps=[2, 4, 8], num_stages=[2, 3, 4]))]
     return Problem(
         kernel="quantized_matmul",
         shape_class=tuning.quantized_matmul_class(kind=kind, m=m, k=k, n=n, group_size=group),
         shape=dict(kind=kind, M=m, K=k, N=n, group=group or 0, weight_copies=copies),
-        stages=stages,
+        stages=quant_stages(kind, m, smoke),
         build=build,
         error=error,
         tolerance=QUANT_TOL,

@@ -261,3 +261,45 @@ def test_sweep_smoke_writes_a_valid_file_whose_winner_is_correct(tmp_path, monke
     (tmp_path / "other.json").write_text(out.read_text().replace('"device_kind": "cpu"', '"device_kind": "X"'))
     with pytest.raises(ValueError, match="not this"):
         tune.merge(str(tmp_path / "other.json"), "cpu", "flash_attention", {}, {})
+
+
+def test_sweep_candidates_are_valid_and_include_the_defaults():
+    for h in (64, 128, 256):
+        stages = tune.flash_stages(h)
+        assert [metric for metric, _ in stages] == ["fwd", "fwd_bwd", "fwd_bwd"]
+        for _, candidates in stages:
+            for c in candidates:
+                tuning.validate_config("flash_attention", c)
+                assert h <= 64 or c.get("block_k", 0) <= kernel.GPU_MAX_BLOCK_K_WIDE_HEADS
+        default_tiles = {"block_q": 128, "block_k": 128 if h <= 64 else 64}
+        assert default_tiles in stages[0][1]
+        warps, num_stages = kernel._default_launch(h)
+        assert {"num_warps": warps, "num_stages": num_stages} in stages[2][1]
+    for kind in tuning.QUANTIZED_KINDS:
+        for m in (1, 16, 128):
+            tiles, launch = tune.quant_stages(kind, m)
+            for c in tiles[1] + launch[1]:
+                tuning.validate_config("quantized_matmul", c)
+            assert all(c["block_m"] <= max(16, m) for c in tiles[1])
+            assert all(("block_k" in c) == (kind != "w4a16") for c in tiles[1])
+            assert {"num_warps": 4, "num_stages": 3} in launch[1]  # Triton's defaults
+
+
+def test_candidate_checks_catch_wrong_outputs():
+    """The forward-only check of flash attention (output and lse) and the quantized matmul's check
+    pass the kernel's own output and fail a perturbed one."""
+    args = tune.parse_args(["--kernel", "flash_attention", "--interpret", "--smoke"])
+    problem = tune.flash_problem(32, 16, True, args, dtype=jnp.float32, smoke=True)
+    with tuning.use_config("flash_attention", {"block_q": 16, "block_k": 16}):
+        fn, inputs = problem.build({}, "fwd")
+        o, lse = fn(*inputs)
+    assert problem.error((o, lse), "fwd") < 1e-5
+    assert problem.error((o.at[0, 5, 0, 0].add(0.1), lse), "fwd") > problem.tolerance
+    assert problem.error((o, lse.at[0, 0, 7].add(0.1)), "fwd") > problem.tolerance
+    args = tune.parse_args(["--kernel", "quantized_matmul", "--interpret", "--smoke"])
+    args.group_size = 32
+    problem = tune.quant_problem("w8a16", 4, 64, 64, args, smoke=True)
+    fn, inputs = problem.build({"block_m": 16, "block_n": 32, "block_k": 32}, "call")
+    out = fn(*inputs)
+    assert problem.error(out, "call") <= problem.tolerance
+    assert problem.error([out[0] * 1.1], "call") > problem.tolerance
