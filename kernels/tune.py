@@ -143,11 +143,16 @@ def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smo
     )
 
 
-def flash_problems(args) -> list[Problem]:
+def flash_problems(args):
+    """The problems one at a time (each holds its operands and reference on the device)."""
     if args.smoke:
-        return [flash_problem(32, 16, True, args, dtype=jnp.float32, smoke=True)]
+        yield flash_problem(32, 16, True, args, dtype=jnp.float32, smoke=True)
+        return
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    return [flash_problem(t, h, c, args) for h in args.head_dims for t in args.seq_lens for c in causals]
+    for h in args.head_dims:
+        for t in args.seq_lens:
+            for c in causals:
+                yield flash_problem(t, h, c, args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,11 +231,17 @@ def quant_problem(kind, m, k, n, args, *, smoke: bool = False) -> Problem:
     )
 
 
-def quant_problems(args) -> list[Problem]:
+def quant_problems(args):
+    """The problems one at a time (each holds its weight copies on the device)."""
     if args.smoke:
         args.group_size = 32
-        return [quant_problem(kind, 4, 64, 64, args, smoke=True) for kind in args.formats]
-    return [quant_problem(kind, m, k, n, args) for kind in args.formats for (k, n) in args.layers for m in args.batches]
+        for kind in args.formats:
+            yield quant_problem(kind, 4, 64, 64, args, smoke=True)
+        return
+    for kind in args.formats:
+        for k, n in args.layers:
+            for m in args.batches:
+                yield quant_problem(kind, m, k, n, args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +302,14 @@ def merge(path: str, device_kind: str, kernel: str, entries: dict, header: dict)
     return data
 
 
+def write(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
 def parse_args(argv=None):
     ints = lambda s: [int(x) for x in s.split(",") if x]
     layers = lambda s: [tuple(int(d) for d in x.split("x")) for x in s.split(",") if x]
@@ -340,30 +359,33 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(tuning.CACHE_DIR, tuning.device_file_name(device_kind) + ".json")
     if args.smoke:
         args.repeats, args.min_time = 1, 0.0
-    problems = flash_problems(args) if args.kernel == "flash_attention" else quant_problems(args)
     command = "python -m jaxsys.kernels.tune " + " ".join(sys.argv[1:] if argv is None else argv)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    entries = {}
+    header = dict(jax=jax.__version__, date=now, command=command, device_kind=device_kind)
+    if args.smoke:
+        header["note"] = "smoke run: tiny shapes, interpret mode; the timings mean nothing"
+    try:
+        merge(out, device_kind, args.kernel, {}, header)  # refuse a foreign or malformed file before sweeping
+    except (OSError, ValueError) as e:
+        print(f"jaxsys.kernels.tune: refusing: {e}", file=sys.stderr)
+        return 2
+    problems = flash_problems(args) if args.kernel == "flash_attention" else quant_problems(args)
+    entries, count = {}, 0
     for problem in problems:
+        count += 1
         print(f"{problem.kernel} {tuning.shape_key(problem.shape_class)}  shape {problem.shape}", flush=True)
         entry = sweep(problem, args)
         if entry is None:
             print("  no candidate passed: nothing stored for this shape class", flush=True)
             continue
         entry |= dict(date=now, jax=jax.__version__, interpret=bool(args.interpret))
-        entries[tuning.shape_key(problem.shape_class)] = entry
+        key = tuning.shape_key(problem.shape_class)
+        entries[key] = entry
         print(f"  winner {entry['config']}  {entry['time_ms']:.4f} ms", flush=True)
-    header = dict(jax=jax.__version__, date=now, command=command, device_kind=device_kind)
-    if args.smoke:
-        header["note"] = "smoke run: tiny shapes, interpret mode; the timings mean nothing"
-    data = merge(out, device_kind, args.kernel, entries, header)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.write("\n")
+        write(out, merge(out, device_kind, args.kernel, {key: entry}, header))  # after each: a crash keeps them
     tuning.clear_cache()
-    print(f"wrote {len(entries)} of {len(problems)} shape classes to {out}")
-    return 0 if entries or not problems else 1
+    print(f"wrote {len(entries)} of {count} shape classes to {out}")
+    return 0 if entries or not count else 1
 
 
 if __name__ == "__main__":

@@ -261,6 +261,11 @@ def test_sweep_smoke_writes_a_valid_file_whose_winner_is_correct(tmp_path, monke
     (tmp_path / "other.json").write_text(out.read_text().replace('"device_kind": "cpu"', '"device_kind": "X"'))
     with pytest.raises(ValueError, match="not this"):
         tune.merge(str(tmp_path / "other.json"), "cpu", "flash_attention", {}, {})
+    before = (tmp_path / "other.json").read_text()
+    assert (
+        tune.main(["--kernel", "flash_attention", "--interpret", "--smoke", "--out", str(tmp_path / "other.json")]) == 2
+    )
+    assert (tmp_path / "other.json").read_text() == before
 
 
 def test_sweep_candidates_are_valid_and_include_the_defaults():
