@@ -43,6 +43,8 @@ __all__ = [
     "pow2_bucket",
     "quantized_matmul_class",
     "quantized_matmul_config",
+    "QUANTIZED_KINDS",
+    "read_file",
     "shape_key",
     "use_config",
     "validate_config",
