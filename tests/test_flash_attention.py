@@ -340,3 +340,34 @@ def test_lowers_through_triton_for_a_gpu_ahead_of_time():
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3  # fwd, dq, dk/dv
+
+
+def test_kernels_use_exp2_not_exp():
+    """The generic kernels fold scale * log2(e) into the scores and exponentiate with exp2 (one
+    ex2 per element on a GPU): no `exp` is left in the forward or the two backward kernel bodies."""
+    q = jnp.ones((1, 32, 2, 16), jnp.float32)
+    bodies: dict = {}  # pallas_call name -> primitives of its kernel body
+
+    def subjaxprs(eqn):
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                if hasattr(sub, "eqns"):
+                    yield sub
+                elif hasattr(sub, "jaxpr"):
+                    yield sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr
+
+    def walk(jaxpr, into=None):
+        for eqn in jaxpr.eqns:
+            if into is not None:
+                into.add(eqn.primitive.name)
+            if eqn.primitive.name == "pallas_call" and into is None:
+                walk(eqn.params["jaxpr"], bodies.setdefault(eqn.params["name"], set()))
+            else:
+                for sub in subjaxprs(eqn):
+                    walk(sub, into)
+
+    loss = lambda q: jnp.sum(flash_attention(q, q, q, causal=True, interpret=True, **BLOCKS))
+    walk(jax.make_jaxpr(jax.grad(loss))(q).jaxpr)
+    assert set(bodies) == {"flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkdv"}
+    for name, prims in bodies.items():
+        assert "exp2" in prims and "exp" not in prims, (name, sorted(prims))

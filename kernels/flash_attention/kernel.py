@@ -9,6 +9,11 @@ Forward, one program per (q block i, b, n): q_i[block_q, H] stays resident while
 kv blocks of kv head n // G, keeping the running row max m, row sum l and unnormalised output acc
 in fp32; at the end o = acc / l and lse = m + log l.
 
+exp2: the scores are multiplied once by scale * log2(e), so every exponential is exp2 (one ex2 on a
+GPU, where exp costs an extra multiply per score element); m is then in log2 units and the lse
+written out is converted back to natural log (m * ln 2 + log l), so its contract is unchanged. The
+backward likewise computes P = exp2(s * scale * log2(e) - lse * log2(e)).
+
 Backward (FlashAttention-2's split, no atomics), with P = exp(s - lse), dP = dO V^T and
 Delta = rowsum(dO * O) - dlse (the lse cotangent folds in here: d lse_i / d s_ij = P_ij):
 - dq kernel, one program per (q block, b, n): loops over kv blocks, dQ = scale * sum dS K with
@@ -30,6 +35,11 @@ padded queries carry dO = 0 and are sliced off, so they add nothing to dk/dv.
 Empty rows (nothing visible, e.g. a query whose segment has no keys in this block) give o = 0 and
 lse = -inf and contribute nothing to the gradients; no NaN is produced on the way.
 
+Tiles and launch parameters. block_q / block_k (and the backward's) left None come from the
+tuning cache for (head dim, dtype, causal, T bucket) on the current device kind (kernels/tuning.py,
+docs/kernels_tuning.md), else 128; Triton's num_warps / num_stages likewise, else the per-head-dim
+defaults of `_default_launch`. Explicit arguments win. The TPU variant is not tuned.
+
 Platforms. The kernels here are the "generic" variant (interpret mode on CPU, Triton on GPU); TPUs
 get kernel_tpu.py's Mosaic variant. The public functions choose per lowering platform with
 `lax.platform_dependent` (every branch is traced, only the one for the platform being lowered
@@ -48,7 +58,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .. import platforms
+from .. import platforms, tuning
 from . import kernel_tpu
 from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
 
@@ -57,6 +67,11 @@ __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backwa
 # Finite stand-in for -inf inside the kernels: masked scores never win a row max, and
 # exp(MASK - m) is 0 or (for an all-masked block) exp(0), which the visibility mask then zeroes.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Scores are kept in log2 units (scale * log2(e) folded into one multiply) so that the softmax
+# exponentials are exp2, one ex2 instruction on a GPU; lse leaves the kernel in natural log.
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+DEFAULT_BLOCK = 128  # the tiles when neither the caller nor the tuning cache gives one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +85,8 @@ class _Config:
     bwd_block_q: int
     bwd_block_k: int
     interpret: bool
+    num_warps: int | None = None  # Triton launch parameters; None: _compiler_params' defaults
+    num_stages: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,13 +166,14 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
     q = q_ref[...]
     q_seg = None if qs_ref is None else qs_ref[...]
     h = q.shape[-1]
+    qk_scale = cfg.scale * LOG2_E  # s, m below are in log2 units
 
     def body(j, carry, *, causal_mask: bool):
         acc, m, l = carry
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = _dot(q, k, 1, 1) * cfg.scale  # [bq, bk]
+        s = _dot(q, k, 1, 1) * qk_scale  # [bq, bk]
         mask = _visible(
             i * bq,
             start,
@@ -168,8 +186,8 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         l = alpha * l + jnp.sum(p, axis=1)
@@ -189,17 +207,18 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
     nonempty = l > 0.0
     l_safe = jnp.where(nonempty, l, 1.0)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf)
+    lse_ref[...] = jnp.where(nonempty, m * LN_2 + jnp.log(l_safe), -jnp.inf)  # natural log: the contract
 
 
 # ----------------------------------------------------------------------------------------------
 # Backward kernels.
 
 
-def _p_and_ds(q, k, v, do, lse, delta, mask, scale):
-    """P = exp(s - lse) (0 where masked) and dS = P * (dO V^T - Delta), both [bq, bk] fp32."""
-    s = _dot(q, k, 1, 1) * scale
-    p = jnp.exp(s - lse[:, None])
+def _p_and_ds(q, k, v, do, lse2, delta, mask, scale):
+    """P = exp(s - lse) (0 where masked) and dS = P * (dO V^T - Delta), both [bq, bk] fp32. lse2 is
+    lse * log2(e): P is computed as exp2(s * log2(e) - lse2), the scale folded into one multiply."""
+    s2 = _dot(q, k, 1, 1) * (scale * LOG2_E)
+    p = jnp.exp2(s2 - lse2[:, None])
     if mask is not None:  # also covers empty rows, whose lse is -inf and whose p would be inf
         p = jnp.where(mask, p, 0.0)
     dp = _dot(do, v, 1, 1)
@@ -212,7 +231,7 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = ins
     bq, bk = cfg.block_q, cfg.block_k
     i = pl.program_id(0)
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q, do, lse2, delta = q_ref[...], do_ref[...], lse_ref[...] * LOG2_E, delta_ref[...]
     q_seg = None if qs_ref is None else qs_ref[...]
 
     def body(j, dq, *, causal_mask: bool):
@@ -228,7 +247,7 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
             q_seg=q_seg,
             kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)],
         )
-        _, ds = _p_and_ds(q, k, v, do, lse, delta, mask, cfg.scale)
+        _, ds = _p_and_ds(q, k, v, do, lse2, delta, mask, cfg.scale)
         return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -269,7 +288,7 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has
             q_seg=None if qs_ref is None else qs_ref[rows],
             kv_seg=kv_seg,
         )
-        p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], mask, cfg.scale)
+        p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows] * LOG2_E, delta_ref[g, rows], mask, cfg.scale)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
         dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
         return dk, dv
@@ -294,15 +313,24 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has
 # pallas_call wrappers (padded inputs in, padded outputs out).
 
 
-def _compiler_params(head_dim: int, interpret: bool):
-    """Triton launch parameters on GPU (JAX's own Triton attention uses the same for H <= 128;
-    one pipeline stage for H = 256 keeps the tiles within shared memory). Only the tiles were swept
-    on a GPU (H200, docs/benchmarks/h200_2026-11-26.md), not these. None elsewhere."""
+def _default_launch(head_dim: int) -> tuple[int, int]:
+    """(num_warps, num_stages) without a tuned entry: JAX's own Triton attention uses the same for
+    H <= 128; one pipeline stage for H = 256 keeps the tiles within shared memory. Not swept on a
+    GPU yet (the H200 sweep of docs/benchmarks/h200_2026-11-26.md covered the tiles only)."""
+    return (4 if head_dim <= 64 else 8), (2 if head_dim <= 128 else 1)
+
+
+def _compiler_params(head_dim: int, interpret: bool, num_warps: int | None = None, num_stages: int | None = None):
+    """Triton launch parameters on GPU: the given ones (from the tuning cache) or the defaults
+    above. None elsewhere."""
     if interpret or jax.default_backend() != "gpu":
         return None
     from jax.experimental.pallas import triton as pl_triton
 
-    return pl_triton.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2 if head_dim <= 128 else 1)
+    warps, stages = _default_launch(head_dim)
+    return pl_triton.CompilerParams(
+        num_warps=warps if num_warps is None else num_warps, num_stages=stages if num_stages is None else num_stages
+    )
 
 
 def _segment_specs(q_seg, kv_seg, q_block: int, kv_block: int, *, grid_over_q: bool):
@@ -341,7 +369,7 @@ def _forward_padded(q, k, v, q_seg, kv_seg, cfg: _Config, kv_len):
             pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)],
-        compiler_params=_compiler_params(h, cfg.interpret),
+        compiler_params=_compiler_params(h, cfg.interpret, cfg.num_warps, cfg.num_stages),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(q, k, v, *seg_args)
@@ -352,7 +380,7 @@ def _backward_padded(q, k, v, q_seg, kv_seg, do, lse, delta, cfg: _Config, kv_le
     sp, kh = k.shape[1], k.shape[2]
     bq, bk, g = cfg.block_q, cfg.block_k, n // kh
     has_segments = q_seg is not None
-    params = _compiler_params(h, cfg.interpret)
+    params = _compiler_params(h, cfg.interpret, cfg.num_warps, cfg.num_stages)
 
     seg_specs, seg_args = _segment_specs(q_seg, kv_seg, bq, sp, grid_over_q=True)
     q_blk = pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0))
@@ -409,6 +437,25 @@ def _pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
+def _resolve_blocks(block_q, block_k, block_q_bwd, block_k_bwd, *, head_dim, dtype, causal, seq_len):
+    """(block_q, block_k, block_q_bwd, block_k_bwd, tuned): explicit arguments win; a tile left None
+    comes from the tuning cache for this shape class on this device (kernels/tuning.py), else
+    DEFAULT_BLOCK. Backward tiles default to the cached backward tiles when the forward ones were
+    not given explicitly, otherwise to the forward tiles. `tuned` also carries num_warps/num_stages."""
+    tuned = tuning.flash_attention_config(head_dim=head_dim, dtype=dtype, causal=causal, seq_len=seq_len)
+    bwd = []
+    resolved = []
+    for given, given_bwd, name in ((block_q, block_q_bwd, "block_q"), (block_k, block_k_bwd, "block_k")):
+        if given is None:
+            given = tuned.get(name, DEFAULT_BLOCK)
+            fallback_bwd = tuned.get(name + "_bwd", given)
+        else:
+            fallback_bwd = given
+        resolved.append(given)
+        bwd.append(fallback_bwd if given_bwd is None else given_bwd)
+    return resolved[0], resolved[1], bwd[0], bwd[1], tuned
+
+
 def _prepare(
     q,
     k,
@@ -443,8 +490,6 @@ def _prepare(
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
     t, s, h = q.shape[1], k.shape[1], q.shape[3]
-    block_q_bwd = block_q if block_q_bwd is None else block_q_bwd
-    block_k_bwd = block_k if block_k_bwd is None else block_k_bwd
     scale = float(h**-0.5 if softmax_scale is None else softmax_scale)
     generic_cfg = tpu_cfg = None
     if backend != "tpu":  # Triton's tile rules (powers of two >= 16)
@@ -452,16 +497,25 @@ def _prepare(
         # against 227 KiB at 128 x 128), and (128, 64) measured fastest on an H200
         # (docs/benchmarks/h200_2026-11-26.md): cap the key tile at 64 there.
         cap_k = lambda b: min(b, GPU_MAX_BLOCK_K_WIDE_HEADS) if h > 64 else b
+        bq, bk, bq_bwd, bk_bwd, tuned = _resolve_blocks(
+            block_q, block_k, block_q_bwd, block_k_bwd, head_dim=h, dtype=q.dtype, causal=causal, seq_len=t
+        )
         generic_cfg = _Config(
             scale=scale,
             causal=bool(causal),
-            block_q=_block_size(block_q, t, "block_q"),
-            block_k=cap_k(_block_size(block_k, s, "block_k")),
-            bwd_block_q=_block_size(block_q_bwd, t, "block_q_bwd"),
-            bwd_block_k=cap_k(_block_size(block_k_bwd, s, "block_k_bwd")),
+            block_q=_block_size(bq, t, "block_q"),
+            block_k=cap_k(_block_size(bk, s, "block_k")),
+            bwd_block_q=_block_size(bq_bwd, t, "block_q_bwd"),
+            bwd_block_k=cap_k(_block_size(bk_bwd, s, "block_k_bwd")),
             interpret=True,
+            num_warps=tuned.get("num_warps"),
+            num_stages=tuned.get("num_stages"),
         )
-    if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused)
+    if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused); not tuned
+        block_q = DEFAULT_BLOCK if block_q is None else block_q
+        block_k = DEFAULT_BLOCK if block_k is None else block_k
+        block_q_bwd = block_q if block_q_bwd is None else block_q_bwd
+        block_k_bwd = block_k if block_k_bwd is None else block_k_bwd
         tpu_cfg = kernel_tpu.TpuConfig(
             scale=scale,
             causal=bool(causal),
@@ -560,8 +614,8 @@ def flash_attention(
     kv_segment_ids=None,
     softmax_scale=None,
     return_lse=False,
-    block_q=128,
-    block_k=128,
+    block_q=None,
+    block_k=None,
     interpret=None,
     block_q_bwd=None,
     block_k_bwd=None,
@@ -572,7 +626,8 @@ def flash_attention(
     `reference.attention`.
 
     block_q, block_k: forward tiles; block_q_bwd, block_k_bwd: backward tiles, default the forward
-    ones. The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
+    ones. None (the default): the tuning cache's tiles for this shape on this device, else 128
+    (module docstring). The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
     the TPU kernel rounds them up to multiples of 128 (at most the padded sequence).
     backend: None picks by the platform the program is lowered for (Mosaic kernels on TPU, the
     generic kernels elsewhere), "tpu" or "generic" forces one. interpret: None interprets when
@@ -606,8 +661,8 @@ def flash_attention_forward(
     q_segment_ids=None,
     kv_segment_ids=None,
     softmax_scale=None,
-    block_q=128,
-    block_k=128,
+    block_q=None,
+    block_k=None,
     interpret=None,
     block_q_bwd=None,
     block_k_bwd=None,
@@ -646,8 +701,8 @@ def flash_attention_backward(
     q_segment_ids=None,
     kv_segment_ids=None,
     softmax_scale=None,
-    block_q=128,
-    block_k=128,
+    block_q=None,
+    block_k=None,
     interpret=None,
     backend=None,
 ):
