@@ -70,6 +70,17 @@ def test_choose_split_k_by_hand():
     assert c(1, 4096, 4096, cores=16) == 1 and c(1, 4096, 4096, cores=40) == 3  # ceil(80 / 32)
 
 
+def test_split_k_for_resolves_what_the_kernels_run():
+    """The tiles first (N = 11008: block_n 128 divides it; N = 200: padded to 256), then the
+    chooser or the explicit value, made even."""
+    assert kernel.split_k_for(1, 4096, 4096, cores=132) == 8
+    assert kernel.split_k_for(1, 11008, 4096, block_k=0, group_size=128, cores=132) == 9
+    assert kernel.split_k_for(1, 4096, 11008, group_size=32, cores=132) == 4
+    assert kernel.split_k_for(1, 4096, 4096, cores=None) == 1 and kernel.split_k_for(128, 4096, 4096, cores=132) == 1
+    assert kernel.split_k_for(1, 1280, 200, split_k=6) == 5  # 10 K blocks: 5 splits of 2
+    assert kernel.split_k_for(1, 256, 200, split_k=64) == 2  # at most one split per K block
+
+
 def test_even_splits_leave_no_split_empty():
     assert kernel._even_splits(6, 10) == 5  # 2 + 2 + 2 + 2 + 2, not a sixth empty split
     assert kernel._even_splits(4, 10) == 4  # 3 + 3 + 3 + 1
@@ -329,3 +340,28 @@ def test_model_decode_path_splits_k_on_an_h100(fmt):
             assert want in text
         else:
             assert not re.search(r"-> tensor<\d+x\d+x\d+x[fi]32>", text)
+
+
+# ----------------------------------------------------------------------------- bench.py --split-k
+
+
+def test_bench_split_k_smoke(tmp_path, capsys):
+    """bench.py --split-k --interpret-smoke: the side-by-side path end to end in interpret mode (as
+    if on 132 SMs, so the automatic choice splits): both kernels timed, checked against the
+    reference, the bf16 dot timed, the ratios filled in."""
+    import json
+
+    from jaxsys.kernels.quantized_matmul import bench
+
+    out = tmp_path / "split.json"
+    assert bench.main(["--split-k", "--interpret-smoke", "--split-formats", "w4a16", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["M"], r["format"], r["split_k"]) for r in rows] == [(1, "w4a16", 2), (5, "w4a16", 2)]
+    for r in rows:
+        assert "error" not in r
+        assert r["us_auto"] > 0 and r["us_split1"] > 0 and r["bf16_us"] > 0
+        assert r["speedup_auto"] == pytest.approx(r["bf16_us"] / r["us_auto"])
+        assert 0.0 <= r["err_auto"] <= bench.TOLERANCE and 0.0 <= r["err_split1"] <= bench.TOLERANCE
+    table = capsys.readouterr().out
+    assert "| splits | auto µs | split_k=1 µs | bf16 µs | bf16/auto |" in table
+    assert "| smoke | 1024 | 192 | 1 | w4a16 | 2 |" in table

@@ -60,7 +60,16 @@ from jax.experimental import pallas as pl
 from jaxsys.kernels import platforms
 from jaxsys.kernels.quantized_matmul import reference as ref
 
-__all__ = ["matmul_w8a16", "matmul_w4a16", "matmul_w8a8", "Tiles", "tiles"]
+__all__ = [
+    "matmul_w8a16",
+    "matmul_w4a16",
+    "matmul_w8a8",
+    "Tiles",
+    "tiles",
+    "choose_split_k",
+    "split_k_for",
+    "device_cores",
+]
 
 LANES = 128  # Mosaic's lane width: the minor dimension of a TPU tile
 TRITON_MIN = 16  # Triton block shapes are powers of two; 16 rows is one tensor-core (mma) tile
@@ -222,13 +231,38 @@ def _check_split_k(split_k) -> None:
         raise ValueError(f"split_k must be None (chosen from the SM count) or a positive integer; got {split_k!r}")
 
 
+def split_k_for(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    block_m: int = 16,
+    block_n: int = 128,
+    block_k: int = 128,
+    group_size: int = 0,
+    split_k: int | None = None,
+    cores: int | None = None,
+) -> int:
+    """The number of K splits the generic variant runs for x[M, K] @ W[K, N] with these arguments
+    (what the kernels resolve; bench.py reports it): `split_k` if given, else `choose_split_k` on
+    the tiles `tiles()` picks, for `cores` SMs; either made even (`_even_splits`). K steps are
+    block_k, or one group of `group_size` (W4A16)."""
+    _check_split_k(split_k)
+    t = tiles(m, k, n, block_m=block_m, block_n=block_n, block_k=0 if group_size else block_k)
+    k_step = group_size or t.block_k
+    if split_k is None:
+        split_k = choose_split_k(
+            m, t.k_padded, t.n_padded, block_m=t.block_m, block_n=t.block_n, k_step=k_step, cores=cores
+        )
+    return _even_splits(split_k, t.k_padded // k_step)
+
+
 def _plan(
     m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num_warps, num_stages, split_k, group_size=0
 ):
-    """The platform plan; the generic variant's split_k resolved: `split_k` if given, else
-    `choose_split_k` for the device's SM count (K steps: block_k, or one group for W4A16)."""
+    """The platform plan; the generic variant's split_k resolved by `split_k_for` for the SMs of
+    the GPU being compiled for (`device_cores`); the tpu variant never splits."""
     platforms.check_backend(backend)
-    _check_split_k(split_k)
     make = lambda variant: tiles(
         m,
         k,
@@ -241,20 +275,18 @@ def _plan(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    generic = make("generic")
-    k_step = group_size or generic.block_k
-    steps = generic.k_padded // k_step
-    if split_k is None:
-        split_k = choose_split_k(
-            m,
-            generic.k_padded,
-            generic.n_padded,
-            block_m=generic.block_m,
-            block_n=generic.block_n,
-            k_step=k_step,
-            cores=device_cores(),
-        )
-    generic = dataclasses.replace(generic, split_k=_even_splits(split_k, steps))
+    splits = split_k_for(
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        group_size=group_size,
+        split_k=split_k,
+        cores=device_cores() if split_k is None else None,
+    )
+    generic = dataclasses.replace(make("generic"), split_k=splits)
     return platforms.plan(backend, interpret, generic, make("tpu"))
 
 
