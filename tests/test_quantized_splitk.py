@@ -63,6 +63,10 @@ def test_choose_split_k_by_hand():
     # rows count: M = 64 in 16-row tiles is 4 x 32 programs -> 3 splits (ceil(264 / 128));
     # in one 64-row tile it is 32 programs, as M = 1
     assert c(64, 4096, 4096) == 3 and c(64, 4096, 4096, block_m=64) == 8
+    # partial traffic: S splits of [64, N] fp32 written and read (512 S bytes per column) within the
+    # weights' 4096 * 4 / 8 = 2048 bytes per column: S <= 4 for 4-bit weights (8 for int8, above)
+    assert c(64, 4096, 4096, block_m=64, weight_bits=4) == 4 and c(1, 4096, 4096, weight_bits=4) == 8
+    assert c(64, 4096, 4096, block_m=64, max_partial_ratio=0.25) == 2
     assert c(65, 4096, 4096) == 1  # above SPLIT_K_MAX_M: the row tiles fill the GPU
     assert c(1, 4096, 4096, cores=None) == 1 and c(1, 4096, 4096, cores=0) == 1  # CPU / TPU
     assert c(1, 4096, 65536) == 1  # 512 programs: enough already
@@ -354,7 +358,8 @@ def test_bench_split_k_smoke(tmp_path, capsys):
     from jaxsys.kernels.quantized_matmul import bench
 
     out = tmp_path / "split.json"
-    assert bench.main(["--split-k", "--interpret-smoke", "--split-formats", "w4a16", "--out", str(out)]) == 0
+    argv = ["--split-k", "--interpret-smoke", "--split-formats", "w4a16", "--extra-split-ks", "4", "--out", str(out)]
+    assert bench.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert [(r["M"], r["format"], r["split_k"]) for r in rows] == [(1, "w4a16", 2), (5, "w4a16", 2)]
     for r in rows:
@@ -362,6 +367,7 @@ def test_bench_split_k_smoke(tmp_path, capsys):
         assert r["us_auto"] > 0 and r["us_split1"] > 0 and r["bf16_us"] > 0
         assert r["speedup_auto"] == pytest.approx(r["bf16_us"] / r["us_auto"])
         assert 0.0 <= r["err_auto"] <= bench.TOLERANCE and 0.0 <= r["err_split1"] <= bench.TOLERANCE
+        assert r["us_split4"] > 0 and 0.0 <= r["err_extra_max"] <= bench.TOLERANCE  # --extra-split-ks 4
     table = capsys.readouterr().out
-    assert "| splits | auto µs | split_k=1 µs | bf16 µs | bf16/auto |" in table
+    assert "| splits | auto µs | split_k=1 µs | bf16 µs | bf16/auto |" in table and "split_k=4 µs |" in table
     assert "| smoke | 1024 | 192 | 1 | w4a16 | 2 |" in table

@@ -350,6 +350,11 @@ def measure_split_k_shape(model, k, n, args, hw, key, cores, deadline):
                 else:
                     usa, outa = _timed(split_k_call(fmt, m, auto, args), data, weights, args)
                     row |= dict(us_auto=usa * 1e6, err_auto=rel_err(outa, want[:m]))
+                for extra in args.extra_split_ks:  # fixed splits beside the chosen one, to tune the chooser
+                    if extra not in (1, auto):
+                        use, oute = _timed(split_k_call(fmt, m, extra, args), data, weights, args)
+                        row[f"us_split{extra}"] = use * 1e6
+                        row["err_extra_max"] = max(row.get("err_extra_max", 0.0), rel_err(oute, want[:m]))
                 row |= dict(
                     speedup_auto=row["bf16_us"] / row["us_auto"],
                     speedup_split1=row["bf16_us"] / row["us_split1"],
@@ -364,20 +369,24 @@ def measure_split_k_shape(model, k, n, args, hw, key, cores, deadline):
 
 
 def markdown_split_k(rows) -> str:
+    extras = sorted({int(key[8:]) for r in rows for key in r if key.startswith("us_split") and key != "us_split1"})
     lines = [
         "| model | K | N | M | format | splits | auto µs | split_k=1 µs | bf16 µs | bf16/auto "
-        "| bf16/split_k=1 | ideal × | GB/s auto | max err auto | max err split_k=1 | note |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| bf16/split_k=1 | ideal × | GB/s auto | max err auto | max err split_k=1 | note |"
+        + "".join(f" split_k={e} µs |" for e in extras),
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(extras),
     ]
     f = lambda r, key, spec: format(r[key], spec) if r.get(key) is not None else "-"
     for r in rows:
-        bad = [e for e in (r.get("err_auto"), r.get("err_split1")) if e is not None and e > TOLERANCE]
+        errs = (r.get("err_auto"), r.get("err_split1"), r.get("err_extra_max"))
+        bad = [e for e in errs if e is not None and e > TOLERANCE]
         note = (r.get("error", "") + (" MISMATCH" if bad else "")).strip()
         lines.append(
             f"| {r['model']} | {r['K']} | {r['N']} | {r['M']} | {r['format']} | {f(r, 'split_k', 'd')} "
             f"| {f(r, 'us_auto', '.1f')} | {f(r, 'us_split1', '.1f')} | {f(r, 'bf16_us', '.1f')} "
             f"| {f(r, 'speedup_auto', '.2f')} | {f(r, 'speedup_split1', '.2f')} | {f(r, 'ideal_speedup', '.2f')} "
             f"| {f(r, 'gbps_auto', '.0f')} | {f(r, 'err_auto', '.1e')} | {f(r, 'err_split1', '.1e')} | {note} |"
+            + "".join(f" {f(r, f'us_split{e}', '.1f')} |" for e in extras)
         )
     return "\n".join(lines)
 
@@ -419,7 +428,8 @@ def main_split_k(args, device, hw, backend, argv) -> int:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
         print(f"\nwrote {args.out}")
-    bad = [r for r in rows if "error" in r or max(r.get("err_auto", 0.0), r.get("err_split1", 0.0)) > TOLERANCE]
+    errs = lambda r: (r.get("err_auto", 0.0), r.get("err_split1", 0.0), r.get("err_extra_max", 0.0))
+    bad = [r for r in rows if "error" in r or max(errs(r)) > TOLERANCE]
     if args.interpret_smoke and bad:
         print(f"\n{len(bad)} rows failed or differ from the reference", file=sys.stderr)
         return 1
@@ -532,6 +542,12 @@ def parse_args(argv=None):
     p.add_argument("--split-block-n", type=int, default=128, help="--split-k: the kernels' block_n")
     p.add_argument("--cores", type=int, default=None, help="--split-k: SMs to choose splits for (default: the GPU's)")
     p.add_argument("--budget-s", type=float, default=170.0, help="--split-k: stop measuring after this long")
+    p.add_argument(
+        "--extra-split-ks",
+        type=ints,
+        default=[],
+        help="--split-k: also time these fixed splits (us_split<S> in the JSON and table)",
+    )
     p.add_argument(
         "--interpret-smoke",
         action="store_true",

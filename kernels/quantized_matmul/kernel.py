@@ -20,7 +20,23 @@ Design (one program per (block_m, block_n) output tile, every grid axis parallel
   weight blocks in an int32 accumulator and applies the per-token and per-channel scales once after
   the loop (the sum is exact, so the kernel equals the reference bit for bit).
 Matmul operands: bf16 activations meet bf16 codes (exact) with fp32 accumulation; fp32 activations
-use fp32 matmuls at Precision.HIGHEST.
+use fp32 matmuls at Precision.HIGHEST. Scales may be fp32, bf16 or fp16: the generic variant reads
+them as given (16-bit scales halve their bytes) and casts them to fp32 in the tile; the tpu variant
+gets fp32 (what Mosaic was checked with).
+
+Split-K (generic variant; docs/kernels_quantized_matmul.md): at decode sizes the grid above is
+only N / block_n programs (32 for N = 4096) on a GPU of 132 SMs, each walking all of K alone.
+`split_k` > 1 adds a third grid axis s: program (i, j, s) walks K steps [s * P, min((s + 1) * P,
+steps)) with P = ceil(steps / split_k) (a K step is block_k, or one quantization group for W4A16,
+so splits hold whole groups), and writes its fp32 (W8A8: int32) partial tile to [split_k, M, N].
+The sum over splits, the scales that cannot be applied per split (W8A16's per-channel scale, W8A8's
+per-token and per-channel ones; W4A16 scales each group inside the loop), the padding slice and the
+cast are one XLA reduction fusion after the kernel: Pallas-Triton neither orders programs nor has
+a grid barrier, atomics would make the float sum's order (and so its rounding) vary from run to
+run, and a second Pallas kernel would cost the same launch as XLA's fusion. int32 partials add
+exactly, so W8A8 stays bitwise. `split_k=None` (the default) asks `choose_split_k`: on a GPU of
+`device_cores()` SMs and M <= 64, enough splits for two programs per SM while each split keeps at
+least 512 of K; 1 elsewhere (CPU, TPU, M > 64). `split_k=1` is the unsplit kernel.
 
 Two variants, chosen by the platform the program is lowered for (kernels/platforms.py), differ
 only in tiling and in W4A16's group loop:
@@ -43,8 +59,9 @@ every call: real layer shapes should use a block_n that divides N. K of W8A16 / 
 must be a multiple of the group size.
 
 TPU: all three kernels compile with Mosaic ahead of time (v5p and v6e slices at K = N = 1024; W4A16
-also checked by hand on v5p at K = 4096 with groups 32/64/128). GPU: all three lower to Triton and
-compile to SASS deviceless for an H100 (docs/kernels_quantized_matmul.md); nothing has run on a GPU.
+also checked by hand on v5p at K = 4096 with groups 32/64/128). GPU: all three, split-K included,
+lower to Triton and compile to SASS deviceless for an H100 (docs/kernels_quantized_matmul.md); the
+unsplit kernels ran on an H200 (correct, slower than bf16); split-K has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -177,6 +194,7 @@ def tiles(
 SPLIT_K_MAX_M = 64  # above this the (M / block_m) x (N / block_n) grid alone fills the GPU
 SPLIT_K_MIN_K = 512  # each split walks at least this much K: its x / weight loads still pipeline
 PROGRAMS_PER_CORE = 2  # the grid the chooser aims for: two programs per SM hide each other's latency
+MAX_PARTIAL_RATIO = 1.0  # fp32 partials may add at most the weights' own bytes of traffic (a guess)
 
 
 def choose_split_k(
@@ -188,22 +206,28 @@ def choose_split_k(
     block_n: int,
     k_step: int,
     cores: int | None,
+    weight_bits: int = 8,
     max_m: int = SPLIT_K_MAX_M,
     min_k: int = SPLIT_K_MIN_K,
     programs_per_core: int = PROGRAMS_PER_CORE,
+    max_partial_ratio: float = MAX_PARTIAL_RATIO,
 ) -> int:
     """How many K splits a small-M call gets: enough that the grid (M / block_m) x (N / block_n) x
     splits reaches `programs_per_core` programs per SM, but no more than leaves each split
-    `min_k` of K (K advances `k_step` per loop step: block_k, or one quantization group). 1 (no
-    split) when M > max_m, when the SM count is unknown (`cores` None: CPU, TPU) or when the grid
-    is already large enough. Pure: the arguments alone decide."""
+    `min_k` of K (K advances `k_step` per loop step: block_k, or one quantization group), and no
+    more than keeps the fp32 partials' traffic (written, then read by the reduction: 8 bytes per
+    split per padded row per column) within `max_partial_ratio` x the weight bytes (`weight_bits`
+    per weight). 1 (no split) when M > max_m, when the SM count is unknown (`cores` None: CPU,
+    TPU) or when the grid is already large enough. Pure: the arguments alone decide."""
     if m > max_m or not cores or cores < 1:
         return 1
-    programs = -(-m // block_m) * -(-n // block_n)
+    rows = -(-m // block_m) * block_m
+    programs = (rows // block_m) * -(-n // block_n)
     steps = -(-k // k_step)
     wanted = -(-programs_per_core * cores // programs)
     most = max(1, steps // max(1, -(-min_k // k_step)))
-    return _even_splits(min(wanted, most), steps)
+    traffic = max(1, int(max_partial_ratio * k * weight_bits / 8 / (8 * rows)))
+    return _even_splits(min(wanted, most, traffic), steps)
 
 
 def _even_splits(split_k: int, steps: int) -> int:
@@ -252,7 +276,14 @@ def split_k_for(
     k_step = group_size or t.block_k
     if split_k is None:
         split_k = choose_split_k(
-            m, t.k_padded, t.n_padded, block_m=t.block_m, block_n=t.block_n, k_step=k_step, cores=cores
+            m,
+            t.k_padded,
+            t.n_padded,
+            block_m=t.block_m,
+            block_n=t.block_n,
+            k_step=k_step,
+            cores=cores,
+            weight_bits=4 if group_size else 8,
         )
     return _even_splits(split_k, t.k_padded // k_step)
 
