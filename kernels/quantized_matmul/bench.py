@@ -5,6 +5,14 @@ XLA's bf16 dot, at decode batch sizes, beside the bandwidth bound.
     python -m jaxsys.kernels.quantized_matmul.bench --models llama-7b --batches 1,16,128  # quicker
     python -m jaxsys.kernels.quantized_matmul.bench --from-json q.json --plot q.png  # replot
     python -m jaxsys.kernels.quantized_matmul.bench --interpret-smoke --out smoke.json  # no GPU
+    python -m jaxsys.kernels.quantized_matmul.bench --split-k --out split.json  # split-K table
+    python -m jaxsys.kernels.quantized_matmul.bench --split-k --interpret-smoke  # its path, no GPU
+
+--split-k prints one table instead: per shape, batch M and format (--split-formats, default
+w4a16,w8a16), the kernel with split-K chosen by itself (kernel.split_k_for, the split shown),
+the kernel with split_k=1, XLA's bf16 dot, bf16 time / kernel time for both, and each kernel's max
+error against reference.py; --extra-split-ks adds fixed splits; it stops after --budget-s (170 s)
+and marks the rest skipped. The kernels in the default mode run as called: split-K automatic.
 
 For each layer shape (K, N) of Llama-7B ((4096, 4096), (4096, 11008), (11008, 4096)) and
 Llama-70B ((8192, 8192), (8192, 28672), (28672, 8192)) and each batch M in 1..128, it times
@@ -312,6 +320,12 @@ def measure_split_k_shape(model, k, n, args, hw, key, cores, deadline):
     the largest M; smaller M compare with its first rows (rows of a matmul are independent)."""
     rows = []
     batches = sorted(args.batches)
+    if time.monotonic() > deadline:  # not even the weights: making them takes time too
+        return [
+            dict(model=model, K=k, N=n, M=m, format=fmt, error="skipped: past --budget-s")
+            for fmt in args.split_formats
+            for m in batches
+        ]
     kx, kw = jax.random.split(key)
     x_all = jax.random.normal(kx, (batches[-1], k), jnp.bfloat16)
     bf16_copies = copies_for("bf16", k, n, args)
@@ -403,10 +417,13 @@ def main_split_k(args, device, hw, backend, argv) -> int:
     deadline = start + args.budget_s
     rows = []
     key = jax.random.PRNGKey(0)
-    for model, layer_shapes in shapes.items():
-        for i, (k, n) in enumerate(layer_shapes):
-            rows += measure_split_k_shape(model, k, n, args, hw, jax.random.fold_in(key, i), cores, deadline)
-            print(f"[{time.monotonic() - start:.0f} s] {model} {k}x{n} done", file=sys.stderr, flush=True)
+    # the models' shapes interleaved (7B qkv, 70B qkv, 7B up, ...): a --budget-s cut leaves both covered
+    order = sorted(
+        ((i, model, k, n) for model, ls in shapes.items() for i, (k, n) in enumerate(ls)), key=lambda t: t[0]
+    )
+    for i, model, k, n in order:
+        rows += measure_split_k_shape(model, k, n, args, hw, jax.random.fold_in(key, i), cores, deadline)
+        print(f"[{time.monotonic() - start:.0f} s] {model} {k}x{n} done", file=sys.stderr, flush=True)
     print(
         f"\n{device.device_kind} ({backend}), {cores} SMs, jax {jax.__version__}; W4A16 group size "
         f"{args.group_size}; block_n {args.split_block_n}; {time.monotonic() - start:.0f} s\n"
