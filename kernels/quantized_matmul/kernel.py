@@ -36,7 +36,8 @@ a grid barrier, atomics would make the float sum's order (and so its rounding) v
 run, and a second Pallas kernel would cost the same launch as XLA's fusion. int32 partials add
 exactly, so W8A8 stays bitwise. `split_k=None` (the default) asks `choose_split_k`: on a GPU of
 `device_cores()` SMs and M <= 64, enough splits for two programs per SM while each split keeps at
-least 512 of K; 1 elsewhere (CPU, TPU, M > 64). `split_k=1` is the unsplit kernel.
+least 512 of K and the partials (written and read back, M padded to 16 rows) cost at most the
+weights' bytes; 1 elsewhere (CPU, TPU, M > 64). `split_k=1` is the unsplit kernel.
 
 Two variants, chosen by the platform the program is lowered for (kernels/platforms.py), differ
 only in tiling and in W4A16's group loop:
