@@ -371,3 +371,47 @@ def test_bench_split_k_smoke(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| splits | auto µs | split_k=1 µs | bf16 µs | bf16/auto |" in table and "split_k=4 µs |" in table
     assert "| smoke | 1024 | 192 | 1 | w4a16 | 2 |" in table
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None,
+    reason="needs the standalone triton package (pip install --target DIR triton; PYTHONPATH=DIR)",
+)
+def test_w8a8_sass_has_integer_mma_for_an_h100(tmp_path):
+    """The Triton IR Pallas hands XLA, compiled by the standalone Triton for sm_90 (no GPU needed)
+    and disassembled with its bundled nvdisasm: W8A8's dot, split or not, is the int8 tensor-core
+    MMA (PTX mma.sync ... s32.s8.s8.s32, SASS IMMA), the A16 dot a bf16 one (HMMA ... BF16). XLA
+    runs its own build of Triton on the same IR; this shows what that IR becomes, not XLA's binary."""
+    import os
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    k, n = 1024, 256
+    w8a8 = (S((1, k), jnp.int8), S((1,), jnp.float32), S((k, n), jnp.int8), S((n,), jnp.float32))
+    cases = [
+        ("w8a8_split", lambda *a: kernel.matmul_w8a8(*a, interpret=False), w8a8, "IMMA.16832.S8.S8"),
+        ("w8a8_unsplit", lambda *a: kernel.matmul_w8a8(*a, split_k=1, interpret=False), w8a8, "IMMA.16832.S8.S8"),
+        (
+            "w4a16_split",
+            lambda *a: kernel.matmul_w4a16(*a, interpret=False),
+            (S((1, k), jnp.bfloat16), S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.bfloat16)),
+            "HMMA.16816.F32.BF16",
+        ),
+    ]
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    for name, fn, args, sass_op in cases:
+        lowered = _lower_for_an_h100(fn, args)
+        assert ("x16x256x" in lowered.as_text()) == (name != "w8a8_unsplit")
+        (ttir,) = _triton_modules(lowered)
+        path = tmp_path / f"{name}.ttir"
+        path.write_text(ttir)
+        compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+        ptx = compiled.asm["ptx"]
+        if name.startswith("w8a8"):
+            assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col(\.satfinite)?\.s32\.s8\.s8\.s32", ptx), name
+        (tmp_path / f"{name}.cubin").write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([nvdisasm, str(tmp_path / f"{name}.cubin")], capture_output=True, text=True, check=True)
+        assert sass_op in sass.stdout, name
+        assert "IMMA" not in sass.stdout if name.startswith("w4a16") else "HMMA" not in sass.stdout, name

@@ -62,7 +62,9 @@ must be a multiple of the group size.
 TPU: all three kernels compile with Mosaic ahead of time (v5p and v6e slices at K = N = 1024; W4A16
 also checked by hand on v5p at K = 4096 with groups 32/64/128). GPU: all three, split-K included,
 lower to Triton and compile to SASS deviceless for an H100 (docs/kernels_quantized_matmul.md); the
-unsplit kernels ran on an H200 (correct, slower than bf16); split-K has not run on a GPU.
+unsplit kernels ran on an H200 (correct, slower than bf16); split-K has not run on a GPU. The
+W8A8 dot compiles to int8 tensor-core MMAs (SASS IMMA.16832.S8.S8, via the standalone Triton on
+the same Triton IR; tests/test_quantized_splitk.py).
 """
 
 from __future__ import annotations
