@@ -178,22 +178,24 @@ def _dequantized_matrix(mat, fmt: str):
 
 
 def _quantized_forward(x2, w, fmt: str, impl: str):
-    interpret = None  # interpret mode on CPU, compiled elsewhere
+    # interpret mode on CPU, compiled elsewhere; split_k None: on a GPU, decode-sized M (<= 64)
+    # splits K over enough programs to fill the SMs (kernel.choose_split_k), larger M does not
+    kw = dict(interpret=None, split_k=None)
     if fmt in ("w8a16", "w8a8"):
         q, s = w["q"], w["scale"]
         if fmt == "w8a16":
             if impl == "reference":
                 return qref.matmul_w8a16(x2, q, s)
-            return qkernel.matmul_w8a16(x2, q, s, block_m=block_m(x2.shape[0]), interpret=interpret)
+            return qkernel.matmul_w8a16(x2, q, s, block_m=block_m(x2.shape[0]), **kw)
         xq, sx = qref.quantize_per_token(x2)
         if impl == "reference":
             return qref.matmul_w8a8(xq, sx, q, s, x2.dtype)
-        return qkernel.matmul_w8a8(xq, sx, q, s, x2.dtype, block_m=block_m(x2.shape[0], 32), interpret=interpret)
+        return qkernel.matmul_w8a8(xq, sx, q, s, x2.dtype, block_m=block_m(x2.shape[0], 32), **kw)
     packed, s, z = w["packed"], w["scale"], w.get("zero")
     if impl == "reference":
         group_size = 2 * packed.shape[0] // s.shape[0]
         return qref.matmul_w4a16(x2, qref.unrepack_w4(packed, group_size), s, z)
-    return qkernel.matmul_w4a16(x2, packed, s, z, block_m=block_m(x2.shape[0]), interpret=interpret)
+    return qkernel.matmul_w4a16(x2, packed, s, z, block_m=block_m(x2.shape[0]), **kw)
 
 
 def _as_matrix(w, contracted: int, fmt: str):

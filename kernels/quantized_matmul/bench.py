@@ -5,6 +5,14 @@ XLA's bf16 dot, at decode batch sizes, beside the bandwidth bound.
     python -m jaxsys.kernels.quantized_matmul.bench --models llama-7b --batches 1,16,128  # quicker
     python -m jaxsys.kernels.quantized_matmul.bench --from-json q.json --plot q.png  # replot
     python -m jaxsys.kernels.quantized_matmul.bench --interpret-smoke --out smoke.json  # no GPU
+    python -m jaxsys.kernels.quantized_matmul.bench --split-k --out split.json  # split-K table
+    python -m jaxsys.kernels.quantized_matmul.bench --split-k --interpret-smoke  # its path, no GPU
+
+--split-k prints one table instead: per shape, batch M and format (--split-formats, default
+w4a16,w8a16), the kernel with split-K chosen by itself (kernel.split_k_for, the split shown),
+the kernel with split_k=1, XLA's bf16 dot, bf16 time / kernel time for both, and each kernel's max
+error against reference.py; --extra-split-ks adds fixed splits; it stops after --budget-s (170 s)
+and marks the rest skipped. The kernels in the default mode run as called: split-K automatic.
 
 For each layer shape (K, N) of Llama-7B ((4096, 4096), (4096, 11008), (11008, 4096)) and
 Llama-70B ((8192, 8192), (8192, 28672), (28672, 8192)) and each batch M in 1..128, it times
@@ -47,6 +55,7 @@ import datetime
 import json
 import math
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -268,6 +277,182 @@ def per_model(rows):
     return out
 
 
+# ----------------------------------------------------------------------------- split-K side by side
+
+SPLIT_FORMATS = ("w4a16", "w8a16")
+SPLIT_SMOKE_SHAPES = {"smoke": [(1024, 192)]}  # 8 K blocks: 2 splits at M = 1 with 132 SMs
+
+
+def split_k_call(fmt, m, split_k, args):
+    """(data, weights) -> y of one kernel at a given split_k (1: the unsplit kernel)."""
+    common = dict(block_n=args.split_block_n, split_k=split_k, interpret=bool(args.interpret_smoke), backend="generic")
+    if fmt == "w8a16":
+        return lambda data, w: kernel.matmul_w8a16(data[0], *w, block_m=block_m_for(m), **common)
+    if fmt == "w4a16":
+        return lambda data, w: kernel.matmul_w4a16(data[0], *w, block_m=block_m_for(m), **common)
+    return lambda data, w: kernel.matmul_w8a8(*data, *w, jnp.bfloat16, block_m=block_m_for(m), **common)
+
+
+def chosen_split_k(fmt, m, k, n, args, cores) -> int:
+    """The split the kernel picks by itself for this call (kernel.split_k_for, as _plan does)."""
+    return kernel.split_k_for(
+        m,
+        k,
+        n,
+        block_m=block_m_for(m),
+        block_n=args.split_block_n,
+        group_size=args.group_size if fmt == "w4a16" else 0,
+        cores=cores,
+    )
+
+
+def _timed(fn, data, weights, args):
+    """(seconds per call, the first copy's output): one program over all weight copies."""
+    many = jax.jit(lambda d, ws: [fn(*lax.optimization_barrier((d, w))) for w in ws])
+    first = many(data, weights)[0]
+    return median_seconds(many, (data, weights), args.repeats, args.min_time) / len(weights), first
+
+
+def measure_split_k_shape(model, k, n, args, hw, key, cores, deadline):
+    """Rows of one layer shape: per batch M and format, the kernel with split-K chosen by itself
+    and with split_k=1, XLA's bf16 dot, the ratios bf16 time / kernel time, and each kernel's max
+    error against reference.py (on the first weight copy). The reference runs once per format, at
+    the largest M; smaller M compare with its first rows (rows of a matmul are independent)."""
+    rows = []
+    batches = sorted(args.batches)
+    if time.monotonic() > deadline:  # not even the weights: making them takes time too
+        return [
+            dict(model=model, K=k, N=n, M=m, format=fmt, error="skipped: past --budget-s")
+            for fmt in args.split_formats
+            for m in batches
+        ]
+    kx, kw = jax.random.split(key)
+    x_all = jax.random.normal(kx, (batches[-1], k), jnp.bfloat16)
+    bf16_copies = copies_for("bf16", k, n, args)
+    bf16_w = [make_weights("bf16", k, n, args.group_size, kk) for kk in jax.random.split(kw, bf16_copies)]
+    bf16_fn = call_fn("bf16", 1, None, args)
+    bf16_us = {}
+    for m in batches:
+        if time.monotonic() > deadline:
+            break
+        bf16_us[m] = _timed(bf16_fn, (x_all[:m],), bf16_w, args)[0] * 1e6
+    del bf16_w
+    for fi, fmt in enumerate(args.split_formats):
+        copies = copies_for(fmt, k, n, args)
+        weights = [
+            make_weights(fmt, k, n, args.group_size, kk)
+            for kk in jax.random.split(jax.random.fold_in(kw, fi + 1), copies)
+        ]
+        full = make_data(fmt, batches[-1], k, kx) if fmt == "w8a8" else (x_all,)
+        want = np.asarray(jax.jit(reference_fn(fmt, args.group_size))(full, weights[0]), np.float32)
+        for m in batches:
+            if m not in bf16_us or time.monotonic() > deadline:
+                rows.append(dict(model=model, K=k, N=n, M=m, format=fmt, error="skipped: past --budget-s"))
+                continue
+            data = tuple(a[:m] for a in full)
+            auto = chosen_split_k(fmt, m, k, n, args, cores)
+            row = dict(model=model, K=k, N=n, M=m, format=fmt, copies=copies, split_k=auto, bf16_us=bf16_us[m])
+            if hw is not None:
+                row["ideal_speedup"] = ideal_seconds("bf16", m, k, n, hw) / ideal_seconds(
+                    fmt, m, k, n, hw, args.group_size
+                )
+            try:
+                us1, out1 = _timed(split_k_call(fmt, m, 1, args), data, weights, args)
+                row |= dict(us_split1=us1 * 1e6, err_split1=rel_err(out1, want[:m]))
+                if auto == 1:  # the same kernel: not timed twice
+                    row |= dict(us_auto=row["us_split1"], err_auto=row["err_split1"])
+                else:
+                    usa, outa = _timed(split_k_call(fmt, m, auto, args), data, weights, args)
+                    row |= dict(us_auto=usa * 1e6, err_auto=rel_err(outa, want[:m]))
+                for extra in args.extra_split_ks:  # fixed splits beside the chosen one, to tune the chooser
+                    if extra not in (1, auto):
+                        use, oute = _timed(split_k_call(fmt, m, extra, args), data, weights, args)
+                        row[f"us_split{extra}"] = use * 1e6
+                        row["err_extra_max"] = max(row.get("err_extra_max", 0.0), rel_err(oute, want[:m]))
+                row |= dict(
+                    speedup_auto=row["bf16_us"] / row["us_auto"],
+                    speedup_split1=row["bf16_us"] / row["us_split1"],
+                    gbps_auto=bytes_moved(fmt, m, k, n, args.group_size)["total"] / row["us_auto"] / 1e3,
+                )
+            except Exception as e:  # one failing configuration must not lose the others
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del weights
+    return rows
+
+
+def markdown_split_k(rows) -> str:
+    extras = sorted({int(key[8:]) for r in rows for key in r if key.startswith("us_split") and key != "us_split1"})
+    lines = [
+        "| model | K | N | M | format | splits | auto µs | split_k=1 µs | bf16 µs | bf16/auto "
+        "| bf16/split_k=1 | ideal × | GB/s auto | max err auto | max err split_k=1 | note |"
+        + "".join(f" split_k={e} µs |" for e in extras),
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(extras),
+    ]
+    f = lambda r, key, spec: format(r[key], spec) if r.get(key) is not None else "-"
+    for r in rows:
+        errs = (r.get("err_auto"), r.get("err_split1"), r.get("err_extra_max"))
+        bad = [e for e in errs if e is not None and e > TOLERANCE]
+        note = (r.get("error", "") + (" MISMATCH" if bad else "")).strip()
+        lines.append(
+            f"| {r['model']} | {r['K']} | {r['N']} | {r['M']} | {r['format']} | {f(r, 'split_k', 'd')} "
+            f"| {f(r, 'us_auto', '.1f')} | {f(r, 'us_split1', '.1f')} | {f(r, 'bf16_us', '.1f')} "
+            f"| {f(r, 'speedup_auto', '.2f')} | {f(r, 'speedup_split1', '.2f')} | {f(r, 'ideal_speedup', '.2f')} "
+            f"| {f(r, 'gbps_auto', '.0f')} | {f(r, 'err_auto', '.1e')} | {f(r, 'err_split1', '.1e')} | {note} |"
+            + "".join(f" {f(r, f'us_split{e}', '.1f')} |" for e in extras)
+        )
+    return "\n".join(lines)
+
+
+def main_split_k(args, device, hw, backend, argv) -> int:
+    """--split-k: the side-by-side table (markdown_split_k), within --budget-s."""
+    shapes = {m: SHAPES[m] for m in args.models}
+    cores = args.cores if args.cores is not None else kernel.device_cores()
+    if args.interpret_smoke:
+        shapes, args.batches = SPLIT_SMOKE_SHAPES, [1, 5]
+        args.repeats, args.min_time, args.min_copies, args.max_copies = 1, 0.0, 2, 2
+        cores = 132 if cores is None else cores  # pretend an H100 so that the automatic split splits
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    rows = []
+    key = jax.random.PRNGKey(0)
+    # the models' shapes interleaved (7B qkv, 70B qkv, 7B up, ...): a --budget-s cut leaves both covered
+    order = sorted(
+        ((i, model, k, n) for model, ls in shapes.items() for i, (k, n) in enumerate(ls)), key=lambda t: t[0]
+    )
+    for i, model, k, n in order:
+        rows += measure_split_k_shape(model, k, n, args, hw, jax.random.fold_in(key, i), cores, deadline)
+        print(f"[{time.monotonic() - start:.0f} s] {model} {k}x{n} done", file=sys.stderr, flush=True)
+    print(
+        f"\n{device.device_kind} ({backend}), {cores} SMs, jax {jax.__version__}; W4A16 group size "
+        f"{args.group_size}; block_n {args.split_block_n}; {time.monotonic() - start:.0f} s\n"
+    )
+    print(markdown_split_k(rows))
+    if args.out:
+        record = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            device=device.device_kind,
+            backend=backend,
+            cores=cores,
+            jax=jax.__version__,
+            command="python -m jaxsys.kernels.quantized_matmul.bench "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            interpret_smoke=args.interpret_smoke,
+            args=vars(args),
+            results=rows,
+        )
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"\nwrote {args.out}")
+    errs = lambda r: (r.get("err_auto", 0.0), r.get("err_split1", 0.0), r.get("err_extra_max", 0.0))
+    bad = [r for r in rows if "error" in r or max(errs(r)) > TOLERANCE]
+    if args.interpret_smoke and bad:
+        print(f"\n{len(bad)} rows failed or differ from the reference", file=sys.stderr)
+        return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -366,6 +551,21 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="write a speed-up vs batch plot here (matplotlib)")
     p.add_argument("--from-json", default=None, help="no measuring: table and plot from this JSON")
     p.add_argument(
+        "--split-k",
+        action="store_true",
+        help="side by side per shape and batch: split-K chosen by itself, split_k=1, XLA's bf16 dot",
+    )
+    p.add_argument("--split-formats", type=lambda s: s.split(","), default=list(SPLIT_FORMATS))
+    p.add_argument("--split-block-n", type=int, default=128, help="--split-k: the kernels' block_n")
+    p.add_argument("--cores", type=int, default=None, help="--split-k: SMs to choose splits for (default: the GPU's)")
+    p.add_argument("--budget-s", type=float, default=170.0, help="--split-k: stop measuring after this long")
+    p.add_argument(
+        "--extra-split-ks",
+        type=ints,
+        default=[],
+        help="--split-k: also time these fixed splits (us_split<S> in the JSON and table)",
+    )
+    p.add_argument(
         "--interpret-smoke",
         action="store_true",
         help="no GPU needed: one tiny shape per format in Pallas interpret mode",
@@ -390,7 +590,8 @@ def main(argv=None) -> int:
         with open(args.from_json) as f:
             report(json.load(f), args.plot)
         return 0
-    unknown = [f for f in args.formats if f not in FORMATS] + [m for m in args.models if m not in SHAPES]
+    unknown = [f for f in args.formats if f not in FORMATS] + [f for f in args.split_formats if f not in FORMATS[1:]]
+    unknown += [m for m in args.models if m not in SHAPES]
     if unknown:
         raise SystemExit(f"unknown formats/models {unknown}: formats {FORMATS}, models {list(SHAPES)}")
     backend = jax.default_backend()
@@ -407,6 +608,8 @@ def main(argv=None) -> int:
         return 0
     device = jax.devices()[0]
     hw = hardware_for(device)
+    if args.split_k:
+        return main_split_k(args, device, hw, backend, argv)
     rows = []
     key = jax.random.PRNGKey(0)
     for model, layer_shapes in shapes.items():

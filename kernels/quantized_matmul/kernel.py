@@ -20,7 +20,24 @@ Design (one program per (block_m, block_n) output tile, every grid axis parallel
   weight blocks in an int32 accumulator and applies the per-token and per-channel scales once after
   the loop (the sum is exact, so the kernel equals the reference bit for bit).
 Matmul operands: bf16 activations meet bf16 codes (exact) with fp32 accumulation; fp32 activations
-use fp32 matmuls at Precision.HIGHEST.
+use fp32 matmuls at Precision.HIGHEST. Scales may be fp32, bf16 or fp16: the generic variant reads
+them as given (16-bit scales halve their bytes) and casts them to fp32 in the tile; the tpu variant
+gets fp32 (what Mosaic was checked with).
+
+Split-K (generic variant; docs/kernels_quantized_matmul.md): at decode sizes the grid above is
+only N / block_n programs (32 for N = 4096) on a GPU of 132 SMs, each walking all of K alone.
+`split_k` > 1 adds a third grid axis s: program (i, j, s) walks K steps [s * P, min((s + 1) * P,
+steps)) with P = ceil(steps / split_k) (a K step is block_k, or one quantization group for W4A16,
+so splits hold whole groups), and writes its fp32 (W8A8: int32) partial tile to [split_k, M, N].
+The sum over splits, the scales that cannot be applied per split (W8A16's per-channel scale, W8A8's
+per-token and per-channel ones; W4A16 scales each group inside the loop), the padding slice and the
+cast are one XLA reduction fusion after the kernel: Pallas-Triton neither orders programs nor has
+a grid barrier, atomics would make the float sum's order (and so its rounding) vary from run to
+run, and a second Pallas kernel would cost the same launch as XLA's fusion. int32 partials add
+exactly, so W8A8 stays bitwise. `split_k=None` (the default) asks `choose_split_k`: on a GPU of
+`device_cores()` SMs and M <= 64, enough splits for two programs per SM while each split keeps at
+least 512 of K and the partials (written and read back, M padded to 16 rows) cost at most the
+weights' bytes; 1 elsewhere (CPU, TPU, M > 64). `split_k=1` is the unsplit kernel.
 
 Two variants, chosen by the platform the program is lowered for (kernels/platforms.py), differ
 only in tiling and in W4A16's group loop:
@@ -43,8 +60,11 @@ every call: real layer shapes should use a block_n that divides N. K of W8A16 / 
 must be a multiple of the group size.
 
 TPU: all three kernels compile with Mosaic ahead of time (v5p and v6e slices at K = N = 1024; W4A16
-also checked by hand on v5p at K = 4096 with groups 32/64/128). GPU: all three lower to Triton and
-compile to SASS deviceless for an H100 (docs/kernels_quantized_matmul.md); nothing has run on a GPU.
+also checked by hand on v5p at K = 4096 with groups 32/64/128). GPU: all three, split-K included,
+lower to Triton and compile to SASS deviceless for an H100 (docs/kernels_quantized_matmul.md); the
+unsplit kernels ran on an H200 (correct, slower than bf16); split-K has not run on a GPU. The
+W8A8 dot compiles to int8 tensor-core MMAs (SASS IMMA.16832.S8.S8, via the standalone Triton on
+the same Triton IR; tests/test_quantized_splitk.py).
 """
 
 from __future__ import annotations
@@ -60,7 +80,16 @@ from jax.experimental import pallas as pl
 from jaxsys.kernels import platforms
 from jaxsys.kernels.quantized_matmul import reference as ref
 
-__all__ = ["matmul_w8a16", "matmul_w4a16", "matmul_w8a8", "Tiles", "tiles"]
+__all__ = [
+    "matmul_w8a16",
+    "matmul_w4a16",
+    "matmul_w8a8",
+    "Tiles",
+    "tiles",
+    "choose_split_k",
+    "split_k_for",
+    "device_cores",
+]
 
 LANES = 128  # Mosaic's lane width: the minor dimension of a TPU tile
 TRITON_MIN = 16  # Triton block shapes are powers of two; 16 rows is one tensor-core (mma) tile
@@ -81,6 +110,7 @@ class Tiles:
     interpret: bool = True
     num_warps: int | None = None  # Triton launch parameters; None: Triton's defaults (4 warps, 3 stages)
     num_stages: int | None = None
+    split_k: int = 1  # K splits (a third grid axis); 1: one program walks the whole K (the tpu variant always)
 
 
 def _pow2_floor(n: int) -> int:
@@ -162,7 +192,110 @@ def tiles(
     return Tiles(variant, bm, bn, bk, np_, kp, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
-def _plan(m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num_warps, num_stages):
+# ----------------------------------------------------------------------------- split-K
+
+SPLIT_K_MAX_M = 64  # above this the (M / block_m) x (N / block_n) grid alone fills the GPU
+SPLIT_K_MIN_K = 512  # each split walks at least this much K: its x / weight loads still pipeline
+PROGRAMS_PER_CORE = 2  # the grid the chooser aims for: two programs per SM hide each other's latency
+MAX_PARTIAL_RATIO = 1.0  # fp32 partials may add at most the weights' own bytes of traffic (a guess)
+
+
+def choose_split_k(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    block_m: int,
+    block_n: int,
+    k_step: int,
+    cores: int | None,
+    weight_bits: int = 8,
+    max_m: int = SPLIT_K_MAX_M,
+    min_k: int = SPLIT_K_MIN_K,
+    programs_per_core: int = PROGRAMS_PER_CORE,
+    max_partial_ratio: float = MAX_PARTIAL_RATIO,
+) -> int:
+    """How many K splits a small-M call gets: enough that the grid (M / block_m) x (N / block_n) x
+    splits reaches `programs_per_core` programs per SM, but no more than leaves each split
+    `min_k` of K (K advances `k_step` per loop step: block_k, or one quantization group), and no
+    more than keeps the fp32 partials' traffic (written, then read by the reduction: 8 bytes per
+    split per padded row per column) within `max_partial_ratio` x the weight bytes (`weight_bits`
+    per weight). 1 (no split) when M > max_m, when the SM count is unknown (`cores` None: CPU,
+    TPU) or when the grid is already large enough. Pure: the arguments alone decide."""
+    if m > max_m or not cores or cores < 1:
+        return 1
+    rows = -(-m // block_m) * block_m
+    programs = (rows // block_m) * -(-n // block_n)
+    steps = -(-k // k_step)
+    wanted = -(-programs_per_core * cores // programs)
+    most = max(1, steps // max(1, -(-min_k // k_step)))
+    traffic = max(1, int(max_partial_ratio * k * weight_bits / 8 / (8 * rows)))
+    return _even_splits(min(wanted, most, traffic), steps)
+
+
+def _even_splits(split_k: int, steps: int) -> int:
+    """split_k capped at the number of K steps and lowered until no split is empty: each split
+    walks ceil(steps / split_k) steps, the last one the rest (10 steps in 6 splits would be 2 + 2 +
+    2 + 2 + 2 + 0: 5 splits)."""
+    split_k = max(1, min(split_k, steps))
+    per = -(-steps // split_k)
+    return -(-steps // per)
+
+
+def device_cores() -> int | None:
+    """The SM count of the GPU being compiled for: the abstract mesh's device inside shard_map
+    (deviceless compiles: `analysis.targets.devices` report 132 for an H100), else the first local
+    device's `core_count` if it is a GPU; None elsewhere (CPU, TPU): no split-K."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.num_cores if abstract.platform in ("gpu", "cuda", "rocm") else None
+    device = jax.devices()[0]
+    return getattr(device, "core_count", None) if device.platform == "gpu" else None
+
+
+def _check_split_k(split_k) -> None:
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be None (chosen from the SM count) or a positive integer; got {split_k!r}")
+
+
+def split_k_for(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    block_m: int = 16,
+    block_n: int = 128,
+    block_k: int = 128,
+    group_size: int = 0,
+    split_k: int | None = None,
+    cores: int | None = None,
+) -> int:
+    """The number of K splits the generic variant runs for x[M, K] @ W[K, N] with these arguments
+    (what the kernels resolve; bench.py reports it): `split_k` if given, else `choose_split_k` on
+    the tiles `tiles()` picks, for `cores` SMs; either made even (`_even_splits`). K steps are
+    block_k, or one group of `group_size` (W4A16)."""
+    _check_split_k(split_k)
+    t = tiles(m, k, n, block_m=block_m, block_n=block_n, block_k=0 if group_size else block_k)
+    k_step = group_size or t.block_k
+    if split_k is None:
+        split_k = choose_split_k(
+            m,
+            t.k_padded,
+            t.n_padded,
+            block_m=t.block_m,
+            block_n=t.block_n,
+            k_step=k_step,
+            cores=cores,
+            weight_bits=4 if group_size else 8,
+        )
+    return _even_splits(split_k, t.k_padded // k_step)
+
+
+def _plan(
+    m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num_warps, num_stages, split_k, group_size=0
+):
+    """The platform plan; the generic variant's split_k resolved by `split_k_for` for the SMs of
+    the GPU being compiled for (`device_cores`); the tpu variant never splits."""
     platforms.check_backend(backend)
     make = lambda variant: tiles(
         m,
@@ -176,7 +309,19 @@ def _plan(m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    return platforms.plan(backend, interpret, make("generic"), make("tpu"))
+    splits = split_k_for(
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        group_size=group_size,
+        split_k=split_k,
+        cores=device_cores() if split_k is None else None,
+    )
+    generic = dataclasses.replace(make("generic"), split_k=splits)
+    return platforms.plan(backend, interpret, generic, make("tpu"))
 
 
 def _compiler_params(cfg: Tiles):
@@ -212,41 +357,95 @@ def _run(plan, fn, m: int, n: int, *args):
     return platforms.dispatch(plan, {"generic": (unpadded,), "tpu": (unpadded,)}, 0, *args)
 
 
+def _k_range(n_steps: int, split_k: int):
+    """(first K step, step count) of this program: all of K, or split pl.program_id(2)'s share
+    (ceil(n_steps / split_k) steps, the last split the rest). The count stays a Python int when
+    the splits are even, so the loop keeps a static trip count."""
+    if split_k == 1:
+        return 0, n_steps
+    per = -(-n_steps // split_k)
+    first = pl.program_id(2) * per
+    if per * split_k == n_steps:
+        return first, per
+    return first, jnp.minimum(per, n_steps - first)
+
+
+def _grid_specs(cfg: Tiles, mp: int, out_dtype, partial_dtype):
+    """(grid, out_specs, out_shape): (i, j) tiles of [Mp, Np] in out_dtype, or with split-K a
+    third axis s over K and one partial tile per split, [split_k, Mp, Np] in partial_dtype."""
+    bm, bn, np_ = cfg.block_m, cfg.block_n, cfg.n_padded
+    if cfg.split_k == 1:
+        return (
+            (mp // bm, np_ // bn),
+            pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+            jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        )
+    return (
+        (mp // bm, np_ // bn, cfg.split_k),
+        pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j)),
+        jax.ShapeDtypeStruct((cfg.split_k, mp, np_), partial_dtype),
+    )
+
+
+SCALE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _check_scales(name: str, s) -> None:
+    if s.dtype not in SCALE_DTYPES:
+        raise ValueError(f"{name} takes fp32, bf16 or fp16 scales; got {s.dtype}")
+
+
+def _scales(s, cfg: Tiles):
+    """Scales as the kernel takes them: fp32 / bf16 / fp16 as given for the generic variant (cast
+    to fp32 in the tile: half the bytes for 16-bit scales); fp32 for Mosaic (checked only so)."""
+    return s.astype(jnp.float32) if cfg.variant == "tpu" else s
+
+
 # ----------------------------------------------------------------------------- W8A16
 
 
-def _w8_kernel(x_ref, q_ref, s_ref, o_ref, *, block_k: int, n_k: int):
+def _w8_kernel(x_ref, q_ref, *refs, block_k: int, n_k: int, split_k: int):
+    *s_ref, o_ref = refs  # no scale with split-K: it is applied once, after the sum over splits
     dtype = x_ref.dtype
+    first, count = _k_range(n_k, split_k)
 
     def body(i, acc):
-        cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        cols = pl.ds(pl.multiple_of((first + i) * block_k, block_k), block_k)
         qs = q_ref[cols, :].astype(dtype)  # int8 codes are exact in bf16
         return acc + _dot(x_ref[:, cols], qs, dtype)
 
-    acc = lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)
+    acc = lax.fori_loop(0, count, body, jnp.zeros(o_ref.shape, jnp.float32))
+    if split_k > 1:
+        o_ref[...] = acc
+    else:
+        o_ref[...] = (acc * s_ref[0][...].astype(jnp.float32)[None, :]).astype(o_ref.dtype)
 
 
 def _w8a16(x, q, s, *, cfg: Tiles):
-    m = x.shape[0]
+    m, n = x.shape[0], q.shape[1]
     mp = _round_up(m, cfg.block_m)
     x = _pad(_pad(x, 0, mp), 1, cfg.k_padded)
     q = _pad(_pad(q, 0, cfg.k_padded), 1, cfg.n_padded)
-    s = _pad(s.astype(jnp.float32), 0, cfg.n_padded)
-    kp, np_, bm, bn = cfg.k_padded, cfg.n_padded, cfg.block_m, cfg.block_n
-    return pl.pallas_call(
-        functools.partial(_w8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[
-            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-            pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
-            pl.BlockSpec((bn,), lambda i, j: (j,)),
-        ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+    kp, bm, bn = cfg.k_padded, cfg.block_m, cfg.block_n
+    in_specs = [pl.BlockSpec((bm, kp), lambda i, j, *_: (i, 0)), pl.BlockSpec((kp, bn), lambda i, j, *_: (0, j))]
+    args = [x, q]
+    if cfg.split_k == 1:
+        in_specs.append(pl.BlockSpec((bn,), lambda i, j: (j,)))
+        args.append(_pad(_scales(s, cfg), 0, cfg.n_padded))
+    grid, out_specs, out_shape = _grid_specs(cfg, mp, x.dtype, jnp.float32)
+    out = pl.pallas_call(
+        functools.partial(_w8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k, split_k=cfg.split_k),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-    )(x, q, s)
+    )(*args)
+    if cfg.split_k == 1:
+        return out
+    # The sum over splits, the per-channel scale and the cast: one XLA reduction fusion
+    return (jnp.sum(out[:, :m, :n], axis=0) * s.astype(jnp.float32)[None, :]).astype(x.dtype)
 
 
 def matmul_w8a16(
@@ -257,6 +456,7 @@ def matmul_w8a16(
     block_m: int = 16,
     block_n: int = 128,
     block_k: int = 128,
+    split_k: int | None = None,
     interpret=None,
     backend=None,
     num_warps=None,
@@ -264,14 +464,17 @@ def matmul_w8a16(
 ):
     """x[M, K] @ (int8 q[K, N] * s[N]) as `reference.matmul_w8a16`, tiled (block_m, block_n) with a
     K loop of block_k inside the kernel; blocks are adjusted to the shape and the variant (module
-    docstring). interpret / backend as in kernels/platforms.py: None interprets when lowered for
-    CPU and compiles elsewhere (Mosaic on TPU, Triton otherwise)."""
+    docstring). s: fp32, bf16 or fp16. split_k (generic variant only): the number of K splits,
+    None chooses it from the GPU's SM count (`choose_split_k`: 1 on CPU / TPU and for M > 64), 1 is
+    the unsplit kernel. interpret / backend as in kernels/platforms.py: None interprets when
+    lowered for CPU and compiles elsewhere (Mosaic on TPU, Triton otherwise)."""
     if x.ndim != 2 or q.ndim != 2 or q.dtype != jnp.int8 or x.shape[1] != q.shape[0] or s.shape != (q.shape[1],):
         raise ValueError(
             f"matmul_w8a16 takes x[M, K], int8 q[K, N], s[N]; got x{x.shape}, q{q.shape} {q.dtype}, s{s.shape}"
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"matmul_w8a16 takes floating-point activations; got {x.dtype}")
+    _check_scales("matmul_w8a16", s)
     (m, k), n = x.shape, q.shape[1]
     plan = _plan(
         m,
@@ -285,6 +488,7 @@ def matmul_w8a16(
         backend=backend,
         num_warps=num_warps,
         num_stages=num_stages,
+        split_k=split_k,
     )
     return _run(plan, _w8a16, m, n, x, q, s)
 
@@ -292,7 +496,7 @@ def matmul_w8a16(
 # ----------------------------------------------------------------------------- W4A16
 
 
-def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool, unroll: bool):
+def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool, unroll: bool, split_k: int):
     if has_zero:
         x_ref, p_ref, s_ref, z_ref, o_ref = refs
     else:
@@ -313,7 +517,7 @@ def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bo
         z = z_ref[g, :].astype(jnp.int32) if has_zero else None
         lo, hi = codes(packed & 15, z), codes(packed >> 4, z)
         part = _dot(x_ref[:, lo_cols], lo, dtype) + _dot(x_ref[:, hi_cols], hi, dtype)
-        return acc + part * s_ref[g, :][None, :]
+        return acc + part * s_ref[g, :].astype(jnp.float32)[None, :]  # each group's own scale, in fp32
 
     acc = jnp.zeros(o_ref.shape, jnp.float32)
     if unroll:  # Mosaic: static offsets, whose alignment it can see
@@ -322,9 +526,11 @@ def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bo
             acc = group(
                 g, slice(g * half, (g + 1) * half), slice(k0, k0 + half), slice(k0 + half, k0 + group_size), acc
             )
-    else:  # Triton: one loop body, whatever K / G
+    else:  # Triton: one loop body, whatever K / G; with split-K over this split's whole groups
+        first, count = _k_range(n_groups, split_k)
 
-        def body(g, acc):
+        def body(i, acc):
+            g = first + i
             k0 = pl.multiple_of(g * group_size, group_size)
             return group(
                 g,
@@ -334,8 +540,8 @@ def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bo
                 acc,
             )
 
-        acc = lax.fori_loop(0, n_groups, body, acc)
-    o_ref[...] = acc.astype(o_ref.dtype)
+        acc = lax.fori_loop(0, count, body, acc)
+    o_ref[...] = acc.astype(o_ref.dtype)  # with split-K: the fp32 partial, already scaled
 
 
 def _w4a16(x, packed, s, z, *, cfg: Tiles):
@@ -343,16 +549,17 @@ def _w4a16(x, packed, s, z, *, cfg: Tiles):
     groups = s.shape[0]
     mp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.n_padded, cfg.block_m, cfg.block_n
     x = _pad(x, 0, mp)
-    args = [x, _pad(packed, 1, np_), _pad(s.astype(jnp.float32), 1, np_)]
+    args = [x, _pad(packed, 1, np_), _pad(_scales(s, cfg), 1, np_)]
     in_specs = [
-        pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-        pl.BlockSpec((k // 2, bn), lambda i, j: (0, j)),
-        pl.BlockSpec((groups, bn), lambda i, j: (0, j)),
+        pl.BlockSpec((bm, k), lambda i, j, *_: (i, 0)),
+        pl.BlockSpec((k // 2, bn), lambda i, j, *_: (0, j)),
+        pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)),
     ]
     if z is not None:
-        in_specs.append(pl.BlockSpec((groups, bn), lambda i, j: (0, j)))
+        in_specs.append(pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)))
         args.append(_pad(z.astype(jnp.int8), 1, np_))
-    return pl.pallas_call(
+    grid, out_specs, out_shape = _grid_specs(cfg, mp, x.dtype, jnp.float32)
+    out = pl.pallas_call(
         functools.partial(
             _w4_kernel,
             group_size=k // groups,
@@ -360,14 +567,18 @@ def _w4a16(x, packed, s, z, *, cfg: Tiles):
             signed=z is None,
             has_zero=z is not None,
             unroll=cfg.variant == "tpu",
+            split_k=cfg.split_k,
         ),
-        grid=(mp // bm, np_ // bn),
+        grid=grid,
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
     )(*args)
+    if cfg.split_k == 1:
+        return out
+    return jnp.sum(out[:, :m, : packed.shape[1]], axis=0).astype(x.dtype)  # one XLA reduction fusion
 
 
 def matmul_w4a16(
@@ -378,6 +589,7 @@ def matmul_w4a16(
     *,
     block_m: int = 16,
     block_n: int = 128,
+    split_k: int | None = None,
     interpret=None,
     backend=None,
     num_warps=None,
@@ -389,8 +601,9 @@ def matmul_w4a16(
     not the canonical `pack_int4` layout: byte row g*G/2 + r holds k = g*G + r (low nibble) and
     k = g*G + G/2 + r (high nibble). Both layouts have the same shape and dtype, so a canonical
     array passed here is not detected: it silently gives wrong results. The group size G is
-    K / s.shape[0]. s [K / G, N] fp32 scales; z [K / G, N] integer zero points, or None for
-    symmetric codes. One group per K step inside the kernel; blocks as in `matmul_w8a16`."""
+    K / s.shape[0]. s [K / G, N] fp32, bf16 or fp16 scales (applied in fp32); z [K / G, N] integer
+    zero points, or None for symmetric codes. One group per K step inside the kernel; split-K
+    splits K in whole groups; blocks and split_k as in `matmul_w8a16`."""
     if x.ndim != 2 or packed.ndim != 2 or packed.dtype != jnp.uint8:
         raise ValueError(
             f"matmul_w4a16 takes x[M, K] and uint8 packed[K / 2, N]; got x{x.shape}, "
@@ -398,6 +611,7 @@ def matmul_w4a16(
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"matmul_w4a16 takes floating-point activations; got {x.dtype}")
+    _check_scales("matmul_w4a16", s)
     k, n = 2 * packed.shape[0], packed.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"matmul_w4a16: x has K={x.shape[1]}, the packed weights K={k}")
@@ -424,6 +638,8 @@ def matmul_w4a16(
         backend=backend,
         num_warps=num_warps,
         num_stages=num_stages,
+        split_k=split_k,
+        group_size=group_size,
     )
     return _run(plan, _w4a16, m, n, x, packed, s, z)
 
@@ -431,38 +647,49 @@ def matmul_w4a16(
 # ----------------------------------------------------------------------------- W8A8
 
 
-def _w8a8_kernel(x_ref, q_ref, sx_ref, sw_ref, o_ref, *, block_k: int, n_k: int):
+def _w8a8_kernel(x_ref, q_ref, *refs, block_k: int, n_k: int, split_k: int):
+    *scale_refs, o_ref = refs  # no scales with split-K: applied to the exact int32 sum after it
+    first, count = _k_range(n_k, split_k)
+
     def body(i, acc):
-        cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        cols = pl.ds(pl.multiple_of((first + i) * block_k, block_k), block_k)
+        # int8 x int8 -> int32: Triton's integer tensor-core mma (docs/kernels_quantized_matmul.md)
         return acc + jnp.dot(
             x_ref[:, cols], q_ref[cols, :], precision=lax.Precision.DEFAULT, preferred_element_type=jnp.int32
         )
 
-    acc = lax.fori_loop(0, n_k, body, jnp.zeros(o_ref.shape, jnp.int32))
-    o_ref[...] = (acc.astype(jnp.float32) * sx_ref[...][:, None] * sw_ref[...][None, :]).astype(o_ref.dtype)
+    acc = lax.fori_loop(0, count, body, jnp.zeros(o_ref.shape, jnp.int32))
+    if split_k > 1:
+        o_ref[...] = acc
+    else:
+        sx_ref, sw_ref = scale_refs
+        o_ref[...] = (acc.astype(jnp.float32) * sx_ref[...][:, None] * sw_ref[...][None, :]).astype(o_ref.dtype)
 
 
 def _w8a8(xq, sx, wq, sw, *, cfg: Tiles, out_dtype):
-    m = xq.shape[0]
+    m, n = xq.shape[0], wq.shape[1]
     mp, kp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.k_padded, cfg.n_padded, cfg.block_m, cfg.block_n
-    return pl.pallas_call(
-        functools.partial(_w8a8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[
-            pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-            pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
-            pl.BlockSpec((bm,), lambda i, j: (i,)),
-            pl.BlockSpec((bn,), lambda i, j: (j,)),
-        ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+    in_specs = [pl.BlockSpec((bm, kp), lambda i, j, *_: (i, 0)), pl.BlockSpec((kp, bn), lambda i, j, *_: (0, j))]
+    args = [_pad(_pad(xq, 0, mp), 1, kp), _pad(_pad(wq, 0, kp), 1, np_)]
+    if cfg.split_k == 1:
+        in_specs += [pl.BlockSpec((bm,), lambda i, j: (i,)), pl.BlockSpec((bn,), lambda i, j: (j,))]
+        args += [_pad(sx.astype(jnp.float32), 0, mp), _pad(sw.astype(jnp.float32), 0, np_)]
+    grid, out_specs, out_shape = _grid_specs(cfg, mp, out_dtype, jnp.int32)
+    out = pl.pallas_call(
+        functools.partial(_w8a8_kernel, block_k=cfg.block_k, n_k=kp // cfg.block_k, split_k=cfg.split_k),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_compiler_params(cfg),
         interpret=cfg.interpret,
-    )(
-        _pad(_pad(xq, 0, mp), 1, kp),
-        _pad(_pad(wq, 0, kp), 1, np_),
-        _pad(sx.astype(jnp.float32), 0, mp),
-        _pad(sw.astype(jnp.float32), 0, np_),
+    )(*args)
+    if cfg.split_k == 1:
+        return out
+    # int32 partial sums add exactly, so the scaled result is the reference's bit for bit
+    acc = jnp.sum(out[:, :m, :n], axis=0, dtype=jnp.int32)
+    return (acc.astype(jnp.float32) * sx.astype(jnp.float32)[:, None] * sw.astype(jnp.float32)[None, :]).astype(
+        out_dtype
     )
 
 
@@ -476,14 +703,15 @@ def matmul_w8a8(
     block_m: int = 32,
     block_n: int = 128,
     block_k: int = 128,
+    split_k: int | None = None,
     interpret=None,
     backend=None,
     num_warps=None,
     num_stages=None,
 ):
     """int8 xq[M, K] @ int8 wq[K, N] with an int32 accumulator, times sx[M] and sw[N], as
-    `reference.matmul_w8a8` (bit for bit). Blocks as in `matmul_w8a16` (block_m 32: int8 tiles on
-    TPU are (32, 128))."""
+    `reference.matmul_w8a8` (bit for bit, split-K included: int32 partial sums add exactly). Blocks
+    and split_k as in `matmul_w8a16` (block_m 32: int8 tiles on TPU are (32, 128))."""
     if xq.dtype != jnp.int8 or wq.dtype != jnp.int8:
         raise ValueError(f"matmul_w8a8 takes int8 operands; got {xq.dtype} and {wq.dtype}")
     if (
@@ -511,5 +739,6 @@ def matmul_w8a8(
         backend=backend,
         num_warps=num_warps,
         num_stages=num_stages,
+        split_k=split_k,
     )
     return _run(plan, functools.partial(_w8a8, out_dtype=out_dtype), m, n, xq, sx, wq, sw)
