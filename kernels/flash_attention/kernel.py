@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import platforms
-from . import kernel_tpu
+from . import kernel_mgpu, kernel_tpu
 from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward"]
@@ -426,7 +426,7 @@ def _prepare(
     backend,
 ):
     """Validate, resolve defaults and build the static plan."""
-    platforms.check_backend(backend)
+    platforms.check_backend(backend, (*platforms.BACKENDS, platforms.MOSAIC_GPU))
     if interpret is None:
         compiled_here = jax.default_backend() != "cpu"
     else:
@@ -471,10 +471,29 @@ def _prepare(
             bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
             interpret=True,
         )
+    mgpu_cfg = _mgpu_config(backend, interpret, q, s, scale, causal, q_segment_ids is not None, generic_cfg)
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-    return platforms.plan(backend, interpret, generic_cfg, tpu_cfg), q_segment_ids, kv_segment_ids
+    return platforms.plan(backend, interpret, generic_cfg, tpu_cfg, mgpu_cfg), q_segment_ids, kv_segment_ids
+
+
+def _mgpu_config(backend, interpret, q, s, scale, causal, has_segments, generic_cfg):
+    """The Mosaic GPU kernel's config when it should run on CUDA, else None. backend None: only on
+    a Hopper GPU (kernel_mgpu.gpu_capability, read at trace time) for a supported call, and not
+    when interpret=True; backend "mosaic_gpu": whenever the call is supported, else ValueError."""
+    if backend not in (None, platforms.MOSAIC_GPU) or (backend is None and interpret):
+        return None
+    t, h = q.shape[1], q.shape[3]
+    kw = dict(causal=bool(causal), scale=scale, has_segments=has_segments)
+    if backend is None:
+        if kernel_mgpu.why_not(kernel_mgpu.gpu_capability(), t, s, h, q.dtype, **kw) is not None:
+            return None
+    elif (why := kernel_mgpu.supported(t, s, h, q.dtype, **kw)) is not None:
+        raise ValueError(f"backend='mosaic_gpu' cannot run this call: {why}")
+    # the backward is the generic (Triton) one, compiled
+    backward = dataclasses.replace(generic_cfg, interpret=False)
+    return kernel_mgpu.make_config(h, s, q.dtype, scale=scale, causal=bool(causal), backward=backward)
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
@@ -519,7 +538,16 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
-_VARIANTS = {"generic": (_forward, _backward), "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
+def _mgpu_backward(*args, cfg: kernel_mgpu.MgpuConfig):
+    """The Mosaic GPU variant's backward: the generic (Triton) kernels, from its o and lse."""
+    return _backward(*args, cfg=cfg.backward)
+
+
+_VARIANTS = {
+    "generic": (_forward, _backward),
+    "tpu": (kernel_tpu.forward, kernel_tpu.backward),
+    "mosaic_gpu": (kernel_mgpu.forward, _mgpu_backward),
+}
 
 
 def _dispatch(plan: platforms.Plan, which: int, *args):

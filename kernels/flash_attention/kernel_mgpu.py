@@ -1,0 +1,365 @@
+"""FlashAttention-3-style forward for Hopper (sm_90a) in Mosaic GPU Pallas.
+
+Same semantics as kernel.py's forward: q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q's
+dtype and lse[B, N, T] fp32 (natural log); causal is top-left aligned (T == S); query head n reads
+kv head n // G with G = N / K. bf16 or fp16 inputs, H in {64, 128, 256}, no segment ids
+(`supported` says which calls this kernel takes; kernel.py sends the others to the Triton kernel).
+
+One program (CUDA block) per (query head n, tile of 2 * block_q queries, batch b), three
+warpgroups of 128 threads:
+
+- warpgroup 2 (memory) only issues TMA loads of K and V blocks of kv head n // G into a ring of
+  `stages` shared-memory slots. A load into a slot waits on that slot's "free" barrier, which both
+  compute warpgroups arrive on once they have read it; each load arrives on the slot's "ready"
+  barrier when its bytes have landed. It gives its registers away (set_max_registers) so the
+  compute warpgroups can hold their fp32 tiles.
+- warpgroups 0 and 1 (compute) each own block_q = 64 query rows (one wgmma M tile): Q is loaded
+  once into shared memory, then for every kv block j
+      S = Q K_j^T (wgmma, fp32 accumulators in registers),
+      m' = max(m, c * rowmax(S)),  P = exp2(c * S - m'),  alpha = exp2(m - m'),
+      l = alpha l + rowsum(P),     acc = alpha acc + P V_j (wgmma, P from registers in q's dtype)
+  with c = softmax_scale * log2(e), so the scale is one FMA inside exp2 and m, l live in the base-2
+  domain; at the end o = acc / l and lse = ln(2) (m + log2 l).
+- Ping-pong: the two compute warpgroups share a "schedule" barrier (two arrivals) that they pass
+  twice per kv block, once after issuing Q K^T and once after the softmax, and warpgroup 1 passes
+  it once more before its loop. That offsets them by half a step, so one warpgroup's softmax
+  (exp2 on the special-function units) runs while the other's matmuls hold the tensor cores.
+
+Causal: a tile of queries [q0, q0 + 2 block_q) needs kv blocks up to the one holding its last
+query; the memory warpgroup never loads the blocks past it, and each compute warpgroup stops at
+its own diagonal. Only the blocks that straddle a warpgroup's diagonal are masked (a second loop);
+the blocks wholly below it run without the iota compare. Warpgroup 0 finishes before warpgroup 1;
+it keeps passing the free and schedule barriers for the steps it skips, so neither the ring nor the
+ping-pong deadlocks. Programs are launched longest-first (the q tile index is reversed) so the
+short causal tiles fill the tail of the grid.
+
+Backward: kernel.py's custom_vjp pairs this forward with the generic (Triton) FlashAttention-2
+backward (kernel._backward), which recomputes P from the lse written here. A Mosaic GPU dK/dV and
+dQ pair is future work.
+
+What was checked without a GPU (tests/test_flash_attention_mgpu.py): the kernel traces and lowers
+deviceless for an H100 (the Mosaic GPU MLIR has the wgmma and TMA ops, shared memory fits sm_90's
+227 KiB), and the dispatch picks it only where it should. Pallas' GPU interpret mode cannot run it
+(see `INTERPRET_LIMITATION`), so numerics and speed are settled only on a GPU: `check_on_gpu` and
+bench.py's correctness column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["MgpuConfig", "check_on_gpu", "forward", "gpu_capability", "make_config", "supported", "tiles", "why_not"]
+
+WG_ROWS = 64  # query rows per compute warpgroup: the M of one wgmma tile
+COMPUTE_WGS = 2
+SMEM_LIMIT_BYTES = 227 * 1024  # sm_90's largest dynamic shared memory per block
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LN2 = math.log(2.0)
+
+# Why it cannot run in interpret mode; kept as data so the docs and the test quote one text.
+INTERPRET_LIMITATION = (
+    "Pallas' GPU interpreter (jax 0.11.2) runs each warpgroup in a thread_map and rejects the "
+    "kernel's wgmma accumulator effects (_WGMMAPipelineEffect) there: 'Cannot lower jaxpr with effects'"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Static parameters of one call (hashable: part of kernel.py's Plan). `backward` is the generic
+    kernel's config that the custom_vjp's backward runs with; `interpret` exists only so that
+    platforms.plan can set it like the other variants' (this kernel is never interpreted)."""
+
+    scale: float
+    causal: bool
+    block_k: int
+    stages: int
+    backward: object = None
+    interpret: bool = False
+
+
+def _smem_bytes(h: int, block_k: int, stages: int, itemsize: int) -> int:
+    """Shared memory of one program: Q/O tiles of both compute warpgroups, the K and V ring, the
+    lse staging rows (barriers and alignment come on top: checked against Mosaic's own count in
+    the tests)."""
+    return itemsize * (COMPUTE_WGS * WG_ROWS * h + 2 * stages * block_k * h) + 4 * COMPUTE_WGS * WG_ROWS
+
+
+def tiles(h: int, s: int, itemsize: int = 2) -> tuple[int, int] | None:
+    """(block_k, stages) for head dim h and S = s keys, or None: the widest key block (256, 128 or
+    64) that divides s, keeps the fp32 score tile plus accumulator within the compute warpgroups'
+    registers (block_k * h <= 128 * 128) and whose two-slot ring fits in shared memory; then as
+    many slots (up to 4) as fit. Wider key blocks mean fewer barrier round trips per row, more
+    slots hide TMA latency. Not yet swept on a GPU."""
+    budget = SMEM_LIMIT_BYTES - 4096  # barriers and 1 KiB alignment of the swizzled buffers
+    fits = lambda bk, stages: _smem_bytes(h, bk, stages, itemsize) <= budget
+    block_k = next((bk for bk in (256, 128, 64) if s % bk == 0 and bk * h <= 128 * 128 and fits(bk, 2)), None)
+    if block_k is None:
+        return None
+    return block_k, max(st for st in (2, 3, 4) if fits(block_k, st))
+
+
+def supported(t: int, s: int, h: int, dtype, *, causal: bool, scale: float, has_segments: bool) -> str | None:
+    """None when this kernel can run the call, else why not (kernel.py then uses Triton)."""
+    if has_segments:
+        return "segment ids are not supported"
+    if h not in HEAD_DIMS:
+        return f"head dim {h} not in {HEAD_DIMS}"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype)} is not bf16 or fp16"
+    if not scale > 0:
+        return "softmax_scale must be positive (the row max is taken before scaling)"
+    if t % (COMPUTE_WGS * WG_ROWS):
+        return f"T = {t} is not a multiple of {COMPUTE_WGS * WG_ROWS}"
+    if tiles(h, s, jnp.dtype(dtype).itemsize) is None:
+        return f"S = {s} is not a multiple of 64"
+    if causal and t != s:
+        return "causal needs T == S"
+    return None
+
+
+# Hopper parts by device kind, for abstract devices (AOT meshes), which carry no compute capability.
+_HOPPER_KINDS = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """Compute capability of the GPU the program is being traced for, or None (not a GPU, or not
+    known). The mesh in context wins (its abstract device: an AOT compile for deviceless H100s
+    traced on a CPU host, or shard_map over real GPUs); without one, the default device."""
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if dev is not None:
+        if dev.platform != "gpu":
+            return None
+        return (9, 0) if _HOPPER_KINDS.search(dev.device_kind) else None
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+    if not cc:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+
+
+def why_not(capability, t: int, s: int, h: int, dtype, *, causal: bool, scale: float, has_segments: bool):
+    """None when backend=None should run this kernel on CUDA, else the reason it does not. Hopper
+    only (major 9): wgmma is an sm_90a instruction, which Blackwell (sm_100) does not have."""
+    if capability is None or capability[0] != 9:
+        return f"not a Hopper GPU (compute capability {capability})"
+    return supported(t, s, h, dtype, causal=causal, scale=scale, has_segments=has_segments)
+
+
+def make_config(h: int, s: int, dtype, *, scale: float, causal: bool, backward=None) -> MgpuConfig:
+    """The config for a supported call (`supported` returned None)."""
+    block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize) or (0, 0)
+    return MgpuConfig(scale=scale, causal=causal, block_k=block_k, stages=stages, backward=backward)
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
+    (q_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched = scratch
+    bq, bk, h = WG_ROWS, cfg.block_k, q_ref.shape[-1]
+    dtype = q_ref.dtype
+    b = lax.axis_index("batch")
+    n = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile = num_q_tiles - 1 - lax.axis_index("q_tile")  # longest causal rows first
+    tile_q0 = tile * (COMPUTE_WGS * bq)
+    num_kv = s // bk
+    stages = min(cfg.stages, num_kv)
+    # kv blocks this program needs: all of them, or (causal) up to the one holding its last query
+    tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
+    c = cfg.scale * math.log2(math.e)
+
+    def pass_schedule():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+        q0 = tile_q0 + wg * bq
+        # this warpgroup's kv blocks: up to its own diagonal when causal; [0, n_full) need no mask
+        steps = lax.div(q0 + bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
+        n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), n], q_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        row = plgpu.Layout.WGMMA.reduce(1)
+        m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+        l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
+        acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(pass_schedule)  # the half-step offset of the ping-pong
+
+        def step(j, carry, *, masked: bool):
+            acc, m, l = carry
+            slot = lax.rem(j, jnp.int32(stages))
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                pass_schedule()  # let the other warpgroup's softmax run while ours multiplies
+                return acc_ref[...]
+
+            sc = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                rows = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+                cols = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+                # -inf is safe: every row sees key 0 in block 0, so m is finite from the first step
+                sc = jnp.where(rows >= cols, sc, -jnp.inf)
+            m_new = jnp.maximum(m, sc.max(axis=1) * c)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p = p.astype(dtype)
+            plgpu.barrier_arrive(sched)  # softmax done: the other warpgroup may use the tensor cores
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(sched)
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                nxt = j + 1
+
+                @pl.when(nxt < steps)  # wait for the next K while P V runs
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        carry = (acc, m, l)
+        carry = lax.fori_loop(0, n_full, lambda j, cr: step(j, cr, masked=False), carry)
+        if cfg.causal:
+            carry = lax.fori_loop(n_full, steps, lambda j, cr: step(j, cr, masked=True), carry)
+
+            # Blocks the other warpgroup still reads: free them and keep the ping-pong in step.
+            @pl.loop(steps, tile_steps)
+            def _skipped(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                pass_schedule()
+                pass_schedule()
+
+        acc, m, l = carry
+        pl.when(wg == 0)(pass_schedule)  # matches warpgroup 1's extra pass before its loop
+
+        o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+        q_smem[...] = o.astype(dtype)  # Q is no longer needed: stage O in its place
+        lse_smem[...] = (m + jnp.log2(l)) * LN2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), n])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, pl.ds(q0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(n, jnp.int32(group))
+
+        def load(j, slot):
+            rows = (b, pl.ds(j * bk, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        for j in range(stages):  # fill the ring, skipping blocks past the tile's diagonal
+
+            @pl.when(j < tile_steps)
+            def _():
+                load(j, j)
+
+        @pl.loop(stages, tile_steps)
+        def _refill(j):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            load(j, slot)
+
+
+def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
+    """(o[B, T, N, H], lse[B, N, T] fp32) on a Hopper GPU; `supported` must hold."""
+    if q_seg is not None or kv_seg is not None:
+        raise ValueError("the Mosaic GPU kernel takes no segment ids (kernel.py falls back to Triton)")
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    why = supported(t, s, h, q.dtype, causal=cfg.causal, scale=cfg.scale, has_segments=False)
+    if why is not None:
+        raise ValueError(f"the Mosaic GPU kernel cannot run this call: {why}")
+    bq, bk = WG_ROWS, cfg.block_k
+    stages = min(cfg.stages, s // bk)
+    num_q_tiles = t // (COMPUTE_WGS * bq)
+    # 128-byte swizzled (8, 64) tiles: the shared-memory layout wgmma reads without bank conflicts
+    # (jax declares transform_array abstract on these concrete transforms, hence the ignores)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
+    scratch = (
+        (
+            plgpu.SMEM((COMPUTE_WGS, bq, h), q.dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, h), k.dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, h), v.dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),  # K slot ready
+            plgpu.Barrier(num_barriers=stages),  # V slot ready
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q ready
+        ),
+        (
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+        ),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # schedule (ping-pong)
+    )
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs):
+        _kernel(
+            q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, cfg=cfg, group=n // kh, num_q_tiles=num_q_tiles, s=s
+        )
+
+    body.__name__ = "flash_attention_mgpu_fwd"
+    o, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
+        scratch_types=scratch,
+        grid=(n, num_q_tiles, b),
+        grid_names=("heads", "q_tile", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v)
+    return o, lse
+
+
+def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0) -> dict:
+    """Run the kernel on this process's GPU and compare with the fp32 reference; returns the max
+    abs errors of o and lse (bench.py reports the same per row). Call on a Hopper GPU only."""
+    from .reference import attention as reference_attention
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
+    v = jax.random.normal(keys[2], (b, t, k, h), dtype)
+    cfg = make_config(h, t, dtype, scale=h**-0.5, causal=causal)
+    o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, None, None, cfg))(q, kk, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    want_o, want_lse = reference_attention(f32(q), f32(kk), f32(v), causal=causal, return_lse=True)
+    return dict(
+        o_max_abs_err=float(jnp.max(jnp.abs(f32(o) - want_o))),
+        lse_max_abs_err=float(jnp.max(jnp.abs(lse - want_lse))),
+        o_max_abs=float(jnp.max(jnp.abs(want_o))),
+    )
