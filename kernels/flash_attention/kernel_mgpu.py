@@ -165,7 +165,7 @@ def make_config(h: int, s: int, dtype, *, scale: float, causal: bool, backward=N
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
-    (q_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched = scratch
+    (q_smem2, k_smem, v_smem, lse_smem2, *p_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched = scratch
     bq, bk, h = WG_ROWS, cfg.block_k, q_ref.shape[-1]
     dtype = q_ref.dtype
     b = lax.axis_index("batch")
@@ -231,15 +231,22 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(sched)
 
+            if cfg.interpret:  # the interpreter's wgmma reads operands from shared memory only
+                p_smem2[0].at[wg][...] = p
+                plgpu.commit_smem()
+
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p_smem2[0].at[wg] if cfg.interpret else p, v_smem.at[slot])
                 nxt = j + 1
 
                 @pl.when(nxt < steps)  # wait for the next K while P V runs
                 def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if cfg.interpret:  # the interpreter cannot run run_state over an accumulator: add a fresh one
+                acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((bq, h), jnp.float32))
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -248,10 +255,14 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
         if cfg.causal:
             carry = lax.fori_loop(n_full, steps, lambda j, cr: step(j, cr, masked=True), carry)
 
-            # Blocks the other warpgroup still reads: free them and keep the ping-pong in step.
+            # Blocks only the other warpgroup reads: free them and keep the ping-pong in step. The
+            # ready waits keep this warpgroup's view of every barrier phase complete (the GPU
+            # interpreter insists; on the GPU they cost idle time of a finished warpgroup).
             @pl.loop(steps, tile_steps)
             def _skipped(j):
                 slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 pass_schedule()
@@ -291,6 +302,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
             plgpu.barrier_wait(v_free.at[slot])
             load(j, slot)
 
+        # Observe the last frees too, so no barrier phase is left unseen when the scratch goes.
+        @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
+        def _drain(j):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
 
 def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
     """(o[B, T, N, H], lse[B, N, T] fp32) on a Hopper GPU; `supported` must hold."""
@@ -313,6 +331,7 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
             plgpu.SMEM((stages, bk, h), k.dtype, transforms=transforms),
             plgpu.SMEM((stages, bk, h), v.dtype, transforms=transforms),
             plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
+            *([plgpu.SMEM((COMPUTE_WGS, bq, bk), q.dtype, transforms=transforms)] if cfg.interpret else []),
         ),
         (
             plgpu.Barrier(num_barriers=stages),  # K slot ready
@@ -341,6 +360,7 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )(q, k, v)
     return o, lse
 
