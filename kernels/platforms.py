@@ -43,23 +43,20 @@ def plan(backend, interpret, generic_cfg, tpu_cfg, mgpu_cfg=None) -> Plan:
     TPU, Triton elsewhere; interpret=True -> the generic variant interpreted everywhere. With
     mgpu_cfg given (the caller decided a Hopper GPU runs a supported shape), CUDA gets the Mosaic
     GPU variant instead of Triton unless interpret=True. backend "generic" / "tpu": that variant
-    only, interpreted on CPU when interpret=None. backend "mosaic_gpu": that variant only, never
-    interpreted (mgpu_cfg required). The configs are dataclasses with an `interpret` field."""
+    only, interpreted on CPU when interpret=None; "mosaic_gpu" likewise (mgpu_cfg required). The
+    configs are dataclasses with an `interpret` field."""
     check_backend(backend, (*BACKENDS, MOSAIC_GPU) if mgpu_cfg is not None else BACKENDS)
     g = lambda interp: ("generic", dataclasses.replace(generic_cfg, interpret=interp))
     t = lambda interp: ("tpu", dataclasses.replace(tpu_cfg, interpret=interp))
-    cuda = ((("cuda",), "mosaic_gpu", mgpu_cfg),) if mgpu_cfg is not None else ()
-    if backend == MOSAIC_GPU:
-        if interpret:
-            raise ValueError("backend='mosaic_gpu' cannot be interpreted (kernel_mgpu.INTERPRET_LIMITATION)")
-        return Plan(((None, "mosaic_gpu", mgpu_cfg),))
+    m = lambda interp: (MOSAIC_GPU, dataclasses.replace(mgpu_cfg, interpret=interp))
+    cuda = ((("cuda",), *m(False)),) if mgpu_cfg is not None else ()
     if backend is None:
         if interpret is None:
             return Plan(((("cpu",), *g(True)), (("tpu",), *t(False)), *cuda, (None, *g(False))))
         if interpret:
             return Plan(((None, *g(True)),))
         return Plan(((("tpu",), *t(False)), *cuda, (None, *g(False))))
-    make = g if backend == "generic" else t
+    make = {"generic": g, "tpu": t, MOSAIC_GPU: m}[backend]
     if interpret is None:
         return Plan(((("cpu",), *make(True)), (None, *make(False))))
     return Plan(((None, *make(bool(interpret))),))

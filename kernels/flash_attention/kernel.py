@@ -491,9 +491,8 @@ def _mgpu_config(backend, interpret, q, s, scale, causal, has_segments, generic_
             return None
     elif (why := kernel_mgpu.supported(t, s, h, q.dtype, **kw)) is not None:
         raise ValueError(f"backend='mosaic_gpu' cannot run this call: {why}")
-    # the backward is the generic (Triton) one, compiled
-    backward = dataclasses.replace(generic_cfg, interpret=False)
-    return kernel_mgpu.make_config(h, s, q.dtype, scale=scale, causal=bool(causal), backward=backward)
+    # the backward is the generic one (platforms.plan sets `interpret` on both)
+    return kernel_mgpu.make_config(h, s, q.dtype, scale=scale, causal=bool(causal), backward=generic_cfg)
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
@@ -539,8 +538,9 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
 
 
 def _mgpu_backward(*args, cfg: kernel_mgpu.MgpuConfig):
-    """The Mosaic GPU variant's backward: the generic (Triton) kernels, from its o and lse."""
-    return _backward(*args, cfg=cfg.backward)
+    """The Mosaic GPU variant's backward: the generic kernels (Triton, or interpreted with the
+    forward), from its o and lse."""
+    return _backward(*args, cfg=dataclasses.replace(cfg.backward, interpret=cfg.interpret))
 
 
 _VARIANTS = {

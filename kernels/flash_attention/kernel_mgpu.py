@@ -37,11 +37,19 @@ Backward: kernel.py's custom_vjp pairs this forward with the generic (Triton) Fl
 backward (kernel._backward), which recomputes P from the lse written here. A Mosaic GPU dK/dV and
 dQ pair is future work.
 
-What was checked without a GPU (tests/test_flash_attention_mgpu.py): the kernel traces and lowers
-deviceless for an H100 (the Mosaic GPU MLIR has the wgmma and TMA ops, shared memory fits sm_90's
-227 KiB), and the dispatch picks it only where it should. Pallas' GPU interpret mode cannot run it
-(see `INTERPRET_LIMITATION`), so numerics and speed are settled only on a GPU: `check_on_gpu` and
-bench.py's correctness column.
+Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpreter runs the same
+warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
+constructs of the compiled kernel, so the interpreted variant differs in exactly these (jax
+0.11.2): P V takes P from shared memory (its wgmma reads only shared-memory operands; the GPU
+kernel feeds P from registers), and P V goes into a fresh accumulator added to acc (it cannot run
+`pl.run_state` over an accumulator, which the GPU kernel uses to accumulate in place). Everything
+else (the ring, the ping-pong, the causal ranges and mask, exp2 scaling, GQA, lse) is the code the
+GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference there.
+
+What only a GPU settles: Mosaic's compile to PTX/SASS (it calls the CUDA driver; the deviceless
+AOT path stops at the Mosaic GPU MLIR, checked for wgmma / TMA ops and shared memory <= 227 KiB),
+the register-operand P V and in-place accumulation, real concurrency of the warpgroups, numerics
+of the compiled kernel (`check_on_gpu`, bench.py's error column) and speed.
 """
 
 from __future__ import annotations
@@ -65,18 +73,12 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LN2 = math.log(2.0)
 
-# Why it cannot run in interpret mode; kept as data so the docs and the test quote one text.
-INTERPRET_LIMITATION = (
-    "Pallas' GPU interpreter (jax 0.11.2) runs each warpgroup in a thread_map and rejects the "
-    "kernel's wgmma accumulator effects (_WGMMAPipelineEffect) there: 'Cannot lower jaxpr with effects'"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Static parameters of one call (hashable: part of kernel.py's Plan). `backward` is the generic
-    kernel's config that the custom_vjp's backward runs with; `interpret` exists only so that
-    platforms.plan can set it like the other variants' (this kernel is never interpreted)."""
+    kernel's config that the custom_vjp's backward runs with; `interpret` runs the kernel in
+    Pallas' GPU interpreter (module docstring)."""
 
     scale: float
     causal: bool

@@ -1,0 +1,214 @@
+"""The Mosaic GPU (Hopper) flash-attention forward, kernels/flash_attention/kernel_mgpu.py, on a CPU.
+
+- Numerics in Pallas' GPU interpret mode against the reference (the interpreted variant differs
+  from the compiled one only in how P reaches the P V matmul: kernel_mgpu's docstring).
+  Tolerance: bf16/fp16 inputs, both sides compute in fp32, the kernel rounds P to the input dtype
+  before P V (2^-9 relative each, averaged over the keys) and rounds o to it (one ulp = 2^-8
+  relative for bf16): o within 2^-7 * max|o| (two bf16 ulps); lse is fp32 from unrounded scores,
+  1e-5 absolute (exp2 / log2 against exp / log in another order).
+- Lowering for an abstract H100 (no GPU, no compile-only devices needed): the Mosaic GPU MLIR has
+  wgmma and TMA loads, its shared memory fits sm_90, and backend=None picks this kernel exactly
+  where it should (the custom calls in the lowered HLO). Mosaic's compile to SASS needs the CUDA
+  driver, so that, and the compiled numerics and speed, are GPU-only (bench.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys.kernels import platforms
+from jaxsys.kernels.flash_attention import flash_attention, kernel, kernel_mgpu, reference_attention
+
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+
+
+def _mesh(device_kind: str, platform: str = "gpu"):
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev))
+
+
+def _inputs(b, t, n, k, h, dtype, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (
+        jax.random.normal(keys[0], (b, t, n, h), dtype),
+        jax.random.normal(keys[1], (b, t, k, h), dtype),
+        jax.random.normal(keys[2], (b, t, k, h), dtype),
+    )
+
+
+def _f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+# ------------------------------------------------------------------------------ numerics (interpret)
+
+CASES = {
+    # H = 256: key block 64, a 2-slot ring over 4 kv blocks (wraps), warpgroup 0 skips blocks
+    "causal_h256": (1, 256, 2, 1, 256, True, jnp.bfloat16),
+    # H = 64: key block 256, GQA G = 2, not causal
+    "gqa_h64": (1, 256, 4, 2, 64, False, jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_kernel_matches_reference(name):
+    b, t, n, k, h, causal, dtype = CASES[name]
+    q, kk, v = _inputs(b, t, n, k, h, dtype)
+    o, lse = flash_attention(q, kk, v, causal=causal, return_lse=True, backend="mosaic_gpu")  # interpreted on CPU
+    want_o, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), causal=causal, return_lse=True)
+    assert o.dtype == dtype and lse.shape == (b, n, t)
+    tol = 2**-7 * float(np.abs(_f32(want_o)).max())
+    np.testing.assert_allclose(_f32(o), _f32(want_o), rtol=0, atol=tol)
+    np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_interpreted_kernel_long_causal_rows():
+    """T = 1024, H = 64: key block 256, a 3-slot ring over 4 blocks, four q tiles."""
+    q, kk, v = _inputs(1, 1024, 2, 1, 64, jnp.bfloat16, seed=1)
+    o, lse = flash_attention(q, kk, v, causal=True, return_lse=True, backend="mosaic_gpu")
+    want_o, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), causal=True, return_lse=True)
+    np.testing.assert_allclose(_f32(o), _f32(want_o), rtol=0, atol=2**-7 * float(np.abs(_f32(want_o)).max()))
+    np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
+
+
+def test_gradients_through_the_generic_backward():
+    """The Mosaic forward's custom_vjp runs the generic backward from its o and lse (interpreted
+    here): gradients match the reference's. bf16 inputs; dS and P are rounded to bf16 inside the
+    backward, so 2^-6 of each gradient's max."""
+    q, kk, v = _inputs(1, 128, 2, 1, 64, jnp.bfloat16, seed=2)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+    got = jax.grad(loss(lambda *a: flash_attention(*a, causal=True, backend="mosaic_gpu")), argnums=(0, 1, 2))(q, kk, v)
+    f32 = [x.astype(jnp.float32) for x in (q, kk, v)]
+    want = jax.grad(loss(lambda *a: reference_attention(*a, causal=True)), argnums=(0, 1, 2))(*f32)
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(_f32(g), _f32(w), rtol=0, atol=2**-6 * float(np.abs(_f32(w)).max()))
+
+
+# --------------------------------------------------------------------------------- choice of kernel
+
+
+def _custom_calls(fn, shapes, dtype=jnp.bfloat16, device_kind=H100.device_kind, platform="cuda"):
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    with _mesh(device_kind):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return re.findall(r"custom_call @([\w$.]+)", text)
+
+
+QKV = [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128)]
+
+
+def test_backend_none_picks_mosaic_on_hopper_with_triton_backward():
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32))
+    calls = _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), QKV)
+    assert sorted(calls) == ["__gpu$xla.gpu.triton"] * 2 + ["mosaic_gpu_v2"], calls
+
+
+@pytest.mark.parametrize(
+    "device_kind, shapes, kwargs, dtype",
+    [
+        ("NVIDIA A100-SXM4-80GB", QKV, {}, jnp.bfloat16),  # Ampere: no wgmma
+        ("NVIDIA B200", QKV, {}, jnp.bfloat16),  # Blackwell: no wgmma either
+        (H100.device_kind, QKV, {}, jnp.float32),  # fp32 inputs
+        (H100.device_kind, [(1, 192, 4, 128), (1, 192, 2, 128), (1, 192, 2, 128)], {}, jnp.bfloat16),  # T % 128
+        (H100.device_kind, [(1, 256, 4, 32), (1, 256, 2, 32), (1, 256, 2, 32)], {}, jnp.bfloat16),  # H = 32
+        (H100.device_kind, QKV, {"segments": True}, jnp.bfloat16),
+        (H100.device_kind, QKV, {"interpret": False, "softmax_scale": -1.0}, jnp.bfloat16),
+    ],
+)
+def test_backend_none_falls_back_to_triton(device_kind, shapes, kwargs, dtype):
+    kwargs = dict(kwargs)
+    segments = kwargs.pop("segments", False)
+
+    def fn(q, k, v):
+        seg = jnp.zeros(q.shape[:2], jnp.int32) if segments else None
+        return flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, **kwargs)
+
+    assert _custom_calls(fn, shapes, dtype, device_kind) == ["__gpu$xla.gpu.triton"]
+
+
+def test_plan_without_a_gpu_in_sight_has_no_mosaic_branch():
+    """On this CPU host with no mesh in context, the capability is unknown: no CUDA branch."""
+    q, kk, v = _inputs(1, 256, 4, 2, 128, jnp.bfloat16)
+    assert kernel_mgpu.gpu_capability() is None
+    with _mesh(H100.device_kind):
+        assert kernel_mgpu.gpu_capability() == (9, 0)
+    with _mesh("TPU v5p", platform="tpu"):
+        assert kernel_mgpu.gpu_capability() is None
+    plan = kernel._prepare(q, kk, v, None, None, **_PREPARE)[0]
+    assert [variant for _, variant, _ in plan.branches] == ["generic", "tpu", "generic"]
+    with _mesh(H100.device_kind):
+        plan = kernel._prepare(q, kk, v, None, None, **_PREPARE)[0]
+        assert (("cuda",), "mosaic_gpu") in [(p, variant) for p, variant, _ in plan.branches]
+        plan = kernel._prepare(q, kk, v, None, None, **(_PREPARE | {"interpret": True}))[0]
+        assert [variant for _, variant, _ in plan.branches] == ["generic"]
+
+
+_PREPARE = dict(
+    causal=True,
+    softmax_scale=None,
+    block_q=128,
+    block_k=128,
+    block_q_bwd=None,
+    block_k_bwd=None,
+    interpret=None,
+    backend=None,
+)
+
+
+def test_explicit_backend_refuses_unsupported_calls():
+    q, kk, v = _inputs(1, 192, 2, 1, 64, jnp.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"backend='mosaic_gpu' cannot run this call: T = 192 is not a multiple of 128"
+    ):
+        flash_attention(q, kk, v, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"segment ids are not supported"):
+        seg = jnp.zeros((1, 192), jnp.int32)
+        flash_attention(q, kk, v, q_segment_ids=seg, kv_segment_ids=seg, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"one of \('generic', 'tpu', 'mosaic_gpu'\)"):
+        flash_attention(q, kk, v, backend="mgpu")
+    # other kernels have no Mosaic GPU variant
+    with pytest.raises(ValueError, match=r"one of \('generic', 'tpu'\); got backend='mosaic_gpu'"):
+        platforms.check_backend("mosaic_gpu")
+
+
+# ------------------------------------------------------------------------- the Mosaic GPU MLIR
+
+
+def _resources(path) -> dict:
+    text = open(path).read()
+    return {"smem_scratch_bytes": int(re.search(r"smem_scratch_bytes=(\d+)", text).group(1))}
+
+
+@pytest.mark.parametrize("h", kernel_mgpu.HEAD_DIMS)
+def test_lowers_to_wgmma_and_tma_within_hopper_shared_memory(h, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    t = 512
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic_gpu", interpret=False)
+    assert _custom_calls(fn, [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)]) == ["mosaic_gpu_v2"]
+    (mlir,) = tmp_path.glob("flash_attention_mgpu_fwd*.after_layout_inference.txt")
+    (resources,) = tmp_path.glob("flash_attention_mgpu_fwd*.resources.txt")
+    ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
+    assert ops.count("wgmma") >= 2  # Q K^T and P V (the causal and unmasked loops have their own)
+    assert ops.count("async_load") >= 3 and ops.count("async_store") == 2  # Q, K, V in; O, lse out
+    smem = _resources(resources)["smem_scratch_bytes"]
+    assert smem <= kernel_mgpu.SMEM_LIMIT_BYTES, smem
+    block_k, stages = kernel_mgpu.tiles(h, t)
+    stages = min(stages, t // block_k)  # the ring is no deeper than the kv blocks
+    # the model of shared memory the tile choice uses is within alignment of Mosaic's own count
+    assert 0 <= smem - kernel_mgpu._smem_bytes(h, block_k, stages, 2) <= 4096
+
+
+def test_tiles_use_the_widest_block_and_most_slots_that_fit():
+    for h in kernel_mgpu.HEAD_DIMS:
+        block_k, stages = kernel_mgpu.tiles(h, 4096)
+        assert kernel_mgpu._smem_bytes(h, block_k, stages, 2) <= kernel_mgpu.SMEM_LIMIT_BYTES - 4096
+        assert stages == 4 or kernel_mgpu._smem_bytes(h, block_k, stages + 1, 2) > kernel_mgpu.SMEM_LIMIT_BYTES - 4096
+    assert kernel_mgpu.tiles(64, 4096)[0] == 256 and kernel_mgpu.tiles(64, 384)[0] == 128
+    assert kernel_mgpu.tiles(128, 96) is None
