@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +85,7 @@ class MgpuConfig:
     causal: bool
     block_k: int
     stages: int
-    backward: object = None
+    backward: Any = None
     interpret: bool = False
 
 
