@@ -55,6 +55,7 @@ of the compiled kernel (`check_on_gpu`, bench.py's error column) and speed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -366,6 +367,306 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
     )(q, k, v)
     return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: a dQ kernel and a dK/dV kernel, both recomputing P = exp2(c S - log2(e) lse) from the
+# forward's lse (no softmax statistics are rebuilt), with Delta = rowsum(dO * O) - dlse.
+
+BWD_ROWS = 64  # rows per compute warpgroup, and the streamed block, in both backward kernels
+BWD_HEAD_DIMS = (64, 128)  # H = 256: dK and dV accumulators alone would need 256 registers a thread
+
+
+def _lhs(x, scratch, interpret: bool):
+    """A wgmma left operand from registers; through shared memory under the interpreter."""
+    if not interpret:
+        return x
+    scratch[...] = x
+    plgpu.commit_smem()
+    return scratch
+
+
+def _accumulate(acc, a, b, interpret: bool):
+    """acc + a @ b by wgmma, in place on the GPU; into a fresh accumulator under the interpreter."""
+    if interpret:
+        return acc + _product(a, b, acc.shape)
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+
+def _product(a, b, shape):
+    """a @ b by wgmma into a fresh fp32 accumulator."""
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
+def _bwd_stages(h: int, block: int, per_stage_arrays: int, resident: int, itemsize: int = 2) -> int:
+    """Ring slots that fit beside the resident tiles (both warpgroups' own [64, H] tiles)."""
+    budget = SMEM_LIMIT_BYTES - 4096
+    fixed = itemsize * resident * COMPUTE_WGS * BWD_ROWS * h + itemsize * COMPUTE_WGS * BWD_ROWS * block
+    per_stage = itemsize * per_stage_arrays * block * h + 8 * block
+    return max(1, min(4, (budget - fixed) // per_stage))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch, cfg, group, s, stages):
+    own, (k_ready, v_ready, own_ready), free = scratch
+    q_smem2, do_smem2, lse_smem2, delta_smem2, ds_smem2, k_smem, v_smem = own
+    bq = bk = BWD_ROWS
+    h, dtype = q_ref.shape[-1], q_ref.dtype
+    b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    tile_q0 = lax.axis_index("q_tile") * (COMPUTE_WGS * bq)
+    num_kv = s // bk
+    tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq, jnp.int32(bk)) if cfg.causal else num_kv
+    c = cfg.scale * math.log2(math.e)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
+        q0 = tile_q0 + wg * bq
+        rows = (b, pl.ds(q0, bq), n)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, own_ready.at[wg * 4])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own_ready.at[wg * 4 + 1])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(q0, bq)], lse_smem2.at[wg], own_ready.at[wg * 4 + 2])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q0, bq)], delta_smem2.at[wg], own_ready.at[wg * 4 + 3])
+        for i in range(4):
+            plgpu.barrier_wait(own_ready.at[wg * 4 + i])
+        row = plgpu.Layout.WGMMA.reduce(1)
+        lse2 = plgpu.load(lse_smem2.at[wg], layout=row) * math.log2(math.e)
+        delta = plgpu.load(delta_smem2.at[wg], layout=row)
+        steps = lax.div(q0 + bq, jnp.int32(bk)) if cfg.causal else num_kv  # bq == bk: the diagonal block
+        n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+
+        def step(j, dq, *, masked: bool):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+            sc = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+            p = jnp.exp2(sc * c - lax.broadcast_in_dim(lse2, sc.shape, [0]))
+            if masked:
+                qi = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+                kj = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+                p = jnp.where(qi >= kj, p, 0.0)
+            plgpu.barrier_wait(v_ready.at[slot])
+            dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bk))
+            ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+            dq = _accumulate(dq, _lhs(ds, ds_smem, cfg.interpret), k_smem.at[slot], cfg.interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return dq
+
+        dq = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, n_full, lambda j, a: step(j, a, masked=False), dq)
+        if cfg.causal:
+            dq = lax.fori_loop(n_full, steps, lambda j, a: step(j, a, masked=True), dq)
+
+            @pl.loop(steps, tile_steps)  # blocks only warpgroup 1 reads
+            def _skipped(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+
+        q_smem[...] = (dq * cfg.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(n, jnp.int32(group))
+
+        def load(j, slot):
+            blk = (b, pl.ds(j * bk, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_ready.at[slot])
+
+        _stream(load, free, tile_steps, stages)
+
+
+def _stream(load, free, total, stages: int):
+    """The memory warpgroup's ring: fill `stages` slots, then refill each slot once both compute
+    warpgroups freed it, then observe the last frees (the interpreter checks every phase is seen)."""
+    for j in range(stages):
+
+        @pl.when(j < total)
+        def _():
+            load(j, j)
+
+    @pl.loop(stages, total)
+    def _refill(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(free.at[slot])
+        load(j, slot)
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(j):
+        plgpu.barrier_wait(free.at[lax.rem(j, jnp.int32(stages))])
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, cfg, group, t, stages):
+    own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free = scratch
+    k_smem2, v_smem2, p_smem2 = own
+    q_smem, do_smem, lse_smem, delta_smem = ring
+    bk = bq = BWD_ROWS
+    h, dtype = k_ref.shape[-1], k_ref.dtype
+    b, kvh, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+    tile_k0 = lax.axis_index("kv_tile") * (COMPUTE_WGS * bk)
+    num_q = t // bq
+    # q blocks this tile needs, per query head of the group: causal starts at the tile's diagonal
+    tile_first = lax.div(tile_k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)
+    per_head = num_q - tile_first
+    c = cfg.scale * math.log2(math.e)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        k_smem, v_smem, p_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg]
+        k0 = tile_k0 + wg * bk
+        rows = (b, pl.ds(k0, bk), kvh)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, own_ready.at[wg * 2])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, own_ready.at[wg * 2 + 1])
+        plgpu.barrier_wait(own_ready.at[wg * 2])
+        plgpu.barrier_wait(own_ready.at[wg * 2 + 1])
+        col = plgpu.Layout.WGMMA.reduce(0)
+        first = lax.div(k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)  # this warpgroup's diagonal block
+
+        def step(g, i, carry, *, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(g * per_head + i - tile_first, jnp.int32(stages))
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+            st = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))  # S^T
+            lse2 = plgpu.load(lse_smem.at[slot], layout=col) * math.log2(math.e)
+            pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+            if masked:
+                kj = k0 + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+                qi = i * bq + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+                pt = jnp.where(qi >= kj, pt, 0.0)
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+            dv = _accumulate(dv, _lhs(pt.astype(dtype), p_smem, cfg.interpret), do_smem.at[slot], cfg.interpret)
+            dpt = _product(v_smem, do_smem.at[slot].transpose((1, 0)), (bk, bq))
+            delta = plgpu.load(delta_smem.at[slot], layout=col)
+            dst = (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(dtype)
+            dk = _accumulate(dk, _lhs(dst, p_smem, cfg.interpret), q_smem.at[slot], cfg.interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        def skip(g, i):
+            slot = lax.rem(g * per_head + i - tile_first, jnp.int32(stages))
+            for ready in (q_ready, do_ready, lse_ready, delta_ready):
+                plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+        def head(g, carry):
+            if cfg.causal:
+                pl.loop(tile_first, first)(lambda i: skip(g, i))  # warpgroup 1 skips warpgroup 0's diagonal
+                carry = step(g, first, carry, masked=True)
+                start = first + 1
+            else:
+                start = jnp.int32(0)
+            return lax.fori_loop(start, num_q, lambda i, cr: step(g, i, cr, masked=False), carry)
+
+        zeros = plgpu.layout_cast(jnp.full((bk, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+        k_smem[...] = (dk * cfg.scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(j, slot):
+            g, i = lax.div(j, per_head), tile_first + lax.rem(j, per_head)
+            n = kvh * group + g
+            blk = (b, pl.ds(i * bq, bq), n)
+            plgpu.copy_gmem_to_smem(q_ref.at[blk], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[blk], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(i * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(i * bq, bq)], delta_smem.at[slot], delta_ready.at[slot])
+
+        _stream(load, free, group * per_head, stages)
+
+
+def backward_supported(h: int) -> bool:
+    return h in BWD_HEAD_DIMS
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
+    """(dq, dk, dv) in the dtypes of q, k, v from the forward's o and lse; `supported` must hold
+    and H in BWD_HEAD_DIMS. dK/dV sum the group's query heads inside the kernel (no repeat)."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if q_seg is not None or h not in BWD_HEAD_DIMS or s % (COMPUTE_WGS * BWD_ROWS) or t % (COMPUTE_WGS * BWD_ROWS):
+        raise ValueError(f"the Mosaic GPU backward cannot run this call (H = {h}, T = {t}, S = {s})")
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    do = do.astype(q.dtype)
+    lse = lse.astype(jnp.float32)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
+    tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)
+    rows = lambda *shape: plgpu.SMEM(shape, jnp.float32)
+    r, w = BWD_ROWS, COMPUTE_WGS
+    interp = plgpu.InterpretGPUParams() if cfg.interpret else None
+    params = plgpu.CompilerParams(approx_math=True)
+
+    stages = min(_bwd_stages(h, r, 2, 2), s // r)
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=(
+            (
+                tile(w, r, h),
+                tile(w, r, h),
+                rows(w, r),
+                rows(w, r),
+                tile(w, r, r),
+                tile(stages, r, h),
+                tile(stages, r, h),
+            ),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4 * w)),
+            plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+        ),
+        grid=(n, t // (w * r), b),
+        grid_names=("heads", "q_tile", "batch"),
+        num_threads=w + 1,
+        thread_name="wg",
+        compiler_params=params,
+        interpret=interp,
+        kernel_name="flash_attention_mgpu_bwd_dq",
+    )(q, k, v, do, lse, delta)
+
+    stages = min(_bwd_stages(h, r, 2, 2), (n // kh) * (t // r))
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages),
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        scratch_types=(
+            (tile(w, r, h), tile(w, r, h), tile(w, r, r)),
+            (tile(stages, r, h), tile(stages, r, h), rows(stages, r), rows(stages, r)),
+            (*(plgpu.Barrier(num_barriers=stages) for _ in range(4)), plgpu.Barrier(num_barriers=2 * w)),
+            plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+        ),
+        grid=(kh, s // (w * r), b),
+        grid_names=("kv_heads", "kv_tile", "batch"),
+        num_threads=w + 1,
+        thread_name="wg",
+        compiler_params=params,
+        interpret=interp,
+        kernel_name="flash_attention_mgpu_bwd_dkdv",
+    )(q, k, v, do, lse, delta)
+    return dq, dk, dv
 
 
 def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0) -> dict:
