@@ -77,18 +77,41 @@ def test_interpreted_kernel_long_causal_rows():
     np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
 
 
-def test_gradients_through_the_generic_backward():
-    """The Mosaic forward's custom_vjp runs the generic backward from its o and lse (interpreted
-    here): gradients match the reference's. bf16 inputs; dS and P are rounded to bf16 inside the
-    backward, so 2^-6 of each gradient's max."""
-    q, kk, v = _inputs(1, 128, 2, 1, 64, jnp.bfloat16, seed=2)
-    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
-    got = jax.grad(loss(lambda *a: flash_attention(*a, causal=True, backend="mosaic_gpu")), argnums=(0, 1, 2))(q, kk, v)
+GRAD_CASES = {
+    # Mosaic backward (H = 64): causal, MQA-like G = 2, the lse cotangent
+    "mosaic_causal_gqa": (1, 256, 2, 1, 64, True),
+    # Mosaic backward, full attention, G = 2 of K = 2
+    "mosaic_full_gqa": (1, 128, 4, 2, 64, False),
+    # H = 256: the Mosaic forward with the generic backward (slow: the generic kernels have their own tests)
+    "generic_h256": (1, 128, 2, 1, 256, True),
+}
+SLOW = {"generic_h256"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in GRAD_CASES])
+def test_gradients_match_reference(name):
+    """dq, dk, dv of sum(o^2) + sum(w * lse) (so the lse cotangent is used too) against the
+    reference's. bf16 inputs; P and dS are rounded to bf16 inside the backward: 2^-6 of each
+    gradient's max."""
+    b, t, n, k, h, causal = GRAD_CASES[name]
+    q, kk, v = _inputs(b, t, n, k, h, jnp.bfloat16, seed=2)
+    w = jax.random.normal(jax.random.PRNGKey(3), (b, n, t), jnp.float32)
+
+    def loss(f):
+        def value(*a):
+            o, lse = f(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(w * lse)
+
+        return value
+
+    mgpu = lambda *a: flash_attention(*a, causal=causal, return_lse=True, backend="mosaic_gpu")
+    got = jax.grad(loss(mgpu), argnums=(0, 1, 2))(q, kk, v)
     f32 = [x.astype(jnp.float32) for x in (q, kk, v)]
-    want = jax.grad(loss(lambda *a: reference_attention(*a, causal=True)), argnums=(0, 1, 2))(*f32)
-    for g, w in zip(got, want):
+    ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)
+    for g, wnt in zip(got, want):
         assert g.dtype == jnp.bfloat16
-        np.testing.assert_allclose(_f32(g), _f32(w), rtol=0, atol=2**-6 * float(np.abs(_f32(w)).max()))
+        np.testing.assert_allclose(_f32(g), _f32(wnt), rtol=0, atol=2**-6 * float(np.abs(_f32(wnt)).max()))
 
 
 # --------------------------------------------------------------------------------- choice of kernel
@@ -104,10 +127,13 @@ def _custom_calls(fn, shapes, dtype=jnp.bfloat16, device_kind=H100.device_kind, 
 QKV = [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128)]
 
 
-def test_backend_none_picks_mosaic_on_hopper_with_triton_backward():
+def test_backend_none_picks_mosaic_on_hopper():
+    """Forward and both backward kernels at H = 128; at H = 256 the backward is Triton's."""
     loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32))
-    calls = _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), QKV)
-    assert sorted(calls) == ["__gpu$xla.gpu.triton"] * 2 + ["mosaic_gpu_v2"], calls
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert _custom_calls(grad, QKV) == ["mosaic_gpu_v2"] * 3
+    wide = [(*shape[:3], 256) for shape in QKV]
+    assert sorted(_custom_calls(grad, wide)) == ["__gpu$xla.gpu.triton"] * 2 + ["mosaic_gpu_v2"]
 
 
 @pytest.mark.parametrize(
@@ -184,6 +210,24 @@ def test_explicit_backend_refuses_unsupported_calls():
 def _resources(path) -> dict:
     text = open(path).read()
     return {"smem_scratch_bytes": int(re.search(r"smem_scratch_bytes=(\d+)", text).group(1))}
+
+
+@pytest.mark.parametrize("h, causal", [(64, True), (128, False)])
+def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    t = 512
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=causal, backend="mosaic_gpu", interpret=False))
+    assert (
+        _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)])
+        == ["mosaic_gpu_v2"] * 3
+    )
+    for name, stores in (("dq", 1), ("dkdv", 2)):
+        (mlir,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.after_layout_inference.txt")
+        (resources,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.resources.txt")
+        ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
+        assert ops.count("wgmma") >= 3 and ops.count("async_store") == stores, (name, ops)
+        assert ops.count("async_load") >= 4, (name, ops)
+        assert _resources(resources)["smem_scratch_bytes"] <= kernel_mgpu.SMEM_LIMIT_BYTES
 
 
 @pytest.mark.parametrize("h", kernel_mgpu.HEAD_DIMS)

@@ -72,6 +72,8 @@ WG_ROWS = 64  # query rows per compute warpgroup: the M of one wgmma tile
 COMPUTE_WGS = 2
 SMEM_LIMIT_BYTES = 227 * 1024  # sm_90's largest dynamic shared memory per block
 HEAD_DIMS = (64, 128, 256)
+BWD_ROWS = 64  # rows per compute warpgroup, and the streamed block, in both backward kernels
+BWD_HEAD_DIMS = (64, 128)  # H = 256: dK and dV accumulators alone would need 256 registers a thread
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LN2 = math.log(2.0)
 
@@ -87,6 +89,7 @@ class MgpuConfig:
     block_k: int
     stages: int
     backward: Any = None
+    mosaic_backward: bool = False  # this module's backward kernels, else the generic `backward` config's
     interpret: bool = False
 
 
@@ -165,7 +168,10 @@ def why_not(capability, t: int, s: int, h: int, dtype, *, causal: bool, scale: f
 def make_config(h: int, s: int, dtype, *, scale: float, causal: bool, backward=None) -> MgpuConfig:
     """The config for a supported call (`supported` returned None)."""
     block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize) or (0, 0)
-    return MgpuConfig(scale=scale, causal=causal, block_k=block_k, stages=stages, backward=backward)
+    mosaic_backward = h in BWD_HEAD_DIMS and s % (COMPUTE_WGS * BWD_ROWS) == 0
+    return MgpuConfig(
+        scale=scale, causal=causal, block_k=block_k, stages=stages, backward=backward, mosaic_backward=mosaic_backward
+    )
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
@@ -372,9 +378,6 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
 # ----------------------------------------------------------------------------------------------
 # Backward: a dQ kernel and a dK/dV kernel, both recomputing P = exp2(c S - log2(e) lse) from the
 # forward's lse (no softmax statistics are rebuilt), with Delta = rowsum(dO * O) - dlse.
-
-BWD_ROWS = 64  # rows per compute warpgroup, and the streamed block, in both backward kernels
-BWD_HEAD_DIMS = (64, 128)  # H = 256: dK and dV accumulators alone would need 256 registers a thread
 
 
 def _lhs(x, scratch, interpret: bool):
@@ -597,10 +600,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(i * bq, bq)], delta_smem.at[slot], delta_ready.at[slot])
 
         _stream(load, free, group * per_head, stages)
-
-
-def backward_supported(h: int) -> bool:
-    return h in BWD_HEAD_DIMS
 
 
 def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
