@@ -1,4 +1,4 @@
-"""FlashAttention-3-style forward for Hopper (sm_90a) in Mosaic GPU Pallas.
+"""FlashAttention-3-style attention for Hopper (sm_90a) in Mosaic GPU Pallas: forward and backward.
 
 Same semantics as kernel.py's forward: q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q's
 dtype and lse[B, N, T] fp32 (natural log); causal is top-left aligned (T == S); query head n reads
@@ -33,23 +33,40 @@ it keeps passing the free and schedule barriers for the steps it skips, so neith
 ping-pong deadlocks. Programs are launched longest-first (the q tile index is reversed) so the
 short causal tiles fill the tail of the grid.
 
-Backward: kernel.py's custom_vjp pairs this forward with the generic (Triton) FlashAttention-2
-backward (kernel._backward), which recomputes P from the lse written here. A Mosaic GPU dK/dV and
-dQ pair is future work.
+Backward (`backward`, H = 64 / 128, S a multiple of 128; kernel.py's custom_vjp uses the generic
+FlashAttention-2 backward for H = 256, whose dK and dV accumulators alone would need 256
+registers a thread). Delta = rowsum(dO * O) - dlse is computed in plain JAX; both kernels
+recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row blocks:
+- dQ kernel, one program per (query head, 128 queries, batch): each compute warpgroup keeps its
+  Q, dO, lse and Delta rows resident; the memory warpgroup streams K and V blocks (causal: up to
+  the tile's diagonal) through a ring; per block S = Q K^T, dP = dO V^T, dS = P (dP - Delta),
+  dQ += dS K (three wgmmas), and dQ is scaled at the end.
+- dK/dV kernel, one program per (kv head, 128 keys, batch): each compute warpgroup keeps its K and
+  V rows resident; the memory warpgroup streams, for each of the G query heads of the group in
+  turn, the Q, dO, lse and Delta blocks from the tile's diagonal on (causal) through a ring; per
+  block S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q.
+  The sum over the group happens in the kernel: no per-query-head dK/dV, no repeat of K/V.
+  Causal: only a warpgroup's diagonal block is masked; warpgroup 1 skips (waits and frees)
+  warpgroup 0's diagonal block of every head.
+There is no ping-pong in the backward (one schedule would need both kernels' softmax-like parts
+to be long enough to hide; not measured).
 
 Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpreter runs the same
 warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
-constructs of the compiled kernel, so the interpreted variant differs in exactly these (jax
-0.11.2): P V takes P from shared memory (its wgmma reads only shared-memory operands; the GPU
-kernel feeds P from registers), and P V goes into a fresh accumulator added to acc (it cannot run
-`pl.run_state` over an accumulator, which the GPU kernel uses to accumulate in place). Everything
-else (the ring, the ping-pong, the causal ranges and mask, exp2 scaling, GQA, lse) is the code the
-GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference there.
+constructs of the compiled kernels, so the interpreted variant differs in exactly these (jax
+0.11.2): a wgmma operand held in registers (P in the forward, dS, P^T and dS^T in the backward)
+goes through shared memory (the interpreter's wgmma reads only shared-memory operands), and an
+accumulating wgmma goes into a fresh accumulator added to the old one (it cannot run
+`pl.run_state` over an accumulator, which the GPU kernels use to accumulate in place): the
+`_lhs` / `_accumulate` helpers and the forward's two `if cfg.interpret` branches. Everything else
+(the rings, the ping-pong, the causal ranges and masks, exp2 scaling, GQA, lse, Delta) is the code
+the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference.
 
 What only a GPU settles: Mosaic's compile to PTX/SASS (it calls the CUDA driver; the deviceless
 AOT path stops at the Mosaic GPU MLIR, checked for wgmma / TMA ops and shared memory <= 227 KiB),
-the register-operand P V and in-place accumulation, real concurrency of the warpgroups, numerics
-of the compiled kernel (`check_on_gpu`, bench.py's error column) and speed.
+the register operands and in-place accumulation, register pressure (spills), real concurrency of
+the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
+speed.
 """
 
 from __future__ import annotations
@@ -668,21 +685,29 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     return dq, dk, dv
 
 
-def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0) -> dict:
-    """Run the kernel on this process's GPU and compare with the fp32 reference; returns the max
-    abs errors of o and lse (bench.py reports the same per row). Call on a Hopper GPU only."""
+def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False) -> dict:
+    """Run the kernels on this process's GPU (or, interpret=True, in the GPU interpreter) and compare
+    with the fp32 reference: max abs errors of o, lse and (when H allows the Mosaic backward) dq,
+    dk, dv for the cotangent do, with the reference's max abs values to read them against. Within
+    2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require."""
     from .reference import attention as reference_attention
 
-    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
     q = jax.random.normal(keys[0], (b, t, n, h), dtype)
     kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
     v = jax.random.normal(keys[2], (b, t, k, h), dtype)
-    cfg = make_config(h, t, dtype, scale=h**-0.5, causal=causal)
+    do = jax.random.normal(keys[3], (b, t, n, h), dtype)
+    cfg = dataclasses.replace(make_config(h, t, dtype, scale=h**-0.5, causal=causal), interpret=interpret)
     o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, None, None, cfg))(q, kk, v)
     f32 = lambda x: x.astype(jnp.float32)
-    want_o, want_lse = reference_attention(f32(q), f32(kk), f32(v), causal=causal, return_lse=True)
-    return dict(
-        o_max_abs_err=float(jnp.max(jnp.abs(f32(o) - want_o))),
-        lse_max_abs_err=float(jnp.max(jnp.abs(lse - want_lse))),
-        o_max_abs=float(jnp.max(jnp.abs(want_o))),
-    )
+    amax = lambda x: float(jnp.max(jnp.abs(x)))
+    ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
+    (want_o, want_lse), ref_vjp = jax.vjp(ref, f32(q), f32(kk), f32(v))
+    out = dict(o_err=amax(f32(o) - want_o), o_max=amax(want_o), lse_err=amax(lse - want_lse))
+    if cfg.mosaic_backward:
+        bwd = lambda q_, k_, v_, o_, lse_, do_: backward(q_, k_, v_, None, None, o_, lse_, do_, None, cfg)
+        grads = jax.jit(bwd)(q, kk, v, o, lse, do)
+        wants = ref_vjp((f32(do), jnp.zeros_like(want_lse)))
+        for name, g, w in zip(("dq", "dk", "dv"), grads, wants):
+            out |= {f"{name}_err": amax(f32(g) - w), f"{name}_max": amax(w)}
+    return out
