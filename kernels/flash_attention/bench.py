@@ -6,8 +6,9 @@ Measures TFLOP/s of the forward and of forward+backward, causal and full, bf16, 
 lengths 1K..32K and head dims 64 and 128, all in one run on the same device, for:
 
   pallas  jaxsys.kernels.flash_attention.flash_attention(backend="generic") (Triton on GPU)
-  mosaic  flash_attention(backend="mosaic_gpu"): the Hopper kernel (kernel_mgpu.py) forward, the
-          Triton backward; only on compute capability 9.x for supported shapes (else skipped)
+  mosaic  flash_attention(backend="mosaic_gpu"): the Hopper kernels (kernel_mgpu.py), forward and
+          (H = 64 / 128) backward, Triton's backward at H = 256; only on compute capability 9.x
+          for supported shapes (else skipped, with the reason)
   cudnn   jax.nn.dot_product_attention(..., implementation="cudnn")
   xla     jaxsys.kernels.flash_attention.reference_attention (the materialised [B, N, T, S] scores;
           skipped where those scores alone would pass --xla-max-gib)
