@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsys.analysis import targets
 from jaxsys.kernels import platforms
 from jaxsys.kernels.flash_attention import flash_attention, kernel, kernel_mgpu, reference_attention
 
@@ -157,6 +158,35 @@ def test_backend_none_falls_back_to_triton(device_kind, shapes, kwargs, dtype):
         return flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, **kwargs)
 
     assert _custom_calls(fn, shapes, dtype, device_kind) == ["__gpu$xla.gpu.triton"]
+
+
+@pytest.mark.parametrize(
+    "kind, capability",
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0)),
+        ("NVIDIA H200", (9, 0)),
+        ("NVIDIA GH200 480GB", (9, 0)),
+        ("NVIDIA A100-SXM4-80GB", None),
+        ("NVIDIA B200", None),
+    ],
+)
+def test_capability_from_the_abstract_device_kind(kind, capability):
+    with _mesh(kind):
+        assert kernel_mgpu.gpu_capability() == capability
+
+
+@pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
+def test_backend_none_picks_mosaic_for_deviceless_h100s_in_shard_map():
+    """The AOT path: a CPU host, a mesh of compile-only H100 devices, the kernel in shard_map."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(targets.devices(targets.parse("h100-1"))), ("x",))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, P())) for s in QKV]
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * 3, out_specs=P(), check_vma=False))
+    text = f.lower(*args).as_text()
+    assert re.findall(r"custom_call @([\w$.]+)", text) == ["mosaic_gpu_v2"]
 
 
 def test_plan_without_a_gpu_in_sight_has_no_mosaic_branch():
