@@ -83,7 +83,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["MgpuConfig", "check_on_gpu", "forward", "gpu_capability", "make_config", "supported", "tiles", "why_not"]
+__all__ = [
+    "MgpuConfig",
+    "backward",
+    "check_on_gpu",
+    "forward",
+    "gpu_capability",
+    "make_config",
+    "supported",
+    "tiles",
+    "why_not",
+]
 
 WG_ROWS = 64  # query rows per compute warpgroup: the M of one wgmma tile
 COMPUTE_WGS = 2
