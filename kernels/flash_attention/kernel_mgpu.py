@@ -62,8 +62,9 @@ accumulating wgmma goes into a fresh accumulator added to the old one (it cannot
 (the rings, the ping-pong, the causal ranges and masks, exp2 scaling, GQA, lse, Delta) is the code
 the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference.
 
-What only a GPU settles: Mosaic's compile to PTX/SASS (it calls the CUDA driver; the deviceless
-AOT path stops at the Mosaic GPU MLIR, checked for wgmma / TMA ops and shared memory <= 227 KiB),
+What only a GPU settles: Mosaic's compile to PTX/SASS (a deviceless XLA:GPU compile succeeds but
+carries the Mosaic module inside the custom call; the checks without a GPU stop at the Mosaic GPU
+MLIR: wgmma / TMA ops, shared memory <= 227 KiB),
 the register operands and in-place accumulation, register pressure (spills), real concurrency of
 the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
 speed.
