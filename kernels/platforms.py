@@ -3,10 +3,11 @@
 The Pallas kernels come in a generic variant (interpret mode on CPU, Triton on GPU) and a Mosaic
 variant for TPU. `jax.default_backend()` cannot choose between them: a program jitted on a CPU host
 and lowered ahead of time for TPU devices (`jaxsys.analyze --target`) has "cpu" as its default
-backend. Flash attention also has a Mosaic GPU variant for Hopper: it takes the "cuda" branch only
-when the kernel's caller found (at trace time) a Hopper GPU and a supported shape, and handed
-`plan` its config; otherwise CUDA lowers the default (generic) branch. `lax.platform_dependent` chooses at lowering instead: every branch is traced, only the one
-for the platform being lowered for is lowered. A `Plan` is the static choice (hashable: it is the
+backend. `lax.platform_dependent` chooses at lowering instead: every branch is traced, only the one
+for the platform being lowered for is lowered. Flash attention also has a Mosaic GPU variant for
+Hopper: it takes the "cuda" branch only when the kernel's caller found (at trace time) a Hopper GPU
+and a supported shape and handed `plan` its config; otherwise CUDA lowers the default (generic)
+branch. A `Plan` is the static choice (hashable: it is the
 custom_vjp's static argument of each kernel); `dispatch` runs it.
 """
 

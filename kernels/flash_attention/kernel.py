@@ -35,9 +35,9 @@ get kernel_tpu.py's Mosaic variant. The public functions choose per lowering pla
 `lax.platform_dependent` (every branch is traced, only the one for the platform being lowered
 for is lowered), so a program jitted on a CPU host and lowered ahead of time for TPU devices gets
 the Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (kernels/platforms.py).
-On a Hopper GPU, a supported call's forward is kernel_mgpu.py's Mosaic GPU kernel instead of
-Triton (`_mgpu_config` decides at trace time; `backend="mosaic_gpu"` forces it); its backward is
-the generic one here.
+On a Hopper GPU, a supported call runs kernel_mgpu.py's Mosaic GPU kernels instead of Triton
+(`_mgpu_config` decides at trace time; `backend="mosaic_gpu"` forces them); at H = 256 their
+backward is the generic one here.
 """
 
 from __future__ import annotations
@@ -494,7 +494,7 @@ def _mgpu_config(backend, interpret, q, s, scale, causal, has_segments, generic_
             return None
     elif (why := kernel_mgpu.supported(t, s, h, q.dtype, **kw)) is not None:
         raise ValueError(f"backend='mosaic_gpu' cannot run this call: {why}")
-    # the backward is the generic one (platforms.plan sets `interpret` on both)
+    # the generic config runs the backward where the Mosaic one does not (H = 256)
     return kernel_mgpu.make_config(h, s, q.dtype, scale=scale, causal=bool(causal), backward=generic_cfg)
 
 
@@ -609,7 +609,7 @@ def flash_attention(
     ones. The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
     the TPU kernel rounds them up to multiples of 128 (at most the padded sequence).
     backend: None picks by the platform the program is lowered for (Mosaic kernels on TPU, the
-    Mosaic GPU forward on a Hopper GPU for a supported call (kernel_mgpu.why_not), the generic
+    Mosaic GPU kernels on a Hopper GPU for a supported call (kernel_mgpu.why_not), the generic
     kernels elsewhere), "tpu", "generic" or "mosaic_gpu" forces one. interpret: None interprets when
     lowered for CPU and compiles elsewhere; True / False force it (True with backend None is the
     generic kernel interpreted everywhere)."""
