@@ -7,8 +7,8 @@ backend. `lax.platform_dependent` chooses at lowering instead: every branch is t
 for the platform being lowered for is lowered. Flash attention also has a Mosaic GPU variant for
 Hopper: it takes the "cuda" branch only when the kernel's caller found (at trace time) a Hopper GPU
 and a supported shape and handed `plan` its config; otherwise CUDA lowers the default (generic)
-branch. A `Plan` is the static choice (hashable: it is the
-custom_vjp's static argument of each kernel); `dispatch` runs it.
+branch. A `Plan` is the static choice (hashable: it is the custom_vjp's static argument of each
+kernel); `dispatch` runs it.
 """
 
 from __future__ import annotations
