@@ -4,8 +4,11 @@ The Pallas kernels come in a generic variant (interpret mode on CPU, Triton on G
 variant for TPU. `jax.default_backend()` cannot choose between them: a program jitted on a CPU host
 and lowered ahead of time for TPU devices (`jaxsys.analyze --target`) has "cpu" as its default
 backend. `lax.platform_dependent` chooses at lowering instead: every branch is traced, only the one
-for the platform being lowered for is lowered. A `Plan` is the static choice (hashable: it is the
-custom_vjp's static argument of each kernel); `dispatch` runs it.
+for the platform being lowered for is lowered. Flash attention also has a Mosaic GPU variant for
+Hopper: it takes the "cuda" branch only when the kernel's caller found (at trace time) a Hopper GPU
+and a supported shape and handed `plan` its config; otherwise CUDA lowers the default (generic)
+branch. A `Plan` is the static choice (hashable: it is the custom_vjp's static argument of each
+kernel); `dispatch` runs it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from jax import lax
 LANES = 128  # Mosaic's lane width: the minor dimension of a TPU tile
 
 BACKENDS = ("generic", "tpu")
+MOSAIC_GPU = "mosaic_gpu"  # flash attention's Hopper variant; other kernels have none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,27 +33,31 @@ class Plan:
     branches: tuple
 
 
-def check_backend(backend) -> None:
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be None (chosen by platform) or one of {BACKENDS}; got backend={backend!r}")
+def check_backend(backend, backends=BACKENDS) -> None:
+    if backend not in (None, *backends):
+        raise ValueError(f"backend must be None (chosen by platform) or one of {backends}; got backend={backend!r}")
 
 
-def plan(backend, interpret, generic_cfg, tpu_cfg) -> Plan:
+def plan(backend, interpret, generic_cfg, tpu_cfg, mgpu_cfg=None) -> Plan:
     """backend None (auto): interpret=None -> the generic variant interpreted when lowered for CPU,
     Mosaic on TPU, the generic variant compiled (Triton) elsewhere; interpret=False -> Mosaic on
-    TPU, Triton elsewhere; interpret=True -> the generic variant interpreted everywhere. backend
-    "generic" / "tpu": that variant only, interpreted on CPU when interpret=None. The configs are
-    dataclasses with an `interpret` field."""
-    check_backend(backend)
+    TPU, Triton elsewhere; interpret=True -> the generic variant interpreted everywhere. With
+    mgpu_cfg given (the caller decided a Hopper GPU runs a supported shape), CUDA gets the Mosaic
+    GPU variant instead of Triton unless interpret=True. backend "generic" / "tpu": that variant
+    only, interpreted on CPU when interpret=None; "mosaic_gpu" likewise (mgpu_cfg required). The
+    configs are dataclasses with an `interpret` field."""
+    check_backend(backend, (*BACKENDS, MOSAIC_GPU) if mgpu_cfg is not None else BACKENDS)
     g = lambda interp: ("generic", dataclasses.replace(generic_cfg, interpret=interp))
     t = lambda interp: ("tpu", dataclasses.replace(tpu_cfg, interpret=interp))
+    m = lambda interp: (MOSAIC_GPU, dataclasses.replace(mgpu_cfg, interpret=interp))
+    cuda = ((("cuda",), *m(False)),) if mgpu_cfg is not None else ()
     if backend is None:
         if interpret is None:
-            return Plan(((("cpu",), *g(True)), (("tpu",), *t(False)), (None, *g(False))))
+            return Plan(((("cpu",), *g(True)), (("tpu",), *t(False)), *cuda, (None, *g(False))))
         if interpret:
             return Plan(((None, *g(True)),))
-        return Plan(((("tpu",), *t(False)), (None, *g(False))))
-    make = g if backend == "generic" else t
+        return Plan(((("tpu",), *t(False)), *cuda, (None, *g(False))))
+    make = {"generic": g, "tpu": t, MOSAIC_GPU: m}[backend]
     if interpret is None:
         return Plan(((("cpu",), *make(True)), (None, *make(False))))
     return Plan(((None, *make(bool(interpret))),))

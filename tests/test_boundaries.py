@@ -1,7 +1,10 @@
 """The package's stated boundaries, checked on the source (an AST scan, nothing imported):
 
 - every collective (psum, all_gather, ppermute, all_to_all, psum_scatter, axis_index, ...) is
-  written in jaxsys/parallel/, under the name of its technique;
+  written in jaxsys/parallel/, under the name of its technique; the one exception is
+  `lax.axis_index("name")` of an axis the same file declares as a Pallas kernel's own grid or
+  thread axis (`grid_names=` / `thread_name=`, e.g. a Mosaic GPU kernel's block and warpgroup
+  index, for which Pallas has no other API): that names no device mesh;
 - `jax.shard_map` is built in one place, jaxsys/parallel/spmd.py (`per_shard`);
 - no import circle among jaxsys's modules (function-level imports count: a circle hidden in a
   function is still a circle).
@@ -70,12 +73,39 @@ def _lax_names(tree: ast.Module) -> set[str]:
     return names
 
 
+def _kernel_axis_names(tree) -> set[str]:
+    """String axis names given as `grid_names=(...)` or `thread_name=...` in any call of the file:
+    a Pallas kernel's own grid / thread axes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg in ("grid_names", "thread_name"):
+            values = node.value.elts if isinstance(node.value, (ast.Tuple, ast.List)) else [node.value]
+            names |= {v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+    return names
+
+
 def collective_calls(rel: str) -> list[str]:
     """`lax.<collective>` / `jax.lax.<collective>` / a collective imported from jax.lax, used in `rel`."""
-    tree = _parse(rel)
+    return _collective_hits(_parse(rel), rel)
+
+
+def _collective_hits(tree, rel: str) -> list[str]:
     lax = _lax_names(tree)
+    kernel_axes = _kernel_axis_names(tree)
+    exempt = {
+        id(node.func)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "axis_index"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value in kernel_axes
+    }
     found = []
     for node in ast.walk(tree):
+        if id(node) in exempt:
+            continue
         if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
             base = node.value
             if (isinstance(base, ast.Name) and base.id in lax) or (
@@ -137,6 +167,14 @@ def test_the_scan_sees_what_it_must():
     assert collective_calls(os.path.join(PARALLEL, "collectives.py"))  # lax.psum, lax.all_gather, ...
     assert any("ppermute" in hit for hit in collective_calls(os.path.join(PARALLEL, "context.py")))
     assert shard_map_uses(SPMD)
+    # the kernel-axis exemption covers only axes declared as a kernel's grid / thread names
+    src = (
+        "from jax import lax\n"
+        "def body():\n    return lax.axis_index('wg'), lax.axis_index('data'), lax.axis_index(name)\n"
+        "kernel(body, grid_names=('q_tile',), thread_name='wg')\n"
+    )
+    hits = _collective_hits(ast.parse(src), "x.py")
+    assert hits == ["x.py:3 lax.axis_index", "x.py:3 lax.axis_index"], hits
 
 
 def test_every_package_is_installed():

@@ -282,7 +282,7 @@ def test_tiles_are_multiples_of_128_and_fit_the_sequence(requested, length, tile
         (
             {"backend": "cuda"},
             r"backend must be None \(chosen by platform\) or one of "
-            r"\('generic', 'tpu'\); got backend='cuda'",
+            r"\('generic', 'tpu', 'mosaic_gpu'\); got backend='cuda'",
         ),
         ({"backend": "tpu", "block_q": 0}, r"block_q must be a positive integer; got block_q=0"),
         ({"backend": "tpu", "block_k_bwd": 2.5}, r"block_k_bwd must be a positive integer"),

@@ -5,13 +5,23 @@
 Measures TFLOP/s of the forward and of forward+backward, causal and full, bf16, for sequence
 lengths 1K..32K and head dims 64 and 128, all in one run on the same device, for:
 
-  pallas  jaxsys.kernels.flash_attention.flash_attention (Triton lowering on GPU)
+  pallas  jaxsys.kernels.flash_attention.flash_attention(backend="generic") (Triton on GPU)
+  mosaic  flash_attention(backend="mosaic_gpu"): the Hopper kernels (kernel_mgpu.py), forward and
+          (H = 64 / 128) backward, Triton's backward at H = 256; only on compute capability 9.x
+          for supported shapes (else skipped, with the reason)
   cudnn   jax.nn.dot_product_attention(..., implementation="cudnn")
   xla     jaxsys.kernels.flash_attention.reference_attention (the materialised [B, N, T, S] scores;
           skipped where those scores alone would pass --xla-max-gib)
 
 Shapes keep the work per step fixed, as the FlashAttention papers do: B = tokens / T (at least 1),
 N = hidden / H query heads, K = N / --group kv heads.
+
+Correctness beside every speed: fwd_err is max |o - o_ref| and fwd_bwd_err the largest of
+max |dX - dX_ref| over dq, dk, dv (cotangent do), against reference_attention in fp32 on the same
+inputs, computed on batch 0 and the query heads of kv head 0 (an exact sub-problem: same T, S, H,
+causal, and the same kernel code on a smaller grid) so that the fp32 reference fits in memory.
+max|o_ref| and max|dX_ref| are stored with them to read the errors against. Ratio columns give
+each implementation's speed over cuDNN's on the same shape.
 
 FLOP convention: forward 4 * B * N * T * S * H (two matmuls of 2 * T * S * H per head), halved
 when causal; backward 2.5x the forward (five matmuls against two), so forward+backward counts
@@ -38,9 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.kernels.flash_attention import flash_attention, reference_attention
+from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 
-IMPLS = ("pallas", "cudnn", "xla")
+IMPLS = ("pallas", "mosaic", "cudnn", "xla")
 
 
 def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
@@ -51,7 +61,7 @@ def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
 
 def attention_fn(impl: str, causal: bool, args):
     """q, k, v -> o for one implementation."""
-    if impl == "pallas":
+    if impl in ("pallas", "mosaic"):
         return lambda q, k, v: flash_attention(
             q,
             k,
@@ -62,6 +72,7 @@ def attention_fn(impl: str, causal: bool, args):
             block_q_bwd=args.block_q_bwd,
             block_k_bwd=args.block_k_bwd,
             interpret=args.interpret_smoke or None,
+            backend="generic" if impl == "pallas" else "mosaic_gpu",
         )
     if impl == "cudnn":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
@@ -88,13 +99,38 @@ def median_seconds(fn, inputs, repeats: int, min_time: float) -> float:
     return statistics.median(samples)
 
 
+def errors(attn, causal, q, k, v, do):
+    """Max abs errors of o and of (dq, dk, dv) against the fp32 reference, and the reference's
+    max abs values, on batch 0 and the query heads of kv head 0 (module docstring)."""
+    g = q.shape[2] // k.shape[2]
+    qs, ks, vs, dos = q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], do[:1, :, :g]
+    f32 = lambda x: x.astype(jnp.float32)
+    want_o, want_vjp = jax.vjp(lambda *a: reference_attention(*a, causal=causal), f32(qs), f32(ks), f32(vs))
+    want_g = want_vjp(f32(dos))
+    got_o, got_vjp = jax.vjp(attn, qs, ks, vs)
+    got_g = got_vjp(dos)
+    amax = lambda x: float(jnp.max(jnp.abs(x)))
+    return dict(
+        fwd_err=amax(f32(got_o) - want_o),
+        fwd_ref_max=amax(want_o),
+        fwd_bwd_err=max(amax(f32(a) - b) for a, b in zip(got_g, want_g)),
+        fwd_bwd_ref_max=max(amax(b) for b in want_g),
+    )
+
+
 def measure(impl, t, h, causal, args):
-    """One row: forward and forward+backward times and TFLOP/s (or the reason it was skipped)."""
+    """One row: forward and forward+backward times, TFLOP/s and errors (or why it was skipped)."""
     b, n = max(1, args.tokens // t), args.hidden // h
     kh = n // args.group
     row = dict(impl=impl, T=t, S=t, H=h, B=b, N=n, K=kh, causal=causal, dtype=args.dtype)
     if impl == "cudnn" and jax.default_backend() != "gpu":
         return row | dict(skipped="cuDNN needs a GPU")
+    if impl == "mosaic" and not args.interpret_smoke:
+        why = kernel_mgpu.why_not(
+            kernel_mgpu.gpu_capability(), t, t, h, args.dtype, causal=causal, scale=h**-0.5, has_segments=False
+        )
+        if why is not None:
+            return row | dict(skipped=f"Mosaic GPU kernel: {why}")
     scores_gib = 4.0 * b * n * t * t / 2**30
     if impl == "xla" and scores_gib > args.xla_max_gib:
         return row | dict(skipped=f"[B, N, T, S] fp32 scores would take {scores_gib:.0f} GiB")
@@ -110,33 +146,42 @@ def measure(impl, t, h, causal, args):
     try:
         fwd_s = median_seconds(forward, (q, k, v), args.repeats, args.min_time)
         row |= dict(fwd_ms=fwd_s * 1e3, fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
-        if impl == "pallas" and "xla" in args.impls and scores_gib <= args.xla_max_gib:
-            want = jax.jit(attention_fn("xla", causal, args))(q, k, v)
-            got = forward(q, k, v)
-            row["max_abs_err_vs_xla"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         bwd_s = median_seconds(forward_backward, (q, k, v, do), args.repeats, args.min_time)
         row |= dict(fwd_bwd_ms=bwd_s * 1e3, fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
+        sub_gib = 4.0 * (n // kh) * t * t / 2**30  # the reference's scores on the sub-problem
+        if sub_gib <= args.xla_max_gib:
+            row |= errors(attn, causal, q, k, v, do)
+        else:
+            row["err_skipped"] = f"reference scores would take {sub_gib:.0f} GiB"
     except Exception as e:  # one failing configuration must not lose the others
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     return row
 
 
 def markdown(rows) -> str:
+    """One line per row; "x cuDNN" is this row's TFLOP/s over cuDNN's on the same shape."""
+    cudnn = {(r["T"], r["H"], r["causal"]): r for r in rows if r["impl"] == "cudnn"}
     lines = [
-        "| T | H | B | N | K | causal | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | note |",
-        "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---|",
+        "| T | H | B | N | K | causal | impl | fwd ms | fwd TFLOP/s | fwd x cuDNN | fwd err (max ref) "
+        "| fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd x cuDNN | fwd+bwd err (max ref) | note |",
+        "|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     fmt = lambda r, key, spec: format(r[key], spec) if key in r else "-"
+
+    def ratio(r, key):
+        base = cudnn.get((r["T"], r["H"], r["causal"]), {})
+        return f"{r[key] / base[key]:.2f}" if key in r and base.get(key) else "-"
+
+    def err(r, key):
+        return f"{r[key]:.1e} ({r[key.replace('err', 'ref_max')]:.1f})" if key in r else "-"
+
     for r in rows:
-        note = (
-            r.get("skipped")
-            or r.get("error")
-            or (f"max err vs xla {r['max_abs_err_vs_xla']:.1e}" if "max_abs_err_vs_xla" in r else "")
-        )
+        note = r.get("skipped") or r.get("error") or r.get("err_skipped") or ""
         lines.append(
-            f"| {r['T']} | {r['H']} | {r['B']} | {r['N']} | {r['K']} | {r['causal']} "
-            f"| {r['impl']} | {fmt(r, 'fwd_ms', '.3f')} | {fmt(r, 'fwd_tflops', '.1f')} "
-            f"| {fmt(r, 'fwd_bwd_ms', '.3f')} | {fmt(r, 'fwd_bwd_tflops', '.1f')} | {note} |"
+            f"| {r['T']} | {r['H']} | {r['B']} | {r['N']} | {r['K']} | {r['causal']} | {r['impl']} "
+            f"| {fmt(r, 'fwd_ms', '.3f')} | {fmt(r, 'fwd_tflops', '.1f')} | {ratio(r, 'fwd_tflops')} "
+            f"| {err(r, 'fwd_err')} | {fmt(r, 'fwd_bwd_ms', '.3f')} | {fmt(r, 'fwd_bwd_tflops', '.1f')} "
+            f"| {ratio(r, 'fwd_bwd_tflops')} | {err(r, 'fwd_bwd_err')} | {note} |"
         )
     return "\n".join(lines)
 
@@ -170,7 +215,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     backend = jax.default_backend()
     if args.interpret_smoke:
-        args.seq_lens, args.head_dims, args.tokens, args.hidden = [64], [64], 64, 128
+        # 128 queries: the Mosaic GPU kernel's smallest tile (two warpgroups of 64 rows)
+        args.seq_lens, args.head_dims, args.tokens, args.hidden = [128], [64], 128, 128
         args.block_q = args.block_k = 32
         args.repeats, args.min_time = 1, 0.0
     elif backend != "gpu":

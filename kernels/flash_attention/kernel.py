@@ -45,6 +45,9 @@ get kernel_tpu.py's Mosaic variant. The public functions choose per lowering pla
 `lax.platform_dependent` (every branch is traced, only the one for the platform being lowered
 for is lowered), so a program jitted on a CPU host and lowered ahead of time for TPU devices gets
 the Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (kernels/platforms.py).
+On a Hopper GPU, a supported call runs kernel_mgpu.py's Mosaic GPU kernels instead of Triton
+(`_mgpu_config` decides at trace time; `backend="mosaic_gpu"` forces them); at H = 256 their
+backward is the generic one here.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .. import platforms, tuning
-from . import kernel_tpu
+from . import kernel_mgpu, kernel_tpu
 from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward"]
@@ -473,7 +476,7 @@ def _prepare(
     backend,
 ):
     """Validate, resolve defaults and build the static plan."""
-    platforms.check_backend(backend)
+    platforms.check_backend(backend, (*platforms.BACKENDS, platforms.MOSAIC_GPU))
     if interpret is None:
         compiled_here = jax.default_backend() != "cpu"
     else:
@@ -525,10 +528,28 @@ def _prepare(
             bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
             interpret=True,
         )
+    mgpu_cfg = _mgpu_config(backend, interpret, q, s, scale, causal, q_segment_ids is not None, generic_cfg)
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-    return platforms.plan(backend, interpret, generic_cfg, tpu_cfg), q_segment_ids, kv_segment_ids
+    return platforms.plan(backend, interpret, generic_cfg, tpu_cfg, mgpu_cfg), q_segment_ids, kv_segment_ids
+
+
+def _mgpu_config(backend, interpret, q, s, scale, causal, has_segments, generic_cfg):
+    """The Mosaic GPU kernel's config when it should run on CUDA, else None. backend None: only on
+    a Hopper GPU (kernel_mgpu.gpu_capability, read at trace time) for a supported call, and not
+    when interpret=True; backend "mosaic_gpu": whenever the call is supported, else ValueError."""
+    if backend not in (None, platforms.MOSAIC_GPU) or (backend is None and interpret):
+        return None
+    t, h = q.shape[1], q.shape[3]
+    kw = dict(causal=bool(causal), scale=scale, has_segments=has_segments)
+    if backend is None:
+        if kernel_mgpu.why_not(kernel_mgpu.gpu_capability(), t, s, h, q.dtype, **kw) is not None:
+            return None
+    elif (why := kernel_mgpu.supported(t, s, h, q.dtype, **kw)) is not None:
+        raise ValueError(f"backend='mosaic_gpu' cannot run this call: {why}")
+    # the generic config runs the backward where the Mosaic one does not (H = 256)
+    return kernel_mgpu.make_config(h, s, q.dtype, scale=scale, causal=bool(causal), backward=generic_cfg)
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
@@ -573,7 +594,20 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
     return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
-_VARIANTS = {"generic": (_forward, _backward), "tpu": (kernel_tpu.forward, kernel_tpu.backward)}
+def _mgpu_backward(*args, cfg: kernel_mgpu.MgpuConfig):
+    """The Mosaic GPU variant's backward, from its o and lse: kernel_mgpu's dQ and dK/dV kernels
+    where they apply (H = 64 / 128, S a multiple of 128), else the generic kernels (Triton, or
+    interpreted with the forward)."""
+    if cfg.mosaic_backward:
+        return kernel_mgpu.backward(*args, cfg=cfg)
+    return _backward(*args, cfg=dataclasses.replace(cfg.backward, interpret=cfg.interpret))
+
+
+_VARIANTS = {
+    "generic": (_forward, _backward),
+    "tpu": (kernel_tpu.forward, kernel_tpu.backward),
+    "mosaic_gpu": (kernel_mgpu.forward, _mgpu_backward),
+}
 
 
 def _dispatch(plan: platforms.Plan, which: int, *args):
@@ -630,7 +664,8 @@ def flash_attention(
     (module docstring). The generic kernel needs powers of two >= 16 (shrunk to the sequence for short ones);
     the TPU kernel rounds them up to multiples of 128 (at most the padded sequence).
     backend: None picks by the platform the program is lowered for (Mosaic kernels on TPU, the
-    generic kernels elsewhere), "tpu" or "generic" forces one. interpret: None interprets when
+    Mosaic GPU kernels on a Hopper GPU for a supported call (kernel_mgpu.why_not), the generic
+    kernels elsewhere), "tpu", "generic" or "mosaic_gpu" forces one. interpret: None interprets when
     lowered for CPU and compiles elsewhere; True / False force it (True with backend None is the
     generic kernel interpreted everywhere)."""
     plan, q_seg, kv_seg = _prepare(

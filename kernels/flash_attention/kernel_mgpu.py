@@ -1,0 +1,724 @@
+"""FlashAttention-3-style attention for Hopper (sm_90a) in Mosaic GPU Pallas: forward and backward.
+
+Same semantics as kernel.py's forward: q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q's
+dtype and lse[B, N, T] fp32 (natural log); causal is top-left aligned (T == S); query head n reads
+kv head n // G with G = N / K. bf16 or fp16 inputs, H in {64, 128, 256}, no segment ids
+(`supported` says which calls this kernel takes; kernel.py sends the others to the Triton kernel).
+
+One program (CUDA block) per (query head n, tile of 2 * block_q queries, batch b), three
+warpgroups of 128 threads:
+
+- warpgroup 2 (memory) only issues TMA loads of K and V blocks of kv head n // G into a ring of
+  `stages` shared-memory slots. A load into a slot waits on that slot's "free" barrier, which both
+  compute warpgroups arrive on once they have read it; each load arrives on the slot's "ready"
+  barrier when its bytes have landed. It gives its registers away (set_max_registers) so the
+  compute warpgroups can hold their fp32 tiles.
+- warpgroups 0 and 1 (compute) each own block_q = 64 query rows (one wgmma M tile): Q is loaded
+  once into shared memory, then for every kv block j
+      S = Q K_j^T (wgmma, fp32 accumulators in registers),
+      m' = max(m, c * rowmax(S)),  P = exp2(c * S - m'),  alpha = exp2(m - m'),
+      l = alpha l + rowsum(P),     acc = alpha acc + P V_j (wgmma, P from registers in q's dtype)
+  with c = softmax_scale * log2(e), so the scale is one FMA inside exp2 and m, l live in the base-2
+  domain; at the end o = acc / l and lse = ln(2) (m + log2 l).
+- Ping-pong: the two compute warpgroups share a "schedule" barrier (two arrivals) that they pass
+  twice per kv block, once after issuing Q K^T and once after the softmax, and warpgroup 1 passes
+  it once more before its loop. That offsets them by half a step, so one warpgroup's softmax
+  (exp2 on the special-function units) runs while the other's matmuls hold the tensor cores.
+
+Causal: a tile of queries [q0, q0 + 2 block_q) needs kv blocks up to the one holding its last
+query; the memory warpgroup never loads the blocks past it, and each compute warpgroup stops at
+its own diagonal. Only the blocks that straddle a warpgroup's diagonal are masked (a second loop);
+the blocks wholly below it run without the iota compare. Warpgroup 0 finishes before warpgroup 1;
+it keeps passing the free and schedule barriers for the steps it skips, so neither the ring nor the
+ping-pong deadlocks. Programs are launched longest-first (the q tile index is reversed) so the
+short causal tiles fill the tail of the grid.
+
+Backward (`backward`, H = 64 / 128, S a multiple of 128; kernel.py's custom_vjp uses the generic
+FlashAttention-2 backward for H = 256, whose dK and dV accumulators alone would need 256
+registers a thread). Delta = rowsum(dO * O) - dlse is computed in plain JAX; both kernels
+recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row blocks:
+- dQ kernel, one program per (query head, 128 queries, batch): each compute warpgroup keeps its
+  Q, dO, lse and Delta rows resident; the memory warpgroup streams K and V blocks (causal: up to
+  the tile's diagonal) through a ring; per block S = Q K^T, dP = dO V^T, dS = P (dP - Delta),
+  dQ += dS K (three wgmmas), and dQ is scaled at the end.
+- dK/dV kernel, one program per (kv head, 128 keys, batch): each compute warpgroup keeps its K and
+  V rows resident; the memory warpgroup streams, for each of the G query heads of the group in
+  turn, the Q, dO, lse and Delta blocks from the tile's diagonal on (causal) through a ring; per
+  block S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - Delta), dK += dS^T Q.
+  The sum over the group happens in the kernel: no per-query-head dK/dV, no repeat of K/V.
+  Causal: only a warpgroup's diagonal block is masked; warpgroup 1 skips (waits and frees)
+  warpgroup 0's diagonal block of every head.
+There is no ping-pong in the backward (one schedule would need both kernels' softmax-like parts
+to be long enough to hide; not measured).
+
+Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpreter runs the same
+warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
+constructs of the compiled kernels, so the interpreted variant differs in exactly these (jax
+0.11.2): a wgmma operand held in registers (P in the forward, dS, P^T and dS^T in the backward)
+goes through shared memory (the interpreter's wgmma reads only shared-memory operands), and an
+accumulating wgmma goes into a fresh accumulator added to the old one (it cannot run
+`pl.run_state` over an accumulator, which the GPU kernels use to accumulate in place): the
+`_lhs` / `_accumulate` helpers and the forward's two `if cfg.interpret` branches. Everything else
+(the rings, the ping-pong, the causal ranges and masks, exp2 scaling, GQA, lse, Delta) is the code
+the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference.
+
+What only a GPU settles: Mosaic's compile to PTX/SASS (a deviceless XLA:GPU compile succeeds but
+carries the Mosaic module inside the custom call; the checks without a GPU stop at the Mosaic GPU
+MLIR: wgmma / TMA ops, shared memory <= 227 KiB),
+the register operands and in-place accumulation, register pressure (spills), real concurrency of
+the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
+speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = [
+    "MgpuConfig",
+    "backward",
+    "check_on_gpu",
+    "forward",
+    "gpu_capability",
+    "make_config",
+    "supported",
+    "tiles",
+    "why_not",
+]
+
+WG_ROWS = 64  # query rows per compute warpgroup: the M of one wgmma tile
+COMPUTE_WGS = 2
+SMEM_LIMIT_BYTES = 227 * 1024  # sm_90's largest dynamic shared memory per block
+HEAD_DIMS = (64, 128, 256)
+BWD_ROWS = 64  # rows per compute warpgroup, and the streamed block, in both backward kernels
+BWD_HEAD_DIMS = (64, 128)  # H = 256: dK and dV accumulators alone would need 256 registers a thread
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """Static parameters of one call (hashable: part of kernel.py's Plan). `backward` is the generic
+    kernel's config that the custom_vjp's backward runs with; `interpret` runs the kernel in
+    Pallas' GPU interpreter (module docstring)."""
+
+    scale: float
+    causal: bool
+    block_k: int
+    stages: int
+    backward: Any = None
+    mosaic_backward: bool = False  # this module's backward kernels, else the generic `backward` config's
+    interpret: bool = False
+
+
+def _smem_bytes(h: int, block_k: int, stages: int, itemsize: int) -> int:
+    """Shared memory of one program: Q/O tiles of both compute warpgroups, the K and V ring, the
+    lse staging rows (barriers and alignment come on top: checked against Mosaic's own count in
+    the tests)."""
+    return itemsize * (COMPUTE_WGS * WG_ROWS * h + 2 * stages * block_k * h) + 4 * COMPUTE_WGS * WG_ROWS
+
+
+def tiles(h: int, s: int, itemsize: int = 2) -> tuple[int, int] | None:
+    """(block_k, stages) for head dim h and S = s keys, or None: the widest key block (256, 128 or
+    64) that divides s, keeps the fp32 score tile plus accumulator within the compute warpgroups'
+    registers (block_k * h <= 128 * 128) and whose two-slot ring fits in shared memory; then as
+    many slots (up to 4) as fit. Wider key blocks mean fewer barrier round trips per row, more
+    slots hide TMA latency. Not yet swept on a GPU."""
+    budget = SMEM_LIMIT_BYTES - 4096  # barriers and 1 KiB alignment of the swizzled buffers
+    fits = lambda bk, stages: _smem_bytes(h, bk, stages, itemsize) <= budget
+    block_k = next((bk for bk in (256, 128, 64) if s % bk == 0 and bk * h <= 128 * 128 and fits(bk, 2)), None)
+    if block_k is None:
+        return None
+    return block_k, max(st for st in (2, 3, 4) if fits(block_k, st))
+
+
+def supported(t: int, s: int, h: int, dtype, *, causal: bool, scale: float, has_segments: bool) -> str | None:
+    """None when this kernel can run the call, else why not (kernel.py then uses Triton)."""
+    if has_segments:
+        return "segment ids are not supported"
+    if h not in HEAD_DIMS:
+        return f"head dim {h} not in {HEAD_DIMS}"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype)} is not bf16 or fp16"
+    if not scale > 0:
+        return "softmax_scale must be positive (the row max is taken before scaling)"
+    if t % (COMPUTE_WGS * WG_ROWS):
+        return f"T = {t} is not a multiple of {COMPUTE_WGS * WG_ROWS}"
+    if tiles(h, s, jnp.dtype(dtype).itemsize) is None:
+        return f"S = {s} is not a multiple of 64"
+    if causal and t != s:
+        return "causal needs T == S"
+    return None
+
+
+# Hopper parts by device kind, for abstract devices (AOT meshes), which carry no compute capability.
+_HOPPER_KINDS = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """Compute capability of the GPU the program is being traced for, or None (not a GPU, or not
+    known). The mesh in context wins (its abstract device: an AOT compile for deviceless H100s
+    traced on a CPU host, or shard_map over real GPUs); without one, the default device."""
+    dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if dev is not None:
+        if dev.platform != "gpu":
+            return None
+        return (9, 0) if _HOPPER_KINDS.search(dev.device_kind) else None
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return None
+    cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+    if not cc:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)
+
+
+def why_not(capability, t: int, s: int, h: int, dtype, *, causal: bool, scale: float, has_segments: bool):
+    """None when backend=None should run this kernel on CUDA, else the reason it does not. Hopper
+    only (major 9): wgmma is an sm_90a instruction, which Blackwell (sm_100) does not have."""
+    if capability is None or capability[0] != 9:
+        return f"not a Hopper GPU (compute capability {capability})"
+    return supported(t, s, h, dtype, causal=causal, scale=scale, has_segments=has_segments)
+
+
+def make_config(h: int, s: int, dtype, *, scale: float, causal: bool, backward=None) -> MgpuConfig:
+    """The config for a supported call (`supported` returned None)."""
+    block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize) or (0, 0)
+    mosaic_backward = h in BWD_HEAD_DIMS and s % (COMPUTE_WGS * BWD_ROWS) == 0
+    return MgpuConfig(
+        scale=scale, causal=causal, block_k=block_k, stages=stages, backward=backward, mosaic_backward=mosaic_backward
+    )
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
+    (q_smem2, k_smem, v_smem, lse_smem2, *p_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched = scratch
+    bq, bk, h = WG_ROWS, cfg.block_k, q_ref.shape[-1]
+    dtype = q_ref.dtype
+    b = lax.axis_index("batch")
+    n = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile = num_q_tiles - 1 - lax.axis_index("q_tile")  # longest causal rows first
+    tile_q0 = tile * (COMPUTE_WGS * bq)
+    num_kv = s // bk
+    stages = min(cfg.stages, num_kv)
+    # kv blocks this program needs: all of them, or (causal) up to the one holding its last query
+    tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
+    c = cfg.scale * math.log2(math.e)
+
+    def pass_schedule():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+        q0 = tile_q0 + wg * bq
+        # this warpgroup's kv blocks: up to its own diagonal when causal; [0, n_full) need no mask
+        steps = lax.div(q0 + bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
+        n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), n], q_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        row = plgpu.Layout.WGMMA.reduce(1)
+        m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+        l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
+        acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(pass_schedule)  # the half-step offset of the ping-pong
+
+        def step(j, carry, *, masked: bool):
+            acc, m, l = carry
+            slot = lax.rem(j, jnp.int32(stages))
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                pass_schedule()  # let the other warpgroup's softmax run while ours multiplies
+                return acc_ref[...]
+
+            sc = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                rows = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+                cols = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+                # -inf is safe: every row sees key 0 in block 0, so m is finite from the first step
+                sc = jnp.where(rows >= cols, sc, -jnp.inf)
+            m_new = jnp.maximum(m, sc.max(axis=1) * c)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p = p.astype(dtype)
+            plgpu.barrier_arrive(sched)  # softmax done: the other warpgroup may use the tensor cores
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(sched)
+
+            if cfg.interpret:  # the interpreter's wgmma reads operands from shared memory only
+                p_smem2[0].at[wg][...] = p
+                plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem2[0].at[wg] if cfg.interpret else p, v_smem.at[slot])
+                nxt = j + 1
+
+                @pl.when(nxt < steps)  # wait for the next K while P V runs
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+
+            if cfg.interpret:  # the interpreter cannot run run_state over an accumulator: add a fresh one
+                acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((bq, h), jnp.float32))
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        carry = (acc, m, l)
+        carry = lax.fori_loop(0, n_full, lambda j, cr: step(j, cr, masked=False), carry)
+        if cfg.causal:
+            carry = lax.fori_loop(n_full, steps, lambda j, cr: step(j, cr, masked=True), carry)
+
+            # Blocks only the other warpgroup reads: free them and keep the ping-pong in step. The
+            # ready waits keep this warpgroup's view of every barrier phase complete (the GPU
+            # interpreter insists; on the GPU they cost idle time of a finished warpgroup).
+            @pl.loop(steps, tile_steps)
+            def _skipped(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                pass_schedule()
+                pass_schedule()
+
+        acc, m, l = carry
+        pl.when(wg == 0)(pass_schedule)  # matches warpgroup 1's extra pass before its loop
+
+        o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
+        q_smem[...] = o.astype(dtype)  # Q is no longer needed: stage O in its place
+        lse_smem[...] = (m + jnp.log2(l)) * LN2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), n])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, pl.ds(q0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(n, jnp.int32(group))
+
+        def load(j, slot):
+            rows = (b, pl.ds(j * bk, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        for j in range(stages):  # fill the ring, skipping blocks past the tile's diagonal
+
+            @pl.when(j < tile_steps)
+            def _():
+                load(j, j)
+
+        @pl.loop(stages, tile_steps)
+        def _refill(j):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            load(j, slot)
+
+        # Observe the last frees too, so no barrier phase is left unseen when the scratch goes.
+        @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
+        def _drain(j):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
+    """(o[B, T, N, H], lse[B, N, T] fp32) on a Hopper GPU; `supported` must hold."""
+    if q_seg is not None or kv_seg is not None:
+        raise ValueError("the Mosaic GPU kernel takes no segment ids (kernel.py falls back to Triton)")
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    why = supported(t, s, h, q.dtype, causal=cfg.causal, scale=cfg.scale, has_segments=False)
+    if why is not None:
+        raise ValueError(f"the Mosaic GPU kernel cannot run this call: {why}")
+    bq, bk = WG_ROWS, cfg.block_k
+    stages = min(cfg.stages, s // bk)
+    num_q_tiles = t // (COMPUTE_WGS * bq)
+    # 128-byte swizzled (8, 64) tiles: the shared-memory layout wgmma reads without bank conflicts
+    # (jax declares transform_array abstract on these concrete transforms, hence the ignores)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
+    scratch = (
+        (
+            plgpu.SMEM((COMPUTE_WGS, bq, h), q.dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, h), k.dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, h), v.dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, bq), jnp.float32),
+            *([plgpu.SMEM((COMPUTE_WGS, bq, bk), q.dtype, transforms=transforms)] if cfg.interpret else []),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),  # K slot ready
+            plgpu.Barrier(num_barriers=stages),  # V slot ready
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q ready
+        ),
+        (
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # K slot free
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # V slot free
+        ),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # schedule (ping-pong)
+    )
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs):
+        _kernel(
+            q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, cfg=cfg, group=n // kh, num_q_tiles=num_q_tiles, s=s
+        )
+
+    body.__name__ = "flash_attention_mgpu_fwd"
+    o, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
+        scratch_types=scratch,
+        grid=(n, num_q_tiles, b),
+        grid_names=("heads", "q_tile", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+    )(q, k, v)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: a dQ kernel and a dK/dV kernel, both recomputing P = exp2(c S - log2(e) lse) from the
+# forward's lse (no softmax statistics are rebuilt), with Delta = rowsum(dO * O) - dlse.
+
+
+def _lhs(x, scratch, interpret: bool):
+    """A wgmma left operand from registers; through shared memory under the interpreter."""
+    if not interpret:
+        return x
+    scratch[...] = x
+    plgpu.commit_smem()
+    return scratch
+
+
+def _accumulate(acc, a, b, interpret: bool):
+    """acc + a @ b by wgmma, in place on the GPU; into a fresh accumulator under the interpreter."""
+    if interpret:
+        return acc + _product(a, b, acc.shape)
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+
+def _product(a, b, shape):
+    """a @ b by wgmma into a fresh fp32 accumulator."""
+
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+
+
+def _bwd_stages(h: int, block: int, per_stage_arrays: int, resident: int, itemsize: int = 2) -> int:
+    """Ring slots that fit beside the resident tiles (both warpgroups' own [64, H] tiles)."""
+    budget = SMEM_LIMIT_BYTES - 4096
+    fixed = itemsize * resident * COMPUTE_WGS * BWD_ROWS * h + itemsize * COMPUTE_WGS * BWD_ROWS * block
+    per_stage = itemsize * per_stage_arrays * block * h + 8 * block
+    return max(1, min(4, (budget - fixed) // per_stage))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch, cfg, group, s, stages):
+    own, (k_ready, v_ready, own_ready), free = scratch
+    q_smem2, do_smem2, lse_smem2, delta_smem2, ds_smem2, k_smem, v_smem = own
+    bq = bk = BWD_ROWS
+    h, dtype = q_ref.shape[-1], q_ref.dtype
+    b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
+    tile_q0 = lax.axis_index("q_tile") * (COMPUTE_WGS * bq)
+    num_kv = s // bk
+    tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq, jnp.int32(bk)) if cfg.causal else num_kv
+    c = cfg.scale * math.log2(math.e)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
+        q0 = tile_q0 + wg * bq
+        rows = (b, pl.ds(q0, bq), n)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, own_ready.at[wg * 4])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, own_ready.at[wg * 4 + 1])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(q0, bq)], lse_smem2.at[wg], own_ready.at[wg * 4 + 2])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q0, bq)], delta_smem2.at[wg], own_ready.at[wg * 4 + 3])
+        for i in range(4):
+            plgpu.barrier_wait(own_ready.at[wg * 4 + i])
+        row = plgpu.Layout.WGMMA.reduce(1)
+        lse2 = plgpu.load(lse_smem2.at[wg], layout=row) * math.log2(math.e)
+        delta = plgpu.load(delta_smem2.at[wg], layout=row)
+        steps = lax.div(q0 + bq, jnp.int32(bk)) if cfg.causal else num_kv  # bq == bk: the diagonal block
+        n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+
+        def step(j, dq, *, masked: bool):
+            slot = lax.rem(j, jnp.int32(stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+            sc = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+            p = jnp.exp2(sc * c - lax.broadcast_in_dim(lse2, sc.shape, [0]))
+            if masked:
+                qi = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
+                kj = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
+                p = jnp.where(qi >= kj, p, 0.0)
+            plgpu.barrier_wait(v_ready.at[slot])
+            dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bk))
+            ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
+            dq = _accumulate(dq, _lhs(ds, ds_smem, cfg.interpret), k_smem.at[slot], cfg.interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return dq
+
+        dq = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, n_full, lambda j, a: step(j, a, masked=False), dq)
+        if cfg.causal:
+            dq = lax.fori_loop(n_full, steps, lambda j, a: step(j, a, masked=True), dq)
+
+            @pl.loop(steps, tile_steps)  # blocks only warpgroup 1 reads
+            def _skipped(j):
+                slot = lax.rem(j, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
+
+        q_smem[...] = (dq * cfg.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(n, jnp.int32(group))
+
+        def load(j, slot):
+            blk = (b, pl.ds(j * bk, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_ready.at[slot])
+
+        _stream(load, free, tile_steps, stages)
+
+
+def _stream(load, free, total, stages: int):
+    """The memory warpgroup's ring: fill `stages` slots, then refill each slot once both compute
+    warpgroups freed it, then observe the last frees (the interpreter checks every phase is seen)."""
+    for j in range(stages):
+
+        @pl.when(j < total)
+        def _():
+            load(j, j)
+
+    @pl.loop(stages, total)
+    def _refill(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(free.at[slot])
+        load(j, slot)
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(j):
+        plgpu.barrier_wait(free.at[lax.rem(j, jnp.int32(stages))])
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, cfg, group, t, stages):
+    own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free = scratch
+    k_smem2, v_smem2, p_smem2 = own
+    q_smem, do_smem, lse_smem, delta_smem = ring
+    bk = bq = BWD_ROWS
+    h, dtype = k_ref.shape[-1], k_ref.dtype
+    b, kvh, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
+    tile_k0 = lax.axis_index("kv_tile") * (COMPUTE_WGS * bk)
+    num_q = t // bq
+    # q blocks this tile needs, per query head of the group: causal starts at the tile's diagonal
+    tile_first = lax.div(tile_k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)
+    per_head = num_q - tile_first
+    c = cfg.scale * math.log2(math.e)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        k_smem, v_smem, p_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg]
+        k0 = tile_k0 + wg * bk
+        rows = (b, pl.ds(k0, bk), kvh)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, own_ready.at[wg * 2])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, own_ready.at[wg * 2 + 1])
+        plgpu.barrier_wait(own_ready.at[wg * 2])
+        plgpu.barrier_wait(own_ready.at[wg * 2 + 1])
+        col = plgpu.Layout.WGMMA.reduce(0)
+        first = lax.div(k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)  # this warpgroup's diagonal block
+
+        def step(g, i, carry, *, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(g * per_head + i - tile_first, jnp.int32(stages))
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+            st = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))  # S^T
+            lse2 = plgpu.load(lse_smem.at[slot], layout=col) * math.log2(math.e)
+            pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+            if masked:
+                kj = k0 + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+                qi = i * bq + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+                pt = jnp.where(qi >= kj, pt, 0.0)
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+            dv = _accumulate(dv, _lhs(pt.astype(dtype), p_smem, cfg.interpret), do_smem.at[slot], cfg.interpret)
+            dpt = _product(v_smem, do_smem.at[slot].transpose((1, 0)), (bk, bq))
+            delta = plgpu.load(delta_smem.at[slot], layout=col)
+            dst = (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(dtype)
+            dk = _accumulate(dk, _lhs(dst, p_smem, cfg.interpret), q_smem.at[slot], cfg.interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        def skip(g, i):
+            slot = lax.rem(g * per_head + i - tile_first, jnp.int32(stages))
+            for ready in (q_ready, do_ready, lse_ready, delta_ready):
+                plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+        def head(g, carry):
+            if cfg.causal:
+                pl.loop(tile_first, first)(lambda i: skip(g, i))  # warpgroup 1 skips warpgroup 0's diagonal
+                carry = step(g, first, carry, masked=True)
+                start = first + 1
+            else:
+                start = jnp.int32(0)
+            return lax.fori_loop(start, num_q, lambda i, cr: step(g, i, cr, masked=False), carry)
+
+        zeros = plgpu.layout_cast(jnp.full((bk, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+        k_smem[...] = (dk * cfg.scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(j, slot):
+            g, i = lax.div(j, per_head), tile_first + lax.rem(j, per_head)
+            n = kvh * group + g
+            blk = (b, pl.ds(i * bq, bq), n)
+            plgpu.copy_gmem_to_smem(q_ref.at[blk], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[blk], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(i * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(i * bq, bq)], delta_smem.at[slot], delta_ready.at[slot])
+
+        _stream(load, free, group * per_head, stages)
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
+    """(dq, dk, dv) in the dtypes of q, k, v from the forward's o and lse; `supported` must hold
+    and H in BWD_HEAD_DIMS. dK/dV sum the group's query heads inside the kernel (no repeat)."""
+    b, t, n, h = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if q_seg is not None or h not in BWD_HEAD_DIMS or s % (COMPUTE_WGS * BWD_ROWS) or t % (COMPUTE_WGS * BWD_ROWS):
+        raise ValueError(f"the Mosaic GPU backward cannot run this call (H = {h}, T = {t}, S = {s})")
+    delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    do = do.astype(q.dtype)
+    lse = lse.astype(jnp.float32)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
+    tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)
+    rows = lambda *shape: plgpu.SMEM(shape, jnp.float32)
+    r, w = BWD_ROWS, COMPUTE_WGS
+    interp = plgpu.InterpretGPUParams() if cfg.interpret else None
+    params = plgpu.CompilerParams(approx_math=True)
+
+    stages = min(_bwd_stages(h, r, 2, 2), s // r)
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages),
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_types=(
+            (
+                tile(w, r, h),
+                tile(w, r, h),
+                rows(w, r),
+                rows(w, r),
+                tile(w, r, r),
+                tile(stages, r, h),
+                tile(stages, r, h),
+            ),
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4 * w)),
+            plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+        ),
+        grid=(n, t // (w * r), b),
+        grid_names=("heads", "q_tile", "batch"),
+        num_threads=w + 1,
+        thread_name="wg",
+        compiler_params=params,
+        interpret=interp,
+        kernel_name="flash_attention_mgpu_bwd_dq",
+    )(q, k, v, do, lse, delta)
+
+    stages = min(_bwd_stages(h, r, 2, 2), (n // kh) * (t // r))
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages),
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        scratch_types=(
+            (tile(w, r, h), tile(w, r, h), tile(w, r, r)),
+            (tile(stages, r, h), tile(stages, r, h), rows(stages, r), rows(stages, r)),
+            (*(plgpu.Barrier(num_barriers=stages) for _ in range(4)), plgpu.Barrier(num_barriers=2 * w)),
+            plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+        ),
+        grid=(kh, s // (w * r), b),
+        grid_names=("kv_heads", "kv_tile", "batch"),
+        num_threads=w + 1,
+        thread_name="wg",
+        compiler_params=params,
+        interpret=interp,
+        kernel_name="flash_attention_mgpu_bwd_dkdv",
+    )(q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False) -> dict:
+    """Run the kernels on this process's GPU (or, interpret=True, in the GPU interpreter) and compare
+    with the fp32 reference: max abs errors of o, lse and (when H allows the Mosaic backward) dq,
+    dk, dv for the cotangent do, with the reference's max abs values to read them against. Within
+    2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require."""
+    from .reference import attention as reference_attention
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
+    v = jax.random.normal(keys[2], (b, t, k, h), dtype)
+    do = jax.random.normal(keys[3], (b, t, n, h), dtype)
+    cfg = dataclasses.replace(make_config(h, t, dtype, scale=h**-0.5, causal=causal), interpret=interpret)
+    o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, None, None, cfg))(q, kk, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    amax = lambda x: float(jnp.max(jnp.abs(x)))
+    ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
+    (want_o, want_lse), ref_vjp = jax.vjp(ref, f32(q), f32(kk), f32(v))
+    out = dict(o_err=amax(f32(o) - want_o), o_max=amax(want_o), lse_err=amax(lse - want_lse))
+    if cfg.mosaic_backward:
+        bwd = lambda q_, k_, v_, o_, lse_, do_: backward(q_, k_, v_, None, None, o_, lse_, do_, None, cfg)
+        grads = jax.jit(bwd)(q, kk, v, o, lse, do)
+        wants = ref_vjp((f32(do), jnp.zeros_like(want_lse)))
+        for name, g, w in zip(("dq", "dk", "dv"), grads, wants):
+            out |= {f"{name}_err": amax(f32(g) - w), f"{name}_max": amax(w)}
+    return out

@@ -1,0 +1,294 @@
+"""The Mosaic GPU (Hopper) flash-attention forward, kernels/flash_attention/kernel_mgpu.py, on a CPU.
+
+- Numerics in Pallas' GPU interpret mode against the reference (the interpreted variant differs
+  from the compiled one only in how P reaches the P V matmul: kernel_mgpu's docstring).
+  Tolerance: bf16/fp16 inputs, both sides compute in fp32, the kernel rounds P to the input dtype
+  before P V (2^-9 relative each, averaged over the keys) and rounds o to it (one ulp = 2^-8
+  relative for bf16): o within 2^-7 * max|o| (two bf16 ulps); lse is fp32 from unrounded scores,
+  1e-5 absolute (exp2 / log2 against exp / log in another order).
+- Lowering for an abstract H100 (no GPU, no compile-only devices needed): the Mosaic GPU MLIR has
+  wgmma and TMA loads, its shared memory fits sm_90, and backend=None picks this kernel exactly
+  where it should (the custom calls in the lowered HLO). Mosaic's compile to SASS needs the CUDA
+  driver, so that, and the compiled numerics and speed, are GPU-only (bench.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys.analysis import targets
+from jaxsys.kernels import platforms
+from jaxsys.kernels.flash_attention import flash_attention, kernel, kernel_mgpu, reference_attention
+
+H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu")
+
+
+def _mesh(device_kind: str, platform: str = "gpu"):
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform=platform)
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev))
+
+
+def _inputs(b, t, n, k, h, dtype, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (
+        jax.random.normal(keys[0], (b, t, n, h), dtype),
+        jax.random.normal(keys[1], (b, t, k, h), dtype),
+        jax.random.normal(keys[2], (b, t, k, h), dtype),
+    )
+
+
+def _f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+# ------------------------------------------------------------------------------ numerics (interpret)
+
+CASES = {
+    # H = 256: key block 64, a 2-slot ring over 4 kv blocks (wraps), warpgroup 0 skips blocks
+    "causal_h256": (1, 256, 2, 1, 256, True, jnp.bfloat16),
+    # H = 64: key block 256, GQA G = 2, not causal
+    "gqa_h64": (1, 256, 4, 2, 64, False, jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_kernel_matches_reference(name):
+    b, t, n, k, h, causal, dtype = CASES[name]
+    q, kk, v = _inputs(b, t, n, k, h, dtype)
+    o, lse = flash_attention(q, kk, v, causal=causal, return_lse=True, backend="mosaic_gpu")  # interpreted on CPU
+    want_o, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), causal=causal, return_lse=True)
+    assert o.dtype == dtype and lse.shape == (b, n, t)
+    tol = 2**-7 * float(np.abs(_f32(want_o)).max())
+    np.testing.assert_allclose(_f32(o), _f32(want_o), rtol=0, atol=tol)
+    np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_interpreted_kernel_long_causal_rows():
+    """T = 1024, H = 64: key block 256, a 3-slot ring over 4 blocks, four q tiles."""
+    q, kk, v = _inputs(1, 1024, 2, 1, 64, jnp.bfloat16, seed=1)
+    o, lse = flash_attention(q, kk, v, causal=True, return_lse=True, backend="mosaic_gpu")
+    want_o, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), causal=True, return_lse=True)
+    np.testing.assert_allclose(_f32(o), _f32(want_o), rtol=0, atol=2**-7 * float(np.abs(_f32(want_o)).max()))
+    np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
+
+
+GRAD_CASES = {
+    # Mosaic backward (H = 64): causal, MQA-like G = 2, the lse cotangent
+    "mosaic_causal_gqa": (1, 256, 2, 1, 64, True),
+    # Mosaic backward, full attention, G = 2 of K = 2
+    "mosaic_full_gqa": (1, 128, 4, 2, 64, False),
+    # H = 256: the Mosaic forward with the generic backward (slow: the generic kernels have their own tests)
+    "generic_h256": (1, 128, 2, 1, 256, True),
+}
+SLOW = {"generic_h256"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in GRAD_CASES])
+def test_gradients_match_reference(name):
+    """dq, dk, dv of sum(o^2) + sum(w * lse) (so the lse cotangent is used too) against the
+    reference's. bf16 inputs; P and dS are rounded to bf16 inside the backward: 2^-6 of each
+    gradient's max."""
+    b, t, n, k, h, causal = GRAD_CASES[name]
+    q, kk, v = _inputs(b, t, n, k, h, jnp.bfloat16, seed=2)
+    w = jax.random.normal(jax.random.PRNGKey(3), (b, n, t), jnp.float32)
+
+    def loss(f):
+        def value(*a):
+            o, lse = f(*a)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(w * lse)
+
+        return value
+
+    mgpu = lambda *a: flash_attention(*a, causal=causal, return_lse=True, backend="mosaic_gpu")
+    got = jax.grad(loss(mgpu), argnums=(0, 1, 2))(q, kk, v)
+    f32 = [x.astype(jnp.float32) for x in (q, kk, v)]
+    ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)
+    for g, wnt in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(_f32(g), _f32(wnt), rtol=0, atol=2**-6 * float(np.abs(_f32(wnt)).max()))
+
+
+# --------------------------------------------------------------------------------- choice of kernel
+
+
+def _custom_calls(fn, shapes, dtype=jnp.bfloat16, device_kind=H100.device_kind, platform="cuda"):
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    with _mesh(device_kind):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return re.findall(r"custom_call @([\w$.]+)", text)
+
+
+QKV = [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128)]
+
+
+def test_backend_none_picks_mosaic_on_hopper():
+    """Forward and both backward kernels at H = 128; at H = 256 the backward is Triton's."""
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32))
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert _custom_calls(grad, QKV) == ["mosaic_gpu_v2"] * 3
+    wide = [(*shape[:3], 256) for shape in QKV]
+    assert sorted(_custom_calls(grad, wide)) == ["__gpu$xla.gpu.triton"] * 2 + ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize(
+    "device_kind, shapes, kwargs, dtype",
+    [
+        ("NVIDIA A100-SXM4-80GB", QKV, {}, jnp.bfloat16),  # Ampere: no wgmma
+        ("NVIDIA B200", QKV, {}, jnp.bfloat16),  # Blackwell: no wgmma either
+        (H100.device_kind, QKV, {}, jnp.float32),  # fp32 inputs
+        (H100.device_kind, [(1, 192, 4, 128), (1, 192, 2, 128), (1, 192, 2, 128)], {}, jnp.bfloat16),  # T % 128
+        (H100.device_kind, [(1, 256, 4, 32), (1, 256, 2, 32), (1, 256, 2, 32)], {}, jnp.bfloat16),  # H = 32
+        (H100.device_kind, QKV, {"segments": True}, jnp.bfloat16),
+        (H100.device_kind, QKV, {"interpret": False, "softmax_scale": -1.0}, jnp.bfloat16),
+    ],
+)
+def test_backend_none_falls_back_to_triton(device_kind, shapes, kwargs, dtype):
+    kwargs = dict(kwargs)
+    segments = kwargs.pop("segments", False)
+
+    def fn(q, k, v):
+        seg = jnp.zeros(q.shape[:2], jnp.int32) if segments else None
+        return flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, **kwargs)
+
+    assert _custom_calls(fn, shapes, dtype, device_kind) == ["__gpu$xla.gpu.triton"]
+
+
+@pytest.mark.parametrize(
+    "kind, capability",
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0)),
+        ("NVIDIA H200", (9, 0)),
+        ("NVIDIA GH200 480GB", (9, 0)),
+        ("NVIDIA A100-SXM4-80GB", None),
+        ("NVIDIA B200", None),
+    ],
+)
+def test_capability_from_the_abstract_device_kind(kind, capability):
+    with _mesh(kind):
+        assert kernel_mgpu.gpu_capability() == capability
+
+
+@pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
+def test_deviceless_h100_compile_keeps_the_mosaic_kernels():
+    """The AOT path: a CPU host, a mesh of compile-only H100 devices, the kernels in shard_map.
+    XLA:GPU's deviceless compile of the gradient keeps the three Mosaic GPU custom calls (the
+    kernels' own PTX/SASS is built when the executable runs on a GPU: no PTX in the compiled text)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(targets.devices(targets.parse("h100-1"))), ("x",))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, P())) for s in QKV]
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32))
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    f = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3, check_vma=False))
+    lowered = f.lower(*args)
+    assert re.findall(r"custom_call @([\w$.]+)", lowered.as_text()) == ["mosaic_gpu_v2"] * 3
+    compiled = lowered.compile().as_text()
+    assert re.findall(r'custom_call_target="([^"]+)"', compiled) == ["mosaic_gpu_v2"] * 3
+    assert ".target sm_90" not in compiled
+
+
+def test_plan_without_a_gpu_in_sight_has_no_mosaic_branch():
+    """On this CPU host with no mesh in context, the capability is unknown: no CUDA branch."""
+    q, kk, v = _inputs(1, 256, 4, 2, 128, jnp.bfloat16)
+    assert kernel_mgpu.gpu_capability() is None
+    with _mesh(H100.device_kind):
+        assert kernel_mgpu.gpu_capability() == (9, 0)
+    with _mesh("TPU v5p", platform="tpu"):
+        assert kernel_mgpu.gpu_capability() is None
+    plan = kernel._prepare(q, kk, v, None, None, **_PREPARE)[0]
+    assert [variant for _, variant, _ in plan.branches] == ["generic", "tpu", "generic"]
+    with _mesh(H100.device_kind):
+        plan = kernel._prepare(q, kk, v, None, None, **_PREPARE)[0]
+        assert (("cuda",), "mosaic_gpu") in [(p, variant) for p, variant, _ in plan.branches]
+        plan = kernel._prepare(q, kk, v, None, None, **(_PREPARE | {"interpret": True}))[0]
+        assert [variant for _, variant, _ in plan.branches] == ["generic"]
+
+
+_PREPARE = dict(
+    causal=True,
+    softmax_scale=None,
+    block_q=128,
+    block_k=128,
+    block_q_bwd=None,
+    block_k_bwd=None,
+    interpret=None,
+    backend=None,
+)
+
+
+def test_explicit_backend_refuses_unsupported_calls():
+    q, kk, v = _inputs(1, 192, 2, 1, 64, jnp.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"backend='mosaic_gpu' cannot run this call: T = 192 is not a multiple of 128"
+    ):
+        flash_attention(q, kk, v, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"segment ids are not supported"):
+        seg = jnp.zeros((1, 192), jnp.int32)
+        flash_attention(q, kk, v, q_segment_ids=seg, kv_segment_ids=seg, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match=r"one of \('generic', 'tpu', 'mosaic_gpu'\)"):
+        flash_attention(q, kk, v, backend="mgpu")
+    # other kernels have no Mosaic GPU variant
+    with pytest.raises(ValueError, match=r"one of \('generic', 'tpu'\); got backend='mosaic_gpu'"):
+        platforms.check_backend("mosaic_gpu")
+
+
+# ------------------------------------------------------------------------- the Mosaic GPU MLIR
+
+
+def _resources(path) -> dict:
+    text = open(path).read()
+    return {"smem_scratch_bytes": int(re.search(r"smem_scratch_bytes=(\d+)", text).group(1))}
+
+
+@pytest.mark.parametrize("h, causal", [(64, True), (128, False)])
+def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    t = 512
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=causal, backend="mosaic_gpu", interpret=False))
+    assert (
+        _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)])
+        == ["mosaic_gpu_v2"] * 3
+    )
+    for name, stores in (("dq", 1), ("dkdv", 2)):
+        (mlir,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.after_layout_inference.txt")
+        (resources,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.resources.txt")
+        ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
+        assert ops.count("wgmma") >= 3 and ops.count("async_store") == stores, (name, ops)
+        assert ops.count("async_load") >= 4, (name, ops)
+        assert _resources(resources)["smem_scratch_bytes"] <= kernel_mgpu.SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("h", kernel_mgpu.HEAD_DIMS)
+def test_lowers_to_wgmma_and_tma_within_hopper_shared_memory(h, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    t = 512
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic_gpu", interpret=False)
+    assert _custom_calls(fn, [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)]) == ["mosaic_gpu_v2"]
+    (mlir,) = tmp_path.glob("flash_attention_mgpu_fwd*.after_layout_inference.txt")
+    (resources,) = tmp_path.glob("flash_attention_mgpu_fwd*.resources.txt")
+    ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
+    assert ops.count("wgmma") >= 2  # Q K^T and P V (the causal and unmasked loops have their own)
+    assert ops.count("async_load") >= 3 and ops.count("async_store") == 2  # Q, K, V in; O, lse out
+    smem = _resources(resources)["smem_scratch_bytes"]
+    assert smem <= kernel_mgpu.SMEM_LIMIT_BYTES, smem
+    block_k, stages = kernel_mgpu.tiles(h, t)
+    stages = min(stages, t // block_k)  # the ring is no deeper than the kv blocks
+    # the model of shared memory the tile choice uses is within alignment of Mosaic's own count
+    assert 0 <= smem - kernel_mgpu._smem_bytes(h, block_k, stages, 2) <= 4096
+
+
+def test_tiles_use_the_widest_block_and_most_slots_that_fit():
+    for h in kernel_mgpu.HEAD_DIMS:
+        block_k, stages = kernel_mgpu.tiles(h, 4096)
+        assert kernel_mgpu._smem_bytes(h, block_k, stages, 2) <= kernel_mgpu.SMEM_LIMIT_BYTES - 4096
+        assert stages == 4 or kernel_mgpu._smem_bytes(h, block_k, stages + 1, 2) > kernel_mgpu.SMEM_LIMIT_BYTES - 4096
+    assert kernel_mgpu.tiles(64, 4096)[0] == 256 and kernel_mgpu.tiles(64, 384)[0] == 128
+    assert kernel_mgpu.tiles(128, 96) is None
