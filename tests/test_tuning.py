@@ -308,3 +308,27 @@ def test_candidate_checks_catch_wrong_outputs():
     out = fn(*inputs)
     assert problem.error(out, "call") <= problem.tolerance
     assert problem.error([out[0] * 1.1], "call") > problem.tolerance
+
+
+def test_quantized_matmul_reads_its_tiles_from_the_cache(tmp_path, monkeypatch):
+    from jaxsys.kernels.quantized_matmul import kernel as qk
+    from jaxsys.kernels.quantized_matmul import reference as qr
+
+    m, k, n = 4, 256, 64
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
+    q = jax.random.randint(jax.random.key(1), (k, n), -127, 128, jnp.int32).astype(jnp.int8)
+    s = jax.random.uniform(jax.random.key(2), (n,), jnp.float32, 0.01, 0.02)
+
+    def grid(**kw):
+        found = _grids(lambda x: qk.matmul_w8a16(x, q, s, interpret=True, **kw), x)
+        return set().union(*found.values())
+
+    assert grid() == {(1, 1)}  # no entry: 16 x 128 tiles (N = 64 fits one)
+    key = tuning.shape_key(tuning.quantized_matmul_class(kind="w8a16", m=m, k=k, n=n))
+    _override(monkeypatch, tmp_path, {"quantized_matmul": {key: dict(block_n=16, block_k=64)}})
+    assert grid() == {(1, 4)}  # N / 16 column tiles
+    assert grid(block_n=32) == {(1, 2)}  # an explicit tile wins
+    other = tuning.shape_key(tuning.quantized_matmul_class(kind="w8a16", m=64, k=k, n=n))
+    assert other != key  # another M bucket is another class: M = 4 was not looked up under it
+    got = qk.matmul_w8a16(x, q, s, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(qr.matmul_w8a16(x, q, s)), rtol=1e-5, atol=1e-5)

@@ -77,7 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxsys.kernels import platforms
+from jaxsys.kernels import platforms, tuning
 from jaxsys.kernels.quantized_matmul import reference as ref
 
 __all__ = [
@@ -291,12 +291,39 @@ def split_k_for(
     return _even_splits(split_k, t.k_padded // k_step)
 
 
+# Tiles when neither the caller nor the tuning cache gives one: 16 rows fill one mma tile (32 for
+# W8A8, whose int8 mma is 32 deep), 128-wide N and K blocks.
+DEFAULT_BLOCKS = {"w8a16": (16, 128, 128), "w4a16": (16, 128, 128), "w8a8": (32, 128, 128)}
+
+
 def _plan(
-    m, k, n, *, block_m, block_n, block_k, dtypes, interpret, backend, num_warps, num_stages, split_k, group_size=0
+    kind,
+    m,
+    k,
+    n,
+    *,
+    block_m,
+    block_n,
+    block_k,
+    dtypes,
+    interpret,
+    backend,
+    num_warps,
+    num_stages,
+    split_k,
+    group_size=0,
 ):
-    """The platform plan; the generic variant's split_k resolved by `split_k_for` for the SMs of
-    the GPU being compiled for (`device_cores`); the tpu variant never splits."""
+    """The platform plan; tiles and Triton launch parameters left None come from the tuning cache for
+    (kind, M bucket, K, N, group) on this device (kernels/tuning.py), else DEFAULT_BLOCKS / Triton's
+    defaults; the generic variant's split_k resolved by `split_k_for` for the SMs of the GPU being
+    compiled for (`device_cores`); the tpu variant never splits."""
     platforms.check_backend(backend)
+    tuned = tuning.quantized_matmul_config(kind=kind, m=m, k=k, n=n, group_size=group_size or None)
+    pick = lambda given, name, default: tuned.get(name, default) if given is None else given
+    bm, bn, bk = DEFAULT_BLOCKS[kind]
+    block_m, block_n = pick(block_m, "block_m", bm), pick(block_n, "block_n", bn)
+    block_k = 0 if kind == "w4a16" else pick(block_k, "block_k", bk)  # W4A16 steps whole groups
+    num_warps, num_stages = pick(num_warps, "num_warps", None), pick(num_stages, "num_stages", None)
     make = lambda variant: tiles(
         m,
         k,
@@ -453,9 +480,9 @@ def matmul_w8a16(
     q,
     s,
     *,
-    block_m: int = 16,
-    block_n: int = 128,
-    block_k: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
     split_k: int | None = None,
     interpret=None,
     backend=None,
@@ -477,6 +504,7 @@ def matmul_w8a16(
     _check_scales("matmul_w8a16", s)
     (m, k), n = x.shape, q.shape[1]
     plan = _plan(
+        "w8a16",
         m,
         k,
         n,
@@ -587,8 +615,8 @@ def matmul_w4a16(
     s,
     z=None,
     *,
-    block_m: int = 16,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
     split_k: int | None = None,
     interpret=None,
     backend=None,
@@ -627,6 +655,7 @@ def matmul_w4a16(
         raise ValueError(f"matmul_w4a16: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
     m = x.shape[0]
     plan = _plan(
+        "w4a16",
         m,
         k,
         n,
@@ -700,9 +729,9 @@ def matmul_w8a8(
     sw,
     out_dtype=jnp.bfloat16,
     *,
-    block_m: int = 32,
-    block_n: int = 128,
-    block_k: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
     split_k: int | None = None,
     interpret=None,
     backend=None,
@@ -728,6 +757,7 @@ def matmul_w8a8(
     (m, k), n = xq.shape, wq.shape[1]
     out_dtype = jnp.dtype(out_dtype)
     plan = _plan(
+        "w8a8",
         m,
         k,
         n,
