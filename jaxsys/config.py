@@ -72,7 +72,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attention_impl = "reference"  # reference | pallas | cudnn (GPU)
     c.model.layer_pattern = "softmax"  # comma-separated layer types repeated over the layers
-    c.model.attention_block = 128  # Pallas flash attention block (queries and keys)
+    c.model.attention_block = 0  # Pallas flash attention tile (queries and keys); 0: the tuning cache, else 128
     c.model.linear_chunk = 64  # chunk of the linear-attention layers
     c.model.context_parallel = "ring"  # ring | allgather | tokenring (softmax layers, mesh.seq > 1)
     c.model.context_load_balance = True  # zigzag chunks so causal work is even over seq
@@ -695,9 +695,10 @@ def validate(config, num_devices: int | None = None) -> None:
         f"config.serve.kv_residual={sv.kv_residual!r} must be an integer >= 0 (pages)",
     )
     _require(
-        m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0,
+        m.attention_block == 0 or (m.attention_block >= 16 and m.attention_block & (m.attention_block - 1) == 0),
         f"config.model.attention_block={m.attention_block}: the flash kernel's tile must be a power "
-        "of two >= 16 (the TPU kernel rounds it up to a multiple of 128)",
+        "of two >= 16 (the TPU kernel rounds it up to a multiple of 128), or 0 for the tuning cache's "
+        "tile for the shape on this device (else 128)",
     )
     _require(
         m.linear_chunk >= 8 and m.linear_chunk % 8 == 0,

@@ -47,3 +47,11 @@ def test_bad_attention_settings_are_named():
     with pytest.raises(ValueError, match="head"):  # the kernel names its head-dim constraint
         c = small_config({}, attention_impl="pallas", head_dim=20)
         run(c, steps=0)
+
+
+def test_default_attention_block_takes_the_kernels_own_tiles():
+    """config.model.attention_block = 0 (the default) hands the kernel None: the tuning cache's tile,
+    else 128 clamped to T; the loss is the reference's."""
+    ref_loss, _, _, _ = run(small_config({}, n_kv_heads=4), steps=0)
+    loss, _, _, _ = run(small_config({}, n_kv_heads=4, attention_impl="pallas"), steps=0)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

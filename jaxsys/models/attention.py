@@ -54,7 +54,7 @@ class BlockAttention:
     blocks of context parallelism's schedules)."""
 
     impl: str = "reference"  # reference | pallas
-    block: int = 128
+    block: int | None = None  # None: the tuning cache's tiles for the shape on this device, else 128
 
     def forward(self, q, k, v, causal: bool, q_seg=None, kv_seg=None):
         """(o fp32, lse) of q's block against one block of keys; with segment ids q_seg[B, Tq] and
@@ -86,7 +86,7 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
     if seq.axes:
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
         one_device = lambda q, k, v, s: softmax_attention(q, k, v, m, context.SeqLayout((), 1, False), s)
-        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block), segments, one_device)
+        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block or None), segments, one_device)
     if m.attention_impl == "pallas":
         return flash.flash_attention(
             q,
@@ -95,8 +95,8 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
             causal=True,
             q_segment_ids=segments,
             kv_segment_ids=segments,
-            block_q=m.attention_block,
-            block_k=m.attention_block,
+            block_q=m.attention_block or None,  # 0: the tuning cache's tile (kernels/tuning.py)
+            block_k=m.attention_block or None,
         )
     if m.attention_impl == "cudnn":
         if segments is None:
