@@ -16,6 +16,7 @@ same integer products), 1e-3 for fp32 linear attention.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.kernels.flash_attention import flash_attention, reference_attention
+from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 from jaxsys.kernels.linear_attention import chunked, linear_attention
 from jaxsys.kernels.paged_attention.kernel import paged_attention
 from jaxsys.kernels.paged_attention.reference import paged_attention_reference
@@ -42,7 +43,7 @@ def worst(got_tree, want_tree) -> float:
     return max(rel_err(g, w) for g, w in zip(jax.tree.leaves(got_tree), jax.tree.leaves(want_tree)))
 
 
-def check_flash(small: bool):
+def check_flash(small: bool, backend=None):
     t = 256 if small else 2048
     for h, block in ((64, 128), (128, 64)):
         for causal in (True, False):
@@ -51,20 +52,30 @@ def check_flash(small: bool):
             k = jax.random.normal(keys[1], (2, t, 2, h), jnp.bfloat16)
             v = jax.random.normal(keys[2], (2, t, 2, h), jnp.bfloat16)
             do = jax.random.normal(keys[3], (2, t, 8, h), jnp.bfloat16)
-            kernel = lambda q, k, v: flash_attention(q, k, v, causal=causal, block_q=block, block_k=block)
+            kernel = lambda q, k, v: flash_attention(
+                q, k, v, causal=causal, block_q=block, block_k=block, backend=backend, interpret=small or None
+            )
             ref = lambda q, k, v: reference_attention(q, k, v, causal=causal)
             fwd_bwd = lambda f: jax.jit(lambda q, k, v, do: (f(q, k, v), jax.vjp(f, q, k, v)[1](do)))
             got, want = fwd_bwd(kernel)(q, k, v, do), fwd_bwd(ref)(q, k, v, do)
             yield (
-                f"flash T={t} H={h} N=8 K=2 causal={causal} block={block}: output",
+                f"flash{' ' + backend if backend else ''} T={t} H={h} N=8 K=2 causal={causal} block={block}: output",
                 rel_err(got[0], want[0]),
                 2.0**-6,
             )
             yield (
-                f"flash T={t} H={h} N=8 K=2 causal={causal} block={block}: dq dk dv",
+                f"flash{' ' + backend if backend else ''} T={t} H={h} N=8 K=2 causal={causal} block={block}: dq dk dv",
                 worst(got[1], want[1]),
                 2.0**-6,
             )
+
+
+def check_flash_mosaic(small: bool):
+    """The Hopper (Mosaic GPU) kernels, forced: on a GPU they need compute capability 9.x; --small
+    runs them in Pallas' GPU interpreter on CPU."""
+    if not small and kernel_mgpu.gpu_capability() is None:
+        raise RuntimeError("the Mosaic GPU flash kernels need a Hopper GPU (compute capability 9.x)")
+    yield from check_flash(small, backend="mosaic_gpu")
 
 
 def check_linear(small: bool):
@@ -90,22 +101,28 @@ def check_quantized(small: bool):
     q4, s4, z4 = qr.quantize_w4(w, 128, zero_point=True)
     packed = qr.repack_w4(qr.pack_int4(q4), 128)
     wq, sw = qr.quantize_w8(w)
-    for m in m_list:
+    # split_k None: chosen from the SM count (split at M <= 64 on a GPU, 1 on CPU); 2: forced
+    for m, split_k in [(m, None) for m in m_list] + [(m_list[0], 2)]:
         x = jax.random.normal(jax.random.fold_in(keys[1], m), (m, k), jnp.bfloat16)
+        split = dict(split_k=split_k)
+        label = f"M={m} K={k} N={n} split_k={split_k or 'auto'}"
         yield (
-            f"w8a16 M={m} K={k} N={n}",
-            rel_err(jax.jit(qk.matmul_w8a16)(x, q8, s8), qr.matmul_w8a16(x, q8, s8)),
+            f"w8a16 {label}",
+            rel_err(jax.jit(functools.partial(qk.matmul_w8a16, **split))(x, q8, s8), qr.matmul_w8a16(x, q8, s8)),
             2.0**-7,
         )
+        w4 = jax.jit(functools.partial(qk.matmul_w4a16, **split))
         yield (
-            f"w4a16 G=128 zero point M={m} K={k} N={n}",
-            rel_err(jax.jit(qk.matmul_w4a16)(x, packed, s4, z4), qr.matmul_w4a16(x, qr.pack_int4(q4), s4, z4)),
+            f"w4a16 G=128 zero point {label}",
+            rel_err(w4(x, packed, s4, z4), qr.matmul_w4a16(x, qr.pack_int4(q4), s4, z4)),
             2.0**-7,
         )
         xq, sx = qr.quantize_per_token(x)
         yield (
-            f"w8a8 M={m} K={k} N={n}",
-            rel_err(jax.jit(qk.matmul_w8a8)(xq, sx, wq, sw), qr.matmul_w8a8(xq, sx, wq, sw)),
+            f"w8a8 {label}",
+            rel_err(
+                jax.jit(functools.partial(qk.matmul_w8a8, **split))(xq, sx, wq, sw), qr.matmul_w8a8(xq, sx, wq, sw)
+            ),
             2.0**-7,
         )
 
@@ -124,7 +141,13 @@ def check_paged(small: bool):
     yield f"paged attention B={b} pages={pages}x{page_size} N={n} K={kh} H={h}", rel_err(got, want), 2.0**-6
 
 
-CHECKS = {"flash": check_flash, "linear": check_linear, "quantized": check_quantized, "paged": check_paged}
+CHECKS = {
+    "flash": check_flash,
+    "flash_mosaic": check_flash_mosaic,
+    "linear": check_linear,
+    "quantized": check_quantized,
+    "paged": check_paged,
+}
 
 
 def main(argv=None) -> int:

@@ -10,6 +10,8 @@ lengths 1K..32K and head dims 64 and 128, all in one run on the same device, for
           (H = 64 / 128) backward, Triton's backward at H = 256; only on compute capability 9.x
           for supported shapes (else skipped, with the reason)
   cudnn   jax.nn.dot_product_attention(..., implementation="cudnn")
+  tokamax tokamax.dot_product_attention(..., implementation="mosaic"): tokamax's Mosaic GPU kernel,
+          a vendor-grade Pallas baseline (needs the `tokamax` package and a GPU; else skipped)
   xla     jaxsys.kernels.flash_attention.reference_attention (the materialised [B, N, T, S] scores;
           skipped where those scores alone would pass --xla-max-gib)
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import statistics
 import sys
@@ -50,7 +53,7 @@ import numpy as np
 
 from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 
-IMPLS = ("pallas", "mosaic", "cudnn", "xla")
+IMPLS = ("pallas", "mosaic", "cudnn", "tokamax", "xla")
 
 
 def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
@@ -76,6 +79,10 @@ def attention_fn(impl: str, causal: bool, args):
         )
     if impl == "cudnn":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    if impl == "tokamax":
+        import tokamax
+
+        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
     if impl == "xla":
         return lambda q, k, v: reference_attention(q, k, v, causal=causal)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
@@ -123,8 +130,10 @@ def measure(impl, t, h, causal, args):
     b, n = max(1, args.tokens // t), args.hidden // h
     kh = n // args.group
     row = dict(impl=impl, T=t, S=t, H=h, B=b, N=n, K=kh, causal=causal, dtype=args.dtype)
-    if impl == "cudnn" and jax.default_backend() != "gpu":
-        return row | dict(skipped="cuDNN needs a GPU")
+    if impl in ("cudnn", "tokamax") and jax.default_backend() != "gpu":
+        return row | dict(skipped=f"{impl} needs a GPU")
+    if impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        return row | dict(skipped="tokamax is not installed (benchmarks/gpu_wheels.sh)")
     if impl == "mosaic" and not args.interpret_smoke:
         why = kernel_mgpu.why_not(
             kernel_mgpu.gpu_capability(), t, t, h, args.dtype, causal=causal, scale=h**-0.5, has_segments=False
@@ -197,8 +206,9 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=2048, help="N * H")
     p.add_argument("--group", type=int, default=1, help="query heads per kv head, N / K")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--block-q", type=int, default=128)
-    p.add_argument("--block-k", type=int, default=128)
+    # None: the tiles of the tuning cache for the shape on this device, else 128 (kernels/tuning.py)
+    p.add_argument("--block-q", type=int, default=None)
+    p.add_argument("--block-k", type=int, default=None)
     p.add_argument("--block-q-bwd", type=int, default=None)
     p.add_argument("--block-k-bwd", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
