@@ -292,3 +292,17 @@ def test_tiles_use_the_widest_block_and_most_slots_that_fit():
         assert stages == 4 or kernel_mgpu._smem_bytes(h, block_k, stages + 1, 2) > kernel_mgpu.SMEM_LIMIT_BYTES - 4096
     assert kernel_mgpu.tiles(64, 4096)[0] == 256 and kernel_mgpu.tiles(64, 384)[0] == 128
     assert kernel_mgpu.tiles(128, 96) is None
+
+
+@pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
+def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
+    """config.model.attention_impl='pallas' in bf16 at H = 64: the whole train step compiled for one
+    H100 (deviceless) calls the Mosaic GPU forward, dQ and dK/dV kernels and no Triton attention."""
+    from tests.helpers import small_config
+    from tests.test_tpu_compile import compile_on_tpu
+
+    c = small_config(attention_impl="pallas", head_dim=64, n_heads=4, n_kv_heads=2, d_model=256)
+    c.data.seq_len, c.model.compute_dtype, c.mesh.data, c.mesh.fsdp = 256, "bfloat16", 1, 1
+    text = compile_on_tpu(c, targets.devices(targets.parse("h100-1"))).as_text()
+    assert text.count('custom_call_target="mosaic_gpu_v2"') == 3  # forward, dQ, dK/dV (layers scanned)
+    assert "__gpu$xla.gpu.triton" not in text
