@@ -23,6 +23,7 @@ REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("cosine", "wsd", "constant")
 ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
+ATTENTION_KERNELS = ("auto", "generic", "tpu", "mosaic_gpu")  # config.model.attention_kernel
 CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
 LAYER_TYPES = ("softmax", "linear")
 MLP_TYPES = ("dense", "moe")
@@ -72,6 +73,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attention_impl = "reference"  # reference | pallas | cudnn (GPU)
     c.model.layer_pattern = "softmax"  # comma-separated layer types repeated over the layers
+    # attention_impl='pallas': which flash kernel. auto: by the platform lowered for (Mosaic on TPU,
+    # the Mosaic GPU kernels on a Hopper GPU for the shapes they take, Triton elsewhere); generic:
+    # Triton (interpret mode on CPU); tpu; mosaic_gpu (Hopper; refused for shapes it does not take)
+    c.model.attention_kernel = "auto"
     c.model.attention_block = 0  # Pallas flash attention tile (queries and keys); 0: the tuning cache, else 128
     c.model.linear_chunk = 64  # chunk of the linear-attention layers
     c.model.context_parallel = "ring"  # ring | allgather | tokenring (softmax layers, mesh.seq > 1)
@@ -622,6 +627,15 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(
         m.attention_impl in ATTENTION_IMPLS,
         f"config.model.attention_impl={m.attention_impl!r}: choose one of {ATTENTION_IMPLS}",
+    )
+    _require(
+        m.attention_kernel in ATTENTION_KERNELS,
+        f"config.model.attention_kernel={m.attention_kernel!r}: choose one of {ATTENTION_KERNELS}",
+    )
+    _require(
+        m.attention_kernel == "auto" or m.attention_impl == "pallas",
+        f"config.model.attention_kernel={m.attention_kernel!r} picks a Pallas flash kernel: it needs "
+        f"config.model.attention_impl='pallas' (it is {m.attention_impl!r}); or set attention_kernel='auto'",
     )
     pattern = layer_pattern(m)
     _require(

@@ -49,6 +49,18 @@ def test_bad_attention_settings_are_named():
         run(c, steps=0)
 
 
+def test_attention_kernel_is_handed_to_the_flash_kernel():
+    ref_loss, _, _, _ = run(small_config({}, n_kv_heads=4), steps=0)
+    loss, _, _, _ = run(small_config({}, n_kv_heads=4, attention_impl="pallas", attention_kernel="generic"), steps=0)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    with pytest.raises(ValueError, match="mosaic_gpu"):  # the kernel's own refusal: H = 16 is not a Hopper tile
+        run(small_config({}, attention_impl="pallas", attention_kernel="mosaic_gpu"), steps=0)
+    with pytest.raises(ConfigError, match="attention_kernel='triton'"):
+        program_for(small_config({}, attention_impl="pallas", attention_kernel="triton"))
+    with pytest.raises(ConfigError, match="needs config.model.attention_impl='pallas'"):
+        program_for(small_config({}, attention_kernel="generic"))
+
+
 def test_default_attention_block_takes_the_kernels_own_tiles():
     """config.model.attention_block = 0 (the default) hands the kernel None: the tuning cache's tile,
     else 128 clamped to T; the loss is the reference's."""

@@ -303,6 +303,10 @@ def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
 
     c = small_config(attention_impl="pallas", head_dim=64, n_heads=4, n_kv_heads=2, d_model=256)
     c.data.seq_len, c.model.compute_dtype, c.mesh.data, c.mesh.fsdp = 256, "bfloat16", 1, 1
-    text = compile_on_tpu(c, targets.devices(targets.parse("h100-1"))).as_text()
+    devices = targets.devices(targets.parse("h100-1"))
+    text = compile_on_tpu(c, devices).as_text()
     assert text.count('custom_call_target="mosaic_gpu_v2"') == 3  # forward, dQ, dK/dV (layers scanned)
     assert "__gpu$xla.gpu.triton" not in text
+    c.model.attention_kernel = "generic"  # the config's opt-out: Triton's three kernels instead
+    text = compile_on_tpu(c, devices).as_text()
+    assert "mosaic_gpu_v2" not in text and text.count("__gpu$xla.gpu.triton") >= 3

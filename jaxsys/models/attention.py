@@ -55,6 +55,7 @@ class BlockAttention:
 
     impl: str = "reference"  # reference | pallas
     block: int | None = None  # None: the tuning cache's tiles for the shape on this device, else 128
+    backend: str | None = None  # the flash kernel (config.model.attention_kernel); None: by platform
 
     def forward(self, q, k, v, causal: bool, q_seg=None, kv_seg=None):
         """(o fp32, lse) of q's block against one block of keys; with segment ids q_seg[B, Tq] and
@@ -62,7 +63,7 @@ class BlockAttention:
         segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if self.impl == "pallas":
             o, lse = flash.flash_attention_forward(
-                q, k, v, causal=causal, block_q=self.block, block_k=self.block, **segments
+                q, k, v, causal=causal, block_q=self.block, block_k=self.block, backend=self.backend, **segments
             )
         else:
             o, lse = flash.reference_attention(q, k, v, causal=causal, return_lse=True, **segments)
@@ -72,11 +73,26 @@ class BlockAttention:
         segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if self.impl == "pallas":
             grads = flash.flash_attention_backward(
-                q, k, v, o, lse, do, causal=causal, block_q=self.block, block_k=self.block, **segments
+                q,
+                k,
+                v,
+                o,
+                lse,
+                do,
+                causal=causal,
+                block_q=self.block,
+                block_k=self.block,
+                backend=self.backend,
+                **segments,
             )
         else:
             grads = flash.reference_attention_backward(q, k, v, o, lse, do, causal=causal, **segments)
         return tuple(g.astype(jnp.float32) for g in grads)
+
+
+def flash_backend(m) -> str | None:
+    """The flash kernel's `backend` argument for config.model.attention_kernel ('auto': None)."""
+    return None if m.attention_kernel == "auto" else m.attention_kernel
 
 
 def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
@@ -86,7 +102,9 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
     if seq.axes:
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
         one_device = lambda q, k, v, s: softmax_attention(q, k, v, m, context.SeqLayout((), 1, False), s)
-        return context.attention(q, k, v, seq, BlockAttention(impl, m.attention_block or None), segments, one_device)
+        return context.attention(
+            q, k, v, seq, BlockAttention(impl, m.attention_block or None, flash_backend(m)), segments, one_device
+        )
     if m.attention_impl == "pallas":
         return flash.flash_attention(
             q,
@@ -97,6 +115,7 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
             kv_segment_ids=segments,
             block_q=m.attention_block or None,  # 0: the tuning cache's tile (kernels/tuning.py)
             block_k=m.attention_block or None,
+            backend=flash_backend(m),
         )
     if m.attention_impl == "cudnn":
         if segments is None:
