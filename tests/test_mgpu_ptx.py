@@ -12,8 +12,8 @@ import pytest
 
 from jaxsys.kernels.flash_attention import mgpu_ptx
 
-# (H, kernel) -> most (spill store, spill load) bytes allowed, for T = 4096, causal; others: none
-SPILLS = {(128, "flash_attention_mgpu_bwd_dkdv"): (76, 96)}
+# (H, kernel) -> most (spill store, spill load) bytes allowed (ptxas 13.5, T = 4096, causal); others: none
+SPILLS = {(128, "flash_attention_mgpu_bwd_dkdv"): (52, 72)}
 
 PTXAS = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'k' for 'sm_90a'

@@ -7,11 +7,13 @@ abstract H100, then compiles each Mosaic module the way XLA's runtime does, thro
 plugin's `MosaicGpuCompile` (MLIR -> LLVM -> PTX -> ptxas for sm_90a). That function asks the CUDA
 driver for the current device's compute capability before compiling and loads the cubin after,
 and there is no driver here: the compile runs in a child process whose libcuda.so.1 is a stand-in
-(mgpu_ptx_cuda_stub.c, built with cc on first use) that reports one sm_90 device, accepts any
+(mgpu_ptx_cuda_stub.c, built with cc into a temporary folder) that reports one sm_90 device, accepts any
 module and launches nothing. Mosaic's own dumps (MOSAIC_GPU_DUMP_PTX / _PTXAS / _SASS) are read
 back, per kernel: registers a thread and spill bytes (ptxas -v), the `setmaxnreg` budgets and
 `wgmma.mma_async` count in the PTX, and the HGMMA count in the SASS (only where nvdisasm is under
-the CUDA root: the nvidia-cuda-nvdisasm wheel).
+the CUDA root: the nvidia-cuda-nvdisasm wheel). Mosaic runs the first ptxas on PATH, and spills
+differ between ptxas versions (13.0 and 13.5 do for one kernel), so the child's PATH leads with the
+pinned nvidia-cuda-nvcc wheel's bin/; a GPU host runs whichever ptxas its own PATH finds first.
 
 Nothing is run, so this says nothing about numerics or speed (kernel_mgpu.check_on_gpu, bench.py).
 """
@@ -50,17 +52,27 @@ class KernelStats:
 
 def missing() -> str | None:
     """Why this cannot run here, or None."""
-    from jax._src.lib import cuda_path
-
     from jaxsys.analysis import targets
 
     if not targets.has_cuda_plugin():
         return "needs jax-cuda13-plugin (the gpu-aot extra)"
     if shutil.which("cc") is None:
         return "needs a C compiler (cc) to build the stand-in libcuda.so.1"
-    if not cuda_path or not os.path.exists(os.path.join(cuda_path, "bin", "ptxas")):
+    if not os.path.exists(os.path.join(_cuda_bin(), "ptxas")):
         return "needs ptxas under the CUDA root (nvidia-cuda-nvcc)"
     return None
+
+
+def _cuda_bin() -> str:
+    from jax._src.lib import cuda_path
+
+    return os.path.join(cuda_path or "/usr/local/cuda", "bin")
+
+
+def ptxas_version() -> str:
+    """The version line of the ptxas that compile_modules runs."""
+    done = subprocess.run([os.path.join(_cuda_bin(), "ptxas"), "--version"], capture_output=True, text=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def build_stub(folder: str) -> str:
@@ -152,6 +164,8 @@ def compile_modules(modules: list[bytes], keep: str | None = None) -> list[Kerne
         stub = build_stub(tmp)
         env = dict(os.environ, JAX_PLATFORMS="cpu", **dict.fromkeys(DUMPS, "1"))
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (stub, os.environ.get("LD_LIBRARY_PATH")) if p)
+        # Mosaic runs the first ptxas on PATH: make it the pinned wheel's (spills vary by version)
+        env["PATH"] = os.pathsep.join(p for p in (_cuda_bin(), os.environ.get("PATH")) if p)
         env.pop("MOSAIC_GPU_DUMP_TO", None)
         cmd = [sys.executable, "-m", "jaxsys.kernels.flash_attention.mgpu_ptx", "--compile-worker", folder]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -208,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for h in args.head_dim:
         keep = None if args.keep is None else os.path.join(args.keep, f"h{h}")
         rows += [(h, args.causal, s) for s in compile_modules(lower(h, args.causal, args.seq), keep)]
+    print(f"ptxas: {ptxas_version()} (-arch=sm_90a, as MosaicGpuCompile runs it)\n")
     print(table(rows))
     return 1 if any(s.spill_stores or s.spill_loads for _, _, s in rows) else 0
 
