@@ -9,7 +9,7 @@
 - Lowering for an abstract H100 (no GPU, no compile-only devices needed): the Mosaic GPU MLIR has
   wgmma and TMA loads, its shared memory fits sm_90, and backend=None picks this kernel exactly
   where it should (the custom calls in the lowered HLO). Mosaic's compile to SASS needs the CUDA
-  driver, so that, and the compiled numerics and speed, are GPU-only (bench.py).
+  driver: tests/test_mgpu_ptx.py stands one in; the compiled numerics and speed are GPU-only (bench.py).
 """
 
 from __future__ import annotations
