@@ -165,7 +165,6 @@ def test_segment_ids_match_reference(name):
     assert np.all(_f32(o)[0, empty] == 0.0) and np.all(_f32(got[0])[0, empty] == 0.0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("h", [128, 256])
 def test_segment_ids_forward_at_wider_heads(h):
     """Other key blocks and rings: H = 128 (key block 128), H = 256 (key block 64, a ring that wraps)."""
@@ -376,7 +375,8 @@ def test_tiles_use_the_widest_block_and_most_slots_that_fit(segments):
 @pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
 def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     """config.model.attention_impl='pallas' in bf16 at H = 64: the whole train step compiled for one
-    H100 (deviceless) calls the Mosaic GPU forward, dQ and dK/dV kernels and no Triton attention."""
+    H100 (deviceless) calls the Mosaic GPU forward, dQ and dK/dV kernels and no Triton attention;
+    with packed documents (config.data.packing: the model passes segment ids) too."""
     from tests.helpers import small_config
     from tests.test_tpu_compile import compile_on_tpu
 
@@ -386,6 +386,12 @@ def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     text = compile_on_tpu(c, devices).as_text()
     assert text.count('custom_call_target="mosaic_gpu_v2"') == 3  # forward, dQ, dK/dV (layers scanned)
     assert "__gpu$xla.gpu.triton" not in text
+    packed = c.copy_and_resolve_references()
+    packed.data.source, packed.data.path, packed.data.packing = "jsonl", "unread.jsonl", True
+    text = compile_on_tpu(packed, devices).as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line]
+    assert len(calls) == 3 and "__gpu$xla.gpu.triton" not in text
+    assert all(re.search(r"operand_layout_constraints=\{.*s32\[", line) for line in calls)  # the ids go in
     c.model.attention_kernel = "generic"  # the config's opt-out: Triton's three kernels instead
     text = compile_on_tpu(c, devices).as_text()
     assert "mosaic_gpu_v2" not in text and text.count("__gpu$xla.gpu.triton") >= 3

@@ -2,7 +2,7 @@
 
 Same semantics as kernel.py's forward: q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q's
 dtype and lse[B, N, T] fp32 (natural log); causal is top-left aligned (T == S); query head n reads
-kv head n // G with G = N / K. bf16 or fp16 inputs, H in {64, 128, 256}, no segment ids
+kv head n // G with G = N / K. bf16 or fp16 inputs, H in {64, 128, 256}, optional segment ids
 (`supported` says which calls this kernel takes; kernel.py sends the others to the Triton kernel).
 
 One program (CUDA block) per (query head n, tile of 2 * block_q queries, batch b), three
@@ -51,6 +51,16 @@ recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row bloc
 There is no ping-pong in the backward (one schedule would need both kernels' softmax-like parts
 to be long enough to hide; not measured).
 
+Segment ids (kernel.py's semantics: query i sees key j iff q_seg[i] == kv_seg[j], AND causal):
+the streamed blocks' int32 ids ride the ring (a TMA load into an id slot per stage, with its own
+ready barrier, freed with the block's data), each compute warpgroup loads its resident rows' ids
+once, and the mask is their outer equality (AND the causal compare on the diagonal), applied to
+every visited block. Disjoint blocks are not skipped (the Triton kernel skips them): packed rows
+cost as much as plain causal ones. Empty rows: the forward keeps m at a finite MASK_VALUE, zeroes
+masked P and writes o = 0, lse = -inf where l = 0; in the backward such a row's P is inf before
+the mask, which zeroes it, so its gradients are 0. Without segment ids the code is unchanged
+(the -inf mask, which relies on every causal row seeing key 0).
+
 Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpreter runs the same
 warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
 constructs of the compiled kernels, so the interpreted variant differs in exactly these (jax
@@ -59,8 +69,9 @@ goes through shared memory (the interpreter's wgmma reads only shared-memory ope
 accumulating wgmma goes into a fresh accumulator added to the old one (it cannot run
 `pl.run_state` over an accumulator, which the GPU kernels use to accumulate in place): the
 `_lhs` / `_accumulate` helpers and the forward's two `if cfg.interpret` branches. Everything else
-(the rings, the ping-pong, the causal ranges and masks, exp2 scaling, GQA, lse, Delta) is the code
-the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference.
+(the rings, the ping-pong, the causal and segment ranges and masks, exp2 scaling, GQA, lse, Delta,
+empty rows) is the code the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics
+against the reference.
 
 What only a GPU settles: Mosaic's compile to PTX/SASS (a deviceless XLA:GPU compile succeeds but
 carries the Mosaic module inside the custom call; the checks without a GPU stop at the Mosaic GPU
