@@ -177,6 +177,61 @@ def test_segment_ids_forward_at_wider_heads(h):
     np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
 
 
+def test_block_ranges_leave_out_only_disjoint_blocks():
+    """Any ids (not only packed, non-decreasing ones): every block outside a tile's [first, end)
+    shares no id with the tile, and the first and last blocks inside do share one's range."""
+    rng = np.random.default_rng(0)
+    for ids in (
+        np.sort(rng.integers(0, 6, (2, 256))),
+        rng.integers(0, 4, (2, 256)),
+        np.repeat([[0, 3], [2, 2]], 128, 1),
+    ):
+        other = np.sort(rng.integers(0, 6, (2, 256)))
+        ranges = np.asarray(kernel_mgpu._block_ranges(jnp.asarray(ids), jnp.asarray(other), 128, 64))
+        for b in range(2):
+            for tile in range(2):
+                own = ids[b, tile * 128 : (tile + 1) * 128]
+                meets = [own.min() <= blk.max() and blk.min() <= own.max() for blk in other[b].reshape(4, 64)]
+                first, end = ranges[b, tile]
+                assert not any(meets[:first]) and not any(meets[end:])
+                assert (first, end) == (0, 0) if not any(meets) else meets[first] and meets[end - 1]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_blocks_of_another_document_are_never_read(causal):
+    """Two documents of 128 tokens, H = 128 (key block 128, the backward's 64-row blocks): Q, K and
+    V of document 0 are NaN. The kernels load no block whose id range is disjoint from the tile's,
+    so document 1's o, lse, dq and its keys' dk, dv equal the reference's on clean inputs; masking
+    alone would let 0 * NaN into P V, dS K and dS^T Q."""
+    t, n, h = 256, 2, 128
+    seg = _ids((0, 128), (1, 128))
+    doc1 = jnp.arange(t) >= 128
+    clean = _inputs(1, t, n, 1, h, jnp.bfloat16, seed=7)
+    poisoned = [jnp.where(doc1[None, :, None, None], x, jnp.nan).astype(x.dtype) for x in clean]
+    w = jnp.where(doc1[None, :, None, None], jax.random.normal(jax.random.PRNGKey(8), (1, t, n, h)), 0.0)
+    u = jnp.where(doc1[None, None, :], jax.random.normal(jax.random.PRNGKey(9), (1, n, t)), 0.0)
+
+    def loss(f):
+        def value(*a):
+            o, lse = f(*a, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
+            o1, lse1 = jnp.where(doc1[None, :, None, None], o, 0.0), jnp.where(doc1[None, None, :], lse, 0.0)
+            return jnp.sum(o1.astype(jnp.float32) * w) + jnp.sum(lse1 * u), (o, lse)
+
+        return value
+
+    mgpu = lambda *a, **kw: flash_attention(*a, **kw, backend="mosaic_gpu")
+    got, (o, lse) = jax.grad(loss(mgpu), argnums=(0, 1, 2), has_aux=True)(*poisoned)
+    f32 = [x.astype(jnp.float32) for x in clean]
+    want, (want_o, want_lse) = jax.grad(loss(reference_attention), argnums=(0, 1, 2), has_aux=True)(*f32)
+    keep = np.asarray(doc1)
+    o1 = _f32(want_o)[:, keep]
+    np.testing.assert_allclose(_f32(o)[:, keep], o1, rtol=0, atol=2**-7 * float(np.abs(o1).max()))
+    np.testing.assert_allclose(_f32(lse)[..., keep], _f32(want_lse)[..., keep], rtol=0, atol=1e-5)
+    for g, wnt in zip(got, want):
+        g, wnt = _f32(g)[:, keep], _f32(wnt)[:, keep]
+        np.testing.assert_allclose(g, wnt, rtol=0, atol=2**-6 * float(np.abs(wnt).max()))
+
+
 # --------------------------------------------------------------------------------- choice of kernel
 
 

@@ -55,8 +55,11 @@ Segment ids (kernel.py's semantics: query i sees key j iff q_seg[i] == kv_seg[j]
 the streamed blocks' int32 ids ride the ring (a TMA load into an id slot per stage, with its own
 ready barrier, freed with the block's data), each compute warpgroup loads its resident rows' ids
 once, and the mask is their outer equality (AND the causal compare on the diagonal), applied to
-every visited block. Disjoint blocks are not skipped (the Triton kernel skips them): packed rows
-cost as much as plain causal ones. Empty rows: the forward keeps m at a finite MASK_VALUE, zeroes
+every visited block. Disjoint blocks are skipped by range: `_block_ranges` (plain JAX, before the
+kernels) gives each tile the first and last streamed block whose [min, max] id range overlaps the
+tile's; every block outside is disjoint (safe for any ids), so the memory warpgroup never loads it
+and the compute warpgroups start and stop there (for packed rows, ids non-decreasing, the tile's
+documents' blocks; disjoint blocks inside the range are masked, not skipped). Empty rows: the forward keeps m at a finite MASK_VALUE, zeroes
 masked P and writes o = 0, lse = -inf where l = 0; in the backward such a row's P is inf before
 the mask, which zeroes it, so its gradients are 0. Without segment ids the code is unchanged
 (the -inf mask, which relies on every causal row seeing key 0).
@@ -233,6 +236,11 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
     stages = min(cfg.stages, num_kv)
     # kv blocks this program needs: all of them, or (causal) up to the one holding its last query
     tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
+    first = 0  # the tile's first kv block: with segment ids, [first, tile_steps) holds all it can see
+    if segs:  # the blocks outside the tile's range (`_block_ranges`) share no id with it: never loaded
+        tile_steps = jnp.minimum(tile_steps, segs[2][b, tile, 1])
+        first = jnp.minimum(segs[2][b, tile, 0], tile_steps)
+    ring = lambda j: lax.rem(j - first, jnp.int32(stages))  # the ring slot of kv block j
     c = cfg.scale * math.log2(math.e)
 
     def pass_schedule():
@@ -247,6 +255,9 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
         # this warpgroup's kv blocks: up to its own diagonal when causal; [0, n_full) need no mask
         steps = lax.div(q0 + bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
         n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+        if segs:
+            steps = jnp.maximum(jnp.minimum(steps, tile_steps), first)
+            n_full = jnp.maximum(jnp.minimum(n_full, steps), first)
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), n], q_smem, q_ready.at[wg])
         row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
         if segs:
@@ -259,7 +270,7 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
         l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
         acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        @pl.when(steps > 0)
+        @pl.when(steps > first)
         def _():
             plgpu.barrier_wait(k_ready.at[0])
 
@@ -267,7 +278,7 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
 
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = ring(j)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -313,7 +324,7 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
 
                 @pl.when(nxt < steps)  # wait for the next K while P V runs
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+                    plgpu.barrier_wait(k_ready.at[ring(nxt)])
 
             if cfg.interpret:  # the interpreter cannot run run_state over an accumulator: add a fresh one
                 acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((bq, h), jnp.float32))
@@ -323,16 +334,16 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
             return acc, m_new, l
 
         carry = (acc, m, l)
-        carry = lax.fori_loop(0, n_full, lambda j, cr: step(j, cr, masked=False), carry)
+        carry = lax.fori_loop(first, n_full, lambda j, cr: step(j, cr, masked=False), carry)
         if cfg.causal:
             carry = lax.fori_loop(n_full, steps, lambda j, cr: step(j, cr, masked=True), carry)
-
+        if cfg.causal or segs:
             # Blocks only the other warpgroup reads: free them and keep the ping-pong in step. The
             # ready waits keep this warpgroup's view of every barrier phase complete (the GPU
             # interpreter insists; on the GPU they cost idle time of a finished warpgroup).
             @pl.loop(steps, tile_steps)
             def _skipped(j):
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = ring(j)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 if segs:
@@ -371,25 +382,41 @@ def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig
                 plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot], kseg_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-        for j in range(stages):  # fill the ring, skipping blocks past the tile's diagonal
+        for i in range(stages):  # fill the ring, skipping blocks past the tile's diagonal
 
-            @pl.when(j < tile_steps)
+            @pl.when(first + i < tile_steps)
             def _():
-                load(j, j)
+                load(first + i, i)
 
-        @pl.loop(stages, tile_steps)
+        @pl.loop(first + stages, tile_steps)
         def _refill(j):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = ring(j)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             load(j, slot)
 
         # Observe the last frees too, so no barrier phase is left unseen when the scratch goes.
-        @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
+        @pl.loop(jnp.maximum(tile_steps - stages, first), tile_steps)
         def _drain(j):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = ring(j)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
+
+
+def _block_ranges(own_ids, other_ids, tile: int, block: int):
+    """[B, own tiles, 2] int32 (first, end): the blocks of `block` other ids, in order, from the
+    first to the last whose [min, max] id range overlaps that of the own tile's `tile` ids. Every
+    block outside is disjoint from the tile (shares no id: nothing visible), so the kernels never
+    load it; blocks inside are masked as usual (for packed rows, ids non-decreasing, they are the
+    blocks of the tile's documents). No overlap at all: (0, 0)."""
+    bsz = own_ids.shape[0]
+    own, other = own_ids.reshape(bsz, -1, tile), other_ids.reshape(bsz, -1, block)
+    lo_own, hi_own = own.min(-1)[:, :, None], own.max(-1)[:, :, None]
+    meet = (lo_own <= other.max(-1)[:, None, :]) & (other.min(-1)[:, None, :] <= hi_own)
+    first = jnp.argmax(meet, axis=-1)
+    end = meet.shape[-1] - jnp.argmax(meet[..., ::-1], axis=-1)
+    any_ = meet.any(-1)
+    return jnp.stack([jnp.where(any_, first, 0), jnp.where(any_, end, 0)], axis=-1).astype(jnp.int32)
 
 
 def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
@@ -435,9 +462,11 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
             ),
         )
     segs = (q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)) if has_segments else ()
+    if has_segments:
+        segs += (_block_ranges(segs[0], segs[1], COMPUTE_WGS * bq, bk),)
 
     def body(q_ref, k_ref, v_ref, *refs):
-        seg_refs, (o_ref, lse_ref, *scratch_refs) = refs[: len(segs)], refs[len(segs) :]
+        seg_refs, (o_ref, lse_ref, *scratch_refs) = refs[: len(segs)], refs[len(segs) :]  # ids, ids, ranges
         _kernel(
             q_ref,
             k_ref,
@@ -520,7 +549,7 @@ def _seg_mask(own_ids, ring_ids, shape, own_dim: int):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, s, stages, has_segments):
-    segs, (dq_ref, *scratch) = (refs[:2], refs[2:]) if has_segments else ((), refs)
+    segs, (dq_ref, *scratch) = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
     own, (k_ready, v_ready, own_ready), free, *seg = scratch
     # segment ids: own q ids and a kv id ring (freed with the K/V slot), their ready barriers
     (qseg_smem2, kseg_smem), (qseg_ready, kseg_ready) = seg[0] if seg else ((None, None), (None, None))
@@ -531,6 +560,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
     tile_q0 = lax.axis_index("q_tile") * (COMPUTE_WGS * bq)
     num_kv = s // bk
     tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq, jnp.int32(bk)) if cfg.causal else num_kv
+    first = 0  # as in the forward: with segment ids the tile's kv blocks are [first, tile_steps)
+    if segs:
+        tile_q = lax.axis_index("q_tile")
+        tile_steps = jnp.minimum(tile_steps, segs[2][b, tile_q, 1])
+        first = jnp.minimum(segs[2][b, tile_q, 0], tile_steps)
     c = cfg.scale * math.log2(math.e)
 
     @pl.when(wg < COMPUTE_WGS)
@@ -554,9 +588,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
         delta = plgpu.load(delta_smem2.at[wg], layout=row)
         steps = lax.div(q0 + bq, jnp.int32(bk)) if cfg.causal else num_kv  # bq == bk: the diagonal block
         n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+        if segs:
+            steps = jnp.maximum(jnp.minimum(steps, tile_steps), first)
+            n_full = jnp.maximum(jnp.minimum(n_full, steps), first)
 
         def step(j, dq, *, masked: bool):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = lax.rem(j - first, jnp.int32(stages))
             plgpu.barrier_wait(k_ready.at[slot])
             sc = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
             # an empty row has lse = -inf and P = inf before the mask, which covers all its keys
@@ -580,13 +617,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
             return dq
 
         dq = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, n_full, lambda j, a: step(j, a, masked=False), dq)
+        dq = lax.fori_loop(first, n_full, lambda j, a: step(j, a, masked=False), dq)
         if cfg.causal:
             dq = lax.fori_loop(n_full, steps, lambda j, a: step(j, a, masked=True), dq)
+        if cfg.causal or segs:
 
             @pl.loop(steps, tile_steps)  # blocks only warpgroup 1 reads
             def _skipped(j):
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = lax.rem(j - first, jnp.int32(stages))
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 if segs:
@@ -610,7 +648,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
                 plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot], kseg_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_ready.at[slot])
 
-        _stream(load, free, tile_steps, stages)
+        _stream(lambda j, slot: load(first + j, slot), free, tile_steps - first, stages)
 
 
 def _stream(load, free, total, stages: int):
@@ -634,7 +672,7 @@ def _stream(load, free, total, stages: int):
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, t, stages, has_segments):
-    segs, (dk_ref, dv_ref, *scratch) = (refs[:2], refs[2:]) if has_segments else ((), refs)
+    segs, (dk_ref, dv_ref, *scratch) = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
     own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free, *seg = scratch
     # segment ids: own kv ids and a q id ring (freed with the Q/dO/lse/Delta slot), their barriers
     (kseg_smem2, qseg_smem), (kseg_ready, qseg_ready) = seg[0] if seg else ((None, None), (None, None))
@@ -647,7 +685,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
     num_q = t // bq
     # q blocks this tile needs, per query head of the group: causal starts at the tile's diagonal
     tile_first = lax.div(tile_k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)
-    per_head = num_q - tile_first
+    q_end = num_q  # with segment ids: the q blocks [tile_first, q_end) hold all the tile can see
+    if segs:
+        tile_kv = lax.axis_index("kv_tile")
+        q_end = jnp.minimum(q_end, segs[2][b, tile_kv, 1])
+        tile_first = jnp.minimum(jnp.maximum(tile_first, segs[2][b, tile_kv, 0]), q_end)
+    per_head = q_end - tile_first
     c = cfg.scale * math.log2(math.e)
 
     @pl.when(wg < COMPUTE_WGS)
@@ -666,6 +709,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
             plgpu.barrier_wait(kseg_ready.at[wg])
             kv_ids = plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         first = lax.div(k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)  # this warpgroup's diagonal block
+        if segs:
+            first = jnp.minimum(jnp.maximum(first, tile_first), q_end)
 
         def step(g, i, carry, *, masked: bool):
             dk, dv = carry
@@ -703,6 +748,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
             plgpu.barrier_arrive(free.at[slot])
 
         def head(g, carry):
+            if segs:  # every block masked; the causal compare is all true past the diagonal block
+                if cfg.causal:
+                    pl.loop(tile_first, first)(lambda i: skip(g, i))
+                return lax.fori_loop(first, q_end, lambda i, cr: step(g, i, cr, masked=cfg.causal), carry)
             if cfg.causal:
                 pl.loop(tile_first, first)(lambda i: skip(g, i))  # warpgroup 1 skips warpgroup 0's diagonal
                 carry = step(g, first, carry, masked=True)
@@ -749,6 +798,9 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         raise ValueError("pass both q_seg and kv_seg, or neither")
     has_segments = q_seg is not None
     segs = (q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)) if has_segments else ()
+    # the kv blocks each dQ tile can see, and the q blocks each dK/dV tile can (`_block_ranges`)
+    dq_segs = (*segs, _block_ranges(segs[0], segs[1], 2 * BWD_ROWS, BWD_ROWS)) if has_segments else ()
+    dkdv_segs = (*segs, _block_ranges(segs[1], segs[0], 2 * BWD_ROWS, BWD_ROWS)) if has_segments else ()
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
@@ -798,7 +850,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         compiler_params=params,
         interpret=interp,
         kernel_name="flash_attention_mgpu_bwd_dq",
-    )(q, k, v, do, lse, delta, *segs)
+    )(q, k, v, do, lse, delta, *dq_segs)
 
     stages = min(_bwd_stages(h, r, 2, 2, has_segments=has_segments), (n // kh) * (t // r))
     dk, dv = plgpu.kernel(
@@ -818,7 +870,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         compiler_params=params,
         interpret=interp,
         kernel_name="flash_attention_mgpu_bwd_dkdv",
-    )(q, k, v, do, lse, delta, *segs)
+    )(q, k, v, do, lse, delta, *dkdv_segs)
     return dq, dk, dv
 
 
