@@ -126,8 +126,16 @@ SEG_CASES = {
     "causal_packed_gqa": (256, 4, 2, True, _ids((0, 50), (1, 80), (2, 70), (3, 56)), None),
     # q ids 0, 1, 2 against kv ids 0, 1, 3: queries of segment 2 see nothing (empty rows), full
     "full_empty_rows_gqa": (128, 4, 2, False, _ids((0, 50), (1, 40), (2, 38)), _ids((0, 30), (1, 70), (3, 28))),
-    # the same ids, causal: segment 1's first queries (50-69) see no key yet either
-    "causal_empty_rows": (128, 2, 1, True, _ids((0, 50), (1, 40), (2, 38)), _ids((0, 30), (1, 70), (3, 28))),
+    # the same ids, causal: segment 1's first queries (50-69) see no key yet either; then a whole
+    # tile of queries (id 7) and of keys (id 5) that meet nothing: kernels with no block to run
+    "causal_empty_rows": (
+        256,
+        2,
+        1,
+        True,
+        _ids((0, 50), (1, 40), (2, 38), (7, 128)),
+        _ids((0, 30), (1, 70), (3, 28), (5, 128)),
+    ),
 }
 
 
@@ -165,6 +173,7 @@ def test_segment_ids_match_reference(name):
     assert np.all(_f32(o)[0, empty] == 0.0) and np.all(_f32(got[0])[0, empty] == 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("h", [128, 256])
 def test_segment_ids_forward_at_wider_heads(h):
     """Other key blocks and rings: H = 128 (key block 128), H = 256 (key block 64, a ring that wraps)."""
@@ -197,7 +206,7 @@ def test_block_ranges_leave_out_only_disjoint_blocks():
                 assert (first, end) == (0, 0) if not any(meets) else meets[first] and meets[end - 1]
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_blocks_of_another_document_are_never_read(causal):
     """Two documents of 128 tokens, H = 128 (key block 128, the backward's 64-row blocks): Q, K and
     V of document 0 are NaN. The kernels load no block whose id range is disjoint from the tile's,
@@ -430,8 +439,7 @@ def test_tiles_use_the_widest_block_and_most_slots_that_fit(segments):
 @pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
 def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     """config.model.attention_impl='pallas' in bf16 at H = 64: the whole train step compiled for one
-    H100 (deviceless) calls the Mosaic GPU forward, dQ and dK/dV kernels and no Triton attention;
-    with packed documents (config.data.packing: the model passes segment ids) too."""
+    H100 (deviceless) calls the Mosaic GPU forward, dQ and dK/dV kernels and no Triton attention."""
     from tests.helpers import small_config
     from tests.test_tpu_compile import compile_on_tpu
 
@@ -441,12 +449,23 @@ def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     text = compile_on_tpu(c, devices).as_text()
     assert text.count('custom_call_target="mosaic_gpu_v2"') == 3  # forward, dQ, dK/dV (layers scanned)
     assert "__gpu$xla.gpu.triton" not in text
-    packed = c.copy_and_resolve_references()
-    packed.data.source, packed.data.path, packed.data.packing = "jsonl", "unread.jsonl", True
-    text = compile_on_tpu(packed, devices).as_text()
-    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line]
-    assert len(calls) == 3 and "__gpu$xla.gpu.triton" not in text
-    assert all(re.search(r"operand_layout_constraints=\{.*s32\[", line) for line in calls)  # the ids go in
     c.model.attention_kernel = "generic"  # the config's opt-out: Triton's three kernels instead
     text = compile_on_tpu(c, devices).as_text()
     assert "mosaic_gpu_v2" not in text and text.count("__gpu$xla.gpu.triton") >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
+def test_the_models_packed_train_step_for_an_h100_runs_the_mosaic_kernels():
+    """config.data.packing=True (the model passes the document ids as segment ids): the train step
+    compiled for one H100 calls the three Mosaic GPU kernels with the ids among their operands."""
+    from tests.helpers import small_config
+    from tests.test_tpu_compile import compile_on_tpu
+
+    c = small_config(attention_impl="pallas", head_dim=64, n_heads=4, n_kv_heads=2, d_model=256)
+    c.data.seq_len, c.model.compute_dtype, c.mesh.data, c.mesh.fsdp = 256, "bfloat16", 1, 1
+    c.data.source, c.data.path, c.data.packing = "jsonl", "unread.jsonl", True  # nothing is read: abstract batch
+    text = compile_on_tpu(c, targets.devices(targets.parse("h100-1"))).as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line]
+    assert len(calls) == 3 and "__gpu$xla.gpu.triton" not in text
+    assert all(re.search(r"operand_layout_constraints=\{.*s32\[", line) for line in calls)  # the ids go in

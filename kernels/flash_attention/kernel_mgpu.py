@@ -81,7 +81,9 @@ carries the Mosaic module inside the custom call; the checks without a GPU stop 
 MLIR: wgmma / TMA ops, shared memory <= 227 KiB),
 the register operands and in-place accumulation, register pressure (spills), real concurrency of
 the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
-speed.
+speed. With segment ids also: the int32 id TMA loads and the scalar range reads from global memory
+compiled, the registers the broadcast ids and the equality mask add, and what the skip saves on
+packed rows (check_on_gpu has no segment case yet).
 """
 
 from __future__ import annotations
