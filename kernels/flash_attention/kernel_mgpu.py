@@ -59,10 +59,11 @@ every visited block. Disjoint blocks are skipped by range: `_block_ranges` (plai
 kernels) gives each tile the first and last streamed block whose [min, max] id range overlaps the
 tile's; every block outside is disjoint (safe for any ids), so the memory warpgroup never loads it
 and the compute warpgroups start and stop there (for packed rows, ids non-decreasing, the tile's
-documents' blocks; disjoint blocks inside the range are masked, not skipped). Empty rows: the forward keeps m at a finite MASK_VALUE, zeroes
-masked P and writes o = 0, lse = -inf where l = 0; in the backward such a row's P is inf before
-the mask, which zeroes it, so its gradients are 0. Without segment ids the code is unchanged
-(the -inf mask, which relies on every causal row seeing key 0).
+documents' blocks; disjoint blocks inside the range are masked, not skipped). Empty rows: the
+forward keeps m at a finite MASK_VALUE, zeroes masked P and writes o = 0, lse = -inf where l = 0;
+in the backward such a row's P is inf before the mask, which zeroes it, so its gradients are 0.
+Without segment ids the code is unchanged (the -inf mask, which relies on every causal row seeing
+key 0).
 
 Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpreter runs the same
 warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
@@ -83,7 +84,7 @@ the register operands and in-place accumulation, register pressure (spills), rea
 the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
 speed. With segment ids also: the int32 id TMA loads and the scalar range reads from global memory
 compiled, the registers the broadcast ids and the equality mask add, and what the skip saves on
-packed rows (check_on_gpu has no segment case yet).
+packed rows (`check_on_gpu(segments=True)`).
 """
 
 from __future__ import annotations
@@ -224,8 +225,9 @@ def make_config(
 
 def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
     (q_smem2, k_smem, v_smem, lse_smem2, *p_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched, *seg = scratch
-    # segment ids: segs = (q ids [B, T], kv ids [B, S]) in gmem; seg = ((own q ids, kv id ring),
-    # (their ready barriers)); the kv id slot is freed with the V slot (read before V's free)
+    # segment ids: segs = (q ids [B, T], kv ids [B, S], `_block_ranges` [B, tiles, 2]) in gmem;
+    # seg = ((own q ids, kv id ring), (their ready barriers)); the kv id slot is freed with the V
+    # slot (read before V's free)
     (qseg_smem2, kseg_smem), (qseg_ready, kseg_ready) = seg[0] if seg else ((None, None), (None, None))
     bq, bk, h = WG_ROWS, cfg.block_k, q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -545,9 +547,9 @@ def _bwd_stages(
     return max(1, min(4, (budget - fixed) // per_stage))
 
 
-def _seg_mask(own_ids, ring_ids, shape, own_dim: int):
-    """[shape] bool: the warpgroup's resident ids (along own_dim) equal the streamed block's."""
-    return lax.broadcast_in_dim(own_ids, shape, [own_dim]) == lax.broadcast_in_dim(ring_ids, shape, [1 - own_dim])
+def _seg_mask(own_ids, ring_ids, shape):
+    """[shape] bool: the warpgroup's resident ids (rows) equal the streamed block's (columns)."""
+    return lax.broadcast_in_dim(own_ids, shape, [0]) == lax.broadcast_in_dim(ring_ids, shape, [1])
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, s, stages, has_segments):
@@ -607,7 +609,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
                 visible = qi >= kj
             if segs:
                 plgpu.barrier_wait(kseg_ready.at[slot])
-                same = _seg_mask(q_ids, plgpu.load(kseg_smem.at[slot], layout=col), (bq, bk), 0)
+                same = _seg_mask(q_ids, plgpu.load(kseg_smem.at[slot], layout=col), (bq, bk))
                 visible = same if visible is None else jnp.logical_and(visible, same)
             if visible is not None:
                 p = jnp.where(visible, p, 0.0)
@@ -729,7 +731,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
                 visible = qi >= kj
             if segs:
                 plgpu.barrier_wait(qseg_ready.at[slot])
-                same = _seg_mask(kv_ids, plgpu.load(qseg_smem.at[slot], layout=col), (bk, bq), 0)
+                same = _seg_mask(kv_ids, plgpu.load(qseg_smem.at[slot], layout=col), (bk, bq))
                 visible = same if visible is None else jnp.logical_and(visible, same)
             if visible is not None:  # also zeroes empty rows' P (inf: their lse is -inf)
                 pt = jnp.where(visible, pt, 0.0)
@@ -876,11 +878,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     return dq, dk, dv
 
 
-def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False) -> dict:
+def check_on_gpu(
+    b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False, segments=False
+) -> dict:
     """Run the kernels on this process's GPU (or, interpret=True, in the GPU interpreter) and compare
     with the fp32 reference: max abs errors of o, lse and (when H allows the Mosaic backward) dq,
     dk, dv for the cotangent do, with the reference's max abs values to read them against. Within
-    2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require."""
+    2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require.
+    segments=True: packed rows, documents of 300 tokens shifted by 97 a row (boundaries inside
+    blocks), as q and kv segment ids."""
     from .reference import attention as reference_attention
 
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -888,15 +894,17 @@ def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, 
     kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
     v = jax.random.normal(keys[2], (b, t, k, h), dtype)
     do = jax.random.normal(keys[3], (b, t, n, h), dtype)
-    cfg = dataclasses.replace(make_config(h, t, dtype, scale=h**-0.5, causal=causal), interpret=interpret)
-    o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, None, None, cfg))(q, kk, v)
+    seg = ((jnp.arange(t)[None] + 97 * jnp.arange(b)[:, None]) // 300).astype(jnp.int32) if segments else None
+    cfg = make_config(h, t, dtype, scale=h**-0.5, causal=causal, has_segments=segments)
+    cfg = dataclasses.replace(cfg, interpret=interpret)
+    o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, seg, seg, cfg))(q, kk, v)
     f32 = lambda x: x.astype(jnp.float32)
     amax = lambda x: float(jnp.max(jnp.abs(x)))
-    ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
+    ref = lambda *a: reference_attention(*a, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
     (want_o, want_lse), ref_vjp = jax.vjp(ref, f32(q), f32(kk), f32(v))
     out = dict(o_err=amax(f32(o) - want_o), o_max=amax(want_o), lse_err=amax(lse - want_lse))
     if cfg.mosaic_backward:
-        bwd = lambda q_, k_, v_, o_, lse_, do_: backward(q_, k_, v_, None, None, o_, lse_, do_, None, cfg)
+        bwd = lambda q_, k_, v_, o_, lse_, do_: backward(q_, k_, v_, seg, seg, o_, lse_, do_, None, cfg)
         grads = jax.jit(bwd)(q, kk, v, o, lse, do)
         wants = ref_vjp((f32(do), jnp.zeros_like(want_lse)))
         for name, g, w in zip(("dq", "dk", "dv"), grads, wants):
