@@ -115,6 +115,142 @@ def test_gradients_match_reference(name):
         np.testing.assert_allclose(_f32(g), _f32(wnt), rtol=0, atol=2**-6 * float(np.abs(_f32(wnt)).max()))
 
 
+def _ids(*runs):
+    """[1, sum(lengths)] int32 ids from (id, length) runs."""
+    return jnp.asarray(np.concatenate([np.full(length, i) for i, length in runs])[None], jnp.int32)
+
+
+SEG_CASES = {
+    # packed documents (q ids = kv ids) with boundaries inside blocks: the queries of the document
+    # starting at 130 see no key of kv blocks 0-1; causal, GQA G = 2, key block 256
+    "causal_packed_gqa": (256, 4, 2, True, _ids((0, 50), (1, 80), (2, 70), (3, 56)), None),
+    # q ids 0, 1, 2 against kv ids 0, 1, 3: queries of segment 2 see nothing (empty rows), full
+    "full_empty_rows_gqa": (128, 4, 2, False, _ids((0, 50), (1, 40), (2, 38)), _ids((0, 30), (1, 70), (3, 28))),
+    # the same ids, causal: segment 1's first queries (50-69) see no key yet either; then a whole
+    # tile of queries (id 7) and of keys (id 5) that meet nothing: kernels with no block to run
+    "causal_empty_rows": (
+        256,
+        2,
+        1,
+        True,
+        _ids((0, 50), (1, 40), (2, 38), (7, 128)),
+        _ids((0, 30), (1, 70), (3, 28), (5, 128)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SEG_CASES)
+def test_segment_ids_match_reference(name):
+    """o, lse and dq, dk, dv (Mosaic forward and backward, H = 64, bf16) with segment ids against the
+    reference; rows with no visible key give o = 0, lse = -inf, dq = 0, and nothing is NaN. The loss
+    leaves -inf lse out of its lse term, as any consumer of lse has to."""
+    t, n, k, causal, q_seg, kv_seg = SEG_CASES[name]
+    kv_seg = q_seg if kv_seg is None else kv_seg
+    q, kk, v = _inputs(1, t, n, k, 64, jnp.bfloat16, seed=4)
+    u = jax.random.normal(jax.random.PRNGKey(5), (1, n, t), jnp.float32)
+
+    def loss(f):
+        def value(*a):
+            o, lse = f(*a, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True)
+            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * u), (o, lse)
+
+        return value
+
+    mgpu = lambda *a, **kw: flash_attention(*a, **kw, backend="mosaic_gpu")
+    got, (o, lse) = jax.grad(loss(mgpu), argnums=(0, 1, 2), has_aux=True)(q, kk, v)
+    f32 = [x.astype(jnp.float32) for x in (q, kk, v)]
+    want, (want_o, want_lse) = jax.grad(loss(reference_attention), argnums=(0, 1, 2), has_aux=True)(*f32)
+    for x in (o, lse, *got):
+        assert not np.isnan(_f32(x)).any()
+    np.testing.assert_allclose(_f32(o), _f32(want_o), rtol=0, atol=2**-7 * float(np.abs(_f32(want_o)).max()))
+    np.testing.assert_array_equal(np.isneginf(_f32(lse)), np.isneginf(_f32(want_lse)))
+    finite = np.isfinite(_f32(want_lse))
+    np.testing.assert_allclose(_f32(lse)[finite], _f32(want_lse)[finite], rtol=0, atol=1e-5)
+    for g, wnt in zip(got, want):
+        np.testing.assert_allclose(_f32(g), _f32(wnt), rtol=0, atol=2**-6 * float(np.abs(_f32(wnt)).max()))
+    empty = ~finite[0, 0]  # the same rows for every head: ids do not depend on the head
+    assert empty.any() == (name != "causal_packed_gqa")
+    assert np.all(_f32(o)[0, empty] == 0.0) and np.all(_f32(got[0])[0, empty] == 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("h", [128, 256])
+def test_segment_ids_forward_at_wider_heads(h):
+    """Other key blocks and rings: H = 128 (key block 128), H = 256 (key block 64, a ring that wraps)."""
+    q, kk, v = _inputs(1, 256, 2, 1, h, jnp.bfloat16, seed=6)
+    seg = _ids((0, 30), (1, 100), (2, 126))
+    kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
+    o, lse = flash_attention(q, kk, v, **kw, backend="mosaic_gpu")
+    want_o, want_lse = reference_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), **kw)
+    np.testing.assert_allclose(_f32(o), _f32(want_o), rtol=0, atol=2**-7 * float(np.abs(_f32(want_o)).max()))
+    np.testing.assert_allclose(_f32(lse), _f32(want_lse), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_check_on_gpu_with_segments_runs_interpreted():
+    """The GPU check's segment case (what a Hopper run reports), interpreted: the interpret-mode
+    tests' bounds hold; documents of 300 tokens shifted by 97 a row, so the ranges differ by row."""
+    out = kernel_mgpu.check_on_gpu(b=2, t=256, n=2, k=1, h=64, segments=True, interpret=True)
+    assert out["o_err"] <= 2**-7 * out["o_max"] and out["lse_err"] <= 1e-5
+    for name in ("dq", "dk", "dv"):
+        assert out[f"{name}_err"] <= 2**-6 * out[f"{name}_max"], (name, out)
+
+
+def test_block_ranges_leave_out_only_disjoint_blocks():
+    """Any ids (not only packed, non-decreasing ones): every block outside a tile's [first, end)
+    shares no id with the tile, and the first and last blocks inside do share one's range."""
+    rng = np.random.default_rng(0)
+    for ids in (
+        np.sort(rng.integers(0, 6, (2, 256))),
+        rng.integers(0, 4, (2, 256)),
+        np.repeat([[0, 3], [2, 2]], 128, 1),
+    ):
+        other = np.sort(rng.integers(0, 6, (2, 256)))
+        ranges = np.asarray(kernel_mgpu._block_ranges(jnp.asarray(ids), jnp.asarray(other), 128, 64))
+        for b in range(2):
+            for tile in range(2):
+                own = ids[b, tile * 128 : (tile + 1) * 128]
+                meets = [own.min() <= blk.max() and blk.min() <= own.max() for blk in other[b].reshape(4, 64)]
+                first, end = ranges[b, tile]
+                assert not any(meets[:first]) and not any(meets[end:])
+                assert (first, end) == (0, 0) if not any(meets) else meets[first] and meets[end - 1]
+
+
+@pytest.mark.parametrize("causal", [pytest.param(True, marks=pytest.mark.slow), False])
+def test_blocks_of_another_document_are_never_read(causal):
+    """Two documents of 128 tokens, H = 128 (key block 128, the backward's 64-row blocks): Q, K and
+    V of document 0 are NaN. The kernels load no block whose id range is disjoint from the tile's,
+    so document 1's o, lse, dq and its keys' dk, dv equal the reference's on clean inputs; masking
+    alone would let 0 * NaN into P V, dS K and dS^T Q."""
+    t, n, h = 256, 2, 128
+    seg = _ids((0, 128), (1, 128))
+    doc1 = jnp.arange(t) >= 128
+    clean = _inputs(1, t, n, 1, h, jnp.bfloat16, seed=7)
+    poisoned = [jnp.where(doc1[None, :, None, None], x, jnp.nan).astype(x.dtype) for x in clean]
+    w = jnp.where(doc1[None, :, None, None], jax.random.normal(jax.random.PRNGKey(8), (1, t, n, h)), 0.0)
+    u = jnp.where(doc1[None, None, :], jax.random.normal(jax.random.PRNGKey(9), (1, n, t)), 0.0)
+
+    def loss(f):
+        def value(*a):
+            o, lse = f(*a, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
+            o1, lse1 = jnp.where(doc1[None, :, None, None], o, 0.0), jnp.where(doc1[None, None, :], lse, 0.0)
+            return jnp.sum(o1.astype(jnp.float32) * w) + jnp.sum(lse1 * u), (o, lse)
+
+        return value
+
+    mgpu = lambda *a, **kw: flash_attention(*a, **kw, backend="mosaic_gpu")
+    got, (o, lse) = jax.grad(loss(mgpu), argnums=(0, 1, 2), has_aux=True)(*poisoned)
+    f32 = [x.astype(jnp.float32) for x in clean]
+    want, (want_o, want_lse) = jax.grad(loss(reference_attention), argnums=(0, 1, 2), has_aux=True)(*f32)
+    keep = np.asarray(doc1)
+    o1 = _f32(want_o)[:, keep]
+    np.testing.assert_allclose(_f32(o)[:, keep], o1, rtol=0, atol=2**-7 * float(np.abs(o1).max()))
+    np.testing.assert_allclose(_f32(lse)[..., keep], _f32(want_lse)[..., keep], rtol=0, atol=1e-5)
+    for g, wnt in zip(got, want):
+        g, wnt = _f32(g)[:, keep], _f32(wnt)[:, keep]
+        np.testing.assert_allclose(g, wnt, rtol=0, atol=2**-6 * float(np.abs(wnt).max()))
+
+
 # --------------------------------------------------------------------------------- choice of kernel
 
 
@@ -129,10 +265,17 @@ QKV = [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128)]
 
 
 def test_backend_none_picks_mosaic_on_hopper():
-    """Forward and both backward kernels at H = 128; at H = 256 the backward is Triton's."""
+    """Forward and both backward kernels at H = 128, with segment ids too (packed rows); at
+    H = 256 the backward is Triton's."""
     loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32))
     grad = jax.grad(loss, argnums=(0, 1, 2))
     assert _custom_calls(grad, QKV) == ["mosaic_gpu_v2"] * 3
+
+    def packed(q, k, v):
+        seg = jnp.cumsum(jnp.arange(q.shape[1]) % 100 == 99)[None].astype(jnp.int32)
+        return jnp.sum(flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg))
+
+    assert _custom_calls(jax.grad(packed, argnums=(0, 1, 2)), QKV) == ["mosaic_gpu_v2"] * 3
     wide = [(*shape[:3], 256) for shape in QKV]
     assert sorted(_custom_calls(grad, wide)) == ["__gpu$xla.gpu.triton"] * 2 + ["mosaic_gpu_v2"]
 
@@ -145,7 +288,6 @@ def test_backend_none_picks_mosaic_on_hopper():
         (H100.device_kind, QKV, {}, jnp.float32),  # fp32 inputs
         (H100.device_kind, [(1, 192, 4, 128), (1, 192, 2, 128), (1, 192, 2, 128)], {}, jnp.bfloat16),  # T % 128
         (H100.device_kind, [(1, 256, 4, 32), (1, 256, 2, 32), (1, 256, 2, 32)], {}, jnp.bfloat16),  # H = 32
-        (H100.device_kind, QKV, {"segments": True}, jnp.bfloat16),
         (H100.device_kind, QKV, {"interpret": False, "softmax_scale": -1.0}, jnp.bfloat16),
     ],
 )
@@ -230,9 +372,6 @@ def test_explicit_backend_refuses_unsupported_calls():
         ValueError, match=r"backend='mosaic_gpu' cannot run this call: T = 192 is not a multiple of 128"
     ):
         flash_attention(q, kk, v, backend="mosaic_gpu")
-    with pytest.raises(ValueError, match=r"segment ids are not supported"):
-        seg = jnp.zeros((1, 192), jnp.int32)
-        flash_attention(q, kk, v, q_segment_ids=seg, kv_segment_ids=seg, backend="mosaic_gpu")
     with pytest.raises(ValueError, match=r"one of \('generic', 'tpu', 'mosaic_gpu'\)"):
         flash_attention(q, kk, v, backend="mgpu")
     # other kernels have no Mosaic GPU variant
@@ -248,11 +387,19 @@ def _resources(path) -> dict:
     return {"smem_scratch_bytes": int(re.search(r"smem_scratch_bytes=(\d+)", text).group(1))}
 
 
-@pytest.mark.parametrize("h, causal", [(64, True), (128, False)])
-def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, tmp_path, monkeypatch):
+def _packed_ids(t):
+    """[1, t] ids of documents of 100 tokens: what the model passes with config.data.packing."""
+    return (jnp.arange(t) // 100)[None].astype(jnp.int32)
+
+
+@pytest.mark.parametrize("h, causal, segments", [(64, True, False), (128, False, False), (128, True, True)])
+def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, segments, tmp_path, monkeypatch):
+    """With segment ids, two more TMA loads per kernel: the resident and the streamed ids."""
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     t = 512
-    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=causal, backend="mosaic_gpu", interpret=False))
+    seg = _packed_ids(t) if segments else None
+    kw = dict(causal=causal, q_segment_ids=seg, kv_segment_ids=seg, backend="mosaic_gpu", interpret=False)
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, **kw))
     assert (
         _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)])
         == ["mosaic_gpu_v2"] * 3
@@ -262,34 +409,39 @@ def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, tmp_path,
         (resources,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.resources.txt")
         ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
         assert ops.count("wgmma") >= 3 and ops.count("async_store") == stores, (name, ops)
-        assert ops.count("async_load") >= 4, (name, ops)
+        assert ops.count("async_load") >= (6 if segments else 4), (name, ops)
         assert _resources(resources)["smem_scratch_bytes"] <= kernel_mgpu.SMEM_LIMIT_BYTES
 
 
-@pytest.mark.parametrize("h", kernel_mgpu.HEAD_DIMS)
-def test_lowers_to_wgmma_and_tma_within_hopper_shared_memory(h, tmp_path, monkeypatch):
+@pytest.mark.parametrize("h, segments", [(h, False) for h in kernel_mgpu.HEAD_DIMS] + [(64, True), (256, True)])
+def test_lowers_to_wgmma_and_tma_within_hopper_shared_memory(h, segments, tmp_path, monkeypatch):
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     t = 512
-    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, backend="mosaic_gpu", interpret=False)
+    seg = _packed_ids(t) if segments else None
+    kw = dict(causal=True, q_segment_ids=seg, kv_segment_ids=seg, backend="mosaic_gpu", interpret=False)
+    fn = lambda q, k, v: flash_attention(q, k, v, **kw)
     assert _custom_calls(fn, [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)]) == ["mosaic_gpu_v2"]
     (mlir,) = tmp_path.glob("flash_attention_mgpu_fwd*.after_layout_inference.txt")
     (resources,) = tmp_path.glob("flash_attention_mgpu_fwd*.resources.txt")
     ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
     assert ops.count("wgmma") >= 2  # Q K^T and P V (the causal and unmasked loops have their own)
-    assert ops.count("async_load") >= 3 and ops.count("async_store") == 2  # Q, K, V in; O, lse out
+    # Q, K, V (and the q and kv segment ids) in; O, lse out
+    assert ops.count("async_load") >= (5 if segments else 3) and ops.count("async_store") == 2
     smem = _resources(resources)["smem_scratch_bytes"]
     assert smem <= kernel_mgpu.SMEM_LIMIT_BYTES, smem
-    block_k, stages = kernel_mgpu.tiles(h, t)
+    block_k, stages = kernel_mgpu.tiles(h, t, has_segments=segments)
     stages = min(stages, t // block_k)  # the ring is no deeper than the kv blocks
     # the model of shared memory the tile choice uses is within alignment of Mosaic's own count
-    assert 0 <= smem - kernel_mgpu._smem_bytes(h, block_k, stages, 2) <= 4096
+    assert 0 <= smem - kernel_mgpu._smem_bytes(h, block_k, stages, 2, segments) <= 4096
 
 
-def test_tiles_use_the_widest_block_and_most_slots_that_fit():
+@pytest.mark.parametrize("segments", [False, True])
+def test_tiles_use_the_widest_block_and_most_slots_that_fit(segments):
+    budget = kernel_mgpu.SMEM_LIMIT_BYTES - 4096
     for h in kernel_mgpu.HEAD_DIMS:
-        block_k, stages = kernel_mgpu.tiles(h, 4096)
-        assert kernel_mgpu._smem_bytes(h, block_k, stages, 2) <= kernel_mgpu.SMEM_LIMIT_BYTES - 4096
-        assert stages == 4 or kernel_mgpu._smem_bytes(h, block_k, stages + 1, 2) > kernel_mgpu.SMEM_LIMIT_BYTES - 4096
+        block_k, stages = kernel_mgpu.tiles(h, 4096, has_segments=segments)
+        assert kernel_mgpu._smem_bytes(h, block_k, stages, 2, segments) <= budget
+        assert stages == 4 or kernel_mgpu._smem_bytes(h, block_k, stages + 1, 2, segments) > budget
     assert kernel_mgpu.tiles(64, 4096)[0] == 256 and kernel_mgpu.tiles(64, 384)[0] == 128
     assert kernel_mgpu.tiles(128, 96) is None
 
@@ -310,3 +462,20 @@ def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     c.model.attention_kernel = "generic"  # the config's opt-out: Triton's three kernels instead
     text = compile_on_tpu(c, devices).as_text()
     assert "mosaic_gpu_v2" not in text and text.count("__gpu$xla.gpu.triton") >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
+def test_the_models_packed_train_step_for_an_h100_runs_the_mosaic_kernels():
+    """config.data.packing=True (the model passes the document ids as segment ids): the train step
+    compiled for one H100 calls the three Mosaic GPU kernels with the ids among their operands."""
+    from tests.helpers import small_config
+    from tests.test_tpu_compile import compile_on_tpu
+
+    c = small_config(attention_impl="pallas", head_dim=64, n_heads=4, n_kv_heads=2, d_model=256)
+    c.data.seq_len, c.model.compute_dtype, c.mesh.data, c.mesh.fsdp = 256, "bfloat16", 1, 1
+    c.data.source, c.data.path, c.data.packing = "jsonl", "unread.jsonl", True  # nothing is read: abstract batch
+    text = compile_on_tpu(c, targets.devices(targets.parse("h100-1"))).as_text()
+    calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line]
+    assert len(calls) == 3 and "__gpu$xla.gpu.triton" not in text
+    assert all(re.search(r"operand_layout_constraints=\{.*s32\[", line) for line in calls)  # the ids go in

@@ -549,7 +549,9 @@ def _mgpu_config(backend, interpret, q, s, scale, causal, has_segments, generic_
     elif (why := kernel_mgpu.supported(t, s, h, q.dtype, **kw)) is not None:
         raise ValueError(f"backend='mosaic_gpu' cannot run this call: {why}")
     # the generic config runs the backward where the Mosaic one does not (H = 256)
-    return kernel_mgpu.make_config(h, s, q.dtype, scale=scale, causal=bool(causal), backward=generic_cfg)
+    return kernel_mgpu.make_config(
+        h, s, q.dtype, scale=scale, causal=bool(causal), backward=generic_cfg, has_segments=has_segments
+    )
 
 
 def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):

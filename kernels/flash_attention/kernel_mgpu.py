@@ -2,7 +2,7 @@
 
 Same semantics as kernel.py's forward: q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q's
 dtype and lse[B, N, T] fp32 (natural log); causal is top-left aligned (T == S); query head n reads
-kv head n // G with G = N / K. bf16 or fp16 inputs, H in {64, 128, 256}, no segment ids
+kv head n // G with G = N / K. bf16 or fp16 inputs, H in {64, 128, 256}, optional segment ids
 (`supported` says which calls this kernel takes; kernel.py sends the others to the Triton kernel).
 
 One program (CUDA block) per (query head n, tile of 2 * block_q queries, batch b), three
@@ -51,6 +51,20 @@ recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row bloc
 There is no ping-pong in the backward (one schedule would need both kernels' softmax-like parts
 to be long enough to hide; not measured).
 
+Segment ids (kernel.py's semantics: query i sees key j iff q_seg[i] == kv_seg[j], AND causal):
+the streamed blocks' int32 ids ride the ring (a TMA load into an id slot per stage, with its own
+ready barrier, freed with the block's data), each compute warpgroup loads its resident rows' ids
+once, and the mask is their outer equality (AND the causal compare on the diagonal), applied to
+every visited block. Disjoint blocks are skipped by range: `_block_ranges` (plain JAX, before the
+kernels) gives each tile the first and last streamed block whose [min, max] id range overlaps the
+tile's; every block outside is disjoint (safe for any ids), so the memory warpgroup never loads it
+and the compute warpgroups start and stop there (for packed rows, ids non-decreasing, the tile's
+documents' blocks; disjoint blocks inside the range are masked, not skipped). Empty rows: the
+forward keeps m at a finite MASK_VALUE, zeroes masked P and writes o = 0, lse = -inf where l = 0;
+in the backward such a row's P is inf before the mask, which zeroes it, so its gradients are 0.
+Without segment ids the code is unchanged (the -inf mask, which relies on every causal row seeing
+key 0).
+
 Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpreter runs the same
 warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
 constructs of the compiled kernels, so the interpreted variant differs in exactly these (jax
@@ -59,15 +73,18 @@ goes through shared memory (the interpreter's wgmma reads only shared-memory ope
 accumulating wgmma goes into a fresh accumulator added to the old one (it cannot run
 `pl.run_state` over an accumulator, which the GPU kernels use to accumulate in place): the
 `_lhs` / `_accumulate` helpers and the forward's two `if cfg.interpret` branches. Everything else
-(the rings, the ping-pong, the causal ranges and masks, exp2 scaling, GQA, lse, Delta) is the code
-the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics against the reference.
+(the rings, the ping-pong, the causal and segment ranges and masks, exp2 scaling, GQA, lse, Delta,
+empty rows) is the code the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics
+against the reference.
 
 What only a GPU settles: Mosaic's compile to PTX/SASS (a deviceless XLA:GPU compile succeeds but
 carries the Mosaic module inside the custom call; the checks without a GPU stop at the Mosaic GPU
 MLIR: wgmma / TMA ops, shared memory <= 227 KiB),
 the register operands and in-place accumulation, register pressure (spills), real concurrency of
 the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
-speed.
+speed. With segment ids also: the int32 id TMA loads and the scalar range reads from global memory
+compiled, the registers the broadcast ids and the equality mask add, and what the skip saves on
+packed rows (`check_on_gpu(segments=True)`).
 """
 
 from __future__ import annotations
@@ -104,6 +121,9 @@ BWD_ROWS = 64  # rows per compute warpgroup, and the streamed block, in both bac
 BWD_HEAD_DIMS = (64, 128)  # H = 256: dK and dV accumulators alone would need 256 registers a thread
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LN2 = math.log(2.0)
+# Finite stand-in for -inf with segment ids (kernel.py's): a row may see no key in a block, or at
+# all, and -inf - (-inf) would put NaN into alpha; masked P is zeroed explicitly.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,21 +141,22 @@ class MgpuConfig:
     interpret: bool = False
 
 
-def _smem_bytes(h: int, block_k: int, stages: int, itemsize: int) -> int:
+def _smem_bytes(h: int, block_k: int, stages: int, itemsize: int, has_segments: bool = False) -> int:
     """Shared memory of one program: Q/O tiles of both compute warpgroups, the K and V ring, the
-    lse staging rows (barriers and alignment come on top: checked against Mosaic's own count in
-    the tests)."""
-    return itemsize * (COMPUTE_WGS * WG_ROWS * h + 2 * stages * block_k * h) + 4 * COMPUTE_WGS * WG_ROWS
+    lse staging rows, with segment ids their int32 rows (barriers and alignment come on top:
+    checked against Mosaic's own count in the tests)."""
+    seg = 4 * (COMPUTE_WGS * WG_ROWS + stages * block_k) if has_segments else 0
+    return itemsize * (COMPUTE_WGS * WG_ROWS * h + 2 * stages * block_k * h) + 4 * COMPUTE_WGS * WG_ROWS + seg
 
 
-def tiles(h: int, s: int, itemsize: int = 2) -> tuple[int, int] | None:
+def tiles(h: int, s: int, itemsize: int = 2, has_segments: bool = False) -> tuple[int, int] | None:
     """(block_k, stages) for head dim h and S = s keys, or None: the widest key block (256, 128 or
     64) that divides s, keeps the fp32 score tile plus accumulator within the compute warpgroups'
     registers (block_k * h <= 128 * 128) and whose two-slot ring fits in shared memory; then as
     many slots (up to 4) as fit. Wider key blocks mean fewer barrier round trips per row, more
     slots hide TMA latency. Not yet swept on a GPU."""
     budget = SMEM_LIMIT_BYTES - 4096  # barriers and 1 KiB alignment of the swizzled buffers
-    fits = lambda bk, stages: _smem_bytes(h, bk, stages, itemsize) <= budget
+    fits = lambda bk, stages: _smem_bytes(h, bk, stages, itemsize, has_segments) <= budget
     block_k = next((bk for bk in (256, 128, 64) if s % bk == 0 and bk * h <= 128 * 128 and fits(bk, 2)), None)
     if block_k is None:
         return None
@@ -144,8 +165,6 @@ def tiles(h: int, s: int, itemsize: int = 2) -> tuple[int, int] | None:
 
 def supported(t: int, s: int, h: int, dtype, *, causal: bool, scale: float, has_segments: bool) -> str | None:
     """None when this kernel can run the call, else why not (kernel.py then uses Triton)."""
-    if has_segments:
-        return "segment ids are not supported"
     if h not in HEAD_DIMS:
         return f"head dim {h} not in {HEAD_DIMS}"
     if jnp.dtype(dtype) not in DTYPES:
@@ -154,7 +173,7 @@ def supported(t: int, s: int, h: int, dtype, *, causal: bool, scale: float, has_
         return "softmax_scale must be positive (the row max is taken before scaling)"
     if t % (COMPUTE_WGS * WG_ROWS):
         return f"T = {t} is not a multiple of {COMPUTE_WGS * WG_ROWS}"
-    if tiles(h, s, jnp.dtype(dtype).itemsize) is None:
+    if tiles(h, s, jnp.dtype(dtype).itemsize, has_segments) is None:
         return f"S = {s} is not a multiple of 64"
     if causal and t != s:
         return "causal needs T == S"
@@ -193,17 +212,23 @@ def why_not(capability, t: int, s: int, h: int, dtype, *, causal: bool, scale: f
     return supported(t, s, h, dtype, causal=causal, scale=scale, has_segments=has_segments)
 
 
-def make_config(h: int, s: int, dtype, *, scale: float, causal: bool, backward=None) -> MgpuConfig:
+def make_config(
+    h: int, s: int, dtype, *, scale: float, causal: bool, backward=None, has_segments: bool = False
+) -> MgpuConfig:
     """The config for a supported call (`supported` returned None)."""
-    block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize) or (0, 0)
+    block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize, has_segments) or (0, 0)
     mosaic_backward = h in BWD_HEAD_DIMS and s % (COMPUTE_WGS * BWD_ROWS) == 0
     return MgpuConfig(
         scale=scale, causal=causal, block_k=block_k, stages=stages, backward=backward, mosaic_backward=mosaic_backward
     )
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
-    (q_smem2, k_smem, v_smem, lse_smem2, *p_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched = scratch
+def _kernel(q_ref, k_ref, v_ref, segs, o_ref, lse_ref, *scratch, cfg: MgpuConfig, group: int, num_q_tiles: int, s: int):
+    (q_smem2, k_smem, v_smem, lse_smem2, *p_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), sched, *seg = scratch
+    # segment ids: segs = (q ids [B, T], kv ids [B, S], `_block_ranges` [B, tiles, 2]) in gmem;
+    # seg = ((own q ids, kv id ring), (their ready barriers)); the kv id slot is freed with the V
+    # slot (read before V's free)
+    (qseg_smem2, kseg_smem), (qseg_ready, kseg_ready) = seg[0] if seg else ((None, None), (None, None))
     bq, bk, h = WG_ROWS, cfg.block_k, q_ref.shape[-1]
     dtype = q_ref.dtype
     b = lax.axis_index("batch")
@@ -215,6 +240,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
     stages = min(cfg.stages, num_kv)
     # kv blocks this program needs: all of them, or (causal) up to the one holding its last query
     tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
+    first = 0  # the tile's first kv block: with segment ids, [first, tile_steps) holds all it can see
+    if segs:  # the blocks outside the tile's range (`_block_ranges`) share no id with it: never loaded
+        tile_steps = jnp.minimum(tile_steps, segs[2][b, tile, 1])
+        first = jnp.minimum(segs[2][b, tile, 0], tile_steps)
+    ring = lambda j: lax.rem(j - first, jnp.int32(stages))  # the ring slot of kv block j
     c = cfg.scale * math.log2(math.e)
 
     def pass_schedule():
@@ -229,15 +259,22 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
         # this warpgroup's kv blocks: up to its own diagonal when causal; [0, n_full) need no mask
         steps = lax.div(q0 + bq + bk - 1, jnp.int32(bk)) if cfg.causal else num_kv
         n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+        if segs:
+            steps = jnp.maximum(jnp.minimum(steps, tile_steps), first)
+            n_full = jnp.maximum(jnp.minimum(n_full, steps), first)
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), n], q_smem, q_ready.at[wg])
+        row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+        if segs:
+            plgpu.copy_gmem_to_smem(segs[0].at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_ready.at[wg])
+            plgpu.barrier_wait(qseg_ready.at[wg])
+            q_ids = lax.broadcast_in_dim(plgpu.load(qseg_smem2.at[wg], layout=row), (bq, bk), [0])
         plgpu.barrier_wait(q_ready.at[wg])
 
-        row = plgpu.Layout.WGMMA.reduce(1)
-        m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
+        m = plgpu.layout_cast(jnp.full((bq,), MASK_VALUE if segs else -jnp.inf, jnp.float32), row)
         l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
         acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-        @pl.when(steps > 0)
+        @pl.when(steps > first)
         def _():
             plgpu.barrier_wait(k_ready.at[0])
 
@@ -245,7 +282,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
 
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = ring(j)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -254,14 +291,26 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
 
             sc = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
+            visible = None
             if masked:
                 rows = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
                 cols = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-                # -inf is safe: every row sees key 0 in block 0, so m is finite from the first step
-                sc = jnp.where(rows >= cols, sc, -jnp.inf)
-            m_new = jnp.maximum(m, sc.max(axis=1) * c)
+                visible = rows >= cols
+            if segs:
+                plgpu.barrier_wait(kseg_ready.at[slot])
+                kv_ids = plgpu.load(kseg_smem.at[slot], layout=col)
+                same = q_ids == lax.broadcast_in_dim(kv_ids, (bq, bk), [1])
+                visible = same if visible is None else jnp.logical_and(visible, same)
+                # a row may see nothing here (or anywhere): finite mask value, P zeroed below
+                s2 = jnp.where(visible, sc * c, MASK_VALUE)
+                m_new = jnp.maximum(m, s2.max(axis=1))
+                p = jnp.where(visible, jnp.exp2(s2 - lax.broadcast_in_dim(m_new, sc.shape, [0])), 0.0)
+            else:
+                if masked:  # -inf is safe: every row sees key 0 in block 0, so m is finite from the first step
+                    sc = jnp.where(visible, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1) * c)
+                p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
             p = p.astype(dtype)
@@ -279,7 +328,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
 
                 @pl.when(nxt < steps)  # wait for the next K while P V runs
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(stages))])
+                    plgpu.barrier_wait(k_ready.at[ring(nxt)])
 
             if cfg.interpret:  # the interpreter cannot run run_state over an accumulator: add a fresh one
                 acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC((bq, h), jnp.float32))
@@ -289,18 +338,20 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
             return acc, m_new, l
 
         carry = (acc, m, l)
-        carry = lax.fori_loop(0, n_full, lambda j, cr: step(j, cr, masked=False), carry)
+        carry = lax.fori_loop(first, n_full, lambda j, cr: step(j, cr, masked=False), carry)
         if cfg.causal:
             carry = lax.fori_loop(n_full, steps, lambda j, cr: step(j, cr, masked=True), carry)
-
+        if cfg.causal or segs:
             # Blocks only the other warpgroup reads: free them and keep the ping-pong in step. The
             # ready waits keep this warpgroup's view of every barrier phase complete (the GPU
             # interpreter insists; on the GPU they cost idle time of a finished warpgroup).
             @pl.loop(steps, tile_steps)
             def _skipped(j):
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = ring(j)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
+                if segs:
+                    plgpu.barrier_wait(kseg_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 pass_schedule()
@@ -309,9 +360,15 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
         acc, m, l = carry
         pl.when(wg == 0)(pass_schedule)  # matches warpgroup 1's extra pass before its loop
 
+        if segs:  # empty rows (l = 0): o = 0 (acc is 0) and lse = -inf
+            nonempty = l > 0.0
+            l = jnp.where(nonempty, l, 1.0)
+            lse = jnp.where(nonempty, (m + jnp.log2(l)) * LN2, -jnp.inf)
+        else:
+            lse = (m + jnp.log2(l)) * LN2
         o = acc * lax.broadcast_in_dim(1.0 / l, acc.shape, [0])
         q_smem[...] = o.astype(dtype)  # Q is no longer needed: stage O in its place
-        lse_smem[...] = (m + jnp.log2(l)) * LN2
+        lse_smem[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q0, bq), n])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, pl.ds(q0, bq)])
@@ -325,36 +382,55 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch, cfg: MgpuConfig, grou
         def load(j, slot):
             rows = (b, pl.ds(j * bk, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            if segs:
+                plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot], kseg_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-        for j in range(stages):  # fill the ring, skipping blocks past the tile's diagonal
+        for i in range(stages):  # fill the ring, skipping blocks past the tile's diagonal
 
-            @pl.when(j < tile_steps)
+            @pl.when(first + i < tile_steps)
             def _():
-                load(j, j)
+                load(first + i, i)
 
-        @pl.loop(stages, tile_steps)
+        @pl.loop(first + stages, tile_steps)
         def _refill(j):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = ring(j)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             load(j, slot)
 
         # Observe the last frees too, so no barrier phase is left unseen when the scratch goes.
-        @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
+        @pl.loop(jnp.maximum(tile_steps - stages, first), tile_steps)
         def _drain(j):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = ring(j)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
 
+def _block_ranges(own_ids, other_ids, tile: int, block: int):
+    """[B, own tiles, 2] int32 (first, end): the blocks of `block` other ids, in order, from the
+    first to the last whose [min, max] id range overlaps that of the own tile's `tile` ids. Every
+    block outside is disjoint from the tile (shares no id: nothing visible), so the kernels never
+    load it; blocks inside are masked as usual (for packed rows, ids non-decreasing, they are the
+    blocks of the tile's documents). No overlap at all: (0, 0)."""
+    bsz = own_ids.shape[0]
+    own, other = own_ids.reshape(bsz, -1, tile), other_ids.reshape(bsz, -1, block)
+    lo_own, hi_own = own.min(-1)[:, :, None], own.max(-1)[:, :, None]
+    meet = (lo_own <= other.max(-1)[:, None, :]) & (other.min(-1)[:, None, :] <= hi_own)
+    first = jnp.argmax(meet, axis=-1)
+    end = meet.shape[-1] - jnp.argmax(meet[..., ::-1], axis=-1)
+    any_ = meet.any(-1)
+    return jnp.stack([jnp.where(any_, first, 0), jnp.where(any_, end, 0)], axis=-1).astype(jnp.int32)
+
+
 def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
     """(o[B, T, N, H], lse[B, N, T] fp32) on a Hopper GPU; `supported` must hold."""
-    if q_seg is not None or kv_seg is not None:
-        raise ValueError("the Mosaic GPU kernel takes no segment ids (kernel.py falls back to Triton)")
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("pass both q_seg and kv_seg, or neither")
+    has_segments = q_seg is not None
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    why = supported(t, s, h, q.dtype, causal=cfg.causal, scale=cfg.scale, has_segments=False)
+    why = supported(t, s, h, q.dtype, causal=cfg.causal, scale=cfg.scale, has_segments=has_segments)
     if why is not None:
         raise ValueError(f"the Mosaic GPU kernel cannot run this call: {why}")
     bq, bk = WG_ROWS, cfg.block_k
@@ -382,10 +458,31 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
         ),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # schedule (ping-pong)
     )
+    if has_segments:
+        scratch += (
+            (
+                (plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32), plgpu.SMEM((stages, bk), jnp.int32)),
+                (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_barriers=stages)),
+            ),
+        )
+    segs = (q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)) if has_segments else ()
+    if has_segments:
+        segs += (_block_ranges(segs[0], segs[1], COMPUTE_WGS * bq, bk),)
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs):
+    def body(q_ref, k_ref, v_ref, *refs):
+        seg_refs, (o_ref, lse_ref, *scratch_refs) = refs[: len(segs)], refs[len(segs) :]  # ids, ids, ranges
         _kernel(
-            q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch_refs, cfg=cfg, group=n // kh, num_q_tiles=num_q_tiles, s=s
+            q_ref,
+            k_ref,
+            v_ref,
+            seg_refs,
+            o_ref,
+            lse_ref,
+            *scratch_refs,
+            cfg=cfg,
+            group=n // kh,
+            num_q_tiles=num_q_tiles,
+            s=s,
         )
 
     body.__name__ = "flash_attention_mgpu_fwd"
@@ -399,7 +496,7 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
-    )(q, k, v)
+    )(q, k, v, *segs)
     return o, lse
 
 
@@ -438,16 +535,28 @@ def _product(a, b, shape):
     return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
 
 
-def _bwd_stages(h: int, block: int, per_stage_arrays: int, resident: int, itemsize: int = 2) -> int:
-    """Ring slots that fit beside the resident tiles (both warpgroups' own [64, H] tiles)."""
+def _bwd_stages(
+    h: int, block: int, per_stage_arrays: int, resident: int, itemsize: int = 2, has_segments: bool = False
+) -> int:
+    """Ring slots that fit beside the resident tiles (both warpgroups' own [64, H] tiles); with
+    segment ids, int32 id rows in the ring and resident."""
     budget = SMEM_LIMIT_BYTES - 4096
     fixed = itemsize * resident * COMPUTE_WGS * BWD_ROWS * h + itemsize * COMPUTE_WGS * BWD_ROWS * block
-    per_stage = itemsize * per_stage_arrays * block * h + 8 * block
+    fixed += 4 * COMPUTE_WGS * BWD_ROWS if has_segments else 0
+    per_stage = itemsize * per_stage_arrays * block * h + (12 if has_segments else 8) * block
     return max(1, min(4, (budget - fixed) // per_stage))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch, cfg, group, s, stages):
-    own, (k_ready, v_ready, own_ready), free = scratch
+def _seg_mask(own_ids, ring_ids, shape):
+    """[shape] bool: the warpgroup's resident ids (rows) equal the streamed block's (columns)."""
+    return lax.broadcast_in_dim(own_ids, shape, [0]) == lax.broadcast_in_dim(ring_ids, shape, [1])
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, s, stages, has_segments):
+    segs, (dq_ref, *scratch) = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
+    own, (k_ready, v_ready, own_ready), free, *seg = scratch
+    # segment ids: own q ids and a kv id ring (freed with the K/V slot), their ready barriers
+    (qseg_smem2, kseg_smem), (qseg_ready, kseg_ready) = seg[0] if seg else ((None, None), (None, None))
     q_smem2, do_smem2, lse_smem2, delta_smem2, ds_smem2, k_smem, v_smem = own
     bq = bk = BWD_ROWS
     h, dtype = q_ref.shape[-1], q_ref.dtype
@@ -455,6 +564,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
     tile_q0 = lax.axis_index("q_tile") * (COMPUTE_WGS * bq)
     num_kv = s // bk
     tile_steps = lax.div(tile_q0 + COMPUTE_WGS * bq, jnp.int32(bk)) if cfg.causal else num_kv
+    first = 0  # as in the forward: with segment ids the tile's kv blocks are [first, tile_steps)
+    if segs:
+        tile_q = lax.axis_index("q_tile")
+        tile_steps = jnp.minimum(tile_steps, segs[2][b, tile_q, 1])
+        first = jnp.minimum(segs[2][b, tile_q, 0], tile_steps)
     c = cfg.scale * math.log2(math.e)
 
     @pl.when(wg < COMPUTE_WGS)
@@ -469,21 +583,36 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(q0, bq)], delta_smem2.at[wg], own_ready.at[wg * 4 + 3])
         for i in range(4):
             plgpu.barrier_wait(own_ready.at[wg * 4 + i])
-        row = plgpu.Layout.WGMMA.reduce(1)
+        row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+        if segs:
+            plgpu.copy_gmem_to_smem(segs[0].at[b, pl.ds(q0, bq)], qseg_smem2.at[wg], qseg_ready.at[wg])
+            plgpu.barrier_wait(qseg_ready.at[wg])
+            q_ids = plgpu.load(qseg_smem2.at[wg], layout=row)
         lse2 = plgpu.load(lse_smem2.at[wg], layout=row) * math.log2(math.e)
         delta = plgpu.load(delta_smem2.at[wg], layout=row)
         steps = lax.div(q0 + bq, jnp.int32(bk)) if cfg.causal else num_kv  # bq == bk: the diagonal block
         n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
+        if segs:
+            steps = jnp.maximum(jnp.minimum(steps, tile_steps), first)
+            n_full = jnp.maximum(jnp.minimum(n_full, steps), first)
 
         def step(j, dq, *, masked: bool):
-            slot = lax.rem(j, jnp.int32(stages))
+            slot = lax.rem(j - first, jnp.int32(stages))
             plgpu.barrier_wait(k_ready.at[slot])
             sc = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (bq, bk))
+            # an empty row has lse = -inf and P = inf before the mask, which covers all its keys
             p = jnp.exp2(sc * c - lax.broadcast_in_dim(lse2, sc.shape, [0]))
+            visible = None
             if masked:
                 qi = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=plgpu.Layout.WGMMA)
                 kj = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=plgpu.Layout.WGMMA)
-                p = jnp.where(qi >= kj, p, 0.0)
+                visible = qi >= kj
+            if segs:
+                plgpu.barrier_wait(kseg_ready.at[slot])
+                same = _seg_mask(q_ids, plgpu.load(kseg_smem.at[slot], layout=col), (bq, bk))
+                visible = same if visible is None else jnp.logical_and(visible, same)
+            if visible is not None:
+                p = jnp.where(visible, p, 0.0)
             plgpu.barrier_wait(v_ready.at[slot])
             dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (bq, bk))
             ds = (p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))).astype(dtype)
@@ -492,15 +621,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
             return dq
 
         dq = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, n_full, lambda j, a: step(j, a, masked=False), dq)
+        dq = lax.fori_loop(first, n_full, lambda j, a: step(j, a, masked=False), dq)
         if cfg.causal:
             dq = lax.fori_loop(n_full, steps, lambda j, a: step(j, a, masked=True), dq)
+        if cfg.causal or segs:
 
             @pl.loop(steps, tile_steps)  # blocks only warpgroup 1 reads
             def _skipped(j):
-                slot = lax.rem(j, jnp.int32(stages))
+                slot = lax.rem(j - first, jnp.int32(stages))
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
+                if segs:
+                    plgpu.barrier_wait(kseg_ready.at[slot])
                 plgpu.barrier_arrive(free.at[slot])
 
         q_smem[...] = (dq * cfg.scale).astype(dtype)
@@ -516,9 +648,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *scratch
         def load(j, slot):
             blk = (b, pl.ds(j * bk, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[blk], k_smem.at[slot], k_ready.at[slot])
+            if segs:
+                plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(j * bk, bk)], kseg_smem.at[slot], kseg_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[blk], v_smem.at[slot], v_ready.at[slot])
 
-        _stream(load, free, tile_steps, stages)
+        _stream(lambda j, slot: load(first + j, slot), free, tile_steps - first, stages)
 
 
 def _stream(load, free, total, stages: int):
@@ -541,8 +675,11 @@ def _stream(load, free, total, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(j, jnp.int32(stages))])
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *scratch, cfg, group, t, stages):
-    own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free = scratch
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, t, stages, has_segments):
+    segs, (dk_ref, dv_ref, *scratch) = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
+    own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free, *seg = scratch
+    # segment ids: own kv ids and a q id ring (freed with the Q/dO/lse/Delta slot), their barriers
+    (kseg_smem2, qseg_smem), (kseg_ready, qseg_ready) = seg[0] if seg else ((None, None), (None, None))
     k_smem2, v_smem2, p_smem2 = own
     q_smem, do_smem, lse_smem, delta_smem = ring
     bk = bq = BWD_ROWS
@@ -552,7 +689,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     num_q = t // bq
     # q blocks this tile needs, per query head of the group: causal starts at the tile's diagonal
     tile_first = lax.div(tile_k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)
-    per_head = num_q - tile_first
+    q_end = num_q  # with segment ids: the q blocks [tile_first, q_end) hold all the tile can see
+    if segs:
+        tile_kv = lax.axis_index("kv_tile")
+        q_end = jnp.minimum(q_end, segs[2][b, tile_kv, 1])
+        tile_first = jnp.minimum(jnp.maximum(tile_first, segs[2][b, tile_kv, 0]), q_end)
+    per_head = q_end - tile_first
     c = cfg.scale * math.log2(math.e)
 
     @pl.when(wg < COMPUTE_WGS)
@@ -566,7 +708,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         plgpu.barrier_wait(own_ready.at[wg * 2])
         plgpu.barrier_wait(own_ready.at[wg * 2 + 1])
         col = plgpu.Layout.WGMMA.reduce(0)
+        if segs:
+            plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(k0, bk)], kseg_smem2.at[wg], kseg_ready.at[wg])
+            plgpu.barrier_wait(kseg_ready.at[wg])
+            kv_ids = plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         first = lax.div(k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)  # this warpgroup's diagonal block
+        if segs:
+            first = jnp.minimum(jnp.maximum(first, tile_first), q_end)
 
         def step(g, i, carry, *, masked: bool):
             dk, dv = carry
@@ -576,10 +724,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             st = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))  # S^T
             lse2 = plgpu.load(lse_smem.at[slot], layout=col) * math.log2(math.e)
             pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
+            visible = None
             if masked:
                 kj = k0 + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
                 qi = i * bq + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-                pt = jnp.where(qi >= kj, pt, 0.0)
+                visible = qi >= kj
+            if segs:
+                plgpu.barrier_wait(qseg_ready.at[slot])
+                same = _seg_mask(kv_ids, plgpu.load(qseg_smem.at[slot], layout=col), (bk, bq))
+                visible = same if visible is None else jnp.logical_and(visible, same)
+            if visible is not None:  # also zeroes empty rows' P (inf: their lse is -inf)
+                pt = jnp.where(visible, pt, 0.0)
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
             dv = _accumulate(dv, _lhs(pt.astype(dtype), p_smem, cfg.interpret), do_smem.at[slot], cfg.interpret)
@@ -592,11 +747,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
         def skip(g, i):
             slot = lax.rem(g * per_head + i - tile_first, jnp.int32(stages))
-            for ready in (q_ready, do_ready, lse_ready, delta_ready):
+            for ready in (q_ready, do_ready, lse_ready, delta_ready, *([qseg_ready] if segs else [])):
                 plgpu.barrier_wait(ready.at[slot])
             plgpu.barrier_arrive(free.at[slot])
 
         def head(g, carry):
+            if segs:  # every block masked; the causal compare is all true past the diagonal block
+                if cfg.causal:
+                    pl.loop(tile_first, first)(lambda i: skip(g, i))
+                return lax.fori_loop(first, q_end, lambda i, cr: step(g, i, cr, masked=cfg.causal), carry)
             if cfg.causal:
                 pl.loop(tile_first, first)(lambda i: skip(g, i))  # warpgroup 1 skips warpgroup 0's diagonal
                 carry = step(g, first, carry, masked=True)
@@ -626,6 +785,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
             plgpu.copy_gmem_to_smem(do_ref.at[blk], do_smem.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, n, pl.ds(i * bq, bq)], lse_smem.at[slot], lse_ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[b, n, pl.ds(i * bq, bq)], delta_smem.at[slot], delta_ready.at[slot])
+            if segs:
+                plgpu.copy_gmem_to_smem(segs[0].at[b, pl.ds(i * bq, bq)], qseg_smem.at[slot], qseg_ready.at[slot])
 
         _stream(load, free, group * per_head, stages)
 
@@ -635,8 +796,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     and H in BWD_HEAD_DIMS. dK/dV sum the group's query heads inside the kernel (no repeat)."""
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
-    if q_seg is not None or h not in BWD_HEAD_DIMS or s % (COMPUTE_WGS * BWD_ROWS) or t % (COMPUTE_WGS * BWD_ROWS):
+    if h not in BWD_HEAD_DIMS or s % (COMPUTE_WGS * BWD_ROWS) or t % (COMPUTE_WGS * BWD_ROWS):
         raise ValueError(f"the Mosaic GPU backward cannot run this call (H = {h}, T = {t}, S = {s})")
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("pass both q_seg and kv_seg, or neither")
+    has_segments = q_seg is not None
+    segs = (q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)) if has_segments else ()
+    # the kv blocks each dQ tile can see, and the q blocks each dK/dV tile can (`_block_ranges`)
+    dq_segs = (*segs, _block_ranges(segs[0], segs[1], 2 * BWD_ROWS, BWD_ROWS)) if has_segments else ()
+    dkdv_segs = (*segs, _block_ranges(segs[1], segs[0], 2 * BWD_ROWS, BWD_ROWS)) if has_segments else ()
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
@@ -649,9 +817,21 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     interp = plgpu.InterpretGPUParams() if cfg.interpret else None
     params = plgpu.CompilerParams(approx_math=True)
 
-    stages = min(_bwd_stages(h, r, 2, 2), s // r)
+    # with segment ids: (own ids [w, r], ring of streamed ids [stages, r]) and their barriers
+    seg_scratch = lambda stages: (
+        (
+            (
+                (plgpu.SMEM((w, r), jnp.int32), plgpu.SMEM((stages, r), jnp.int32)),
+                (plgpu.Barrier(num_barriers=w), plgpu.Barrier(num_barriers=stages)),
+            ),
+        )
+        if has_segments
+        else ()
+    )
+
+    stages = min(_bwd_stages(h, r, 2, 2, has_segments=has_segments), s // r)
     dq = plgpu.kernel(
-        functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages),
+        functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages, has_segments=has_segments),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=(
             (
@@ -665,6 +845,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
             ),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4 * w)),
             plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+            *seg_scratch(stages),
         ),
         grid=(n, t // (w * r), b),
         grid_names=("heads", "q_tile", "batch"),
@@ -673,17 +854,18 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         compiler_params=params,
         interpret=interp,
         kernel_name="flash_attention_mgpu_bwd_dq",
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta, *dq_segs)
 
-    stages = min(_bwd_stages(h, r, 2, 2), (n // kh) * (t // r))
+    stages = min(_bwd_stages(h, r, 2, 2, has_segments=has_segments), (n // kh) * (t // r))
     dk, dv = plgpu.kernel(
-        functools.partial(_dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages),
+        functools.partial(_dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages, has_segments=has_segments),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=(
             (tile(w, r, h), tile(w, r, h), tile(w, r, r)),
             (tile(stages, r, h), tile(stages, r, h), rows(stages, r), rows(stages, r)),
             (*(plgpu.Barrier(num_barriers=stages) for _ in range(4)), plgpu.Barrier(num_barriers=2 * w)),
             plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+            *seg_scratch(stages),
         ),
         grid=(kh, s // (w * r), b),
         grid_names=("kv_heads", "kv_tile", "batch"),
@@ -692,15 +874,19 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         compiler_params=params,
         interpret=interp,
         kernel_name="flash_attention_mgpu_bwd_dkdv",
-    )(q, k, v, do, lse, delta)
+    )(q, k, v, do, lse, delta, *dkdv_segs)
     return dq, dk, dv
 
 
-def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False) -> dict:
+def check_on_gpu(
+    b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False, segments=False
+) -> dict:
     """Run the kernels on this process's GPU (or, interpret=True, in the GPU interpreter) and compare
     with the fp32 reference: max abs errors of o, lse and (when H allows the Mosaic backward) dq,
     dk, dv for the cotangent do, with the reference's max abs values to read them against. Within
-    2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require."""
+    2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require.
+    segments=True: packed rows, documents of 300 tokens shifted by 97 a row (boundaries inside
+    blocks), as q and kv segment ids."""
     from .reference import attention as reference_attention
 
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -708,15 +894,17 @@ def check_on_gpu(b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, 
     kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
     v = jax.random.normal(keys[2], (b, t, k, h), dtype)
     do = jax.random.normal(keys[3], (b, t, n, h), dtype)
-    cfg = dataclasses.replace(make_config(h, t, dtype, scale=h**-0.5, causal=causal), interpret=interpret)
-    o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, None, None, cfg))(q, kk, v)
+    seg = ((jnp.arange(t)[None] + 97 * jnp.arange(b)[:, None]) // 300).astype(jnp.int32) if segments else None
+    cfg = make_config(h, t, dtype, scale=h**-0.5, causal=causal, has_segments=segments)
+    cfg = dataclasses.replace(cfg, interpret=interpret)
+    o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, seg, seg, cfg))(q, kk, v)
     f32 = lambda x: x.astype(jnp.float32)
     amax = lambda x: float(jnp.max(jnp.abs(x)))
-    ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
+    ref = lambda *a: reference_attention(*a, causal=causal, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True)
     (want_o, want_lse), ref_vjp = jax.vjp(ref, f32(q), f32(kk), f32(v))
     out = dict(o_err=amax(f32(o) - want_o), o_max=amax(want_o), lse_err=amax(lse - want_lse))
     if cfg.mosaic_backward:
-        bwd = lambda q_, k_, v_, o_, lse_, do_: backward(q_, k_, v_, None, None, o_, lse_, do_, None, cfg)
+        bwd = lambda q_, k_, v_, o_, lse_, do_: backward(q_, k_, v_, seg, seg, o_, lse_, do_, None, cfg)
         grads = jax.jit(bwd)(q, kk, v, o, lse, do)
         wants = ref_vjp((f32(do), jnp.zeros_like(want_lse)))
         for name, g, w in zip(("dq", "dk", "dv"), grads, wants):
