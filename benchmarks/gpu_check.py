@@ -76,6 +76,12 @@ def check_flash_mosaic(small: bool):
     if not small and kernel_mgpu.gpu_capability() is None:
         raise RuntimeError("the Mosaic GPU flash kernels need a Hopper GPU (compute capability 9.x)")
     yield from check_flash(small, backend="mosaic_gpu")
+    if not small:  # packed documents (segment ids), the kernels' own check at T = 2048, H = 128
+        errs = kernel_mgpu.check_on_gpu(t=2048, h=128, causal=True, segments=True)
+        what = "flash mosaic_gpu T=2048 H=128 N=4 K=2 causal segments"
+        yield f"{what}: output", errs["o_err"] / errs["o_max"], 2.0**-6
+        grads = [n for n in ("dq", "dk", "dv") if f"{n}_err" in errs]
+        yield f"{what}: {' '.join(grads)}", max(errs[f"{n}_err"] / errs[f"{n}_max"] for n in grads), 2.0**-6
 
 
 def check_linear(small: bool):
