@@ -13,7 +13,10 @@ import pytest
 from jaxsys.kernels.flash_attention import mgpu_ptx
 
 # (H, kernel) -> most (spill store, spill load) bytes allowed (ptxas 13.5, T = 4096, causal); others: none
-SPILLS = {(128, "flash_attention_mgpu_bwd_dkdv"): (52, 72)}
+SPILLS = {(128, "flash_attention_mgpu_bwd_dkdv"): (12, 24)}
+# registers the consumers take and the producer keeps: the dK/dV kernel, whose consumers hold two
+# [64, H] fp32 accumulators, takes FA3's 240 / 24 (52 / 72 B of spills at 232 / 40)
+SETMAXNREG = {"flash_attention_mgpu_bwd_dkdv": ("inc 240", "dec 24")}
 
 PTXAS = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'k' for 'sm_90a'
@@ -48,7 +51,7 @@ def test_kernels_compile_for_sm90a_with_wgmma_and_no_new_spills(h, tmp_path):
         assert s.wgmma >= 4, s  # every kernel's matmuls are wgmma (two or more per loop)
         assert s.hgmma in (None, s.wgmma), s  # each survives ptxas as one HGMMA
         # 3 warpgroups: 168 registers at launch, the producer gives some to the two consumers
-        assert s.registers <= 168 and s.setmaxnreg == ("inc 232", "dec 40"), s
+        assert s.registers <= 168 and s.setmaxnreg == SETMAXNREG.get(name, ("inc 232", "dec 40")), s
         stores, loads = SPILLS.get((h, name), (0, 0))
         assert s.spill_stores <= stores and s.spill_loads <= loads, s
     assert len(list(tmp_path.glob("module_*/*.ptx"))) == 3

@@ -699,7 +699,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        # FA3's split for two consumers (the producer keeps 24): dK and dV, two [64, H] fp32
+        # accumulators, spilled 52 / 72 B at H = 128 causal with 232 (docs: Mosaic GPU)
+        plgpu.set_max_registers(240, action="increase")
         k_smem, v_smem, p_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg]
         k0 = tile_k0 + wg * bk
         rows = (b, pl.ds(k0, bk), kvh)
@@ -725,10 +727,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
             lse2 = plgpu.load(lse_smem.at[slot], layout=col) * math.log2(math.e)
             pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
             visible = None
-            if masked:
-                kj = k0 + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
-                qi = i * bq + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-                visible = qi >= kj
+            if masked:  # query i*bq + c sees key k0 + r iff c - r >= k0 - i*bq (one scalar offset)
+                r = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
+                c_ = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
+                visible = c_ - r >= k0 - i * bq
             if segs:
                 plgpu.barrier_wait(qseg_ready.at[slot])
                 same = _seg_mask(kv_ids, plgpu.load(qseg_smem.at[slot], layout=col), (bk, bq))
@@ -775,7 +777,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(24, action="decrease")
 
         def load(j, slot):
             g, i = lax.div(j, per_head), tile_first + lax.rem(j, per_head)
