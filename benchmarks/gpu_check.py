@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.kernels import platforms
 from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 from jaxsys.kernels.linear_attention import chunked, linear_attention
 from jaxsys.kernels.paged_attention.kernel import paged_attention
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
                 rows.append(dict(check=what, rel_err=err, tolerance=tol, ok=ok))
                 print(f"{'ok  ' if ok else 'FAIL'} {what}: {err:.2e} (tolerance {tol:.1e})", flush=True)
         except Exception as e:  # one failing kernel must not hide the others
-            msg = f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
+            msg = platforms.error_line(e, 400)
             rows.append(dict(check=name, error=msg, ok=False))
             print(f"ERROR {name}: {msg}", flush=True)
             traceback.print_exc(limit=3)

@@ -84,3 +84,10 @@ def lanes(x, width: int):
     if width < LANES:
         return x[:, :width]
     return jnp.tile(x, (1, width // LANES))
+
+
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message` (cut to `limit`): how the benches and the sweep record a
+    configuration that failed, so one failure does not hide the others."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsys.kernels import tuning
+from jaxsys.kernels import platforms, tuning
 from jaxsys.kernels.flash_attention import flash_attention, reference_attention
 from jaxsys.kernels.flash_attention.bench import median_seconds
 from jaxsys.kernels.quantized_matmul import kernel as qkernel
@@ -272,7 +272,7 @@ def sweep(problem: Problem, args, log=print) -> dict | None:
                 seconds = median_seconds(fn, inputs, args.repeats, args.min_time)
             except Exception as e:  # a candidate that does not compile (e.g. shared memory) is dropped
                 dropped += 1
-                log(f"  drop {label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                log(f"  drop {label}: {platforms.error_line(e, 200)}")
                 continue
             log(f"  {metric} {seconds * 1e3:9.4f} ms  err {err:.1e}  {label}")
             results.append((seconds, config))

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsys.kernels import platforms
 from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 
 IMPLS = ("pallas", "mosaic", "cudnn", "tokamax", "xla")
@@ -163,7 +164,7 @@ def measure(impl, t, h, causal, args):
         else:
             row["err_skipped"] = f"reference scores would take {sub_gib:.0f} GiB"
     except Exception as e:  # one failing configuration must not lose the others
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        row["error"] = platforms.error_line(e)
     return row
 
 

@@ -63,6 +63,7 @@ import numpy as np
 from jax import lax
 
 from jaxsys.analysis import hardware
+from jaxsys.kernels import platforms
 from jaxsys.kernels.flash_attention.bench import median_seconds
 from jaxsys.kernels.quantized_matmul import kernel
 from jaxsys.kernels.quantized_matmul import reference as ref
@@ -221,7 +222,7 @@ def measure_shape(model, k, n, args, hw, key):
                     if "ideal_us" in row:
                         row["roofline_frac"] = row["ideal_us"] / row["us"]
                 except Exception as e:  # one failing configuration must not lose the others
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    row["error"] = platforms.error_line(e)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
         del weights
@@ -375,7 +376,7 @@ def measure_split_k_shape(model, k, n, args, hw, key, cores, deadline):
                     gbps_auto=bytes_moved(fmt, m, k, n, args.group_size)["total"] / row["us_auto"] / 1e3,
                 )
             except Exception as e:  # one failing configuration must not lose the others
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                row["error"] = platforms.error_line(e)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
         del weights
