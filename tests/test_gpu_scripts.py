@@ -28,3 +28,27 @@ def test_flash_bench_smoke_skips_the_vendor_columns_by_name(tmp_path):
     assert rows["pallas"]["fwd_bwd_err"] <= 2.0**-6 * rows["pallas"]["fwd_bwd_ref_max"]
     assert rows["cudnn"]["skipped"] == "cudnn needs a GPU"
     assert rows["tokamax"]["skipped"] == "tokamax needs a GPU"
+
+
+def test_gpu_check_json_says_which_checks_ran_to_the_end(tmp_path, monkeypatch):
+    """gpu_kernels.sh benches the Mosaic GPU kernels only if check.json's `completed` names their
+    check: a check that raises part-way keeps its earlier rows but is not listed, and the record is
+    on disk after each check (a later hang cut by the step's limit loses nothing before it)."""
+    out = tmp_path / "check.json"
+
+    def half_done(small):
+        yield "first case", 0.0, 1.0
+        raise RuntimeError("the kernel failed to launch")
+
+    def after(small):
+        assert json.loads(out.read_text())["completed"] == ["fine"]  # written before this check ran
+        yield "later case", 0.0, 1.0
+
+    monkeypatch.setitem(gpu_check.CHECKS, "half_done", half_done)
+    monkeypatch.setitem(gpu_check.CHECKS, "fine", lambda small: iter([("a case", 0.5, 1.0)]))
+    monkeypatch.setitem(gpu_check.CHECKS, "after", after)
+    assert gpu_check.main(["--only", "half_done,fine,after", "--out", str(out)]) == 1
+    record = json.loads(out.read_text())
+    assert record["completed"] == ["fine", "after"]
+    assert [r["check"] for r in record["rows"]] == ["first case", "half_done", "a case", "later case"]
+    assert "failed to launch" in record["rows"][1]["error"]
