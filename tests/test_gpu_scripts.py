@@ -19,7 +19,7 @@ def test_gpu_check_quantized_passes_with_split_k(tmp_path):
     assert any("split_k=2" in r["check"] for r in rows) and all(r["ok"] for r in rows)
 
 
-def test_flash_bench_smoke_skips_the_vendor_columns_by_name(tmp_path):
+def test_flash_bench_smoke_skips_the_vendor_columns_by_name(tmp_path, capsys):
     out = tmp_path / "flash.json"
     argv = ["--interpret-smoke", "--impls", "pallas,cudnn,tokamax,xla", "--causal", "true", "--out", str(out)]
     assert flash_bench.main(argv) == 0
@@ -28,6 +28,11 @@ def test_flash_bench_smoke_skips_the_vendor_columns_by_name(tmp_path):
     assert rows["pallas"]["fwd_bwd_err"] <= 2.0**-6 * rows["pallas"]["fwd_bwd_ref_max"]
     assert rows["cudnn"]["skipped"] == "cudnn needs a GPU"
     assert rows["tokamax"]["skipped"] == "tokamax needs a GPU"
+    # the table again from the JSON alone (what a run cut by its time limit leaves)
+    capsys.readouterr()
+    assert flash_bench.main(["--table", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("| 128 | 64 |") for line in table) == 4 and any("| pallas |" in x for x in table)
 
 
 def test_gpu_check_json_says_which_checks_ran_to_the_end(tmp_path, monkeypatch):

@@ -33,6 +33,9 @@ Timing: each function is jitted, compiled and run twice before timing; then each
 samples runs the function enough times back to back to take >= --min-time seconds, ending with
 jax.block_until_ready, and the median time per call is reported.
 
+Rows run shortest sequence first (every head dim at T = 4K before 16K) and --out is rewritten after
+each row, so a run cut by a time limit keeps what it measured; `--table OUT.json` prints its table.
+
 On a machine without a GPU the script says so and exits 0; with --interpret-smoke it instead runs
 one tiny shape in Pallas interpret mode (pallas and xla only) to check that the script works.
 """
@@ -217,6 +220,9 @@ def parse_args(argv=None):
     p.add_argument("--xla-max-gib", type=float, default=8.0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument(
+        "--table", default=None, help="print the table of a JSON written by --out (a cut run's too) and exit"
+    )
+    p.add_argument(
         "--interpret-smoke", action="store_true", help="no GPU needed: one tiny shape in Pallas interpret mode"
     )
     return p.parse_args(argv)
@@ -224,6 +230,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        print(f"{saved['device']} ({saved['backend']}), jax {saved['jax']}, {saved['date']}\n")
+        print(markdown(saved["results"]))
+        return 0
     backend = jax.default_backend()
     if args.interpret_smoke:
         # 128 queries: the Mosaic GPU kernel's smallest tile (two warpgroups of 64 rows)
@@ -239,35 +251,36 @@ def main(argv=None) -> int:
         return 0
     device = jax.devices()[0]
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    rows = []
-    for h in args.head_dims:
-        for t in args.seq_lens:
+    record = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=device.device_kind,
+        backend=backend,
+        jax=jax.__version__,
+        numpy=np.__version__,
+        command=" ".join(sys.argv),
+        flop_convention="fwd 4*B*N*T*S*H (x0.5 causal); fwd+bwd 3.5x fwd",
+        interpret_smoke=args.interpret_smoke,
+        args=vars(args),
+        results=[],
+    )
+    # the shortest sequence first for every head dim, and --out rewritten after every row: a run
+    # cut by a time limit keeps the rows it measured (T = 4K, the targets' shapes, before 16K)
+    for t in args.seq_lens:
+        for h in args.head_dims:
             for causal in causals:
                 for impl in args.impls:
                     row = measure(impl, t, h, causal, args)
-                    rows.append(row)
+                    record["results"].append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
-    table = markdown(rows)
+                    if args.out:
+                        with open(args.out, "w") as f:
+                            json.dump(record, f, indent=1)
     print(
         f"\n{device.device_kind} ({backend}), jax {jax.__version__}, {args.dtype}; "
         "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved\n"
     )
-    print(table)
+    print(markdown(record["results"]))
     if args.out:
-        record = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=device.device_kind,
-            backend=backend,
-            jax=jax.__version__,
-            numpy=np.__version__,
-            command=" ".join(sys.argv),
-            flop_convention="fwd 4*B*N*T*S*H (x0.5 causal); fwd+bwd 3.5x fwd",
-            interpret_smoke=args.interpret_smoke,
-            args=vars(args),
-            results=rows,
-        )
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
         print(f"\nwrote {args.out}")
     return 0
 
