@@ -14,8 +14,11 @@ kernel); `dispatch` runs it.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import sys
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -91,3 +94,18 @@ def error_line(e: BaseException, limit: int = 300) -> str:
     configuration that failed, so one failure does not hide the others."""
     text = str(e)
     return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
+def bench_record(module: str, argv=None, **fields) -> dict:
+    """The head of every kernel bench's JSON: when (UTC), on what (the first device's kind, the
+    backend, jax), by which command (`python -m module` and argv, default sys.argv's); then the
+    bench's own `fields` (its args, conventions, results)."""
+    args = sys.argv[1:] if argv is None else argv
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        device=jax.devices()[0].device_kind,
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        command=" ".join(["python", "-m", module, *args]),
+        **fields,
+    )

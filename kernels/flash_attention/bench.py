@@ -43,7 +43,6 @@ one tiny shape in Pallas interpret mode (pallas and xla only) to check that the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import statistics
@@ -251,13 +250,10 @@ def main(argv=None) -> int:
         return 0
     device = jax.devices()[0]
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
-    record = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=device.device_kind,
-        backend=backend,
-        jax=jax.__version__,
+    record = platforms.bench_record(
+        "jaxsys.kernels.flash_attention.bench",
+        argv,
         numpy=np.__version__,
-        command=" ".join(sys.argv),
         flop_convention="fwd 4*B*N*T*S*H (x0.5 causal); fwd+bwd 3.5x fwd",
         interpret_smoke=args.interpret_smoke,
         args=vars(args),

@@ -18,7 +18,6 @@ shape in Pallas interpret mode to check that the script itself works.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
@@ -27,6 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxsys.kernels import platforms
 from jaxsys.kernels.linear_attention import chunked, linear_attention
 
 
@@ -155,19 +155,10 @@ def main(argv=None):
     print(_table(rows))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(
-                dict(
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    device=device.device_kind,
-                    backend=backend,
-                    jax=jax.__version__,
-                    interpret=interpret,
-                    command=" ".join(sys.argv),
-                    rows=rows,
-                ),
-                f,
-                indent=1,
+            record = platforms.bench_record(
+                "jaxsys.kernels.linear_attention.bench", argv, interpret=interpret, rows=rows
             )
+            json.dump(record, f, indent=1)
     return 0
 
 

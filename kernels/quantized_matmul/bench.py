@@ -51,7 +51,6 @@ reference; exit 1 on a mismatch).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import sys
@@ -431,14 +430,10 @@ def main_split_k(args, device, hw, backend, argv) -> int:
     )
     print(markdown_split_k(rows))
     if args.out:
-        record = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=device.device_kind,
-            backend=backend,
+        record = platforms.bench_record(
+            "jaxsys.kernels.quantized_matmul.bench",
+            argv,
             cores=cores,
-            jax=jax.__version__,
-            command="python -m jaxsys.kernels.quantized_matmul.bench "
-            + " ".join(sys.argv[1:] if argv is None else argv),
             interpret_smoke=args.interpret_smoke,
             args=vars(args),
             results=rows,
@@ -617,13 +612,10 @@ def main(argv=None) -> int:
         for i, (k, n) in enumerate(layer_shapes):
             rows += measure_shape(model, k, n, args, hw, jax.random.fold_in(key, i))
     finish(rows)
-    record = dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        device=device.device_kind,
-        backend=backend,
-        jax=jax.__version__,
+    record = platforms.bench_record(
+        "jaxsys.kernels.quantized_matmul.bench",
+        argv,
         numpy=np.__version__,
-        command="python -m jaxsys.kernels.quantized_matmul.bench " + " ".join(sys.argv[1:] if argv is None else argv),
         hardware=None
         if hw is None
         else dict(name=hw.name, hbm_bytes_per_s=hw.hbm_bytes_per_s, peak_flops=hw.peak_flops),
