@@ -594,7 +594,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        # FA3's 240 / 24 split, as in dK/dV: at H = 256 the [64, 256] fp32 dQ accumulator plus the
+        # causal kernel's two loop bodies spilled 36 / 56 B with 232 / 40 (docs: Mosaic GPU)
+        plgpu.set_max_registers(240, action="increase")
         q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
         q0 = tile_q0 + wg * bq
         rows = (b, pl.ds(q0, bq), n)
@@ -665,7 +667,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(24, action="decrease")
         kv_head = lax.div(n, jnp.int32(group))
 
         def load(j, slot):
