@@ -579,7 +579,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
     # segment ids: own q ids and a kv id ring (freed with the K/V slot), their ready barriers
     (qseg_smem2, kseg_smem), (qseg_ready, kseg_ready) = seg[0] if seg else ((None, None), (None, None))
     q_smem2, do_smem2, lse_smem2, delta_smem2, ds_smem2, k_smem, v_smem = own
-    bq, bk = BWD_ROWS, k_smem.shape[1]  # bk divides bq (`_bwd_plan`)
+    bq, bk = BWD_ROWS, k_smem.shape[1]  # bk: 64, or 32 at H = 256 (`backward`)
     h, dtype = q_ref.shape[-1], q_ref.dtype
     b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     tile_q0 = lax.axis_index("q_tile") * (COMPUTE_WGS * bq)
@@ -958,7 +958,7 @@ def check_on_gpu(
     b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False, segments=False
 ) -> dict:
     """Run the kernels on this process's GPU (or, interpret=True, in the GPU interpreter) and compare
-    with the fp32 reference: max abs errors of o, lse and (when H allows the Mosaic backward) dq,
+    with the fp32 reference: max abs errors of o, lse and (where the Mosaic backward applies) dq,
     dk, dv for the cotangent do, with the reference's max abs values to read them against. Within
     2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require.
     segments=True: packed rows, documents of 300 tokens shifted by 97 a row (boundaries inside
