@@ -7,8 +7,8 @@ lengths 1K..32K and head dims 64 and 128, all in one run on the same device, for
 
   pallas  jaxsys.kernels.flash_attention.flash_attention(backend="generic") (Triton on GPU)
   mosaic  flash_attention(backend="mosaic_gpu"): the Hopper kernels (kernel_mgpu.py), forward and
-          (H = 64 / 128) backward, Triton's backward at H = 256; only on compute capability 9.x
-          for supported shapes (else skipped, with the reason)
+          backward (H = 64 / 128 / 256); only on compute capability 9.x for supported shapes
+          (else skipped, with the reason)
   cudnn   jax.nn.dot_product_attention(..., implementation="cudnn")
   tokamax tokamax.dot_product_attention(..., implementation="mosaic"): tokamax's Mosaic GPU kernel,
           a vendor-grade Pallas baseline (needs the `tokamax` package and a GPU; else skipped)

@@ -46,8 +46,8 @@ get kernel_tpu.py's Mosaic variant. The public functions choose per lowering pla
 for is lowered), so a program jitted on a CPU host and lowered ahead of time for TPU devices gets
 the Mosaic kernels; `backend="tpu"` or `backend="generic"` forces one variant (kernels/platforms.py).
 On a Hopper GPU, a supported call runs kernel_mgpu.py's Mosaic GPU kernels instead of Triton
-(`_mgpu_config` decides at trace time; `backend="mosaic_gpu"` forces them); at H = 256 their
-backward is the generic one here.
+(`_mgpu_config` decides at trace time; `backend="mosaic_gpu"` forces them); their backward is the
+generic one here only where kernel_mgpu's does not apply (S not a multiple of 128).
 """
 
 from __future__ import annotations
@@ -548,7 +548,7 @@ def _mgpu_config(backend, interpret, q, s, scale, causal, has_segments, generic_
             return None
     elif (why := kernel_mgpu.supported(t, s, h, q.dtype, **kw)) is not None:
         raise ValueError(f"backend='mosaic_gpu' cannot run this call: {why}")
-    # the generic config runs the backward where the Mosaic one does not (H = 256)
+    # the generic config runs the backward where the Mosaic one does not (S not a multiple of 128)
     return kernel_mgpu.make_config(
         h, s, q.dtype, scale=scale, causal=bool(causal), backward=generic_cfg, has_segments=has_segments
     )
@@ -598,7 +598,7 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
 
 def _mgpu_backward(*args, cfg: kernel_mgpu.MgpuConfig):
     """The Mosaic GPU variant's backward, from its o and lse: kernel_mgpu's dQ and dK/dV kernels
-    where they apply (H = 64 / 128, S a multiple of 128), else the generic kernels (Triton, or
+    where they apply (S a multiple of 128), else the generic kernels (Triton, or
     interpreted with the forward)."""
     if cfg.mosaic_backward:
         return kernel_mgpu.backward(*args, cfg=cfg)

@@ -33,14 +33,17 @@ it keeps passing the free and schedule barriers for the steps it skips, so neith
 ping-pong deadlocks. Programs are launched longest-first (the q tile index is reversed) so the
 short causal tiles fill the tail of the grid.
 
-Backward (`backward`, H = 64 / 128, S a multiple of 128; kernel.py's custom_vjp uses the generic
-FlashAttention-2 backward for H = 256, whose dK and dV accumulators alone would need 256
-registers a thread). Delta = rowsum(dO * O) - dlse is computed in plain JAX; both kernels
-recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row blocks:
+Backward (`backward`, H = 64 / 128 / 256, S a multiple of 128; otherwise kernel.py's custom_vjp
+uses the generic FlashAttention-2 backward). Delta = rowsum(dO * O) - dlse is computed in plain
+JAX; both kernels recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row
+blocks:
 - dQ kernel, one program per (query head, 128 queries, batch): each compute warpgroup keeps its
-  Q, dO, lse and Delta rows resident; the memory warpgroup streams K and V blocks (causal: up to
-  the tile's diagonal) through a ring; per block S = Q K^T, dP = dO V^T, dS = P (dP - Delta),
-  dQ += dS K (three wgmmas), and dQ is scaled at the end.
+  Q, dO, lse and Delta rows resident; the memory warpgroup streams K and V blocks of bk keys
+  (causal: up to the tile's diagonal) through a ring; per block S = Q K^T, dP = dO V^T,
+  dS = P (dP - Delta), dQ += dS K (three wgmmas), and dQ is scaled at the end. bk = 64, or 32 at
+  H = 256 (the resident Q and dO alone take 128 KiB there; two 32 KiB slots fit beside them).
+  Causal: the blocks before a warpgroup's rows are unmasked, the 64 / bk blocks of its own rows'
+  keys are masked.
 - dK/dV kernel, one program per (kv head, 128 keys, batch): each compute warpgroup keeps its K and
   V rows resident; the memory warpgroup streams, for each of the G query heads of the group in
   turn, the Q, dO, lse and Delta blocks from the tile's diagonal on (causal) through a ring; per
@@ -48,6 +51,20 @@ recompute P = exp2(c S - log2(e) lse) from the forward's lse and use 64-row bloc
   The sum over the group happens in the kernel: no per-query-head dK/dV, no repeat of K/V.
   Causal: only a warpgroup's diagonal block is masked; warpgroup 1 skips (waits and frees)
   warpgroup 0's diagonal block of every head.
+- dK/dV at H = 256 (BWD_SPLIT_HEAD_DIMS; FlashAttention-3's hdim-256 backward): a warpgroup's own
+  dK and dV [64, 256] fp32 accumulators would need 256 registers a thread, so one program per
+  (kv head, 64 keys, batch) and the two warpgroups share its resident K and V. Per streamed block
+  of 64 queries, warpgroup w takes query columns [32 w, 32 w + 32): S^T_w = K Q_w^T [64, 32]
+  (full H), P^T_w, dP^T_w = V dO_w^T, dS^T_w; it stores P^T_w and dS^T_w into its columns of a
+  shared [64 keys, P^T | dS^T] exchange buffer, the two pass a two-arrival barrier, and warpgroup w
+  accumulates its half of the head dim, dV[:, w] += P^T dO[:, w] and dK[:, w] += dS^T Q[:, w]
+  ([64, 128] each: 128 accumulator registers). The same barrier, passed once more before the next
+  block's stores, keeps either warpgroup from overwriting the buffer while the other's wgmmas still
+  read it; at the end both stage their dK / dV halves into the K / V tiles and warpgroup 0 stores
+  them. No product is computed twice: S^T and dP^T are split by queries, dK and dV by head columns.
+  Both warpgroups run every block (the diagonal one masked), so neither skips. The 32-wide tiles
+  (dQ's key blocks, the exchange halves) need the 64-byte swizzle, and a wgmma's two operands share
+  one, so both H = 256 kernels use it throughout (128-byte elsewhere).
 There is no ping-pong in the backward (one schedule would need both kernels' softmax-like parts
 to be long enough to hide; not measured).
 
@@ -69,7 +86,8 @@ Interpret mode (cfg.interpret, backend="mosaic_gpu" on CPU): Pallas' GPU interpr
 warpgroups, barriers and TMA copies on the CPU, one thread per warpgroup. It cannot run two
 constructs of the compiled kernels, so the interpreted variant differs in exactly these (jax
 0.11.2): a wgmma operand held in registers (P in the forward, dS, P^T and dS^T in the backward)
-goes through shared memory (the interpreter's wgmma reads only shared-memory operands), and an
+goes through shared memory (the interpreter's wgmma reads only shared-memory operands; the H = 256
+dK/dV exchange is shared memory on the GPU too), and an
 accumulating wgmma goes into a fresh accumulator added to the old one (it cannot run
 `pl.run_state` over an accumulator, which the GPU kernels use to accumulate in place): the
 `_lhs` / `_accumulate` helpers and the forward's two `if cfg.interpret` branches. Everything else
@@ -118,7 +136,10 @@ COMPUTE_WGS = 2
 SMEM_LIMIT_BYTES = 227 * 1024  # sm_90's largest dynamic shared memory per block
 HEAD_DIMS = (64, 128, 256)
 BWD_ROWS = 64  # rows per compute warpgroup, and the streamed block, in both backward kernels
-BWD_HEAD_DIMS = (64, 128)  # H = 256: dK and dV accumulators alone would need 256 registers a thread
+BWD_HEAD_DIMS = (64, 128, 256)
+# dK/dV at these H: both warpgroups share 64 keys and split the head dim (FA3's hdim-256 backward):
+# a warpgroup's own dK and dV [64, H] fp32 accumulators would need 256 registers a thread
+BWD_SPLIT_HEAD_DIMS = (256,)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LN2 = math.log(2.0)
 # Finite stand-in for -inf with segment ids (kernel.py's): a row may see no key in a block, or at
@@ -538,10 +559,10 @@ def _product(a, b, shape):
 def _bwd_stages(
     h: int, block: int, per_stage_arrays: int, resident: int, itemsize: int = 2, has_segments: bool = False
 ) -> int:
-    """Ring slots that fit beside the resident tiles (both warpgroups' own [64, H] tiles); with
-    segment ids, int32 id rows in the ring and resident."""
+    """Ring slots of `per_stage_arrays` [block, H] tiles that fit beside `resident` [64, H] tiles
+    and two [64, block] P / dS tiles; with segment ids, int32 id rows in the ring and resident."""
     budget = SMEM_LIMIT_BYTES - 4096
-    fixed = itemsize * resident * COMPUTE_WGS * BWD_ROWS * h + itemsize * COMPUTE_WGS * BWD_ROWS * block
+    fixed = itemsize * resident * BWD_ROWS * h + itemsize * COMPUTE_WGS * BWD_ROWS * block
     fixed += 4 * COMPUTE_WGS * BWD_ROWS if has_segments else 0
     per_stage = itemsize * per_stage_arrays * block * h + (12 if has_segments else 8) * block
     return max(1, min(4, (budget - fixed) // per_stage))
@@ -558,7 +579,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
     # segment ids: own q ids and a kv id ring (freed with the K/V slot), their ready barriers
     (qseg_smem2, kseg_smem), (qseg_ready, kseg_ready) = seg[0] if seg else ((None, None), (None, None))
     q_smem2, do_smem2, lse_smem2, delta_smem2, ds_smem2, k_smem, v_smem = own
-    bq = bk = BWD_ROWS
+    bq, bk = BWD_ROWS, k_smem.shape[1]  # bk: 64, or 32 at H = 256 (`backward`)
     h, dtype = q_ref.shape[-1], q_ref.dtype
     b, n, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     tile_q0 = lax.axis_index("q_tile") * (COMPUTE_WGS * bq)
@@ -573,7 +594,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        # FA3's 240 / 24 split, as in dK/dV: at H = 256 the [64, 256] fp32 dQ accumulator plus the
+        # causal kernel's two loop bodies spilled 36 / 56 B with 232 / 40 (docs: Mosaic GPU)
+        plgpu.set_max_registers(240, action="increase")
         q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
         q0 = tile_q0 + wg * bq
         rows = (b, pl.ds(q0, bq), n)
@@ -590,7 +613,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
             q_ids = plgpu.load(qseg_smem2.at[wg], layout=row)
         lse2 = plgpu.load(lse_smem2.at[wg], layout=row) * math.log2(math.e)
         delta = plgpu.load(delta_smem2.at[wg], layout=row)
-        steps = lax.div(q0 + bq, jnp.int32(bk)) if cfg.causal else num_kv  # bq == bk: the diagonal block
+        # causal: the blocks before q0 are wholly visible, the bq / bk blocks of the rows' own keys
+        # straddle the diagonal (masked)
+        steps = lax.div(q0 + bq, jnp.int32(bk)) if cfg.causal else num_kv
         n_full = lax.div(q0, jnp.int32(bk)) if cfg.causal else num_kv
         if segs:
             steps = jnp.maximum(jnp.minimum(steps, tile_steps), first)
@@ -642,7 +667,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, grou
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(24, action="decrease")
         kv_head = lax.div(n, jnp.int32(group))
 
         def load(j, slot):
@@ -675,17 +700,19 @@ def _stream(load, free, total, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(j, jnp.int32(stages))])
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, t, stages, has_segments):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, t, stages, has_segments, split):
     segs, (dk_ref, dv_ref, *scratch) = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
-    own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free, *seg = scratch
+    own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free, *rest = scratch
+    xchg = rest.pop(0) if split else None  # split: the two-arrival barrier guarding the P^T / dS^T exchange
     # segment ids: own kv ids and a q id ring (freed with the Q/dO/lse/Delta slot), their barriers
-    (kseg_smem2, qseg_smem), (kseg_ready, qseg_ready) = seg[0] if seg else ((None, None), (None, None))
+    (kseg_smem2, qseg_smem), (kseg_ready, qseg_ready) = rest[0] if rest else ((None, None), (None, None))
     k_smem2, v_smem2, p_smem2 = own
     q_smem, do_smem, lse_smem, delta_smem = ring
     bk = bq = BWD_ROWS
     h, dtype = k_ref.shape[-1], k_ref.dtype
     b, kvh, wg = lax.axis_index("batch"), lax.axis_index("kv_heads"), lax.axis_index("wg")
-    tile_k0 = lax.axis_index("kv_tile") * (COMPUTE_WGS * bk)
+    keys = bk if split else COMPUTE_WGS * bk  # per program: shared by both warpgroups when split
+    tile_k0 = lax.axis_index("kv_tile") * keys
     num_q = t // bq
     # q blocks this tile needs, per query head of the group: causal starts at the tile's diagonal
     tile_first = lax.div(tile_k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)
@@ -697,23 +724,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
     per_head = q_end - tile_first
     c = cfg.scale * math.log2(math.e)
 
+    def pass_xchg():
+        plgpu.barrier_arrive(xchg)
+        plgpu.barrier_wait(xchg)
+
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         # FA3's split for two consumers (the producer keeps 24): dK and dV, two [64, H] fp32
-        # accumulators, spilled 52 / 72 B at H = 128 causal with 232 (docs: Mosaic GPU)
+        # accumulators (split: [64, H / 2]), spilled 52 / 72 B at H = 128 causal with 232 (docs: Mosaic GPU)
         plgpu.set_max_registers(240, action="increase")
-        k_smem, v_smem, p_smem = k_smem2.at[wg], v_smem2.at[wg], p_smem2.at[wg]
-        k0 = tile_k0 + wg * bk
+        mine = 0 if split else wg  # the warpgroup's own K and V rows (split: the program's, shared)
+        k_smem, v_smem = k_smem2.at[mine], v_smem2.at[mine]
+        k0 = tile_k0 + (0 if split else wg * bk)
+        # split: this warpgroup's query columns of each block (S^T, dP^T) and head columns (dK, dV)
+        nq, hw = (bq // 2, h // 2) if split else (bq, h)
+        qcols, hcols = pl.ds(wg * nq if split else 0, nq), pl.ds(wg * hw if split else 0, hw)
         rows = (b, pl.ds(k0, bk), kvh)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, own_ready.at[wg * 2])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, own_ready.at[wg * 2 + 1])
-        plgpu.barrier_wait(own_ready.at[wg * 2])
-        plgpu.barrier_wait(own_ready.at[wg * 2 + 1])
         col = plgpu.Layout.WGMMA.reduce(0)
+
+        def load_own():
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, own_ready.at[mine * 2])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, own_ready.at[mine * 2 + 1])
+            if segs:
+                plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(k0, bk)], kseg_smem2.at[mine], kseg_ready.at[mine])
+
+        pl.when(wg == 0)(load_own) if split else load_own()
+        plgpu.barrier_wait(own_ready.at[mine * 2])
+        plgpu.barrier_wait(own_ready.at[mine * 2 + 1])
         if segs:
-            plgpu.copy_gmem_to_smem(segs[1].at[b, pl.ds(k0, bk)], kseg_smem2.at[wg], kseg_ready.at[wg])
-            plgpu.barrier_wait(kseg_ready.at[wg])
-            kv_ids = plgpu.load(kseg_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(kseg_ready.at[mine])
+            kv_ids = plgpu.load(kseg_smem2.at[mine], layout=plgpu.Layout.WGMMA.reduce(1))
         first = lax.div(k0, jnp.int32(bq)) if cfg.causal else jnp.int32(0)  # this warpgroup's diagonal block
         if segs:
             first = jnp.minimum(jnp.maximum(first, tile_first), q_end)
@@ -721,29 +761,41 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
         def step(g, i, carry, *, masked: bool):
             dk, dv = carry
             slot = lax.rem(g * per_head + i - tile_first, jnp.int32(stages))
+            q_blk, do_blk = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
-            st = _product(k_smem, q_smem.at[slot].transpose((1, 0)), (bk, bq))  # S^T
-            lse2 = plgpu.load(lse_smem.at[slot], layout=col) * math.log2(math.e)
+            st = _product(k_smem, q_blk.at[qcols].transpose((1, 0)), (bk, nq))  # S^T
+            lse2 = plgpu.load(lse_smem.at[slot, qcols], layout=col) * math.log2(math.e)
             pt = jnp.exp2(st * c - lax.broadcast_in_dim(lse2, st.shape, [1]))
             visible = None
-            if masked:  # query i*bq + c sees key k0 + r iff c - r >= k0 - i*bq (one scalar offset)
-                r = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=plgpu.Layout.WGMMA)
-                c_ = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=plgpu.Layout.WGMMA)
-                visible = c_ - r >= k0 - i * bq
+            if masked:  # query i*bq + q_col + c sees key k0 + r iff c - r >= k0 - i*bq - q_col
+                r = plgpu.broadcasted_iota(jnp.int32, (bk, nq), 0, layout=plgpu.Layout.WGMMA)
+                c_ = plgpu.broadcasted_iota(jnp.int32, (bk, nq), 1, layout=plgpu.Layout.WGMMA)
+                visible = c_ - r >= k0 - i * bq - (wg * nq if split else 0)
             if segs:
                 plgpu.barrier_wait(qseg_ready.at[slot])
-                same = _seg_mask(kv_ids, plgpu.load(qseg_smem.at[slot], layout=col), (bk, bq))
+                same = _seg_mask(kv_ids, plgpu.load(qseg_smem.at[slot, qcols], layout=col), (bk, nq))
                 visible = same if visible is None else jnp.logical_and(visible, same)
             if visible is not None:  # also zeroes empty rows' P (inf: their lse is -inf)
                 pt = jnp.where(visible, pt, 0.0)
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
-            dv = _accumulate(dv, _lhs(pt.astype(dtype), p_smem, cfg.interpret), do_smem.at[slot], cfg.interpret)
-            dpt = _product(v_smem, do_smem.at[slot].transpose((1, 0)), (bk, bq))
-            delta = plgpu.load(delta_smem.at[slot], layout=col)
+            if not split:  # dV first: P^T's registers are free again before dP^T takes its own
+                dv = _accumulate(dv, _lhs(pt.astype(dtype), p_smem2.at[wg], cfg.interpret), do_blk, cfg.interpret)
+            dpt = _product(v_smem, do_blk.at[qcols].transpose((1, 0)), (bk, nq))
+            delta = plgpu.load(delta_smem.at[slot, qcols], layout=col)
             dst = (pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))).astype(dtype)
-            dk = _accumulate(dk, _lhs(dst, p_smem, cfg.interpret), q_smem.at[slot], cfg.interpret)
+            if split:  # exchange the query halves through shared memory: [64 keys, P^T | dS^T]
+                pass_xchg()  # the other warpgroup's wgmmas have read the last block's P^T, dS^T
+                p_smem2.at[:, pl.ds(wg * nq, nq)][...] = pt.astype(dtype)
+                p_smem2.at[:, pl.ds(bq + wg * nq, nq)][...] = dst
+                plgpu.commit_smem()
+                pass_xchg()  # both halves written
+                # (static column slices: an integer index would enter run_state as a constant)
+                dv = _accumulate(dv, p_smem2.at[:, pl.ds(0, bq)], do_blk.at[:, hcols], cfg.interpret)
+                dk = _accumulate(dk, p_smem2.at[:, pl.ds(bq, bq)], q_blk.at[:, hcols], cfg.interpret)
+            else:
+                dk = _accumulate(dk, _lhs(dst, p_smem2.at[wg], cfg.interpret), q_blk, cfg.interpret)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
 
@@ -754,6 +806,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
             plgpu.barrier_arrive(free.at[slot])
 
         def head(g, carry):
+            # split: k0 is the tile's, so first == tile_first and no warpgroup skips a block
             if segs:  # every block masked; the causal compare is all true past the diagonal block
                 if cfg.causal:
                     pl.loop(tile_first, first)(lambda i: skip(g, i))
@@ -766,14 +819,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
                 start = jnp.int32(0)
             return lax.fori_loop(start, num_q, lambda i, cr: step(g, i, cr, masked=False), carry)
 
-        zeros = plgpu.layout_cast(jnp.full((bk, h), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        zeros = plgpu.layout_cast(jnp.full((bk, hw), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-        k_smem[...] = (dk * cfg.scale).astype(dtype)
-        v_smem[...] = dv.astype(dtype)
+        # K and V are free: split, both warpgroups are past the last block's exchange (and its S^T, dP^T)
+        k_smem.at[:, hcols][...] = (dk * cfg.scale).astype(dtype)
+        v_smem.at[:, hcols][...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
-        plgpu.wait_smem_to_gmem(0)
+
+        def store():
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        if split:
+            pass_xchg()  # both head halves staged
+            pl.when(wg == 0)(store)
+        else:
+            store()
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -805,33 +867,39 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     has_segments = q_seg is not None
     segs = (q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)) if has_segments else ()
     # the kv blocks each dQ tile can see, and the q blocks each dK/dV tile can (`_block_ranges`)
-    dq_segs = (*segs, _block_ranges(segs[0], segs[1], 2 * BWD_ROWS, BWD_ROWS)) if has_segments else ()
-    dkdv_segs = (*segs, _block_ranges(segs[1], segs[0], 2 * BWD_ROWS, BWD_ROWS)) if has_segments else ()
+    r, w = BWD_ROWS, COMPUTE_WGS
+    # split: dK/dV programs of 64 keys shared by both warpgroups; dQ streams 32-key blocks (its
+    # resident Q and dO take 128 KiB at H = 256). The 32-wide tiles (dQ's key block, the halves of
+    # the P^T / dS^T exchange) need the 64-byte swizzle, and a wgmma's operands share one swizzle.
+    split = h in BWD_SPLIT_HEAD_DIMS
+    dq_block, dkdv_keys, swizzle = (r // 2, r, 64) if split else (r, w * r, 128)
+    dq_segs = (*segs, _block_ranges(segs[0], segs[1], w * r, dq_block)) if has_segments else ()
+    dkdv_segs = (*segs, _block_ranges(segs[1], segs[0], dkdv_keys, r)) if has_segments else ()
     delta = jnp.einsum("btnh,btnh->bnt", do.astype(jnp.float32), o.astype(jnp.float32))
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
     do = do.astype(q.dtype)
     lse = lse.astype(jnp.float32)
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # type: ignore[abstract]
+    tiling = (8, swizzle // q.dtype.itemsize)
+    transforms = (plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
     tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)
     rows = lambda *shape: plgpu.SMEM(shape, jnp.float32)
-    r, w = BWD_ROWS, COMPUTE_WGS
     interp = plgpu.InterpretGPUParams() if cfg.interpret else None
     params = plgpu.CompilerParams(approx_math=True)
 
-    # with segment ids: (own ids [w, r], ring of streamed ids [stages, r]) and their barriers
-    seg_scratch = lambda stages: (
+    # with segment ids: (own ids [mine, r], ring of streamed ids [stages, block]) and their barriers
+    seg_scratch = lambda stages, block, mine=w: (
         (
             (
-                (plgpu.SMEM((w, r), jnp.int32), plgpu.SMEM((stages, r), jnp.int32)),
-                (plgpu.Barrier(num_barriers=w), plgpu.Barrier(num_barriers=stages)),
+                (plgpu.SMEM((mine, r), jnp.int32), plgpu.SMEM((stages, block), jnp.int32)),
+                (plgpu.Barrier(num_barriers=mine), plgpu.Barrier(num_barriers=stages)),
             ),
         )
         if has_segments
         else ()
     )
 
-    stages = min(_bwd_stages(h, r, 2, 2, has_segments=has_segments), s // r)
+    stages = min(_bwd_stages(h, dq_block, 2, 2 * w, has_segments=has_segments), s // dq_block)
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages, has_segments=has_segments),
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -841,13 +909,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
                 tile(w, r, h),
                 rows(w, r),
                 rows(w, r),
-                tile(w, r, r),
-                tile(stages, r, h),
-                tile(stages, r, h),
+                tile(w, r, dq_block),
+                tile(stages, dq_block, h),
+                tile(stages, dq_block, h),
             ),
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4 * w)),
             plgpu.Barrier(num_arrivals=w, num_barriers=stages),
-            *seg_scratch(stages),
+            *seg_scratch(stages, dq_block),
         ),
         grid=(n, t // (w * r), b),
         grid_names=("heads", "q_tile", "batch"),
@@ -858,18 +926,24 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         kernel_name="flash_attention_mgpu_bwd_dq",
     )(q, k, v, do, lse, delta, *dq_segs)
 
-    stages = min(_bwd_stages(h, r, 2, 2, has_segments=has_segments), (n // kh) * (t // r))
+    mine = 1 if split else w  # own K, V (and key ids) rows: split, the program's, shared
+    stages = min(_bwd_stages(h, r, 2, 2 * mine, has_segments=has_segments), (n // kh) * (t // r))
     dk, dv = plgpu.kernel(
-        functools.partial(_dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages, has_segments=has_segments),
+        functools.partial(
+            _dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages, has_segments=has_segments, split=split
+        ),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=(
-            (tile(w, r, h), tile(w, r, h), tile(w, r, r)),
+            # P^T [64 keys, 64 queries] per warpgroup for the second wgmma; split, the exchanged
+            # P^T and dS^T side by side
+            (tile(mine, r, h), tile(mine, r, h), tile(r, 2 * r) if split else tile(w, r, r)),
             (tile(stages, r, h), tile(stages, r, h), rows(stages, r), rows(stages, r)),
-            (*(plgpu.Barrier(num_barriers=stages) for _ in range(4)), plgpu.Barrier(num_barriers=2 * w)),
+            (*(plgpu.Barrier(num_barriers=stages) for _ in range(4)), plgpu.Barrier(num_barriers=2 * mine)),
             plgpu.Barrier(num_arrivals=w, num_barriers=stages),
-            *seg_scratch(stages),
+            *([plgpu.Barrier(num_arrivals=w)] if split else []),
+            *seg_scratch(stages, r, mine),
         ),
-        grid=(kh, s // (w * r), b),
+        grid=(kh, s // dkdv_keys, b),
         grid_names=("kv_heads", "kv_tile", "batch"),
         num_threads=w + 1,
         thread_name="wg",
@@ -884,7 +958,7 @@ def check_on_gpu(
     b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False, segments=False
 ) -> dict:
     """Run the kernels on this process's GPU (or, interpret=True, in the GPU interpreter) and compare
-    with the fp32 reference: max abs errors of o, lse and (when H allows the Mosaic backward) dq,
+    with the fp32 reference: max abs errors of o, lse and (where the Mosaic backward applies) dq,
     dk, dv for the cotangent do, with the reference's max abs values to read them against. Within
     2^-7 (o) and 2^-6 (gradients) of those maxima is what the interpret-mode tests require.
     segments=True: packed rows, documents of 300 tokens shifted by 97 a row (boundaries inside
