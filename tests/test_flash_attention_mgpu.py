@@ -79,10 +79,13 @@ def test_interpreted_kernel_long_causal_rows():
 
 
 GRAD_CASES = {
-    # Mosaic backward (H = 64): causal, MQA-like G = 2, the lse cotangent
+    # Mosaic backward (H = 64, fused: dQ added into an fp32 accumulator by the dK/dV kernel; its
+    # interpreted variant stores one part per warpgroup and kv tile): causal, G = 2, the lse cotangent
     "mosaic_causal_gqa": (1, 256, 2, 1, 64, True),
     # Mosaic backward, full attention, G = 2 of K = 2
     "mosaic_full_gqa": (1, 128, 4, 2, 64, False),
+    # the split backward (a dQ kernel beside dK/dV), causal, H = 128
+    "mosaic_split_causal_gqa_h128": (1, 256, 2, 1, 128, True),
     # H = 256: dK/dV warpgroups split the head dim over shared 64-key programs, dQ streams 32-key
     # blocks through a ring that wraps; causal, G = 2
     "mosaic_h256_causal_gqa": (1, 128, 2, 1, 256, True),
@@ -109,7 +112,8 @@ def test_gradients_match_reference(name):
         return value
 
     mgpu = lambda *a: flash_attention(*a, causal=causal, return_lse=True, backend="mosaic_gpu")
-    got = jax.grad(loss(mgpu), argnums=(0, 1, 2))(q, kk, v)
+    with kernel_mgpu.backward_variant("split" if "split" in name else "fused"):
+        got = jax.grad(loss(mgpu), argnums=(0, 1, 2))(q, kk, v)
     f32 = [x.astype(jnp.float32) for x in (q, kk, v)]
     ref = lambda *a: reference_attention(*a, causal=causal, return_lse=True)
     want = jax.grad(loss(ref), argnums=(0, 1, 2))(*f32)
@@ -289,17 +293,20 @@ QKV = [(1, 256, 4, 128), (1, 256, 2, 128), (1, 256, 2, 128)]
 
 
 def test_backend_none_picks_mosaic_on_hopper():
-    """Forward and both backward kernels at H = 128, with segment ids too (packed rows), and at
-    H = 256."""
+    """The forward and the fused backward kernel at H = 128 (the split backward: its two), with
+    segment ids too (packed rows); at H = 256 the split backward (its dK/dV splits the head dim)."""
     loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True).astype(jnp.float32))
     grad = jax.grad(loss, argnums=(0, 1, 2))
-    assert _custom_calls(grad, QKV) == ["mosaic_gpu_v2"] * 3
+    assert _custom_calls(grad, QKV) == ["mosaic_gpu_v2"] * 2
+    with kernel_mgpu.backward_variant("split"):  # read when traced: a fresh function
+        split_grad = jax.grad(lambda *a: loss(*a), argnums=(0, 1, 2))
+        assert _custom_calls(split_grad, QKV) == ["mosaic_gpu_v2"] * 3
 
     def packed(q, k, v):
         seg = jnp.cumsum(jnp.arange(q.shape[1]) % 100 == 99)[None].astype(jnp.int32)
         return jnp.sum(flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg))
 
-    assert _custom_calls(jax.grad(packed, argnums=(0, 1, 2)), QKV) == ["mosaic_gpu_v2"] * 3
+    assert _custom_calls(jax.grad(packed, argnums=(0, 1, 2)), QKV) == ["mosaic_gpu_v2"] * 2
     wide = [(*shape[:3], 256) for shape in QKV]
     assert _custom_calls(grad, wide) == ["mosaic_gpu_v2"] * 3
 
@@ -344,8 +351,9 @@ def test_capability_from_the_abstract_device_kind(kind, capability):
 @pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
 def test_deviceless_h100_compile_keeps_the_mosaic_kernels():
     """The AOT path: a CPU host, a mesh of compile-only H100 devices, the kernels in shard_map.
-    XLA:GPU's deviceless compile of the gradient keeps the three Mosaic GPU custom calls (the
-    kernels' own PTX/SASS is built when the executable runs on a GPU: no PTX in the compiled text)."""
+    XLA:GPU's deviceless compile of the gradient keeps the two Mosaic GPU custom calls (forward;
+    dK/dV with dQ added in place into an fp32 accumulator the call aliases) (the kernels' own
+    PTX/SASS is built when the executable runs on a GPU: no PTX in the compiled text)."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -355,9 +363,10 @@ def test_deviceless_h100_compile_keeps_the_mosaic_kernels():
     grad = jax.grad(loss, argnums=(0, 1, 2))
     f = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3, check_vma=False))
     lowered = f.lower(*args)
-    assert re.findall(r"custom_call @([\w$.]+)", lowered.as_text()) == ["mosaic_gpu_v2"] * 3
+    assert re.findall(r"custom_call @([\w$.]+)", lowered.as_text()) == ["mosaic_gpu_v2"] * 2
+    assert lowered.as_text().count("#stablehlo.output_operand_alias<") == 1  # the dQ accumulator, in place
     compiled = lowered.compile().as_text()
-    assert re.findall(r'custom_call_target="([^"]+)"', compiled) == ["mosaic_gpu_v2"] * 3
+    assert re.findall(r'custom_call_target="([^"]+)"', compiled) == ["mosaic_gpu_v2"] * 2
     assert ".target sm_90" not in compiled
 
 
@@ -417,26 +426,41 @@ def _packed_ids(t):
 
 
 @pytest.mark.parametrize(
-    "h, causal, segments",
-    [(64, True, False), (128, False, False), (128, True, True), (256, True, False), (256, False, True)],
+    "h, causal, segments, variant",
+    [
+        (64, True, False, "fused"),
+        (128, False, False, "fused"),
+        (128, True, True, "fused"),
+        (128, True, True, "split"),
+        (256, True, False, "split"),
+        (256, False, True, "split"),
+    ],
 )
-def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, segments, tmp_path, monkeypatch):
-    """With segment ids, two more TMA loads per kernel: the resident and the streamed ids. H = 256:
-    the 64-byte swizzle and the dK/dV kernel's P^T / dS^T exchange buffer lower, in <= 227 KiB."""
+def test_backward_kernels_lower_within_hopper_shared_memory(h, causal, segments, variant, tmp_path, monkeypatch):
+    """With segment ids, two more TMA loads per kernel: the resident and the streamed ids. Fused:
+    one kernel with five wgmmas a block (S^T, dV, dP^T, dK, dQ) whose dQ leaves by TMA reduce-add
+    (`reduction_op` 0 is Add) beside the plain stores of dK and dV; split: a dQ kernel beside it.
+    H = 256 (split only): the 64-byte swizzle and the dK/dV kernel's P^T / dS^T exchange buffer
+    lower, in <= 227 KiB."""
     monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     t = 512
     seg = _packed_ids(t) if segments else None
     kw = dict(causal=causal, q_segment_ids=seg, kv_segment_ids=seg, backend="mosaic_gpu", interpret=False)
     loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, **kw))
-    assert (
-        _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)])
-        == ["mosaic_gpu_v2"] * 3
-    )
-    for name, stores in (("dq", 1), ("dkdv", 2)):
+    fused = variant == "fused"
+    with kernel_mgpu.backward_variant(variant):
+        calls = _custom_calls(jax.grad(loss, argnums=(0, 1, 2)), [(1, t, 4, h), (1, t, 2, h), (1, t, 2, h)])
+    assert calls == ["mosaic_gpu_v2"] * (2 if fused else 3)
+    assert not fused or not list(tmp_path.glob("flash_attention_mgpu_bwd_dq*"))
+    for name, stores in (("fused", 2),) if fused else (("dq", 1), ("dkdv", 2)):
         (mlir,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.after_layout_inference.txt")
         (resources,) = tmp_path.glob(f"flash_attention_mgpu_bwd_{name}*.resources.txt")
-        ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", mlir.read_text())
-        assert ops.count("wgmma") >= 3 and ops.count("async_store") == stores, (name, ops)
+        text = mlir.read_text()
+        ops = re.findall(r"mosaic_gpu\.(wgmma|async_load|async_store)\b", text)
+        reduce_adds = len(re.findall(r"mosaic_gpu\.async_store[^}]*reduction_op = 0 : i32", text))
+        # the masked and the unmasked loop each trace the step: its dQ add appears once per loop
+        assert ops.count("async_store") == stores + reduce_adds and (reduce_adds >= 1) == fused, (name, ops)
+        assert ops.count("wgmma") >= (5 if fused else 3), (name, ops)
         assert ops.count("async_load") >= (6 if segments else 4), (name, ops)
         assert _resources(resources)["smem_scratch_bytes"] <= kernel_mgpu.SMEM_LIMIT_BYTES
 
@@ -477,7 +501,7 @@ def test_tiles_use_the_widest_block_and_most_slots_that_fit(segments):
 @pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
 def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     """config.model.attention_impl='pallas' in bf16 at H = 64: the whole train step compiled for one
-    H100 (deviceless) calls the Mosaic GPU forward, dQ and dK/dV kernels and no Triton attention."""
+    H100 (deviceless) calls the Mosaic GPU forward and fused backward kernels and no Triton attention."""
     from tests.helpers import small_config
     from tests.test_tpu_compile import compile_on_tpu
 
@@ -485,7 +509,7 @@ def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     c.data.seq_len, c.model.compute_dtype, c.mesh.data, c.mesh.fsdp = 256, "bfloat16", 1, 1
     devices = targets.devices(targets.parse("h100-1"))
     text = compile_on_tpu(c, devices).as_text()
-    assert text.count('custom_call_target="mosaic_gpu_v2"') == 3  # forward, dQ, dK/dV (layers scanned)
+    assert text.count('custom_call_target="mosaic_gpu_v2"') == 2  # forward, dK/dV + dQ (layers scanned)
     assert "__gpu$xla.gpu.triton" not in text
     c.model.attention_kernel = "generic"  # the config's opt-out: Triton's three kernels instead
     text = compile_on_tpu(c, devices).as_text()
@@ -496,7 +520,7 @@ def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
 @pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
 def test_the_models_packed_train_step_for_an_h100_runs_the_mosaic_kernels():
     """config.data.packing=True (the model passes the document ids as segment ids): the train step
-    compiled for one H100 calls the three Mosaic GPU kernels with the ids among their operands."""
+    compiled for one H100 calls the two Mosaic GPU kernels with the ids among their operands."""
     from tests.helpers import small_config
     from tests.test_tpu_compile import compile_on_tpu
 
@@ -505,5 +529,5 @@ def test_the_models_packed_train_step_for_an_h100_runs_the_mosaic_kernels():
     c.data.source, c.data.path, c.data.packing = "jsonl", "unread.jsonl", True  # nothing is read: abstract batch
     text = compile_on_tpu(c, targets.devices(targets.parse("h100-1"))).as_text()
     calls = [line for line in text.splitlines() if 'custom_call_target="mosaic_gpu_v2"' in line]
-    assert len(calls) == 3 and "__gpu$xla.gpu.triton" not in text
+    assert len(calls) == 2 and "__gpu$xla.gpu.triton" not in text
     assert all(re.search(r"operand_layout_constraints=\{.*s32\[", line) for line in calls)  # the ids go in

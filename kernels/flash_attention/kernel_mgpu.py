@@ -107,6 +107,7 @@ packed rows (`check_on_gpu(segments=True)`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -160,6 +161,7 @@ class MgpuConfig:
     backward: Any = None
     mosaic_backward: bool = False  # this module's backward kernels, else the generic `backward` config's
     interpret: bool = False
+    fused_dq: bool = True  # dQ accumulated by the dK/dV kernel (FA3), else its own kernel (`backward`)
 
 
 def _smem_bytes(h: int, block_k: int, stages: int, itemsize: int, has_segments: bool = False) -> int:
@@ -233,6 +235,25 @@ def why_not(capability, t: int, s: int, h: int, dtype, *, causal: bool, scale: f
     return supported(t, s, h, dtype, causal=causal, scale=scale, has_segments=has_segments)
 
 
+BWD_VARIANTS = ("fused", "split")
+_bwd_variant = ["fused"]  # what make_config picks; `backward_variant` changes it for a block of code
+
+
+@contextlib.contextmanager
+def backward_variant(name: str):
+    """Trace the Mosaic backward as `name` inside this block: "fused" (the default: one dK/dV
+    kernel that also adds dQ = dS K into an fp32 accumulator, five matmuls a block) or "split" (a
+    dQ kernel beside it that recomputes S and dP: seven). For benchmarking the two side by side.
+    Read when a function is traced: one jitted before the block keeps the variant it was traced with."""
+    if name not in BWD_VARIANTS:
+        raise ValueError(f"backward variant {name!r}: choose one of {BWD_VARIANTS}")
+    previous, _bwd_variant[0] = _bwd_variant[0], name
+    try:
+        yield
+    finally:
+        _bwd_variant[0] = previous
+
+
 def make_config(
     h: int, s: int, dtype, *, scale: float, causal: bool, backward=None, has_segments: bool = False
 ) -> MgpuConfig:
@@ -240,7 +261,13 @@ def make_config(
     block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize, has_segments) or (0, 0)
     mosaic_backward = h in BWD_HEAD_DIMS and s % (COMPUTE_WGS * BWD_ROWS) == 0
     return MgpuConfig(
-        scale=scale, causal=causal, block_k=block_k, stages=stages, backward=backward, mosaic_backward=mosaic_backward
+        scale=scale,
+        causal=causal,
+        block_k=block_k,
+        stages=stages,
+        backward=backward,
+        mosaic_backward=mosaic_backward,
+        fused_dq=_bwd_variant[0] == "fused",
     )
 
 
@@ -700,13 +727,31 @@ def _stream(load, free, total, stages: int):
         plgpu.barrier_wait(free.at[lax.rem(j, jnp.int32(stages))])
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, t, stages, has_segments, split):
-    segs, (dk_ref, dv_ref, *scratch) = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
+def _add_dq(ds_t, k_smem, dq_smem, dq_acc, part, b, i, n, cfg):
+    """Add one warpgroup's share of query block i's dQ, dS K over its 64 keys (fp32, unscaled; dS
+    read transposed from `ds_t` = dS^T in shared memory), into the accumulator: staged in shared
+    memory (once the previous add has read it out), then a TMA reduce-add, FlashAttention-3's dQ
+    accumulation. The adds of different kv tiles land in any order: dQ is not bitwise
+    reproducible on the GPU. (Computing it in 64-column halves at H = 128 spilled more.)"""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    dq_smem[...] = _product(ds_t.transpose((1, 0)), k_smem, dq_smem.shape)
+    plgpu.commit_smem()
+    dst = dq_acc.at[part, b, pl.ds(i * BWD_ROWS, BWD_ROWS), n]
+    plgpu.copy_smem_to_gmem(dq_smem, dst, reduction_op=None if cfg.interpret else "add")
+
+
+def _dkdv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, group, t, stages, has_segments, split, fused_dq
+):
+    segs, refs = (refs[:3], refs[3:]) if has_segments else ((), refs)  # ids, ids, ranges
+    # fused_dq: the dQ accumulator [parts, B, T, N, H] fp32 (an input ref, zeros, written in place)
+    dq_acc, refs = (refs[0], refs[1:]) if fused_dq else (None, refs)
+    dk_ref, dv_ref, *scratch = refs
     own, ring, (q_ready, do_ready, lse_ready, delta_ready, own_ready), free, *rest = scratch
     xchg = rest.pop(0) if split else None  # split: the two-arrival barrier guarding the P^T / dS^T exchange
     # segment ids: own kv ids and a q id ring (freed with the Q/dO/lse/Delta slot), their barriers
     (kseg_smem2, qseg_smem), (kseg_ready, qseg_ready) = rest[0] if rest else ((None, None), (None, None))
-    k_smem2, v_smem2, p_smem2 = own
+    k_smem2, v_smem2, p_smem2, *dq_smem2 = own
     q_smem, do_smem, lse_smem, delta_smem = ring
     bk = bq = BWD_ROWS
     h, dtype = k_ref.shape[-1], k_ref.dtype
@@ -723,6 +768,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
         tile_first = jnp.minimum(jnp.maximum(tile_first, segs[2][b, tile_kv, 0]), q_end)
     per_head = q_end - tile_first
     c = cfg.scale * math.log2(math.e)
+    n_of = lambda g: kvh * group + g  # the query head of the group's g-th member
 
     def pass_xchg():
         plgpu.barrier_arrive(xchg)
@@ -739,6 +785,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
         # split: this warpgroup's query columns of each block (S^T, dP^T) and head columns (dK, dV)
         nq, hw = (bq // 2, h // 2) if split else (bq, h)
         qcols, hcols = pl.ds(wg * nq if split else 0, nq), pl.ds(wg * hw if split else 0, hw)
+        # fused: the accumulator slice this warpgroup adds to, by TMA reduce-add on the GPU; the
+        # interpreter has no reduce-add, so there each warpgroup of each tile stores its own part
+        dq_smem = dq_smem2[0].at[wg] if fused_dq else None
+        part = lax.axis_index("kv_tile") * COMPUTE_WGS + wg if cfg.interpret else 0
         rows = (b, pl.ds(k0, bk), kvh)
         col = plgpu.Layout.WGMMA.reduce(0)
 
@@ -795,7 +845,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
                 dv = _accumulate(dv, p_smem2.at[:, pl.ds(0, bq)], do_blk.at[:, hcols], cfg.interpret)
                 dk = _accumulate(dk, p_smem2.at[:, pl.ds(bq, bq)], q_blk.at[:, hcols], cfg.interpret)
             else:
-                dk = _accumulate(dk, _lhs(dst, p_smem2.at[wg], cfg.interpret), q_blk, cfg.interpret)
+                p_smem = p_smem2.at[wg]
+                if fused_dq:  # dS^T to shared memory: dQ's wgmma reads it transposed from there
+                    _lhs(dst, p_smem, True)  # (dK's operand stays in registers: fewer spills, ptxas 13.5)
+                dk = _accumulate(dk, _lhs(dst, p_smem, cfg.interpret), q_blk, cfg.interpret)
+                if fused_dq:
+                    _add_dq(p_smem, k_smem, dq_smem, dq_acc, part, b, i, n_of(g), cfg)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
 
@@ -821,6 +876,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
 
         zeros = plgpu.layout_cast(jnp.full((bk, hw), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+        if fused_dq:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last dQ add has left dq_smem
         # K and V are free: split, both warpgroups are past the last block's exchange (and its S^T, dP^T)
         k_smem.at[:, hcols][...] = (dk * cfg.scale).astype(dtype)
         v_smem.at[:, hcols][...] = dv.astype(dtype)
@@ -843,7 +900,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, gr
 
         def load(j, slot):
             g, i = lax.div(j, per_head), tile_first + lax.rem(j, per_head)
-            n = kvh * group + g
+            n = n_of(g)
             blk = (b, pl.ds(i * bq, bq), n)
             plgpu.copy_gmem_to_smem(q_ref.at[blk], q_smem.at[slot], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[blk], do_smem.at[slot], do_ready.at[slot])
@@ -899,44 +956,69 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         else ()
     )
 
-    stages = min(_bwd_stages(h, dq_block, 2, 2 * w, has_segments=has_segments), s // dq_block)
-    dq = plgpu.kernel(
-        functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages, has_segments=has_segments),
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_types=(
-            (
-                tile(w, r, h),
-                tile(w, r, h),
-                rows(w, r),
-                rows(w, r),
-                tile(w, r, dq_block),
-                tile(stages, dq_block, h),
-                tile(stages, dq_block, h),
+    # fused (H = 64 / 128): the dK/dV kernel adds dS K into this fp32 accumulator, one part per
+    # warpgroup and kv tile when interpreted (no TMA reduce-add there), summed here
+    fused = cfg.fused_dq and not split
+    if fused:
+        parts = (s // r) if cfg.interpret else 1
+        dq_acc = jax.new_ref(jnp.zeros((parts, b, t, n, h), jnp.float32))
+    else:
+        stages = min(_bwd_stages(h, dq_block, 2, 2 * w, has_segments=has_segments), s // dq_block)
+        dq = plgpu.kernel(
+            functools.partial(_dq_kernel, cfg=cfg, group=n // kh, s=s, stages=stages, has_segments=has_segments),
+            out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            scratch_types=(
+                (
+                    tile(w, r, h),
+                    tile(w, r, h),
+                    rows(w, r),
+                    rows(w, r),
+                    tile(w, r, dq_block),
+                    tile(stages, dq_block, h),
+                    tile(stages, dq_block, h),
+                ),
+                (
+                    plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_barriers=stages),
+                    plgpu.Barrier(num_barriers=4 * w),
+                ),
+                plgpu.Barrier(num_arrivals=w, num_barriers=stages),
+                *seg_scratch(stages, dq_block),
             ),
-            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=4 * w)),
-            plgpu.Barrier(num_arrivals=w, num_barriers=stages),
-            *seg_scratch(stages, dq_block),
-        ),
-        grid=(n, t // (w * r), b),
-        grid_names=("heads", "q_tile", "batch"),
-        num_threads=w + 1,
-        thread_name="wg",
-        compiler_params=params,
-        interpret=interp,
-        kernel_name="flash_attention_mgpu_bwd_dq",
-    )(q, k, v, do, lse, delta, *dq_segs)
+            grid=(n, t // (w * r), b),
+            grid_names=("heads", "q_tile", "batch"),
+            num_threads=w + 1,
+            thread_name="wg",
+            compiler_params=params,
+            interpret=interp,
+            kernel_name="flash_attention_mgpu_bwd_dq",
+        )(q, k, v, do, lse, delta, *dq_segs)
 
     mine = 1 if split else w  # own K, V (and key ids) rows: split, the program's, shared
-    stages = min(_bwd_stages(h, r, 2, 2 * mine, has_segments=has_segments), (n // kh) * (t // r))
+    # fused: a [64, H] fp32 dQ staging tile per warpgroup, the shared memory of two [64, H] bf16 ones
+    resident = 2 * mine + (2 * w if fused else 0)
+    stages = min(_bwd_stages(h, r, 2, resident, has_segments=has_segments), (n // kh) * (t // r))
     dk, dv = plgpu.kernel(
         functools.partial(
-            _dkdv_kernel, cfg=cfg, group=n // kh, t=t, stages=stages, has_segments=has_segments, split=split
+            _dkdv_kernel,
+            cfg=cfg,
+            group=n // kh,
+            t=t,
+            stages=stages,
+            has_segments=has_segments,
+            split=split,
+            fused_dq=fused,
         ),
         out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         scratch_types=(
             # P^T [64 keys, 64 queries] per warpgroup for the second wgmma; split, the exchanged
-            # P^T and dS^T side by side
-            (tile(mine, r, h), tile(mine, r, h), tile(r, 2 * r) if split else tile(w, r, r)),
+            # P^T and dS^T side by side; fused, the dQ staging tiles
+            (
+                tile(mine, r, h),
+                tile(mine, r, h),
+                tile(r, 2 * r) if split else tile(w, r, r),
+                *([plgpu.SMEM((w, r, h), jnp.float32)] if fused else []),
+            ),
             (tile(stages, r, h), tile(stages, r, h), rows(stages, r), rows(stages, r)),
             (*(plgpu.Barrier(num_barriers=stages) for _ in range(4)), plgpu.Barrier(num_barriers=2 * mine)),
             plgpu.Barrier(num_arrivals=w, num_barriers=stages),
@@ -949,8 +1031,10 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
         thread_name="wg",
         compiler_params=params,
         interpret=interp,
-        kernel_name="flash_attention_mgpu_bwd_dkdv",
-    )(q, k, v, do, lse, delta, *dkdv_segs)
+        kernel_name="flash_attention_mgpu_bwd_fused" if fused else "flash_attention_mgpu_bwd_dkdv",
+    )(q, k, v, do, lse, delta, *dkdv_segs, *([dq_acc] if fused else []))
+    if fused:
+        dq = (jnp.sum(dq_acc[...], axis=0) * cfg.scale).astype(q.dtype)
     return dq, dk, dv
 
 

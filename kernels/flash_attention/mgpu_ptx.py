@@ -86,9 +86,10 @@ def build_stub(folder: str) -> str:
     return folder
 
 
-def lower(head_dim: int, causal: bool, seq: int = 4096) -> list[bytes]:
+def lower(head_dim: int, causal: bool, seq: int = 4096, backward: str = "fused") -> list[bytes]:
     """The Mosaic modules (MLIR bytecode) of the forward and, where there is one, the backward
-    kernels, lowered for an abstract H100: b = 1, 4 query heads over 2 kv heads, bf16."""
+    kernels (`backward`: kernel_mgpu.BWD_VARIANTS), lowered for an abstract H100: b = 1, 4 query
+    heads over 2 kv heads, bf16."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.mosaic.gpu import core
@@ -108,7 +109,7 @@ def lower(head_dim: int, causal: bool, seq: int = 4096) -> list[bytes]:
     known = dict(core.KNOWN_KERNELS)  # Mosaic's registry of lowered modules: collect ours alone
     core.KNOWN_KERNELS.clear()
     try:
-        with jax.sharding.use_abstract_mesh(mesh):
+        with jax.sharding.use_abstract_mesh(mesh), kernel_mgpu.backward_variant(backward):
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         return list(core.KNOWN_KERNELS.values())
     finally:
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[128], help="one or more of 64 128 256")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seq", type=int, default=4096, help="sequence length T = S (a multiple of 128)")
+    parser.add_argument("--backward", choices=("fused", "split"), default="fused", help="the backward's variant")
     parser.add_argument("--keep", help="leave the PTX / ptxas / SASS dumps in this folder")
     parser.add_argument("--compile-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for h in args.head_dim:
         keep = None if args.keep is None else os.path.join(args.keep, f"h{h}")
-        rows += [(h, args.causal, s) for s in compile_modules(lower(h, args.causal, args.seq), keep)]
+        rows += [(h, args.causal, s) for s in compile_modules(lower(h, args.causal, args.seq, args.backward), keep)]
     print(f"ptxas: {ptxas_version()} (-arch=sm_90a, as MosaicGpuCompile runs it)\n")
     print(table(rows))
     return 1 if any(s.spill_stores or s.spill_loads for _, _, s in rows) else 0
