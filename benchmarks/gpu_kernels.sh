@@ -7,7 +7,8 @@
 #      the Mosaic kernels out: a hung kernel would otherwise eat the flash and training steps' time;
 #      the Triton, linear and paged kernels were checked on an H200 and carry error columns here;
 #   2. flash attention, bf16, T = 4K and 16K, H = 64 and 128, causal and full, forward and
-#      forward+backward: the Triton kernel, the Mosaic GPU kernel (sm90+), cuDNN
+#      forward+backward: the Triton kernel, the Mosaic GPU kernels (sm90+; the fused backward and
+#      the split one side by side), cuDNN
 #      (jax.nn.dot_product_attention), tokamax's Mosaic kernel, the XLA reference; ratios to cuDNN;
 #   3. quantized matmul on the llama-7B and -70B shapes, batch 1-128: W8A16 / W4A16 / W8A8 with split-K
 #      chosen from the SM count and without (split_k=1), XLA's bf16 dot; ratios to the bf16 dot;

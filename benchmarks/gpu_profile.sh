@@ -16,10 +16,11 @@ declare -A CASE=(
   [flash_pallas]="$FLASH --impl pallas" [flash_mosaic]="$FLASH --impl mosaic"
   [flash_cudnn]="$FLASH --impl cudnn" [flash_tokamax]="$FLASH --impl tokamax"
   [flash_mosaic_bwd]="$FLASH --impl mosaic --backward" [flash_cudnn_bwd]="$FLASH --impl cudnn --backward"
+  [flash_mosaic_split_bwd]="$FLASH --impl mosaic_split --backward"
   [w4a16_m16]="quant --impl w4a16 --m 16" [w4a16_m16_nosplit]="quant --impl w4a16 --m 16 --split-k 1"
   [bf16_m16]="quant --impl bf16 --m 16" [w8a8_m64]="quant --impl w8a8 --m 64"
 )
-CASES=${CASES:-flash_pallas flash_mosaic flash_cudnn flash_tokamax flash_mosaic_bwd flash_cudnn_bwd w4a16_m16 w4a16_m16_nosplit bf16_m16 w8a8_m64}
+CASES=${CASES:-flash_pallas flash_mosaic flash_cudnn flash_tokamax flash_mosaic_bwd flash_mosaic_split_bwd flash_cudnn_bwd w4a16_m16 w4a16_m16_nosplit bf16_m16 w8a8_m64}
 for name in $CASES; do
   if [ "${CPU:-0}" = 1 ]; then
     case "$name" in *cudnn* | *tokamax*) continue ;; esac  # vendor kernels need a GPU

@@ -6,7 +6,8 @@ utilisation, registers, occupancy), as issue 35 asks, rather than guessing it.
     python benchmarks/profile_kernel.py quant --impl w4a16 --m 16 --k 4096 --n 11008 [--split-k 1]
     python benchmarks/profile_kernel.py flash --impl pallas --interpret   # CPU: the script's own check
 
-flash impls: pallas (Triton), mosaic (the Hopper kernels), cudnn, tokamax; --backward profiles the
+flash impls: pallas (Triton), mosaic (the Hopper kernels), mosaic_split (with the split backward),
+cudnn, tokamax; --backward profiles the
 forward+backward. quant impls: w8a16, w4a16, w8a8 (split-K chosen from the SM count unless
 --split-k), bf16 (XLA's dot). Outside ncu the range markers do nothing and the script prints the
 call's median time, so it is also a quick single-shape timer.
@@ -49,7 +50,7 @@ def flash_call(args):
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
     kv = [jax.random.normal(keys[i], (b, t, k, h), jnp.bfloat16) for i in (1, 2)]
-    if args.impl in ("pallas", "mosaic"):
+    if args.impl in ("pallas", "mosaic", "mosaic_split"):
         backend = "generic" if args.impl == "pallas" else "mosaic_gpu"
         attn = lambda q, k, v: flash_attention(
             q, k, v, causal=args.causal, backend=backend, interpret=args.interpret or None
@@ -61,7 +62,7 @@ def flash_call(args):
 
         attn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=args.causal, implementation="mosaic")
     else:
-        raise SystemExit(f"flash --impl {args.impl!r}: choose pallas, mosaic, cudnn or tokamax")
+        raise SystemExit(f"flash --impl {args.impl!r}: choose pallas, mosaic, mosaic_split, cudnn or tokamax")
     if args.backward:
         do = jax.random.normal(keys[3], q.shape, q.dtype)
         return jax.jit(lambda q, k, v: jax.vjp(attn, q, k, v)[1](do)), (q, *kv)
@@ -112,7 +113,12 @@ def main(argv=None) -> int:
     p.add_argument("--interpret", action="store_true", help="CPU: Pallas interpret mode (a check of the script)")
     args = p.parse_args(argv)
     fn, inputs = (flash_call if args.kernel == "flash" else quant_call)(args)
-    for _ in range(3):  # compile and warm up outside the range
+    from jaxsys.kernels.flash_attention import kernel_mgpu
+
+    # the Mosaic backward's variant is read when fn traces (its first call)
+    with kernel_mgpu.backward_variant("split" if args.impl == "mosaic_split" else "fused"):
+        jax.block_until_ready(fn(*inputs))
+    for _ in range(2):  # compile and warm up outside the range
         jax.block_until_ready(fn(*inputs))
     times = []
     for _ in range(5):

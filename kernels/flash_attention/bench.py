@@ -7,8 +7,11 @@ lengths 1K..32K and head dims 64 and 128, all in one run on the same device, for
 
   pallas  jaxsys.kernels.flash_attention.flash_attention(backend="generic") (Triton on GPU)
   mosaic  flash_attention(backend="mosaic_gpu"): the Hopper kernels (kernel_mgpu.py), forward and
-          backward (H = 64 / 128 / 256); only on compute capability 9.x for supported shapes
+          backward (H = 64 / 128 / 256; at 64 / 128 the fused backward, dQ added by TMA
+          reduce-add from the dK/dV kernel); only on compute capability 9.x for supported shapes
           (else skipped, with the reason)
+  mosaic_split  the same with the split backward at H = 64 / 128 (a dQ kernel beside dK/dV,
+          kernel_mgpu.backward_variant("split")): which of the two to keep is this column's question
   cudnn   jax.nn.dot_product_attention(..., implementation="cudnn")
   tokamax tokamax.dot_product_attention(..., implementation="mosaic"): tokamax's Mosaic GPU kernel,
           a vendor-grade Pallas baseline (needs the `tokamax` package and a GPU; else skipped)
@@ -56,7 +59,7 @@ import numpy as np
 from jaxsys.kernels import platforms
 from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 
-IMPLS = ("pallas", "mosaic", "cudnn", "tokamax", "xla")
+IMPLS = ("pallas", "mosaic", "mosaic_split", "cudnn", "tokamax", "xla")
 
 
 def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
@@ -67,7 +70,7 @@ def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
 
 def attention_fn(impl: str, causal: bool, args):
     """q, k, v -> o for one implementation."""
-    if impl in ("pallas", "mosaic"):
+    if impl in ("pallas", "mosaic", "mosaic_split"):
         return lambda q, k, v: flash_attention(
             q,
             k,
@@ -137,7 +140,7 @@ def measure(impl, t, h, causal, args):
         return row | dict(skipped=f"{impl} needs a GPU")
     if impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
         return row | dict(skipped="tokamax is not installed (benchmarks/gpu_wheels.sh)")
-    if impl == "mosaic" and not args.interpret_smoke:
+    if impl.startswith("mosaic") and not args.interpret_smoke:
         why = kernel_mgpu.why_not(
             kernel_mgpu.gpu_capability(), t, t, h, args.dtype, causal=causal, scale=h**-0.5, has_segments=False
         )
@@ -155,16 +158,19 @@ def measure(impl, t, h, causal, args):
     attn = attention_fn(impl, causal, args)
     forward = jax.jit(attn)
     forward_backward = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+    # the backward variant is read when the functions trace, at their first call
+    variant = kernel_mgpu.backward_variant("split" if impl == "mosaic_split" else "fused")
     try:
-        fwd_s = median_seconds(forward, (q, k, v), args.repeats, args.min_time)
-        row |= dict(fwd_ms=fwd_s * 1e3, fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
-        bwd_s = median_seconds(forward_backward, (q, k, v, do), args.repeats, args.min_time)
-        row |= dict(fwd_bwd_ms=bwd_s * 1e3, fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
-        sub_gib = 4.0 * (n // kh) * t * t / 2**30  # the reference's scores on the sub-problem
-        if sub_gib <= args.xla_max_gib:
-            row |= errors(attn, causal, q, k, v, do)
-        else:
-            row["err_skipped"] = f"reference scores would take {sub_gib:.0f} GiB"
+        with variant:
+            fwd_s = median_seconds(forward, (q, k, v), args.repeats, args.min_time)
+            row |= dict(fwd_ms=fwd_s * 1e3, fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
+            bwd_s = median_seconds(forward_backward, (q, k, v, do), args.repeats, args.min_time)
+            row |= dict(fwd_bwd_ms=bwd_s * 1e3, fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
+            sub_gib = 4.0 * (n // kh) * t * t / 2**30  # the reference's scores on the sub-problem
+            if sub_gib <= args.xla_max_gib:
+                row |= errors(attn, causal, q, k, v, do)
+            else:
+                row["err_skipped"] = f"reference scores would take {sub_gib:.0f} GiB"
     except Exception as e:  # one failing configuration must not lose the others
         row["error"] = platforms.error_line(e)
     return row

@@ -65,6 +65,18 @@ blocks:
   Both warpgroups run every block (the diagonal one masked), so neither skips. The 32-wide tiles
   (dQ's key blocks, the exchange halves) need the 64-byte swizzle, and a wgmma's two operands share
   one, so both H = 256 kernels use it throughout (128-byte elsewhere).
+- Fused (H = 64 / 128, the default; `backward_variant("split")` keeps the two kernels above):
+  FlashAttention-3's backward. The dK/dV kernel also computes, per block, its warpgroup's share
+  of dQ, dS K over its 64 keys ([64 queries, H] fp32, dS read transposed from the dS^T it stores
+  in shared memory), stages it in shared memory and adds it into an fp32 accumulator [B, T, N, H]
+  by TMA reduce-add (`cp.reduce.async.bulk .add`); the accumulator is a zeroed `jax.new_ref` that
+  the call aliases in place, scaled and cast after. Five matmuls a block instead of the split
+  backward's seven (its dQ kernel recomputes S and dP), for an fp32 add of [64, H] per warpgroup
+  and block into L2, more registers (ptxas spills at H = 128: docs) and a dQ that is not bitwise
+  reproducible (the adds land in any order). Pallas' interpreter has no reduce-add, so there each
+  warpgroup of each kv tile stores into its own slice of a [S / 64, B, T, N, H] buffer that plain
+  JAX sums: the one place the interpreted fused kernel differs. Which variant is faster is for a
+  GPU to say (bench.py's `mosaic` and `mosaic_split` columns).
 There is no ping-pong in the backward (one schedule would need both kernels' softmax-like parts
 to be long enough to hide; not measured).
 
