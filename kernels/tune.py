@@ -2,6 +2,7 @@
 
     python -m jaxsys.kernels.tune --kernel flash_attention            # a GPU; writes kernels/tuning_cache/<device>.json
     python -m jaxsys.kernels.tune --kernel quantized_matmul --out my_h100.json
+    python -m jaxsys.kernels.tune --kernel flash_attention_mgpu --seq-lens 4096,16384   # a Hopper GPU
     python -m jaxsys.kernels.tune --kernel flash_attention --interpret --smoke --out /tmp/smoke.json   # any machine
 
 For each listed shape (one per shape class of kernels/tuning.py) the candidates are swept in stages,
@@ -11,6 +12,8 @@ each stage varying some keys with the best of the earlier stages fixed:
                     2. backward tiles (block_q_bwd, block_k_bwd), timed on forward + backward;
                     3. Triton's num_warps, num_stages (shared by the three kernels), forward + backward.
   quantized_matmul  1. tiles (block_m, block_n, and block_k for W8A16 / W8A8);  2. num_warps, num_stages.
+  flash_attention_mgpu  the Hopper (Mosaic GPU) kernels' backward, fused or split, timed on forward +
+                    backward at H = 64 / 128 (a Hopper GPU; kernels/flash_attention/kernel_mgpu.py).
 
 Every candidate's output (and for attention the gradients) is compared with the pure-JAX reference
 before it is timed; a candidate that fails to compile or is off by more than the tolerance is
@@ -42,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from jaxsys.kernels import platforms, tuning
-from jaxsys.kernels.flash_attention import flash_attention, reference_attention
+from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 from jaxsys.kernels.flash_attention.bench import median_seconds
 from jaxsys.kernels.quantized_matmul import kernel as qkernel
 from jaxsys.kernels.quantized_matmul import reference as qref
@@ -92,7 +95,15 @@ def flash_stages(h: int, smoke: bool = False) -> list:
     ]
 
 
-def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smoke: bool = False) -> Problem:
+def mgpu_stages() -> list:
+    """The Hopper kernels' one choice: the fused backward (dQ by TMA reduce-add) or the split one."""
+    return [("fwd_bwd", [dict(backward=b) for b in tuning.MGPU_BACKWARDS])]
+
+
+def flash_problem(
+    t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smoke: bool = False, mgpu: bool = False
+) -> Problem:
+    """The generic kernel's tiles, or with `mgpu` the Hopper kernels' backward variant."""
     b, n = (1, 2) if smoke else (max(1, args.tokens // t), max(1, args.hidden // h))
     key = jax.random.split(jax.random.PRNGKey(t * 1000 + h + int(causal)), 4)
     q = jax.random.normal(key[0], (b, t, n, h), dtype)
@@ -101,8 +112,10 @@ def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smo
     w = jax.random.normal(key[3], (b, t, n, h), dtype)
     interpret = True if args.interpret else None
 
+    backend = "mosaic_gpu" if mgpu else None
+
     def attn(q, k, v):
-        return flash_attention(q, k, v, causal=causal, return_lse=True, interpret=interpret)
+        return flash_attention(q, k, v, causal=causal, return_lse=True, interpret=interpret, backend=backend)
 
     def fwd(q, k, v):
         return attn(q, k, v)
@@ -133,10 +146,10 @@ def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smo
         return max(_rel_err(one(got), want) for got, want in zip(out, (ref_o, *ref_grads)))
 
     return Problem(
-        kernel="flash_attention",
+        kernel="flash_attention_mgpu" if mgpu else "flash_attention",
         shape_class=tuning.flash_attention_class(head_dim=h, dtype=dtype, causal=causal, seq_len=t),
         shape=dict(B=b, T=t, N=n, K=n, H=h, causal=causal, dtype=jnp.dtype(dtype).name),
-        stages=flash_stages(h, smoke),
+        stages=mgpu_stages() if mgpu else flash_stages(h, smoke),
         build=build,
         error=error,
         tolerance=FLASH_TOL,
@@ -144,15 +157,28 @@ def flash_problem(t: int, h: int, causal: bool, args, *, dtype=jnp.bfloat16, smo
 
 
 def flash_problems(args):
-    """The problems one at a time (each holds its operands and reference on the device)."""
-    if args.smoke:
-        yield flash_problem(32, 16, True, args, dtype=jnp.float32, smoke=True)
+    """The problems one at a time (each holds its operands and reference on the device). The Hopper
+    kernels' choice exists at H = 64 / 128 only (H = 256 has the split backward alone)."""
+    mgpu = args.kernel == "flash_attention_mgpu"
+    if args.smoke:  # the Mosaic kernels take bf16 / fp16 and T a multiple of 128
+        yield flash_problem(
+            128 if mgpu else 32,
+            64 if mgpu else 16,
+            True,
+            args,
+            dtype=jnp.bfloat16 if mgpu else jnp.float32,
+            smoke=True,
+            mgpu=mgpu,
+        )
         return
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     for h in args.head_dims:
+        if mgpu and h not in (64, 128):
+            print(f"flash_attention_mgpu: H = {h} has one backward (split): nothing to choose", flush=True)
+            continue
         for t in args.seq_lens:
             for c in causals:
-                yield flash_problem(t, h, c, args)
+                yield flash_problem(t, h, c, args, mgpu=mgpu)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +372,10 @@ def refusal(args, backend: str) -> str | None:
         return "--smoke needs --out: its entries must not go into the shipped cache"
     if args.kernel == "quantized_matmul" and any(f not in tuning.QUANTIZED_KINDS for f in args.formats):
         return f"--formats must be among {tuning.QUANTIZED_KINDS}; got {args.formats}"
+    if args.kernel == "flash_attention_mgpu" and not args.interpret:
+        capability = kernel_mgpu.gpu_capability()
+        if capability is None or capability[0] != 9:
+            return f"flash_attention_mgpu tunes the Hopper kernels; this GPU's compute capability is {capability}"
     return None
 
 
@@ -369,7 +399,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"jaxsys.kernels.tune: refusing: {e}", file=sys.stderr)
         return 2
-    problems = flash_problems(args) if args.kernel == "flash_attention" else quant_problems(args)
+    problems = quant_problems(args) if args.kernel == "quantized_matmul" else flash_problems(args)
     entries, count = {}, 0
     for problem in problems:
         count += 1

@@ -39,7 +39,9 @@ __all__ = [
     "device_file_name",
     "flash_attention_class",
     "flash_attention_config",
+    "flash_attention_mgpu_config",
     "lookup",
+    "MGPU_BACKWARDS",
     "pow2_bucket",
     "quantized_matmul_class",
     "quantized_matmul_config",
@@ -55,11 +57,16 @@ ENV_DIR = "JAXSYS_TUNING_DIR"
 FORMAT_VERSION = 1
 
 # The keys each kernel accepts from a cache entry. Tiles must be powers of two (Triton block shapes).
+# flash_attention_mgpu: the Hopper (Mosaic GPU) kernels' choice between their fused backward and
+# the split one (kernels/flash_attention/kernel_mgpu.py), the one key that is not a number
 _POW2_KEYS = {
     "flash_attention": ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps"),
     "quantized_matmul": ("block_m", "block_n", "block_k", "num_warps"),
+    "flash_attention_mgpu": (),
 }
-_INT_KEYS = {"flash_attention": ("num_stages",), "quantized_matmul": ("num_stages",)}
+_INT_KEYS = {"flash_attention": ("num_stages",), "quantized_matmul": ("num_stages",), "flash_attention_mgpu": ()}
+MGPU_BACKWARDS = ("fused", "split")
+_CHOICE_KEYS = {"flash_attention_mgpu": {"backward": MGPU_BACKWARDS}}
 KERNELS = tuple(_POW2_KEYS)
 QUANTIZED_KINDS = ("w8a16", "w4a16", "w8a8")
 
@@ -121,10 +128,15 @@ def validate_config(kernel: str, config) -> dict:
         raise ValueError(f"unknown kernel {kernel!r}; known: {KERNELS}")
     if not isinstance(config, dict) or not config:
         raise ValueError(f"a {kernel} config must be a non-empty dict; got {config!r}")
-    known = _POW2_KEYS[kernel] + _INT_KEYS[kernel]
+    choices = _CHOICE_KEYS.get(kernel, {})
+    known = _POW2_KEYS[kernel] + _INT_KEYS[kernel] + tuple(choices)
     for name, value in config.items():
         if name not in known:
             raise ValueError(f"{kernel} config: unknown key {name!r} (known: {known})")
+        if name in choices:
+            if value not in choices[name]:
+                raise ValueError(f"{kernel} config: {name} must be one of {choices[name]}; got {value!r}")
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{kernel} config: {name} must be a positive int; got {value!r}")
         if name in _POW2_KEYS[kernel] and value & (value - 1):
@@ -204,6 +216,12 @@ def flash_attention_config(*, head_dim: int, dtype, causal: bool, seq_len: int, 
     the generic flash-attention kernel for this shape on this device, or {}."""
     shape_class = flash_attention_class(head_dim=head_dim, dtype=dtype, causal=causal, seq_len=seq_len)
     return lookup("flash_attention", shape_class, device_kind)
+
+
+def flash_attention_mgpu_config(*, head_dim: int, dtype, causal: bool, seq_len: int, device_kind=None) -> dict:
+    """Tuned {backward: "fused" | "split"} of the Hopper flash-attention kernels, or {}."""
+    shape_class = flash_attention_class(head_dim=head_dim, dtype=dtype, causal=causal, seq_len=seq_len)
+    return lookup("flash_attention_mgpu", shape_class, device_kind)
 
 
 def quantized_matmul_config(*, kind: str, m: int, k: int, n: int, group_size=None, device_kind=None) -> dict:

@@ -332,3 +332,31 @@ def test_quantized_matmul_reads_its_tiles_from_the_cache(tmp_path, monkeypatch):
     assert other != key  # another M bucket is another class: M = 4 was not looked up under it
     got = qk.matmul_w8a16(x, q, s, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(qr.matmul_w8a16(x, q, s)), rtol=1e-5, atol=1e-5)
+
+
+def test_the_hopper_kernels_backward_variant_comes_from_the_cache(tmp_path, monkeypatch):
+    """kernel "flash_attention_mgpu": {"backward": "fused" | "split"} per shape class, read by
+    kernel_mgpu.make_config (the cache's choice, else fused); backward_variant forces one."""
+    from jaxsys.kernels.flash_attention import kernel_mgpu
+
+    assert tuning.validate_config("flash_attention_mgpu", {"backward": "split"}) == {"backward": "split"}
+    for bad in ({"backward": "both"}, {"backward": 1}, {"stages": 2}):
+        with pytest.raises(ValueError, match="backward|unknown key"):
+            tuning.validate_config("flash_attention_mgpu", bad)
+    config = lambda t: kernel_mgpu.make_config(128, t, jnp.bfloat16, scale=0.1, causal=True)
+    assert config(4096).fused_dq  # no entry: fused
+    cls = tuning.flash_attention_class(head_dim=128, dtype=jnp.bfloat16, causal=True, seq_len=4096)
+    _override(monkeypatch, tmp_path, {"flash_attention_mgpu": {tuning.shape_key(cls): {"backward": "split"}}})
+    assert not config(4096).fused_dq and config(2048).fused_dq  # the entry's shape class only
+    with kernel_mgpu.backward_variant("fused"):
+        assert config(4096).fused_dq
+
+
+def test_sweep_smoke_chooses_the_hopper_kernels_backward(tmp_path):
+    """The interpreted smoke sweep times both variants, checks them against the reference and
+    stores the faster one."""
+    out = tmp_path / "cpu.json"
+    assert tune.main(["--kernel", "flash_attention_mgpu", "--interpret", "--smoke", "--out", str(out)]) == 0
+    (entry,) = tuning.read_file(str(out))["kernels"]["flash_attention_mgpu"].values()
+    assert entry["candidates"] == 2 and entry["dropped"] == 0
+    assert entry["config"]["backward"] in tuning.MGPU_BACKWARDS and entry["shape"]["H"] == 64

@@ -119,7 +119,6 @@ packed rows (`check_on_gpu(segments=True)`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -131,6 +130,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .. import tuning
 
 __all__ = [
     "MgpuConfig",
@@ -247,23 +248,13 @@ def why_not(capability, t: int, s: int, h: int, dtype, *, causal: bool, scale: f
     return supported(t, s, h, dtype, causal=causal, scale=scale, has_segments=has_segments)
 
 
-BWD_VARIANTS = ("fused", "split")
-_bwd_variant = ["fused"]  # what make_config picks; `backward_variant` changes it for a block of code
-
-
-@contextlib.contextmanager
 def backward_variant(name: str):
-    """Trace the Mosaic backward as `name` inside this block: "fused" (the default: one dK/dV
+    """Trace the Mosaic backward as `name` inside this block (a `with` context): "fused" (one dK/dV
     kernel that also adds dQ = dS K into an fp32 accumulator, five matmuls a block) or "split" (a
-    dQ kernel beside it that recomputes S and dP: seven). For benchmarking the two side by side.
-    Read when a function is traced: one jitted before the block keeps the variant it was traced with."""
-    if name not in BWD_VARIANTS:
-        raise ValueError(f"backward variant {name!r}: choose one of {BWD_VARIANTS}")
-    previous, _bwd_variant[0] = _bwd_variant[0], name
-    try:
-        yield
-    finally:
-        _bwd_variant[0] = previous
+    dQ kernel beside it that recomputes S and dP: seven). Outside such a block the tuning cache
+    chooses for the shape and device (kernels/tuning.py, kernel "flash_attention_mgpu"), else
+    "fused". Read when a function is traced: one jitted before the block keeps its variant."""
+    return tuning.use_config("flash_attention_mgpu", {"backward": name})
 
 
 def make_config(
@@ -272,6 +263,8 @@ def make_config(
     """The config for a supported call (`supported` returned None)."""
     block_k, stages = tiles(h, s, jnp.dtype(dtype).itemsize, has_segments) or (0, 0)
     mosaic_backward = h in BWD_HEAD_DIMS and s % (COMPUTE_WGS * BWD_ROWS) == 0
+    tuned = tuning.flash_attention_mgpu_config(head_dim=h, dtype=dtype, causal=causal, seq_len=s)
+    tuned_backward = tuned.get("backward", "fused")
     return MgpuConfig(
         scale=scale,
         causal=causal,
@@ -279,7 +272,7 @@ def make_config(
         stages=stages,
         backward=backward,
         mosaic_backward=mosaic_backward,
-        fused_dq=_bwd_variant[0] == "fused",
+        fused_dq=tuned_backward == "fused",
     )
 
 
