@@ -52,8 +52,8 @@ def test_second_run_compiles_nothing(runs):
     loaded = second["programs_loaded"]
     assert f"jaxsys: compile cache {runs['cache']}: {loaded} programs loaded from it, 0 compiled" in runs["printed"]
     assert "jaxsys: goodput " in runs["printed"]
-    # the second run loaded its step instead of compiling it: its compile time is a fraction
-    assert second["compile_s"] < first["compile_s"]
+    # (its compile_s is not compared with the first run's: a wall time on a shared CPU, it came out
+    # larger once in CI with every program loaded; the counts above are what the cache decides)
 
 
 def test_restart_loads_its_programs_and_counts_the_lost_steps(runs):
