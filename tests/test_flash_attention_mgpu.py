@@ -84,7 +84,8 @@ GRAD_CASES = {
     "mosaic_causal_gqa": (1, 256, 2, 1, 64, True),
     # Mosaic backward, full attention, G = 2 of K = 2
     "mosaic_full_gqa": (1, 128, 4, 2, 64, False),
-    # the split backward (a dQ kernel beside dK/dV), causal, H = 128
+    # H = 128 (the fused kernel's two-slot ring), causal, G = 2; and the split backward there
+    "mosaic_causal_gqa_h128": (1, 256, 2, 1, 128, True),
     "mosaic_split_causal_gqa_h128": (1, 256, 2, 1, 128, True),
     # H = 256: dK/dV warpgroups split the head dim over shared 64-key programs, dQ streams 32-key
     # blocks through a ring that wraps; causal, G = 2
