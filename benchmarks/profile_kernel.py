@@ -11,13 +11,23 @@ cudnn, tokamax; --backward profiles the
 forward+backward. quant impls: w8a16, w4a16, w8a8 (split-K chosen from the SM count unless
 --split-k), bf16 (XLA's dot). Outside ncu the range markers do nothing and the script prints the
 call's median time, so it is also a quick single-shape timer.
+
+Where ncu cannot read the hardware counters (the lent machines' gVisor runtime: "Failed to
+initialize the profiler"), `--jax-trace DIR` runs the same calls under JAX's profiler (CUPTI) and
+prints each kernel's device time from its Perfetto trace (`trace_kernels`): which kernels a call
+launches and how the time splits between them, without counters.
+
+    python benchmarks/profile_kernel.py flash --impl mosaic --backward --jax-trace /tmp/t
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import glob
+import gzip
+import json
 import os
 import statistics
 import sys
@@ -111,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--split-k", type=int, default=None)
     p.add_argument("--iters", type=int, default=3, help="calls inside the profiler range")
     p.add_argument("--interpret", action="store_true", help="CPU: Pallas interpret mode (a check of the script)")
+    p.add_argument("--jax-trace", default=None, help="run the calls under JAX's profiler into this folder")
+    p.add_argument("--trace-process", default="/device:GPU", help="--jax-trace: the trace's processes to sum")
     args = p.parse_args(argv)
     fn, inputs = (flash_call if args.kernel == "flash" else quant_call)(args)
     from jaxsys.kernels.flash_attention import kernel_mgpu
@@ -125,19 +137,55 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         jax.block_until_ready(fn(*inputs))
         times.append(time.perf_counter() - start)
-    cudart = _cudart() if jax.default_backend() == "gpu" else None
+    cudart = _cudart() if jax.default_backend() == "gpu" and not args.jax_trace else None
     if cudart is not None:
         cudart.cudaProfilerStart()
-    for _ in range(args.iters):
-        jax.block_until_ready(fn(*inputs))
+    with jax.profiler.trace(args.jax_trace, create_perfetto_trace=True) if args.jax_trace else contextlib.nullcontext():
+        for _ in range(args.iters):
+            jax.block_until_ready(fn(*inputs))
     if cudart is not None:
         cudart.cudaProfilerStop()
     device = jax.devices()[0]
+    profiler = "jax trace" if args.jax_trace else "cudart" if cudart is not None else "none"
     print(
         f"{args.kernel} {args.impl} on {device.device_kind}: median {statistics.median(times) * 1e3:.3f} ms "
-        f"(profiler range: {'cudart' if cudart is not None else 'none'})"
+        f"(profiler range: {profiler})"
     )
+    if args.jax_trace:
+        rows = trace_kernels(args.jax_trace, args.trace_process)
+        print(kernel_table(rows, args.iters))
     return 0
+
+
+def trace_kernels(folder: str, process_prefix: str = "/device:GPU") -> list[tuple[str, int, float]]:
+    """(name, calls, total microseconds) of the complete events in the newest Perfetto trace under
+    `folder` whose process name starts with `process_prefix` (on a GPU, the kernels on its
+    streams), the longest first."""
+    traces = sorted(
+        glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True), key=os.path.getmtime
+    )
+    if not traces:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {folder}")
+    with gzip.open(traces[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    totals: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and names.get(e.get("pid"), "").startswith(process_prefix):
+            entry = totals.setdefault(e["name"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0.0))
+    return sorted(((n, c, t) for n, (c, t) in totals.items()), key=lambda r: -r[2])
+
+
+def kernel_table(rows, iters: int, top: int = 15) -> str:
+    """A markdown table of `trace_kernels` rows: per call of the profiled function, and each share."""
+    total = sum(t for _, _, t in rows) or 1.0
+    lines = ["| kernel | launches / call | us / call | share |", "| --- | ---: | ---: | ---: |"]
+    for name, calls, us in rows[:top]:
+        lines.append(f"| {name[:90]} | {calls / iters:g} | {us / iters:.1f} | {us / total:.1%} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

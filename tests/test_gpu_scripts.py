@@ -57,3 +57,28 @@ def test_gpu_check_json_says_which_checks_ran_to_the_end(tmp_path, monkeypatch):
     assert record["completed"] == ["fine", "after"]
     assert [r["check"] for r in record["rows"]] == ["first case", "half_done", "a case", "later case"]
     assert "failed to launch" in record["rows"][1]["error"]
+
+
+def test_trace_kernels_sums_the_gpu_streams_kernels(tmp_path):
+    """gpu_profile.sh's fallback where ncu cannot read counters: each kernel's device time from
+    JAX's Perfetto trace, the GPU processes' events only, longest first, per profiled call."""
+    import gzip
+
+    import profile_kernel
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        *({"ph": "X", "pid": 1, "name": "flash_attention_mgpu_bwd_fused", "dur": 300.0} for _ in range(2)),
+        *({"ph": "X", "pid": 1, "name": "loop_convert_fusion", "dur": 10.0} for _ in range(4)),
+        {"ph": "X", "pid": 2, "name": "PjitFunction(f)", "dur": 5000.0},  # host time: left out
+    ]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = profile_kernel.trace_kernels(str(tmp_path))
+    assert rows == [("flash_attention_mgpu_bwd_fused", 2, 600.0), ("loop_convert_fusion", 4, 40.0)]
+    table = profile_kernel.kernel_table(rows, iters=2)
+    assert "| flash_attention_mgpu_bwd_fused | 1 | 300.0 | 93.8% |" in table
+    assert "| loop_convert_fusion | 2 | 20.0 | 6.2% |" in table
