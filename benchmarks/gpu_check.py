@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
+import os
 import sys
 import time
 import traceback
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsys.kernels import platforms
+from jaxsys.kernels import platforms, tuning
 from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, reference_attention
 from jaxsys.kernels.linear_attention import chunked, linear_attention
 from jaxsys.kernels.paged_attention.kernel import paged_attention
@@ -76,25 +78,64 @@ def check_flash(small: bool, backend=None, cases=FLASH_CASES):
         )
 
 
-def check_flash_mosaic(small: bool):
-    """The Hopper (Mosaic GPU) kernels, forced: on a GPU they need compute capability 9.x; --small
-    runs them in Pallas' GPU interpreter on CPU."""
+def _mosaic_gpu_or_interpreter(small: bool) -> None:
     if not small and kernel_mgpu.gpu_capability() is None:
         raise RuntimeError("the Mosaic GPU flash kernels need a Hopper GPU (compute capability 9.x)")
-    # one of the four cases through flash_attention, then the kernels' own checks (each set compiles
-    # three kernels): the bench's error columns cover the rest; this check is what gpu_kernels.sh
-    # gates the Mosaic columns on, within its time limit
-    yield from check_flash(small, backend="mosaic_gpu", cases=((128, True),))
-    if small:
-        return
-    # at T = 2048: packed documents (segment ids) at H = 128, and H = 256 (the dK/dV kernel whose
-    # warpgroups split the head dim)
-    for h, segments in ((128, True), (256, False)):
+
+
+def _mosaic_own_checks(cases):
+    """kernel_mgpu.check_on_gpu at T = 2048 for (H, segments) cases, as (what, error, tolerance)."""
+    for h, segments in cases:
         errs = kernel_mgpu.check_on_gpu(t=2048, h=h, causal=True, segments=segments)
         what = f"flash mosaic_gpu T=2048 H={h} N=4 K=2 causal{' segments' if segments else ''}"
         yield f"{what}: output", errs["o_err"] / errs["o_max"], 2.0**-6
         grads = [n for n in ("dq", "dk", "dv") if f"{n}_err" in errs]
         yield f"{what}: {' '.join(grads)}", max(errs[f"{n}_err"] / errs[f"{n}_max"] for n in grads), 2.0**-6
+
+
+def check_flash_mosaic(small: bool):
+    """The Hopper (Mosaic GPU) kernels, forced, with the split backward (a dQ kernel beside dK/dV):
+    on a GPU they need compute capability 9.x; --small runs them in Pallas' GPU interpreter on CPU.
+    One of the four cases through flash_attention, then the kernels' own checks (each set compiles
+    three kernels); the bench's error columns cover the rest. gpu_kernels.sh gates the Mosaic
+    columns on this check, and the fused backward's on the next, within its time limit."""
+    _mosaic_gpu_or_interpreter(small)
+    with kernel_mgpu.backward_variant("split"):
+        yield from check_flash(small, backend="mosaic_gpu", cases=((128, True),))
+        if not small:  # packed documents (segment ids) at H = 128, and H = 256 (split only)
+            yield from _mosaic_own_checks(((128, True), (256, False)))
+
+
+def check_flash_mosaic_fused(small: bool):
+    """The fused Mosaic backward (dQ added by TMA reduce-add from the dK/dV kernel into an aliased
+    fp32 accumulator: the one part of it Pallas' interpreter cannot run), at H = 128 (the bench's
+    error columns have H = 64)."""
+    _mosaic_gpu_or_interpreter(small)
+    with kernel_mgpu.backward_variant("fused"):
+        yield from check_flash(small, backend="mosaic_gpu", cases=((128, True),))
+        if not small:
+            yield from _mosaic_own_checks(((128, True),))
+
+
+def write_split_override(folder: str) -> str:
+    """A tuning-cache file for this device in `folder` (for JAXSYS_TUNING_DIR) that sends every
+    shape class of the Hopper kernels to the split backward: what gpu_kernels.sh sets when the
+    fused backward fails its check, so that training still runs the Mosaic GPU kernels."""
+    kind = tuning.current_device_kind()
+    classes = itertools.product((64, 128), ("bfloat16", "float16"), (False, True), (2**i for i in range(4, 17)))
+    entries = {
+        tuning.shape_key(tuning.flash_attention_class(head_dim=h, dtype=d, causal=c, seq_len=t)): {
+            "config": {"backward": "split"}
+        }
+        for h, d, c, t in classes
+    }
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, tuning.device_file_name(kind) + ".json")
+    header = {"note": "written by benchmarks/gpu_check.py --split-override: the fused backward failed its check"}
+    with open(path, "w") as f:
+        record = dict(format=tuning.FORMAT_VERSION, device_kind=kind, header=header)
+        json.dump(record | dict(kernels={"flash_attention_mgpu": entries}), f, indent=1)
+    return path
 
 
 def check_linear(small: bool):
@@ -163,6 +204,7 @@ def check_paged(small: bool):
 CHECKS = {
     "flash": check_flash,
     "flash_mosaic": check_flash_mosaic,
+    "flash_mosaic_fused": check_flash_mosaic_fused,
     "linear": check_linear,
     "quantized": check_quantized,
     "paged": check_paged,
@@ -182,7 +224,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--small", action="store_true", help="small shapes (CPU interpret-mode smoke run)")
     p.add_argument("--only", default=",".join(CHECKS))
+    p.add_argument("--split-override", metavar="DIR", help="write write_split_override's file into DIR and exit")
     args = p.parse_args(argv)
+    if args.split_override:
+        print(f"wrote {write_split_override(args.split_override)}")
+        return 0
     device = jax.devices()[0]
     print(f"device: {device.platform} {getattr(device, 'device_kind', '')}, jax {jax.__version__}", flush=True)
     rows: list[dict] = []

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 35's target table in one call on one GPU (an H100 or H200; under 8 minutes): every kernel
 # against its vendor baseline, side by side in the same process, with a correctness column.
-#   1. check: the Mosaic GPU flash kernels (their first run on a GPU) and the quantized kernels
-#      against their references on the device (benchmarks/gpu_check.py). If the Mosaic check does
-#      not run to the end (a hang cut by the limit, a crash, an exception), the later steps leave
-#      the Mosaic kernels out: a hung kernel would otherwise eat the flash and training steps' time;
-#      the Triton, linear and paged kernels were checked on an H200 and carry error columns here;
+#   1. check: the quantized kernels, then the Mosaic GPU flash kernels (their first run on a GPU)
+#      with the split backward, then the fused backward, against their references on the device
+#      (benchmarks/gpu_check.py). If the Mosaic check does not run to the end (a hang cut by the
+#      limit, a crash, an exception), the later steps leave the Mosaic kernels out: a hung kernel
+#      would otherwise eat the flash and training steps' time; if only the fused one's does not,
+#      they leave out its column and train with the split backward. The Triton, linear and paged
+#      kernels were checked on an H200 and carry error columns here;
 #   2. flash attention, bf16, T = 4K and 16K, H = 64 and 128, causal and full, forward and
 #      forward+backward: the Triton kernel, the Mosaic GPU kernels (sm90+; the fused backward and
 #      the split one side by side), cuDNN
@@ -30,16 +32,16 @@ PARTS=${PARTS:-check,flash,quant,train}
 has() { case ",$PARTS," in *",$1,"*) return 0 ;; esac; return 1; }
 if [ "${CPU:-0}" = 1 ]; then  # tiny stand-ins: interpret mode, configs/tiny.py
   export JAX_PLATFORMS=cpu
-  CHECK="--small --only flash_mosaic,quantized" FLASH="--interpret-smoke" QUANT="--split-k --interpret-smoke"
+  CHECK="--small --only quantized,flash_mosaic,flash_mosaic_fused" FLASH="--interpret-smoke" QUANT="--split-k --interpret-smoke"
   CONFIG=configs/tiny.py BATCH=4 STEPS=6 FP8_STEPS=6 CHECK_LIMIT=300  # the interpreter: ~2 min
   DEVICE="CPU stand-in" DEST=${DEST:-}
 else
-  CHECK="--only flash_mosaic,quantized" QUANT="--split-k --models llama-7b,llama-70b --batches 1,2,4,8,16,32,64,128 --repeats 3 --budget-s 100"
+  CHECK="--only quantized,flash_mosaic,flash_mosaic_fused" QUANT="--split-k --models llama-7b,llama-70b --batches 1,2,4,8,16,32,64,128 --repeats 3 --budget-s 90"
   FLASH="--seq-lens 4096,16384 --head-dims 64,128 --tokens 32768 --repeats 3 --min-time 0.02"
   # batch 4 x 2048 tokens: ~0.14 s a bf16 step on an H200 (62K tokens/s at batch 16,
   # h200_2026-11-26.md), so 200 steps and the ~20 s compile fit the 75 s limits; batch 8 would
   # not (~78 s). The GEMMs keep M = 8192 rows: the fp8 / bf16 ratio is still a large-GEMM one
-  CONFIG=configs/llama_1b.py BATCH=4 STEPS=30 FP8_STEPS=200 CHECK_LIMIT=60
+  CONFIG=configs/llama_1b.py BATCH=4 STEPS=30 FP8_STEPS=200 CHECK_LIMIT=75
   DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n1)
   DEST=${DEST:-docs/benchmarks/gpu_kernels_$DATE}
 fi
@@ -53,15 +55,23 @@ if has check; then
   rm -f "$OUT/check.json"  # a stale one must not vouch for this run's kernels
   step check $CHECK_LIMIT $PY benchmarks/gpu_check.py $CHECK --out "$OUT/check.json"
   # check.json is rewritten after each check: "completed" names those that ran to the end
-  if ! $PY -c "import json, sys; sys.exit('flash_mosaic' not in json.load(open(sys.argv[1]))['completed'])" \
-    "$OUT/check.json" 2> /dev/null; then
+  completed() {
+    $PY -c "import json, sys; sys.exit(sys.argv[2] not in json.load(open(sys.argv[1]))['completed'])" \
+      "$OUT/check.json" "$1" 2> /dev/null
+  }
+  if ! completed flash_mosaic; then
     echo "=== the Mosaic GPU flash check did not run to the end (check.log): the flash bench leaves out" \
-      "its column and the Pallas training step uses the Triton kernel (model.attention_kernel=generic)"
+      "its columns and the Pallas training step uses the Triton kernel (model.attention_kernel=generic)"
     FLASH="$FLASH --impls pallas,cudnn,tokamax,xla" MOSAIC_KERNEL=generic
+  elif ! completed flash_mosaic_fused; then
+    echo "=== the fused Mosaic backward's check did not run to the end (check.log): the flash bench" \
+      "leaves out its column (mosaic) and the training step runs the split backward (JAXSYS_TUNING_DIR)"
+    FLASH="$FLASH --impls pallas,mosaic_split,cudnn,tokamax,xla"
+    $PY benchmarks/gpu_check.py --split-override "$OUT/tuning" && export JAXSYS_TUNING_DIR="$OUT/tuning"
   fi
 fi
 has flash && step flash 150 $PY -m jaxsys.kernels.flash_attention.bench $FLASH --out "$OUT/flash_attention.json"
-has quant && step quant 120 $PY -m jaxsys.kernels.quantized_matmul.bench $QUANT --out "$OUT/quantized_matmul.json"
+has quant && step quant 105 $PY -m jaxsys.kernels.quantized_matmul.bench $QUANT --out "$OUT/quantized_matmul.json"
 if has train; then
   # one bf16 cuDNN run is the baseline of both comparisons: the Pallas kernel's step (its first
   # STEPS steps' windows) and fp8 over FP8_STEPS steps

@@ -82,3 +82,22 @@ def test_trace_kernels_sums_the_gpu_streams_kernels(tmp_path):
     table = profile_kernel.kernel_table(rows, iters=2)
     assert "| flash_attention_mgpu_bwd_fused | 1 | 300.0 | 93.8% |" in table
     assert "| loop_convert_fusion | 2 | 20.0 | 6.2% |" in table
+
+
+def test_split_override_sends_the_hopper_kernels_to_the_split_backward(tmp_path, monkeypatch):
+    """What gpu_kernels.sh sets when the fused backward fails its check: a JAXSYS_TUNING_DIR file
+    for this device under which llama_1b's attention (H = 64, T = 2048, causal, bf16) and H = 128
+    get the split backward."""
+    import jax.numpy as jnp
+
+    from jaxsys.kernels import tuning
+    from jaxsys.kernels.flash_attention import kernel_mgpu
+
+    assert gpu_check.main(["--split-override", str(tmp_path)]) == 0
+    monkeypatch.setenv(tuning.ENV_DIR, str(tmp_path))
+    tuning.clear_cache()
+    try:
+        for h, t in ((64, 2048), (128, 4096), (128, 16384)):
+            assert not kernel_mgpu.make_config(h, t, jnp.bfloat16, scale=h**-0.5, causal=True).fused_dq
+    finally:
+        tuning.clear_cache()
