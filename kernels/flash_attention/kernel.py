@@ -597,9 +597,9 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Config):
 
 
 def _mgpu_backward(*args, cfg: kernel_mgpu.MgpuConfig):
-    """The Mosaic GPU variant's backward, from its o and lse: kernel_mgpu's dQ and dK/dV kernels
-    where they apply (S a multiple of 128), else the generic kernels (Triton, or
-    interpreted with the forward)."""
+    """The Mosaic GPU variant's backward, from its o and lse: kernel_mgpu's (the fused dK/dV + dQ
+    kernel, or the split dQ and dK/dV kernels) where they apply (S a multiple of 128), else the
+    generic kernels (Triton, or interpreted with the forward)."""
     if cfg.mosaic_backward:
         return kernel_mgpu.backward(*args, cfg=cfg)
     return _backward(*args, cfg=dataclasses.replace(cfg.backward, interpret=cfg.interpret))
