@@ -436,8 +436,12 @@ def _flatten(config, prefix="") -> dict[str, Any]:
     return out
 
 
+# Keys by which users (and issue 35's text) may know a setting that jaxsys names otherwise
+_OTHER_NAMES = {"model.matmul_dtype": "model.quant_train ('fp8': e4m3 / e5m2 training matmuls; 'int8')"}
+
+
 def _unknown_key_error(key: str, known: Sequence[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=3)
+    close = [_OTHER_NAMES[key]] if key in _OTHER_NAMES else difflib.get_close_matches(key, known, n=3)
     hint = f" Did you mean {', '.join(close)}?" if close else ""
     return ConfigError(f"unknown config key 'config.{key}'.{hint} Every key is listed in docs/config.md.")
 

@@ -45,6 +45,9 @@ def test_unknown_override_key_suggests_the_right_one():
     c = small_config()
     with pytest.raises(ConfigError, match=r"unknown config key 'config.train.stepz'.*train.steps"):
         apply_overrides(c, ["--config.train.stepz=3"])
+    # a name other frameworks (and issue 35) use for fp8 training points at jaxsys's key
+    with pytest.raises(ConfigError, match=r"'config.model.matmul_dtype'\. Did you mean model.quant_train \('fp8'"):
+        apply_overrides(c, ["--config.model.matmul_dtype=fp8"])
 
 
 def test_override_type_is_checked():
