@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's target table in one call on one GPU (an H100 or H200; under 8 minutes): every kernel
+# Issue 35's target table in one call on one GPU (an H100 or H200; step limits of 8.9 minutes): every kernel
 # against its vendor baseline, side by side in the same process, with a correctness column.
 #   1. check: the quantized kernels, then the Mosaic GPU flash kernels (their first run on a GPU)
 #      with the split backward, then the fused backward, against their references on the device
