@@ -128,6 +128,9 @@ def _ids(*runs):
     return jnp.asarray(np.concatenate([np.full(length, i) for i, length in runs])[None], jnp.int32)
 
 
+# q ids 0, 1, 2, 7 against kv ids 0, 1, 3, 5 (`causal_empty_rows`)
+EMPTY_ROW_IDS = (_ids((0, 50), (1, 40), (2, 38), (7, 128)), _ids((0, 30), (1, 70), (3, 28), (5, 128)))
+
 SEG_CASES = {
     # packed documents (q ids = kv ids) with boundaries inside blocks: the queries of the document
     # starting at 130 see no key of kv blocks 0-1; causal, GQA G = 2, key block 256
@@ -136,28 +139,12 @@ SEG_CASES = {
     "full_empty_rows_gqa": (128, 4, 2, 64, False, _ids((0, 50), (1, 40), (2, 38)), _ids((0, 30), (1, 70), (3, 28))),
     # the same ids, causal: segment 1's first queries (50-69) see no key yet either; then a whole
     # tile of queries (id 7) and of keys (id 5) that meet nothing: kernels with no block to run
-    "causal_empty_rows": (
-        256,
-        2,
-        1,
-        64,
-        True,
-        _ids((0, 50), (1, 40), (2, 38), (7, 128)),
-        _ids((0, 30), (1, 70), (3, 28), (5, 128)),
-    ),
+    "causal_empty_rows": (256, 2, 1, 64, True, *EMPTY_ROW_IDS),
     # H = 256 (dK/dV split over the head dim, dQ's 32-key blocks): packed, boundaries inside a
     # dK/dV program's 64 keys and inside a warpgroup's 32 query columns; causal, G = 2
     "causal_packed_gqa_h256": (128, 2, 1, 256, True, _ids((0, 20), (1, 50), (2, 58)), None),
     # causal_empty_rows at H = 256: a dK/dV program whose warpgroups share no block to run
-    "causal_empty_rows_h256": (
-        256,
-        2,
-        1,
-        256,
-        True,
-        _ids((0, 50), (1, 40), (2, 38), (7, 128)),
-        _ids((0, 30), (1, 70), (3, 28), (5, 128)),
-    ),
+    "causal_empty_rows_h256": (256, 2, 1, 256, True, *EMPTY_ROW_IDS),
 }
 SEG_SLOW = {"causal_empty_rows_h256"}
 
