@@ -105,13 +105,15 @@ accumulating wgmma goes into a fresh accumulator added to the old one (it cannot
 `_lhs` / `_accumulate` helpers and the forward's two `if cfg.interpret` branches. Everything else
 (the rings, the ping-pong, the causal and segment ranges and masks, exp2 scaling, GQA, lse, Delta,
 empty rows) is the code the GPU runs, and tests/test_flash_attention_mgpu.py checks its numerics
-against the reference.
+against the reference. `check_races` runs them under the interpreter's race detector, with the
+wgmma operand reads it leaves out added (kernels/mgpu_races.py): the barriers and fences that
+order shared memory between the warpgroups and the TMA engine are checked there.
 
 What only a GPU settles: Mosaic's compile to PTX/SASS (a deviceless XLA:GPU compile succeeds but
 carries the Mosaic module inside the custom call; the checks without a GPU stop at the Mosaic GPU
 MLIR: wgmma / TMA ops, shared memory <= 227 KiB),
 the register operands and in-place accumulation, register pressure (spills), real concurrency of
-the warpgroups, numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
+the warpgroups (timing; the interpreter's wgmma is synchronous), numerics of the compiled kernels (`check_on_gpu`, bench.py's error columns) and
 speed. With segment ids also: the int32 id TMA loads and the scalar range reads from global memory
 compiled, the registers the broadcast ids and the equality mask add, and what the skip saves on
 packed rows (`check_on_gpu(segments=True)`).
@@ -123,6 +125,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 from typing import Any
 
 import jax
@@ -137,6 +140,7 @@ __all__ = [
     "MgpuConfig",
     "backward",
     "check_on_gpu",
+    "check_races",
     "forward",
     "gpu_capability",
     "make_config",
@@ -175,6 +179,12 @@ class MgpuConfig:
     mosaic_backward: bool = False  # this module's backward kernels, else the generic `backward` config's
     interpret: bool = False
     fused_dq: bool = True  # dQ accumulated by the dK/dV kernel (FA3), else its own kernel (`backward`)
+    detect_races: bool = False  # interpreted with the race detector on (`check_races`)
+
+
+def _interpret_params(cfg: MgpuConfig):
+    """The interpreter's parameters for an interpreted call, else None (compiled)."""
+    return plgpu.InterpretGPUParams(detect_races=cfg.detect_races) if cfg.interpret else None
 
 
 def _smem_bytes(h: int, block_k: int, stages: int, itemsize: int, has_segments: bool = False) -> int:
@@ -548,7 +558,7 @@ def forward(q, k, v, q_seg, kv_seg, cfg: MgpuConfig):
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else None,
+        interpret=_interpret_params(cfg),
     )(q, k, v, *segs)
     return o, lse
 
@@ -946,7 +956,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     transforms = (plgpu.TilingTransform(tiling), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
     tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=transforms)
     rows = lambda *shape: plgpu.SMEM(shape, jnp.float32)
-    interp = plgpu.InterpretGPUParams() if cfg.interpret else None
+    interp = _interpret_params(cfg)
     params = plgpu.CompilerParams(approx_math=True)
 
     # with segment ids: (own ids [mine, r], ring of streamed ids [stages, block]) and their barriers
@@ -1075,3 +1085,34 @@ def check_on_gpu(
         for name, g, w in zip(("dq", "dk", "dv"), grads, wants):
             out |= {f"{name}_err": amax(f32(g) - w), f"{name}_max": amax(w)}
     return out
+
+
+def check_races(
+    b=1, t=512, n=2, k=1, h=64, causal=True, backward_variant_name="fused", segments=False, module=None
+) -> dict:
+    """Run the forward and the Mosaic backward (`backward_variant_name`) in Pallas' GPU interpreter
+    with its race detector, wgmma operand reads included (kernels/mgpu_races.py), on random bf16
+    inputs: {"kernels": how many kernels ran, "races": indices of those with a race, "finite":
+    whether o and the gradients are finite}. Pick T so that the rings wrap (more kv blocks than
+    slots) to check their refills. segments=True: documents of 300 tokens (as `check_on_gpu`).
+    `module`: another build of this module to check (the tests' mutants), else this one."""
+    from .. import mgpu_races
+
+    mod = module or sys.modules[__name__]
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    kk = jax.random.normal(keys[1], (b, t, k, h), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, k, h), jnp.bfloat16)
+    do = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
+    seg = ((jnp.arange(t)[None] + 97 * jnp.arange(b)[:, None]) // 300).astype(jnp.int32) if segments else None
+    cfg = mod.make_config(h, t, jnp.bfloat16, scale=h**-0.5, causal=causal, has_segments=segments)
+    if not cfg.mosaic_backward:
+        raise ValueError(f"the Mosaic backward does not run H = {h}, T = {t}")
+    fused = {"fused": True, "split": False}[backward_variant_name]
+    cfg = dataclasses.replace(cfg, interpret=True, detect_races=True, fused_dq=fused)
+    with mgpu_races.detecting_races() as report:  # traced inside: the wgmma reads are counted
+        o, lse = mod.forward(q, kk, v, seg, seg, cfg)
+        grads = mod.backward(q, kk, v, seg, seg, o, lse, do, None, cfg)
+        jax.block_until_ready(grads)
+    finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in (o, *grads))
+    return {"kernels": report.kernels, "races": report.found, "finite": finite}
