@@ -87,6 +87,13 @@ def test_logprobs_of_generated_and_prompt_tokens_equal_the_training_forward(mode
     assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(PROMPT)
     want_prompt = [ref[p - 1, PROMPT[p]] for p in range(1, len(PROMPT))]
     np.testing.assert_allclose(r.prompt_logprobs[1:], want_prompt, atol=1e-4)
+    # the top 3 at each prompt position (lm-eval's is_greedy reads them)
+    assert r.prompt_top_logprobs[0] is None and len(r.prompt_top_logprobs) == len(PROMPT)
+    for p in range(1, len(PROMPT)):
+        top = r.prompt_top_logprobs[p]
+        order = np.argsort(-ref[p - 1])[:3]
+        assert [t for t, _ in top] == order.tolist()
+        np.testing.assert_allclose([lp for _, lp in top], ref[p - 1, order], atol=1e-4)
     want = [ref[len(PROMPT) - 1 + i, t] for i, t in enumerate(r.generated)]
     np.testing.assert_allclose(r.logprobs, want, atol=1e-4)
     for i, top in enumerate(r.top_logprobs):  # greedy: the chosen token is the most likely

@@ -81,13 +81,17 @@ def _all_pages_free(eng, wait: float = 10.0) -> bool:
     return False
 
 
-def _reference_logprobs(program, params, ids):
-    """log p(ids[i] | ids[:i]) for i >= 1 from the training forward on one device."""
+def _reference_logprob_rows(program, params, ids):
+    """log p(. | ids[:i + 1]) [len(ids) - 1, V] from the training forward on one device."""
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     host = jax.device_put(jax.tree.map(np.asarray, params), one)
     logits = transformer.logits(host, jnp.asarray([ids[:-1]], jnp.int32), program.config.model, program.layout)
-    lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
-    return np.asarray(lp[jnp.arange(len(ids) - 1), jnp.asarray(ids[1:])])
+    return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+
+
+def _reference_logprobs(program, params, ids):
+    """log p(ids[i] | ids[:i]) for i >= 1 from the training forward on one device."""
+    return _reference_logprob_rows(program, params, ids)[np.arange(len(ids) - 1), np.asarray(ids[1:])]
 
 
 def test_completion_equals_generating_alone(running):
@@ -187,15 +191,30 @@ def test_echo_logprobs_equal_the_training_forward(client, running):
     assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     want = _reference_logprobs(program, params, prompt + r.choices[0].token_ids)
     np.testing.assert_allclose(lp.token_logprobs[1:], want, rtol=1e-5, atol=1e-5)
+    # each prompt position's top_logprobs: its most likely token and the token itself
+    rows = _reference_logprob_rows(program, params, prompt + r.choices[0].token_ids)
+    for p in range(1, len(prompt)):
+        best = int(np.argmax(rows[p - 1]))
+        top = lp.top_logprobs[p]
+        name = lambda t: server.token_text(ByteTokenizer(), t)
+        assert set(top) == {name(best), name(prompt[p])}
+        np.testing.assert_allclose(top[name(best)], rows[p - 1, best], rtol=1e-5, atol=1e-5)
 
 
 def test_a_multiple_choice_question_scored_as_lm_evaluation_harness_does(running):
     """local-completions' loglikelihood: one request with the prompts as lists of token ids,
     max_tokens 1, echo, logprobs 1, temperature 0; each choice's score is the sum of
-    token_logprobs[ctxlen:-1], and is_greedy compares each token with max(top_logprobs)."""
+    token_logprobs[ctxlen:-1], and is_greedy compares each token with max(top_logprobs): both
+    against the training forward (is_greedy: every continuation token is the argmax there)."""
     url, program, params = running
     context = list(b"Question: 2 + 2 =\nAnswer:")
     choices = [list(b" 4"), list(b" five"), list(b" 22")]
+    greedy_choice = []  # the model's own two greedy tokens: is_greedy must read True for it
+    for _ in range(2):
+        greedy_choice.append(
+            int(np.argmax(_reference_logprob_rows(program, params, context + greedy_choice + [0])[-1]))
+        )
+    choices.append(greedy_choice)
     payload = {
         "model": MODEL,
         "prompt": [context + c for c in choices],
@@ -208,14 +227,19 @@ def test_a_multiple_choice_question_scored_as_lm_evaluation_harness_does(running
     with _post(url, payload) as r:
         out = json.loads(r.read())
     scores, greedy = [], []
-    for choice, ctxlen in zip(sorted(out["choices"], key=lambda c: c["index"]), [len(context)] * 3):
+    for choice, ctxlen in zip(sorted(out["choices"], key=lambda c: c["index"]), [len(context)] * len(choices)):
         token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
         tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
         greedy.append(all(tok == max(top.values()) for tok, top in zip(token_logprobs, tops)))
         scores.append(sum(token_logprobs))
     want = [float(_reference_logprobs(program, params, context + c)[len(context) - 1 :].sum()) for c in choices]
     np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-4)
-    assert int(np.argmax(scores)) == int(np.argmax(want)) and len(greedy) == 3
+    assert int(np.argmax(scores)) == int(np.argmax(want)) and len(greedy) == len(choices)
+    want_greedy = []
+    for c in choices:
+        rows = _reference_logprob_rows(program, params, context + c)[len(context) - 1 :]
+        want_greedy.append(bool(np.all(np.argmax(rows, axis=-1) == np.asarray(c))))
+    assert greedy == want_greedy and want_greedy[-1]
 
 
 BIG = 2**31

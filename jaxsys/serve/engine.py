@@ -1280,19 +1280,26 @@ class Engine(EngineAPI):
         return out
 
     def _prompt_logprobs(self, logits, prompt_rows: list) -> None:
-        """Each prompt token's log-probability given the tokens before it, for the prefill rows of
-        requests that asked (the first prompt token has none: None)."""
+        """Each prompt token's log-probability given the tokens before it, and the top
+        Sampling.logprobs alternatives there, for the prefill rows of requests that asked (the
+        first prompt token has neither: None)."""
+        ks = [self.sampling[req.id].logprobs or 0 for _, _, req in prompt_rows]
         padded = sampling_lib.pad(prompt_rows)
-        chosen, _, _ = sampling_lib.logprobs_at(
+        chosen, top_ids, top_lp = sampling_lib.logprobs_at(
             logits,
             np.asarray([row for row, _, _ in padded], np.int32),
             np.asarray([token for _, token, _ in padded], np.int32),
-            top=0,
+            top=sampling_lib.MAX_LOGPROBS if any(ks) else 0,
         )
-        for value, (_, _, req) in zip(np.asarray(chosen).tolist(), prompt_rows):
+        chosen = np.asarray(chosen).tolist()
+        top_ids = None if top_ids is None else np.asarray(top_ids).tolist()
+        top_lp = None if top_lp is None else np.asarray(top_lp).tolist()
+        for i, ((_, _, req), k) in enumerate(zip(prompt_rows, ks)):
             if not req.prompt_logprobs:
                 req.prompt_logprobs.append(None)
-            req.prompt_logprobs.append(value)
+                req.prompt_top_logprobs.append(None)
+            req.prompt_logprobs.append(chosen[i])
+            req.prompt_top_logprobs.append(list(zip(top_ids[i][:k], top_lp[i][:k])) if k else [])
 
     def _fork(self, plans, sampled: dict) -> list:
         """The forks whose parent's prefill ended in this step: each gets pages (or, when its shard
@@ -1320,6 +1327,7 @@ class Engine(EngineAPI):
                     self._copy_prompt(d, parent, child)
                     child.prefilled = len(child.prompt)
                     child.prompt_logprobs = list(parent.prompt_logprobs)
+                    child.prompt_top_logprobs = list(parent.prompt_top_logprobs)
                     s.running.append(child)
                     out.append((d, child))
         return out

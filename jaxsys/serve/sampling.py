@@ -37,7 +37,9 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the top k
-    prompt_logprobs: bool = False  # each prompt token's log-probability given the tokens before it
+    # each prompt token's log-probability given the tokens before it (and, with logprobs = k, the
+    # top k there: lm-eval's is_greedy compares a continuation with them)
+    prompt_logprobs: bool = False
     stop_ids: tuple = ()  # finish ("stop") on generating one of these
 
     def check(self, what: str = "sampling") -> None:

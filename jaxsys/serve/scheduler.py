@@ -182,10 +182,11 @@ class Request:
     fork_of: object = None  # the request whose prefill this one shares (n > 1 samples of one prompt)
     # per generated token: its log-probability under the model, and the top alternatives
     # (Sampling.logprobs); per prompt token: its log-probability given the tokens before it
-    # (Sampling.prompt_logprobs; None for the first)
+    # (Sampling.prompt_logprobs; None for the first) and the top alternatives there
     logprobs: list = dataclasses.field(default_factory=list)
     top_logprobs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list = dataclasses.field(default_factory=list)
     # speculation's counts for this request: rounds, drafted and accepted tokens, decode steps
     stats: dict = dataclasses.field(
         default_factory=lambda: dict.fromkeys(("rounds", "drafted", "accepted", "decode_steps"), 0)

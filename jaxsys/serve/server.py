@@ -77,6 +77,7 @@ class Piece:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list | None = None
+    prompt_top: list | None = None  # per prompt token, its top alternatives [(id, logprob)]
 
     @property
     def done(self) -> bool:
@@ -146,7 +147,9 @@ class _Seq:
             self.first = False
             if self.spec.sampling.prompt_logprobs:
                 lps = list(self.request.prompt_logprobs)
-                pieces[0].prompt_logprobs = lps if len(lps) == len(self.request.prompt) else None
+                whole = len(lps) == len(self.request.prompt)
+                pieces[0].prompt_logprobs = lps if whole else None
+                pieces[0].prompt_top = list(self.request.prompt_top_logprobs) if whole else None
         return pieces
 
     def _append(self, delta: str) -> bool:
@@ -762,6 +765,7 @@ class _Shape:
         self.lps: list[list] = [[] for _ in range(count)]
         self.tops: list[list] = [[] for _ in range(count)]
         self.prompt_lps: list = [None] * count
+        self.prompt_tops: list = [None] * count
         self.finish: list = [None] * count
         self.error: str | None = None
         self.scoring = getattr(req, "max_tokens", None) == 0  # echo with max_tokens 0: the prompt only
@@ -774,6 +778,7 @@ class _Shape:
         for p in pieces:
             if p.prompt_logprobs is not None:
                 self.prompt_lps[index] = p.prompt_logprobs
+                self.prompt_tops[index] = p.prompt_top
             if p.token is not None and not self.scoring:
                 self.tokens[index].append(p.token)
                 self.lps[index].append(_finite(p.logprob))
@@ -821,9 +826,13 @@ class _CompletionShape(_Shape):
     def echo_logprobs(self, index: int) -> tuple[list, list, list]:
         ids = self.prompts[index // self.req.n][0]
         lps = self.prompt_lps[index] or [None] * len(ids)
+        alts = self.prompt_tops[index] or [None] * len(ids)
         names = [self.tname(t) for t in ids]
-        # the engine gives each prompt token's logprob, not its alternatives: top_logprobs holds the token itself
-        tops = [None] + [{n: _finite(lp)} for n, lp in zip(names[1:], lps[1:])]
+        # as for a generated token: the top alternatives, and the token itself
+        tops = [None] + [
+            {**{self.tname(t): _finite(a) for t, a in (alt or [])}, n: _finite(lp)}
+            for n, lp, alt in zip(names[1:], lps[1:], alts[1:])
+        ]
         return names, [None] + [_finite(lp) for lp in lps[1:]], tops
 
     def logprobs(self, index: int, tokens: list[int], lps: list, tops: list, echo: bool, offset: int = 0):
