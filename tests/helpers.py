@@ -7,6 +7,7 @@ import os
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsys import data, train
@@ -72,6 +73,17 @@ def generate_contiguous(program, params, prompts, n: int, max_len: int = 64, dra
         k=k,
     )
     return engine.generate(eng, prompts, n, Sampling(**sampling))
+
+
+def reference_logprob_rows(program, params, ids) -> np.ndarray:
+    """log p(. | ids[:i + 1]) [len(ids) - 1, V]: the training forward on one device, log_softmax in
+    fp32 (the reference for served logprobs)."""
+    from jaxsys.models import transformer
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    host = jax.device_put(jax.tree.map(np.asarray, params), one)
+    logits = transformer.logits(host, jnp.asarray([ids[:-1]], jnp.int32), program.config.model, program.layout)
+    return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
 
 
 def pipeline_config(mesh=None, schedule="1f1b", microbatches=4, virtual_stages=1, vocab_parallel=False, **model):

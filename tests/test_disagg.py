@@ -13,7 +13,7 @@ from jaxsys.analysis.decode import kv_transfer_bytes
 from jaxsys.analysis.serving import CostModel
 from jaxsys.config import ConfigError
 from jaxsys.serve import disagg, engine
-from tests.helpers import generate_contiguous, program_for, small_config
+from tests.helpers import generate_contiguous, program_for, reference_logprob_rows, small_config
 
 
 def _config(**serve):
@@ -185,7 +185,9 @@ def test_cost_model_picks_each_side_where_it_should():
 
 def test_http_server_streams_from_the_disaggregated_engine():
     """`python -m jaxsys.serve` with config.serve.disaggregate=true runs this engine behind the same
-    server loop: concurrent requests each get their solo greedy tokens, streamed."""
+    server loop: concurrent requests each get their solo greedy tokens, streamed; a scoring request
+    (echo, logprobs 2) gets the prompt's and every generated token's logprobs and alternatives of
+    the training forward, the first token's too (it is sampled on the prefill side)."""
     import json
     import threading
     import urllib.request
@@ -214,14 +216,28 @@ def test_http_server_streams_from_the_disaggregated_engine():
 
     prompts = [[5 + i] * (3 + 7 * i) for i in range(3)]
     threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(prompts)]
+    scored = list(range(40, 52))
     try:
         [t.start() for t in threads]
         [t.join(120) for t in threads]
+        data = json.dumps({"prompt": scored, "max_tokens": 3, "echo": True, "logprobs": 2}).encode()
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=120) as r:
+            choice = json.loads(r.read())["choices"][0]
     finally:
         server.shutdown(httpd, loop)
     for i, p in enumerate(prompts):
         assert results[i] == generate_contiguous(one, params, [p], 4)[0], i
-    assert {t["id"] for t in eng.transfers} == set(eng.placement) and len(eng.transfers) == 3
+    assert {t["id"] for t in eng.transfers} == set(eng.placement) and len(eng.transfers) == 4
+    seq = scored + choice["token_ids"]
+    rows = reference_logprob_rows(one, params, seq)
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(seq) and lp["token_logprobs"][0] is None
+    np.testing.assert_allclose(lp["token_logprobs"][1:], rows[np.arange(len(seq) - 1), seq[1:]], atol=1e-4)
+    for i in range(1, len(seq)):  # two alternatives and the token itself at every position
+        best = np.argsort(-rows[i - 1])[:2]
+        want = {server.token_text(ByteTokenizer(), int(t)): rows[i - 1, t] for t in (*best, seq[i])}
+        assert set(lp["top_logprobs"][i]) == set(want), i
+        np.testing.assert_allclose([lp["top_logprobs"][i][n] for n in want], list(want.values()), atol=1e-4)
 
 
 def test_decode_analysis_reports_transfer_bytes():

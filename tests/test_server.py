@@ -12,16 +12,13 @@ import time
 import urllib.error
 import urllib.request
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
 
-from jaxsys.models import transformer
 from jaxsys.serve import engine, server
 from jaxsys.tokenizer import ByteTokenizer
-from tests.helpers import generate_contiguous, program_for, small_config
+from tests.helpers import generate_contiguous, program_for, reference_logprob_rows, small_config
 
 KEY = "test-key"
 MODEL = "tiny-test"
@@ -81,17 +78,9 @@ def _all_pages_free(eng, wait: float = 10.0) -> bool:
     return False
 
 
-def _reference_logprob_rows(program, params, ids):
-    """log p(. | ids[:i + 1]) [len(ids) - 1, V] from the training forward on one device."""
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    host = jax.device_put(jax.tree.map(np.asarray, params), one)
-    logits = transformer.logits(host, jnp.asarray([ids[:-1]], jnp.int32), program.config.model, program.layout)
-    return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
-
-
 def _reference_logprobs(program, params, ids):
     """log p(ids[i] | ids[:i]) for i >= 1 from the training forward on one device."""
-    return _reference_logprob_rows(program, params, ids)[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+    return reference_logprob_rows(program, params, ids)[np.arange(len(ids) - 1), np.asarray(ids[1:])]
 
 
 def test_completion_equals_generating_alone(running):
@@ -192,7 +181,7 @@ def test_echo_logprobs_equal_the_training_forward(client, running):
     want = _reference_logprobs(program, params, prompt + r.choices[0].token_ids)
     np.testing.assert_allclose(lp.token_logprobs[1:], want, rtol=1e-5, atol=1e-5)
     # each prompt position's top_logprobs: its most likely token and the token itself
-    rows = _reference_logprob_rows(program, params, prompt + r.choices[0].token_ids)
+    rows = reference_logprob_rows(program, params, prompt + r.choices[0].token_ids)
     for p in range(1, len(prompt)):
         best = int(np.argmax(rows[p - 1]))
         top = lp.top_logprobs[p]
@@ -211,9 +200,7 @@ def test_a_multiple_choice_question_scored_as_lm_evaluation_harness_does(running
     choices = [list(b" 4"), list(b" five"), list(b" 22")]
     greedy_choice = []  # the model's own two greedy tokens: is_greedy must read True for it
     for _ in range(2):
-        greedy_choice.append(
-            int(np.argmax(_reference_logprob_rows(program, params, context + greedy_choice + [0])[-1]))
-        )
+        greedy_choice.append(int(np.argmax(reference_logprob_rows(program, params, context + greedy_choice + [0])[-1])))
     choices.append(greedy_choice)
     payload = {
         "model": MODEL,
@@ -237,7 +224,7 @@ def test_a_multiple_choice_question_scored_as_lm_evaluation_harness_does(running
     assert int(np.argmax(scores)) == int(np.argmax(want)) and len(greedy) == len(choices)
     want_greedy = []
     for c in choices:
-        rows = _reference_logprob_rows(program, params, context + c)[len(context) - 1 :]
+        rows = reference_logprob_rows(program, params, context + c)[len(context) - 1 :]
         want_greedy.append(bool(np.all(np.argmax(rows, axis=-1) == np.asarray(c))))
     assert greedy == want_greedy and want_greedy[-1]
 

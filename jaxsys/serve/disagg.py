@@ -392,6 +392,11 @@ class DisaggregatedEngine(EngineAPI):
             del self.in_prefill[r.id]
             r.prefilled = len(r.prompt)
             r.generated.append(sampled[r.id])
+            # what the prefill side's request gathered for it: the first token's logprobs, the prompt's
+            side = w.request
+            r.logprobs += side.logprobs
+            r.top_logprobs += side.top_logprobs
+            r.prompt_logprobs, r.prompt_top_logprobs = list(side.prompt_logprobs), list(side.prompt_top_logprobs)
             if r.done:
                 self.decode.pools[p.shard].free(r.id)
                 self._done.append(r)
