@@ -36,6 +36,7 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # config.lo
 OPTIMIZER_UPDATE = ("device", "host")
 QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
 QUANT_TRAIN = ("none", "int8", "fp8")  # config.model.quant_train
+ROPE_SCALINGS = ("none", "linear", "llama3")  # config.model.rope_scaling (models/layers.py RopeScaling)
 QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
@@ -65,6 +66,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.head_dim = 32  # H
     c.model.d_ff = 512  # F
     c.model.rope_theta = 10000.0
+    # RoPE for a context beyond the trained one (Hugging Face's rope_type): none | linear | llama3
+    # (Llama 3.1-3.3's), with factor, and for llama3 its frequency band and original context
+    c.model.rope_scaling = "none"
+    c.model.rope_factor = 1.0
+    c.model.rope_low_freq_factor = 1.0
+    c.model.rope_high_freq_factor = 4.0
+    c.model.rope_original_max_position = 8192
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
@@ -533,6 +541,31 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_rope(m) -> None:
+    """config.model.rope_scaling and its numbers (models/layers.py RopeScaling)."""
+    _require(
+        m.rope_scaling in ROPE_SCALINGS,
+        f"config.model.rope_scaling={m.rope_scaling!r}: choose one of {ROPE_SCALINGS}",
+    )
+    if m.rope_scaling == "none":
+        return
+    _require(
+        isinstance(m.rope_factor, (int, float)) and m.rope_factor > 0,
+        f"config.model.rope_factor={m.rope_factor!r} must be > 0 (the context stretch, e.g. 8.0 for Llama 3.1)",
+    )
+    if m.rope_scaling == "llama3":
+        _require(
+            0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+            f"config.model.rope_low_freq_factor={m.rope_low_freq_factor} and rope_high_freq_factor="
+            f"{m.rope_high_freq_factor}: need 0 < low < high (Llama 3.1: 1.0 and 4.0)",
+        )
+        _require(
+            isinstance(m.rope_original_max_position, int) and m.rope_original_max_position > 0,
+            f"config.model.rope_original_max_position={m.rope_original_max_position!r} must be a positive "
+            "integer (the context the model was pre-trained at: 8192 for Llama 3.1)",
+        )
+
+
 def _validate_speculation(sv) -> None:
     """config.serve.spec_k / draft / spec_window / spec_sink (serve/speculation.py)."""
     _require(
@@ -627,6 +660,7 @@ def validate(config, num_devices: int | None = None) -> None:
         f"config.model.n_heads={m.n_heads} must be a multiple of n_kv_heads={m.n_kv_heads}",
     )
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embeddings)")
+    _check_rope(m)
     _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
     _require(
         m.attention_impl in ATTENTION_IMPLS,

@@ -25,6 +25,9 @@ Models:
   separate ``lm_head.weight``.
 * ``tied``:   3 layers, 4 query heads, 1 KV head (MQA), rope_theta 1e4,
   ``tie_word_embeddings=True`` (lm_head shares ``model.embed_tokens.weight``).
+* ``llama3``: as ``untied`` (another seed) with Llama 3.1's rope scaling (rope_type ``llama3``,
+  factor 8, low/high_freq_factor 1 / 4, original_max_position_embeddings 64, so that of the 8
+  frequencies of head_dim 16 one is kept, one interpolated and six divided by 8).
 
 Environment (Python 3.11, outside the repo; torch is the local CPU wheel)::
 
@@ -36,7 +39,7 @@ Environment (Python 3.11, outside the repo; torch is the local CPU wheel)::
 the configured ``find-links=/opt/wheels``; the explicit wheel path just makes it
 impossible to pull a CUDA build.)
 
-Run from the repository root::
+Run from the repository root (``--only NAME`` regenerates one model)::
 
     /tmp/hfvenv/bin/python scripts/make_hf_golden.py
 
@@ -96,6 +99,20 @@ MODELS = {
         rope_theta=10000.0,
         tie_word_embeddings=True,
     ),
+    "llama3": dict(
+        seed=2,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rope=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
 }
 
 
@@ -103,11 +120,12 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     spec = dict(spec)
     seed = spec.pop("seed")
     rope_theta = spec.pop("rope_theta")
+    rope = spec.pop("rope", {"rope_type": "default"})
     config = LlamaConfig(
         **COMMON,
         **spec,
-        # transformers>=5 stores rope_theta inside rope_parameters.
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters.
+        rope_parameters={**rope, "rope_theta": rope_theta},
         dtype="float32",
     )
     config._attn_implementation = "eager"
@@ -158,14 +176,38 @@ def _rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
+def numpy_inv_freq(cfg: dict) -> np.ndarray:
+    """RoPE's frequencies, float64, from Meta's Llama 3.1 rule for rope_type llama3: a frequency
+    whose wavelength 2 pi / f exceeds old_context / low_freq_factor is divided by factor, one
+    whose wavelength is below old_context / high_freq_factor is kept, and in between the two are
+    mixed with weight s = (old_context / wavelength - low) / (high - low) on the kept one."""
+    rope, d = cfg["rope_parameters"], cfg["head_dim"]
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if rope.get("rope_type", "default") == "default":
+        return inv_freq
+    assert rope["rope_type"] == "llama3", rope
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for f in inv_freq:
+        wavelength = 2 * np.pi / f
+        if wavelength < old / high:
+            out.append(f)
+        elif wavelength > old / low:
+            out.append(f / factor)
+        else:
+            s = (old / wavelength - low) / (high - low)
+            out.append((1 - s) * f / factor + s * f)
+    return np.asarray(out)
+
+
 def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     n_h, n_kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
-    theta = cfg["rope_parameters"]["rope_theta"]
     B, T = tokens.shape
 
-    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    inv_freq = numpy_inv_freq(cfg)
     freqs = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)  # [T, d]
     cos, sin = np.cos(emb), np.sin(emb)
@@ -197,7 +239,12 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     return x @ head.T
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", choices=sorted(MODELS), help="regenerate this model only")
+    only = parser.parse_args(argv).only
     torch.set_num_threads(1)
     versions = {
         "python": sys.version.split()[0],
@@ -207,6 +254,8 @@ def main() -> int:
         "numpy": np.__version__,
     }
     for name, spec in MODELS.items():
+        if only and name != only:
+            continue
         out = OUT_ROOT / name
         out.mkdir(parents=True, exist_ok=True)
         model = build_model(spec)

@@ -1,8 +1,9 @@
 """Hugging Face Llama interop: `python -m jaxsys.convert --from-hf/--to-hf` against golden files.
 
-tests/golden/hf_llama/{untied,tied} hold tiny random Llamas saved by `transformers` (GQA with rope
-theta 5e5 and untied embeddings; MQA with tied embeddings), with the logits transformers computed on
-fixed tokens. scripts/make_hf_golden.py made them (PyTorch, Python 3.11); these tests need neither.
+tests/golden/hf_llama/{untied,tied,llama3} hold tiny random Llamas saved by `transformers` (GQA with
+rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with Llama 3.1's rope scaling),
+with the logits transformers computed on fixed tokens. scripts/make_hf_golden.py made them
+(PyTorch, Python 3.11); these tests need neither.
 """
 
 import json
@@ -37,7 +38,7 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
-@pytest.mark.parametrize("name", ["untied", "tied"])
+@pytest.mark.parametrize("name", ["untied", "tied", "llama3"])
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
     workdir = tmp_path / "run"
@@ -52,6 +53,13 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    if name == "llama3":  # the scaling is read, and it matters at these 24 positions
+        m = config.model
+        assert (m.rope_scaling, m.rope_factor, m.rope_original_max_position) == ("llama3", 8.0, 64)
+        plain = config.model.copy_and_resolve_references()
+        plain.rope_scaling = "none"
+        unscaled = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), plain, program.layout))
+        assert np.abs(unscaled - want).max() > 100 * 1e-4
 
     out = tmp_path / "hf"
     assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
@@ -75,6 +83,23 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     ):
         assert written_config[key] == hf[key], key
     assert written_config["rope_parameters"] == hf["rope_parameters"]
+
+
+def test_rope_scaling_of_transformers_4_configs_is_read():
+    """A Llama 3.1 config.json as the Hub has it (transformers 4: top-level rope_theta, a
+    `rope_scaling` dict) sets the same model as transformers 5's `rope_parameters`; linear too."""
+    new = json.load(open(os.path.join(GOLDEN, "llama3", "config.json")))
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old["rope_theta"] = new["rope_parameters"]["rope_theta"]
+    old["rope_scaling"] = {k: v for k, v in new["rope_parameters"].items() if k != "rope_theta"}
+    a, b = load_config(os.path.join(ROOT, "configs", "tiny.py")), load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    hf_lib.model_config_from_hf(new, a.model)
+    hf_lib.model_config_from_hf(old, b.model)
+    assert a.model.to_dict() == b.model.to_dict() and b.model.rope_scaling == "llama3"
+    assert hf_lib.hf_config_from_model(b.model, "float32")["rope_scaling"] == old["rope_scaling"]
+    old["rope_scaling"] = {"type": "linear", "factor": 4.0}
+    hf_lib.model_config_from_hf(old, b.model)
+    assert (b.model.rope_scaling, b.model.rope_factor) == ("linear", 4.0)
 
 
 def test_converted_workdir_trains_on_another_mesh(tmp_path):
@@ -136,9 +161,9 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
 
     scaled = _copy_golden(tmp_path)
     hf = json.load(open(scaled / "config.json"))
-    hf["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}
+    hf["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "yarn", "factor": 8.0}
     json.dump(hf, open(scaled / "config.json", "w"))
-    with pytest.raises(hf_lib.ConversionError, match="rope type 'llama3'"):
+    with pytest.raises(hf_lib.ConversionError, match="rope type 'yarn'"):
         hf_lib.from_hf(str(scaled), str(tmp_path / "w2"))
 
     wrong = _copy_golden(tmp_path, "tied")

@@ -37,6 +37,41 @@ def test_rope_is_complex_rotation_of_half_pairs():
     np.testing.assert_allclose(layers.rope(x, jnp.asarray(pos), 10000.0), want, rtol=1e-4, atol=1e-5)
 
 
+def test_rope_scaling_frequencies():
+    """'linear' divides every frequency by the factor; 'llama3' (Llama 3.1, golden-tested against
+    transformers in tests/test_convert.py) keeps the fast ones, divides the slow ones and blends the
+    band between: here theta 5e5, H = 16, original context 64 puts one frequency in each regime."""
+    base = np.asarray(layers.rope_frequencies(16, 5e5))
+    linear = layers.RopeScaling("linear", factor=4.0)
+    np.testing.assert_allclose(np.asarray(layers.rope_frequencies(16, 5e5, linear)), base / 4, rtol=1e-6)
+    llama3 = layers.RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    got = np.asarray(layers.rope_frequencies(16, 5e5, llama3))
+    wavelength = 2 * np.pi / base
+    assert wavelength[0] < 64 / 4 < wavelength[1] < 64 < wavelength[2]
+    s = (64 / wavelength[1] - 1) / (4 - 1)
+    want = np.concatenate([base[:1], [(1 - s) * base[1] / 8 + s * base[1]], base[2:] / 8])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"rope_scaling": "yarn"}, r"rope_scaling='yarn': choose one of \('none', 'linear', 'llama3'\)"),
+        ({"rope_scaling": "linear", "rope_factor": 0.0}, "rope_factor=0.0 must be > 0"),
+        ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "need 0 < low < high"),
+        ({"rope_scaling": "llama3", "rope_original_max_position": 0}, "rope_original_max_position=0"),
+    ],
+)
+def test_bad_rope_scaling_is_named(settings, match):
+    from jaxsys.config import ConfigError, validate
+
+    c = base_config()
+    for key, value in settings.items():
+        c.model[key] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c)
+
+
 def test_rope_scores_depend_only_on_relative_position():
     q, k = normal(1, 1, 1, 16), normal(1, 1, 1, 16)
     score = lambda m, n: float(jnp.sum(layers.rope(q, jnp.array([m]), 1e4) * layers.rope(k, jnp.array([n]), 1e4)))

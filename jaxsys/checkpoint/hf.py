@@ -2,7 +2,8 @@
 is the command).
 
 `from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (GQA/MQA, any rope
-theta, tied or untied embeddings; `rope_scaling`, biases and other activations are refused by name),
+theta and Llama 3.1's or linear rope scaling, tied or untied embeddings; other rope scalings, biases
+and other activations are refused by name),
 sets `config.model` from it on top of a config (training, data and mesh settings), and writes the
 resolved config.json and checkpoint step 0 (the weights and a fresh optimizer state) into a workdir,
 which must not already hold a run, with the model's tokenizer (the directory's tokenizer.json and
@@ -79,14 +80,39 @@ def _hf_config(hf_dir: str) -> dict:
         return json.load(f)
 
 
-def _rope_theta(hf: dict) -> float:
-    """transformers >= 5 nests it in `rope_parameters`; earlier versions have `rope_theta`."""
+def _set_rope(hf: dict, model) -> None:
+    """RoPE's theta and scaling into `model`: transformers >= 5 nests them in `rope_parameters`,
+    earlier versions have a top-level `rope_theta` and a `rope_scaling` dict (Llama 3.1-3.3:
+    rope_type llama3 with factor, low/high_freq_factor, original_max_position_embeddings)."""
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    scaling = {**(hf.get("rope_scaling") or {}), **rope}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise ConversionError(
+            f"rope type {kind!r} is not supported: jaxsys implements plain RoPE and the 'linear' and 'llama3' scalings"
+        )
+    model.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    model.rope_scaling = "none" if kind == "default" else kind
     if kind != "default":
-        raise ConversionError(f"rope type {kind!r} (rope scaling) is not supported: jaxsys implements plain RoPE only")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        model.rope_factor = float(scaling["factor"])
+    if kind == "llama3":
+        model.rope_low_freq_factor = float(scaling["low_freq_factor"])
+        model.rope_high_freq_factor = float(scaling["high_freq_factor"])
+        model.rope_original_max_position = int(scaling["original_max_position_embeddings"])
+
+
+def _hf_rope(m) -> dict:
+    """`rope_parameters` (transformers 5; its older `rope_scaling` holds the same keys but theta)."""
+    out = {"rope_theta": m.rope_theta, "rope_type": "default" if m.rope_scaling == "none" else m.rope_scaling}
+    if m.rope_scaling != "none":
+        out["factor"] = m.rope_factor
+    if m.rope_scaling == "llama3":
+        out.update(
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_position_embeddings=m.rope_original_max_position,
+        )
+    return out
 
 
 def model_config_from_hf(hf: dict, model) -> None:
@@ -108,7 +134,7 @@ def model_config_from_hf(hf: dict, model) -> None:
     model.n_kv_heads = hf.get("num_key_value_heads") or n_heads
     model.head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     model.d_ff = hf["intermediate_size"]
-    model.rope_theta = _rope_theta(hf)
+    _set_rope(hf, model)
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
 
@@ -139,7 +165,12 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_theta": m.rope_theta, "rope_type": "default"},
+        "rope_parameters": _hf_rope(m),
+        **(
+            {}
+            if m.rope_scaling == "none"
+            else {"rope_scaling": {k: v for k, v in _hf_rope(m).items() if k != "rope_theta"}}
+        ),
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,

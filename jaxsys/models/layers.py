@@ -3,6 +3,9 @@ K key/value heads, H head dim, F MLP hidden. No communication happens here."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -15,11 +18,49 @@ def rms_norm(x, scale, eps: float):
     return normed.astype(x.dtype) * scale.astype(x.dtype)
 
 
-def rope(x, positions, theta: float):
-    """Rotary embeddings on x[B, T, N, H] at positions[T] (or per sequence, [B, T]), rotating the
-    two halves of H (the Llama/NeoX convention)."""
-    half = x.shape[-1] // 2
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are stretched for a context longer than the one trained on
+    (config.model.rope_*; `rope_scaling(m)` builds it). kind "none"; "linear" (position
+    interpolation, Chen et al. 2023: every frequency / factor); "llama3" (Llama 3.1: frequencies
+    whose wavelength exceeds original_max_position / low_freq_factor are divided by factor, those
+    below original_max_position / high_freq_factor kept, the band between interpolated)."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def rope_scaling(m) -> RopeScaling:
+    return RopeScaling(
+        m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_position
+    )
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
+    """The H/2 rotation frequencies (radians per position) of RoPE: theta^(-2i/H), then `scaling`."""
+    half = head_dim // 2
     freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling.kind == "linear":
+        return freqs / scaling.factor
+    if scaling.kind == "llama3":
+        wavelength = 2 * math.pi / freqs
+        context = scaling.original_max_position
+        # 0 at the low-frequency edge (wavelength context / low_freq_factor), 1 at the high one
+        smooth = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+        low = wavelength > context / scaling.low_freq_factor
+        high = wavelength < context / scaling.high_freq_factor
+        return jnp.where(low, freqs / scaling.factor, jnp.where(high, freqs, blended))
+    return freqs
+
+
+def rope(x, positions, theta: float, scaling: RopeScaling = RopeScaling()):
+    """Rotary embeddings on x[B, T, N, H] at positions[T] (or per sequence, [B, T]), rotating the
+    two halves of H (the Llama/NeoX convention), at `rope_frequencies`."""
+    freqs = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, H/2]
     angles = angles[None, :, None, :] if positions.ndim == 1 else angles[:, :, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)

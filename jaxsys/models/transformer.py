@@ -172,7 +172,8 @@ def block(
             )
         o = attention.linear_attention(q, k, v, m, heads, seq)
     else:
-        q, k = layers.rope(q, positions, m.rope_theta), layers.rope(k, positions, m.rope_theta)
+        scaling = layers.rope_scaling(m)
+        q, k = layers.rope(q, positions, m.rope_theta, scaling), layers.rope(k, positions, m.rope_theta, scaling)
         if cache is None:
             o = attention.softmax_attention(q, k, v, m, seq, segments)
         else:
