@@ -74,6 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.rope_high_freq_factor = 4.0
     c.model.rope_original_max_position = 8192
     c.model.norm_eps = 1e-5
+    # RMSNorm over each head's q and k (a learned [H] scale each) before RoPE: Qwen3, OLMo 2, Gemma 3
+    c.model.qk_norm = False
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -1295,6 +1297,8 @@ def _validate_flax(config) -> None:
         ("config.model.quant_train", m.quant_train, "none"),
         ("config.model.remat", m.remat, "none"),
         ("config.model.residual", m.residual, "standard"),
+        ("config.model.qk_norm", m.qk_norm, False),
+        ("config.model.rope_scaling", m.rope_scaling, "none"),
         ("config.offload.activations", config.offload.activations, ""),
         ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
         ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),

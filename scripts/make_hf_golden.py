@@ -3,7 +3,8 @@
 The outputs let jaxsys tests compare its Llama implementation against
 ``transformers`` without needing PyTorch on the test interpreter (Python 3.12).
 Nothing is downloaded: the models are built from ``LlamaConfig`` with
-``LlamaForCausalLM(config)`` and re-initialised from fixed torch seeds.
+``LlamaForCausalLM(config)`` (``Qwen3Config`` / ``Qwen3ForCausalLM`` for ``qwen3``) and
+re-initialised from fixed torch seeds.
 
 Outputs, per model ``<name>`` in ``tests/golden/hf_llama/<name>/``:
 
@@ -28,6 +29,8 @@ Models:
 * ``llama3``: as ``untied`` (another seed) with Llama 3.1's rope scaling (rope_type ``llama3``,
   factor 8, low/high_freq_factor 1 / 4, original_max_position_embeddings 64, so that of the 8
   frequencies of head_dim 16 one is kept, one interpolated and six divided by 8).
+* ``qwen3``: a Qwen3 (Llama's layout plus an RMSNorm over each head's q and k before RoPE,
+  ``q_norm`` / ``k_norm`` [head_dim]), 2 layers, GQA 4/2, rope_theta 1e6, tied embeddings.
 
 Environment (Python 3.11, outside the repo; torch is the local CPU wheel)::
 
@@ -62,7 +65,7 @@ import safetensors
 import safetensors.numpy
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_ROOT = REPO_ROOT / "tests" / "golden" / "hf_llama"
@@ -113,6 +116,14 @@ MODELS = {
             original_max_position_embeddings=64,
         ),
     ),
+    "qwen3": dict(
+        seed=3,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        family="qwen3",
+    ),
 }
 
 
@@ -121,7 +132,11 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     seed = spec.pop("seed")
     rope_theta = spec.pop("rope_theta")
     rope = spec.pop("rope", {"rope_type": "default"})
-    config = LlamaConfig(
+    qwen3 = spec.pop("family", "llama") == "qwen3"
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
+    if qwen3:
+        spec.update(use_sliding_window=False)
+    config = config_class(
         **COMMON,
         **spec,
         # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters.
@@ -130,7 +145,7 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     model = model.to(torch.float32)
     model.config._attn_implementation = "eager"
 
@@ -220,6 +235,9 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
         q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(B, T, n_h, d).transpose(0, 2, 1, 3)
         k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
         v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+        if p + "self_attn.q_norm.weight" in w:  # Qwen3: RMSNorm over each head's d, before RoPE
+            q = _rms(q, w[p + "self_attn.q_norm.weight"], eps)
+            k = _rms(k, w[p + "self_attn.k_norm.weight"], eps)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         # repeat_kv: query head j uses kv head j // (n_h // n_kv)

@@ -1,7 +1,8 @@
 """Hugging Face Llama interop: `python -m jaxsys.convert --from-hf/--to-hf` against golden files.
 
-tests/golden/hf_llama/{untied,tied,llama3} hold tiny random Llamas saved by `transformers` (GQA with
-rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with Llama 3.1's rope scaling),
+tests/golden/hf_llama/{untied,tied,llama3,qwen3} hold tiny random Llamas saved by `transformers` (GQA
+with rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with Llama 3.1's rope
+scaling; a Qwen3: q/k norms, tied),
 with the logits transformers computed on fixed tokens. scripts/make_hf_golden.py made them
 (PyTorch, Python 3.11); these tests need neither.
 """
@@ -38,14 +39,17 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
-@pytest.mark.parametrize("name", ["untied", "tied", "llama3"])
+@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3"])
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
     workdir = tmp_path / "run"
     assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
     config, program, state = _restored(workdir)
     hf = json.load(open(os.path.join(golden, "config.json")))
-    assert (config.model.n_kv_heads, config.model.tie_embeddings) == (hf["num_key_value_heads"], name == "tied")
+    assert (config.model.n_kv_heads, config.model.tie_embeddings) == (
+        hf["num_key_value_heads"],
+        name in ("tied", "qwen3"),
+    )
     assert config.model.rope_theta == hf["rope_parameters"]["rope_theta"]
 
     tokens = np.load(os.path.join(golden, "tokens.npy"))
@@ -53,6 +57,7 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert config.model.qk_norm == (name == "qwen3")
     if name == "llama3":  # the scaling is read, and it matters at these 24 positions
         m = config.model
         assert (m.rope_scaling, m.rope_factor, m.rope_original_max_position) == ("llama3", 8.0, 64)

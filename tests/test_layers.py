@@ -151,8 +151,11 @@ def _reference_token_losses(params, tokens, m):
     for i in range(m.n_layers):
         w = jax.tree.map(lambda a: a[i], params["layers"])
         h = layers.rms_norm(x, w["attn_norm"], m.norm_eps)
-        q = layers.rope(jnp.einsum("btd,dnh->btnh", h, w["wq"]), pos, m.rope_theta)
-        k = layers.rope(jnp.einsum("btd,dkh->btkh", h, w["wk"]), pos, m.rope_theta)
+        q, k = jnp.einsum("btd,dnh->btnh", h, w["wq"]), jnp.einsum("btd,dkh->btkh", h, w["wk"])
+        if m.qk_norm:
+            q, k = layers.rms_norm(q, w["q_norm"], m.norm_eps), layers.rms_norm(k, w["k_norm"], m.norm_eps)
+        scaling = layers.rope_scaling(m)
+        q, k = layers.rope(q, pos, m.rope_theta, scaling), layers.rope(k, pos, m.rope_theta, scaling)
         v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
         x = x + jnp.einsum("btnh,nhd->btd", layers.attention(q, k, v), w["wo"])
         h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
@@ -162,15 +165,31 @@ def _reference_token_losses(params, tokens, m):
     return optax.softmax_cross_entropy_with_integer_labels(x @ unembed, targets)
 
 
-@pytest.mark.parametrize("tied,remat", [(False, "none"), (True, "none"), (False, "full"), (False, "dots")])
-def test_model_matches_unstacked_reference(tied, remat):
+@pytest.mark.parametrize(
+    "tied,remat,qwen3_like",
+    [
+        (False, "none", False),
+        (True, "none", False),
+        (False, "full", False),
+        (False, "dots", False),
+        (True, "none", True),
+    ],
+)
+def test_model_matches_unstacked_reference(tied, remat, qwen3_like):
+    """qwen3_like: q/k norms (config.model.qk_norm) and Llama 3.1's rope scaling."""
     c = base_config()
     c.model.tie_embeddings, c.model.remat = tied, remat
     c.model.n_layers, c.model.d_model, c.model.d_ff = 3, 32, 64
+    if qwen3_like:
+        c.model.qk_norm, c.model.rope_scaling, c.model.rope_factor = True, "llama3", 8.0
+        c.model.rope_original_max_position = 64
     layout = Layout.from_config(c)
     specs = transformer.param_specs(c.model)
     params = init_params(specs, jax.random.key(1), jnp.float32)
     params["layers"]["attn_norm"] = params["layers"]["attn_norm"] * 1.5  # not all ones
+    if qwen3_like:
+        params["layers"]["q_norm"] = params["layers"]["q_norm"] * jnp.linspace(0.5, 2.0, c.model.head_dim)
+        params["layers"]["k_norm"] = params["layers"]["k_norm"] * 1.7
     tokens = jnp.asarray(RNG.integers(0, 256, (2, 17)))
     loss = jax.jit(jax.value_and_grad(lambda p: jnp.mean(transformer.token_losses(p, tokens, c.model, layout)[0])))
     ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean(_reference_token_losses(p, tokens, c.model))))
@@ -190,3 +209,18 @@ def test_bfloat16_compute_stays_close_to_float32():
     bf16 = mean_loss(c.model)
     assert bf16.dtype == jnp.float32  # the loss is always accumulated in fp32
     np.testing.assert_allclose(bf16, f32, rtol=2e-2)  # bf16 has 8 mantissa bits
+
+
+def test_qk_norm_sharded_matches_one_device():
+    """q/k norms (config.model.qk_norm) on data 2 x fsdp 2 x tensor 2 with sequence parallelism:
+    the [H] scales are whole on every rank (tensor splits heads, not H); loss and gradients equal
+    one device's, the norms' gradients included."""
+    from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
+
+    one = small_config(qk_norm=True, n_kv_heads=4)
+    sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, qk_norm=True, n_kv_heads=4)
+    sharded.parallel.sequence_parallel = True
+    (want_loss, want), (got_loss, got) = loss_and_grads(one), loss_and_grads(sharded)
+    assert np.abs(want["layers"]["q_norm"]).max() > 0
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert_trees_close_leafwise(got, want, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())

@@ -1,7 +1,8 @@
 """Hugging Face Llama weights in and out: safetensors <-> a jaxsys workdir (`python -m jaxsys.convert`
 is the command).
 
-`from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (GQA/MQA, any rope
+`from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral, or
+Qwen3 with its q/k norms; GQA/MQA, any rope
 theta and Llama 3.1's or linear rope scaling, tied or untied embeddings; other rope scalings, biases
 and other activations are refused by name),
 sets `config.model` from it on top of a config (training, data and mesh settings), and writes the
@@ -38,7 +39,9 @@ class ConversionError(ValueError):
 # jaxsys layer parameter -> (HF tensor name in layer i, how to turn HF's array into jaxsys's)
 def _layer_map(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    qk_norm = {"q_norm": ("self_attn.q_norm.weight", lambda w: w), "k_norm": ("self_attn.k_norm.weight", lambda w: w)}
     return {
+        **(qk_norm if m.qk_norm else {}),
         "attn_norm": ("input_layernorm.weight", lambda w: w),
         "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
         "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
@@ -55,6 +58,7 @@ def _layer_unmap(m):
     """The inverse of `_layer_map`: jaxsys array of one layer -> HF's [out, in]."""
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     return {
+        **({"q_norm": lambda w: w, "k_norm": lambda w: w} if m.qk_norm else {}),
         "attn_norm": lambda w: w,
         "wq": lambda w: w.reshape(D, N * H).T,
         "wk": lambda w: w.reshape(D, K * H).T,
@@ -115,16 +119,21 @@ def _hf_rope(m) -> dict:
     return out
 
 
+MODEL_TYPES = ("llama", "mistral", "qwen3")  # Qwen3: Llama's layout plus a per-head RMSNorm of q and k
+
+
 def model_config_from_hf(hf: dict, model) -> None:
-    """Set `config.model` (in place) from a Hugging Face Llama config.json dict."""
-    if hf.get("model_type") not in ("llama", "mistral"):
+    """Set `config.model` (in place) from a Hugging Face Llama (or Mistral, Qwen3) config.json dict."""
+    if hf.get("model_type") not in MODEL_TYPES:
         raise ConversionError(
-            f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type llama or mistral) convert"
+            f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type one of {MODEL_TYPES}) convert"
         )
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's Llama needs {want!r}")
-    if hf.get("sliding_window"):
+    # Qwen3's config names a window that only use_sliding_window switches on
+    windowed = hf.get("use_sliding_window", True) and hf.get("sliding_window")
+    if windowed:
         raise ConversionError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not supported")
     n_heads = hf["num_attention_heads"]
     model.vocab_size = hf["vocab_size"]
@@ -137,6 +146,7 @@ def model_config_from_hf(hf: dict, model) -> None:
     _set_rope(hf, model)
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
+    model.qk_norm = hf["model_type"] == "qwen3"
 
 
 def _require_dense_llama(m) -> None:
@@ -152,9 +162,10 @@ def _require_dense_llama(m) -> None:
 def hf_config_from_model(m, dtype: str) -> dict:
     """A transformers LlamaConfig dict for `config.model` (both the transformers 5 `rope_parameters`
     and the older top-level `rope_theta`, so either version reads it)."""
+    qwen3 = bool(m.qk_norm)  # the Hugging Face model with Llama's layout and q/k norms
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama",
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
@@ -174,6 +185,7 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,
+        **({"use_sliding_window": False, "sliding_window": None} if qwen3 else {}),
         "torch_dtype": dtype,
         "dtype": dtype,
     }
@@ -228,6 +240,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
 
     D, N, K, H, F, V = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
     hf_shapes = {
+        "q_norm": (H,),
+        "k_norm": (H,),
         "attn_norm": (D,),
         "wq": (N * H, D),
         "wk": (K * H, D),

@@ -83,6 +83,9 @@ def param_specs(m, chunks: int = 1) -> dict:
         "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), std=out_std),
         "mlp_norm": norm((L, D), ("layers", "embed")),
     }
+    if m.qk_norm:
+        layer_specs["q_norm"] = norm((L, H), ("layers", "head_dim"))
+        layer_specs["k_norm"] = norm((L, H), ("layers", "head_dim"))
     if Ld:
         layer_specs["w_gate"] = ParamSpec((Ld, D, F), ("layers", "embed", "mlp"), std=std)
         layer_specs["w_up"] = ParamSpec((Ld, D, F), ("layers", "embed", "mlp"), std=std)
@@ -157,6 +160,8 @@ def block(
         sp,
         cm,
     )
+    if m.qk_norm:  # per head, over H (config.model.qk_norm)
+        q, k = layers.rms_norm(q, w["q_norm"], m.norm_eps), layers.rms_norm(k, w["k_norm"], m.norm_eps)
     if kind == "linear":
         if segments is not None:
             raise ConfigError(
