@@ -76,6 +76,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     # RMSNorm over each head's q and k (a learned [H] scale each) before RoPE: Qwen3, OLMo 2, Gemma 3
     c.model.qk_norm = False
+    # biases on the q, k and v projections (Qwen2 / Qwen2.5); o and the MLP stay without
+    c.model.qkv_bias = False
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -1298,6 +1300,7 @@ def _validate_flax(config) -> None:
         ("config.model.remat", m.remat, "none"),
         ("config.model.residual", m.residual, "standard"),
         ("config.model.qk_norm", m.qk_norm, False),
+        ("config.model.qkv_bias", m.qkv_bias, False),
         ("config.model.rope_scaling", m.rope_scaling, "none"),
         ("config.offload.activations", config.offload.activations, ""),
         ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),

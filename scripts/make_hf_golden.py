@@ -3,7 +3,7 @@
 The outputs let jaxsys tests compare its Llama implementation against
 ``transformers`` without needing PyTorch on the test interpreter (Python 3.12).
 Nothing is downloaded: the models are built from ``LlamaConfig`` with
-``LlamaForCausalLM(config)`` (``Qwen3Config`` / ``Qwen3ForCausalLM`` for ``qwen3``) and
+``LlamaForCausalLM(config)`` (Qwen2's and Qwen3's classes for ``qwen2`` and ``qwen3``) and
 re-initialised from fixed torch seeds.
 
 Outputs, per model ``<name>`` in ``tests/golden/hf_llama/<name>/``:
@@ -31,6 +31,8 @@ Models:
   frequencies of head_dim 16 one is kept, one interpolated and six divided by 8).
 * ``qwen3``: a Qwen3 (Llama's layout plus an RMSNorm over each head's q and k before RoPE,
   ``q_norm`` / ``k_norm`` [head_dim]), 2 layers, GQA 4/2, rope_theta 1e6, tied embeddings.
+* ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
+  projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
 Environment (Python 3.11, outside the repo; torch is the local CPU wheel)::
 
@@ -65,7 +67,14 @@ import safetensors
 import safetensors.numpy
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_ROOT = REPO_ROOT / "tests" / "golden" / "hf_llama"
@@ -124,6 +133,20 @@ MODELS = {
         tie_word_embeddings=True,
         family="qwen3",
     ),
+    "qwen2": dict(
+        seed=4,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        family="qwen2",
+    ),
+}
+
+CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 
 
@@ -132,9 +155,9 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     seed = spec.pop("seed")
     rope_theta = spec.pop("rope_theta")
     rope = spec.pop("rope", {"rope_type": "default"})
-    qwen3 = spec.pop("family", "llama") == "qwen3"
-    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if qwen3 else (LlamaConfig, LlamaForCausalLM)
-    if qwen3:
+    family = spec.pop("family", "llama")
+    config_class, model_class = CLASSES[family]
+    if family != "llama":
         spec.update(use_sliding_window=False)
     config = config_class(
         **COMMON,
@@ -165,6 +188,8 @@ def build_model(spec: dict) -> LlamaForCausalLM:
                 p.copy_(1.0 + 0.1 * noise)
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.copy_(QK_STD * noise)
+            elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases: as large as a row's product
+                p.copy_(0.5 * noise)
             else:
                 p.copy_(WEIGHT_STD * noise)
 
@@ -232,9 +257,10 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = _rms(x, w[p + "input_layernorm.weight"], eps)
-        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(B, T, n_h, d).transpose(0, 2, 1, 3)
-        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+        proj = lambda name, x: x @ w[p + f"self_attn.{name}.weight"].T + w.get(p + f"self_attn.{name}.bias", 0.0)
+        q = proj("q_proj", h).reshape(B, T, n_h, d).transpose(0, 2, 1, 3)
+        k = proj("k_proj", h).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
+        v = proj("v_proj", h).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)
         if p + "self_attn.q_norm.weight" in w:  # Qwen3: RMSNorm over each head's d, before RoPE
             q = _rms(q, w[p + "self_attn.q_norm.weight"], eps)
             k = _rms(k, w[p + "self_attn.k_norm.weight"], eps)

@@ -2,7 +2,7 @@
 
 tests/golden/hf_llama/{untied,tied,llama3,qwen3} hold tiny random Llamas saved by `transformers` (GQA
 with rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with Llama 3.1's rope
-scaling; a Qwen3: q/k norms, tied),
+scaling; a Qwen3: q/k norms, tied; a Qwen2: q/k/v biases),
 with the logits transformers computed on fixed tokens. scripts/make_hf_golden.py made them
 (PyTorch, Python 3.11); these tests need neither.
 """
@@ -39,7 +39,7 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
-@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3"])
+@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3", "qwen2"])
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
     workdir = tmp_path / "run"
@@ -57,7 +57,7 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert config.model.qk_norm == (name == "qwen3")
+    assert (config.model.qk_norm, config.model.qkv_bias) == (name == "qwen3", name == "qwen2")
     if name == "llama3":  # the scaling is read, and it matters at these 24 positions
         m = config.model
         assert (m.rope_scaling, m.rope_factor, m.rope_original_max_position) == ("llama3", 8.0, 64)

@@ -152,11 +152,13 @@ def _reference_token_losses(params, tokens, m):
         w = jax.tree.map(lambda a: a[i], params["layers"])
         h = layers.rms_norm(x, w["attn_norm"], m.norm_eps)
         q, k = jnp.einsum("btd,dnh->btnh", h, w["wq"]), jnp.einsum("btd,dkh->btkh", h, w["wk"])
+        v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
+        if m.qkv_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         if m.qk_norm:
             q, k = layers.rms_norm(q, w["q_norm"], m.norm_eps), layers.rms_norm(k, w["k_norm"], m.norm_eps)
         scaling = layers.rope_scaling(m)
         q, k = layers.rope(q, pos, m.rope_theta, scaling), layers.rope(k, pos, m.rope_theta, scaling)
-        v = jnp.einsum("btd,dkh->btkh", h, w["wv"])
         x = x + jnp.einsum("btnh,nhd->btd", layers.attention(q, k, v), w["wo"])
         h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
         x = x + layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
@@ -176,12 +178,13 @@ def _reference_token_losses(params, tokens, m):
     ],
 )
 def test_model_matches_unstacked_reference(tied, remat, qwen3_like):
-    """qwen3_like: q/k norms (config.model.qk_norm) and Llama 3.1's rope scaling."""
+    """qwen3_like: q/k norms (config.model.qk_norm), q/k/v biases (qkv_bias: Qwen2's, here with
+    the norms to run both) and Llama 3.1's rope scaling."""
     c = base_config()
     c.model.tie_embeddings, c.model.remat = tied, remat
     c.model.n_layers, c.model.d_model, c.model.d_ff = 3, 32, 64
     if qwen3_like:
-        c.model.qk_norm, c.model.rope_scaling, c.model.rope_factor = True, "llama3", 8.0
+        c.model.qk_norm, c.model.qkv_bias, c.model.rope_scaling, c.model.rope_factor = True, True, "llama3", 8.0
         c.model.rope_original_max_position = 64
     layout = Layout.from_config(c)
     specs = transformer.param_specs(c.model)
@@ -190,6 +193,8 @@ def test_model_matches_unstacked_reference(tied, remat, qwen3_like):
     if qwen3_like:
         params["layers"]["q_norm"] = params["layers"]["q_norm"] * jnp.linspace(0.5, 2.0, c.model.head_dim)
         params["layers"]["k_norm"] = params["layers"]["k_norm"] * 1.7
+        for i, name in enumerate(("bq", "bk", "bv")):  # zeros at initialisation
+            params["layers"][name] = jax.random.normal(jax.random.key(10 + i), params["layers"][name].shape)
     tokens = jnp.asarray(RNG.integers(0, 256, (2, 17)))
     loss = jax.jit(jax.value_and_grad(lambda p: jnp.mean(transformer.token_losses(p, tokens, c.model, layout)[0])))
     ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean(_reference_token_losses(p, tokens, c.model))))
@@ -211,16 +216,17 @@ def test_bfloat16_compute_stays_close_to_float32():
     np.testing.assert_allclose(bf16, f32, rtol=2e-2)  # bf16 has 8 mantissa bits
 
 
-def test_qk_norm_sharded_matches_one_device():
-    """q/k norms (config.model.qk_norm) on data 2 x fsdp 2 x tensor 2 with sequence parallelism:
-    the [H] scales are whole on every rank (tensor splits heads, not H); loss and gradients equal
-    one device's, the norms' gradients included."""
+def test_qk_norm_and_qkv_bias_sharded_match_one_device():
+    """q/k norms and q/k/v biases (config.model.qk_norm, qkv_bias) on data 2 x fsdp 2 x tensor 2
+    with sequence parallelism: the [H] scales are whole on every rank (tensor splits heads, not
+    H), the biases split over heads with their projections; loss and gradients equal one
+    device's, the norms' and biases' gradients included."""
     from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
 
-    one = small_config(qk_norm=True, n_kv_heads=4)
-    sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, qk_norm=True, n_kv_heads=4)
+    one = small_config(qk_norm=True, qkv_bias=True, n_kv_heads=4)
+    sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, qk_norm=True, qkv_bias=True, n_kv_heads=4)
     sharded.parallel.sequence_parallel = True
     (want_loss, want), (got_loss, got) = loss_and_grads(one), loss_and_grads(sharded)
-    assert np.abs(want["layers"]["q_norm"]).max() > 0
+    assert min(np.abs(want["layers"][k]).max() for k in ("q_norm", "k_norm", "bq", "bk", "bv")) > 0
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     assert_trees_close_leafwise(got, want, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())

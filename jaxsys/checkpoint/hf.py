@@ -1,8 +1,8 @@
 """Hugging Face Llama weights in and out: safetensors <-> a jaxsys workdir (`python -m jaxsys.convert`
 is the command).
 
-`from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral, or
-Qwen3 with its q/k norms; GQA/MQA, any rope
+`from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral,
+Qwen2 with its q/k/v biases, Qwen3 with its q/k norms; GQA/MQA, any rope
 theta and Llama 3.1's or linear rope scaling, tied or untied embeddings; other rope scalings, biases
 and other activations are refused by name),
 sets `config.model` from it on top of a config (training, data and mesh settings), and writes the
@@ -40,8 +40,14 @@ class ConversionError(ValueError):
 def _layer_map(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     qk_norm = {"q_norm": ("self_attn.q_norm.weight", lambda w: w), "k_norm": ("self_attn.k_norm.weight", lambda w: w)}
+    bias = {
+        "bq": ("self_attn.q_proj.bias", lambda w: w.reshape(N, H)),
+        "bk": ("self_attn.k_proj.bias", lambda w: w.reshape(K, H)),
+        "bv": ("self_attn.v_proj.bias", lambda w: w.reshape(K, H)),
+    }
     return {
         **(qk_norm if m.qk_norm else {}),
+        **(bias if m.qkv_bias else {}),
         "attn_norm": ("input_layernorm.weight", lambda w: w),
         "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
         "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
@@ -59,6 +65,11 @@ def _layer_unmap(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     return {
         **({"q_norm": lambda w: w, "k_norm": lambda w: w} if m.qk_norm else {}),
+        **(
+            {"bq": lambda w: w.reshape(-1), "bk": lambda w: w.reshape(-1), "bv": lambda w: w.reshape(-1)}
+            if m.qkv_bias
+            else {}
+        ),
         "attn_norm": lambda w: w,
         "wq": lambda w: w.reshape(D, N * H).T,
         "wk": lambda w: w.reshape(D, K * H).T,
@@ -119,7 +130,8 @@ def _hf_rope(m) -> dict:
     return out
 
 
-MODEL_TYPES = ("llama", "mistral", "qwen3")  # Qwen3: Llama's layout plus a per-head RMSNorm of q and k
+# Qwen2 (and 2.5): Llama's layout plus q/k/v biases; Qwen3: plus a per-head RMSNorm of q and k instead
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def model_config_from_hf(hf: dict, model) -> None:
@@ -128,7 +140,10 @@ def model_config_from_hf(hf: dict, model) -> None:
         raise ConversionError(
             f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type one of {MODEL_TYPES}) convert"
         )
+    qwen2 = hf["model_type"] == "qwen2"  # its q/k/v biases are not switched by attention_bias
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if key == "attention_bias" and qwen2:
+            continue
         if hf.get(key, want) != want:
             raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's Llama needs {want!r}")
     # Qwen3's config names a window that only use_sliding_window switches on
@@ -147,6 +162,7 @@ def model_config_from_hf(hf: dict, model) -> None:
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
     model.qk_norm = hf["model_type"] == "qwen3"
+    model.qkv_bias = qwen2
 
 
 def _require_dense_llama(m) -> None:
@@ -162,10 +178,18 @@ def _require_dense_llama(m) -> None:
 def hf_config_from_model(m, dtype: str) -> dict:
     """A transformers LlamaConfig dict for `config.model` (both the transformers 5 `rope_parameters`
     and the older top-level `rope_theta`, so either version reads it)."""
-    qwen3 = bool(m.qk_norm)  # the Hugging Face model with Llama's layout and q/k norms
+    if m.qk_norm and m.qkv_bias:
+        raise ConversionError(
+            "config.model.qk_norm with qkv_bias has no Hugging Face Llama-family equivalent (Qwen3 has the "
+            "norms, Qwen2 the biases)"
+        )
+    family = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    qwen = family != "llama"
     return {
-        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
-        "model_type": "qwen3" if qwen3 else "llama",
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+        ],
+        "model_type": family,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layers,
@@ -185,7 +209,7 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,
-        **({"use_sliding_window": False, "sliding_window": None} if qwen3 else {}),
+        **({"use_sliding_window": False, "sliding_window": None} if qwen else {}),
         "torch_dtype": dtype,
         "dtype": dtype,
     }
@@ -242,6 +266,9 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
     hf_shapes = {
         "q_norm": (H,),
         "k_norm": (H,),
+        "bq": (N * H,),
+        "bk": (K * H,),
+        "bv": (K * H,),
         "attn_norm": (D,),
         "wq": (N * H, D),
         "wk": (K * H, D),

@@ -86,6 +86,9 @@ def param_specs(m, chunks: int = 1) -> dict:
     if m.qk_norm:
         layer_specs["q_norm"] = norm((L, H), ("layers", "head_dim"))
         layer_specs["k_norm"] = norm((L, H), ("layers", "head_dim"))
+    if m.qkv_bias:  # split over heads as their projections are (column-parallel), no weight decay
+        bias = lambda heads, n: ParamSpec((L, n, H), ("layers", heads, "head_dim"), init="zeros", decay=False)
+        layer_specs.update(bq=bias("heads", N), bk=bias("kv_heads", K), bv=bias("kv_heads", K))
     if Ld:
         layer_specs["w_gate"] = ParamSpec((Ld, D, F), ("layers", "embed", "mlp"), std=std)
         layer_specs["w_up"] = ParamSpec((Ld, D, F), ("layers", "embed", "mlp"), std=std)
@@ -160,6 +163,8 @@ def block(
         sp,
         cm,
     )
+    if m.qkv_bias:  # this rank's heads of each bias, as of the projections (config.model.qkv_bias)
+        q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
     if m.qk_norm:  # per head, over H (config.model.qk_norm)
         q, k = layers.rms_norm(q, w["q_norm"], m.norm_eps), layers.rms_norm(k, w["k_norm"], m.norm_eps)
     if kind == "linear":
