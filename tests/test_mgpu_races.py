@@ -11,7 +11,8 @@ race detector, wgmma operand reads added (kernels/mgpu_races.py).
   before its load lands shows up too).
 - Mutants: the kernel module's source with one synchronisation removed or moved (the H = 256
   exchange's two barrier passes and its fence, the fused dQ staging buffer's wait for the previous
-  TMA add, a forward ring refill issued before its slot is free, O's fence before its TMA store):
+  TMA add, the forward freeing V's ring slot before its P V wgmma read it, O's fence before its
+  TMA store):
   each has a race, so the clean runs above are not the detector being blind.
 """
 
@@ -125,11 +126,8 @@ EXCHANGE_SECOND = "                pass_xchg()  # both halves written\n"
 EXCHANGE_FENCE = (
     "                p_smem2.at[:, pl.ds(bq + wg * nq, nq)][...] = dst\n                plgpu.commit_smem()\n"
 )
-REFILL = (
-    "            plgpu.barrier_wait(k_free.at[slot])\n"
-    "            plgpu.barrier_wait(v_free.at[slot])\n"
-    "            load(j, slot)\n"
-)
+V_READY = "            plgpu.barrier_wait(v_ready.at[slot])\n            plgpu.barrier_wait(sched)\n"
+V_FREE = "            plgpu.barrier_arrive(v_free.at[slot])\n            return acc, m_new, l\n"
 O_STORE = "        lse_smem[...] = lse\n        plgpu.commit_smem()\n"
 MUTANTS = {
     # one warpgroup overwrites its half of the exchange while the other's wgmma reads the last block's
@@ -144,13 +142,17 @@ MUTANTS = {
     ),
     # the fused backward stages the next dQ before the TMA add has read the previous one
     "dq_stage_reuse": ("    plgpu.wait_smem_to_gmem(0, wait_read_only=True)\n", "", dict(t=512, h=64)),
-    # the forward refills V's slot before the P V wgmma of both warpgroups freed it
-    "refill_before_free": (
-        REFILL,
-        REFILL.replace(
-            "            plgpu.barrier_wait(v_free.at[slot])\n            load(j, slot)\n",
-            "            load(j, slot)\n            plgpu.barrier_wait(v_free.at[slot])\n",
-        ),
+    # the forward frees V's slot (the memory warpgroup refills it) before its P V wgmma reads it;
+    # two source edits, applied one after the other
+    "v_freed_before_read": (
+        [V_FREE, V_READY],
+        [
+            "            return acc, m_new, l\n",
+            V_READY.replace(
+                "\n            plgpu.barrier_wait(sched)",
+                "\n            plgpu.barrier_arrive(v_free.at[slot])\n            plgpu.barrier_wait(sched)",
+            ),
+        ],
         dict(t=1024, h=64),
     ),
     # O is staged by generic stores and stored by TMA (async proxy) without the fence between
@@ -158,15 +160,18 @@ MUTANTS = {
 }
 
 
-def _mutant(old: str, new: str, monkeypatch):
-    """kernel_mgpu built from its source with `old` (present exactly once) replaced by `new`."""
+def _mutant(old, new, monkeypatch):
+    """kernel_mgpu built from its source with `old` (present exactly once) replaced by `new` (or
+    each of a list of such edits, in order)."""
     source = inspect.getsource(kernel_mgpu)
-    assert source.count(old) == 1, "the mutated line moved: update MUTANTS"
+    for o, n in zip(*((old, new) if isinstance(old, list) else ([old], [new]))):
+        assert source.count(o) == 1, "the mutated line moved: update MUTANTS"
+        source = source.replace(o, n)
     name = kernel_mgpu.__name__ + "_mutant"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     module.__package__ = kernel_mgpu.__package__
     monkeypatch.setitem(sys.modules, name, module)  # dataclasses look their module up
-    exec(compile(source.replace(old, new), f"<{name}>", "exec"), module.__dict__)
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)
     return module
 
 
