@@ -185,6 +185,7 @@ def hf_config_from_model(m, dtype: str) -> dict:
         )
     family = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
     qwen = family != "llama"
+    rope = _hf_rope(m)
     return {
         "architectures": [
             {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
@@ -200,12 +201,8 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": _hf_rope(m),
-        **(
-            {}
-            if m.rope_scaling == "none"
-            else {"rope_scaling": {k: v for k, v in _hf_rope(m).items() if k != "rope_theta"}}
-        ),
+        "rope_parameters": rope,
+        **({} if m.rope_scaling == "none" else {"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}),
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,

@@ -1261,45 +1261,34 @@ class Engine(EngineAPI):
         if not want:
             return {}
         flat = [(rid, row, token) for rid in want for row, token in zip(rows[rid], _as_list(sampled[rid]))]
-        top = sampling_lib.MAX_LOGPROBS if any(self.sampling[rid].logprobs for rid in want) else 0
-        padded = sampling_lib.pad(flat)
-        chosen, top_ids, top_lp = sampling_lib.logprobs_at(
+        chosen, alternatives = sampling_lib.logprobs_of_rows(
             logits,
-            np.asarray([row for _, row, _ in padded], np.int32),
-            np.asarray([token for _, _, token in padded], np.int32),
-            top=top,
+            [row for _, row, _ in flat],
+            [token for _, _, token in flat],
+            [self.sampling[rid].logprobs or 0 for rid, _, _ in flat],
         )
-        chosen = np.asarray(chosen).tolist()
-        top_ids = None if top_ids is None else np.asarray(top_ids).tolist()
-        top_lp = None if top_lp is None else np.asarray(top_lp).tolist()
         out: dict = {rid: ([], []) for rid in want}
-        for i, (rid, _, _) in enumerate(flat):
-            k = self.sampling[rid].logprobs
-            out[rid][0].append(chosen[i])
-            out[rid][1].append([] if not k else list(zip(top_ids[i][:k], top_lp[i][:k])))
+        for (rid, _, _), lp, alts in zip(flat, chosen, alternatives):
+            out[rid][0].append(lp)
+            out[rid][1].append(alts)
         return out
 
     def _prompt_logprobs(self, logits, prompt_rows: list) -> None:
         """Each prompt token's log-probability given the tokens before it, and the top
         Sampling.logprobs alternatives there, for the prefill rows of requests that asked (the
         first prompt token has neither: None)."""
-        ks = [self.sampling[req.id].logprobs or 0 for _, _, req in prompt_rows]
-        padded = sampling_lib.pad(prompt_rows)
-        chosen, top_ids, top_lp = sampling_lib.logprobs_at(
+        chosen, alternatives = sampling_lib.logprobs_of_rows(
             logits,
-            np.asarray([row for row, _, _ in padded], np.int32),
-            np.asarray([token for _, token, _ in padded], np.int32),
-            top=sampling_lib.MAX_LOGPROBS if any(ks) else 0,
+            [row for row, _, _ in prompt_rows],
+            [token for _, token, _ in prompt_rows],
+            [self.sampling[req.id].logprobs or 0 for _, _, req in prompt_rows],
         )
-        chosen = np.asarray(chosen).tolist()
-        top_ids = None if top_ids is None else np.asarray(top_ids).tolist()
-        top_lp = None if top_lp is None else np.asarray(top_lp).tolist()
-        for i, ((_, _, req), k) in enumerate(zip(prompt_rows, ks)):
+        for (_, _, req), lp, alts in zip(prompt_rows, chosen, alternatives):
             if not req.prompt_logprobs:
                 req.prompt_logprobs.append(None)
                 req.prompt_top_logprobs.append(None)
-            req.prompt_logprobs.append(chosen[i])
-            req.prompt_top_logprobs.append(list(zip(top_ids[i][:k], top_lp[i][:k])) if k else [])
+            req.prompt_logprobs.append(lp)
+            req.prompt_top_logprobs.append(alts)
 
     def _fork(self, plans, sampled: dict) -> list:
         """The forks whose parent's prefill ended in this step: each gets pages (or, when its shard

@@ -153,6 +153,24 @@ def logprobs_at(logits, at, tokens, top: int):
     return chosen, top_ids, top_lp
 
 
+def logprobs_of_rows(logits, rows: list, tokens: list, ks: list) -> tuple[list, list]:
+    """For each row r of `logits` (host lists, any count): the log-probability of its token and
+    its top ks[r] alternatives [(id, logprob)] ([] for k 0), through `logprobs_at` padded to a
+    power of two (one compile per padded size, one for top 0 and one for MAX_LOGPROBS)."""
+    padded = pad(list(zip(rows, tokens)))
+    chosen, top_ids, top_lp = logprobs_at(
+        logits,
+        np.asarray([row for row, _ in padded], np.int32),
+        np.asarray([token for _, token in padded], np.int32),
+        top=MAX_LOGPROBS if any(ks) else 0,
+    )
+    chosen = np.asarray(chosen).tolist()[: len(rows)]
+    if not any(ks):
+        return chosen, [[] for _ in rows]
+    top_ids, top_lp = np.asarray(top_ids).tolist(), np.asarray(top_lp).tolist()
+    return chosen, [list(zip(top_ids[i][:k], top_lp[i][:k])) if k else [] for i, k in enumerate(ks)]
+
+
 def pad(values: list, size: int | None = None) -> list:
     """`values` padded to a power of two (or `size`) by repeating the first: the jitted helpers
     compile once per padded size, not once per count."""

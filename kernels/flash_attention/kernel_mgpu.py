@@ -1053,6 +1053,18 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: MgpuConfig):
     return dq, dk, dv
 
 
+def _check_inputs(b, t, n, k, h, dtype, seed: int, segments: bool):
+    """Random q, k, v, do of a check and, with `segments`, ids of 300-token documents shifted by 97
+    a row (boundaries inside blocks), else None."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
+    v = jax.random.normal(keys[2], (b, t, k, h), dtype)
+    do = jax.random.normal(keys[3], (b, t, n, h), dtype)
+    seg = ((jnp.arange(t)[None] + 97 * jnp.arange(b)[:, None]) // 300).astype(jnp.int32) if segments else None
+    return q, kk, v, do, seg
+
+
 def check_on_gpu(
     b=2, t=1024, n=4, k=2, h=128, causal=True, dtype=jnp.bfloat16, seed=0, interpret=False, segments=False
 ) -> dict:
@@ -1064,12 +1076,7 @@ def check_on_gpu(
     blocks), as q and kv segment ids."""
     from .reference import attention as reference_attention
 
-    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
-    kk = jax.random.normal(keys[1], (b, t, k, h), dtype)
-    v = jax.random.normal(keys[2], (b, t, k, h), dtype)
-    do = jax.random.normal(keys[3], (b, t, n, h), dtype)
-    seg = ((jnp.arange(t)[None] + 97 * jnp.arange(b)[:, None]) // 300).astype(jnp.int32) if segments else None
+    q, kk, v, do, seg = _check_inputs(b, t, n, k, h, dtype, seed, segments)
     cfg = make_config(h, t, dtype, scale=h**-0.5, causal=causal, has_segments=segments)
     cfg = dataclasses.replace(cfg, interpret=interpret)
     o, lse = jax.jit(lambda q_, k_, v_: forward(q_, k_, v_, seg, seg, cfg))(q, kk, v)
@@ -1099,12 +1106,7 @@ def check_races(
     from .. import mgpu_races
 
     mod = module or sys.modules[__name__]
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
-    kk = jax.random.normal(keys[1], (b, t, k, h), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (b, t, k, h), jnp.bfloat16)
-    do = jax.random.normal(keys[3], (b, t, n, h), jnp.bfloat16)
-    seg = ((jnp.arange(t)[None] + 97 * jnp.arange(b)[:, None]) // 300).astype(jnp.int32) if segments else None
+    q, kk, v, do, seg = _check_inputs(b, t, n, k, h, jnp.bfloat16, 0, segments)
     cfg = mod.make_config(h, t, jnp.bfloat16, scale=h**-0.5, causal=causal, has_segments=segments)
     if not cfg.mosaic_backward:
         raise ValueError(f"the Mosaic backward does not run H = {h}, T = {t}")
