@@ -102,6 +102,29 @@ def test_logprobs_of_generated_and_prompt_tokens_equal_the_training_forward(mode
         assert [t for t, _ in top] == order.tolist()
 
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_prompt_logprobs_survive_a_preemption_during_prefill(model, preemption):
+    """A pool of 5 pages: the long prompt (chunks of 3) is preempted after 6 of its 14 rows when the
+    short request grows; its prompt log-probabilities are still every row's, once each."""
+    program, params, _, logprobs = model
+    eng = engine.Engine(
+        program, params, num_pages=5, page_size=4, token_budget=8, chunk_size=3, max_seqs=4, preemption=preemption
+    )
+    cut = []
+    scheduler = eng.schedulers[0]
+    preempt = scheduler.preempt
+    scheduler.preempt = lambda r: (cut.append((r.id, r.prefilled, len(r.generated))), preempt(r))
+    eng.submit("short", [1, 2, 3, 4], 14)
+    prompt = list(range(30, 44))
+    r = eng.submit("long", prompt, 3, Sampling(logprobs=2, prompt_logprobs=True))
+    eng.run()
+    assert cut and all(rid == "long" and 0 < done < len(prompt) and not gen for rid, done, gen in cut)
+    ref = logprobs(prompt)
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(prompt)
+    np.testing.assert_allclose(r.prompt_logprobs[1:], [ref[p - 1, prompt[p]] for p in range(1, len(prompt))], atol=1e-4)
+    assert [[t for t, _ in top] for top in r.prompt_top_logprobs[1:]] == np.argsort(-ref[:-1])[:, :2].tolist()
+
+
 def test_forks_share_the_prompts_prefill_and_equal_their_solo_runs(model):
     program, params, _, _ = model
     samplings = [Sampling(temperature=1.0, seed=s) for s in (5, 6, 7)]

@@ -1086,8 +1086,10 @@ class Engine(EngineAPI):
                     pos = w.start + i
                     if w.kind == "prefill":
                         tokens[d, r] = req.prefix[pos]
-                        first = req.prefix is req.prompt  # not a recomputation after a preemption
-                        if self.sampling[req.id].prompt_logprobs and first and pos + 1 < len(req.prompt):
+                        # each prompt row once: not again when a preemption recomputes it, and
+                        # the rows a preemption during prefill cut off when they come
+                        todo = max(len(req.prompt_logprobs) - 1, 0) <= pos < len(req.prompt) - 1
+                        if self.sampling[req.id].prompt_logprobs and todo:
                             prompt_rows.append((d * width + r, req.prompt[pos + 1], req))
                     elif i == 0 and req.pending:  # sampled by the step in flight, still on the device
                         src[d, r] = prev.slots[req.id]
