@@ -36,7 +36,7 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # config.lo
 OPTIMIZER_UPDATE = ("device", "host")
 QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
 QUANT_TRAIN = ("none", "int8", "fp8")  # config.model.quant_train
-ROPE_SCALINGS = ("none", "linear", "llama3")  # config.model.rope_scaling (models/layers.py RopeScaling)
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # config.model.rope_scaling (models/layers.py RopeScaling)
 QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
@@ -67,12 +67,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 512  # F
     c.model.rope_theta = 10000.0
     # RoPE for a context beyond the trained one (Hugging Face's rope_type): none | linear | llama3
-    # (Llama 3.1-3.3's), with factor, and for llama3 its frequency band and original context
+    # (Llama 3.1-3.3's) | yarn (Qwen2.5 / Qwen3 long context), with factor, the original context
+    # (llama3, yarn), llama3's frequency band, yarn's ramp (beta_fast / beta_slow rotations) and
+    # attention factor (0: 0.1 ln(factor) + 1)
     c.model.rope_scaling = "none"
     c.model.rope_factor = 1.0
     c.model.rope_low_freq_factor = 1.0
     c.model.rope_high_freq_factor = 4.0
     c.model.rope_original_max_position = 8192
+    c.model.rope_beta_fast = 32.0
+    c.model.rope_beta_slow = 1.0
+    c.model.rope_attention_factor = 0.0
+    c.model.rope_truncate = True
     c.model.norm_eps = 1e-5
     # RMSNorm over each head's q and k (a learned [H] scale each) before RoPE: Qwen3, OLMo 2, Gemma 3
     c.model.qk_norm = False
@@ -563,10 +569,22 @@ def _check_rope(m) -> None:
             f"config.model.rope_low_freq_factor={m.rope_low_freq_factor} and rope_high_freq_factor="
             f"{m.rope_high_freq_factor}: need 0 < low < high (Llama 3.1: 1.0 and 4.0)",
         )
+    if m.rope_scaling in ("llama3", "yarn"):
         _require(
             isinstance(m.rope_original_max_position, int) and m.rope_original_max_position > 0,
             f"config.model.rope_original_max_position={m.rope_original_max_position!r} must be a positive "
-            "integer (the context the model was pre-trained at: 8192 for Llama 3.1)",
+            "integer (the context the model was pre-trained at: 8192 for Llama 3.1, 32768 for Qwen3)",
+        )
+    if m.rope_scaling == "yarn":
+        _require(
+            0 < m.rope_beta_slow < m.rope_beta_fast,
+            f"config.model.rope_beta_slow={m.rope_beta_slow} and rope_beta_fast={m.rope_beta_fast}: need "
+            "0 < beta_slow < beta_fast (YaRN's defaults: 1.0 and 32.0)",
+        )
+        _require(
+            isinstance(m.rope_attention_factor, (int, float)) and m.rope_attention_factor >= 0,
+            f"config.model.rope_attention_factor={m.rope_attention_factor!r} must be >= 0 "
+            "(0: YaRN's 0.1 ln(rope_factor) + 1)",
         )
 
 

@@ -31,6 +31,9 @@ Models:
   frequencies of head_dim 16 one is kept, one interpolated and six divided by 8).
 * ``qwen3``: a Qwen3 (Llama's layout plus an RMSNorm over each head's q and k before RoPE,
   ``q_norm`` / ``k_norm`` [head_dim]), 2 layers, GQA 4/2, rope_theta 1e6, tied embeddings.
+* ``yarn``: a Qwen3 as above (another seed, rope_theta 1e4) with YaRN rope scaling as Qwen3's
+  long-context configs set it (rope_type ``yarn``, factor 4, original_max_position_embeddings 64:
+  of the 8 frequencies one kept, two ramped, five divided by 4; q and k times 0.1 ln 4 + 1).
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -133,6 +136,18 @@ MODELS = {
         tie_word_embeddings=True,
         family="qwen3",
     ),
+    "yarn": dict(
+        seed=5,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        family="qwen3",
+        # Qwen3's long-context setting (factor 4 over the original context), with a context of 64
+        # so that of the 8 frequencies of head_dim 16 one is kept, two ramped and five divided by 4
+        rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+        max_position_embeddings=256,
+    ),
     "qwen2": dict(
         seed=4,
         num_hidden_layers=2,
@@ -160,8 +175,7 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     if family != "llama":
         spec.update(use_sliding_window=False)
     config = config_class(
-        **COMMON,
-        **spec,
+        **{**COMMON, **spec},
         # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters.
         rope_parameters={**rope, "rope_theta": rope_theta},
         dtype="float32",
@@ -225,6 +239,15 @@ def numpy_inv_freq(cfg: dict) -> np.ndarray:
     inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if rope.get("rope_type", "default") == "default":
         return inv_freq
+    if rope["rope_type"] == "yarn":
+        # YaRN as its authors' code (and transformers) apply it: index i of the d/2 is kept where
+        # the frequency turns more than beta_fast = 32 times over the original context, divided by
+        # factor where fewer than beta_slow = 1 times, linear in i between (the ends rounded out)
+        old, dims = rope["original_max_position_embeddings"], np.arange(d // 2)
+        index_of = lambda turns: d * np.log(old / (turns * 2 * np.pi)) / (2 * np.log(rope["rope_theta"]))
+        low, high = max(np.floor(index_of(32.0)), 0), min(np.ceil(index_of(1.0)), d - 1)
+        weight = np.clip((dims - low) / (high - low), 0, 1)  # on the divided frequency
+        return inv_freq * (1 - weight) + inv_freq / rope["factor"] * weight
     assert rope["rope_type"] == "llama3", rope
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     old = rope["original_max_position_embeddings"]
@@ -251,6 +274,8 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     freqs = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)  # [T, d]
     cos, sin = np.cos(emb), np.sin(emb)
+    if cfg["rope_parameters"].get("rope_type") == "yarn":  # YaRN's attention factor on q and k
+        cos, sin = [a * (0.1 * np.log(cfg["rope_parameters"]["factor"]) + 1) for a in (cos, sin)]
     mask = np.triu(np.full((T, T), -np.inf), k=1)
 
     x = w["model.embed_tokens.weight"][tokens]  # [B, T, D]

@@ -1,8 +1,9 @@
 """Hugging Face Llama interop: `python -m jaxsys.convert --from-hf/--to-hf` against golden files.
 
-tests/golden/hf_llama/{untied,tied,llama3,qwen3} hold tiny random Llamas saved by `transformers` (GQA
-with rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with Llama 3.1's rope
-scaling; a Qwen3: q/k norms, tied; a Qwen2: q/k/v biases),
+tests/golden/hf_llama/{untied,tied,llama3,qwen3,yarn,qwen2} hold tiny random Llamas saved by
+`transformers` (GQA with rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with
+Llama 3.1's rope scaling; a Qwen3: q/k norms, tied; a Qwen3 with YaRN rope scaling; a Qwen2: q/k/v
+biases),
 with the logits transformers computed on fixed tokens. scripts/make_hf_golden.py made them
 (PyTorch, Python 3.11); these tests need neither.
 """
@@ -39,7 +40,7 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
-@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3", "qwen2"])
+@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2"])
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
     workdir = tmp_path / "run"
@@ -48,7 +49,7 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     hf = json.load(open(os.path.join(golden, "config.json")))
     assert (config.model.n_kv_heads, config.model.tie_embeddings) == (
         hf["num_key_value_heads"],
-        name in ("tied", "qwen3"),
+        name in ("tied", "qwen3", "yarn"),
     )
     assert config.model.rope_theta == hf["rope_parameters"]["rope_theta"]
 
@@ -57,10 +58,11 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert (config.model.qk_norm, config.model.qkv_bias) == (name == "qwen3", name == "qwen2")
-    if name == "llama3":  # the scaling is read, and it matters at these 24 positions
+    assert (config.model.qk_norm, config.model.qkv_bias) == (name in ("qwen3", "yarn"), name == "qwen2")
+    if name in ("llama3", "yarn"):  # the scaling is read, and it matters at these 24 positions
         m = config.model
-        assert (m.rope_scaling, m.rope_factor, m.rope_original_max_position) == ("llama3", 8.0, 64)
+        factor = 8.0 if name == "llama3" else 4.0
+        assert (m.rope_scaling, m.rope_factor, m.rope_original_max_position) == (name, factor, 64)
         plain = config.model.copy_and_resolve_references()
         plain.rope_scaling = "none"
         unscaled = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), plain, program.layout))
@@ -105,6 +107,53 @@ def test_rope_scaling_of_transformers_4_configs_is_read():
     old["rope_scaling"] = {"type": "linear", "factor": 4.0}
     hf_lib.model_config_from_hf(old, b.model)
     assert (b.model.rope_scaling, b.model.rope_factor) == ("linear", 4.0)
+
+
+def test_yarn_settings_are_read_as_transformers_reads_them():
+    """Qwen2.5's transformers-4 form ({"type": "yarn", factor, original context}) reads as the
+    yarn golden's; DeepSeek-V3's form (no factor: max / original context; mscale and mscale_all_dim
+    giving the attention factor) and explicit betas, attention factor and truncate are read and
+    written back; a partial rotary factor is refused by name."""
+    hf = json.load(open(os.path.join(GOLDEN, "yarn", "config.json")))
+    qwen25 = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    qwen25.update(rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    a, b = load_config(os.path.join(ROOT, "configs", "tiny.py")), load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    hf_lib.model_config_from_hf(hf, a.model)
+    hf_lib.model_config_from_hf(qwen25, b.model)
+    assert a.model.to_dict() == b.model.to_dict()
+    assert (a.model.rope_beta_fast, a.model.rope_beta_slow, a.model.rope_attention_factor) == (32.0, 1.0, 0.0)
+    deepseek = dict(
+        hf,
+        max_position_embeddings=163840,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=1e4,
+            original_max_position_embeddings=4096,
+            mscale=1.0,
+            mscale_all_dim=0.707,
+            beta_fast=16,
+            beta_slow=2,
+            truncate=False,
+        ),
+    )
+    hf_lib.model_config_from_hf(deepseek, b.model)
+    m = b.model
+    want = (1 + 0.1 * np.log(40)) / (1 + 0.1 * 0.707 * np.log(40))
+    assert (m.rope_factor, m.rope_original_max_position, m.rope_beta_fast, m.rope_beta_slow) == (40.0, 4096, 16, 2)
+    assert m.rope_attention_factor == pytest.approx(want) and m.rope_truncate is False
+    written = hf_lib.hf_config_from_model(m, "float32")["rope_parameters"]
+    assert written == dict(
+        rope_theta=1e4,
+        rope_type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=16.0,
+        beta_slow=2.0,
+        truncate=False,
+        attention_factor=pytest.approx(want),
+    )
+    with pytest.raises(hf_lib.ConversionError, match="partial_rotary_factor"):
+        hf_lib.model_config_from_hf(dict(hf, partial_rotary_factor=0.5), b.model)
 
 
 def test_converted_workdir_trains_on_another_mesh(tmp_path):
@@ -166,9 +215,9 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
 
     scaled = _copy_golden(tmp_path)
     hf = json.load(open(scaled / "config.json"))
-    hf["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "yarn", "factor": 8.0}
+    hf["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "longrope", "factor": 8.0}
     json.dump(hf, open(scaled / "config.json", "w"))
-    with pytest.raises(hf_lib.ConversionError, match="rope type 'yarn'"):
+    with pytest.raises(hf_lib.ConversionError, match="rope type 'longrope'"):
         hf_lib.from_hf(str(scaled), str(tmp_path / "w2"))
 
     wrong = _copy_golden(tmp_path, "tied")

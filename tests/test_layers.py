@@ -1,6 +1,8 @@
 """Each layer function against a direct reference, and the whole model against an unstacked,
 loop-per-layer reference written from the formulas."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -53,10 +55,40 @@ def test_rope_scaling_frequencies():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+def test_yarn_frequencies_and_magnitude():
+    """YaRN (golden-tested against transformers in tests/test_convert.py): per index i of the H/2,
+    the frequency theta^(-2i/H) is kept where it turns more than beta_fast times over the original
+    context, divided by the factor where fewer than beta_slow times, linearly blended in i between;
+    here H = 16, theta 1e4, context 64, betas 32 / 1: the ramp's ends, the indices at 32 and 1
+    turns rounded out and clipped to [0, H - 1], are 0 and 3: i = 0 kept, 1 and 2 at 1/3 and 2/3,
+    3.. divided. Without truncation the ends are the unrounded indices. cos and sin carry
+    0.1 ln(factor) + 1."""
+    base = np.asarray(layers.rope_frequencies(16, 1e4))
+    index_of = lambda turns: 16 * np.log(64 / (turns * 2 * np.pi)) / (2 * np.log(1e4))
+    assert index_of(32.0) < 0 and 2 < index_of(1.0) < 3
+    yarn = layers.RopeScaling("yarn", 4.0, original_max_position=64)
+    weight = np.asarray([0, 1 / 3, 2 / 3, 1, 1, 1, 1, 1])
+    want = base * (1 - weight) + base / 4 * weight
+    np.testing.assert_allclose(np.asarray(layers.rope_frequencies(16, 1e4, yarn)), want, rtol=1e-6)
+    untruncated = dataclasses.replace(yarn, truncate=False, beta_fast=8.0, beta_slow=2.0)
+    weight = np.clip((np.arange(8) - index_of(8.0)) / (index_of(2.0) - index_of(8.0)), 0, 1)
+    want = base * (1 - weight) + base / 4 * weight
+    np.testing.assert_allclose(np.asarray(layers.rope_frequencies(16, 1e4, untruncated)), want, rtol=1e-6)
+    assert yarn.magnitude == pytest.approx(0.1 * np.log(4) + 1)
+    assert dataclasses.replace(yarn, attention_factor=1.5).magnitude == 1.5
+    x = jnp.asarray(RNG.normal(size=(1, 5, 2, 16)), jnp.float32)
+    pos = jnp.arange(5)
+    unscaled = layers.rope(x, pos, 1e4, dataclasses.replace(yarn, attention_factor=1.0))
+    np.testing.assert_allclose(layers.rope(x, pos, 1e4, yarn), unscaled * yarn.magnitude, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "settings, match",
     [
-        ({"rope_scaling": "yarn"}, r"rope_scaling='yarn': choose one of \('none', 'linear', 'llama3'\)"),
+        ({"rope_scaling": "ntk"}, r"rope_scaling='ntk': choose one of \('none', 'linear', 'llama3', 'yarn'\)"),
+        ({"rope_scaling": "yarn", "rope_factor": 4.0, "rope_beta_slow": 40.0}, "need 0 < beta_slow < beta_fast"),
+        ({"rope_scaling": "yarn", "rope_factor": 4.0, "rope_attention_factor": -1.0}, "rope_attention_factor=-1.0"),
+        ({"rope_scaling": "yarn", "rope_original_max_position": 0}, "rope_original_max_position=0"),
         ({"rope_scaling": "linear", "rope_factor": 0.0}, "rope_factor=0.0 must be > 0"),
         ({"rope_scaling": "llama3", "rope_low_freq_factor": 4.0}, "need 0 < low < high"),
         ({"rope_scaling": "llama3", "rope_original_max_position": 0}, "rope_original_max_position=0"),
@@ -220,11 +252,15 @@ def test_qk_norm_and_qkv_bias_sharded_match_one_device():
     """q/k norms and q/k/v biases (config.model.qk_norm, qkv_bias) on data 2 x fsdp 2 x tensor 2
     with sequence parallelism: the [H] scales are whole on every rank (tensor splits heads, not
     H), the biases split over heads with their projections; loss and gradients equal one
-    device's, the norms' and biases' gradients included."""
+    device's, the norms' and biases' gradients included. With YaRN's rope scaling (Qwen3's long
+    context): its frequencies and the attention factor on q and k are the same on every rank."""
     from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
 
-    one = small_config(qk_norm=True, qkv_bias=True, n_kv_heads=4)
-    sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, qk_norm=True, qkv_bias=True, n_kv_heads=4)
+    kw = dict(
+        qk_norm=True, qkv_bias=True, n_kv_heads=4, rope_scaling="yarn", rope_factor=4.0, rope_original_max_position=8
+    )
+    one = small_config(**kw)
+    sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, **kw)
     sharded.parallel.sequence_parallel = True
     (want_loss, want), (got_loss, got) = loss_and_grads(one), loss_and_grads(sharded)
     assert min(np.abs(want["layers"][k]).max() for k in ("q_norm", "k_norm", "bq", "bk", "bv")) > 0

@@ -3,7 +3,7 @@ is the command).
 
 `from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral,
 Qwen2 with its q/k/v biases, Qwen3 with its q/k norms; GQA/MQA, any rope
-theta and Llama 3.1's or linear rope scaling, tied or untied embeddings; other rope scalings, biases
+theta and Llama 3.1's, linear or YaRN rope scaling, tied or untied embeddings; other rope scalings, biases
 and other activations are refused by name),
 sets `config.model` from it on top of a config (training, data and mesh settings), and writes the
 resolved config.json and checkpoint step 0 (the weights and a fresh optimizer state) into a workdir,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import jax
@@ -102,13 +103,35 @@ def _set_rope(hf: dict, model) -> None:
     rope = hf.get("rope_parameters") or {}
     scaling = {**(hf.get("rope_scaling") or {}), **rope}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
+    if kind not in ("default", "linear", "llama3", "yarn"):
         raise ConversionError(
-            f"rope type {kind!r} is not supported: jaxsys implements plain RoPE and the 'linear' and 'llama3' scalings"
+            f"rope type {kind!r} is not supported: jaxsys implements plain RoPE and the 'linear', 'llama3' and "
+            "'yarn' scalings"
         )
+    if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConversionError("partial_rotary_factor != 1: jaxsys rotates every dimension of a head")
     model.rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     model.rope_scaling = "none" if kind == "default" else kind
-    if kind != "default":
+    if kind == "yarn":
+        # as transformers reads it: the original context defaults to max_position_embeddings, the
+        # factor to the ratio of the two (DeepSeek-V3), the attention factor to mscale's rule
+        original = scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        if not original:
+            raise ConversionError(
+                "rope type 'yarn' needs original_max_position_embeddings (or max_position_embeddings)"
+            )
+        factor = scaling.get("factor") or hf["max_position_embeddings"] / original
+        attention_factor = scaling.get("attention_factor")
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if attention_factor is None and mscale and mscale_all_dim and factor > 1:
+            attention_factor = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+        model.rope_factor = float(factor)
+        model.rope_original_max_position = int(original)
+        model.rope_beta_fast = float(scaling.get("beta_fast") or 32.0)
+        model.rope_beta_slow = float(scaling.get("beta_slow") or 1.0)
+        model.rope_attention_factor = float(attention_factor or 0.0)
+        model.rope_truncate = bool(scaling.get("truncate", True))
+    elif kind != "default":
         model.rope_factor = float(scaling["factor"])
     if kind == "llama3":
         model.rope_low_freq_factor = float(scaling["low_freq_factor"])
@@ -127,6 +150,16 @@ def _hf_rope(m) -> dict:
             high_freq_factor=m.rope_high_freq_factor,
             original_max_position_embeddings=m.rope_original_max_position,
         )
+    if m.rope_scaling == "yarn":
+        out["original_max_position_embeddings"] = m.rope_original_max_position
+        for key, value, default in (  # what differs from transformers' defaults
+            ("beta_fast", m.rope_beta_fast, 32.0),
+            ("beta_slow", m.rope_beta_slow, 1.0),
+            ("truncate", m.rope_truncate, True),
+            ("attention_factor", m.rope_attention_factor, 0.0),
+        ):
+            if value != default:
+                out[key] = value
     return out
 
 

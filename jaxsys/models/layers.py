@@ -24,19 +24,60 @@ class RopeScaling:
     (config.model.rope_*; `rope_scaling(m)` builds it). kind "none"; "linear" (position
     interpolation, Chen et al. 2023: every frequency / factor); "llama3" (Llama 3.1: frequencies
     whose wavelength exceeds original_max_position / low_freq_factor are divided by factor, those
-    below original_max_position / high_freq_factor kept, the band between interpolated)."""
+    below original_max_position / high_freq_factor kept, the band between interpolated); "yarn"
+    (YaRN, Peng et al. 2023: frequencies that turn more than beta_fast times over the original
+    context are kept, fewer than beta_slow times divided by factor, a linear ramp over the head-dim
+    indices between; q and k scaled by attention_factor, 0.1 ln(factor) + 1 unless given)."""
 
     kind: str = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0  # yarn: 0 means 0.1 ln(factor) + 1
+    truncate: bool = True  # yarn: the ramp's ends rounded out to whole indices
+
+    @property
+    def magnitude(self) -> float:
+        """What RoPE's cos and sin are multiplied by (YaRN's attention factor; else 1)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 def rope_scaling(m) -> RopeScaling:
     return RopeScaling(
-        m.rope_scaling, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_position
+        m.rope_scaling,
+        m.rope_factor,
+        m.rope_low_freq_factor,
+        m.rope_high_freq_factor,
+        m.rope_original_max_position,
+        m.rope_beta_fast,
+        m.rope_beta_slow,
+        m.rope_attention_factor,
+        m.rope_truncate,
     )
+
+
+def _yarn_ramp(scaling: RopeScaling, head_dim: int, theta: float):
+    """[H/2] YaRN's blend weight of the interpolated frequency: 0 at index <= low (the fast
+    frequencies, kept), 1 at index >= high (the slow ones, divided by factor). low / high are the
+    indices whose frequency turns beta_fast / beta_slow times over original_max_position."""
+
+    def index_of(rotations: float) -> float:
+        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index_of(scaling.beta_fast), index_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if high == low:
+        high += 0.001  # one index: a step, not a division by zero
+    return jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeScaling()):
@@ -54,16 +95,19 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling = RopeSca
         low = wavelength > context / scaling.low_freq_factor
         high = wavelength < context / scaling.high_freq_factor
         return jnp.where(low, freqs / scaling.factor, jnp.where(high, freqs, blended))
+    if scaling.kind == "yarn":
+        ramp = _yarn_ramp(scaling, head_dim, theta)
+        return freqs / scaling.factor * ramp + freqs * (1 - ramp)
     return freqs
 
 
 def rope(x, positions, theta: float, scaling: RopeScaling = RopeScaling()):
     """Rotary embeddings on x[B, T, N, H] at positions[T] (or per sequence, [B, T]), rotating the
-    two halves of H (the Llama/NeoX convention), at `rope_frequencies`."""
+    two halves of H (the Llama/NeoX convention), at `rope_frequencies` (times YaRN's magnitude)."""
     freqs = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, H/2]
     angles = angles[None, :, None, :] if positions.ndim == 1 else angles[:, :, None, :]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles) * scaling.magnitude, jnp.sin(angles) * scaling.magnitude
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
