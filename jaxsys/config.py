@@ -25,7 +25,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 ATTENTION_IMPLS = ("reference", "pallas", "cudnn")
 ATTENTION_KERNELS = ("auto", "generic", "tpu", "mosaic_gpu")  # config.model.attention_kernel
 CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
-LAYER_TYPES = ("softmax", "linear")
+LAYER_TYPES = ("softmax", "local", "linear")  # local: softmax over a sliding window
 MLP_TYPES = ("dense", "moe")
 MOE_ROUTERS = ("softmax", "sigmoid")
 EXPERT_DISPATCH = ("padded", "ragged")
@@ -91,6 +91,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.remat = "none"
     c.model.attention_impl = "reference"  # reference | pallas | cudnn (GPU)
     c.model.layer_pattern = "softmax"  # comma-separated layer types repeated over the layers
+    # W of the "local" layers (sliding-window attention: a query sees its last W keys, its own
+    # included; Mistral v0.1, Qwen2's upper layers, Gemma's local layers); 0 without such layers
+    c.model.sliding_window = 0
     # attention_impl='pallas': which flash kernel. auto: by the platform lowered for (Mosaic on TPU,
     # the Mosaic GPU kernels on a Hopper GPU for the shapes they take, Triton elsewhere); generic:
     # Triton (interpret mode on CPU); tpu; mosaic_gpu (Hopper; refused for shapes it does not take)
@@ -707,6 +710,21 @@ def validate(config, num_devices: int | None = None) -> None:
         f"config.model.n_layers={m.n_layers} is not a multiple of the {len(pattern)} layers of "
         f"config.model.layer_pattern={m.layer_pattern!r}",
     )
+    window = m.get("sliding_window", 0)
+    _require(
+        isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+        f"config.model.sliding_window={window!r} must be an integer >= 0 (keys a local layer's query sees)",
+    )
+    _require(
+        ("local" in pattern) == (window > 0),
+        f"config.model.layer_pattern={m.layer_pattern!r} with config.model.sliding_window={window}: "
+        + (
+            "'local' layers need sliding_window > 0 (e.g. 4096 for Mistral v0.1)"
+            if "local" in pattern
+            else "a sliding window applies to 'local' layers only: put 'local' in layer_pattern (e.g. "
+            "'local' for every layer) or set sliding_window=0"
+        ),
+    )
     mlps = mlp_pattern(m)
     _require(
         bool(mlps) and all(p in MLP_TYPES for p in mlps),
@@ -879,6 +897,11 @@ def validate(config, num_devices: int | None = None) -> None:
         mesh.seq == 1 or m.attention_impl != "cudnn",
         "config.model.attention_impl='cudnn' cannot run context parallelism (it returns no "
         "log-sum-exp to merge blocks with): use 'pallas' or 'reference' with mesh.seq > 1",
+    )
+    _require(
+        mesh.seq == 1 or "local" not in layer_pattern(m),
+        f"config.model.layer_pattern={m.layer_pattern!r} has sliding-window layers, which context "
+        f"parallelism (mesh.seq={mesh.seq}) does not implement: use mesh.seq=1",
     )
     if config.parallel.sequence_parallel:
         _require(
@@ -1320,6 +1343,7 @@ def _validate_flax(config) -> None:
         ("config.model.qk_norm", m.qk_norm, False),
         ("config.model.qkv_bias", m.qkv_bias, False),
         ("config.model.rope_scaling", m.rope_scaling, "none"),
+        ("config.model.layer_pattern", m.layer_pattern, "softmax"),
         ("config.offload.activations", config.offload.activations, ""),
         ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
         ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),

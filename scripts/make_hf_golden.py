@@ -34,6 +34,10 @@ Models:
 * ``yarn``: a Qwen3 as above (another seed, rope_theta 1e4) with YaRN rope scaling as Qwen3's
   long-context configs set it (rope_type ``yarn``, factor 4, original_max_position_embeddings 64:
   of the 8 frequencies one kept, two ramped, five divided by 4; q and k times 0.1 ln 4 + 1).
+* ``mistral``: a Mistral v0.1 (Llama's layout with sliding-window attention in every layer:
+  ``sliding_window`` 8 at 24 positions), 2 layers, GQA 4/2, untied.
+* ``qwen2_window``: a Qwen2 with its sliding window switched on (``use_sliding_window``,
+  ``sliding_window`` 6, ``max_window_layers`` 1: layer 0 full, layer 1 windowed).
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -73,6 +77,8 @@ import transformers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -148,6 +154,27 @@ MODELS = {
         rope=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
         max_position_embeddings=256,
     ),
+    "mistral": dict(
+        seed=6,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        family="mistral",
+        sliding_window=8,  # Mistral v0.1's 4096 at 24 positions: every layer sees its last 8 keys
+    ),
+    "qwen2_window": dict(
+        seed=7,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        family="qwen2",
+        # Qwen2's switch: layers from max_window_layers on see their last sliding_window keys
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    ),
     "qwen2": dict(
         seed=4,
         num_hidden_layers=2,
@@ -160,6 +187,7 @@ MODELS = {
 
 CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
@@ -172,8 +200,8 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     rope = spec.pop("rope", {"rope_type": "default"})
     family = spec.pop("family", "llama")
     config_class, model_class = CLASSES[family]
-    if family != "llama":
-        spec.update(use_sliding_window=False)
+    if family in ("qwen2", "qwen3"):
+        spec.setdefault("use_sliding_window", False)
     config = config_class(
         **{**COMMON, **spec},
         # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters.
@@ -277,6 +305,12 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     if cfg["rope_parameters"].get("rope_type") == "yarn":  # YaRN's attention factor on q and k
         cos, sin = [a * (0.1 * np.log(cfg["rope_parameters"]["factor"]) + 1) for a in (cos, sin)]
     mask = np.triu(np.full((T, T), -np.inf), k=1)
+    # sliding windows (transformers' rule: key j visible from query i iff i - W < j <= i): Mistral's
+    # in every layer, Qwen2's in the layers layer_types marks (from max_window_layers on)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", cfg["model_type"] == "mistral") else None
+    kinds = cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]
+    back = np.arange(T)[:, None] - np.arange(T)[None, :]
+    window_mask = mask if window is None else np.where(back < window, mask, -np.inf)
 
     x = w["model.embed_tokens.weight"][tokens]  # [B, T, D]
     for i in range(cfg["num_hidden_layers"]):
@@ -294,7 +328,7 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
         # repeat_kv: query head j uses kv head j // (n_h // n_kv)
         k = np.repeat(k, n_h // n_kv, axis=1)
         v = np.repeat(v, n_h // n_kv, axis=1)
-        s = (q @ k.transpose(0, 1, 3, 2)) * d**-0.5 + mask
+        s = (q @ k.transpose(0, 1, 3, 2)) * d**-0.5 + (window_mask if kinds[i] == "sliding_attention" else mask)
         s = np.exp(s - s.max(-1, keepdims=True))
         s = s / s.sum(-1, keepdims=True)
         a = (s @ v).transpose(0, 2, 1, 3).reshape(B, T, n_h * d)

@@ -1,9 +1,10 @@
 """Hugging Face Llama interop: `python -m jaxsys.convert --from-hf/--to-hf` against golden files.
 
-tests/golden/hf_llama/{untied,tied,llama3,qwen3,yarn,qwen2} hold tiny random Llamas saved by
-`transformers` (GQA with rope theta 5e5 and untied embeddings; MQA with tied embeddings; GQA with
-Llama 3.1's rope scaling; a Qwen3: q/k norms, tied; a Qwen3 with YaRN rope scaling; a Qwen2: q/k/v
-biases),
+tests/golden/hf_llama/{untied,tied,llama3,qwen3,yarn,qwen2,mistral,qwen2_window} hold tiny random
+Llamas saved by `transformers` (GQA with rope theta 5e5 and untied embeddings; MQA with tied
+embeddings; GQA with Llama 3.1's rope scaling; a Qwen3: q/k norms, tied; a Qwen3 with YaRN rope
+scaling; a Qwen2: q/k/v biases; a Mistral with a sliding window of 8 in every layer; a Qwen2 whose
+second layer has a window of 6),
 with the logits transformers computed on fixed tokens. scripts/make_hf_golden.py made them
 (PyTorch, Python 3.11); these tests need neither.
 """
@@ -40,7 +41,7 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
-@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2"])
+@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window"])
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
     workdir = tmp_path / "run"
@@ -58,7 +59,14 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert (config.model.qk_norm, config.model.qkv_bias) == (name in ("qwen3", "yarn"), name == "qwen2")
+    assert (config.model.qk_norm, config.model.qkv_bias) == (name in ("qwen3", "yarn"), name.startswith("qwen2"))
+    windows = {"mistral": ("local", 8), "qwen2_window": ("softmax,local", 6)}
+    assert (config.model.layer_pattern, config.model.sliding_window) == windows.get(name, ("softmax", 0))
+    if name in windows:  # the windows matter at these 24 positions
+        full = config.model.copy_and_resolve_references()
+        full.layer_pattern, full.sliding_window = "softmax", 0
+        unwindowed = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), full, program.layout))
+        assert np.abs(unwindowed - want).max() > 100 * 1e-4
     if name in ("llama3", "yarn"):  # the scaling is read, and it matters at these 24 positions
         m = config.model
         factor = 8.0 if name == "llama3" else 4.0
@@ -87,8 +95,13 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         "rms_norm_eps",
         "tie_word_embeddings",
         "model_type",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "layer_types",
     ):
-        assert written_config[key] == hf[key], key
+        if key in hf and (key != "max_window_layers" or hf.get("use_sliding_window")):
+            assert written_config[key] == hf[key], key
     assert written_config["rope_parameters"] == hf["rope_parameters"]
 
 
@@ -107,6 +120,33 @@ def test_rope_scaling_of_transformers_4_configs_is_read():
     old["rope_scaling"] = {"type": "linear", "factor": 4.0}
     hf_lib.model_config_from_hf(old, b.model)
     assert (b.model.rope_scaling, b.model.rope_factor) == ("linear", 4.0)
+
+
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    """Mistral: `sliding_window` in every layer, 4096 when the key is absent (MistralConfig's
+    default), none when null; Qwen2: only with use_sliding_window, from max_window_layers on or
+    where transformers 5's layer_types say (an alternating list keeps its period); to_hf refuses
+    what Mistral's or Qwen's config cannot say."""
+    mistral = json.load(open(os.path.join(GOLDEN, "mistral", "config.json")))
+    qwen = json.load(open(os.path.join(GOLDEN, "qwen2_window", "config.json")))
+    m = load_config(os.path.join(ROOT, "configs", "tiny.py")).model
+    read = lambda hf: (hf_lib.model_config_from_hf(hf, m), (m.layer_pattern, m.sliding_window))[1]
+    assert read({k: v for k, v in mistral.items() if k != "sliding_window"}) == ("local", 4096)
+    assert read(dict(mistral, sliding_window=None)) == ("softmax", 0)
+    assert read(dict(qwen, use_sliding_window=False)) == ("softmax", 0)
+    no_types = {k: v for k, v in qwen.items() if k != "layer_types"}
+    assert read(dict(no_types, num_hidden_layers=4, max_window_layers=3)) == ("softmax,softmax,softmax,local", 6)
+    alternating = ["sliding_attention", "full_attention"] * 2
+    assert read(dict(qwen, num_hidden_layers=4, layer_types=alternating)) == ("local,softmax", 6)
+    with pytest.raises(hf_lib.ConversionError, match="layer_types"):
+        read(dict(qwen, layer_types=["chunked_attention", "full_attention"]))
+    m.layer_pattern, m.sliding_window, m.n_layers = "local,softmax", 8, 2
+    m.qk_norm = m.qkv_bias = False
+    with pytest.raises(hf_lib.ConversionError, match="cannot express"):
+        hf_lib.hf_config_from_model(m, "float32")
+    m.qkv_bias = True
+    with pytest.raises(hf_lib.ConversionError, match="not the last ones"):
+        hf_lib.hf_config_from_model(m, "float32")
 
 
 def test_yarn_settings_are_read_as_transformers_reads_them():

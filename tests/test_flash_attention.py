@@ -320,11 +320,13 @@ def test_bad_inputs_raise_mismatched_kv_and_backward_shapes():
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-def test_lowers_through_triton_for_a_gpu_ahead_of_time():
+@pytest.mark.parametrize("window", [None, 256], ids=["causal", "window"])
+def test_lowers_through_triton_for_a_gpu_ahead_of_time(window):
     """No GPU here, but the Pallas -> Triton IR lowering runs in Python: lower the forward and both
-    backward kernels for an abstract H100 (bf16, H=128, GQA, causal, segments, ragged T). This
-    catches what Triton's lowering rejects (non-power-of-two tiles, unsupported primitives);
-    Triton's own compile and the numerics on a GPU are not checked."""
+    backward kernels for an abstract H100 (bf16, H=128, GQA, causal, segments, ragged T; and with
+    a sliding window, which the Mosaic GPU kernels leave to these). This catches what Triton's
+    lowering rejects (non-power-of-two tiles, unsupported primitives); Triton's own compile and
+    the numerics on a GPU are not checked."""
     gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
     b, t, n, kh, h = 1, 1000, 8, 2, 128
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
@@ -333,7 +335,7 @@ def test_lowers_through_triton_for_a_gpu_ahead_of_time():
 
     def loss(q, k, v, seg):
         o, lse = flash_attention(
-            q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True, interpret=False
+            q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg, return_lse=True, interpret=False, window=window
         )
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 

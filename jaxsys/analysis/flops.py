@@ -22,20 +22,26 @@ def matmul_params(m) -> int:
 
 def train_flops_per_token(m, seq_len: int) -> float:
     """6 N (forward 2N, backward 4N) plus attention's 12 L T N H (QK^T and AV, forward and
-    backward, counted without the causal halving as PaLM does). Remat is not counted: MFU
-    measures useful work."""
-    return 6.0 * matmul_params(m) + 12.0 * _attention_width(m) * seq_len
+    backward, counted without the causal halving as PaLM does; a sliding-window layer's T is
+    min(T, W)). Remat is not counted: MFU measures useful work."""
+    return 6.0 * matmul_params(m) + 12.0 * _attention_span(m, seq_len)
 
 
 def forward_flops_per_token(m, seq_len: int) -> float:
     """The forward pass alone: 2 N + 4 L T N H (what full remat recomputes)."""
-    return 2.0 * matmul_params(m) + 4.0 * _attention_width(m) * seq_len
+    return 2.0 * matmul_params(m) + 4.0 * _attention_span(m, seq_len)
 
 
-def _attention_width(m) -> int:
-    """L N H, what attention's score and value FLOPs scale with per token and position; 0 for a
-    Flax module (its attention is its own: only 6N is counted)."""
-    return 0 if m.kind == "flax" else m.n_layers * m.n_heads * m.head_dim
+def _attention_span(m, seq_len: int) -> int:
+    """Sum over layers of N H times the keys a query's span covers (T; min(T, W) for the "local"
+    layers): what attention's score and value FLOPs scale with per token. 0 for a Flax module (its
+    attention is its own: only 6N is counted)."""
+    if m.kind == "flax":
+        return 0
+    from jaxsys.models import attention
+
+    spans = [min(seq_len, m.sliding_window) if kind == "local" else seq_len for kind in attention.layer_types(m)]
+    return m.n_heads * m.head_dim * sum(spans)
 
 
 def adapter_params(config) -> int:
@@ -58,7 +64,7 @@ def step_flops_per_token(config) -> float:
     if config.train.optimizer == "zo":
         return 2.0 * forward_flops_per_token(m, t)
     if config.lora.rank > 0:
-        flops = 4.0 * matmul_params(m) + 6.0 * adapter_params(config) + 12.0 * _attention_width(m) * t
+        flops = 4.0 * matmul_params(m) + 6.0 * adapter_params(config) + 12.0 * _attention_span(m, t)
     else:
         flops = train_flops_per_token(m, t)
     if config.train.objective == "dpo":

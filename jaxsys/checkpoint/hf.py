@@ -167,6 +167,72 @@ def _hf_rope(m) -> dict:
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
+    """(W, which layers are windowed) as transformers reads config.json: Mistral's
+    `sliding_window` (4096 when absent, as MistralConfig) applies to every layer; Qwen2's and
+    Qwen3's only with `use_sliding_window`, to the layers `layer_types` marks "sliding_attention"
+    (transformers 5) or else those from `max_window_layers` on; Llama has none."""
+    n = hf["num_hidden_layers"]
+    kind = hf["model_type"]
+    if kind == "mistral":
+        window = hf.get("sliding_window", 4096)
+    elif kind in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+        window = hf.get("sliding_window")
+    else:
+        window = None
+    if not window:
+        return None, [False] * n
+    if kind == "mistral":
+        return int(window), [True] * n
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(n)
+    ]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != n:
+        raise ConversionError(f"layer_types {types!r}: expected {n} of 'full_attention' / 'sliding_attention'")
+    return int(window), [t == "sliding_attention" for t in types]
+
+
+def _set_window(hf: dict, model) -> None:
+    """Sliding-window layers into `model`: layer_pattern of "local" / "softmax" (the shortest
+    period that repeats to the layers) and sliding_window W."""
+    window, windowed = _window_layers(hf)
+    kinds = ["local" if w else "softmax" for w in windowed]
+    period = next(p for p in range(1, len(kinds) + 1) if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p))
+    model.layer_pattern = ",".join(kinds[:period])
+    model.sliding_window = window if any(windowed) else 0
+
+
+def _hf_window(m, family: str) -> dict:
+    """config.json's sliding-window keys for `m` in `family` (llama turns into mistral for a model
+    whose every layer is windowed); {} without local layers."""
+    kinds = [kind == "local" for kind in layer_pattern(m)] * (m.n_layers // len(layer_pattern(m)))
+    if family == "llama":
+        if not any(kinds):
+            return {}
+        if not all(kinds):
+            raise ConversionError(
+                f"config.model.layer_pattern={m.layer_pattern!r} mixes windowed and full layers, which a Hugging "
+                "Face Mistral cannot express (its window applies to every layer); Qwen2's config can, but this "
+                "model has no q/k/v biases"
+            )
+        return {"sliding_window": m.sliding_window}
+    if not any(kinds):
+        return {"use_sliding_window": False, "sliding_window": None, "layer_types": ["full_attention"] * len(kinds)}
+    first = kinds.index(True)
+    if kinds != [False] * first + [True] * (len(kinds) - first):
+        raise ConversionError(
+            f"config.model.layer_pattern={m.layer_pattern!r}: Qwen's config windows the layers from "
+            "max_window_layers on; this model's windowed layers are not the last ones"
+        )
+    return {
+        "use_sliding_window": True,
+        "sliding_window": m.sliding_window,
+        "max_window_layers": first,
+        "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+    }
+
+
 def model_config_from_hf(hf: dict, model) -> None:
     """Set `config.model` (in place) from a Hugging Face Llama (or Mistral, Qwen3) config.json dict."""
     if hf.get("model_type") not in MODEL_TYPES:
@@ -179,10 +245,6 @@ def model_config_from_hf(hf: dict, model) -> None:
             continue
         if hf.get(key, want) != want:
             raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's Llama needs {want!r}")
-    # Qwen3's config names a window that only use_sliding_window switches on
-    windowed = hf.get("use_sliding_window", True) and hf.get("sliding_window")
-    if windowed:
-        raise ConversionError(f"sliding_window={hf['sliding_window']}: sliding-window attention is not supported")
     n_heads = hf["num_attention_heads"]
     model.vocab_size = hf["vocab_size"]
     model.d_model = hf["hidden_size"]
@@ -192,6 +254,7 @@ def model_config_from_hf(hf: dict, model) -> None:
     model.head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     model.d_ff = hf["intermediate_size"]
     _set_rope(hf, model)
+    _set_window(hf, model)
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
     model.qk_norm = hf["model_type"] == "qwen3"
@@ -200,7 +263,7 @@ def model_config_from_hf(hf: dict, model) -> None:
 
 def _require_dense_llama(m) -> None:
     """Llama's layout has a dense SwiGLU MLP and softmax attention in every layer."""
-    if set(mlp_pattern(m)) != {"dense"} or set(layer_pattern(m)) != {"softmax"}:
+    if set(mlp_pattern(m)) != {"dense"} or not set(layer_pattern(m)) <= {"softmax", "local"}:
         raise ConversionError(
             f"jaxsys.convert reads and writes Llama checkpoints (dense MLPs, softmax attention), but this "
             f"model has mlp_pattern={m.mlp_pattern!r} and layer_pattern={m.layer_pattern!r}; MoE and linear-"
@@ -209,20 +272,22 @@ def _require_dense_llama(m) -> None:
 
 
 def hf_config_from_model(m, dtype: str) -> dict:
-    """A transformers LlamaConfig dict for `config.model` (both the transformers 5 `rope_parameters`
-    and the older top-level `rope_theta`, so either version reads it)."""
+    """A transformers config dict for `config.model`: Llama's, Mistral's (a window in every layer),
+    Qwen2's (q/k/v biases) or Qwen3's (q/k norms); both the transformers 5 `rope_parameters` and the
+    older top-level `rope_theta`, so either version reads it."""
     if m.qk_norm and m.qkv_bias:
         raise ConversionError(
             "config.model.qk_norm with qkv_bias has no Hugging Face Llama-family equivalent (Qwen3 has the "
             "norms, Qwen2 the biases)"
         )
     family = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
-    qwen = family != "llama"
+    window = _hf_window(m, family)
+    if family == "llama" and window:  # Llama's layout with a window in every layer
+        family = "mistral"
     rope = _hf_rope(m)
+    architecture = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     return {
-        "architectures": [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
-        ],
+        "architectures": [architecture + "ForCausalLM"],
         "model_type": family,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
@@ -239,7 +304,7 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "mlp_bias": False,
-        **({"use_sliding_window": False, "sliding_window": None} if qwen else {}),
+        **window,
         "torch_dtype": dtype,
         "dtype": dtype,
     }

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 # traced: importing them imports jax.experimental.pallas.tpu, which defines a JAX config state that
 # is part of the jit cache key (pallas_fuser_disable_nested_fuse), so a first import mid-trace makes
 # the step's second call miss its cache and compile again (tests/test_recompile.py).
-from jaxsys.config import layer_pattern
+from jaxsys.config import ConfigError, layer_pattern
 from jaxsys.kernels import flash_attention as flash
 from jaxsys.kernels import linear_attention as lin
 from jaxsys.models import layers
@@ -39,7 +39,8 @@ from jaxsys.parallel import context, tensor
 
 def pattern(m) -> tuple[str, ...]:
     """`layer_pattern` is a comma-separated list of layer types repeated over the layers:
-    "softmax"; "linear"; "linear,linear,linear,softmax" (one softmax layer in 4)."""
+    "softmax"; "local" (softmax over a sliding window of config.model.sliding_window keys);
+    "linear"; "linear,linear,linear,softmax" (one softmax layer in 4); "local,softmax"."""
     return layer_pattern(m)
 
 
@@ -95,11 +96,14 @@ def flash_backend(m) -> str | None:
     return None if m.attention_kernel == "auto" else m.attention_kernel
 
 
-def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
+def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None, window: int | None = None):
     """Causal GQA softmax attention of one layer with `m.attention_impl`; over the sequence split on
     `seq` by `m.context_parallel` when there is one. `segments` [B, T] (this device's tokens, as q):
-    the document ids of packed rows; a query then sees only earlier keys of its own document."""
+    the document ids of packed rows; a query then sees only earlier keys of its own document.
+    `window` (a "local" layer, config.model.sliding_window): a query sees its last `window` keys."""
     if seq.axes:
+        if window is not None:  # config validation refuses this first; a direct call gets told too
+            raise ConfigError("sliding-window layers under context parallelism are not implemented: use mesh.seq=1")
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
         one_device = lambda q, k, v, s: softmax_attention(q, k, v, m, context.SeqLayout((), 1, False), s)
         return context.attention(
@@ -116,15 +120,22 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None):
             block_q=m.attention_block or None,  # 0: the tuning cache's tile (kernels/tuning.py)
             block_k=m.attention_block or None,
             backend=flash_backend(m),
+            window=window,
         )
     if m.attention_impl == "cudnn":
+        # cuDNN's window counts the keys left of the diagonal: W - 1 besides the query's own
+        local = None if window is None else (window - 1, 0)
         if segments is None:
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn", local_window_size=local
+            )
         # jax.nn takes no segment ids: the document mask goes in as a boolean [B, 1, T, T] mask,
         # which cuDNN receives as a materialised additive bias (O(B T^2) memory, unlike the kernel's)
         same = segments[:, None, :, None] == segments[:, None, None, :]
-        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation="cudnn")
-    return layers.attention(q, k, v, causal=True, segment_ids=segments)
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=same, is_causal=True, implementation="cudnn", local_window_size=local
+        )
+    return layers.attention(q, k, v, causal=True, segment_ids=segments, window=window)
 
 
 def head_log_decay(n_local: int, heads_axes: tuple[str, ...]):

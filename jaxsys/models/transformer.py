@@ -143,8 +143,8 @@ def block(
 ):
     """One layer on x[B, T, D] (or [B, T/tp, D] under sequence parallelism); `w` gathered.
     Under the ladder residual x is a `ladder.LadderStream` (h, pending) of such arrays, and so is
-    the x returned. `kind` is the layer's attention: "softmax" (with RoPE) or "linear"
-    (attention.py); `mlp_kind` its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes
+    the x returned. `kind` is the layer's attention: "softmax" (with RoPE), "local" (softmax over
+    a sliding window of config.model.sliding_window keys) or "linear" (attention.py); `mlp_kind` its MLP: "dense" (SwiGLU) or "moe" (models/moe.py, which takes
     `previous`, the experts the last MoE layer chose). `cache` (inference): this layer's KV cache
     (jaxsys/cache/), which writes the new keys and values at `positions` [B, T] and attends.
     `segments` [B, T] (this device's full T, as the positions): the document ids of packed rows,
@@ -184,8 +184,9 @@ def block(
     else:
         scaling = layers.rope_scaling(m)
         q, k = layers.rope(q, positions, m.rope_theta, scaling), layers.rope(k, positions, m.rope_theta, scaling)
+        window = m.sliding_window if kind == "local" else None
         if cache is None:
-            o = attention.softmax_attention(q, k, v, m, seq, segments)
+            o = attention.softmax_attention(q, k, v, m, seq, segments, window)
         else:
             if segments is not None:
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")

@@ -62,14 +62,19 @@ from jaxsys.kernels.flash_attention import flash_attention, kernel_mgpu, referen
 IMPLS = ("pallas", "mosaic", "mosaic_split", "cudnn", "tokamax", "xla")
 
 
-def flops(b, n, t, s, h, causal: bool, backward: bool) -> float:
-    """Useful FLOPs of attention by the convention in the module docstring."""
-    forward = 4.0 * b * n * t * s * h * (0.5 if causal else 1.0)
+def flops(b, n, t, s, h, causal: bool, backward: bool, window: int | None = None) -> float:
+    """Useful FLOPs of attention by the convention in the module docstring; with a sliding window
+    W < T the visible pairs, T W - W (W - 1) / 2, in place of T S / 2."""
+    pairs = t * s * (0.5 if causal else 1.0)
+    if window is not None and window < t:
+        pairs = t * window - window * (window - 1) / 2
+    forward = 4.0 * b * n * pairs * h
     return forward * (3.5 if backward else 1.0)
 
 
 def attention_fn(impl: str, causal: bool, args):
-    """q, k, v -> o for one implementation."""
+    """q, k, v -> o for one implementation (with args.window: sliding-window attention)."""
+    window = args.window
     if impl in ("pallas", "mosaic", "mosaic_split"):
         return lambda q, k, v: flash_attention(
             q,
@@ -82,15 +87,19 @@ def attention_fn(impl: str, causal: bool, args):
             block_k_bwd=args.block_k_bwd,
             interpret=args.interpret_smoke or None,
             backend="generic" if impl == "pallas" else "mosaic_gpu",
+            window=window,
         )
     if impl == "cudnn":
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        local = None if window is None else (window - 1, 0)
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn", local_window_size=local
+        )
     if impl == "tokamax":
         import tokamax
 
         return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
     if impl == "xla":
-        return lambda q, k, v: reference_attention(q, k, v, causal=causal)
+        return lambda q, k, v: reference_attention(q, k, v, causal=causal, window=window)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
@@ -112,13 +121,15 @@ def median_seconds(fn, inputs, repeats: int, min_time: float) -> float:
     return statistics.median(samples)
 
 
-def errors(attn, causal, q, k, v, do):
+def errors(attn, causal, q, k, v, do, window=None):
     """Max abs errors of o and of (dq, dk, dv) against the fp32 reference, and the reference's
     max abs values, on batch 0 and the query heads of kv head 0 (module docstring)."""
     g = q.shape[2] // k.shape[2]
     qs, ks, vs, dos = q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], do[:1, :, :g]
     f32 = lambda x: x.astype(jnp.float32)
-    want_o, want_vjp = jax.vjp(lambda *a: reference_attention(*a, causal=causal), f32(qs), f32(ks), f32(vs))
+    want_o, want_vjp = jax.vjp(
+        lambda *a: reference_attention(*a, causal=causal, window=window), f32(qs), f32(ks), f32(vs)
+    )
     want_g = want_vjp(f32(dos))
     got_o, got_vjp = jax.vjp(attn, qs, ks, vs)
     got_g = got_vjp(dos)
@@ -135,7 +146,9 @@ def measure(impl, t, h, causal, args):
     """One row: forward and forward+backward times, TFLOP/s and errors (or why it was skipped)."""
     b, n = max(1, args.tokens // t), args.hidden // h
     kh = n // args.group
-    row = dict(impl=impl, T=t, S=t, H=h, B=b, N=n, K=kh, causal=causal, dtype=args.dtype)
+    row = dict(impl=impl, T=t, S=t, H=h, B=b, N=n, K=kh, causal=causal, dtype=args.dtype, window=args.window)
+    if args.window is not None and (impl.startswith("mosaic") or impl == "tokamax"):
+        return row | dict(skipped=f"{impl} has no sliding window here")
     if impl in ("cudnn", "tokamax") and jax.default_backend() != "gpu":
         return row | dict(skipped=f"{impl} needs a GPU")
     if impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
@@ -163,12 +176,14 @@ def measure(impl, t, h, causal, args):
     try:
         with variant:
             fwd_s = median_seconds(forward, (q, k, v), args.repeats, args.min_time)
-            row |= dict(fwd_ms=fwd_s * 1e3, fwd_tflops=flops(b, n, t, t, h, causal, False) / fwd_s / 1e12)
+            row |= dict(fwd_ms=fwd_s * 1e3, fwd_tflops=flops(b, n, t, t, h, causal, False, args.window) / fwd_s / 1e12)
             bwd_s = median_seconds(forward_backward, (q, k, v, do), args.repeats, args.min_time)
-            row |= dict(fwd_bwd_ms=bwd_s * 1e3, fwd_bwd_tflops=flops(b, n, t, t, h, causal, True) / bwd_s / 1e12)
+            row |= dict(
+                fwd_bwd_ms=bwd_s * 1e3, fwd_bwd_tflops=flops(b, n, t, t, h, causal, True, args.window) / bwd_s / 1e12
+            )
             sub_gib = 4.0 * (n // kh) * t * t / 2**30  # the reference's scores on the sub-problem
             if sub_gib <= args.xla_max_gib:
-                row |= errors(attn, causal, q, k, v, do)
+                row |= errors(attn, causal, q, k, v, do, args.window)
             else:
                 row["err_skipped"] = f"reference scores would take {sub_gib:.0f} GiB"
     except Exception as e:  # one failing configuration must not lose the others
@@ -211,6 +226,12 @@ def parse_args(argv=None):
     p.add_argument("--head-dims", type=ints, default=[64, 128])
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="sliding-window attention of W keys (causal only; cuDNN's local window)",
+    )
     p.add_argument("--tokens", type=int, default=16384, help="B * T")
     p.add_argument("--hidden", type=int, default=2048, help="N * H")
     p.add_argument("--group", type=int, default=1, help="query heads per kv head, N / K")
@@ -256,6 +277,8 @@ def main(argv=None) -> int:
         return 0
     device = jax.devices()[0]
     causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    if args.window is not None:
+        causals = (True,)  # a window is causal
     record = platforms.bench_record(
         "jaxsys.kernels.flash_attention.bench",
         argv,
@@ -279,7 +302,9 @@ def main(argv=None) -> int:
                             json.dump(record, f, indent=1)
     print(
         f"\n{device.device_kind} ({backend}), jax {jax.__version__}, {args.dtype}; "
-        "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved\n"
+        "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved"
+        + (f"; sliding window of {args.window} keys (FLOPs of the visible pairs)" if args.window else "")
+        + "\n"
     )
     print(markdown(record["results"]))
     if args.out:

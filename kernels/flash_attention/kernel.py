@@ -25,6 +25,12 @@ Delta = rowsum(dO * O) - dlse (the lse cotangent folds in here: d lse_i / d s_ij
 Causal: kv blocks entirely above the diagonal are never visited (the loop bounds depend on the
 program id), which halves the FLOPs; blocks entirely below it skip the causal mask.
 
+Sliding window W (`window`, causal only: query t sees keys t - W < s <= t): a q block's loop
+starts at the kv block of its first row's first key, so blocks wholly behind every row's window
+are never visited (O(T W) work); blocks straddling the window's far edge are masked like the
+diagonal's, those wholly inside it run unmasked. The dk/dv kernel likewise stops at the last q
+block that sees its keys. The Mosaic GPU kernels have no window: such calls run here.
+
 Segment ids: a (q block, kv block) pair whose id ranges do not overlap is skipped (`lax.cond` in
 the loop body, in all three kernels), so packed documents cost their own attention plus the
 blocks that straddle document boundaries, not the whole row's.
@@ -90,6 +96,7 @@ class _Config:
     interpret: bool
     num_warps: int | None = None  # Triton launch parameters; None: _compiler_params' defaults
     num_stages: int | None = None
+    window: int | None = None  # sliding window (causal): a query sees its last `window` keys
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,13 +108,13 @@ def _dot(a, b, contract_a: int, contract_b: int):
     return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _visible(q_start, k_start, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg):
+def _visible(q_start, k_start, shape, *, causal: bool, kv_len: int | None, q_seg, kv_seg, window=None):
     """Boolean [block_q, block_k] mask of the (query, key) pairs that may attend, or None."""
     mask = None
     if causal:
         rows = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
         cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-        mask = rows >= cols
+        mask = rows >= cols if window is None else (rows >= cols) & (rows - cols < window)
     if kv_len is not None:  # keys past the true length are padding
         cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
         mask = cols < kv_len if mask is None else mask & (cols < kv_len)
@@ -134,20 +141,36 @@ def _skip_unless(meet, body):
     return lambda j, carry: lax.cond(meet(j), lambda c: body(j, c), lambda c: c, carry)
 
 
-def _causal_kv_range(i, block_q: int, block_k: int, num_kv_blocks: int):
-    """For q block i: (n_full, n_end). kv blocks [0, n_full) lie wholly on or below the diagonal
-    (no causal mask needed), [n_full, n_end) straddle it, and blocks >= n_end are all masked."""
+def _causal_kv_range(i, block_q: int, block_k: int, num_kv_blocks: int, window=None):
+    """For q block i: (n_start, n_inner, n_full, n_end). kv blocks [n_inner, n_full) lie wholly on
+    or below the diagonal and, with a sliding window, wholly inside every row's window (no mask
+    needed); [n_full, n_end) straddle the diagonal and [n_start, n_inner) the window's far edge
+    (masked); blocks outside [n_start, n_end) are all masked and never visited. Without a window
+    n_start = n_inner = 0."""
     n_end = jnp.minimum(lax.div((i + 1) * block_q + block_k - 1, block_k), num_kv_blocks)
     n_full = jnp.minimum(lax.div(i * block_q + 1, block_k), n_end)
-    return n_full, n_end
+    if window is None:
+        return 0, 0, n_full, n_end
+    # the first key the block's first row sees, and the first that its last row sees too
+    n_start = jnp.minimum(lax.div(jnp.maximum(i * block_q - window + 1, 0), block_k), n_full)
+    n_inner = lax.div(jnp.maximum((i + 1) * block_q - window, 0) + block_k - 1, block_k)
+    return n_start, jnp.clip(n_inner, n_start, n_full), n_full, n_end
 
 
-def _causal_q_range(j, block_q: int, block_k: int, num_q_blocks: int):
-    """For kv block j: (n_start, n_full). q blocks < n_start are all masked, [n_start, n_full)
-    straddle the diagonal, and [n_full, num_q_blocks) see the whole kv block."""
+def _causal_q_range(j, block_q: int, block_k: int, num_q_blocks: int, window=None):
+    """For kv block j: (n_start, n_full, n_outer, n_stop). q blocks [n_start, n_full) straddle the
+    diagonal, [n_full, n_outer) see the whole kv block, and with a sliding window [n_outer,
+    n_stop) straddle its far edge; blocks outside [n_start, n_stop) are all masked. Without a
+    window n_outer = n_stop = num_q_blocks."""
     n_start = jnp.minimum(lax.div(j * block_k, block_q), num_q_blocks)
-    n_full = jnp.minimum(lax.div((j + 1) * block_k - 1 + block_q - 1, block_q), num_q_blocks)
-    return n_start, jnp.maximum(n_full, n_start)
+    n_full = jnp.maximum(jnp.minimum(lax.div((j + 1) * block_k - 1 + block_q - 1, block_q), num_q_blocks), n_start)
+    if window is None:
+        return n_start, n_full, num_q_blocks, num_q_blocks
+    # one past the last query that sees the block's last key; the q blocks whose every row is
+    # within the window of the block's first key
+    n_stop = jnp.maximum(jnp.minimum(lax.div((j + 1) * block_k - 2 + window, block_q) + 1, num_q_blocks), n_full)
+    n_outer = jnp.clip(lax.div(j * block_k + window, block_q), n_full, n_stop)
+    return n_start, n_full, n_outer, n_stop
 
 
 def _split_refs(refs, n_in: int, has_segments: bool):
@@ -185,6 +208,7 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
             kv_len=kv_len,
             q_seg=q_seg,
             kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)],
+            window=cfg.window,
         )
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
@@ -201,8 +225,10 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
     meet = None if ks_ref is None else lambda j: _segments_meet(q_seg, ks_ref[pl.ds(pl.multiple_of(j * bk, bk), bk)])
     run = lambda causal_mask: _skip_unless(meet, functools.partial(body, causal_mask=causal_mask))
     if cfg.causal:
-        n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
-        carry = lax.fori_loop(0, n_full, run(False), carry)
+        n_start, n_inner, n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks, cfg.window)
+        if cfg.window is not None:
+            carry = lax.fori_loop(n_start, n_inner, run(True), carry)
+        carry = lax.fori_loop(n_inner, n_full, run(False), carry)
         carry = lax.fori_loop(n_full, n_end, run(True), carry)
     else:
         carry = lax.fori_loop(0, num_kv_blocks, run(False), carry)
@@ -249,6 +275,7 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
             kv_len=kv_len,
             q_seg=q_seg,
             kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)],
+            window=cfg.window,
         )
         _, ds = _p_and_ds(q, k, v, do, lse2, delta, mask, cfg.scale)
         return dq + _dot(ds.astype(k.dtype), k, 1, 0)
@@ -257,8 +284,10 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
     meet = None if ks_ref is None else lambda j: _segments_meet(q_seg, ks_ref[pl.ds(pl.multiple_of(j * bk, bk), bk)])
     run = lambda causal_mask: _skip_unless(meet, functools.partial(body, causal_mask=causal_mask))
     if cfg.causal:
-        n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks)
-        dq = lax.fori_loop(0, n_full, run(False), dq)
+        n_start, n_inner, n_full, n_end = _causal_kv_range(i, bq, bk, num_kv_blocks, cfg.window)
+        if cfg.window is not None:
+            dq = lax.fori_loop(n_start, n_inner, run(True), dq)
+        dq = lax.fori_loop(n_inner, n_full, run(False), dq)
         dq = lax.fori_loop(n_full, n_end, run(True), dq)
     else:
         dq = lax.fori_loop(0, num_kv_blocks, run(False), dq)
@@ -290,6 +319,7 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has
             kv_len=kv_len,
             q_seg=None if qs_ref is None else qs_ref[rows],
             kv_seg=kv_seg,
+            window=cfg.window,
         )
         p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows] * LOG2_E, delta_ref[g, rows], mask, cfg.scale)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
@@ -301,9 +331,10 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has
     def group_body(g, carry):
         run = lambda causal_mask: _skip_unless(meet, functools.partial(body, g=g, causal_mask=causal_mask))
         if cfg.causal:
-            n_start, n_full = _causal_q_range(j, bq, bk, num_q_blocks)
+            n_start, n_full, n_outer, n_stop = _causal_q_range(j, bq, bk, num_q_blocks, cfg.window)
             carry = lax.fori_loop(n_start, n_full, run(True), carry)
-            return lax.fori_loop(n_full, num_q_blocks, run(False), carry)
+            carry = lax.fori_loop(n_full, n_outer, run(False), carry)
+            return carry if cfg.window is None else lax.fori_loop(n_outer, n_stop, run(True), carry)
         return lax.fori_loop(0, num_q_blocks, run(False), carry)
 
     carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -474,6 +505,7 @@ def _prepare(
     block_k_bwd,
     interpret,
     backend,
+    window=None,
 ):
     """Validate, resolve defaults and build the static plan."""
     platforms.check_backend(backend, (*platforms.BACKENDS, platforms.MOSAIC_GPU))
@@ -489,6 +521,7 @@ def _prepare(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         head_dims=KERNEL_HEAD_DIMS if compiled_here else INTERPRET_HEAD_DIMS,
+        window=window,
     )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
@@ -513,6 +546,7 @@ def _prepare(
             interpret=True,
             num_warps=tuned.get("num_warps"),
             num_stages=tuned.get("num_stages"),
+            window=window,
         )
     if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused); not tuned
         block_q = DEFAULT_BLOCK if block_q is None else block_q
@@ -527,8 +561,13 @@ def _prepare(
             bwd_block_q=kernel_tpu.tile(block_q_bwd, t, "block_q_bwd"),
             bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
             interpret=True,
+            window=window,
         )
-    mgpu_cfg = _mgpu_config(backend, interpret, q, s, scale, causal, q_segment_ids is not None, generic_cfg)
+    if window is not None and backend == platforms.MOSAIC_GPU:
+        raise ValueError("backend='mosaic_gpu' has no sliding window: use backend=None (Triton on GPUs) or 'generic'")
+    mgpu_cfg = None
+    if window is None:  # the Mosaic GPU kernels have no window: the generic (Triton) kernel runs
+        mgpu_cfg = _mgpu_config(backend, interpret, q, s, scale, causal, q_segment_ids is not None, generic_cfg)
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
@@ -656,6 +695,7 @@ def flash_attention(
     block_q_bwd=None,
     block_k_bwd=None,
     backend=None,
+    window=None,
 ):
     """Attention over q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] (and lse[B, N, T] fp32 when
     return_lse), differentiable (custom_vjp; the lse cotangent is honoured). Same semantics as
@@ -669,7 +709,9 @@ def flash_attention(
     Mosaic GPU kernels on a Hopper GPU for a supported call (kernel_mgpu.why_not), the generic
     kernels elsewhere), "tpu", "generic" or "mosaic_gpu" forces one. interpret: None interprets when
     lowered for CPU and compiles elsewhere; True / False force it (True with backend None is the
-    generic kernel interpreted everywhere)."""
+    generic kernel interpreted everywhere). window: sliding-window attention (causal only): query
+    t sees keys t - window < s <= t; kv blocks outside every row's window are never visited, so the
+    work is O(T * window), and the Mosaic GPU kernels give way to the generic one."""
     plan, q_seg, kv_seg = _prepare(
         q,
         k,
@@ -684,6 +726,7 @@ def flash_attention(
         block_k_bwd=block_k_bwd,
         interpret=interpret,
         backend=backend,
+        window=window,
     )
     o, lse = _flash(q, k, v, q_seg, kv_seg, plan)
     return (o, lse) if return_lse else o
@@ -704,6 +747,7 @@ def flash_attention_forward(
     block_q_bwd=None,
     block_k_bwd=None,
     backend=None,
+    window=None,
 ):
     """(o, lse) for one block of attention; the building block of context parallelism.
     Differentiable like flash_attention(..., return_lse=True)."""
@@ -722,6 +766,7 @@ def flash_attention_forward(
         block_q_bwd=block_q_bwd,
         block_k_bwd=block_k_bwd,
         backend=backend,
+        window=window,
     )
 
 
@@ -742,6 +787,7 @@ def flash_attention_backward(
     block_k=None,
     interpret=None,
     backend=None,
+    window=None,
 ):
     """(dq, dk, dv) of attention given the output o[B, T, N, H], its lse[B, N, T] and the
     cotangents do (and dlse, optional). Only P = exp(s - lse) is recomputed, so with the *final*
@@ -763,6 +809,7 @@ def flash_attention_backward(
         block_k_bwd=None,
         interpret=interpret,
         backend=backend,
+        window=window,
     )
     b, t, n, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape:

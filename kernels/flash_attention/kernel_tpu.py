@@ -30,6 +30,10 @@ and dq; the first q block on the diagonal in dk/dv), so skipped steps start no D
 entirely below the diagonal run without building a mask. With segment ids, a pair whose id
 ranges do not overlap is skipped too (`pl.when`; its blocks are still fetched).
 
+Sliding window W (causal): a tile wholly behind every row's window does nothing either, and its
+index maps point at the next tile that runs (the first of the q block's window, or of the next q
+block's); tiles straddling the window's far edge get the mask.
+
 Empty rows (no visible key: segment ids) give o = 0 and lse = -inf. In the backward, lse = -inf is
 replaced by +inf before the kernels, so P = exp(s - lse) = 0 there without relying on the mask.
 
@@ -75,6 +79,7 @@ class TpuConfig:
     bwd_block_q: int
     bwd_block_k: int
     interpret: bool
+    window: int | None = None  # sliding window (causal): a query sees its last `window` keys
 
 
 def tile(requested: int, length: int, name: str) -> int:
@@ -99,10 +104,21 @@ def _dot(a, b, dims):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _runs(i, j, bq: int, bk: int):
+def _runs(i, j, bq: int, bk: int, window=None):
     """Causal: q block i and kv block j share a visible pair (the block's last query is at or
-    past its first key)."""
-    return (i + 1) * bq - 1 >= j * bk
+    past its first key, and with a sliding window the block's last key is less than `window`
+    behind its first query)."""
+    runs = (i + 1) * bq - 1 >= j * bk
+    if window is None:
+        return runs
+    return jnp.logical_and(runs, i * bq - ((j + 1) * bk - 1) < window)
+
+
+def _first_kv(i, bq: int, bk: int, window, nk: int):
+    """The first kv block q block i visits (0 without a window)."""
+    if window is None:
+        return 0
+    return jnp.minimum(lax.div(jnp.maximum(i * bq - window + 1, 0), bk), nk - 1)
 
 
 def _segments_meet(q_seg, kv_seg):
@@ -113,26 +129,28 @@ def _segments_meet(q_seg, kv_seg):
     return jnp.logical_and(jnp.min(f32(q_seg)) <= jnp.max(f32(kv_seg)), jnp.min(f32(kv_seg)) <= jnp.max(f32(q_seg)))
 
 
-def _needs_mask(i, j, bq: int, bk: int, *, causal: bool, padded_kv: bool, nk: int, segments: bool):
+def _needs_mask(i, j, bq: int, bk: int, *, causal: bool, padded_kv: bool, nk: int, segments: bool, window=None):
     """Python True/False, or a traced bool: whether tile (i, j) needs the element mask."""
     if segments:
         return True
     need = False
     if causal:  # the tile straddles the diagonal: some key is after some query
         need = (j + 1) * bk - 1 > i * bq
+        if window is not None:  # ... or the window's far edge: some key is window or more behind
+            need = jnp.logical_or(need, (i + 1) * bq - 1 - j * bk >= window)
     elif padded_kv:  # only the last kv tile holds padded keys; causal masks them anyway
         need = j == nk - 1
     return need
 
 
-def _mask(q_start, k_start, shape, *, keys_on_rows: bool, causal: bool, kv_len, q_seg, kv_seg):
+def _mask(q_start, k_start, shape, *, keys_on_rows: bool, causal: bool, kv_len, q_seg, kv_seg, window=None):
     """Boolean tile of the visible pairs; [bq, bk], or [bk, bq] when keys_on_rows (dk/dv)."""
     q_axis, k_axis = (1, 0) if keys_on_rows else (0, 1)
     qi = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     ki = k_start + lax.broadcasted_iota(jnp.int32, shape, k_axis)
     mask = None
     if causal:
-        mask = qi >= ki
+        mask = qi >= ki if window is None else (qi >= ki) & (qi - ki < window)
     if kv_len is not None:
         mask = ki < kv_len if mask is None else mask & (ki < kv_len)
     if q_seg is not None:
@@ -154,11 +172,23 @@ def _params(semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _visited(nq: int, nk: int, bq: int, bk: int, causal: bool) -> int:
+def _visited(nq: int, nk: int, bq: int, bk: int, causal: bool, window=None) -> int:
     """Number of (q block, kv block) tiles that run."""
     if not causal:
         return nq * nk
-    return sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq))
+    first = lambda i: 0 if window is None else max(i * bq - window + 1, 0) // bk
+    return sum(min(nk, ((i + 1) * bq - 1) // bk + 1) - first(i) for i in range(nq))
+
+
+def _kv_index(i, j, bq: int, bk: int, nk: int, cfg: TpuConfig):
+    """The kv block tile (i, j) fetches: j where it runs; else the next one that runs, q block i's
+    first before its window, q block i + 1's first past the diagonal (0 without a window), so that
+    skipped steps start no DMA."""
+    if not cfg.causal:
+        return j
+    first = _first_kv(i, bq, bk, cfg.window, nk)
+    after = _first_kv(i + 1, bq, bk, cfg.window, nk)
+    return lax.select(_runs(i, j, bq, bk, cfg.window), j, lax.select(j < first, first, after))
 
 
 def _nbytes(*arrays) -> int:
@@ -195,6 +225,7 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
                 (bq, bk),
                 keys_on_rows=False,
                 causal=cfg.causal,
+                window=cfg.window,
                 kv_len=kv_len if padded_kv else None,
                 q_seg=None if qs_ref is None else qs_ref[0][:, None],
                 kv_seg=None if ks_ref is None else ks_ref[...],
@@ -210,11 +241,15 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
         m_ref[...] = m_next
         acc_ref[...] = acc_ref[...] * platforms.lanes(alpha, h) + _dot(p.astype(v.dtype), v, _NN)
 
-    runs = _runs(i, j, bq, bk) if cfg.causal else True
+    runs = _runs(i, j, bq, bk, cfg.window) if cfg.causal else True
     if has_segments:  # wholly masked by the segment ids: skipped
         runs = jnp.logical_and(runs, _segments_meet(qs_ref[...], ks_ref[...]))
     _run_tile(
-        runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
+        runs,
+        _needs_mask(
+            i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments, window=cfg.window
+        ),
+        step,
     )
 
     @pl.when(j == nk - 1)
@@ -236,8 +271,8 @@ def _forward_padded(qt, kt, vt, q_seg, kv_seg, cfg: TpuConfig, kv_len: int):
     nq, nk = tp // bq, sp // bk
     padded_kv = sp != kv_len
 
-    def kv_index(i, j):  # skipped causal tiles fetch kv block 0, the next one that runs
-        return lax.select(_runs(i, j, bq, bk), j, 0) if cfg.causal else j
+    def kv_index(i, j):  # skipped causal tiles fetch the next kv block that runs
+        return _kv_index(i, j, bq, bk, nk, cfg)
 
     q_spec = pl.BlockSpec((None, None, bq, h), lambda n_, b_, i, j: (b_, n_, i, 0))
     kv_spec = pl.BlockSpec((None, None, bk, h), lambda n_, b_, i, j: (b_, lax.div(n_, g), kv_index(i, j), 0))
@@ -250,7 +285,7 @@ def _forward_padded(qt, kt, vt, q_seg, kv_seg, cfg: TpuConfig, kv_len: int):
         ]
         args += [q_seg, kv_seg]
     out_shape = [jax.ShapeDtypeStruct(qt.shape, qt.dtype), jax.ShapeDtypeStruct((b, n, 1, tp), jnp.float32)]
-    tiles = b * n * _visited(nq, nk, bq, bk, cfg.causal)
+    tiles = b * n * _visited(nq, nk, bq, bk, cfg.causal, cfg.window)
     cost = pl.CostEstimate(
         flops=4 * tiles * bq * bk * h,  # S = Q K^T and P V on every tile that runs
         transcendentals=tiles * bq * bk,
@@ -306,6 +341,7 @@ def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padde
                 (bq, bk),
                 keys_on_rows=False,
                 causal=cfg.causal,
+                window=cfg.window,
                 kv_len=kv_len if padded_kv else None,
                 q_seg=None if qs_ref is None else qs_ref[0][:, None],
                 kv_seg=None if ks_ref is None else ks_ref[...],
@@ -314,11 +350,15 @@ def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padde
         ds = p * (_dot(do, v, _NT) - delta)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
 
-    runs = _runs(i, j, bq, bk) if cfg.causal else True
+    runs = _runs(i, j, bq, bk, cfg.window) if cfg.causal else True
     if has_segments:  # wholly masked by the segment ids: skipped
         runs = jnp.logical_and(runs, _segments_meet(qs_ref[...], ks_ref[...]))
     _run_tile(
-        runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
+        runs,
+        _needs_mask(
+            i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments, window=cfg.window
+        ),
+        step,
     )
 
     @pl.when(j == nk - 1)
@@ -350,6 +390,7 @@ def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int, ha
                 (bk, bq),
                 keys_on_rows=True,
                 causal=cfg.causal,
+                window=cfg.window,
                 kv_len=kv_len if padded_kv else None,
                 q_seg=None if qs_ref is None else qs_ref[...],
                 kv_seg=None if ks_ref is None else ks_ref[0][:, None],
@@ -359,11 +400,15 @@ def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int, ha
         dst = pt * (_dot(v, do, _NT) - delta_ref[...])  # dS^T [bk, bq]
         dk_acc[...] += _dot(dst.astype(q.dtype), q, _NN)
 
-    runs = _runs(i, j, bq, bk) if cfg.causal else True
+    runs = _runs(i, j, bq, bk, cfg.window) if cfg.causal else True
     if has_segments:  # wholly masked by the segment ids: skipped
         runs = jnp.logical_and(runs, _segments_meet(qs_ref[...], ks_ref[...]))
     _run_tile(
-        runs, _needs_mask(i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments), step
+        runs,
+        _needs_mask(
+            i, j, bq, bk, causal=cfg.causal, padded_kv=padded_kv, nk=nk, segments=has_segments, window=cfg.window
+        ),
+        step,
     )
 
     @pl.when(jnp.logical_and(gi == group - 1, i == nq - 1))
@@ -380,12 +425,12 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
     nq, nk = tp // bq, sp // bk
     padded_kv = sp != kv_len
     has_segments = q_seg is not None
-    tiles = b * n * _visited(nq, nk, bq, bk, cfg.causal)
+    tiles = b * n * _visited(nq, nk, bq, bk, cfg.causal, cfg.window)
     isz = qt.dtype.itemsize
 
     # dq: grid (N, B, q blocks, kv blocks).
     def kv_index(i, j):
-        return lax.select(_runs(i, j, bq, bk), j, 0) if cfg.causal else j
+        return _kv_index(i, j, bq, bk, nk, cfg)
 
     q_spec = pl.BlockSpec((None, None, bq, h), lambda n_, b_, i, j: (b_, n_, i, 0))
     kv_spec = pl.BlockSpec((None, None, bk, h), lambda n_, b_, i, j: (b_, lax.div(n_, g), kv_index(i, j), 0))
@@ -420,7 +465,7 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
     def q_index(j, i):  # skipped causal tiles fetch the first q block that runs for kv block j
         if not cfg.causal:
             return i
-        return lax.select(_runs(i, j, bq, bk), i, lax.div(j * bk, bq))
+        return lax.select(_runs(i, j, bq, bk, cfg.window), i, lax.div(j * bk, bq))
 
     qg_spec = pl.BlockSpec((None, None, bq, h), lambda k_, b_, j, gi, i: (b_, k_ * g + gi, q_index(j, i), 0))
     kvb_spec = pl.BlockSpec((None, None, bk, h), lambda k_, b_, j, gi, i: (b_, k_, j, 0))

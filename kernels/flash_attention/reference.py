@@ -7,6 +7,8 @@ materialised, so this is for tests, small shapes and as the XLA baseline in benc
 Conventions shared with kernel.py (tests hold both to them):
 - scores s = softmax_scale * q.k in fp32 (softmax_scale defaults to H ** -0.5);
 - causal: query i sees key j iff j <= i (top-left aligned), which needs T == S;
+- window W (sliding-window attention, causal only): besides, query i sees key j only if
+  i - j < W, its last W keys including its own (Mistral's, and transformers' convention);
 - segment ids: query i sees key j iff q_segment_ids[b, i] == kv_segment_ids[b, j];
 - lse[B, N, T] = log(sum_j exp(s_ij)) over the visible keys, natural log, fp32;
 - a row with no visible key (fully masked) has output 0 and lse = -inf, with no NaN anywhere,
@@ -26,8 +28,13 @@ KERNEL_HEAD_DIMS = (64, 128, 256)
 INTERPRET_HEAD_DIMS = (16, 32, 48) + KERNEL_HEAD_DIMS
 
 
-def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=None):
+def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=None, window=None):
     """Raise ValueError, naming the constraint and the values, for inputs attention cannot take."""
+    if window is not None and (not causal or not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"window={window!r}: a sliding window is a positive number of keys (each query's last W) and "
+            f"needs causal=True (causal={causal})"
+        )
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"q, k, v must be rank 4 (q[B, T, N, H], k/v[B, S, K, H]); got shapes q{q.shape}, k{k.shape}, v{v.shape}"
@@ -63,28 +70,31 @@ def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=No
             raise ValueError(f"kv_segment_ids must have shape [B, S] = {(b, s)}; got {kv_segment_ids.shape}")
 
 
-def make_mask(t, s, *, causal, q_segment_ids=None, kv_segment_ids=None):
+def make_mask(t, s, *, causal, q_segment_ids=None, kv_segment_ids=None, window=None):
     """Boolean visibility mask broadcastable to [B, 1, T, S], or None when everything is visible."""
     mask = None
     if causal:
-        mask = (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])[None, None]
+        back = jnp.arange(t)[:, None] - jnp.arange(s)[None, :]  # how far key j is behind query i
+        mask = ((back >= 0) if window is None else (back >= 0) & (back < window))[None, None]
     if q_segment_ids is not None:
         seg = (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
         mask = seg if mask is None else mask & seg
     return mask
 
 
-def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, return_lse=False):
+def attention(
+    q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, return_lse=False, window=None
+):
     """softmax(scale * q k^T + mask) v for q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q.dtype,
     and lse[B, N, T] in fp32 when return_lse. See the module docstring for the conventions."""
-    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     scale = h**-0.5 if softmax_scale is None else softmax_scale
     qg = q.reshape(b, t, kh, n // kh, h)  # query head n = kv head * G + g
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, n, t, s) * scale
-    mask = make_mask(t, s, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    mask = make_mask(t, s, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window)
     if mask is None:
         mask = jnp.ones((1, 1, t, s), dtype=bool)
     # A masked entry contributes exp(-inf) = 0 and, being a constant branch of `where`, no gradient;
@@ -105,13 +115,13 @@ def attention(q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None,
 
 
 def attention_backward(
-    q, k, v, o, lse, do, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None
+    q, k, v, o, lse, do, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, window=None
 ):
     """(dq, dk, dv) given the output o and lse of a (possibly longer) attention and the cotangent do,
     recomputing only P = exp(s - lse): the pure-JAX twin of `kernel.flash_attention_backward`
     (ring attention sums it over key blocks with the final o and lse). fp32 math, inputs' dtypes out.
-    Segment ids as in `attention`: pairs of different segments get P = 0."""
-    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    Segment ids and the window as in `attention`: pairs they hide get P = 0."""
+    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -122,7 +132,7 @@ def attention_backward(
     lse_g = lse.reshape(b, kh, g, t)[..., None]
     visible = jnp.isfinite(lse_g)
     if causal:
-        visible = visible & (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :])
+        visible = visible & make_mask(t, s, causal=True, window=window)[0, 0]
     if q_segment_ids is not None:  # [B, T, S] -> [B, 1, 1, T, S] against [B, K, G, T, S]
         visible = visible & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None, None]
     p = jnp.where(visible, jnp.exp(scores - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
