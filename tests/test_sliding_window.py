@@ -202,25 +202,129 @@ def test_training_flops_count_the_window():
     assert gap == pytest.approx(per_layer * (t - 8) * (m.n_layers // 2))
 
 
-def test_engine_serves_local_layers_within_the_window_and_refuses_longer_requests():
-    """The KV caches read every cached token, which is the window's attention while a sequence
-    fits in it: greedy tokens equal the training forward's (full sequence, window mask) for a
-    request of W tokens, and a longer request is refused by name before it is queued."""
+# ---------------------------------------------------------------------------------------------
+# Serving: the paged kernels' window, and the engine.
+
+
+def _numpy_decode(q, keys, values, length, window):
+    """fp64 attention of one decode query q [N, H] over keys/values [L, K, H] at positions
+    length - window .. length - 1."""
+    q, keys, values = (np.asarray(x, np.float64) for x in (q, keys, values))
+    n, h = q.shape
+    kh = keys.shape[1]
+    lo = max(length - window, 0)
+    sc = np.einsum("kgh,skh->kgs", q.reshape(kh, n // kh, h), keys[lo:length]) / np.sqrt(h)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    return np.einsum("kgs,skh->kgh", p / p.sum(-1, keepdims=True), values[lo:length]).reshape(n, h)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_paged_decode_kernels_attend_over_the_window(window):
+    """The per-row paged kernel (generic and TPU, interpreted) and the quantized one equal their
+    references with the window; the reference equals fp64 NumPy over the row's last W positions;
+    NaN in the pages before every row's window does not reach the output (never read)."""
+    from jaxsys.kernels.paged_attention import kernel, kernel_quant, quant
+    from jaxsys.kernels.paged_attention import reference as paged_ref
+    from tests.test_paged_attention import _case
+
+    args = _case(b=4, n=4, k=2, h=128, page_size=8, max_pages=4, lengths=[1, 9, 27, 32])
+    q, kp, vp, table, lengths = args
+    want = paged_ref.paged_attention_reference(*args, window=window)
+    for b in range(4):
+        rows = [int(table[b, p // 8]) for p in range(int(lengths[b]))]
+        keys, values = kp[np.asarray(rows), np.arange(len(rows)) % 8], vp[np.asarray(rows), np.arange(len(rows)) % 8]
+        np.testing.assert_allclose(want[b], _numpy_decode(q[b], keys, values, int(lengths[b]), window), atol=1e-5)
+    poisoned_k, poisoned_v = np.asarray(kp).copy(), np.asarray(vp).copy()
+    for b in range(4):  # the pages wholly before row b's window
+        for page in range(max(int(lengths[b]) - window, 0) // 8):
+            poisoned_k[int(table[b, page])] = np.nan
+            poisoned_v[int(table[b, page])] = np.nan
+    for backend in ("generic", "tpu"):
+        run = lambda k_, v_: kernel.paged_attention(
+            q, k_, v_, table, lengths, backend=backend, interpret=True, window=window
+        )
+        np.testing.assert_allclose(run(kp, vp), want, rtol=1e-5, atol=1e-5, err_msg=backend)
+        got = run(jnp.asarray(poisoned_k), jnp.asarray(poisoned_v))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend + " poisoned")
+    qp = quant.quantize_pages(kp, vp, "kivi4", jnp.float32)
+    kw = dict(mode="kivi4", residual=1, window=window)
+    got = kernel_quant.paged_attention_quant(q, kp, vp, qp, table, table, lengths, interpret=True, **kw)
+    want_q = quant.paged_attention_quant_reference(q, kp, vp, qp, table, table, lengths, **kw)
+    np.testing.assert_allclose(got, want_q, rtol=1e-5, atol=1e-5)
+    if window < 27:
+        full = paged_ref.paged_attention_reference(*args)
+        assert np.abs(np.asarray(full) - np.asarray(want)).max() > 1e-2
+
+
+@pytest.mark.parametrize("window", [3, 12])
+def test_ragged_kernels_attend_over_the_window(window):
+    """The ragged kernels (generic and TPU, interpreted; and the quantized one) equal their
+    references with the window, and the reference equals fp64 NumPy per query row (decodes,
+    prefill chunks crossing pages); rows past the window's pages read none of them."""
+    from jaxsys.kernels.paged_attention import ragged
+    from tests.test_ragged_paged_attention import _case, _quant_case
+
+    args = _case(n=4, k=2, h=128, page_size=8)
+    q, kp, vp, table, cu, lens, ns = args
+    want = ragged.ragged_paged_attention_reference(*args, window=window)
+    for s in range(int(ns)):
+        length, q_len = int(lens[s]), int(cu[s + 1] - cu[s])
+        rows = np.asarray([int(table[s, p // 8]) for p in range(length)])
+        keys, values = kp[rows, np.arange(length) % 8], vp[rows, np.arange(length) % 8]
+        for j in range(q_len):
+            got_row = want[int(cu[s]) + j]
+            pos = length - q_len + j
+            np.testing.assert_allclose(
+                got_row, _numpy_decode(q[int(cu[s]) + j], keys, values, pos + 1, window), atol=1e-5
+            )
+    poisoned_k, poisoned_v = np.asarray(kp).copy(), np.asarray(vp).copy()
+    for s in range(int(ns)):  # pages wholly behind the window of the sequence's first query
+        first = int(lens[s]) - int(cu[s + 1] - cu[s])
+        for page in range(max(first - window + 1, 0) // 8):
+            poisoned_k[int(table[s, page])] = poisoned_v[int(table[s, page])] = np.nan
+    assert np.isnan(poisoned_k).any()
+    for backend in ("generic", "tpu"):
+        run = lambda k_, v_: ragged.ragged_paged_attention(
+            q, k_, v_, table, cu, lens, ns, backend=backend, block_q=8, interpret=True, window=window
+        )
+        np.testing.assert_allclose(run(kp, vp), want, rtol=1e-5, atol=1e-5, err_msg=backend)
+        got = run(jnp.asarray(poisoned_k), jnp.asarray(poisoned_v))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend + " poisoned")
+    qargs = _quant_case("int8")
+    kw = dict(mode="int8", residual=0, window=window)
+    got = ragged.ragged_paged_attention_quant(*qargs, block_q=8, interpret=True, **kw)
+    np.testing.assert_allclose(got, ragged.ragged_paged_attention_quant_reference(*qargs, **kw), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(ragged.ragged_paged_attention_reference(*args)) - np.asarray(want)).max() > 1e-2
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_engine_serves_local_layers_past_the_window(cache):
+    """W = 6 and requests of 20 tokens: greedy tokens from the engine (prefill chunks through the
+    ragged kernel, then decodes through the per-row one; or the contiguous cache) equal the
+    training forward's over the whole sequence with the window mask, and differ from a model
+    without the window."""
     from jaxsys.models import transformer
     from jaxsys.serve import engine
     from tests.helpers import program_for, small_config
 
-    config = small_config(layer_pattern="local,softmax", sliding_window=12, n_kv_heads=4, init_std=0.2)
+    config = small_config(layer_pattern="local,softmax", sliding_window=6, n_kv_heads=4, init_std=0.2)
     program = program_for(config)
     params = program.init(3).params
-    forward = jax.jit(lambda p, ids: transformer.logits(p, ids, config.model, program.layout, program.specs))
-    prompt = [5, 17, 29, 41, 53, 65, 77]
-    seq = list(prompt)
-    for _ in range(5):
-        seq.append(int(np.argmax(np.asarray(forward(params, jnp.asarray([seq]))[0, -1]))))
-    eng = engine.Engine(program, params, num_pages=16, page_size=4, token_budget=16, chunk_size=4, max_seqs=2)
-    r = eng.submit("a", prompt, 5)
-    with pytest.raises(ValueError, match="7 prompt \\+ 6 new tokens exceed the model's sliding window of 12"):
-        eng.submit("b", prompt, 6)
+    greedy = {}
+    for window in (6, 0):
+        m = config.model.copy_and_resolve_references()
+        if not window:
+            m.layer_pattern, m.sliding_window = "softmax", 0
+        forward = jax.jit(lambda p, ids, m=m: transformer.logits(p, ids, m, program.layout, program.specs))
+        for prompt in ([5, 17, 29, 41, 53, 65, 77, 89, 101], [7, 3]):
+            seq = list(prompt)
+            for _ in range(11):
+                seq.append(int(np.argmax(np.asarray(forward(params, jnp.asarray([seq]))[0, -1]))))
+            greedy[window, len(prompt)] = seq[len(prompt) :]
+    assert greedy[6, 9] != greedy[0, 9] or greedy[6, 2] != greedy[0, 2]
+    kw = dict(cache="contiguous", max_len=32) if cache == "contiguous" else dict(num_pages=16, page_size=4)
+    eng = engine.Engine(program, params, token_budget=16, chunk_size=4, max_seqs=2, **kw)
+    a = eng.submit("a", [5, 17, 29, 41, 53, 65, 77, 89, 101], 11)
+    b = eng.submit("b", [7, 3], 11)
     eng.run()
-    assert r.generated == seq[len(prompt) :]
+    assert (a.generated, b.generated) == (greedy[6, 9], greedy[6, 2])

@@ -37,7 +37,9 @@ class KVCache:
     layer_fields: ClassVar[tuple[str, ...]] = ()
     row_fields: ClassVar[tuple[str, ...]] = ()
 
-    def attend(self, q, k, v, positions):
+    def attend(self, q, k, v, positions, window=None):
+        """Write this step's k, v at `positions`, then attend with q over the cache (with `window`
+        W, a sliding-window layer's: each query's last W positions only) -> (o, cache)."""
         raise NotImplementedError
 
     def per_layer(self) -> dict:

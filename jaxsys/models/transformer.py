@@ -190,7 +190,7 @@ def block(
         else:
             if segments is not None:
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
-            o, cache = cache.attend(q, k, v, positions)
+            o, cache = cache.attend(q, k, v, positions, window=window)
     o = checkpoint_name(o, "attention_output")
     x = ladder.add_output(
         x, tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)

@@ -57,7 +57,7 @@ from jaxsys.config import CACHE_KINDS, KV_QUANT
 from jaxsys.kernels.paged_attention.quant import MODES as KV_QUANT_MODES
 from jaxsys.parallel.spmd import per_shard
 from jaxsys.serve import sampling as sampling_lib
-from jaxsys.serve.runner import ModelRunner, check_servable, window_limit
+from jaxsys.serve.runner import ModelRunner, check_servable
 from jaxsys.serve.sampling import Sampling
 from jaxsys.serve.scheduler import PENDING, PREEMPTIONS, PagePool, PoolExhausted, Request, Scheduler, Work
 
@@ -593,13 +593,6 @@ class Engine(EngineAPI):
             raise ValueError(f"request {request_id!r}: token ids outside [0, {vocab})")
         if request_id in self.shard_of:
             raise ValueError(f"request {request_id!r} is already in the engine: give each request its own id")
-        limit = window_limit(self.program.config)
-        if limit is not None and len(prompt) + max_new_tokens > limit:
-            raise ValueError(
-                f"request {request_id!r}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's "
-                f"sliding window of {limit} (config.model.sliding_window): the KV caches attend to every cached "
-                "token, which is the window's attention only up to that length; shorten the request"
-            )
         k = (self.k if self.drafter is not None else 0) if k is None else k
         if not isinstance(k, (int, np.integer)) or k < 0:
             raise ValueError(f"request {request_id!r}: k={k!r} must be an integer >= 0 (0: no speculation)")

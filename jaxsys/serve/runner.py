@@ -53,15 +53,6 @@ def check_servable(config) -> None:
         )
 
 
-def window_limit(config) -> int | None:
-    """The longest sequence (prompt + new tokens) the KV caches serve exactly, or None: a model
-    with sliding-window ("local") layers of W keys, since the caches' attention reads every
-    cached token (no window in the paged kernels yet), which equals the window's while a sequence
-    has at most W tokens."""
-    m = config.model
-    return m.sliding_window if "local" in layer_pattern(m) else None
-
-
 class ModelRunner:
     def __init__(self, program):
         self.program = program

@@ -49,13 +49,28 @@ class GenericConfig:
     interpret: bool = True
     num_warps: int | None = None
     num_stages: int | None = None
+    window: int | None = None  # sliding window: the last `window` positions only
+
+
+def first_page(length, page_size: int, window: int | None):
+    """The first page a row of cache length `length` reads: 0, or with a sliding window the page
+    of position length - window (the pages before it are never read)."""
+    if window is None:
+        return 0
+    return lax.div(jnp.maximum(length - window, 0), page_size)
+
+
+def window_visible(pos, length, window: int | None):
+    """Positions a row of cache length `length` sees: < length, and >= length - window."""
+    visible = pos < length
+    return visible if window is None else visible & (pos >= length - window)
 
 
 def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float):
+def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float, window):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     n_pages = lax.div(length + page_size - 1, page_size)
@@ -69,7 +84,7 @@ def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: i
         v = v_ref[page, :, kh, :].astype(jnp.float32)
         s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, page_size]
         pos = i * page_size + lax.broadcasted_iota(jnp.int32, (g, page_size), 1)
-        visible = pos < length
+        visible = window_visible(pos, length, window)
         s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -79,7 +94,7 @@ def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: i
         return m_new, l, acc
 
     carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, h), jnp.float32))
-    _, l, acc = lax.fori_loop(0, n_pages, body, carry)
+    _, l, acc = lax.fori_loop(first_page(length, page_size, window), n_pages, body, carry)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
@@ -110,7 +125,7 @@ def _generic(q, k_pages, v_pages, page_table, lengths, *, cfg: GenericConfig):
     whole = lambda shape: pl.BlockSpec(shape, lambda bi, hi: (0,) * len(shape))
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     return pl.pallas_call(
-        functools.partial(_generic_kernel, page_size=page_size, scale=cfg.scale),
+        functools.partial(_generic_kernel, page_size=page_size, scale=cfg.scale, window=cfg.window),
         grid=(b, kh),
         in_specs=[whole(page_table.shape), whole(lengths.shape), q_spec, whole(k_pages.shape), whole(v_pages.shape)],
         out_specs=q_spec,
@@ -159,6 +174,7 @@ def paged_attention(
     backend=None,
     num_warps=None,
     num_stages=None,
+    window=None,
 ):
     """Decode attention over a paged KV cache, as `reference.paged_attention_reference`.
 
@@ -167,6 +183,7 @@ def paged_attention(
     in [1, max_pages * page_size]. Returns [B, N, H] in q.dtype. scale defaults to H ** -0.5.
     interpret / backend as in kernels/platforms.py: None interprets when lowered for CPU, runs the
     Mosaic variant on TPU and Triton elsewhere. num_warps / num_stages: Triton launch parameters.
+    window: sliding-window attention (the last `window` positions; pages before them are not read).
 
     Page ids and lengths are trusted: an id outside [0, P) reads out of bounds (no check on
     device), and lengths are range-checked only when they are concrete."""
@@ -177,8 +194,8 @@ def paged_attention(
     plan = platforms.plan(
         backend,
         interpret,
-        GenericConfig(scale, num_warps=num_warps, num_stages=num_stages),
-        kernel_tpu.TpuConfig(scale),
+        GenericConfig(scale, num_warps=num_warps, num_stages=num_stages, window=window),
+        kernel_tpu.TpuConfig(scale, window=window),
     )
     qg = q.reshape(b, kh, n // kh, h)
     out = platforms.dispatch(

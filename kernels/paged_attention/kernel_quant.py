@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from jaxsys.kernels import platforms
 from jaxsys.kernels.paged_attention import quant
-from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, _pad_rows, triton_params
+from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, _pad_rows, first_page, triton_params, window_visible
 from jaxsys.kernels.paged_attention.reference import check_inputs
 
 __all__ = ["paged_attention_quant"]
@@ -43,6 +43,7 @@ class QuantConfig:
     interpret: bool = True
     num_warps: int | None = None
     num_stages: int | None = None
+    window: int | None = None  # sliding window: the last `window` positions only
 
 
 def _kernel(
@@ -64,6 +65,7 @@ def _kernel(
     page_size: int,
     scale: float,
     bits: int,
+    window: int | None,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
@@ -108,7 +110,7 @@ def _kernel(
             ks, vs = load(i)
             s = sum(jnp.sum(qj[:, None, :] * kj[None, :, :], axis=2) for qj, kj in zip(qs, ks))  # [G, page_size]
             pos = i * page_size + lax.broadcasted_iota(jnp.int32, (g, page_size), 1)
-            visible = pos < length
+            visible = window_visible(pos, length, window)
             s = jnp.where(visible, s, MASK_VALUE)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp(m - m_new)
@@ -124,8 +126,9 @@ def _kernel(
         jnp.zeros((g,), jnp.float32),
         tuple(jnp.zeros((g, hp), jnp.float32) for _ in range(n)),
     )
-    carry = lax.fori_loop(0, n_q, body(quant_page), carry)
-    _, l, acc = lax.fori_loop(n_q, n_pages, body(fp_page), carry)
+    start = first_page(length, page_size, window)  # pages before the window are not read
+    carry = lax.fori_loop(start, jnp.maximum(n_q, start), body(quant_page), carry)
+    _, l, acc = lax.fori_loop(jnp.maximum(n_q, start), n_pages, body(fp_page), carry)
     for part, a in zip(parts, acc):
         o_ref[:, part] = (a / l[:, None]).astype(o_ref.dtype)
 
@@ -148,7 +151,7 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, quant_page
         v_pages,
     ) + tuple(qp[name] for name in names)
     return pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits),
+        functools.partial(_kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits, window=cfg.window),
         grid=(b, kh),
         in_specs=[whole(a) for a in operands[:4]] + [q_spec] + [whole(a) for a in operands[5:]],
         out_specs=q_spec,
@@ -207,6 +210,7 @@ def paged_attention_quant(
     interpret=None,
     num_warps=None,
     num_stages=None,
+    window=None,
 ):
     """Decode attention over a quantized paged cache, as `quant.paged_attention_quant_reference`.
 
@@ -216,7 +220,8 @@ def paged_attention_quant(
     that pool are never read); lengths [B] in [1, max_pages * page_size]; `residual` full pages
     before the current one stay full precision; `quant_pages` [B] (optional) overrides how many
     leading pages each row reads quantized (default quant.n_quant(lengths, page_size, residual);
-    a read view of a subset of the pages sets its own). Returns [B, N, H] in q.dtype. interpret None
+    a read view of a subset of the pages sets its own); `window`: sliding-window attention (the last
+    `window` positions; pages before them are not read). Returns [B, N, H] in q.dtype. interpret None
     interprets when lowered for CPU and uses Triton elsewhere (no Mosaic variant)."""
     check_inputs(q, k_pages, v_pages, quant_table, lengths)
     check_quant_inputs(k_pages, qp, mode)
@@ -225,7 +230,7 @@ def paged_attention_quant(
     b, n, h = q.shape
     kh = k_pages.shape[2]
     scale = float(h**-0.5 if scale is None else scale)
-    cfg = QuantConfig(scale, quant.MODES[mode][0], num_warps=num_warps, num_stages=num_stages)
+    cfg = QuantConfig(scale, quant.MODES[mode][0], num_warps=num_warps, num_stages=num_stages, window=window)
     plan = platforms.plan("generic", interpret, cfg, None)
     if quant_pages is None:
         quant_pages = quant.n_quant(lengths, k_pages.shape[1], int(residual))

@@ -51,6 +51,7 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 class TpuConfig:
     scale: float
     interpret: bool = False
+    window: int | None = None  # sliding window: the last `window` positions only
 
 
 def _dot(a, b, dims):
@@ -63,7 +64,20 @@ def sublanes(dtype) -> int:
 
 
 def _kernel(
-    pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale: float, page_size: int, max_pages: int
+    pt_ref,
+    len_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    acc_ref,
+    *,
+    scale: float,
+    page_size: int,
+    max_pages: int,
+    window: int | None,
 ):
     """q_ref/o_ref [heads, G, H]; k_ref/v_ref [page_size, heads * H] (one page of `heads` kv
     heads); scratch m, l [heads, G, 128], acc [heads, G, H]."""
@@ -78,14 +92,18 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(i * page_size < length)
+    runs = i * page_size < length
+    if window is not None:  # pages wholly before the window are skipped
+        runs = jnp.logical_and(runs, (i + 1) * page_size > length - window)
+
+    @pl.when(runs)
     def _step():
         kv_k, kv_v = k_ref[...], v_ref[...]
         for j in range(heads):  # static lane slices of the page
             q, k, v = q_ref[j], kv_k[:, j * h : (j + 1) * h], kv_v[:, j * h : (j + 1) * h]
             s = _dot(q, k, _NT) * scale  # [G, page_size]
             pos = i * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-            visible = pos < length
+            visible = pos < length if window is None else (pos < length) & (pos >= length - window)
             s = jnp.where(visible, s, MASK_VALUE)
             m_prev, l_prev = m_ref[j], l_ref[j]  # [G, 128]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -114,9 +132,10 @@ def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
     pt = page_table.reshape(-1).astype(jnp.int32)
     lengths = lengths.astype(jnp.int32)
 
-    def kv_index(bi, hi, i, pt_ref, len_ref):
+    def kv_index(bi, hi, i, pt_ref, len_ref):  # skipped steps keep a page that runs: no DMA
         last = jnp.maximum(lax.div(len_ref[bi] + page_size - 1, page_size) - 1, 0)
-        return pt_ref[bi * max_pages + jnp.minimum(i, last)], 0, hi
+        first = 0 if cfg.window is None else lax.div(jnp.maximum(len_ref[bi] - cfg.window, 0), page_size)
+        return pt_ref[bi * max_pages + jnp.clip(i, first, last)], 0, hi
 
     q_spec = pl.BlockSpec((None, heads, g, h), lambda bi, hi, i, pt_ref, len_ref: (bi, hi, 0, 0))
     kv_spec = pl.BlockSpec((None, page_size, heads * h), kv_index)
@@ -138,7 +157,7 @@ def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
         bytes_accessed=2 * b * kh * max_pages * page_size * h * itemsize + 2 * q.size * q.dtype.itemsize,
     )
     return pl.pallas_call(
-        functools.partial(_kernel, scale=cfg.scale, page_size=page_size, max_pages=max_pages),
+        functools.partial(_kernel, scale=cfg.scale, page_size=page_size, max_pages=max_pages, window=cfg.window),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),

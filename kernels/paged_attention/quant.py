@@ -195,6 +195,7 @@ def paged_attention_quant_reference(
     residual: int = 0,
     quant_pages=None,
     scale=None,
+    window=None,
 ):
     """Decode attention over a quantized paged cache (module docstring): q [B, N, H]; k/v_pages
     [Pf, page_size, K, H] the full-precision pool; `quant` the quantized pool (`page_shapes`, Pq
@@ -209,4 +210,4 @@ def paged_attention_quant_reference(
     sel = lambda deq, fp: jnp.where(
         use_q[:, :, None, None, None], deq[quant_table], fp.astype(jnp.float32)[fp_table]
     ).reshape(b, max_pages * page_size, *fp.shape[2:])
-    return contiguous_attention(q, sel(kd, k_pages), sel(vd, v_pages), lengths, scale)
+    return contiguous_attention(q, sel(kd, k_pages), sel(vd, v_pages), lengths, scale, window)

@@ -243,15 +243,18 @@ def _scatter_outputs(o, sch: Schedule, n: int, block_q: int, gp: int):
 # ----------------------------------------------------------------------------- references
 
 
-def _attend_rows(q, keys, values, tok_pos, tok_live, scale):
+def _attend_rows(q, keys, values, tok_pos, tok_live, scale, window=None):
     """q [T, N, H], keys/values [T, L, K, H] (row t's sequence laid out contiguously), causal by
-    position -> [T, N, H] in q.dtype, fp32 scores and softmax, zeros on padding rows."""
+    position (and with `window` only the row's last `window` positions) -> [T, N, H] in q.dtype,
+    fp32 scores and softmax, zeros on padding rows."""
     t, n, h = q.shape
     length, kh = keys.shape[1], keys.shape[2]
     qg = q.reshape(t, kh, n // kh, h).astype(jnp.float32)
     hi = lax.Precision.HIGHEST
     scores = jnp.einsum("tkgh,tskh->tkgs", qg, keys.astype(jnp.float32), precision=hi) * scale
     visible = jnp.arange(length)[None, :] <= tok_pos[:, None]  # [T, L]
+    if window is not None:
+        visible = visible & (jnp.arange(length)[None, :] > tok_pos[:, None] - window)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     p = p / jnp.sum(p, axis=-1, keepdims=True)
@@ -272,6 +275,7 @@ def ragged_paged_attention_reference(
     block_q=None,
     interpret=None,
     backend=None,
+    window=None,
 ):
     """Pure JAX, the semantics of `ragged_paged_attention` (module docstring): each query row's
     sequence gathered into a contiguous [max_pages * page_size, K, H] cache, keys at positions <= the
@@ -283,9 +287,8 @@ def ragged_paged_attention_reference(
     sch = schedule(cu_q_lens, kv_lens, num_seqs, q.shape[0], 1)
     rows_table = page_table.astype(jnp.int32)[sch.tok_seq]  # [T, max_pages]
     scale = q.shape[2] ** -0.5 if scale is None else scale
-    return _attend_rows(
-        q, gather_pages(k_pages, rows_table), gather_pages(v_pages, rows_table), sch.tok_pos, sch.tok_live, scale
-    )
+    k, v = gather_pages(k_pages, rows_table), gather_pages(v_pages, rows_table)
+    return _attend_rows(q, k, v, sch.tok_pos, sch.tok_live, scale, window)
 
 
 def _quant_pages_per_row(sch: Schedule, page_size: int, residual: int, quant_pages):
@@ -313,6 +316,7 @@ def ragged_paged_attention_quant_reference(
     scale=None,
     block_q=None,
     interpret=None,
+    window=None,
 ):
     """Pure JAX, the semantics of `ragged_paged_attention_quant`: the query at position p reads page
     i dequantized from the quantized pool (page id quant_table[s, i]) iff i < n_quant(p + 1) (or
@@ -332,7 +336,7 @@ def ragged_paged_attention_quant_reference(
         t, max_pages * page_size, *fp.shape[2:]
     )
     scale = q.shape[2] ** -0.5 if scale is None else scale
-    return _attend_rows(q, sel(kd, k_pages), sel(vd, v_pages), sch.tok_pos, sch.tok_live, scale)
+    return _attend_rows(q, sel(kd, k_pages), sel(vd, v_pages), sch.tok_pos, sch.tok_live, scale, window)
 
 
 # ----------------------------------------------------------------------------- generic kernels
@@ -345,6 +349,7 @@ class RaggedConfig:
     interpret: bool = True
     num_warps: int | None = None
     num_stages: int | None = None
+    window: int | None = None  # sliding window: a query sees its last `window` positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +362,7 @@ class RaggedQuantConfig:
     interpret: bool = True
     num_warps: int | None = None
     num_stages: int | None = None
+    window: int | None = None
 
 
 def _mm(a, b, contract_b: int, use_dot: bool):
@@ -390,6 +396,18 @@ def _item(seq_ref, pos_ref, rows_ref, r: int, page_size: int, group_shift: int):
     return seq, pos0, last, n_pages, qpos
 
 
+def _visible(kpos, qpos, window):
+    """Key positions a row at query position qpos sees: <= qpos, and > qpos - window."""
+    visible = kpos <= qpos
+    return visible if window is None else visible & (kpos > qpos - window)
+
+
+def _first_page(pos0, page_size: int, window):
+    """The first page an item whose first query is at pos0 reads (the pages wholly behind every
+    row's window are never read)."""
+    return 0 if window is None else lax.div(jnp.maximum(pos0 - window + 1, 0), page_size)
+
+
 def _online_softmax_step(carry, s, visible, pv):
     """One page of the online softmax: s [R, page_size] fp32 scores, `visible` its mask, pv(p) the
     [R, H] (or parts) product of the probabilities with the page's values."""
@@ -413,7 +431,7 @@ def _generic_kernel(pt_ref, seq_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_r
     kh = pl.program_id(1)
     q = q_ref[...]  # [R, H]
     r, h = q.shape
-    seq, _, last, n_pages, qpos = _item(seq_ref, pos_ref, rows_ref, r, page_size, cfg.group_shift)
+    seq, pos0, last, n_pages, qpos = _item(seq_ref, pos_ref, rows_ref, r, page_size, cfg.group_shift)
     use_dot = min(r, page_size, h) >= _TRITON_DOT_MIN
     slot = lax.broadcasted_iota(jnp.int32, (page_size, h), 0)
 
@@ -425,10 +443,11 @@ def _generic_kernel(pt_ref, seq_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_r
         kpos = i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1)
         s = _mm(q, k, 1, use_dot) * cfg.scale
         pv = lambda p: _mm(p.astype(v.dtype) if use_dot else p, v, 0, use_dot)
-        return _online_softmax_step(carry, s, kpos <= qpos, pv)
+        return _online_softmax_step(carry, s, _visible(kpos, qpos, cfg.window), pv)
 
     carry = (jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, h), jnp.float32))
-    _, l, acc = lax.fori_loop(0, n_pages, body, carry)
+    start = jnp.minimum(_first_page(pos0, page_size, cfg.window), n_pages)
+    _, l, acc = lax.fori_loop(start, n_pages, body, carry)
     o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
 
 
@@ -497,7 +516,8 @@ def _quant_kernel(
     else:
         rule = lambda p: jnp.maximum(lax.div(p + 1, page_size) - cfg.residual, 0)
         nq_row, lo, hi = rule(qpos), rule(pos0), rule(last)
-    lo = jnp.clip(lo, 0, n_pages)
+    start = jnp.minimum(_first_page(pos0, page_size, cfg.window), n_pages)
+    lo = jnp.clip(lo, start, n_pages)
     hi = jnp.clip(hi, lo, n_pages)
 
     def stat(ref, page, j):
@@ -527,7 +547,7 @@ def _quant_kernel(
         return s, pv
 
     def kpos_visible(i):
-        return i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1) <= qpos
+        return _visible(i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1), qpos, cfg.window)
 
     def one_pool(load):
         def step(i, carry):
@@ -550,7 +570,7 @@ def _quant_kernel(
         jnp.zeros((r,), jnp.float32),
         tuple(jnp.zeros((r, hp), jnp.float32) for _ in range(n)),
     )
-    carry = lax.fori_loop(0, lo, one_pool(quant_page), carry)
+    carry = lax.fori_loop(start, lo, one_pool(quant_page), carry)
     if not cfg.explicit:
         carry = lax.fori_loop(lo, hi, both_pools, carry)
     _, l, acc = lax.fori_loop(hi, n_pages, one_pool(fp_page), carry)
@@ -603,6 +623,7 @@ def ragged_paged_attention(
     backend=None,
     num_warps=None,
     num_stages=None,
+    window=None,
 ):
     """Attention of a step's ragged query blocks over a paged KV cache, as
     `ragged_paged_attention_reference` (module docstring for the layout).
@@ -614,7 +635,8 @@ def ragged_paged_attention(
     Returns [T, N, H] in q.dtype. scale defaults to H ** -0.5. block_q (a power of two): query
     tokens per work item. interpret / backend as in kernels/platforms.py: None interprets when
     lowered for CPU, runs the Mosaic variant (ragged_tpu.py) on TPU and Triton elsewhere.
-    num_warps / num_stages: Triton launch parameters.
+    num_warps / num_stages: Triton launch parameters. window: sliding-window attention (a query
+    sees its last `window` positions; pages wholly behind a block's windows are not read).
 
     Page ids, offsets and lengths are trusted under jit (checked only when concrete): an id outside
     [0, P) reads out of bounds in the generic variant."""
@@ -626,8 +648,8 @@ def ragged_paged_attention(
     plan = platforms.plan(
         backend,
         interpret,
-        RaggedConfig(scale, shift, num_warps=num_warps, num_stages=num_stages),
-        ragged_tpu.RaggedTpuConfig(scale, shift),
+        RaggedConfig(scale, shift, num_warps=num_warps, num_stages=num_stages, window=window),
+        ragged_tpu.RaggedTpuConfig(scale, shift, window=window),
     )
     o = platforms.dispatch(
         plan, _VARIANTS, 0, qi, k_pages, v_pages, page_table.astype(jnp.int32), sch.seq, sch.pos, sch.rows
@@ -654,6 +676,7 @@ def ragged_paged_attention_quant(
     interpret=None,
     num_warps=None,
     num_stages=None,
+    window=None,
 ):
     """Ragged paged attention over a quantized (KIVI) cache, as
     `ragged_paged_attention_quant_reference`: q, cu_q_lens, kv_lens, num_seqs as
@@ -662,7 +685,7 @@ def ragged_paged_attention_quant(
     page ids into each pool (entries a sequence's queries do not read from that pool are never
     read). The query at position p reads page i quantized iff i < max((p + 1) // page_size -
     residual, 0), or, with quant_pages [S] given, iff i < quant_pages[s] for every query of s.
-    Generic variant only (interpret mode on CPU, Triton elsewhere; no Mosaic variant)."""
+    window as in `ragged_paged_attention`. Generic variant only (interpret mode on CPU, Triton elsewhere; no Mosaic variant)."""
     check_ragged_inputs(q, k_pages, v_pages, quant_table, cu_q_lens, kv_lens, num_seqs, block_q)
     check_quant_inputs(k_pages, qp, mode)
     if fp_table.shape != quant_table.shape:
@@ -681,6 +704,7 @@ def ragged_paged_attention_quant(
         quant_pages is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        window=window,
     )
     plan = platforms.plan("generic", interpret, cfg, None)
     nq = jnp.zeros((s,), jnp.int32) if quant_pages is None else quant_pages.astype(jnp.int32)

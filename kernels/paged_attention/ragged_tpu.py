@@ -46,6 +46,7 @@ class RaggedTpuConfig:
     scale: float
     group_shift: int  # log2(Gp)
     interpret: bool = False
+    window: int | None = None  # sliding window: a query sees its last `window` positions
 
 
 def _kernel(
@@ -67,6 +68,7 @@ def _kernel(
     page_size: int,
     max_pages: int,
     group_shift: int,
+    window: int | None,
 ):
     """q_ref/o_ref [heads, R, H]; k_ref/v_ref [page_size, heads * H]; scratch m, l [heads, R, 128],
     acc [heads, R, H]."""
@@ -82,12 +84,17 @@ def _kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(i * page_size < end)
+    runs = i * page_size < end
+    if window is not None:  # pages wholly behind every row's window are skipped
+        runs = jnp.logical_and(runs, (i + 1) * page_size > pos0 - window + 1)
+
+    @pl.when(runs)
     def _step():
         kv_k, kv_v = k_ref[...], v_ref[...]
         row = lax.shift_right_logical(lax.broadcasted_iota(jnp.int32, (r, page_size), 0), jnp.int32(group_shift))
         qpos = pos0 + jnp.minimum(row, rows - 1)
-        visible = i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1) <= qpos
+        kpos = i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1)
+        visible = kpos <= qpos if window is None else (kpos <= qpos) & (kpos > qpos - window)
         live_slot = i * page_size + lax.broadcasted_iota(jnp.int32, (page_size, h), 0) < end
         for j in range(heads):  # static lane slices of the page
             q, k, v = q_ref[j], kv_k[:, j * h : (j + 1) * h], kv_v[:, j * h : (j + 1) * h]
@@ -127,7 +134,9 @@ def forward(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedTpuCo
     tail = jnp.maximum(n_live - 1, 0)
     seq = jnp.where(live, seq, seq[tail]).astype(jnp.int32)
     last = jnp.where(live, last, last[tail]).astype(jnp.int32)
-    first = jnp.where(live, 0, last).astype(jnp.int32)
+    # an item's first page: 0, or the one holding its first query's window start
+    start = 0 if cfg.window is None else jnp.maximum(pos - cfg.window + 1, 0) // page_size
+    first = jnp.where(live, jnp.minimum(start, last), last).astype(jnp.int32)
 
     def kv_index(wi, hi, i, pt_ref, seq_ref, pos_ref, rows_ref, first_ref, last_ref):
         idx = jnp.minimum(jnp.maximum(i, first_ref[wi]), last_ref[wi])
@@ -155,7 +164,12 @@ def forward(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedTpuCo
     )
     return pl.pallas_call(
         functools.partial(
-            _kernel, scale=cfg.scale, page_size=page_size, max_pages=max_pages, group_shift=cfg.group_shift
+            _kernel,
+            scale=cfg.scale,
+            page_size=page_size,
+            max_pages=max_pages,
+            group_shift=cfg.group_shift,
+            window=cfg.window,
         ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -11,7 +11,8 @@ Layout (one layer):
 - q [B, N, H]: one query per sequence (decode), N a multiple of K (GQA: query head n reads kv
   head n // (N / K)).
 Output [B, N, H] in q.dtype: softmax(scale * q.k) v over the first `length` cached tokens, scores
-and softmax in fp32, scale defaulting to H ** -0.5.
+and softmax in fp32, scale defaulting to H ** -0.5. With a sliding window W (a model's "local"
+layers) only the last W of them: positions length - W .. length - 1 (the query's own included).
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def gather_pages(pages, page_table):
     return pages[page_table].reshape(b, mp * ps, kh, h)
 
 
-def contiguous_attention(q, k, v, lengths, scale=None):
+def contiguous_attention(q, k, v, lengths, scale=None, window=None):
     """Decode attention over a contiguous cache: q [B, N, H], k/v [B, S, K, H], lengths [B]
-    (positions >= length are masked) -> [B, N, H] in q.dtype; fp32 scores and softmax."""
+    (positions >= length are masked, and with `window` those < length - window) -> [B, N, H] in
+    q.dtype; fp32 scores and softmax."""
     b, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
@@ -83,6 +85,8 @@ def contiguous_attention(q, k, v, lengths, scale=None):
     qg = q.reshape(b, kh, g, h).astype(jnp.float32)
     scores = jnp.einsum("bkgh,bskh->bkgs", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
     visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
+    if window is not None:
+        visible = visible & (jnp.arange(s)[None, :] >= lengths[:, None] - window)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     p = p / jnp.sum(p, axis=-1, keepdims=True)
@@ -90,8 +94,9 @@ def contiguous_attention(q, k, v, lengths, scale=None):
     return o.reshape(b, n, h).astype(q.dtype)
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, scale=None):
+def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, scale=None, window=None):
     """Gather each sequence's pages into a contiguous [B, max_pages * page_size, K, H] cache, mask
     positions >= length, softmax in fp32 -> [B, N, H] in q.dtype (module docstring)."""
     check_inputs(q, k_pages, v_pages, page_table, lengths)
-    return contiguous_attention(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table), lengths, scale)
+    k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    return contiguous_attention(q, k, v, lengths, scale, window)
