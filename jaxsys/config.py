@@ -27,6 +27,7 @@ ATTENTION_KERNELS = ("auto", "generic", "tpu", "mosaic_gpu")  # config.model.att
 CONTEXT_PARALLEL = ("ring", "allgather", "tokenring")
 LAYER_TYPES = ("softmax", "local", "linear")  # local: softmax over a sliding window
 MLP_TYPES = ("dense", "moe")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # config.model.mlp_activation: the gated MLP's (SwiGLU, GeGLU)
 MOE_ROUTERS = ("softmax", "sigmoid")
 EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
@@ -84,6 +85,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.qk_norm = False
     # biases on the q, k and v projections (Qwen2 / Qwen2.5); o and the MLP stay without
     c.model.qkv_bias = False
+    # Gemma's pieces: embeddings times sqrt(D); the gated MLP's activation (silu: SwiGLU,
+    # gelu_tanh: GeGLU); an RMSNorm on each sublayer's output before the residual add (Gemma 2 / 3);
+    # the softmax scale query_pre_attn_scalar^-0.5 (0: head_dim's); the RoPE base of the local
+    # layers, unscaled (Gemma 3: 10000; 0: rope_theta with rope_scaling, as the other layers)
+    c.model.embed_scale = False
+    c.model.mlp_activation = "silu"
+    c.model.post_norms = False
+    c.model.query_pre_attn_scalar = 0.0
+    c.model.rope_local_theta = 0.0
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -554,6 +564,30 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_gemma_pieces(m) -> None:
+    """config.model.embed_scale / mlp_activation / post_norms / query_pre_attn_scalar /
+    rope_local_theta."""
+    _require(
+        m.mlp_activation in MLP_ACTIVATIONS,
+        f"config.model.mlp_activation={m.mlp_activation!r}: choose one of {MLP_ACTIVATIONS}",
+    )
+    _require(
+        m.mlp_activation == "silu" or "moe" not in mlp_pattern(m),
+        f"config.model.mlp_activation={m.mlp_activation!r}: the MoE experts are SwiGLU; use 'silu' with moe layers",
+    )
+    for key in ("query_pre_attn_scalar", "rope_local_theta"):
+        value = m[key]
+        _require(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+            f"config.model.{key}={value!r} must be a number >= 0 (0: off)",
+        )
+    _require(
+        not m.rope_local_theta or "local" in layer_pattern(m),
+        f"config.model.rope_local_theta={m.rope_local_theta} is the RoPE base of 'local' layers, but "
+        f"config.model.layer_pattern={m.layer_pattern!r} has none: set it to 0",
+    )
+
+
 def _check_rope(m) -> None:
     """config.model.rope_scaling and its numbers (models/layers.py RopeScaling)."""
     _require(
@@ -686,6 +720,7 @@ def validate(config, num_devices: int | None = None) -> None:
     )
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embeddings)")
     _check_rope(m)
+    _check_gemma_pieces(m)
     _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
     _require(
         m.attention_impl in ATTENTION_IMPLS,
@@ -1344,6 +1379,10 @@ def _validate_flax(config) -> None:
         ("config.model.qkv_bias", m.qkv_bias, False),
         ("config.model.rope_scaling", m.rope_scaling, "none"),
         ("config.model.layer_pattern", m.layer_pattern, "softmax"),
+        ("config.model.embed_scale", m.embed_scale, False),
+        ("config.model.mlp_activation", m.mlp_activation, "silu"),
+        ("config.model.post_norms", m.post_norms, False),
+        ("config.model.query_pre_attn_scalar", m.query_pre_attn_scalar, 0.0),
         ("config.offload.activations", config.offload.activations, ""),
         ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
         ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),

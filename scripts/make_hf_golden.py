@@ -38,6 +38,9 @@ Models:
   ``sliding_window`` 8 at 24 positions), 2 layers, GQA 4/2, untied.
 * ``qwen2_window``: a Qwen2 with its sliding window switched on (``use_sliding_window``,
   ``sliding_window`` 6, ``max_window_layers`` 1: layer 0 full, layer 1 windowed).
+* ``gemma3``: a Gemma 3 text model (``Gemma3ForCausalLM``), 3 layers: two local (window 6, RoPE
+  base 1e4) and a global one (base 1e6, linear scaling 2), query_pre_attn_scalar 24, GeGLU,
+  sandwich and (1 + w) norms, q/k norms, embeddings times sqrt(D), tied; its own NumPy check.
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -75,6 +78,8 @@ import safetensors.numpy
 import torch
 import transformers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -175,6 +180,25 @@ MODELS = {
         sliding_window=6,
         max_window_layers=1,
     ),
+    "gemma3": dict(
+        seed=8,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        family="gemma3",
+        # Gemma 3 (text): two local layers (window 6, RoPE base 1e4) and a global one (base 1e6
+        # with linear scaling, as the 4B-27B models have), a softmax scale of 24^-0.5 (not
+        # head_dim's), GeGLU, sandwich norms and (1 + w) norms, embeddings times sqrt(D)
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        rope=dict(
+            full_attention=dict(rope_type="linear", factor=2.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     "qwen2": dict(
         seed=4,
         num_hidden_layers=2,
@@ -186,6 +210,7 @@ MODELS = {
 }
 
 CLASSES = {
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -202,12 +227,12 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     config_class, model_class = CLASSES[family]
     if family in ("qwen2", "qwen3"):
         spec.setdefault("use_sliding_window", False)
-    config = config_class(
-        **{**COMMON, **spec},
-        # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters.
-        rope_parameters={**rope, "rope_theta": rope_theta},
-        dtype="float32",
-    )
+    common = {k: v for k, v in COMMON.items() if not (family == "gemma3" and k == "hidden_act")}
+    if family == "gemma3":  # rope parameters per layer type; the global layers' theta is rope_theta
+        rope_parameters = {**rope, "full_attention": {**rope["full_attention"], "rope_theta": rope_theta}}
+    else:  # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters
+        rope_parameters = {**rope, "rope_theta": rope_theta}
+    config = config_class(**{**common, **spec}, rope_parameters=rope_parameters, dtype="float32")
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_class(config)
@@ -226,8 +251,8 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
+            if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w
+                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.1 * noise)
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.copy_(QK_STD * noise)
             elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases: as large as a row's product
@@ -342,6 +367,51 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     return x @ head.T
 
 
+def numpy_gemma3_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
+    """Gemma 3's text model from its description, float64: embeddings times sqrt(D); per layer an
+    RMSNorm scaling by (1 + w) before attention, q/k norms the same way over head_dim, RoPE with the
+    layer type's parameters (local: their own base; global: rope_theta, linear scaling divides the
+    frequencies), scores times query_pre_attn_scalar^-0.5, a window of sliding_window keys on the
+    local layers, (1 + w) norms on the attention and MLP outputs before each residual add and
+    before the MLP, GeGLU with tanh-approximated gelu; a final (1 + w) norm and tied logits."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    n_h, n_kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps = cfg["rms_norm_eps"]
+    B, T = tokens.shape
+    norm = lambda x, weight: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + weight)
+    gelu_tanh = lambda a: 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a**3)))
+    back = np.arange(T)[:, None] - np.arange(T)[None, :]
+    x = w["model.embed_tokens.weight"][tokens] * np.sqrt(cfg["hidden_size"])
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        rope = cfg["rope_parameters"][kind]
+        inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if rope.get("rope_type") == "linear":
+            inv_freq = inv_freq / rope["factor"]
+        freqs = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+        cos, sin = np.cos(np.concatenate([freqs, freqs], -1)), np.sin(np.concatenate([freqs, freqs], -1))
+        visible = back >= 0 if kind == "full_attention" else (back >= 0) & (back < cfg["sliding_window"])
+        h = norm(x, w[p + "input_layernorm.weight"])
+        proj = lambda name, heads: (
+            (h @ w[p + f"self_attn.{name}.weight"].T).reshape(B, T, heads, d).transpose(0, 2, 1, 3)
+        )
+        q = norm(proj("q_proj", n_h), w[p + "self_attn.q_norm.weight"])
+        k = norm(proj("k_proj", n_kv), w[p + "self_attn.k_norm.weight"])
+        v = proj("v_proj", n_kv)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = np.repeat(k, n_h // n_kv, axis=1), np.repeat(v, n_h // n_kv, axis=1)
+        s = np.where(visible, (q @ k.transpose(0, 1, 3, 2)) * cfg["query_pre_attn_scalar"] ** -0.5, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        a = ((s / s.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, n_h * d)
+        x = x + norm(a @ w[p + "self_attn.o_proj.weight"].T, w[p + "post_attention_layernorm.weight"])
+        h = norm(x, w[p + "pre_feedforward_layernorm.weight"])
+        y = (gelu_tanh(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[
+            p + "mlp.down_proj.weight"
+        ].T
+        x = x + norm(y, w[p + "post_feedforward_layernorm.weight"])
+    return norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -381,7 +451,8 @@ def main(argv=None) -> int:
         # Self-check: reload the saved artefacts torch-free and recompute.
         cfg = json.loads((out / "config.json").read_text())
         weights = safetensors.numpy.load_file(out / "model.safetensors")
-        ref = numpy_llama_logits(weights, cfg, np.load(out / "tokens.npy"))
+        numpy_logits = numpy_gemma3_logits if cfg["model_type"] == "gemma3_text" else numpy_llama_logits
+        ref = numpy_logits(weights, cfg, np.load(out / "tokens.npy"))
         err = float(np.max(np.abs(ref - np.load(out / "logits.npy"))))
         scale = float(np.max(np.abs(ref)))
         print(

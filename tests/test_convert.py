@@ -41,7 +41,9 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
-@pytest.mark.parametrize("name", ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window"])
+@pytest.mark.parametrize(
+    "name", ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window", "gemma3"]
+)
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
     workdir = tmp_path / "run"
@@ -50,17 +52,24 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     hf = json.load(open(os.path.join(golden, "config.json")))
     assert (config.model.n_kv_heads, config.model.tie_embeddings) == (
         hf["num_key_value_heads"],
-        name in ("tied", "qwen3", "yarn"),
+        name in ("tied", "qwen3", "yarn", "gemma3"),
     )
-    assert config.model.rope_theta == hf["rope_parameters"]["rope_theta"]
+    rope = hf["rope_parameters"].get("full_attention", hf["rope_parameters"])  # Gemma 3's per layer type
+    assert config.model.rope_theta == rope["rope_theta"]
 
     tokens = np.load(os.path.join(golden, "tokens.npy"))
     want = np.load(os.path.join(golden, "logits.npy"))
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert (config.model.qk_norm, config.model.qkv_bias) == (name in ("qwen3", "yarn"), name.startswith("qwen2"))
-    windows = {"mistral": ("local", 8), "qwen2_window": ("softmax,local", 6)}
+    assert (config.model.qk_norm, config.model.qkv_bias) == (
+        name in ("qwen3", "yarn", "gemma3"),
+        name.startswith("qwen2"),
+    )
+    m = config.model
+    gemma = (m.embed_scale, m.post_norms, m.mlp_activation, m.query_pre_attn_scalar, m.rope_local_theta)
+    assert gemma == ((True, True, "gelu_tanh", 24.0, 1e4) if name == "gemma3" else (False, False, "silu", 0.0, 0.0))
+    windows = {"mistral": ("local", 8), "qwen2_window": ("softmax,local", 6), "gemma3": ("local,local,softmax", 6)}
     assert (config.model.layer_pattern, config.model.sliding_window) == windows.get(name, ("softmax", 0))
     if name in windows:  # the windows matter at these 24 positions
         full = config.model.copy_and_resolve_references()
@@ -82,7 +91,10 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     assert sorted(written) == sorted(original)
     for key in original:
         assert written[key].dtype == original[key].dtype, key
-        np.testing.assert_array_equal(written[key], original[key], err_msg=key)
+        if name == "gemma3" and key.endswith("norm.weight"):  # stored as 1 + w: fp32 rounding of the sum
+            np.testing.assert_allclose(written[key], original[key], rtol=0, atol=2**-24, err_msg=key)
+        else:
+            np.testing.assert_array_equal(written[key], original[key], err_msg=key)
     written_config = json.load(open(out / "config.json"))
     for key in (
         "vocab_size",
@@ -99,6 +111,8 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         "use_sliding_window",
         "max_window_layers",
         "layer_types",
+        "query_pre_attn_scalar",
+        "hidden_activation",
     ):
         if key in hf and (key != "max_window_layers" or hf.get("use_sliding_window")):
             assert written_config[key] == hf[key], key
@@ -146,6 +160,36 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
         hf_lib.hf_config_from_model(m, "float32")
     m.qkv_bias = True
     with pytest.raises(hf_lib.ConversionError, match="not the last ones"):
+        hf_lib.hf_config_from_model(m, "float32")
+
+
+def test_gemma3_configs_of_both_transformers_versions_are_read():
+    """Gemma 3 as the Hub's transformers-4 config.json has it (rope_theta, rope_local_base_freq,
+    a rope_scaling dict for the global layers, sliding_window_pattern instead of layer_types)
+    sets the same model as the golden's transformers-5 form; Gemma 2's soft-capping is refused by
+    name, and to_hf refuses Gemma's pieces apart."""
+    new = json.load(open(os.path.join(GOLDEN, "gemma3", "config.json")))
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
+    old.update(
+        num_hidden_layers=6,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        sliding_window_pattern=3,
+    )
+    a, b = load_config(os.path.join(ROOT, "configs", "tiny.py")), load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    hf_lib.model_config_from_hf(dict(new, num_hidden_layers=6, layer_types=new["layer_types"] * 2), a.model)
+    hf_lib.model_config_from_hf(old, b.model)
+    assert a.model.to_dict() == b.model.to_dict() and b.model.layer_pattern == "local,local,softmax"
+    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)):
+        with pytest.raises(hf_lib.ConversionError, match=key):
+            hf_lib.model_config_from_hf(dict(new, **{key: value}), b.model)
+    m = b.model
+    m.embed_scale = False
+    with pytest.raises(hf_lib.ConversionError, match="differs in \\['embed_scale'\\]"):
+        hf_lib.hf_config_from_model(m, "float32")
+    m.embed_scale, m.post_norms = True, False
+    with pytest.raises(hf_lib.ConversionError, match="embed_scale without post_norms"):
         hf_lib.hf_config_from_model(m, "float32")
 
 

@@ -176,10 +176,19 @@ def test_vocab_parallel_embedding(sequence_parallel):
 
 
 def _reference_token_losses(params, tokens, m):
-    """The transformer written out layer by layer, without scan, shard_map or jaxsys.parallel."""
+    """The transformer written out layer by layer, without scan, shard_map or jaxsys.parallel;
+    attention is kernels/flash_attention's reference (its own softmax scale and window), Gemma's
+    pieces (embed_scale, post_norms, query_pre_attn_scalar, gelu_tanh, local layers' own RoPE
+    base) from their formulas."""
+    from jaxsys.kernels.flash_attention import reference_attention
+
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     pos = jnp.arange(inputs.shape[1])
     x = params["embed"][inputs]
+    if m.embed_scale:
+        x = x * m.d_model**0.5
+    kinds = (m.layer_pattern.split(",") * m.n_layers)[: m.n_layers]
+    gelu_tanh = lambda a: 0.5 * a * (1 + jnp.tanh((2 / np.pi) ** 0.5 * (a + 0.044715 * a**3)))
     for i in range(m.n_layers):
         w = jax.tree.map(lambda a: a[i], params["layers"])
         h = layers.rms_norm(x, w["attn_norm"], m.norm_eps)
@@ -189,35 +198,50 @@ def _reference_token_losses(params, tokens, m):
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         if m.qk_norm:
             q, k = layers.rms_norm(q, w["q_norm"], m.norm_eps), layers.rms_norm(k, w["k_norm"], m.norm_eps)
-        scaling = layers.rope_scaling(m)
-        q, k = layers.rope(q, pos, m.rope_theta, scaling), layers.rope(k, pos, m.rope_theta, scaling)
-        x = x + jnp.einsum("btnh,nhd->btd", layers.attention(q, k, v), w["wo"])
+        local = kinds[i] == "local"
+        theta, scaling = m.rope_theta, layers.rope_scaling(m)
+        if local and m.rope_local_theta:
+            theta, scaling = m.rope_local_theta, layers.RopeScaling()
+        q, k = layers.rope(q, pos, theta, scaling), layers.rope(k, pos, theta, scaling)
+        scale = (m.query_pre_attn_scalar or m.head_dim) ** -0.5
+        o = reference_attention(q, k, v, causal=True, softmax_scale=scale, window=m.sliding_window if local else None)
+        y = jnp.einsum("btnh,nhd->btd", o, w["wo"])
+        x = x + (layers.rms_norm(y, w["attn_out_norm"], m.norm_eps) if m.post_norms else y)
         h = layers.rms_norm(x, w["mlp_norm"], m.norm_eps)
-        x = x + layers.swiglu(h, w["w_gate"], w["w_up"], w["w_down"])
+        act = jax.nn.silu if m.mlp_activation == "silu" else gelu_tanh
+        y = (act(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        x = x + (layers.rms_norm(y, w["mlp_out_norm"], m.norm_eps) if m.post_norms else y)
     x = layers.rms_norm(x, params["final_norm"], m.norm_eps)
     unembed = params["embed"].T if m.tie_embeddings else params["unembed"]
     return optax.softmax_cross_entropy_with_integer_labels(x @ unembed, targets)
 
 
 @pytest.mark.parametrize(
-    "tied,remat,qwen3_like",
+    "tied,remat,qwen3_like,gemma3_like",
     [
-        (False, "none", False),
-        (True, "none", False),
-        (False, "full", False),
-        (False, "dots", False),
-        (True, "none", True),
+        (False, "none", False, False),
+        (True, "none", False, False),
+        (False, "full", False, False),
+        (False, "dots", False, False),
+        (True, "none", True, False),
+        (True, "none", True, True),
     ],
 )
-def test_model_matches_unstacked_reference(tied, remat, qwen3_like):
+def test_model_matches_unstacked_reference(tied, remat, qwen3_like, gemma3_like):
     """qwen3_like: q/k norms (config.model.qk_norm), q/k/v biases (qkv_bias: Qwen2's, here with
-    the norms to run both) and Llama 3.1's rope scaling."""
+    the norms to run both) and Llama 3.1's rope scaling. gemma3_like adds Gemma 3's pieces: local
+    layers with a window and their own RoPE base, embeddings times sqrt(D), GeGLU, post norms and
+    a softmax scale of query_pre_attn_scalar^-0.5."""
     c = base_config()
     c.model.tie_embeddings, c.model.remat = tied, remat
     c.model.n_layers, c.model.d_model, c.model.d_ff = 3, 32, 64
     if qwen3_like:
         c.model.qk_norm, c.model.qkv_bias, c.model.rope_scaling, c.model.rope_factor = True, True, "llama3", 8.0
         c.model.rope_original_max_position = 64
+    if gemma3_like:
+        c.model.layer_pattern, c.model.sliding_window, c.model.rope_local_theta = "local,local,softmax", 5, 1e4
+        c.model.rope_theta, c.model.embed_scale, c.model.mlp_activation = 1e6, True, "gelu_tanh"
+        c.model.post_norms, c.model.query_pre_attn_scalar = True, 24.0
     layout = Layout.from_config(c)
     specs = transformer.param_specs(c.model)
     params = init_params(specs, jax.random.key(1), jnp.float32)
@@ -227,6 +251,9 @@ def test_model_matches_unstacked_reference(tied, remat, qwen3_like):
         params["layers"]["k_norm"] = params["layers"]["k_norm"] * 1.7
         for i, name in enumerate(("bq", "bk", "bv")):  # zeros at initialisation
             params["layers"][name] = jax.random.normal(jax.random.key(10 + i), params["layers"][name].shape)
+    if gemma3_like:
+        params["layers"]["attn_out_norm"] = params["layers"]["attn_out_norm"] * 0.7
+        params["layers"]["mlp_out_norm"] = params["layers"]["mlp_out_norm"] * jnp.linspace(0.5, 1.5, 32)
     tokens = jnp.asarray(RNG.integers(0, 256, (2, 17)))
     loss = jax.jit(jax.value_and_grad(lambda p: jnp.mean(transformer.token_losses(p, tokens, c.model, layout)[0])))
     ref = jax.jit(jax.value_and_grad(lambda p: jnp.mean(_reference_token_losses(p, tokens, c.model))))
@@ -264,5 +291,33 @@ def test_qk_norm_and_qkv_bias_sharded_match_one_device():
     sharded.parallel.sequence_parallel = True
     (want_loss, want), (got_loss, got) = loss_and_grads(one), loss_and_grads(sharded)
     assert min(np.abs(want["layers"][k]).max() for k in ("q_norm", "k_norm", "bq", "bk", "bv")) > 0
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert_trees_close_leafwise(got, want, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())
+
+
+def test_gemma3_pieces_sharded_match_one_device():
+    """Gemma 3's pieces (embeddings times sqrt(D), GeGLU, post norms, query_pre_attn_scalar, local
+    layers with a window and their own RoPE base, q/k norms) on data 2 x fsdp 2 x tensor 2 with
+    sequence parallelism and the Pallas kernel: loss and gradients equal one device's reference
+    (the post norms' gradients included, and nonzero)."""
+    from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
+
+    kw = dict(
+        n_kv_heads=4,
+        qk_norm=True,
+        embed_scale=True,
+        mlp_activation="gelu_tanh",
+        post_norms=True,
+        query_pre_attn_scalar=16.0,
+        layer_pattern="local,softmax",
+        sliding_window=8,
+        rope_local_theta=1e4,
+        rope_theta=1e6,
+    )
+    one = small_config(**kw)
+    sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, attention_impl="pallas", **kw)
+    sharded.parallel.sequence_parallel = True
+    (want_loss, want), (got_loss, got) = loss_and_grads(one), loss_and_grads(sharded)
+    assert min(np.abs(want["layers"][k]).max() for k in ("attn_out_norm", "mlp_out_norm")) > 0
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     assert_trees_close_leafwise(got, want, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())

@@ -297,17 +297,29 @@ def test_ragged_kernels_attend_over_the_window(window):
     assert np.abs(np.asarray(ragged.ragged_paged_attention_reference(*args)) - np.asarray(want)).max() > 1e-2
 
 
-@pytest.mark.parametrize("cache", ["paged", "contiguous"])
-def test_engine_serves_local_layers_past_the_window(cache):
+@pytest.mark.parametrize("cache,gemma", [("paged", False), ("contiguous", False), ("paged", True)])
+def test_engine_serves_local_layers_past_the_window(cache, gemma):
     """W = 6 and requests of 20 tokens: greedy tokens from the engine (prefill chunks through the
     ragged kernel, then decodes through the per-row one; or the contiguous cache) equal the
     training forward's over the whole sequence with the window mask, and differ from a model
-    without the window."""
+    without the window. gemma: with Gemma 3's pieces too (the local layers' own RoPE base, the
+    softmax scale folded into q before the cache, embeddings times sqrt(D), post norms, GeGLU)."""
     from jaxsys.models import transformer
     from jaxsys.serve import engine
     from tests.helpers import program_for, small_config
 
-    config = small_config(layer_pattern="local,softmax", sliding_window=6, n_kv_heads=4, init_std=0.2)
+    pieces = dict(
+        qk_norm=True,
+        embed_scale=True,
+        mlp_activation="gelu_tanh",
+        post_norms=True,
+        query_pre_attn_scalar=12.0,
+        rope_local_theta=1e3,
+        rope_theta=1e5,
+    )
+    config = small_config(
+        layer_pattern="local,softmax", sliding_window=6, n_kv_heads=4, init_std=0.2, **(pieces if gemma else {})
+    )
     program = program_for(config)
     params = program.init(3).params
     greedy = {}

@@ -40,6 +40,23 @@ class ConversionError(ValueError):
 # jaxsys layer parameter -> (HF tensor name in layer i, how to turn HF's array into jaxsys's)
 def _layer_map(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    if m.post_norms:  # Gemma 3: four norms a layer, each scaling by (1 + w)
+        plus_one = lambda w: (w.astype(np.float32) + 1.0).astype(w.dtype)  # exact with fp32 params
+        return {
+            "q_norm": ("self_attn.q_norm.weight", plus_one),
+            "k_norm": ("self_attn.k_norm.weight", plus_one),
+            "attn_norm": ("input_layernorm.weight", plus_one),
+            "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
+            "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
+            "wv": ("self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, H)),
+            "wo": ("self_attn.o_proj.weight", lambda w: w.T.reshape(N, H, D)),
+            "attn_out_norm": ("post_attention_layernorm.weight", plus_one),
+            "mlp_norm": ("pre_feedforward_layernorm.weight", plus_one),
+            "mlp_out_norm": ("post_feedforward_layernorm.weight", plus_one),
+            "w_gate": ("mlp.gate_proj.weight", lambda w: w.T),
+            "w_up": ("mlp.up_proj.weight", lambda w: w.T),
+            "w_down": ("mlp.down_proj.weight", lambda w: w.T),
+        }
     qk_norm = {"q_norm": ("self_attn.q_norm.weight", lambda w: w), "k_norm": ("self_attn.k_norm.weight", lambda w: w)}
     bias = {
         "bq": ("self_attn.q_proj.bias", lambda w: w.reshape(N, H)),
@@ -64,6 +81,19 @@ def _layer_map(m):
 def _layer_unmap(m):
     """The inverse of `_layer_map`: jaxsys array of one layer -> HF's [out, in]."""
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    if m.post_norms:
+        minus_one = lambda w: w.astype(np.float32) - 1.0
+        norms = ("q_norm", "k_norm", "attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+        return {
+            **dict.fromkeys(norms, minus_one),
+            "wq": lambda w: w.reshape(D, N * H).T,
+            "wk": lambda w: w.reshape(D, K * H).T,
+            "wv": lambda w: w.reshape(D, K * H).T,
+            "wo": lambda w: w.reshape(N * H, D).T,
+            "w_gate": lambda w: w.T,
+            "w_up": lambda w: w.T,
+            "w_down": lambda w: w.T,
+        }
     return {
         **({"q_norm": lambda w: w, "k_norm": lambda w: w} if m.qk_norm else {}),
         **(
@@ -101,6 +131,15 @@ def _set_rope(hf: dict, model) -> None:
     earlier versions have a top-level `rope_theta` and a `rope_scaling` dict (Llama 3.1-3.3:
     rope_type llama3 with factor, low/high_freq_factor, original_max_position_embeddings)."""
     rope = hf.get("rope_parameters") or {}
+    model.rope_local_theta = 0.0
+    if hf.get("model_type") == "gemma3_text":  # per layer type: global layers as below, local unscaled
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConversionError(
+                f"the local layers' rope type {local['rope_type']!r}: jaxsys scales only the global ones"
+            )
+        model.rope_local_theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+        rope = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6)}
     scaling = {**(hf.get("rope_scaling") or {}), **rope}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "linear", "llama3", "yarn"):
@@ -164,17 +203,24 @@ def _hf_rope(m) -> dict:
 
 
 # Qwen2 (and 2.5): Llama's layout plus q/k/v biases; Qwen3: plus a per-head RMSNorm of q and k instead
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
     """(W, which layers are windowed) as transformers reads config.json: Mistral's
     `sliding_window` (4096 when absent, as MistralConfig) applies to every layer; Qwen2's and
     Qwen3's only with `use_sliding_window`, to the layers `layer_types` marks "sliding_attention"
-    (transformers 5) or else those from `max_window_layers` on; Llama has none."""
+    (transformers 5) or else those from `max_window_layers` on; Gemma 3's to those `layer_types`
+    marks, or else all but every `sliding_window_pattern`-th (6th); Llama has none."""
     n = hf["num_hidden_layers"]
     kind = hf["model_type"]
-    if kind == "mistral":
+    if kind == "gemma3_text":  # layer_types, or every sliding_window_pattern-th layer global
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        if not hf.get("layer_types"):
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+            hf = {**hf, "layer_types": types}
+        window = hf.get("sliding_window", 4096)
+    elif kind == "mistral":
         window = hf.get("sliding_window", 4096)
     elif kind in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
         window = hf.get("sliding_window")
@@ -240,11 +286,17 @@ def model_config_from_hf(hf: dict, model) -> None:
             f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type one of {MODEL_TYPES}) convert"
         )
     qwen2 = hf["model_type"] == "qwen2"  # its q/k/v biases are not switched by attention_bias
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+    gemma3 = hf["model_type"] == "gemma3_text"
+    want_act = ("hidden_activation", "gelu_pytorch_tanh") if gemma3 else ("hidden_act", "silu")
+    checks = [want_act, ("attention_bias", False), ("mlp_bias", False)]
+    if gemma3:  # what Gemma 2 had and Gemma 3 dropped
+        checks += [("final_logit_softcapping", None), ("attn_logit_softcapping", None)]
+        checks += [("use_bidirectional_attention", False)]
+    for key, want in checks:
         if key == "attention_bias" and qwen2:
             continue
-        if hf.get(key, want) != want:
-            raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's Llama needs {want!r}")
+        if hf.get(key) is not None and hf[key] != want:  # absent or null: the family's default
+            raise ConversionError(f"config.json has {key}={hf[key]!r}; jaxsys's {hf['model_type']} needs {want!r}")
     n_heads = hf["num_attention_heads"]
     model.vocab_size = hf["vocab_size"]
     model.d_model = hf["hidden_size"]
@@ -255,10 +307,15 @@ def model_config_from_hf(hf: dict, model) -> None:
     model.d_ff = hf["intermediate_size"]
     _set_rope(hf, model)
     _set_window(hf, model)
+    if "local" not in model.layer_pattern:  # a Gemma 3 without local layers: no local RoPE base
+        model.rope_local_theta = 0.0
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
-    model.tie_embeddings = bool(hf.get("tie_word_embeddings", False))
-    model.qk_norm = hf["model_type"] == "qwen3"
+    model.tie_embeddings = bool(hf.get("tie_word_embeddings", gemma3))
+    model.qk_norm = hf["model_type"] in ("qwen3", "gemma3_text")
     model.qkv_bias = qwen2
+    model.embed_scale = model.post_norms = gemma3
+    model.mlp_activation = "gelu_tanh" if gemma3 else "silu"
+    model.query_pre_attn_scalar = float(hf.get("query_pre_attn_scalar", model.head_dim)) if gemma3 else 0.0
 
 
 def _require_dense_llama(m) -> None:
@@ -279,6 +336,19 @@ def hf_config_from_model(m, dtype: str) -> dict:
         raise ConversionError(
             "config.model.qk_norm with qkv_bias has no Hugging Face Llama-family equivalent (Qwen3 has the "
             "norms, Qwen2 the biases)"
+        )
+    if m.post_norms:
+        return _gemma3_config(m, dtype)
+    gemma_pieces = dict(
+        embed_scale=m.embed_scale,
+        mlp_activation=m.mlp_activation != "silu",
+        query_pre_attn_scalar=m.query_pre_attn_scalar,
+        rope_local_theta=m.rope_local_theta,
+    )
+    if any(gemma_pieces.values()):
+        raise ConversionError(
+            f"config.model.{next(k for k, v in gemma_pieces.items() if v)} without post_norms: Gemma's pieces convert "
+            "together, as a Gemma 3 (Gemma3ForCausalLM), and this model is not one"
         )
     family = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
     window = _hf_window(m, family)
@@ -305,6 +375,56 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         **window,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def _gemma3_config(m, dtype: str) -> dict:
+    """A Gemma3TextConfig dict (Gemma3ForCausalLM) for a model with Gemma 3's pieces, refused by
+    name where transformers' Gemma 3 would compute something else."""
+    need = dict(
+        embed_scale=m.embed_scale,
+        qk_norm=m.qk_norm,
+        mlp_activation=m.mlp_activation == "gelu_tanh",
+        qkv_bias=not m.qkv_bias,
+    )
+    if not all(need.values()):
+        raise ConversionError(
+            "config.model.post_norms converts as a Gemma 3, which also has embed_scale=True, qk_norm=True, "
+            f"mlp_activation='gelu_tanh' and no qkv_bias; this model differs in {[k for k, v in need.items() if not v]}"
+        )
+    kinds = [kind == "local" for kind in layer_pattern(m)] * (m.n_layers // len(layer_pattern(m)))
+    if any(kinds) and not m.rope_local_theta and m.rope_scaling != "none":
+        raise ConversionError(
+            "Gemma 3's local layers use unscaled RoPE: set config.model.rope_local_theta (10000.0 in Gemma 3) "
+            f"for a model with rope_scaling={m.rope_scaling!r}"
+        )
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "intermediate_size": m.d_ff,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": m.norm_eps,
+        "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+        "sliding_window": m.sliding_window if any(kinds) else None,
+        "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+        "rope_parameters": {
+            "full_attention": _hf_rope(m),
+            "sliding_attention": {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta},
+        },
+        "rope_theta": m.rope_theta,
+        "rope_local_base_freq": m.rope_local_theta or m.rope_theta,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "attention_bias": False,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
@@ -370,6 +490,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
         "wv": (K * H, D),
         "wo": (D, N * H),
         "mlp_norm": (D,),
+        "attn_out_norm": (D,),
+        "mlp_out_norm": (D,),
         "w_gate": (F, D),
         "w_up": (F, D),
         "w_down": (D, F),
@@ -381,7 +503,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
     params = {
         "embed": take("model.embed_tokens.weight", (V, D)),
         "layers": layers,
-        "final_norm": take("model.norm.weight", (D,)),
+        # Gemma's final norm scales by (1 + w), as its layers' norms (_layer_map)
+        "final_norm": (take("model.norm.weight", (D,)).astype(np.float32) + (1.0 if m.post_norms else 0.0)).astype(
+            dtype
+        ),
     }
     if not m.tie_embeddings:
         params["unembed"] = take("lm_head.weight", (V, D)).T
@@ -390,7 +515,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
 
 def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
     """HF tensor names -> contiguous numpy arrays in `dtype` (the inverse of `params_from_hf`)."""
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]}
+    final = np.asarray(params["final_norm"], np.float32) - (1.0 if m.post_norms else 0.0)
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": final}
     names = {key: name for key, (name, _) in _layer_map(m).items()}
     for key, unmap in _layer_unmap(m).items():
         for i in range(m.n_layers):

@@ -158,8 +158,10 @@ def swiglu_up(x, w_gate, w_up, linear=_einsum):
     return linear("btd,df->btf", x, w_gate, name="w_gate"), linear("btd,df->btf", x, w_up, name="w_up")
 
 
-def swiglu_hidden(gate, up):
-    return checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")  # host-offloadable (config.offload)
+def swiglu_hidden(gate, up, activation: str = "silu"):
+    """act(gate) * up: SwiGLU's silu, or GeGLU's tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return checkpoint_name(act * up, "mlp_hidden")  # host-offloadable (config.offload)
 
 
 def swiglu_down(hidden, w_down, linear=_einsum):

@@ -86,6 +86,9 @@ def param_specs(m, chunks: int = 1) -> dict:
     if m.qk_norm:
         layer_specs["q_norm"] = norm((L, H), ("layers", "head_dim"))
         layer_specs["k_norm"] = norm((L, H), ("layers", "head_dim"))
+    if m.post_norms:  # each sublayer's output normed before the residual add (Gemma 2 / 3)
+        layer_specs["attn_out_norm"] = norm((L, D), ("layers", "embed"))
+        layer_specs["mlp_out_norm"] = norm((L, D), ("layers", "embed"))
     if m.qkv_bias:  # split over heads as their projections are (column-parallel), no weight decay
         bias = lambda heads, n: ParamSpec((L, n, H), ("layers", heads, "head_dim"), init="zeros", decay=False)
         layer_specs.update(bq=bias("heads", N), bk=bias("kv_heads", K), bv=bias("kv_heads", K))
@@ -182,8 +185,12 @@ def block(
             )
         o = attention.linear_attention(q, k, v, m, heads, seq)
     else:
-        scaling = layers.rope_scaling(m)
-        q, k = layers.rope(q, positions, m.rope_theta, scaling), layers.rope(k, positions, m.rope_theta, scaling)
+        theta, scaling = m.rope_theta, layers.rope_scaling(m)
+        if kind == "local" and m.rope_local_theta:  # Gemma 3's local layers: their own base, unscaled
+            theta, scaling = m.rope_local_theta, layers.RopeScaling()
+        q, k = layers.rope(q, positions, theta, scaling), layers.rope(k, positions, theta, scaling)
+        if m.query_pre_attn_scalar:  # softmax scale s^-0.5 where every attention path applies H^-0.5
+            q = q * jnp.asarray((q.shape[-1] / m.query_pre_attn_scalar) ** 0.5, q.dtype)
         window = m.sliding_window if kind == "local" else None
         if cache is None:
             o = attention.softmax_attention(q, k, v, m, seq, segments, window)
@@ -192,20 +199,20 @@ def block(
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
             o, cache = cache.attend(q, k, v, positions, window=window)
     o = checkpoint_name(o, "attention_output")
-    x = ladder.add_output(
-        x, tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)
-    )
+    # Gemma 2 / 3 norm each sublayer's output before the residual add (config.model.post_norms)
+    post = lambda y, name: layers.rms_norm(y, w[name], m.norm_eps) if m.post_norms else y
+    y = tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)
+    x = ladder.add_output(x, post(y, "attn_out_norm"))
     h = layers.rms_norm(ladder.module_input(x), w["mlp_norm"], m.norm_eps)
     if mlp_kind == "moe":
         y, experts, stats = moe.apply(h, w["moe"], m, layout, previous, dispatch)
-        return ladder.add_output(x, y), experts, stats, cache
+        return ladder.add_output(x, post(y, "mlp_out_norm")), experts, stats, cache
     gate, up = tensor.enter_matmul(
         lambda h, ws: layers.swiglu_up(h, ws[0], ws[1], linear), h, (w["w_gate"], w["w_up"]), mlp, sp, cm
     )
-    y = tensor.leave_matmul(
-        lambda a, wd: layers.swiglu_down(a, wd, linear), layers.swiglu_hidden(gate, up), w["w_down"], mlp, sp, cm
-    )
-    return ladder.add_output(x, y), previous, None, cache
+    hidden = layers.swiglu_hidden(gate, up, m.mlp_activation)
+    y = tensor.leave_matmul(lambda a, wd: layers.swiglu_down(a, wd, linear), hidden, w["w_down"], mlp, sp, cm)
+    return ladder.add_output(x, post(y, "mlp_out_norm")), previous, None, cache
 
 
 # The model in four pieces, so that a pipeline can run them on different stages:
@@ -226,7 +233,10 @@ def embed(params, inputs, m, layout: Layout, specs=None, hook=None):
     """inputs[B, T] -> x[B, T, D] (x[B, T/tp, D] under sequence parallelism)."""
     axes = _axes(specs if specs is not None else param_specs(m))
     table = execution.weights_as_used(params["embed"], axes["embed"], m, layout, hook, "embed")
-    return tensor.embed_lookup(table, inputs, layout.compute_axes("vocab"), layout.sp_axes)
+    x = tensor.embed_lookup(table, inputs, layout.compute_axes("vocab"), layout.sp_axes)
+    if m.embed_scale:  # Gemma: times sqrt(D), rounded to the activations' dtype as transformers does
+        x = x * jnp.asarray(m.d_model**0.5, x.dtype)
+    return x
 
 
 def layer_stack(
