@@ -41,6 +41,9 @@ Models:
 * ``gemma3``: a Gemma 3 text model (``Gemma3ForCausalLM``), 3 layers: two local (window 6, RoPE
   base 1e4) and a global one (base 1e6, linear scaling 2), query_pre_attn_scalar 24, GeGLU,
   sandwich and (1 + w) norms, q/k norms, embeddings times sqrt(D), tied; its own NumPy check.
+* ``gemma3_mm``: a Gemma 3 image-text model (``Gemma3ForConditionalGeneration``, as Gemma 3
+  4B-27B ship) with a tiny vision tower: its language model is read on its own, and the logits are
+  of text-only input (tokens below the image tokens 381-383).
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -78,7 +81,9 @@ import safetensors.numpy
 import torch
 import transformers
 from transformers import (
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -199,6 +204,23 @@ MODELS = {
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # Gemma 3 4B-27B ship as an image-text model: the same text model inside, the vision tower
+    # beside it; text-only logits (tokens below the image tokens 381-383)
+    "gemma3_mm": dict(
+        seed=9,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        family="gemma3_mm",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
+        query_pre_attn_scalar=16,
+        hidden_activation="gelu_pytorch_tanh",
+        rope=dict(
+            full_attention=dict(rope_type="linear", factor=8.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     "qwen2": dict(
         seed=4,
         num_hidden_layers=2,
@@ -211,6 +233,7 @@ MODELS = {
 
 CLASSES = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -227,12 +250,24 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     config_class, model_class = CLASSES[family]
     if family in ("qwen2", "qwen3"):
         spec.setdefault("use_sliding_window", False)
-    common = {k: v for k, v in COMMON.items() if not (family == "gemma3" and k == "hidden_act")}
-    if family == "gemma3":  # rope parameters per layer type; the global layers' theta is rope_theta
+    gemma = family.startswith("gemma3")
+    common = {k: v for k, v in COMMON.items() if not (gemma and k == "hidden_act")}
+    if gemma:  # rope parameters per layer type; the global layers' theta is rope_theta
         rope_parameters = {**rope, "full_attention": {**rope["full_attention"], "rope_theta": rope_theta}}
     else:  # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters
         rope_parameters = {**rope, "rope_theta": rope_theta}
     config = config_class(**{**common, **spec}, rope_parameters=rope_parameters, dtype="float32")
+    if family == "gemma3_mm":  # the text config inside an image-text one, with a tiny SigLIP tower
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        config = Gemma3Config(
+            text_config=config.to_dict(),
+            vision_config=dict(vision, image_size=28, patch_size=14),
+            mm_tokens_per_image=4,
+            boi_token_index=381,
+            eoi_token_index=382,
+            image_token_index=383,
+            dtype="float32",
+        )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = model_class(config)
@@ -252,7 +287,7 @@ def build_model(spec: dict) -> LlamaForCausalLM:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w
-                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.1 * noise)
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.copy_(QK_STD * noise)
             elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases: as large as a row's product
@@ -260,10 +295,8 @@ def build_model(spec: dict) -> LlamaForCausalLM:
             else:
                 p.copy_(WEIGHT_STD * noise)
 
-    if config.tie_word_embeddings:
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    else:
-        assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert tied == bool(config.tie_word_embeddings)
     assert model.config._attn_implementation == "eager"
     model.eval()
     return model
@@ -438,7 +471,8 @@ def main(argv=None) -> int:
             gen_cfg.unlink()
 
         gen = torch.Generator().manual_seed(2000 + spec["seed"])
-        tokens = torch.randint(0, COMMON["vocab_size"], (BATCH, SEQ), generator=gen)
+        vocab = 381 if spec.get("family") == "gemma3_mm" else COMMON["vocab_size"]  # no image tokens
+        tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
         position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
         with torch.no_grad():
             logits = model(input_ids=tokens, position_ids=position_ids, use_cache=False).logits.to(torch.float32)
@@ -451,6 +485,9 @@ def main(argv=None) -> int:
         # Self-check: reload the saved artefacts torch-free and recompute.
         cfg = json.loads((out / "config.json").read_text())
         weights = safetensors.numpy.load_file(out / "model.safetensors")
+        if cfg["model_type"] == "gemma3":  # its language model's config and tensors, renamed
+            cfg = cfg["text_config"]
+            weights = {k.replace("language_model.", "", 1): v for k, v in weights.items() if "language_model." in k}
         numpy_logits = numpy_gemma3_logits if cfg["model_type"] == "gemma3_text" else numpy_llama_logits
         ref = numpy_logits(weights, cfg, np.load(out / "tokens.npy"))
         err = float(np.max(np.abs(ref - np.load(out / "logits.npy"))))

@@ -163,6 +163,33 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
         hf_lib.hf_config_from_model(m, "float32")
 
 
+def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (model_type gemma3: text_config
+    nested, tensors under language_model.*, a vision tower beside): --from-hf converts the
+    language model (its text-only logits match transformers'), --to-hf writes it as a
+    Gemma3ForCausalLM whose tensors are the checkpoint's language-model ones."""
+    golden = os.path.join(GOLDEN, "gemma3_mm")
+    workdir = tmp_path / "run"
+    assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
+    config, program, state = _restored(workdir)
+    assert (config.model.layer_pattern, config.model.post_norms, config.model.rope_factor) == (
+        "local,softmax",
+        True,
+        8.0,
+    )
+    tokens = np.load(os.path.join(golden, "tokens.npy"))
+    got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
+    np.testing.assert_allclose(got, np.load(os.path.join(golden, "logits.npy")), atol=1e-4, rtol=0)
+    out = tmp_path / "hf"
+    assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
+    assert json.load(open(out / "config.json"))["model_type"] == "gemma3_text"
+    original, written = load_file(os.path.join(golden, "model.safetensors")), load_file(str(out / "model.safetensors"))
+    text = {k.replace("language_model.", "", 1): v for k, v in original.items() if k.startswith("language_model.")}
+    assert sorted(written) == sorted(text) and not any("vision" in k for k in written)
+    for key in text:
+        np.testing.assert_allclose(written[key], text[key], rtol=0, atol=2**-24, err_msg=key)
+
+
 def test_gemma3_configs_of_both_transformers_versions_are_read():
     """Gemma 3 as the Hub's transformers-4 config.json has it (rope_theta, rope_local_base_freq,
     a rope_scaling dict for the global layers, sliding_window_pattern instead of layer_types)

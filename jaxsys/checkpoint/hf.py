@@ -279,6 +279,41 @@ def _hf_window(m, family: str) -> dict:
     }
 
 
+# A multimodal checkpoint whose language model converts on its own: Gemma 3 4B-27B
+# (Gemma3ForConditionalGeneration, model_type "gemma3"): the text config nested, its tensors
+# prefixed; the vision tower and projector are left behind
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text"}
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def text_config(hf: dict) -> dict:
+    """The language model's config.json dict: `hf` itself, or a multimodal model's `text_config`
+    (with the top level's tie_word_embeddings when the text config has none)."""
+    if hf.get("model_type") not in MULTIMODAL_TEXT:
+        return hf
+    text = dict(hf.get("text_config") or {})
+    text["model_type"] = MULTIMODAL_TEXT[hf["model_type"]]
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    return text
+
+
+def text_tensors(tensors: dict) -> dict:
+    """A multimodal checkpoint's language-model tensors under the text model's own names (the
+    others dropped); a text model's tensors unchanged."""
+    if not any(name.startswith(old) for name in tensors for old, _ in _TEXT_PREFIXES):
+        return tensors
+    out = {}
+    for name, array in tensors.items():
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                out[new + name[len(old) :]] = array
+    return out
+
+
 def model_config_from_hf(hf: dict, model) -> None:
     """Set `config.model` (in place) from a Hugging Face Llama (or Mistral, Qwen3) config.json dict."""
     if hf.get("model_type") not in MODEL_TYPES:
@@ -554,7 +589,7 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
 
     require_new_workdir(workdir, ConversionError)
     config = base_config() if config is None else config
-    model_config_from_hf(_hf_config(hf_dir), config.model)
+    model_config_from_hf(text_config(_hf_config(hf_dir)), config.model)
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
     _require_dense_llama(config.model)
     validate(config)
@@ -563,7 +598,7 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
         tokenizer_lib.check_source(source, config.model.vocab_size)
     except tokenizer_lib.TokenizerError as e:
         raise ConversionError(str(e)) from None
-    tensors = _read_safetensors(hf_dir)  # after every check on the config: reading is the slow part
+    tensors = text_tensors(_read_safetensors(hf_dir))  # after every check on the config: reading is the slow part
     params = params_from_hf(tensors, config.model, jnp.dtype(config.model.param_dtype))
     n = int(np.prod([config.mesh[a] for a in config.mesh]))
     if n > jax.device_count():
