@@ -44,6 +44,10 @@ Models:
 * ``gemma3_mm``: a Gemma 3 image-text model (``Gemma3ForConditionalGeneration``, as Gemma 3
   4B-27B ship) with a tiny vision tower: its language model is read on its own, and the logits are
   of text-only input (tokens below the image tokens 381-383).
+* ``mixtral``: a Mixtral (Mistral's layout with a mixture of experts in every layer: 4 experts of
+  96 units, top 2 of the router's softmax, gates renormalised), 2 layers, untied.
+* ``qwen3_moe``: a Qwen3-MoE (q/k norms; layer 0 a mixture of 4 experts of 48, top 2,
+  norm_topk_prob; layer 1 dense through mlp_only_layers), untied.
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -89,10 +93,14 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -221,6 +229,32 @@ MODELS = {
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # mixture-of-experts: Mixtral (every layer, 4 experts of 96, top 2, gates renormalised) and
+    # Qwen3-MoE (q/k norms; layer 0 MoE with 4 experts of 48, top 2, norm_topk_prob; layer 1 dense)
+    "mixtral": dict(
+        seed=10,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        family="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=96,
+    ),
+    "qwen3_moe": dict(
+        seed=11,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        family="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
     "qwen2": dict(
         seed=4,
         num_hidden_layers=2,
@@ -232,6 +266,8 @@ MODELS = {
 }
 
 CLASSES = {
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -248,7 +284,7 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     rope = spec.pop("rope", {"rope_type": "default"})
     family = spec.pop("family", "llama")
     config_class, model_class = CLASSES[family]
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         spec.setdefault("use_sliding_window", False)
     gemma = family.startswith("gemma3")
     common = {k: v for k, v in COMMON.items() if not (gemma and k == "hidden_act")}
@@ -350,6 +386,20 @@ def numpy_inv_freq(cfg: dict) -> np.ndarray:
     return np.asarray(out)
 
 
+def _moe_of(cfg: dict, i: int):
+    """Layer i's MoE as (router name, expert name pattern, (gate, up, down), k, renormalise), or
+    None for a dense layer: Mixtral's in every layer; Qwen3-MoE's where mlp_only_layers does not
+    list it (decoder_sparse_step 1)."""
+    if cfg["model_type"] == "mixtral":
+        return "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2"), cfg[
+            "num_experts_per_tok"
+        ], True
+    if cfg["model_type"] == "qwen3_moe" and i not in cfg.get("mlp_only_layers", []):
+        names = ("gate_proj", "up_proj", "down_proj")
+        return "mlp.gate.weight", "mlp.experts.{e}.{w}.weight", names, cfg["num_experts_per_tok"], cfg["norm_topk_prob"]
+    return None
+
+
 def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     n_h, n_kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
@@ -392,9 +442,28 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
         a = (s @ v).transpose(0, 2, 1, 3).reshape(B, T, n_h * d)
         x = x + a @ w[p + "self_attn.o_proj.weight"].T
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-        g = h @ w[p + "mlp.gate_proj.weight"].T
-        u = h @ w[p + "mlp.up_proj.weight"].T
-        x = x + ((g / (1.0 + np.exp(-g))) * u) @ w[p + "mlp.down_proj.weight"].T
+        silu = lambda a: a / (1.0 + np.exp(-a))
+        moe = _moe_of(cfg, i)
+        if moe is None:
+            g = h @ w[p + "mlp.gate_proj.weight"].T
+            u = h @ w[p + "mlp.up_proj.weight"].T
+            x = x + (silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
+            continue
+        # top-k of the router's softmax, the k gates renormalised (Mixtral; Qwen3-MoE's norm_topk_prob)
+        router, expert, (wg, wu, wd), k, renormalize = moe
+        logits = h @ w[p + router].T  # [B, T, E]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1)[..., :k]
+        gates = np.take_along_axis(probs, top, -1)
+        if renormalize:
+            gates = gates / gates.sum(-1, keepdims=True)
+        y = np.zeros_like(x)
+        for e in range(logits.shape[-1]):
+            weight = (gates * (top == e)).sum(-1, keepdims=True)  # [B, T, 1], 0 where e is not chosen
+            name = lambda m: p + expert.format(e=e, w=m)
+            y = y + weight * ((silu(h @ w[name(wg)].T) * (h @ w[name(wu)].T)) @ w[name(wd)].T)
+        x = x + y
     x = _rms(x, w["model.norm.weight"], eps)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     return x @ head.T

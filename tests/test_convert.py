@@ -42,7 +42,8 @@ def _restored(workdir, devices=1):
 
 
 @pytest.mark.parametrize(
-    "name", ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window", "gemma3"]
+    "name",
+    ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window", "gemma3", "mixtral", "qwen3_moe"],
 )
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
@@ -62,10 +63,15 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
     # fp32 on both sides; the two implementations sum in different orders (seen: ~4e-7).
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert (config.model.qk_norm, config.model.qkv_bias) == (
-        name in ("qwen3", "yarn", "gemma3"),
-        name.startswith("qwen2"),
-    )
+    qk_norm = name in ("qwen3", "yarn", "gemma3", "qwen3_moe")
+    assert (config.model.qk_norm, config.model.qkv_bias) == (qk_norm, name.startswith("qwen2"))
+    moe = config.model.moe
+    experts = {"mixtral": ("moe", 4, 2, 96, True), "qwen3_moe": ("moe,dense", 4, 2, 48, True)}
+    if name in experts:
+        assert (config.model.mlp_pattern, moe.experts, moe.top_k, moe.d_ff, moe.renormalize) == experts[name]
+        assert moe.capacity_factor == 0.0  # dropless, as transformers computes every routed copy
+    else:
+        assert config.model.mlp_pattern == "dense"
     m = config.model
     gemma = (m.embed_scale, m.post_norms, m.mlp_activation, m.query_pre_attn_scalar, m.rope_local_theta)
     assert gemma == ((True, True, "gelu_tanh", 24.0, 1e4) if name == "gemma3" else (False, False, "silu", 0.0, 0.0))
@@ -113,6 +119,12 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         "layer_types",
         "query_pre_attn_scalar",
         "hidden_activation",
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "mlp_only_layers",
     ):
         if key in hf and (key != "max_window_layers" or hf.get("use_sliding_window")):
             assert written_config[key] == hf[key], key
@@ -161,6 +173,27 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
     m.qkv_bias = True
     with pytest.raises(hf_lib.ConversionError, match="not the last ones"):
         hf_lib.hf_config_from_model(m, "float32")
+
+
+def test_moe_configs_read_and_refused_as_transformers_names_them():
+    """Qwen3-MoE as the Hub's configs have it (num_experts, transformers 4's name) reads as the
+    golden's num_local_experts; decoder_sparse_step 2 makes every second layer MoE; to_hf refuses
+    an MoE model neither Mixtral nor Qwen3-MoE can say, and a shared-expert Qwen2-MoE is refused."""
+    hf = json.load(open(os.path.join(GOLDEN, "qwen3_moe", "config.json")))
+    m = load_config(os.path.join(ROOT, "configs", "tiny.py")).model
+    hub = {k: v for k, v in hf.items() if k != "num_local_experts"}
+    hf_lib.model_config_from_hf(dict(hub, num_experts=4), m)
+    assert (m.mlp_pattern, m.moe.experts, m.moe.renormalize) == ("moe,dense", 4, True)
+    hf_lib.model_config_from_hf(dict(hf, num_hidden_layers=4, mlp_only_layers=[], decoder_sparse_step=2), m)
+    assert m.mlp_pattern == "dense,moe"
+    m.qk_norm = False  # MoE in every other layer, without q/k norms: not a Mixtral
+    with pytest.raises(hf_lib.ConversionError, match="neither a Mixtral"):
+        hf_lib.hf_config_from_model(m, "float32")
+    m.qk_norm, m.moe.router = True, "sigmoid"
+    with pytest.raises(hf_lib.ConversionError, match="route by softmax"):
+        hf_lib._require_convertible(m)
+    with pytest.raises(hf_lib.ConversionError, match="shared experts"):
+        hf_lib.model_config_from_hf(dict(hf, shared_expert_intermediate_size=64), m)
 
 
 def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):
@@ -340,9 +373,9 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
         match=r"model.layers.1.mlp.up_proj.weight has shape \(100, 64\) but config.json implies \(160, 64\)",
     ):
         hf_lib.from_hf(str(wrong), str(tmp_path / "w3"))
-    moe = load_config(os.path.join(ROOT, "configs", "moe.py"))  # a Llama has no MoE layers
-    with pytest.raises(hf_lib.ConversionError, match=r"mlp_pattern='dense,moe'.*no Hugging Face Llama"):
-        hf_lib.from_hf(os.path.join(GOLDEN, "tied"), str(tmp_path / "w4"), moe)
+    # the checkpoint says the model: a Llama read with MoE layers asked for has no experts to give
+    with pytest.raises(hf_lib.ConversionError, match=r"no tensor 'model.layers.0.block_sparse_moe.gate.weight'"):
+        hf_lib.from_hf(os.path.join(GOLDEN, "tied"), str(tmp_path / "w4"), overrides=["--config.model.mlp_pattern=moe"])
     assert not any((tmp_path / w).exists() for w in ("w1", "w2", "w3", "w4"))
 
     done = tmp_path / "done"

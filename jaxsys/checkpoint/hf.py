@@ -203,7 +203,54 @@ def _hf_rope(m) -> dict:
 
 
 # Qwen2 (and 2.5): Llama's layout plus q/k/v biases; Qwen3: plus a per-head RMSNorm of q and k instead
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
+
+# the MoE families: the router and each expert's SwiGLU matrices under the layer's prefix
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _moe_family(m) -> str:
+    """The Hugging Face family of a jaxsys MoE model: Qwen3-MoE with q/k norms, else Mixtral."""
+    return "qwen3_moe" if m.qk_norm else "mixtral"
+
+
+def _mlp_kinds(m) -> list[str]:
+    """Each layer's MLP kind ("dense" | "moe"), in order."""
+    pattern = mlp_pattern(m)
+    return [pattern[i % len(pattern)] for i in range(m.n_layers)]
+
+
+def _shortest_period(kinds: list[str]) -> str:
+    """The comma-separated shortest prefix of `kinds` that repeats to all of it."""
+    n = len(kinds)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and kinds == kinds[:p] * (n // p))
+    return ",".join(kinds[:period])
+
+
+def _set_moe(hf: dict, model) -> None:
+    """Mixtral's and Qwen3-MoE's experts into `model.moe` (dropless, softmax top-k routing as
+    theirs: Mixtral renormalises the k gates, Qwen3-MoE when norm_topk_prob) and the MoE layers
+    into `model.mlp_pattern` (Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers)."""
+    n = hf["num_hidden_layers"]
+    if hf["model_type"] == "mixtral":
+        experts, expert_ff, renormalize = hf["num_local_experts"], hf["intermediate_size"], True
+        moe_layers = [True] * n
+    else:
+        # transformers 5 names it num_local_experts, as Mixtral; the Hub's configs num_experts
+        experts, expert_ff = hf.get("num_experts") or hf["num_local_experts"], hf["moe_intermediate_size"]
+        renormalize = bool(hf.get("norm_topk_prob", False))
+        step, dense_only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
+        moe_layers = [i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(n)]
+    if hf.get("shared_expert_intermediate_size"):
+        raise ConversionError("shared experts with a sigmoid gate (Qwen2-MoE) are not implemented")
+    model.mlp_pattern = _shortest_period(["moe" if k else "dense" for k in moe_layers])
+    moe = model.moe
+    moe.experts, moe.top_k, moe.d_ff = int(experts), int(hf["num_experts_per_tok"]), int(expert_ff)
+    moe.router, moe.renormalize, moe.shared_experts, moe.capacity_factor = "softmax", renormalize, 0, 0.0
+    moe.aux_loss_weight, moe.z_loss_weight = float(hf.get("router_aux_loss_coef", 0.001)), 0.0
 
 
 def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
@@ -222,13 +269,15 @@ def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
         window = hf.get("sliding_window", 4096)
     elif kind == "mistral":
         window = hf.get("sliding_window", 4096)
-    elif kind in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
+    elif kind == "mixtral":
+        window = hf.get("sliding_window")
+    elif kind in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False):
         window = hf.get("sliding_window")
     else:
         window = None
     if not window:
         return None, [False] * n
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         return int(window), [True] * n
     types = hf.get("layer_types") or [
         "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(n)
@@ -243,9 +292,7 @@ def _set_window(hf: dict, model) -> None:
     """Sliding-window layers into `model`: layer_pattern of "local" / "softmax" (the shortest
     period that repeats to the layers) and sliding_window W."""
     window, windowed = _window_layers(hf)
-    kinds = ["local" if w else "softmax" for w in windowed]
-    period = next(p for p in range(1, len(kinds) + 1) if len(kinds) % p == 0 and kinds == kinds[:p] * (len(kinds) // p))
-    model.layer_pattern = ",".join(kinds[:period])
+    model.layer_pattern = _shortest_period(["local" if w else "softmax" for w in windowed])
     model.sliding_window = window if any(windowed) else 0
 
 
@@ -346,20 +393,28 @@ def model_config_from_hf(hf: dict, model) -> None:
         model.rope_local_theta = 0.0
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", gemma3))
-    model.qk_norm = hf["model_type"] in ("qwen3", "gemma3_text")
+    model.qk_norm = hf["model_type"] in ("qwen3", "gemma3_text", "qwen3_moe")
+    model.mlp_pattern = "dense"
+    if hf["model_type"] in _MOE_NAMES:
+        _set_moe(hf, model)
     model.qkv_bias = qwen2
     model.embed_scale = model.post_norms = gemma3
     model.mlp_activation = "gelu_tanh" if gemma3 else "silu"
     model.query_pre_attn_scalar = float(hf.get("query_pre_attn_scalar", model.head_dim)) if gemma3 else 0.0
 
 
-def _require_dense_llama(m) -> None:
-    """Llama's layout has a dense SwiGLU MLP and softmax attention in every layer."""
-    if set(mlp_pattern(m)) != {"dense"} or not set(layer_pattern(m)) <= {"softmax", "local"}:
+def _require_convertible(m) -> None:
+    """The Llama family's layout: softmax attention (windowed or not) in every layer; SwiGLU MLPs,
+    dense or MoE (Mixtral's, Qwen3-MoE's: softmax routing, no shared experts)."""
+    if not set(layer_pattern(m)) <= {"softmax", "local"}:
         raise ConversionError(
-            f"jaxsys.convert reads and writes Llama checkpoints (dense MLPs, softmax attention), but this "
-            f"model has mlp_pattern={m.mlp_pattern!r} and layer_pattern={m.layer_pattern!r}; MoE and linear-"
-            "attention models have no Hugging Face Llama equivalent"
+            f"jaxsys.convert reads and writes Llama-family checkpoints (softmax attention), but this model has "
+            f"layer_pattern={m.layer_pattern!r}; linear-attention layers have no Hugging Face equivalent"
+        )
+    if "moe" in mlp_pattern(m) and (m.moe.router != "softmax" or m.moe.shared_experts or m.post_norms):
+        raise ConversionError(
+            f"config.model.moe (router={m.moe.router!r}, shared_experts={m.moe.shared_experts}) converts as a "
+            "Mixtral or Qwen3-MoE, which route by softmax scores with no shared experts"
         )
 
 
@@ -389,8 +444,20 @@ def hf_config_from_model(m, dtype: str) -> dict:
     window = _hf_window(m, family)
     if family == "llama" and window:  # Llama's layout with a window in every layer
         family = "mistral"
+    moe = _hf_moe(m, family)
+    if moe:
+        family = moe.pop("model_type")
+        if family == "mixtral":  # MixtralConfig's window is off unless named
+            window = window or {"sliding_window": None}
     rope = _hf_rope(m)
-    architecture = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    architecture = {
+        "llama": "Llama",
+        "mistral": "Mistral",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "mixtral": "Mixtral",
+        "qwen3_moe": "Qwen3Moe",
+    }[family]
     return {
         "architectures": [architecture + "ForCausalLM"],
         "model_type": family,
@@ -410,8 +477,37 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         **window,
+        **moe,  # after intermediate_size: Mixtral's is the experts'
         "torch_dtype": dtype,
         "dtype": dtype,
+    }
+
+
+def _hf_moe(m, family: str) -> dict:
+    """config.json's MoE keys (and model_type) for a model with MoE layers; {} without. Mixtral:
+    every layer MoE, gates renormalised; Qwen3-MoE (q/k norms): dense layers as mlp_only_layers."""
+    kinds = _mlp_kinds(m)
+    if "moe" not in kinds:
+        return {}
+    moe = m.moe
+    if family == "qwen2" or (family in ("llama", "mistral") and ("dense" in kinds or not moe.renormalize)):
+        raise ConversionError(
+            f"this MoE model (mlp_pattern={m.mlp_pattern!r}, renormalize={moe.renormalize}, "
+            f"qkv_bias={m.qkv_bias}) is neither a Mixtral (MoE in every layer, gates renormalised, no biases) nor "
+            "a Qwen3-MoE (q/k norms)"
+        )
+    common = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_weight}
+    if family in ("llama", "mistral"):
+        return {"model_type": "mixtral", "num_local_experts": moe.experts, "intermediate_size": moe.d_ff, **common}
+    return {
+        "model_type": "qwen3_moe",
+        "num_experts": moe.experts,  # transformers 4's name, and 5's
+        "num_local_experts": moe.experts,
+        "moe_intermediate_size": moe.d_ff,
+        "norm_topk_prob": bool(moe.renormalize),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
+        **common,
     }
 
 
@@ -496,6 +592,15 @@ def _read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _layers_of(m, key: str) -> list[int]:
+    """The layers whose weights leaf `key` stacks: the dense-MLP leaves the dense layers, "moe" the
+    MoE ones, the others every layer."""
+    from jaxsys.models import transformer
+
+    kind = transformer.leaf_kind(key)
+    return [i for i, mlp in enumerate(_mlp_kinds(m)) if kind == "all" or mlp == kind]
+
+
 def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
     """jaxsys parameters (numpy, `dtype`) from HF tensors; checks every name and shape."""
 
@@ -532,9 +637,23 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
         "w_down": (D, F),
     }
     layers = {
-        key: np.stack([convert(take(f"model.layers.{i}.{name}", hf_shapes[key])) for i in range(m.n_layers)])
+        key: np.stack([convert(take(f"model.layers.{i}.{name}", hf_shapes[key])) for i in _layers_of(m, key)])
         for key, (name, convert) in _layer_map(m).items()
+        if _layers_of(m, key)
     }
+    moe_layers = _layers_of(m, "moe")
+    if moe_layers:  # router [E, D] and experts' [out, in] per layer -> [n, D, E], [n, E, D, F], [n, E, F, D]
+        router, expert, (gate, up, down) = _MOE_NAMES[_moe_family(m)]
+        E, Fe = m.moe.experts, m.moe.d_ff
+        experts = lambda i, w, shape: np.stack(
+            [take(f"model.layers.{i}.{expert.format(e=e, w=w)}", shape).T for e in range(E)]
+        )
+        layers["moe"] = {
+            "router": np.stack([take(f"model.layers.{i}.{router}", (E, D)).T for i in moe_layers]),
+            "w_gate": np.stack([experts(i, gate, (Fe, D)) for i in moe_layers]),
+            "w_up": np.stack([experts(i, up, (Fe, D)) for i in moe_layers]),
+            "w_down": np.stack([experts(i, down, (D, Fe)) for i in moe_layers]),
+        }
     params = {
         "embed": take("model.embed_tokens.weight", (V, D)),
         "layers": layers,
@@ -554,8 +673,16 @@ def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": final}
     names = {key: name for key, (name, _) in _layer_map(m).items()}
     for key, unmap in _layer_unmap(m).items():
-        for i in range(m.n_layers):
-            out[f"model.layers.{i}.{names[key]}"] = unmap(np.asarray(params["layers"][key][i]))
+        for j, i in enumerate(_layers_of(m, key)):
+            out[f"model.layers.{i}.{names[key]}"] = unmap(np.asarray(params["layers"][key][j]))
+    if _layers_of(m, "moe"):
+        router, expert, ws = _MOE_NAMES[_moe_family(m)]
+        moe = {k: np.asarray(v) for k, v in params["layers"]["moe"].items()}
+        for j, i in enumerate(_layers_of(m, "moe")):
+            out[f"model.layers.{i}.{router}"] = moe["router"][j].T
+            for w, key in zip(ws, ("w_gate", "w_up", "w_down")):
+                for e in range(m.moe.experts):
+                    out[f"model.layers.{i}.{expert.format(e=e, w=w)}"] = moe[key][j, e].T
     if not m.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["unembed"]).T
     return {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in out.items()}
@@ -591,7 +718,7 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
     config = base_config() if config is None else config
     model_config_from_hf(text_config(_hf_config(hf_dir)), config.model)
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
-    _require_dense_llama(config.model)
+    _require_convertible(config.model)
     validate(config)
     source, note = _tokenizer_source(hf_dir, tokenizer)
     try:  # a tokenizer that does not fit the model is refused before anything is written
@@ -631,7 +758,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
             f"{out_dir} already has model.safetensors: pass a new output directory; nothing was overwritten"
         )
     config, step = saved_config(workdir, (), step)
-    _require_dense_llama(config.model)  # before any array is read
+    _require_convertible(config.model)  # before any array is read
     # adapters (config.lora) merged into the weights: W + scale A B, a quantized base dequantized
     _, params, config = load(workdir, ONE_DEVICE, step, jax.devices()[:1], adapters="merge")
     m = config.model
