@@ -391,9 +391,13 @@ def _moe_of(cfg: dict, i: int):
     None for a dense layer: Mixtral's in every layer; Qwen3-MoE's where mlp_only_layers does not
     list it (decoder_sparse_step 1)."""
     if cfg["model_type"] == "mixtral":
-        return "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2"), cfg[
-            "num_experts_per_tok"
-        ], True
+        return (
+            "block_sparse_moe.gate.weight",
+            "block_sparse_moe.experts.{e}.{w}.weight",
+            ("w1", "w3", "w2"),
+            cfg["num_experts_per_tok"],
+            True,
+        )
     if cfg["model_type"] == "qwen3_moe" and i not in cfg.get("mlp_only_layers", []):
         names = ("gate_proj", "up_proj", "down_proj")
         return "mlp.gate.weight", "mlp.experts.{e}.{w}.weight", names, cfg["num_experts_per_tok"], cfg["norm_topk_prob"]
