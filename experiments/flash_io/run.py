@@ -188,7 +188,7 @@ def capture(
     q, k, v = _shapes(T, S, H, N, K, B, DTYPES[dtype_bytes])
     # _prepare validates and resolves the block sizes (the kernel's _block_size); interpret=True
     # only so that it does not ask for a GPU; the grid and specs do not depend on it.
-    cfg, _, _ = FK._prepare(
+    plan, _, _ = FK._prepare(
         q,
         k,
         v,
@@ -201,7 +201,9 @@ def capture(
         block_q_bwd=None,
         block_k_bwd=None,
         interpret=True,
+        backend="generic",
     )
+    (cfg,) = [c for _, variant, c in plan.branches if variant == "generic"]
     calls: list[_Call] = []
     with _patched(FK, "pl", _PlProxy(calls, run=False)):
         if pass_ == "fwd":
@@ -237,13 +239,15 @@ def trips_per_program(call: _Call) -> np.ndarray:
         nk = kw["num_kv_blocks"]
         if not cfg.causal:
             return np.full(p.shape, nk, np.int64)
-        n_full, n_end = FK._causal_kv_range(p, bq, bk, nk)  # loops [0, n_full) and [n_full, n_end)
-        return (span(0, n_full) + span(n_full, n_end)).astype(np.int64)
+        # loops [n_start, n_inner) (a window's far edge; empty without one), [n_inner, n_full), [n_full, n_end)
+        n_start, n_inner, n_full, n_end = FK._causal_kv_range(p, bq, bk, nk)
+        return (span(n_start, n_inner) + span(n_inner, n_full) + span(n_full, n_end)).astype(np.int64)
     nq, group = kw["num_q_blocks"], kw["group"]
     if not cfg.causal:
         return np.full(p.shape, group * nq, np.int64)
-    n_start, n_full = FK._causal_q_range(p, bq, bk, nq)  # loops [n_start, n_full) and [n_full, nq)
-    return (group * (span(n_start, n_full) + span(n_full, nq))).astype(np.int64)
+    # loops [n_start, n_full), [n_full, n_outer) and [n_outer, n_stop) (n_outer = n_stop = nq without a window)
+    n_start, n_full, n_outer, n_stop = FK._causal_q_range(p, bq, bk, nq)
+    return (group * (span(n_start, n_full) + span(n_full, n_outer) + span(n_outer, n_stop))).astype(np.int64)
 
 
 def call_bytes(call: _Call) -> dict:
@@ -378,6 +382,8 @@ def check_closed_forms() -> list[str]:
     cases += [(c, used, caus) for c, used in SHRUNK_CASES for caus in (False,)]
     n = 0
     for (T, S, H, bq, bk, N, K, B), (uq, uk), causal in cases:
+        if H > 64:  # the kernel caps the key tile at wide heads (shared memory of a GPU block)
+            uk = min(uk, FK.GPU_MAX_BLOCK_K_WIDE_HEADS)
         for pass_ in ("fwd", "bwd"):
             for isz in (2, 4):
                 got = hbm_bytes(T, H, bq, bk, causal, isz, N=N, K=K, B=B, pass_=pass_, S=S)
