@@ -127,9 +127,10 @@ def _hf_config(hf_dir: str) -> dict:
 
 
 def _set_rope(hf: dict, model) -> None:
-    """RoPE's theta and scaling into `model`: transformers >= 5 nests them in `rope_parameters`,
-    earlier versions have a top-level `rope_theta` and a `rope_scaling` dict (Llama 3.1-3.3:
-    rope_type llama3 with factor, low/high_freq_factor, original_max_position_embeddings)."""
+    """RoPE's theta and scaling into `model`: transformers >= 5 nests them in `rope_parameters`
+    (Gemma 3's per layer type: the global layers' and the local ones', unscaled), earlier versions
+    have a top-level `rope_theta` (Gemma 3: and `rope_local_base_freq`) and a `rope_scaling` dict
+    (Llama 3.1-3.3's llama3, YaRN, linear)."""
     rope = hf.get("rope_parameters") or {}
     model.rope_local_theta = 0.0
     if hf.get("model_type") == "gemma3_text":  # per layer type: global layers as below, local unscaled
