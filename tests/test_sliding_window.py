@@ -340,3 +340,19 @@ def test_engine_serves_local_layers_past_the_window(cache, gemma):
     b = eng.submit("b", [7, 3], 11)
     eng.run()
     assert (a.generated, b.generated) == (greedy[6, 9], greedy[6, 2])
+
+
+def test_decode_roofline_reads_the_window():
+    """The decode analysis prices a local layer's KV read at min(S, W) positions: with half the
+    layers windowed (W = 16), a row at S = 1024 reads (1024 + 16) / 2 positions a layer."""
+    from jaxsys.analysis import decode, hardware
+    from tests.helpers import small_config
+
+    hw = hardware.profile("h100")
+    plain = decode.DecodeStep.for_config(small_config(), hw)
+    local = decode.DecodeStep.for_config(small_config(layer_pattern="local,softmax", sliding_window=16), hw)
+    assert plain.read_context(1024) == 1024 and local.read_context(1024) == (1024 + 16) / 2
+    assert local.read_context(8) == 8
+    report = decode.decode_report(small_config(layer_pattern="local,softmax", sliding_window=16), hw, [1024], [1])
+    want = local.times(1, (1024 + 16) / 2)[0]
+    assert report["rows"][0]["memory_s"] == pytest.approx(want) and want < plain.times(1, 1024)[0]

@@ -15,6 +15,10 @@ and values of every layer in the compute dtype, kv heads split over `tensor`):
         compute  = 2 (matmul parameters / t) b / peak + attention 4 L b S N H / t / peak
         comm     = 2 all-reduces per layer of [b, D] b_c over `tensor`, ring bytes / link bandwidth
         latency  = max(memory, compute) + comm          (collectives not overlapped, as in decode)
+    with sliding-window ("local") layers, S in the memory and attention terms is the positions a
+    row reads averaged over the layers: min(S, W) for a local layer (`DecodeStep.read_context`);
+    the batch that fits still holds all S (the pages behind a window stay allocated). The engine
+    step's pricing (analysis/serving.py) takes summed contexts and does not apply it.
     KV handed from a prefill to a decode mesh (disaggregated serving, serve/disagg.py), per request
     of T prompt tokens in pages of p slots:
         transfer bytes = 2 L ceil(T / p) p K H b_c      (whole pages; over all devices, not per device)
@@ -125,6 +129,15 @@ class DecodeStep:
         comm = 0.0 if t == 1 else 2 * m.n_layers * all_reduce / self.tensor_bytes_per_s
         return memory, compute, comm
 
+    def read_context(self, context: int) -> float:
+        """The positions a row of `context` cached tokens reads per layer, averaged over the layers:
+        `context`, less for the sliding-window ("local") layers, which read the last W only."""
+        from jaxsys.models import attention
+
+        m = self.model
+        reads = [min(context, m.sliding_window) if kind == "local" else context for kind in attention.layer_types(m)]
+        return sum(reads) / len(reads)
+
     def seconds(self, rows: int, context: int, mfu: float = 1.0) -> float:
         memory, compute, comm = self.times(rows, context, mfu)
         return max(memory, compute) + comm
@@ -142,7 +155,7 @@ def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> d
         fits = max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
         for b in batches:
             local_b = max(b // data, 1)
-            memory_s, compute_s, comm_s = step.times(local_b, local_b * S)
+            memory_s, compute_s, comm_s = step.times(local_b, local_b * step.read_context(S))
             latency = max(memory_s, compute_s) + comm_s
             rows.append(
                 {
