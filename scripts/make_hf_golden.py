@@ -48,6 +48,8 @@ Models:
   96 units, top 2 of the router's softmax, gates renormalised), 2 layers, untied.
 * ``qwen3_moe``: a Qwen3-MoE (q/k norms; layer 0 a mixture of 4 experts of 48, top 2,
   norm_topk_prob; layer 1 dense through mlp_only_layers), untied.
+* ``phi3``: a Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; a sliding window of 10 in every
+  layer, as Phi-3-mini's 2047), 2 layers, GQA 4/2, untied.
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -95,6 +97,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -255,6 +259,19 @@ MODELS = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
+    # Phi-3 / Phi-4: Llama's computation with q, k, v in one fused projection and gate, up in
+    # another; Phi-3-mini's sliding window (2047 there, 10 here)
+    "phi3": dict(
+        seed=12,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        family="phi3",
+        sliding_window=10,
+        pad_token_id=0,  # Phi3Config's default, 32000, is outside this vocabulary
+        eos_token_id=2,
+    ),
     "qwen2": dict(
         seed=4,
         num_hidden_layers=2,
@@ -266,6 +283,7 @@ MODELS = {
 }
 
 CLASSES = {
+    "phi3": (Phi3Config, Phi3ForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
@@ -419,7 +437,8 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     mask = np.triu(np.full((T, T), -np.inf), k=1)
     # sliding windows (transformers' rule: key j visible from query i iff i - W < j <= i): Mistral's
     # in every layer, Qwen2's in the layers layer_types marks (from max_window_layers on)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", cfg["model_type"] == "mistral") else None
+    windowed_family = cfg["model_type"] in ("mistral", "phi3")  # a window in every layer when set
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", windowed_family) else None
     kinds = cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]
     back = np.arange(T)[:, None] - np.arange(T)[None, :]
     window_mask = mask if window is None else np.where(back < window, mask, -np.inf)
@@ -428,6 +447,11 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        if p + "self_attn.qkv_proj.weight" in w:  # Phi-3: q, k, v rows in one matrix, gate and up in another
+            qkv = np.split(w.pop(p + "self_attn.qkv_proj.weight"), [n_h * d, (n_h + n_kv) * d])
+            w.update({p + f"self_attn.{n}_proj.weight": a for n, a in zip("qkv", qkv)})
+            gate_up = np.split(w.pop(p + "mlp.gate_up_proj.weight"), 2)
+            w.update({p + f"mlp.{n}_proj.weight": a for n, a in zip(("gate", "up"), gate_up)})
         proj = lambda name, x: x @ w[p + f"self_attn.{name}.weight"].T + w.get(p + f"self_attn.{name}.bias", 0.0)
         q = proj("q_proj", h).reshape(B, T, n_h, d).transpose(0, 2, 1, 3)
         k = proj("k_proj", h).reshape(B, T, n_kv, d).transpose(0, 2, 1, 3)

@@ -175,6 +175,31 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
         hf_lib.hf_config_from_model(m, "float32")
 
 
+def test_phi3_fused_projections_convert_and_write_back_as_mistral(tmp_path):
+    """Phi-3 / Phi-4 fuse q, k, v into qkv_proj and gate, up into gate_up_proj: --from-hf splits
+    them (logits match transformers', Phi-3-mini's sliding window included); --to-hf writes the
+    same computation as a Mistral (a window in every layer), whose split tensors are the fused
+    ones' rows."""
+    golden = os.path.join(GOLDEN, "phi3")
+    workdir = tmp_path / "run"
+    assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
+    config, program, state = _restored(workdir)
+    assert (config.model.layer_pattern, config.model.sliding_window) == ("local", 10)
+    tokens = np.load(os.path.join(golden, "tokens.npy"))
+    got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
+    np.testing.assert_allclose(got, np.load(os.path.join(golden, "logits.npy")), atol=1e-4, rtol=0)
+    out = tmp_path / "hf"
+    assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
+    assert json.load(open(out / "config.json"))["model_type"] == "mistral"
+    fused, written = load_file(os.path.join(golden, "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for i in range(2):
+        p = f"model.layers.{i}."
+        qkv = np.concatenate([written[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        np.testing.assert_array_equal(qkv, fused[p + "self_attn.qkv_proj.weight"])
+        gate_up = np.concatenate([written[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
+        np.testing.assert_array_equal(gate_up, fused[p + "mlp.gate_up_proj.weight"])
+
+
 def test_moe_configs_read_and_refused_as_transformers_names_them():
     """Qwen3-MoE as the Hub's configs have it (num_experts, transformers 4's name) reads as the
     golden's num_local_experts; decoder_sparse_step 2 makes every second layer MoE; to_hf refuses

@@ -204,7 +204,7 @@ def _hf_rope(m) -> dict:
 
 
 # Qwen2 (and 2.5): Llama's layout plus q/k/v biases; Qwen3: plus a per-head RMSNorm of q and k instead
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "phi3")
 
 # the MoE families: the router and each expert's SwiGLU matrices under the layer's prefix
 _MOE_NAMES = {
@@ -270,7 +270,7 @@ def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
         window = hf.get("sliding_window", 4096)
     elif kind == "mistral":
         window = hf.get("sliding_window", 4096)
-    elif kind == "mixtral":
+    elif kind in ("mixtral", "phi3"):
         window = hf.get("sliding_window")
     elif kind in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False):
         window = hf.get("sliding_window")
@@ -278,7 +278,7 @@ def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
         window = None
     if not window:
         return None, [False] * n
-    if kind in ("mistral", "mixtral"):
+    if kind in ("mistral", "mixtral", "phi3"):
         return int(window), [True] * n
     types = hf.get("layer_types") or [
         "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention" for i in range(n)
@@ -359,6 +359,30 @@ def text_tensors(tensors: dict) -> dict:
         for old, new in _TEXT_PREFIXES:
             if name.startswith(old):
                 out[new + name[len(old) :]] = array
+    return out
+
+
+def unfused(tensors: dict, m) -> dict:
+    """Phi-3 / Phi-4's fused projections split into Llama's: qkv_proj's rows are q (N H), k (K H),
+    v (K H); gate_up_proj's the gate (F) then the up projection (F)."""
+    out = dict(tensors)
+    N, K, H, F = m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+    for name in tensors:
+        prefix = name[: -len("self_attn.qkv_proj.weight")]
+        if name.endswith("self_attn.qkv_proj.weight"):
+            qkv = out.pop(name)
+            if qkv.shape[0] != (N + 2 * K) * H:
+                raise ConversionError(
+                    f"tensor {name} has {qkv.shape[0]} rows but config.json implies {(N + 2 * K) * H}"
+                )
+            for part, rows in zip("qkv", np.split(qkv, [N * H, (N + K) * H])):
+                out[f"{prefix}self_attn.{part}_proj.weight"] = rows
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name[: -len("mlp.gate_up_proj.weight")]
+            gate_up = out.pop(name)
+            if gate_up.shape[0] != 2 * F:
+                raise ConversionError(f"tensor {name} has {gate_up.shape[0]} rows but config.json implies {2 * F}")
+            out[f"{prefix}mlp.gate_proj.weight"], out[f"{prefix}mlp.up_proj.weight"] = np.split(gate_up, 2)
     return out
 
 
@@ -726,7 +750,8 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
         tokenizer_lib.check_source(source, config.model.vocab_size)
     except tokenizer_lib.TokenizerError as e:
         raise ConversionError(str(e)) from None
-    tensors = text_tensors(_read_safetensors(hf_dir))  # after every check on the config: reading is the slow part
+    # after every check on the config: reading is the slow part
+    tensors = unfused(text_tensors(_read_safetensors(hf_dir)), config.model)
     params = params_from_hf(tensors, config.model, jnp.dtype(config.model.param_dtype))
     n = int(np.prod([config.mesh[a] for a in config.mesh]))
     if n > jax.device_count():
