@@ -41,6 +41,21 @@ def _restored(workdir, devices=1):
     return config, program, state
 
 
+def _logits_match_and_written_back(tmp_path, name):
+    """--from-hf of golden `name` (logits equal transformers' to 1e-4), then --to-hf of the
+    workdir: (the converted config, the golden's directory, the written one)."""
+    golden = os.path.join(GOLDEN, name)
+    workdir = tmp_path / "run"
+    assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
+    config, program, state = _restored(workdir)
+    tokens = np.load(os.path.join(golden, "tokens.npy"))
+    got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
+    np.testing.assert_allclose(got, np.load(os.path.join(golden, "logits.npy")), atol=1e-4, rtol=0)
+    out = tmp_path / "hf"
+    assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
+    return config, golden, out
+
+
 @pytest.mark.parametrize(
     "name",
     ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window", "gemma3", "mixtral", "qwen3_moe"],
@@ -180,16 +195,8 @@ def test_phi3_fused_projections_convert_and_write_back_as_mistral(tmp_path):
     them (logits match transformers', Phi-3-mini's sliding window included); --to-hf writes the
     same computation as a Mistral (a window in every layer), whose split tensors are the fused
     ones' rows."""
-    golden = os.path.join(GOLDEN, "phi3")
-    workdir = tmp_path / "run"
-    assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
-    config, program, state = _restored(workdir)
+    config, golden, out = _logits_match_and_written_back(tmp_path, "phi3")
     assert (config.model.layer_pattern, config.model.sliding_window) == ("local", 10)
-    tokens = np.load(os.path.join(golden, "tokens.npy"))
-    got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
-    np.testing.assert_allclose(got, np.load(os.path.join(golden, "logits.npy")), atol=1e-4, rtol=0)
-    out = tmp_path / "hf"
-    assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
     assert json.load(open(out / "config.json"))["model_type"] == "mistral"
     fused, written = load_file(os.path.join(golden, "model.safetensors")), load_file(str(out / "model.safetensors"))
     for i in range(2):
@@ -226,20 +233,12 @@ def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):
     nested, tensors under language_model.*, a vision tower beside): --from-hf converts the
     language model (its text-only logits match transformers'), --to-hf writes it as a
     Gemma3ForCausalLM whose tensors are the checkpoint's language-model ones."""
-    golden = os.path.join(GOLDEN, "gemma3_mm")
-    workdir = tmp_path / "run"
-    assert convert.main(["--from-hf", golden, "--workdir", str(workdir)]) == 0
-    config, program, state = _restored(workdir)
+    config, golden, out = _logits_match_and_written_back(tmp_path, "gemma3_mm")
     assert (config.model.layer_pattern, config.model.post_norms, config.model.rope_factor) == (
         "local,softmax",
         True,
         8.0,
     )
-    tokens = np.load(os.path.join(golden, "tokens.npy"))
-    got = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), config.model, program.layout))
-    np.testing.assert_allclose(got, np.load(os.path.join(golden, "logits.npy")), atol=1e-4, rtol=0)
-    out = tmp_path / "hf"
-    assert convert.main(["--to-hf", str(out), "--workdir", str(workdir)]) == 0
     assert json.load(open(out / "config.json"))["model_type"] == "gemma3_text"
     original, written = load_file(os.path.join(golden, "model.safetensors")), load_file(str(out / "model.safetensors"))
     text = {k.replace("language_model.", "", 1): v for k, v in original.items() if k.startswith("language_model.")}

@@ -443,6 +443,20 @@ def _require_convertible(m) -> None:
         )
 
 
+def _hf_shape(m) -> dict:
+    """The config.json keys every family shares: the model's sizes and its norms' epsilon."""
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "intermediate_size": m.d_ff,
+        "rms_norm_eps": m.norm_eps,
+    }
+
+
 def hf_config_from_model(m, dtype: str) -> dict:
     """A transformers config dict for `config.model`: Llama's, Mistral's (a window in every layer),
     Qwen2's (q/k/v biases) or Qwen3's (q/k norms); both the transformers 5 `rope_parameters` and the
@@ -486,15 +500,8 @@ def hf_config_from_model(m, dtype: str) -> dict:
     return {
         "architectures": [architecture + "ForCausalLM"],
         "model_type": family,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "intermediate_size": m.d_ff,
+        **_hf_shape(m),
         "hidden_act": "silu",
-        "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
         "rope_parameters": rope,
         **({} if m.rope_scaling == "none" else {"rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}),
@@ -559,15 +566,8 @@ def _gemma3_config(m, dtype: str) -> dict:
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim,
-        "intermediate_size": m.d_ff,
+        **_hf_shape(m),
         "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": m.norm_eps,
         "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
         "sliding_window": m.sliding_window if any(kinds) else None,
         "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
