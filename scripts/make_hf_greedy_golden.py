@@ -1,7 +1,7 @@
 """Greedy continuations of the Hugging Face golden models by `transformers`, for jaxsys.generate.
 
-For each tiny Llama in tests/golden/hf_llama/<name>/ (made by scripts/make_hf_golden.py), load it
-with `LlamaForCausalLM.from_pretrained` (fp32, eager attention), take the first 8 tokens of each
+For each tiny model in tests/golden/hf_llama/<name>/ (made by scripts/make_hf_golden.py; NAMES),
+load it with `AutoModelForCausalLM.from_pretrained` (fp32, eager attention), take the first 8 tokens of each
 row of its tokens.npy as prompts and let `model.generate(do_sample=False, use_cache=True)` add 16
 tokens. Writes greedy_prompts.npy [2, 8] and greedy_tokens.npy [2, 16] (int32) beside the model.
 
@@ -14,17 +14,20 @@ import os
 
 import numpy as np
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "golden", "hf_llama")
 PROMPT, NEW = 8, 16
+# Llamas; and the models whose decoding a sliding window (mistral 8, phi3 10, gemma3 6: shorter
+# than the 24 tokens), Gemma 3's pieces or a mixture of experts changes
+NAMES = ("untied", "tied", "mistral", "phi3", "gemma3", "mixtral", "qwen3_moe")
 
 
 def main() -> None:
     torch.manual_seed(0)
-    for name in ("untied", "tied"):
+    for name in NAMES:
         path = os.path.join(ROOT, name)
-        model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
         model.eval()
         prompts = np.load(os.path.join(path, "tokens.npy"))[:, :PROMPT].astype(np.int64)
         with torch.no_grad():
