@@ -207,6 +207,113 @@ def test_phi3_fused_projections_convert_and_write_back_as_mistral(tmp_path):
         np.testing.assert_array_equal(gate_up, fused[p + "mlp.gate_up_proj.weight"])
 
 
+# config.json of released models, as on the Hub (the keys that matter), and their published sizes
+REAL_CONFIGS = {
+    "gemma-3-1b": (
+        dict(
+            model_type="gemma3_text",
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling=None,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+        ),
+        999_885_952,
+    ),
+    "mixtral-8x7b": (
+        dict(
+            model_type="mixtral",
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1000000.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+        ),
+        46_702_792_704,
+    ),
+    "qwen3-30b-a3b": (
+        dict(
+            model_type="qwen3_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rope_theta=1000000.0,
+            use_sliding_window=False,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+        ),
+        30_532_122_624,
+    ),
+    "phi-4": (
+        dict(
+            model_type="phi3",
+            vocab_size=100352,
+            hidden_size=5120,
+            intermediate_size=17920,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=10,
+            rope_theta=250000.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+        ),
+        14_659_507_200,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_CONFIGS))
+def test_released_configs_read_to_their_published_parameter_counts(name):
+    """Each released model's config.json sets a valid jaxsys model whose parameters number
+    exactly the published count (embeddings, every projection, the experts, the norms): the
+    mapping holds at full size, where no weights can be downloaded here."""
+    from jaxsys.config import validate
+    from jaxsys.models import params
+
+    hf, want = REAL_CONFIGS[name]
+    config = load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    hf_lib.model_config_from_hf(hf, config.model)
+    validate(config)
+    assert params.count(transformer.param_specs(config.model)) == want
+    m = config.model
+    if name == "gemma-3-1b":  # 26 layers: five local, one global, the period cut by the layer count
+        assert m.layer_pattern.split(",")[:6] == ["local"] * 5 + ["softmax"] and len(m.layer_pattern.split(",")) == 26
+        assert (m.sliding_window, m.rope_local_theta, m.query_pre_attn_scalar) == (512, 1e4, 256.0)
+    if name == "qwen3-30b-a3b":
+        assert (m.mlp_pattern, m.moe.experts, m.moe.top_k, m.moe.renormalize) == ("moe", 128, 8, True)
+
+
 def test_moe_configs_read_and_refused_as_transformers_names_them():
     """Qwen3-MoE as the Hub's configs have it (num_experts, transformers 4's name) reads as the
     golden's num_local_experts; decoder_sparse_step 2 makes every second layer MoE; to_hf refuses

@@ -4,6 +4,7 @@ shardings, abstract shapes and initial values are all derived from it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,4 +56,5 @@ def abstract_params(specs, dtype):
 
 
 def count(specs) -> int:
-    return sum(int(jnp.prod(jnp.array(s.shape))) for s in jax.tree.leaves(specs, is_leaf=is_spec))
+    # Python ints: a leaf of a large MoE ([L, E, D, F]) has more than 2^31 elements
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
