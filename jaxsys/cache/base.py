@@ -10,7 +10,8 @@ layers') arrays back, and the model's attention calls one method on one layer's 
 
 which writes this step's keys and values k, v [B, T, K, H] at `positions` [B, T] and attends to
 the cache with q [B, T, N, H], returning o [B, T, N, H] and the cache with the writes. Shapes are
-per device (this device's sequences or rows, and its K / tensor kv heads).
+per device (this device's sequences or rows, and its K / tensor kv heads). A sliding-window layer
+passes `window=W`: each query then sees only its last W positions.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 is the command).
 
 `from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral,
-Qwen2 with its q/k/v biases, Qwen3 with its q/k norms; GQA/MQA, any rope
+Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Gemma 3's text model (also out of its
+image-text checkpoint), Phi-3 / Phi-4 with fused projections, Mixtral and Qwen3-MoE experts,
+sliding windows; GQA/MQA, any rope
 theta and Llama 3.1's, linear or YaRN rope scaling, tied or untied embeddings; other rope scalings, biases
 and other activations are refused by name),
 sets `config.model` from it on top of a config (training, data and mesh settings), and writes the
