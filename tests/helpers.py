@@ -36,6 +36,18 @@ def config_file(name: str, arg: str | None = None):
     return module.get_config(arg)
 
 
+# Gemma 3's pieces on the tiny model (config.model keys), for the tests that run them together
+GEMMA3_PIECES = dict(
+    qk_norm=True,
+    embed_scale=True,
+    mlp_activation="gelu_tanh",
+    post_norms=True,
+    query_pre_attn_scalar=16.0,
+    rope_local_theta=1e4,
+    rope_theta=1e6,
+)
+
+
 def small_config(mesh=None, **model):
     """The tiny test model (D=64, L=2, N=8, T=32, B=8) with the given mesh and model overrides."""
     c = config_file("tiny", "test")

@@ -300,20 +300,9 @@ def test_gemma3_pieces_sharded_match_one_device():
     layers with a window and their own RoPE base, q/k norms) on data 2 x fsdp 2 x tensor 2 with
     sequence parallelism and the Pallas kernel: loss and gradients equal one device's reference
     (the post norms' gradients included, and nonzero)."""
-    from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
+    from tests.helpers import GEMMA3_PIECES, assert_trees_close_leafwise, loss_and_grads, small_config
 
-    kw = dict(
-        n_kv_heads=4,
-        qk_norm=True,
-        embed_scale=True,
-        mlp_activation="gelu_tanh",
-        post_norms=True,
-        query_pre_attn_scalar=16.0,
-        layer_pattern="local,softmax",
-        sliding_window=8,
-        rope_local_theta=1e4,
-        rope_theta=1e6,
-    )
+    kw = dict(GEMMA3_PIECES, n_kv_heads=4, layer_pattern="local,softmax", sliding_window=8)
     one = small_config(**kw)
     sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, attention_impl="pallas", **kw)
     sharded.parallel.sequence_parallel = True

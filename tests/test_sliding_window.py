@@ -306,19 +306,10 @@ def test_engine_serves_local_layers_past_the_window(cache, gemma):
     softmax scale folded into q before the cache, embeddings times sqrt(D), post norms, GeGLU)."""
     from jaxsys.models import transformer
     from jaxsys.serve import engine
-    from tests.helpers import program_for, small_config
+    from tests.helpers import GEMMA3_PIECES, program_for, small_config
 
-    pieces = dict(
-        qk_norm=True,
-        embed_scale=True,
-        mlp_activation="gelu_tanh",
-        post_norms=True,
-        query_pre_attn_scalar=12.0,
-        rope_local_theta=1e3,
-        rope_theta=1e5,
-    )
     config = small_config(
-        layer_pattern="local,softmax", sliding_window=6, n_kv_heads=4, init_std=0.2, **(pieces if gemma else {})
+        layer_pattern="local,softmax", sliding_window=6, n_kv_heads=4, init_std=0.2, **(GEMMA3_PIECES if gemma else {})
     )
     program = program_for(config)
     params = program.init(3).params
@@ -361,20 +352,9 @@ def test_decode_roofline_reads_the_window():
 def test_local_gemma_layers_under_a_pipeline_match_one_device():
     """Local layers with Gemma 3's pieces split over pipe 2 x data 2 (two micro-batches; each
     stage holds whole periods of 'local,softmax'): loss and gradients equal one device's."""
-    from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
+    from tests.helpers import GEMMA3_PIECES, assert_trees_close_leafwise, loss_and_grads, small_config
 
-    kw = dict(
-        layer_pattern="local,softmax",
-        sliding_window=8,
-        n_layers=4,
-        n_kv_heads=4,
-        qk_norm=True,
-        embed_scale=True,
-        mlp_activation="gelu_tanh",
-        post_norms=True,
-        query_pre_attn_scalar=16.0,
-        rope_local_theta=1e4,
-    )
+    kw = dict(GEMMA3_PIECES, layer_pattern="local,softmax", sliding_window=8, n_layers=4, n_kv_heads=4)
     piped = small_config({"pipe": 2, "data": 2}, **kw)
     piped.train.microbatches = 2
     (want_loss, want), (got_loss, got) = loss_and_grads(small_config(**kw)), loss_and_grads(piped)
