@@ -94,6 +94,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.post_norms = False
     c.model.query_pre_attn_scalar = 0.0
     c.model.rope_local_theta = 0.0
+    # Gemma 2's logit soft-capping, c * tanh(x / c) (0: off): of each attention score after
+    # scaling, before the mask and softmax (50 in Gemma 2), and of the output logits (30)
+    c.model.attn_logit_softcap = 0.0
+    c.model.final_logit_softcap = 0.0
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -566,7 +570,7 @@ def _require(ok: bool, message: str) -> None:
 
 def _check_gemma_pieces(m) -> None:
     """config.model.embed_scale / mlp_activation / post_norms / query_pre_attn_scalar /
-    rope_local_theta."""
+    rope_local_theta / attn_logit_softcap / final_logit_softcap."""
     _require(
         m.mlp_activation in MLP_ACTIVATIONS,
         f"config.model.mlp_activation={m.mlp_activation!r}: choose one of {MLP_ACTIVATIONS}",
@@ -575,7 +579,7 @@ def _check_gemma_pieces(m) -> None:
         m.mlp_activation == "silu" or "moe" not in mlp_pattern(m),
         f"config.model.mlp_activation={m.mlp_activation!r}: the MoE experts are SwiGLU; use 'silu' with moe layers",
     )
-    for key in ("query_pre_attn_scalar", "rope_local_theta"):
+    for key in ("query_pre_attn_scalar", "rope_local_theta", "attn_logit_softcap", "final_logit_softcap"):
         value = m[key]
         _require(
             isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
@@ -585,6 +589,12 @@ def _check_gemma_pieces(m) -> None:
         not m.rope_local_theta or "local" in layer_pattern(m),
         f"config.model.rope_local_theta={m.rope_local_theta} is the RoPE base of 'local' layers, but "
         f"config.model.layer_pattern={m.layer_pattern!r} has none: set it to 0",
+    )
+    _require(
+        not m.attn_logit_softcap or m.attention_impl != "cudnn",
+        f"config.model.attn_logit_softcap={m.attn_logit_softcap} with config.model.attention_impl='cudnn': "
+        "cuDNN's attention has no score soft-capping; use attention_impl='pallas' (the flash kernels cap "
+        "in-kernel) or 'reference'",
     )
 
 
@@ -1383,6 +1393,8 @@ def _validate_flax(config) -> None:
         ("config.model.mlp_activation", m.mlp_activation, "silu"),
         ("config.model.post_norms", m.post_norms, False),
         ("config.model.query_pre_attn_scalar", m.query_pre_attn_scalar, 0.0),
+        ("config.model.attn_logit_softcap", m.attn_logit_softcap, 0.0),
+        ("config.model.final_logit_softcap", m.final_logit_softcap, 0.0),
         ("config.offload.activations", config.offload.activations, ""),
         ("config.parallel.sequence_parallel", config.parallel.sequence_parallel, False),
         ("config.parallel.vocab_parallel", config.parallel.vocab_parallel, False),

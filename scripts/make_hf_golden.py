@@ -41,6 +41,11 @@ Models:
 * ``gemma3``: a Gemma 3 text model (``Gemma3ForCausalLM``), 3 layers: two local (window 6, RoPE
   base 1e4) and a global one (base 1e6, linear scaling 2), query_pre_attn_scalar 24, GeGLU,
   sandwich and (1 + w) norms, q/k norms, embeddings times sqrt(D), tied; its own NumPy check.
+* ``gemma2``: a Gemma 2 (``Gemma2ForCausalLM``), 2 layers: a local one (window 6) and a global
+  one, one RoPE base (1e4), query_pre_attn_scalar 24, the sandwich and (1 + w) norms, GeGLU, no
+  q/k norms, tied, and its soft-capping: attention scores c tanh(s / c) with c = 2 and logits
+  with c = 0.5 (small, so that both change the result: the scores' std is ~1.4 and the logits
+  reach ~0.6); the Gemma NumPy check.
 * ``gemma3_mm``: a Gemma 3 image-text model (``Gemma3ForConditionalGeneration``, as Gemma 3
   4B-27B ship) with a tiny vision tower: its language model is read on its own, and the logits are
   of text-only input (tokens below the image tokens 381-383).
@@ -87,6 +92,8 @@ import safetensors.numpy
 import torch
 import transformers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3Config,
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
@@ -216,6 +223,22 @@ MODELS = {
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # Gemma 2: the same pieces without q/k norms or a local RoPE base, plus soft-capping of the
+    # attention scores and of the logits (caps small enough to matter at these sizes)
+    "gemma2": dict(
+        seed=13,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        family="gemma2",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=0.5,
+    ),
     # Gemma 3 4B-27B ship as an image-text model: the same text model inside, the vision tower
     # beside it; text-only logits (tokens below the image tokens 381-383)
     "gemma3_mm": dict(
@@ -286,6 +309,7 @@ CLASSES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -304,9 +328,9 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     config_class, model_class = CLASSES[family]
     if family in ("qwen2", "qwen3", "qwen3_moe"):
         spec.setdefault("use_sliding_window", False)
-    gemma = family.startswith("gemma3")
+    gemma = family.startswith("gemma")
     common = {k: v for k, v in COMMON.items() if not (gemma and k == "hidden_act")}
-    if gemma:  # rope parameters per layer type; the global layers' theta is rope_theta
+    if family.startswith("gemma3"):  # rope parameters per layer type; the global layers' theta is rope_theta
         rope_parameters = {**rope, "full_attention": {**rope["full_attention"], "rope_theta": rope_theta}}
     else:  # transformers>=5 stores rope_theta (and any scaling) inside rope_parameters
         rope_parameters = {**rope, "rope_theta": rope_theta}
@@ -497,24 +521,27 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     return x @ head.T
 
 
-def numpy_gemma3_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
-    """Gemma 3's text model from its description, float64: embeddings times sqrt(D); per layer an
-    RMSNorm scaling by (1 + w) before attention, q/k norms the same way over head_dim, RoPE with the
-    layer type's parameters (local: their own base; global: rope_theta, linear scaling divides the
-    frequencies), scores times query_pre_attn_scalar^-0.5, a window of sliding_window keys on the
-    local layers, (1 + w) norms on the attention and MLP outputs before each residual add and
-    before the MLP, GeGLU with tanh-approximated gelu; a final (1 + w) norm and tied logits."""
+def numpy_gemma_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
+    """Gemma 2's and Gemma 3's text model from their description, float64: embeddings times
+    sqrt(D); per layer an RMSNorm scaling by (1 + w) before attention, (Gemma 3) q/k norms the same
+    way over head_dim, RoPE with the layer type's parameters (Gemma 3's local layers: their own
+    base; global: rope_theta, linear scaling divides the frequencies; Gemma 2: one plain RoPE),
+    scores times query_pre_attn_scalar^-0.5, (Gemma 2) capped c tanh(s / c) by
+    attn_logit_softcapping, a window of sliding_window keys on the local layers, (1 + w) norms on
+    the attention and MLP outputs before each residual add and before the MLP, GeGLU with
+    tanh-approximated gelu; a final (1 + w) norm, tied logits, capped by final_logit_softcapping."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     n_h, n_kv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
     B, T = tokens.shape
     norm = lambda x, weight: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + weight)
     gelu_tanh = lambda a: 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a**3)))
+    cap = lambda a, key: cfg[key] * np.tanh(a / cfg[key]) if cfg.get(key) else a
     back = np.arange(T)[:, None] - np.arange(T)[None, :]
     x = w["model.embed_tokens.weight"][tokens] * np.sqrt(cfg["hidden_size"])
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
-        rope = cfg["rope_parameters"][kind]
+        rope = cfg["rope_parameters"].get(kind, cfg["rope_parameters"])  # Gemma 2: one for all layers
         inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if rope.get("rope_type") == "linear":
             inv_freq = inv_freq / rope["factor"]
@@ -525,12 +552,13 @@ def numpy_gemma3_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndar
         proj = lambda name, heads: (
             (h @ w[p + f"self_attn.{name}.weight"].T).reshape(B, T, heads, d).transpose(0, 2, 1, 3)
         )
-        q = norm(proj("q_proj", n_h), w[p + "self_attn.q_norm.weight"])
-        k = norm(proj("k_proj", n_kv), w[p + "self_attn.k_norm.weight"])
-        v = proj("v_proj", n_kv)
+        q, k, v = proj("q_proj", n_h), proj("k_proj", n_kv), proj("v_proj", n_kv)
+        if p + "self_attn.q_norm.weight" in w:  # Gemma 3
+            q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         k, v = np.repeat(k, n_h // n_kv, axis=1), np.repeat(v, n_h // n_kv, axis=1)
-        s = np.where(visible, (q @ k.transpose(0, 1, 3, 2)) * cfg["query_pre_attn_scalar"] ** -0.5, -np.inf)
+        s = cap((q @ k.transpose(0, 1, 3, 2)) * cfg["query_pre_attn_scalar"] ** -0.5, "attn_logit_softcapping")
+        s = np.where(visible, s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         a = ((s / s.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, n_h * d)
         x = x + norm(a @ w[p + "self_attn.o_proj.weight"].T, w[p + "post_attention_layernorm.weight"])
@@ -539,7 +567,7 @@ def numpy_gemma3_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndar
             p + "mlp.down_proj.weight"
         ].T
         x = x + norm(y, w[p + "post_feedforward_layernorm.weight"])
-    return norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
+    return cap(norm(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T, "final_logit_softcapping")
 
 
 def main(argv=None) -> int:
@@ -585,7 +613,7 @@ def main(argv=None) -> int:
         if cfg["model_type"] == "gemma3":  # its language model's config and tensors, renamed
             cfg = cfg["text_config"]
             weights = {k.replace("language_model.", "", 1): v for k, v in weights.items() if "language_model." in k}
-        numpy_logits = numpy_gemma3_logits if cfg["model_type"] == "gemma3_text" else numpy_llama_logits
+        numpy_logits = numpy_gemma_logits if cfg["model_type"].startswith("gemma") else numpy_llama_logits
         ref = numpy_logits(weights, cfg, np.load(out / "tokens.npy"))
         err = float(np.max(np.abs(ref - np.load(out / "logits.npy"))))
         scale = float(np.max(np.abs(ref)))

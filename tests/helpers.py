@@ -46,6 +46,17 @@ GEMMA3_PIECES = dict(
     rope_local_theta=1e4,
     rope_theta=1e6,
 )
+# Gemma 2's: the same without q/k norms or a local RoPE base, with soft-capped attention scores and
+# logits (caps small enough to matter for a model initialised with init_std=0.2)
+GEMMA2_PIECES = dict(
+    embed_scale=True,
+    mlp_activation="gelu_tanh",
+    post_norms=True,
+    query_pre_attn_scalar=16.0,
+    attn_logit_softcap=1.5,
+    final_logit_softcap=2.0,
+    init_std=0.2,
+)
 
 
 def small_config(mesh=None, **model):

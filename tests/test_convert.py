@@ -58,7 +58,20 @@ def _logits_match_and_written_back(tmp_path, name):
 
 @pytest.mark.parametrize(
     "name",
-    ["untied", "tied", "llama3", "qwen3", "yarn", "qwen2", "mistral", "qwen2_window", "gemma3", "mixtral", "qwen3_moe"],
+    [
+        "untied",
+        "tied",
+        "llama3",
+        "qwen3",
+        "yarn",
+        "qwen2",
+        "mistral",
+        "qwen2_window",
+        "gemma2",
+        "gemma3",
+        "mixtral",
+        "qwen3_moe",
+    ],
 )
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
     golden = os.path.join(GOLDEN, name)
@@ -68,7 +81,7 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     hf = json.load(open(os.path.join(golden, "config.json")))
     assert (config.model.n_kv_heads, config.model.tie_embeddings) == (
         hf["num_key_value_heads"],
-        name in ("tied", "qwen3", "yarn", "gemma3"),
+        name in ("tied", "qwen3", "yarn", "gemma2", "gemma3"),
     )
     rope = hf["rope_parameters"].get("full_attention", hf["rope_parameters"])  # Gemma 3's per layer type
     assert config.model.rope_theta == rope["rope_theta"]
@@ -89,8 +102,22 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         assert config.model.mlp_pattern == "dense"
     m = config.model
     gemma = (m.embed_scale, m.post_norms, m.mlp_activation, m.query_pre_attn_scalar, m.rope_local_theta)
-    assert gemma == ((True, True, "gelu_tanh", 24.0, 1e4) if name == "gemma3" else (False, False, "silu", 0.0, 0.0))
-    windows = {"mistral": ("local", 8), "qwen2_window": ("softmax,local", 6), "gemma3": ("local,local,softmax", 6)}
+    want_gemma = {"gemma2": (True, True, "gelu_tanh", 24.0, 0.0), "gemma3": (True, True, "gelu_tanh", 24.0, 1e4)}
+    assert gemma == want_gemma.get(name, (False, False, "silu", 0.0, 0.0))
+    caps = (m.attn_logit_softcap, m.final_logit_softcap)
+    assert caps == ((2.0, 0.5) if name == "gemma2" else (0.0, 0.0))
+    if name == "gemma2":  # each cap matters at these sizes: without it the logits miss transformers'
+        for key in ("attn_logit_softcap", "final_logit_softcap"):
+            uncapped = m.copy_and_resolve_references()
+            uncapped[key] = 0.0
+            other = np.asarray(transformer.logits(state.params, jnp.asarray(tokens), uncapped, program.layout))
+            assert np.abs(other - want).max() > 100 * 1e-4, key
+    windows = {
+        "mistral": ("local", 8),
+        "qwen2_window": ("softmax,local", 6),
+        "gemma2": ("local,softmax", 6),
+        "gemma3": ("local,local,softmax", 6),
+    }
     assert (config.model.layer_pattern, config.model.sliding_window) == windows.get(name, ("softmax", 0))
     if name in windows:  # the windows matter at these 24 positions
         full = config.model.copy_and_resolve_references()
@@ -112,7 +139,7 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     assert sorted(written) == sorted(original)
     for key in original:
         assert written[key].dtype == original[key].dtype, key
-        if name == "gemma3" and key.endswith("norm.weight"):  # stored as 1 + w: fp32 rounding of the sum
+        if name.startswith("gemma") and key.endswith("norm.weight"):  # stored as 1 + w: fp32 rounding of the sum
             np.testing.assert_allclose(written[key], original[key], rtol=0, atol=2**-24, err_msg=key)
         else:
             np.testing.assert_array_equal(written[key], original[key], err_msg=key)
@@ -138,6 +165,8 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         "num_experts",
         "num_experts_per_tok",
         "moe_intermediate_size",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
         "norm_topk_prob",
         "mlp_only_layers",
     ):
@@ -232,6 +261,46 @@ REAL_CONFIGS = {
         ),
         999_885_952,
     ),
+    "gemma-2-2b": (
+        dict(
+            model_type="gemma2",
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        ),
+        2_614_341_888,
+    ),
+    "gemma-2-9b": (
+        dict(
+            model_type="gemma2",
+            vocab_size=256000,
+            hidden_size=3584,
+            intermediate_size=14336,
+            num_hidden_layers=42,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        ),
+        9_241_705_984,
+    ),
     "mixtral-8x7b": (
         dict(
             model_type="mixtral",
@@ -310,6 +379,9 @@ def test_released_configs_read_to_their_published_parameter_counts(name):
     if name == "gemma-3-1b":  # 26 layers: five local, one global, the period cut by the layer count
         assert m.layer_pattern.split(",")[:6] == ["local"] * 5 + ["softmax"] and len(m.layer_pattern.split(",")) == 26
         assert (m.sliding_window, m.rope_local_theta, m.query_pre_attn_scalar) == (512, 1e4, 256.0)
+    if name.startswith("gemma-2"):  # every second layer global; the caps read
+        assert (m.layer_pattern, m.sliding_window, m.qk_norm) == ("local,softmax", 4096, False)
+        assert (m.attn_logit_softcap, m.final_logit_softcap, m.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
     if name == "qwen3-30b-a3b":
         assert (m.mlp_pattern, m.moe.experts, m.moe.top_k, m.moe.renormalize) == ("moe", 128, 8, True)
 
@@ -357,8 +429,8 @@ def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):
 def test_gemma3_configs_of_both_transformers_versions_are_read():
     """Gemma 3 as the Hub's transformers-4 config.json has it (rope_theta, rope_local_base_freq,
     a rope_scaling dict for the global layers, sliding_window_pattern instead of layer_types)
-    sets the same model as the golden's transformers-5 form; Gemma 2's soft-capping is refused by
-    name, and to_hf refuses Gemma's pieces apart."""
+    sets the same model as the golden's transformers-5 form; soft-capping, where a Gemma 3 config
+    names it, is read; to_hf refuses Gemma's pieces apart."""
     new = json.load(open(os.path.join(GOLDEN, "gemma3", "config.json")))
     old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
     old.update(
@@ -372,15 +444,29 @@ def test_gemma3_configs_of_both_transformers_versions_are_read():
     hf_lib.model_config_from_hf(dict(new, num_hidden_layers=6, layer_types=new["layer_types"] * 2), a.model)
     hf_lib.model_config_from_hf(old, b.model)
     assert a.model.to_dict() == b.model.to_dict() and b.model.layer_pattern == "local,local,softmax"
-    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)):
-        with pytest.raises(hf_lib.ConversionError, match=key):
-            hf_lib.model_config_from_hf(dict(new, **{key: value}), b.model)
+    c = load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    hf_lib.model_config_from_hf(dict(new, final_logit_softcapping=30.0, attn_logit_softcapping=50.0), c.model)
+    assert (c.model.attn_logit_softcap, c.model.final_logit_softcap, b.model.attn_logit_softcap) == (50.0, 30.0, 0.0)
+    written = hf_lib.hf_config_from_model(c.model, "float32")
+    assert (written["model_type"], written["attn_logit_softcapping"], written["final_logit_softcapping"]) == (
+        "gemma3_text",
+        50.0,
+        30.0,
+    )
     m = b.model
     m.embed_scale = False
     with pytest.raises(hf_lib.ConversionError, match="differs in \\['embed_scale'\\]"):
         hf_lib.hf_config_from_model(m, "float32")
     m.embed_scale, m.post_norms = True, False
     with pytest.raises(hf_lib.ConversionError, match="embed_scale without post_norms"):
+        hf_lib.hf_config_from_model(m, "float32")
+    m.embed_scale, m.mlp_activation, m.query_pre_attn_scalar, m.rope_local_theta = False, "silu", 0.0, 0.0
+    m.attn_logit_softcap = 50.0  # a Llama has no cap
+    with pytest.raises(hf_lib.ConversionError, match="attn_logit_softcap without post_norms"):
+        hf_lib.hf_config_from_model(m, "float32")
+    m.attn_logit_softcap, m.post_norms, m.embed_scale, m.mlp_activation = 0.0, True, True, "gelu_tanh"
+    m.qk_norm, m.rope_local_theta = False, 5e3  # a Gemma 2 has one RoPE base
+    with pytest.raises(hf_lib.ConversionError, match="rope_local_theta=5000.0: a model without q/k norms"):
         hf_lib.hf_config_from_model(m, "float32")
 
 

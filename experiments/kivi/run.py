@@ -106,9 +106,9 @@ def main(argv=None) -> int:
     class Capture(ContiguousCache):
         """A contiguous cache that records every layer's q, k, v (after RoPE)."""
 
-        def attend(self, q, k, v, positions, window=None):
+        def attend(self, q, k, v, positions, window=None, softcap=None):
             jax.debug.callback(record, q, k, v, ordered=True)
-            return super().attend(q, k, v, positions, window)
+            return super().attend(q, k, v, positions, window, softcap)
 
     jax.block_until_ready(jax.jit(lambda p, x: forward(p, x, None, Capture))(params, inputs))
     assert len(captured) == m.n_layers, len(captured)

@@ -1,6 +1,7 @@
 """KV caches as types. The model's attention knows one thing about inference: a cache object with
-one method, `o, cache = cache.attend(q, k, v, positions[, window])` (write this step's keys and
-values, then attend to the cache, over each query's last W positions for a sliding-window layer), and the layer stack scans its per-layer arrays (base.py). Each kind is one
+one method, `o, cache = cache.attend(q, k, v, positions[, window, softcap])` (write this step's keys and
+values, then attend to the cache, over each query's last W positions for a sliding-window layer,
+scores soft-capped for a Gemma 2 model), and the layer stack scans its per-layer arrays (base.py). Each kind is one
 file, its metadata typed fields of a pytree dataclass, never dict keys the model inspects:
 
     ContiguousCache      contiguous.py  [L, B, S, K, H]: a row of S slots per sequence (a batch of

@@ -11,7 +11,9 @@ layers') arrays back, and the model's attention calls one method on one layer's 
 which writes this step's keys and values k, v [B, T, K, H] at `positions` [B, T] and attends to
 the cache with q [B, T, N, H], returning o [B, T, N, H] and the cache with the writes. Shapes are
 per device (this device's sequences or rows, and its K / tensor kv heads). A sliding-window layer
-passes `window=W`: each query then sees only its last W positions.
+passes `window=W`: each query then sees only its last W positions. A model with attention logit
+soft-capping (Gemma 2) passes `softcap=c`: the scaled scores s become c * tanh(s / c) before the
+mask and the softmax (None or 0: no cap).
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ class KVCache:
     layer_fields: ClassVar[tuple[str, ...]] = ()
     row_fields: ClassVar[tuple[str, ...]] = ()
 
-    def attend(self, q, k, v, positions, window=None):
+    def attend(self, q, k, v, positions, window=None, softcap=None):
         """Write this step's k, v at `positions`, then attend with q over the cache (with `window`
-        W, a sliding-window layer's: each query's last W positions only) -> (o, cache)."""
+        W, a sliding-window layer's: each query's last W positions only; with `softcap` c, scores
+        soft-capped to c * tanh(s / c)) -> (o, cache)."""
         raise NotImplementedError
 
     def per_layer(self) -> dict:

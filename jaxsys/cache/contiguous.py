@@ -60,7 +60,7 @@ class ContiguousCache(KVCache):
     def max_len(self) -> int:
         return self.k.shape[-3]
 
-    def attend(self, q, k, v, positions, window=None):
+    def attend(self, q, k, v, positions, window=None, softcap=None):
         """q [R, T, N, H], k, v [R, T, K, H] at positions [R, T] (one layer)."""
         rows = q.shape[0]
         slots = jnp.arange(rows) if self.page_table is None else self.page_table[:, 0]
@@ -69,9 +69,9 @@ class ContiguousCache(KVCache):
         keys, values = (kc, vc) if self.page_table is None else (kc[slots], vc[slots])
         keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         if self.quant is None:
-            o = layers.attention(q, keys, values, q_positions=positions, window=window)
+            o = layers.attention(q, keys, values, q_positions=positions, window=window, softcap=softcap)
         else:
             from jaxsys.cache import kivi
 
-            o = kivi.fake_quant_attention(q, keys, values, positions, self.quant, window)
+            o = kivi.fake_quant_attention(q, keys, values, positions, self.quant, window, softcap)
         return o, ContiguousCache(kc, vc, self.page_table, self.quant)

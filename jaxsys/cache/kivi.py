@@ -47,6 +47,7 @@ from jax import lax
 
 from jaxsys.cache.base import KVCache, static
 from jaxsys.cache.paged import slots, write_rows
+from jaxsys.kernels.flash_attention.reference import check_softcap, softcapped
 from jaxsys.kernels.paged_attention import quant
 from jaxsys.kernels.paged_attention.kernel_quant import paged_attention_quant
 from jaxsys.kernels.paged_attention.ragged import ragged_paged_attention_quant
@@ -92,7 +93,7 @@ class QuantizedPagedCache(KVCache):
     def page_size(self) -> int:
         return self.k.shape[-3]
 
-    def attend(self, q, k, v, positions, window=None, read=None):
+    def attend(self, q, k, v, positions, window=None, softcap=None, read=None):
         """One token per row (q [R, 1, N, H], k, v [R, 1, K, H], positions [R, 1]). `read`:
         (quantized table, lengths, full-precision table, quantized pages per row) to read through
         instead of the row's own tables (window.WindowView)."""
@@ -123,6 +124,7 @@ class QuantizedPagedCache(KVCache):
                 mode=self.mode,
                 residual=self.residual,
                 window=window,
+                softcap=softcap,
             )
             return o[:, None], self.with_layers(pools)
         table_q, lengths, table_f, quant_pages = (tq, pos + 1, tf, None) if read is None else read
@@ -138,6 +140,7 @@ class QuantizedPagedCache(KVCache):
             residual=self.residual,
             quant_pages=quant_pages,
             window=window,
+            softcap=softcap,
         )
         return o[:, None], self.with_layers(pools)
 
@@ -165,11 +168,13 @@ class FakeQuant:
         return cls(residual, (bits, k_axis), (bits, v_axis), page_size)
 
 
-def fake_quant_attention(q, k, v, q_positions, fq: FakeQuant, window=None):
+def fake_quant_attention(q, k, v, q_positions, fq: FakeQuant, window=None, softcap=None):
     """Causal attention of q [B, T, N, H] at q_positions [B, T] over the contiguous k, v [B, S, K,
     H] (slot s = position s) quantized as the paged cache stores them: the query at p sees token t
     quantized iff t // group < max((p + 1) // group - residual, 0), else in full precision (with
-    `window`, only tokens t > p - window). Softmax in fp32; -> [B, T, N, H] in q.dtype."""
+    `window`, only tokens t > p - window; with `softcap` c, the scaled scores s soft-capped to
+    c * tanh(s / c) before the mask). Softmax in fp32; -> [B, T, N, H] in q.dtype."""
+    softcap = check_softcap(softcap)
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     fq_ = lambda x, spec: x.astype(jnp.float32) if spec is None else quant.fake_quant(x, spec[0], spec[1], fq.group)
@@ -180,7 +185,7 @@ def fake_quant_attention(q, k, v, q_positions, fq: FakeQuant, window=None):
     quantized = (t_idx // fq.group < quant.n_quant(p_idx + 1, fq.group, fq.residual))[:, None, None]
     visible = t_idx <= p_idx if window is None else (t_idx <= p_idx) & (t_idx > p_idx - window)
     visible = visible[:, None, None]  # [B, 1, 1, T, S]
-    s = jnp.where(quantized, dot(qg, kf), dot(qg, k))
+    s = softcapped(jnp.where(quantized, dot(qg, kf), dot(qg, k)), softcap)
     s = jnp.where(visible, s, -jnp.inf)
     w = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     w = w / jnp.sum(w, axis=-1, keepdims=True)

@@ -65,7 +65,7 @@ class PagedCache(KVCache):
     def page_size(self) -> int:
         return self.k.shape[-3]
 
-    def attend(self, q, k, v, positions, window=None, read=None):
+    def attend(self, q, k, v, positions, window=None, softcap=None, read=None):
         """One token per row: q [R, 1, N, H], k, v [R, 1, K, H] at positions [R, 1]. `read`:
         (table [R, max_pages], lengths [R]) to read through instead of page_table and position + 1."""
         pos = positions[:, 0]
@@ -81,8 +81,11 @@ class PagedCache(KVCache):
                 self.kv_lens,
                 self.num_seqs,
                 window=window,
+                softcap=softcap,
             )
         else:
             table, lengths = (self.page_table, pos + 1) if read is None else read[:2]
-            o = paged_attention(q[:, 0], kc.astype(q.dtype), vc.astype(q.dtype), table, lengths, window=window)
+            o = paged_attention(
+                q[:, 0], kc.astype(q.dtype), vc.astype(q.dtype), table, lengths, window=window, softcap=softcap
+            )
         return o[:, None], self.with_layers({"k": kc, "v": vc})

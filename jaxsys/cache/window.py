@@ -66,7 +66,7 @@ class WindowView(KVCache):
             optional(self.read_quant, row),
         )
 
-    def attend(self, q, k, v, positions, window=None):
+    def attend(self, q, k, v, positions, window=None, softcap=None):
         """A model's sliding window counts the view's last positions, which are the sequence's
         own last ones while the window fits in the view's recent pages (a draft; the verify step
         reads the real cache)."""
@@ -74,5 +74,5 @@ class WindowView(KVCache):
             read = (self.read_table, self.read_lengths)
         else:
             read = (self.read_table, self.read_lengths, self.read_fp_table, self.read_quant)
-        o, cache = self.cache.attend(q, k, v, positions, window=window, read=read)
+        o, cache = self.cache.attend(q, k, v, positions, window=window, softcap=softcap, read=read)
         return o, dataclasses.replace(self, cache=cache)

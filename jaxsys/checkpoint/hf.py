@@ -2,7 +2,7 @@
 is the command).
 
 `from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral,
-Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Gemma 3's text model (also out of its
+Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Gemma 2 (soft-capped), Gemma 3's text model (also out of its
 image-text checkpoint), Phi-3 / Phi-4 with fused projections, Mixtral and Qwen3-MoE experts,
 sliding windows; GQA/MQA, any rope
 theta and Llama 3.1's, linear or YaRN rope scaling, tied or untied embeddings; other rope scalings, biases
@@ -42,11 +42,11 @@ class ConversionError(ValueError):
 # jaxsys layer parameter -> (HF tensor name in layer i, how to turn HF's array into jaxsys's)
 def _layer_map(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    if m.post_norms:  # Gemma 3: four norms a layer, each scaling by (1 + w)
+    if m.post_norms:  # Gemma 2 / 3: four norms a layer (and Gemma 3's q/k norms), each scaling by (1 + w)
         plus_one = lambda w: (w.astype(np.float32) + 1.0).astype(w.dtype)  # exact with fp32 params
+        qk = {"q_norm": ("self_attn.q_norm.weight", plus_one), "k_norm": ("self_attn.k_norm.weight", plus_one)}
         return {
-            "q_norm": ("self_attn.q_norm.weight", plus_one),
-            "k_norm": ("self_attn.k_norm.weight", plus_one),
+            **(qk if m.qk_norm else {}),
             "attn_norm": ("input_layernorm.weight", plus_one),
             "wq": ("self_attn.q_proj.weight", lambda w: w.T.reshape(D, N, H)),
             "wk": ("self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, H)),
@@ -85,7 +85,7 @@ def _layer_unmap(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     if m.post_norms:
         minus_one = lambda w: w.astype(np.float32) - 1.0
-        norms = ("q_norm", "k_norm", "attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+        norms = ("q_norm", "k_norm") * m.qk_norm + ("attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
         return {
             **dict.fromkeys(norms, minus_one),
             "wq": lambda w: w.reshape(D, N * H).T,
@@ -206,7 +206,7 @@ def _hf_rope(m) -> dict:
 
 
 # Qwen2 (and 2.5): Llama's layout plus q/k/v biases; Qwen3: plus a per-head RMSNorm of q and k instead
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen3_moe", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "phi3")
 
 # the MoE families: the router and each expert's SwiGLU matrices under the layer's prefix
 _MOE_NAMES = {
@@ -261,11 +261,12 @@ def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
     `sliding_window` (4096 when absent, as MistralConfig) applies to every layer; Qwen2's and
     Qwen3's only with `use_sliding_window`, to the layers `layer_types` marks "sliding_attention"
     (transformers 5) or else those from `max_window_layers` on; Gemma 3's to those `layer_types`
-    marks, or else all but every `sliding_window_pattern`-th (6th); Llama has none."""
+    marks, or else all but every `sliding_window_pattern`-th (6th); Gemma 2's likewise, every
+    second layer global; Llama has none."""
     n = hf["num_hidden_layers"]
     kind = hf["model_type"]
-    if kind == "gemma3_text":  # layer_types, or every sliding_window_pattern-th layer global
-        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    if kind in ("gemma2", "gemma3_text"):  # layer_types, or every sliding_window_pattern-th layer global
+        pattern = 2 if kind == "gemma2" else hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
         if not hf.get("layer_types"):
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
             hf = {**hf, "layer_types": types}
@@ -395,11 +396,11 @@ def model_config_from_hf(hf: dict, model) -> None:
             f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type one of {MODEL_TYPES}) convert"
         )
     qwen2 = hf["model_type"] == "qwen2"  # its q/k/v biases are not switched by attention_bias
-    gemma3 = hf["model_type"] == "gemma3_text"
-    want_act = ("hidden_activation", "gelu_pytorch_tanh") if gemma3 else ("hidden_act", "silu")
+    gemma2, gemma3 = hf["model_type"] == "gemma2", hf["model_type"] == "gemma3_text"
+    gemma = gemma2 or gemma3
+    want_act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
     checks = [want_act, ("attention_bias", False), ("mlp_bias", False)]
-    if gemma3:  # what Gemma 2 had and Gemma 3 dropped
-        checks += [("final_logit_softcapping", None), ("attn_logit_softcapping", None)]
+    if gemma:
         checks += [("use_bidirectional_attention", False)]
     for key, want in checks:
         if key == "attention_bias" and qwen2:
@@ -419,15 +420,22 @@ def model_config_from_hf(hf: dict, model) -> None:
     if "local" not in model.layer_pattern:  # a Gemma 3 without local layers: no local RoPE base
         model.rope_local_theta = 0.0
     model.norm_eps = float(hf.get("rms_norm_eps", 1e-6))
-    model.tie_embeddings = bool(hf.get("tie_word_embeddings", gemma3))
+    model.tie_embeddings = bool(hf.get("tie_word_embeddings", gemma))
     model.qk_norm = hf["model_type"] in ("qwen3", "gemma3_text", "qwen3_moe")
     model.mlp_pattern = "dense"
     if hf["model_type"] in _MOE_NAMES:
         _set_moe(hf, model)
     model.qkv_bias = qwen2
-    model.embed_scale = model.post_norms = gemma3
-    model.mlp_activation = "gelu_tanh" if gemma3 else "silu"
-    model.query_pre_attn_scalar = float(hf.get("query_pre_attn_scalar", model.head_dim)) if gemma3 else 0.0
+    model.embed_scale = model.post_norms = gemma
+    model.mlp_activation = "gelu_tanh" if gemma else "silu"
+    scalar = hf.get("query_pre_attn_scalar", 256 if gemma2 else model.head_dim)  # Gemma2Config's default: 256
+    model.query_pre_attn_scalar = float(scalar) if gemma else 0.0
+    # soft-capping: Gemma2Config's defaults are 50 / 30 (null: off); Gemma 3 has none unless named
+    for key, ours, default in (
+        ("attn_logit_softcapping", "attn_logit_softcap", 50.0),
+        ("final_logit_softcapping", "final_logit_softcap", 30.0),
+    ):
+        model[ours] = float(hf.get(key, default if gemma2 else None) or 0.0) if gemma else 0.0
 
 
 def _require_convertible(m) -> None:
@@ -469,17 +477,19 @@ def hf_config_from_model(m, dtype: str) -> dict:
             "norms, Qwen2 the biases)"
         )
     if m.post_norms:
-        return _gemma3_config(m, dtype)
+        return _gemma_config(m, dtype)
     gemma_pieces = dict(
         embed_scale=m.embed_scale,
         mlp_activation=m.mlp_activation != "silu",
         query_pre_attn_scalar=m.query_pre_attn_scalar,
         rope_local_theta=m.rope_local_theta,
+        attn_logit_softcap=m.attn_logit_softcap,
+        final_logit_softcap=m.final_logit_softcap,
     )
     if any(gemma_pieces.values()):
         raise ConversionError(
             f"config.model.{next(k for k, v in gemma_pieces.items() if v)} without post_norms: Gemma's pieces convert "
-            "together, as a Gemma 3 (Gemma3ForCausalLM), and this model is not one"
+            "together, as a Gemma 2 or 3 (Gemma2ForCausalLM / Gemma3ForCausalLM), and this model is not one"
         )
     family = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
     window = _hf_window(m, family)
@@ -545,21 +555,47 @@ def _hf_moe(m, family: str) -> dict:
     }
 
 
-def _gemma3_config(m, dtype: str) -> dict:
-    """A Gemma3TextConfig dict (Gemma3ForCausalLM) for a model with Gemma 3's pieces, refused by
-    name where transformers' Gemma 3 would compute something else."""
+def _gemma_config(m, dtype: str) -> dict:
+    """A Gemma3TextConfig dict (Gemma3ForCausalLM; with q/k norms) or a Gemma2Config dict
+    (Gemma2ForCausalLM; without) for a model with Gemma's pieces, refused by name where
+    transformers' Gemma would compute something else."""
     need = dict(
         embed_scale=m.embed_scale,
-        qk_norm=m.qk_norm,
         mlp_activation=m.mlp_activation == "gelu_tanh",
         qkv_bias=not m.qkv_bias,
     )
     if not all(need.values()):
         raise ConversionError(
-            "config.model.post_norms converts as a Gemma 3, which also has embed_scale=True, qk_norm=True, "
+            "config.model.post_norms converts as a Gemma 2 or 3, which also have embed_scale=True, "
             f"mlp_activation='gelu_tanh' and no qkv_bias; this model differs in {[k for k, v in need.items() if not v]}"
         )
     kinds = [kind == "local" for kind in layer_pattern(m)] * (m.n_layers // len(layer_pattern(m)))
+    softcaps = {
+        "final_logit_softcapping": m.final_logit_softcap or None,
+        "attn_logit_softcapping": m.attn_logit_softcap or None,
+    }
+    if not m.qk_norm:  # Gemma 2: one RoPE for every layer
+        if m.rope_local_theta and m.rope_local_theta != m.rope_theta:
+            raise ConversionError(
+                f"config.model.rope_local_theta={m.rope_local_theta}: a model without q/k norms converts as a "
+                "Gemma 2, whose local layers share the global RoPE base; set it to 0"
+            )
+        return {
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            **_hf_shape(m),
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+            "sliding_window": m.sliding_window if any(kinds) else None,
+            "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+            "rope_parameters": _hf_rope(m),
+            "rope_theta": m.rope_theta,
+            "tie_word_embeddings": bool(m.tie_embeddings),
+            "attention_bias": False,
+            **softcaps,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        }
     if any(kinds) and not m.rope_local_theta and m.rope_scaling != "none":
         raise ConversionError(
             "Gemma 3's local layers use unscaled RoPE: set config.model.rope_local_theta (10000.0 in Gemma 3) "
@@ -581,8 +617,7 @@ def _gemma3_config(m, dtype: str) -> dict:
         "rope_local_base_freq": m.rope_local_theta or m.rope_theta,
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
+        **softcaps,
         "torch_dtype": dtype,
         "dtype": dtype,
     }

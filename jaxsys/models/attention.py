@@ -57,11 +57,12 @@ class BlockAttention:
     impl: str = "reference"  # reference | pallas
     block: int | None = None  # None: the tuning cache's tiles for the shape on this device, else 128
     backend: str | None = None  # the flash kernel (config.model.attention_kernel); None: by platform
+    softcap: float | None = None  # scores c * tanh(s / c) (config.model.attn_logit_softcap)
 
     def forward(self, q, k, v, causal: bool, q_seg=None, kv_seg=None):
         """(o fp32, lse) of q's block against one block of keys; with segment ids q_seg[B, Tq] and
         kv_seg[B, Tk] (packed documents) a query sees only keys of its own segment."""
-        segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+        segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, softcap=self.softcap)
         if self.impl == "pallas":
             o, lse = flash.flash_attention_forward(
                 q, k, v, causal=causal, block_q=self.block, block_k=self.block, backend=self.backend, **segments
@@ -71,7 +72,7 @@ class BlockAttention:
         return o.astype(jnp.float32), lse
 
     def backward(self, q, k, v, o, lse, do, causal: bool, q_seg=None, kv_seg=None):
-        segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+        segments = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, softcap=self.softcap)
         if self.impl == "pallas":
             grads = flash.flash_attention_backward(
                 q,
@@ -100,14 +101,23 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None, window:
     """Causal GQA softmax attention of one layer with `m.attention_impl`; over the sequence split on
     `seq` by `m.context_parallel` when there is one. `segments` [B, T] (this device's tokens, as q):
     the document ids of packed rows; a query then sees only earlier keys of its own document.
-    `window` (a "local" layer, config.model.sliding_window): a query sees its last `window` keys."""
+    `window` (a "local" layer, config.model.sliding_window): a query sees its last `window` keys.
+    Scores are soft-capped by config.model.attn_logit_softcap (every path but cuDNN's, which config
+    validation refuses)."""
+    softcap = m.attn_logit_softcap or None
     if seq.axes:
         if window is not None:  # config validation refuses this first; a direct call gets told too
             raise ConfigError("sliding-window layers under context parallelism are not implemented: use mesh.seq=1")
         impl = "pallas" if m.attention_impl == "pallas" else "reference"
         one_device = lambda q, k, v, s: softmax_attention(q, k, v, m, context.SeqLayout((), 1, False), s)
         return context.attention(
-            q, k, v, seq, BlockAttention(impl, m.attention_block or None, flash_backend(m)), segments, one_device
+            q,
+            k,
+            v,
+            seq,
+            BlockAttention(impl, m.attention_block or None, flash_backend(m), softcap),
+            segments,
+            one_device,
         )
     if m.attention_impl == "pallas":
         return flash.flash_attention(
@@ -121,8 +131,11 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None, window:
             block_k=m.attention_block or None,
             backend=flash_backend(m),
             window=window,
+            softcap=softcap,
         )
     if m.attention_impl == "cudnn":
+        if softcap is not None:  # config validation refuses this first; a direct call gets told too
+            raise ConfigError("cuDNN's attention has no score soft-capping: use attention_impl='pallas' or 'reference'")
         # cuDNN's window counts the keys left of the diagonal: W - 1 besides the query's own
         local = None if window is None else (window - 1, 0)
         if segments is None:
@@ -135,7 +148,7 @@ def softmax_attention(q, k, v, m, seq: context.SeqLayout, segments=None, window:
         return jax.nn.dot_product_attention(
             q, k, v, mask=same, is_causal=True, implementation="cudnn", local_window_size=local
         )
-    return layers.attention(q, k, v, causal=True, segment_ids=segments, window=window)
+    return layers.attention(q, k, v, causal=True, segment_ids=segments, window=window, softcap=softcap)
 
 
 def head_log_decay(n_local: int, heads_axes: tuple[str, ...]):

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxsys.kernels.flash_attention.reference import softcapped
+
 
 def rms_norm(x, scale, eps: float):
     """x[..., D] / rms(x) * scale[D]: normalised in fp32, scaled in x's dtype (as Llama does)."""
@@ -112,19 +114,22 @@ def rope(x, positions, theta: float, scaling: RopeScaling = RopeScaling()):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q, k, v, causal: bool = True, q_positions=None, segment_ids=None, window: int | None = None):
+def attention(
+    q, k, v, causal: bool = True, q_positions=None, segment_ids=None, window: int | None = None, softcap=None
+):
     """Grouped-query attention. q[B, T, N, H], k/v[B, S, K, H] with N a multiple of K; query head n
     reads key/value head n // (N/K). Softmax in fp32. Returns [B, T, N, H]. With `q_positions`
     [B, T] (decoding from a KV cache whose slot s holds position s) query t of sequence b sees the
     keys at positions <= q_positions[b, t]; otherwise `causal` masks with T == S. `segment_ids`
     [B, T] (packed documents, T == S): query t sees key s only if their ids are equal, besides the
     causal or position mask. `window` W (sliding-window attention, with either mask): a query sees
-    only its last W positions, its own included."""
+    only its last W positions, its own included. `softcap` c (Gemma 2): scores c * tanh(s / c)
+    after scaling, before the mask."""
     b, t, n, h = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, n // kv, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
+    scores = softcapped(scores * (h**-0.5), softcap)
     if q_positions is not None:
         back = q_positions[:, :, None] - jnp.arange(k.shape[1])[None, None, :]  # [B, T, S]
         mask = (back >= 0) if window is None else (back >= 0) & (back < window)

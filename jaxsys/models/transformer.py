@@ -197,7 +197,7 @@ def block(
         else:
             if segments is not None:
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
-            o, cache = cache.attend(q, k, v, positions, window=window)
+            o, cache = cache.attend(q, k, v, positions, window=window, softcap=m.attn_logit_softcap or None)
     o = checkpoint_name(o, "attention_output")
     # Gemma 2 / 3 norm each sublayer's output before the residual add (config.model.post_norms)
     post = lambda y, name: layers.rms_norm(y, w[name], m.norm_eps) if m.post_norms else y
@@ -308,14 +308,17 @@ def final_norm(params, x, m, layout: Layout, specs=None, hook=None):
 
 
 def output_logits(params, h, m, layout: Layout, specs=None, hook=None):
-    """Normed h[B, T, D] -> logits[B, T, V] (this shard's vocabulary columns when `vocab` is split)."""
+    """Normed h[B, T, D] -> logits[B, T, V] (this shard's vocabulary columns when `vocab` is split),
+    soft-capped c * tanh(logits / c) with config.model.final_logit_softcap c (Gemma 2), elementwise
+    so the same on every shard."""
     axes = _axes(specs if specs is not None else param_specs(m))
     name = "embed" if m.tie_embeddings else "unembed"
     w = execution.weights_as_used(params[name], axes[name], m, layout, hook, name)
     eq = "btd,vd->btv" if m.tie_embeddings else "btd,dv->btv"
-    return tensor.enter_matmul(
+    logits = tensor.enter_matmul(
         functools.partial(jnp.einsum, eq), h, w, layout.compute_axes("vocab"), layout.sp_axes, layout.collective_matmul
     )
+    return layers.softcapped(logits, m.final_logit_softcap or None)
 
 
 def output_loss(params, h, targets, m, layout: Layout, specs=None, hook=None):

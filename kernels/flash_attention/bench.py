@@ -36,6 +36,11 @@ Timing: each function is jitted, compiled and run twice before timing; then each
 samples runs the function enough times back to back to take >= --min-time seconds, ending with
 jax.block_until_ready, and the median time per call is reported.
 
+--window W benchmarks sliding-window attention (causal only) and --softcap C Gemma 2's logit
+soft-capping (scores C * tanh(s / C)); the implementations without them (Mosaic GPU and tokamax
+without either, cuDNN without a soft-cap) are skipped, with the reason, and the "x cuDNN" ratios
+are then "-". The xla baseline and the correctness checks use the reference with the same options.
+
 Rows run shortest sequence first (every head dim at T = 4K before 16K) and --out is rewritten after
 each row, so a run cut by a time limit keeps what it measured; `--table OUT.json` prints its table.
 
@@ -73,8 +78,9 @@ def flops(b, n, t, s, h, causal: bool, backward: bool, window: int | None = None
 
 
 def attention_fn(impl: str, causal: bool, args):
-    """q, k, v -> o for one implementation (with args.window: sliding-window attention)."""
-    window = args.window
+    """q, k, v -> o for one implementation (with args.window: sliding-window attention; with
+    args.softcap: logit soft-capping)."""
+    window, softcap = args.window, args.softcap
     if impl in ("pallas", "mosaic", "mosaic_split"):
         return lambda q, k, v: flash_attention(
             q,
@@ -88,6 +94,7 @@ def attention_fn(impl: str, causal: bool, args):
             interpret=args.interpret_smoke or None,
             backend="generic" if impl == "pallas" else "mosaic_gpu",
             window=window,
+            softcap=softcap,
         )
     if impl == "cudnn":
         local = None if window is None else (window - 1, 0)
@@ -99,7 +106,7 @@ def attention_fn(impl: str, causal: bool, args):
 
         return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
     if impl == "xla":
-        return lambda q, k, v: reference_attention(q, k, v, causal=causal, window=window)
+        return lambda q, k, v: reference_attention(q, k, v, causal=causal, window=window, softcap=softcap)
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
 
 
@@ -121,14 +128,14 @@ def median_seconds(fn, inputs, repeats: int, min_time: float) -> float:
     return statistics.median(samples)
 
 
-def errors(attn, causal, q, k, v, do, window=None):
+def errors(attn, causal, q, k, v, do, window=None, softcap=None):
     """Max abs errors of o and of (dq, dk, dv) against the fp32 reference, and the reference's
     max abs values, on batch 0 and the query heads of kv head 0 (module docstring)."""
     g = q.shape[2] // k.shape[2]
     qs, ks, vs, dos = q[:1, :, :g], k[:1, :, :1], v[:1, :, :1], do[:1, :, :g]
     f32 = lambda x: x.astype(jnp.float32)
     want_o, want_vjp = jax.vjp(
-        lambda *a: reference_attention(*a, causal=causal, window=window), f32(qs), f32(ks), f32(vs)
+        lambda *a: reference_attention(*a, causal=causal, window=window, softcap=softcap), f32(qs), f32(ks), f32(vs)
     )
     want_g = want_vjp(f32(dos))
     got_o, got_vjp = jax.vjp(attn, qs, ks, vs)
@@ -146,9 +153,23 @@ def measure(impl, t, h, causal, args):
     """One row: forward and forward+backward times, TFLOP/s and errors (or why it was skipped)."""
     b, n = max(1, args.tokens // t), args.hidden // h
     kh = n // args.group
-    row = dict(impl=impl, T=t, S=t, H=h, B=b, N=n, K=kh, causal=causal, dtype=args.dtype, window=args.window)
+    row = dict(
+        impl=impl,
+        T=t,
+        S=t,
+        H=h,
+        B=b,
+        N=n,
+        K=kh,
+        causal=causal,
+        dtype=args.dtype,
+        window=args.window,
+        softcap=args.softcap,
+    )
     if args.window is not None and (impl.startswith("mosaic") or impl == "tokamax"):
         return row | dict(skipped=f"{impl} has no sliding window here")
+    if args.softcap and impl != "pallas" and impl != "xla":  # n/a: no soft-cap in those kernels here
+        return row | dict(skipped=f"{impl} has no logit soft-capping here")
     if impl in ("cudnn", "tokamax") and jax.default_backend() != "gpu":
         return row | dict(skipped=f"{impl} needs a GPU")
     if impl == "tokamax" and importlib.util.find_spec("tokamax") is None:
@@ -183,7 +204,7 @@ def measure(impl, t, h, causal, args):
             )
             sub_gib = 4.0 * (n // kh) * t * t / 2**30  # the reference's scores on the sub-problem
             if sub_gib <= args.xla_max_gib:
-                row |= errors(attn, causal, q, k, v, do, args.window)
+                row |= errors(attn, causal, q, k, v, do, args.window, args.softcap)
             else:
                 row["err_skipped"] = f"reference scores would take {sub_gib:.0f} GiB"
     except Exception as e:  # one failing configuration must not lose the others
@@ -231,6 +252,12 @@ def parse_args(argv=None):
         type=int,
         default=None,
         help="sliding-window attention of W keys (causal only; cuDNN's local window)",
+    )
+    p.add_argument(
+        "--softcap",
+        type=float,
+        default=None,
+        help="Gemma 2's attention logit soft-capping: scores C * tanh(s / C) (pallas and xla only)",
     )
     p.add_argument("--tokens", type=int, default=16384, help="B * T")
     p.add_argument("--hidden", type=int, default=2048, help="N * H")
@@ -304,6 +331,7 @@ def main(argv=None) -> int:
         f"\n{device.device_kind} ({backend}), jax {jax.__version__}, {args.dtype}; "
         "fwd+bwd FLOPs = 3.5x fwd, causal FLOPs halved"
         + (f"; sliding window of {args.window} keys (FLOPs of the visible pairs)" if args.window else "")
+        + (f"; logit soft-cap {args.softcap:g} (its tanh not counted)" if args.softcap else "")
         + "\n"
     )
     print(markdown(record["results"]))

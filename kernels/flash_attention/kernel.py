@@ -31,6 +31,13 @@ are never visited (O(T W) work); blocks straddling the window's far edge are mas
 diagonal's, those wholly inside it run unmasked. The dk/dv kernel likewise stops at the last q
 block that sees its keys. The Mosaic GPU kernels have no window: such calls run here.
 
+Logit soft-capping c (`softcap`, Gemma 2; reference.softcapped): the scaled scores become
+c * tanh(s / c) before any mask. The forward computes them as tanh(q.k * (scale / c)) * (c * log2(e)),
+so they stay in log2 units for exp2; the backward recomputes t = tanh(q.k * scale / c) with P and
+multiplies dS by the cap's derivative 1 - t^2 (dq, dk keep their final factor of scale). The
+derivative is per score, so flash_attention_backward with the final o and lse of a longer
+attention (ring attention) stays exact. The Mosaic GPU kernels have no cap: such calls run here.
+
 Segment ids: a (q block, kv block) pair whose id ranges do not overlap is skipped (`lax.cond` in
 the loop body, in all three kernels), so packed documents cost their own attention plus the
 blocks that straddle document boundaries, not the whole row's.
@@ -69,7 +76,7 @@ from jax.experimental import pallas as pl
 
 from .. import platforms, tuning
 from . import kernel_mgpu, kernel_tpu
-from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs
+from .reference import INTERPRET_HEAD_DIMS, KERNEL_HEAD_DIMS, check_inputs, check_softcap
 
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward"]
 
@@ -97,6 +104,7 @@ class _Config:
     num_warps: int | None = None  # Triton launch parameters; None: _compiler_params' defaults
     num_stages: int | None = None
     window: int | None = None  # sliding window (causal): a query sees its last `window` keys
+    softcap: float | None = None  # logit soft-cap c: scaled scores s -> c * tanh(s / c)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,6 +130,16 @@ def _visible(q_start, k_start, shape, *, causal: bool, kv_len: int | None, q_seg
         seg = q_seg[:, None] == kv_seg[None, :]
         mask = seg if mask is None else mask & seg
     return mask
+
+
+def _scores_log2(qk, scale: float, softcap: float | None):
+    """The scores of the fp32 q.k products in log2 units, s * log2(e) with s = scale * q.k, or with a
+    soft-cap c, c * tanh(s / c) * log2(e) (reference.softcapped): one multiply before the tanh and one
+    after. Also returns t = tanh(s / c), whose 1 - t^2 the backward needs (None without a cap)."""
+    if softcap is None:
+        return qk * (scale * LOG2_E), None
+    t = jnp.tanh(qk * (scale / softcap))
+    return t * (softcap * LOG2_E), t
 
 
 def _segments_meet(q_seg, kv_seg):
@@ -192,14 +210,13 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
     q = q_ref[...]
     q_seg = None if qs_ref is None else qs_ref[...]
     h = q.shape[-1]
-    qk_scale = cfg.scale * LOG2_E  # s, m below are in log2 units
 
     def body(j, carry, *, causal_mask: bool):
         acc, m, l = carry
         start = pl.multiple_of(j * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = _dot(q, k, 1, 1) * qk_scale  # [bq, bk]
+        s, _ = _scores_log2(_dot(q, k, 1, 1), cfg.scale, cfg.softcap)  # [bq, bk]; s, m in log2 units
         mask = _visible(
             i * bq,
             start,
@@ -243,15 +260,18 @@ def _fwd_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: b
 # Backward kernels.
 
 
-def _p_and_ds(q, k, v, do, lse2, delta, mask, scale):
+def _p_and_ds(q, k, v, do, lse2, delta, mask, scale, softcap=None):
     """P = exp(s - lse) (0 where masked) and dS = P * (dO V^T - Delta), both [bq, bk] fp32. lse2 is
-    lse * log2(e): P is computed as exp2(s * log2(e) - lse2), the scale folded into one multiply."""
-    s2 = _dot(q, k, 1, 1) * (scale * LOG2_E)
+    lse * log2(e): P is computed as exp2(s * log2(e) - lse2), the scale folded into one multiply.
+    With a soft-cap, s is the capped score and dS is taken with respect to scale * q.k: times
+    1 - t^2, t = tanh(scale * q.k / c) (the callers multiply by scale at the end)."""
+    s2, t = _scores_log2(_dot(q, k, 1, 1), scale, softcap)
     p = jnp.exp2(s2 - lse2[:, None])
     if mask is not None:  # also covers empty rows, whose lse is -inf and whose p would be inf
         p = jnp.where(mask, p, 0.0)
     dp = _dot(do, v, 1, 1)
-    return p, p * (dp - delta[:, None])
+    ds = p * (dp - delta[:, None])
+    return p, ds if t is None else ds * (1.0 - t * t)
 
 
 def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bool):
@@ -277,7 +297,7 @@ def _dq_kernel(*refs, cfg: _Config, kv_len, num_kv_blocks: int, has_segments: bo
             kv_seg=None if ks_ref is None else ks_ref[pl.ds(start, bk)],
             window=cfg.window,
         )
-        _, ds = _p_and_ds(q, k, v, do, lse2, delta, mask, cfg.scale)
+        _, ds = _p_and_ds(q, k, v, do, lse2, delta, mask, cfg.scale, cfg.softcap)
         return dq + _dot(ds.astype(k.dtype), k, 1, 0)
 
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -321,7 +341,7 @@ def _dkdv_kernel(*refs, cfg: _Config, kv_len, num_q_blocks: int, group: int, has
             kv_seg=kv_seg,
             window=cfg.window,
         )
-        p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows] * LOG2_E, delta_ref[g, rows], mask, cfg.scale)
+        p, ds = _p_and_ds(q, k, v, do, lse_ref[g, rows] * LOG2_E, delta_ref[g, rows], mask, cfg.scale, cfg.softcap)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
         dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
         return dk, dv
@@ -506,6 +526,7 @@ def _prepare(
     interpret,
     backend,
     window=None,
+    softcap=None,
 ):
     """Validate, resolve defaults and build the static plan."""
     platforms.check_backend(backend, (*platforms.BACKENDS, platforms.MOSAIC_GPU))
@@ -522,7 +543,9 @@ def _prepare(
         kv_segment_ids=kv_segment_ids,
         head_dims=KERNEL_HEAD_DIMS if compiled_here else INTERPRET_HEAD_DIMS,
         window=window,
+        softcap=softcap,
     )
+    softcap = check_softcap(softcap)  # a Python float or None (0: none), hashable in the configs
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
     t, s, h = q.shape[1], k.shape[1], q.shape[3]
@@ -547,6 +570,7 @@ def _prepare(
             num_warps=tuned.get("num_warps"),
             num_stages=tuned.get("num_stages"),
             window=window,
+            softcap=softcap,
         )
     if backend != "generic":  # Mosaic's (multiples of 128, adjusted rather than refused); not tuned
         block_q = DEFAULT_BLOCK if block_q is None else block_q
@@ -562,11 +586,18 @@ def _prepare(
             bwd_block_k=kernel_tpu.tile(block_k_bwd, s, "block_k_bwd"),
             interpret=True,
             window=window,
+            softcap=softcap,
         )
     if window is not None and backend == platforms.MOSAIC_GPU:
         raise ValueError("backend='mosaic_gpu' has no sliding window: use backend=None (Triton on GPUs) or 'generic'")
+    if softcap is not None and backend == platforms.MOSAIC_GPU:
+        raise ValueError(
+            f"backend='mosaic_gpu' has no logit soft-capping (softcap={softcap}): use backend=None (Triton on "
+            "GPUs) or 'generic'"
+        )
     mgpu_cfg = None
-    if window is None:  # the Mosaic GPU kernels have no window: the generic (Triton) kernel runs
+    # the Mosaic GPU kernels have neither a window nor a soft-cap: the generic (Triton) kernel runs
+    if window is None and softcap is None:
         mgpu_cfg = _mgpu_config(backend, interpret, q, s, scale, causal, q_segment_ids is not None, generic_cfg)
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
@@ -696,6 +727,7 @@ def flash_attention(
     block_k_bwd=None,
     backend=None,
     window=None,
+    softcap=None,
 ):
     """Attention over q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] (and lse[B, N, T] fp32 when
     return_lse), differentiable (custom_vjp; the lse cotangent is honoured). Same semantics as
@@ -711,7 +743,10 @@ def flash_attention(
     lowered for CPU and compiles elsewhere; True / False force it (True with backend None is the
     generic kernel interpreted everywhere). window: sliding-window attention (causal only): query
     t sees keys t - window < s <= t; kv blocks outside every row's window are never visited, so the
-    work is O(T * window), and the Mosaic GPU kernels give way to the generic one."""
+    work is O(T * window), and the Mosaic GPU kernels give way to the generic one. softcap: Gemma 2's
+    attention logit soft-capping, None or 0 (off) or c > 0: the scaled scores s become
+    c * tanh(s / c) before the masks and the softmax (reference.softcapped); the Mosaic GPU kernels
+    give way to the generic one here too, and backend="mosaic_gpu" with a softcap is a ValueError."""
     plan, q_seg, kv_seg = _prepare(
         q,
         k,
@@ -727,6 +762,7 @@ def flash_attention(
         interpret=interpret,
         backend=backend,
         window=window,
+        softcap=softcap,
     )
     o, lse = _flash(q, k, v, q_seg, kv_seg, plan)
     return (o, lse) if return_lse else o
@@ -748,6 +784,7 @@ def flash_attention_forward(
     block_k_bwd=None,
     backend=None,
     window=None,
+    softcap=None,
 ):
     """(o, lse) for one block of attention; the building block of context parallelism.
     Differentiable like flash_attention(..., return_lse=True)."""
@@ -767,6 +804,7 @@ def flash_attention_forward(
         block_k_bwd=block_k_bwd,
         backend=backend,
         window=window,
+        softcap=softcap,
     )
 
 
@@ -788,13 +826,15 @@ def flash_attention_backward(
     interpret=None,
     backend=None,
     window=None,
+    softcap=None,
 ):
     """(dq, dk, dv) of attention given the output o[B, T, N, H], its lse[B, N, T] and the
     cotangents do (and dlse, optional). Only P = exp(s - lse) is recomputed, so with the *final*
     o and lse of a longer attention (e.g. merged over ring steps) and a block of its keys, the
     results are that block's contributions to dq, dk, dv: summing them over the blocks gives the
     gradients of the whole. Returned in the dtypes of q, k, v. block_q, block_k are the tiles of
-    the backward kernels here; backend and interpret as in flash_attention."""
+    the backward kernels here; backend, interpret, window and softcap as in flash_attention (the
+    soft-cap's derivative is per score, so the block sums stay exact with it)."""
     plan, q_seg, kv_seg = _prepare(
         q,
         k,
@@ -810,6 +850,7 @@ def flash_attention_backward(
         interpret=interpret,
         backend=backend,
         window=window,
+        softcap=softcap,
     )
     b, t, n, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape:

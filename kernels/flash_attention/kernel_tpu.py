@@ -34,6 +34,10 @@ Sliding window W (causal): a tile wholly behind every row's window does nothing 
 index maps point at the next tile that runs (the first of the q block's window, or of the next q
 block's); tiles straddling the window's far edge get the mask.
 
+Logit soft-capping c (`softcap`, Gemma 2; reference.softcapped): every kernel computes the scores
+as c * tanh(q.k * (scale / c)) before any mask, and the dq and dk/dv kernels multiply dS by the
+cap's derivative 1 - tanh^2 (their final factor of scale stays).
+
 Empty rows (no visible key: segment ids) give o = 0 and lse = -inf. In the backward, lse = -inf is
 replaced by +inf before the kernels, so P = exp(s - lse) = 0 there without relying on the mask.
 
@@ -80,6 +84,7 @@ class TpuConfig:
     bwd_block_k: int
     interpret: bool
     window: int | None = None  # sliding window (causal): a query sees its last `window` keys
+    softcap: float | None = None  # logit soft-cap c: scaled scores s -> c * tanh(s / c)
 
 
 def tile(requested: int, length: int, name: str) -> int:
@@ -102,6 +107,21 @@ def _dot(a, b, dims):
     it rejects on bf16 operands ("Bad lhs type"). fp32 operands follow JAX's default precision."""
     precision = None if a.dtype == jnp.float32 else lax.Precision.DEFAULT
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _scores(qk, cfg: TpuConfig):
+    """(s, t) for fp32 q.k products: s = scale * q.k, or with a soft-cap c, s = c * tanh(t) with
+    t = tanh(q.k * scale / c) (reference.softcapped, one multiply before the tanh and one after),
+    whose 1 - t^2 the backward needs; t is None without a cap."""
+    if cfg.softcap is None:
+        return qk * cfg.scale, None
+    t = jnp.tanh(qk * (cfg.scale / cfg.softcap))
+    return t * cfg.softcap, t
+
+
+def _cap_grad(ds, t):
+    """dS with respect to scale * q.k: times the soft-cap's derivative 1 - t^2 (none without one)."""
+    return ds if t is None else ds * (1.0 - t * t)
 
 
 def _runs(i, j, bq: int, bk: int, window=None):
@@ -216,7 +236,7 @@ def _fwd_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padd
 
     def step(masked: bool):
         q, k, v = q_ref[...], k_ref[...], v_ref[...]
-        s = _dot(q, k, _NT) * cfg.scale  # [bq, bk]
+        s, _ = _scores(_dot(q, k, _NT), cfg)  # [bq, bk]
         mask = None
         if masked:
             mask = _mask(
@@ -288,7 +308,7 @@ def _forward_padded(qt, kt, vt, q_seg, kv_seg, cfg: TpuConfig, kv_len: int):
     tiles = b * n * _visited(nq, nk, bq, bk, cfg.causal, cfg.window)
     cost = pl.CostEstimate(
         flops=4 * tiles * bq * bk * h,  # S = Q K^T and P V on every tile that runs
-        transcendentals=tiles * bq * bk,
+        transcendentals=tiles * bq * bk * (1 if cfg.softcap is None else 2),  # exp (and tanh)
         bytes_accessed=_nbytes(qt, *out_shape) + 2 * tiles * bk * h * kt.dtype.itemsize,
     )
     kernel = functools.partial(
@@ -333,7 +353,8 @@ def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padde
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         lse = lse_ref[0][:, None]  # the stored row as a column [bq, 1]
         delta = delta_ref[0][:, None]
-        p = jnp.exp(_dot(q, k, _NT) * cfg.scale - lse)  # [bq, bk]
+        s, t = _scores(_dot(q, k, _NT), cfg)  # [bq, bk]
+        p = jnp.exp(s - lse)
         if masked:
             mask = _mask(
                 i * bq,
@@ -347,7 +368,7 @@ def _dq_kernel(*refs, cfg: TpuConfig, kv_len, nk: int, has_segments: bool, padde
                 kv_seg=None if ks_ref is None else ks_ref[...],
             )
             p = jnp.where(mask, p, 0.0)
-        ds = p * (_dot(do, v, _NT) - delta)
+        ds = _cap_grad(p * (_dot(do, v, _NT) - delta), t)
         acc_ref[...] += _dot(ds.astype(k.dtype), k, _NN)
 
     runs = _runs(i, j, bq, bk, cfg.window) if cfg.causal else True
@@ -382,7 +403,8 @@ def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int, ha
 
     def step(masked: bool):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        pt = jnp.exp(_dot(k, q, _NT) * cfg.scale - lse_ref[...])  # P^T [bk, bq]
+        st, tt = _scores(_dot(k, q, _NT), cfg)  # S^T [bk, bq]
+        pt = jnp.exp(st - lse_ref[...])  # P^T
         if masked:
             mask = _mask(
                 i * bq,
@@ -397,7 +419,7 @@ def _dkdv_kernel(*refs, cfg: TpuConfig, kv_len, nq: int, nk: int, group: int, ha
             )
             pt = jnp.where(mask, pt, 0.0)
         dv_acc[...] += _dot(pt.astype(do.dtype), do, _NN)
-        dst = pt * (_dot(v, do, _NT) - delta_ref[...])  # dS^T [bk, bq]
+        dst = _cap_grad(pt * (_dot(v, do, _NT) - delta_ref[...]), tt)  # dS^T [bk, bq]
         dk_acc[...] += _dot(dst.astype(q.dtype), q, _NN)
 
     runs = _runs(i, j, bq, bk, cfg.window) if cfg.causal else True
@@ -453,7 +475,7 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(  # S, dP = dO V^T, dQ += dS K
             flops=6 * tiles * bq * bk * h,
-            transcendentals=tiles * bq * bk,
+            transcendentals=tiles * bq * bk * (1 if cfg.softcap is None else 2),  # exp (and tanh)
             bytes_accessed=_nbytes(qt, dot_, lse, delta, qt) + 2 * tiles * bk * h * isz,
         ),
         interpret=cfg.interpret,
@@ -490,7 +512,7 @@ def _backward_padded(qt, kt, vt, q_seg, kv_seg, dot_, lse, delta, cfg: TpuConfig
         compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
         cost_estimate=pl.CostEstimate(  # S^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q
             flops=8 * tiles * bq * bk * h,
-            transcendentals=tiles * bq * bk,
+            transcendentals=tiles * bq * bk * (1 if cfg.softcap is None else 2),  # exp (and tanh)
             bytes_accessed=_nbytes(kt, vt, kt, vt) + tiles * (2 * bq * h * isz + 2 * bq * 4),
         ),
         interpret=cfg.interpret,

@@ -10,6 +10,10 @@ Conventions shared with kernel.py (tests hold both to them):
 - window W (sliding-window attention, causal only): besides, query i sees key j only if
   i - j < W, its last W keys including its own (Mistral's, and transformers' convention);
 - segment ids: query i sees key j iff q_segment_ids[b, i] == kv_segment_ids[b, j];
+- softcap c (Gemma 2's attention logit soft-capping): the scaled scores become c * tanh(s / c),
+  before any mask and the softmax (`softcapped`, the one statement of it that the other modules
+  import); so s, lse and the P = exp(s - lse) of the backward are all of the capped scores, and
+  d s_capped / d(q.k) = scale * (1 - tanh(s / c)^2) enters dS. None or 0: no cap;
 - lse[B, N, T] = log(sum_j exp(s_ij)) over the visible keys, natural log, fp32;
 - a row with no visible key (fully masked) has output 0 and lse = -inf, with no NaN anywhere,
   forward or backward. Merging blocks by their lse must then guard -inf (see the docs).
@@ -17,10 +21,13 @@ Conventions shared with kernel.py (tests hold both to them):
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["attention", "attention_backward", "check_inputs", "make_mask"]
+__all__ = ["attention", "attention_backward", "check_inputs", "check_softcap", "make_mask", "softcapped"]
 
 # Head dims the compiled kernel supports; in interpret mode smaller multiples of 16 are allowed too
 # (so that CPU tests are fast). The reference itself accepts any head dim.
@@ -28,8 +35,31 @@ KERNEL_HEAD_DIMS = (64, 128, 256)
 INTERPRET_HEAD_DIMS = (16, 32, 48) + KERNEL_HEAD_DIMS
 
 
-def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=None, window=None):
+def check_softcap(softcap) -> float | None:
+    """The attention logit soft-cap as a static Python float, or None for no cap (None or 0);
+    ValueError naming the value for anything else (a bool, a string, a negative or non-finite
+    number, an array)."""
+    number = isinstance(softcap, (int, float, np.integer, np.floating)) and not isinstance(softcap, (bool, np.bool_))
+    if softcap is not None and not (number and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(
+            f"softcap={softcap!r}: attention logit soft-capping takes a positive number c (the scores become "
+            "c * tanh(s / c); Gemma 2 uses 50.0), or None (or 0) for no cap"
+        )
+    return float(softcap) if softcap else None
+
+
+def softcapped(scores, softcap):
+    """Gemma 2's attention logit soft-capping of the (scaled) scores: softcap * tanh(scores /
+    softcap), applied before any mask and the softmax; scores unchanged when softcap is None (or
+    0). softcap is a static Python number (see `check_softcap`)."""
+    if not softcap:
+        return scores
+    return softcap * jnp.tanh(scores / softcap)
+
+
+def check_inputs(q, k, v, *, causal, q_segment_ids, kv_segment_ids, head_dims=None, window=None, softcap=None):
     """Raise ValueError, naming the constraint and the values, for inputs attention cannot take."""
+    check_softcap(softcap)
     if window is not None and (not causal or not isinstance(window, int) or window < 1):
         raise ValueError(
             f"window={window!r}: a sliding window is a positive number of keys (each query's last W) and "
@@ -83,17 +113,38 @@ def make_mask(t, s, *, causal, q_segment_ids=None, kv_segment_ids=None, window=N
 
 
 def attention(
-    q, k, v, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, return_lse=False, window=None
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale=None,
+    return_lse=False,
+    window=None,
+    softcap=None,
 ):
-    """softmax(scale * q k^T + mask) v for q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in q.dtype,
-    and lse[B, N, T] in fp32 when return_lse. See the module docstring for the conventions."""
-    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window)
+    """softmax(cap(scale * q k^T) + mask) v for q[B, T, N, H], k/v[B, S, K, H] -> o[B, T, N, H] in
+    q.dtype, and lse[B, N, T] in fp32 when return_lse; cap is `softcapped` (the identity when
+    softcap is None). See the module docstring for the conventions."""
+    check_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        window=window,
+        softcap=softcap,
+    )
+    softcap = check_softcap(softcap)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     scale = h**-0.5 if softmax_scale is None else softmax_scale
     qg = q.reshape(b, t, kh, n // kh, h)  # query head n = kv head * G + g
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, n, t, s) * scale
+    scores = softcapped(scores.reshape(b, n, t, s) * scale, softcap)
     mask = make_mask(t, s, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window)
     if mask is None:
         mask = jnp.ones((1, 1, t, s), dtype=bool)
@@ -115,20 +166,43 @@ def attention(
 
 
 def attention_backward(
-    q, k, v, o, lse, do, *, causal=False, q_segment_ids=None, kv_segment_ids=None, softmax_scale=None, window=None
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    *,
+    causal=False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    softmax_scale=None,
+    window=None,
+    softcap=None,
 ):
     """(dq, dk, dv) given the output o and lse of a (possibly longer) attention and the cotangent do,
     recomputing only P = exp(s - lse): the pure-JAX twin of `kernel.flash_attention_backward`
     (ring attention sums it over key blocks with the final o and lse). fp32 math, inputs' dtypes out.
-    Segment ids and the window as in `attention`: pairs they hide get P = 0."""
-    check_inputs(q, k, v, causal=causal, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window=window)
+    Segment ids and the window as in `attention`: pairs they hide get P = 0. With softcap, s is the
+    capped score and dS carries the cap's derivative 1 - tanh^2 (per score, so blocks still sum)."""
+    check_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        window=window,
+        softcap=softcap,
+    )
+    softcap = check_softcap(softcap)
     b, t, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
     scale = h**-0.5 if softmax_scale is None else softmax_scale
     f32 = lambda x: x.astype(jnp.float32)
     qg, dog, og = (f32(x).reshape(b, t, kh, g, h) for x in (q, do, o))
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, f32(k)) * scale
+    scores = softcapped(jnp.einsum("btkgh,bskh->bkgts", qg, f32(k)) * scale, softcap)
     lse_g = lse.reshape(b, kh, g, t)[..., None]
     visible = jnp.isfinite(lse_g)
     if causal:
@@ -140,6 +214,8 @@ def attention_backward(
     dp = jnp.einsum("btkgh,bskh->bkgts", dog, f32(v))
     delta = jnp.einsum("btkgh,btkgh->bkgt", dog, og)[..., None]
     ds = p * (dp - delta)
+    if softcap is not None:  # d cap(x) / dx = 1 - tanh(x / c)^2 = 1 - (cap(x) / c)^2
+        ds = ds * (1.0 - jnp.square(scores / softcap))
     dq = jnp.einsum("bkgts,bskh->btkgh", ds, f32(k)).reshape(b, t, n, h) * scale
     dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg) * scale
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

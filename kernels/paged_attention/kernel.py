@@ -12,7 +12,8 @@ head), grid (B, K):
   k_pages[page, :, kv_head, :] and the same of v_pages by dynamic index: the page gather is the
   kernel's own loads, no gathered copy of the cache exists;
 * online softmax (running max m, sum l, fp32 accumulator acc [G, H]); positions >= length on the
-  last page are masked; o = acc / l at the end.
+  last page are masked; o = acc / l at the end. With a logit soft-cap c (`softcap`, Gemma 2) a
+  page's scores s (q pre-scaled) become c * tanh(s / c) before the mask.
 Scores and P V are computed as broadcast products reduced along H (resp. the page), in fp32, not
 as dots: G is 1-8 in practice and Triton's `tl.dot` needs >= 16 rows; decode is bound by reading
 the cache, not by these FLOPs. fp32 inputs are therefore exact fp32 products (no TF32).
@@ -35,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxsys.kernels import platforms
+from jaxsys.kernels.flash_attention.reference import check_softcap
 from jaxsys.kernels.paged_attention import kernel_tpu
 from jaxsys.kernels.paged_attention.reference import check_inputs
 
@@ -50,6 +52,7 @@ class GenericConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     window: int | None = None  # sliding window: the last `window` positions only
+    softcap: float | None = None  # logit soft-cap c: scores s -> c * tanh(s / c)
 
 
 def first_page(length, page_size: int, window: int | None):
@@ -70,7 +73,9 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float, window):
+def _generic_kernel(
+    pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float, window, softcap: float | None
+):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     n_pages = lax.div(length + page_size - 1, page_size)
@@ -83,6 +88,8 @@ def _generic_kernel(pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: i
         k = k_ref[page, :, kh, :].astype(jnp.float32)  # [page_size, H]
         v = v_ref[page, :, kh, :].astype(jnp.float32)
         s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, page_size]
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
         pos = i * page_size + lax.broadcasted_iota(jnp.int32, (g, page_size), 1)
         visible = window_visible(pos, length, window)
         s = jnp.where(visible, s, MASK_VALUE)
@@ -125,7 +132,9 @@ def _generic(q, k_pages, v_pages, page_table, lengths, *, cfg: GenericConfig):
     whole = lambda shape: pl.BlockSpec(shape, lambda bi, hi: (0,) * len(shape))
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     return pl.pallas_call(
-        functools.partial(_generic_kernel, page_size=page_size, scale=cfg.scale, window=cfg.window),
+        functools.partial(
+            _generic_kernel, page_size=page_size, scale=cfg.scale, window=cfg.window, softcap=cfg.softcap
+        ),
         grid=(b, kh),
         in_specs=[whole(page_table.shape), whole(lengths.shape), q_spec, whole(k_pages.shape), whole(v_pages.shape)],
         out_specs=q_spec,
@@ -175,6 +184,7 @@ def paged_attention(
     num_warps=None,
     num_stages=None,
     window=None,
+    softcap: float | None = None,
 ):
     """Decode attention over a paged KV cache, as `reference.paged_attention_reference`.
 
@@ -184,6 +194,8 @@ def paged_attention(
     interpret / backend as in kernels/platforms.py: None interprets when lowered for CPU, runs the
     Mosaic variant on TPU and Triton elsewhere. num_warps / num_stages: Triton launch parameters.
     window: sliding-window attention (the last `window` positions; pages before them are not read).
+    softcap: logit soft-capping (Gemma 2), None or 0 (off) or c > 0: the scaled scores s become
+    c * tanh(s / c) before the mask and the softmax.
 
     Page ids and lengths are trusted: an id outside [0, P) reads out of bounds (no check on
     device), and lengths are range-checked only when they are concrete."""
@@ -191,11 +203,12 @@ def paged_attention(
     b, n, h = q.shape
     kh = k_pages.shape[2]
     scale = float(h**-0.5 if scale is None else scale)
+    softcap = check_softcap(softcap)
     plan = platforms.plan(
         backend,
         interpret,
-        GenericConfig(scale, num_warps=num_warps, num_stages=num_stages, window=window),
-        kernel_tpu.TpuConfig(scale, window=window),
+        GenericConfig(scale, num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap),
+        kernel_tpu.TpuConfig(scale, window=window, softcap=softcap),
     )
     qg = q.reshape(b, kh, n // kh, h)
     out = platforms.dispatch(

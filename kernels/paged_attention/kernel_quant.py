@@ -13,7 +13,8 @@ dynamic index (the page id read from the table inside the kernel, as kernel.py) 
 n = 8 / b parts of Hp = H / n channels: part i is (bytes >> i b) & (2^b - 1) times its scale plus
 its zero, in fp32. The query, the accumulator and the output are kept as the same n parts (static
 slices of the refs), so no lane interleave or concatenate happens in the kernel. Scores and P V
-are broadcast products reduced in fp32, as in kernel.py (G is 1-8).
+are broadcast products reduced in fp32, as in kernel.py (G is 1-8). A logit soft-cap c (`softcap`)
+maps a page's scaled scores s to c * tanh(s / c) before the mask, as kernel.py.
 
 No Mosaic (TPU) variant yet: on TPU this kernel would take the Triton branch and fail to lower.
 """
@@ -29,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxsys.kernels import platforms
+from jaxsys.kernels.flash_attention.reference import check_softcap
 from jaxsys.kernels.paged_attention import quant
 from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, _pad_rows, first_page, triton_params, window_visible
 from jaxsys.kernels.paged_attention.reference import check_inputs
@@ -44,6 +46,7 @@ class QuantConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     window: int | None = None  # sliding window: the last `window` positions only
+    softcap: float | None = None  # logit soft-cap c: scores s -> c * tanh(s / c)
 
 
 def _kernel(
@@ -66,6 +69,7 @@ def _kernel(
     scale: float,
     bits: int,
     window: int | None,
+    softcap: float | None,
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
@@ -109,6 +113,8 @@ def _kernel(
             m, l, acc = carry
             ks, vs = load(i)
             s = sum(jnp.sum(qj[:, None, :] * kj[None, :, :], axis=2) for qj, kj in zip(qs, ks))  # [G, page_size]
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
             pos = i * page_size + lax.broadcasted_iota(jnp.int32, (g, page_size), 1)
             visible = window_visible(pos, length, window)
             s = jnp.where(visible, s, MASK_VALUE)
@@ -151,7 +157,9 @@ def _generic(q, k_pages, v_pages, qp, quant_table, fp_table, lengths, quant_page
         v_pages,
     ) + tuple(qp[name] for name in names)
     return pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits, window=cfg.window),
+        functools.partial(
+            _kernel, page_size=page_size, scale=cfg.scale, bits=cfg.bits, window=cfg.window, softcap=cfg.softcap
+        ),
         grid=(b, kh),
         in_specs=[whole(a) for a in operands[:4]] + [q_spec] + [whole(a) for a in operands[5:]],
         out_specs=q_spec,
@@ -211,6 +219,7 @@ def paged_attention_quant(
     num_warps=None,
     num_stages=None,
     window=None,
+    softcap: float | None = None,
 ):
     """Decode attention over a quantized paged cache, as `quant.paged_attention_quant_reference`.
 
@@ -221,7 +230,8 @@ def paged_attention_quant(
     before the current one stay full precision; `quant_pages` [B] (optional) overrides how many
     leading pages each row reads quantized (default quant.n_quant(lengths, page_size, residual);
     a read view of a subset of the pages sets its own); `window`: sliding-window attention (the last
-    `window` positions; pages before them are not read). Returns [B, N, H] in q.dtype. interpret None
+    `window` positions; pages before them are not read); `softcap`: logit soft-capping, None (or 0)
+    or c > 0 (scaled scores s -> c * tanh(s / c) before the mask). Returns [B, N, H] in q.dtype. interpret None
     interprets when lowered for CPU and uses Triton elsewhere (no Mosaic variant)."""
     check_inputs(q, k_pages, v_pages, quant_table, lengths)
     check_quant_inputs(k_pages, qp, mode)
@@ -230,7 +240,14 @@ def paged_attention_quant(
     b, n, h = q.shape
     kh = k_pages.shape[2]
     scale = float(h**-0.5 if scale is None else scale)
-    cfg = QuantConfig(scale, quant.MODES[mode][0], num_warps=num_warps, num_stages=num_stages, window=window)
+    cfg = QuantConfig(
+        scale,
+        quant.MODES[mode][0],
+        num_warps=num_warps,
+        num_stages=num_stages,
+        window=window,
+        softcap=check_softcap(softcap),
+    )
     plan = platforms.plan("generic", interpret, cfg, None)
     if quant_pages is None:
         quant_pages = quant.n_quant(lengths, k_pages.shape[1], int(residual))

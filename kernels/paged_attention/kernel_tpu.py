@@ -21,7 +21,8 @@ scratch per head).
 The G = N / K query heads of a kv head form one [G, H] tile, padded to the dtype's sublane tile
 (8 rows fp32, 16 bf16) in the wrapper. Scratch across the page axis (fp32): the running max m and
 sum l as [G, 128] (equal over lanes, as in flash_attention/kernel_tpu.py) and acc [G, H]; the
-last step writes o = acc / l. bf16 dots take Precision.DEFAULT explicitly (Mosaic rejects an fp32
+last step writes o = acc / l. With a logit soft-cap c (`softcap`) the scaled scores s become
+c * tanh(s / c) before the mask. bf16 dots take Precision.DEFAULT explicitly (Mosaic rejects an fp32
 contraction of bf16 operands, which jax_default_matmul_precision="highest" would ask for).
 """
 
@@ -52,6 +53,7 @@ class TpuConfig:
     scale: float
     interpret: bool = False
     window: int | None = None  # sliding window: the last `window` positions only
+    softcap: float | None = None  # logit soft-cap c: scores s -> c * tanh(s / c)
 
 
 def _dot(a, b, dims):
@@ -78,6 +80,7 @@ def _kernel(
     page_size: int,
     max_pages: int,
     window: int | None,
+    softcap: float | None,
 ):
     """q_ref/o_ref [heads, G, H]; k_ref/v_ref [page_size, heads * H] (one page of `heads` kv
     heads); scratch m, l [heads, G, 128], acc [heads, G, H]."""
@@ -102,6 +105,8 @@ def _kernel(
         for j in range(heads):  # static lane slices of the page
             q, k, v = q_ref[j], kv_k[:, j * h : (j + 1) * h], kv_v[:, j * h : (j + 1) * h]
             s = _dot(q, k, _NT) * scale  # [G, page_size]
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
             pos = i * page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             visible = pos < length if window is None else (pos < length) & (pos >= length - window)
             s = jnp.where(visible, s, MASK_VALUE)
@@ -153,11 +158,18 @@ def forward(q, k_pages, v_pages, page_table, lengths, *, cfg: TpuConfig):
     itemsize = jnp.dtype(k_pages.dtype).itemsize
     cost = pl.CostEstimate(
         flops=4 * b * kh * g * max_pages * page_size * h,
-        transcendentals=b * kh * g * max_pages * page_size,
+        transcendentals=(1 if cfg.softcap is None else 2) * b * kh * g * max_pages * page_size,
         bytes_accessed=2 * b * kh * max_pages * page_size * h * itemsize + 2 * q.size * q.dtype.itemsize,
     )
     return pl.pallas_call(
-        functools.partial(_kernel, scale=cfg.scale, page_size=page_size, max_pages=max_pages, window=cfg.window),
+        functools.partial(
+            _kernel,
+            scale=cfg.scale,
+            page_size=page_size,
+            max_pages=max_pages,
+            window=cfg.window,
+            softcap=cfg.softcap,
+        ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),

@@ -196,11 +196,13 @@ def paged_attention_quant_reference(
     quant_pages=None,
     scale=None,
     window=None,
+    softcap=None,
 ):
     """Decode attention over a quantized paged cache (module docstring): q [B, N, H]; k/v_pages
     [Pf, page_size, K, H] the full-precision pool; `quant` the quantized pool (`page_shapes`, Pq
     pages); quant_table, fp_table [B, max_pages]; lengths [B]; quant_pages [B] the pages read
-    quantized (default n_quant(lengths, page_size, residual)). Returns [B, N, H] in q.dtype."""
+    quantized (default n_quant(lengths, page_size, residual)); window / softcap as
+    reference.contiguous_attention. Returns [B, N, H] in q.dtype."""
     b, max_pages = quant_table.shape
     page_size = k_pages.shape[1]
     kd, vd = dequantize_pages(quant, mode)
@@ -210,4 +212,4 @@ def paged_attention_quant_reference(
     sel = lambda deq, fp: jnp.where(
         use_q[:, :, None, None, None], deq[quant_table], fp.astype(jnp.float32)[fp_table]
     ).reshape(b, max_pages * page_size, *fp.shape[2:])
-    return contiguous_attention(q, sel(kd, k_pages), sel(vd, v_pages), lengths, scale, window)
+    return contiguous_attention(q, sel(kd, k_pages), sel(vd, v_pages), lengths, scale, window, softcap)

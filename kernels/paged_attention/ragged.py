@@ -18,7 +18,8 @@ Layout (one layer), as reference.py, with T query rows and S sequence slots:
   and their cu_q_lens / kv_lens / page_table entries are ignored; rows at or past
   cu_q_lens[num_seqs] are padding: their output is 0.
 T, S and max_pages are static (the engine pads them to buckets); offsets and lengths are dynamic.
-Output [T, N, H] in q.dtype, scores and softmax in fp32, scale defaulting to H ** -0.5.
+Output [T, N, H] in q.dtype, scores and softmax in fp32, scale defaulting to H ** -0.5. With a
+logit soft-cap c (`softcap`, Gemma 2) the scaled scores s become c * tanh(s / c) before the mask.
 
 Work items. Each sequence's rows are cut into blocks of `block_q` query tokens; a work item is one
 (sequence, block) pair. Their number is dynamic but at most W = min(T, (T + S (block_q - 1)) //
@@ -73,6 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxsys.kernels import platforms
+from jaxsys.kernels.flash_attention.reference import check_softcap, softcapped
 from jaxsys.kernels.paged_attention import quant, ragged_tpu
 from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, triton_params
 from jaxsys.kernels.paged_attention.kernel_quant import check_quant_inputs
@@ -243,15 +245,18 @@ def _scatter_outputs(o, sch: Schedule, n: int, block_q: int, gp: int):
 # ----------------------------------------------------------------------------- references
 
 
-def _attend_rows(q, keys, values, tok_pos, tok_live, scale, window=None):
+def _attend_rows(q, keys, values, tok_pos, tok_live, scale, window=None, softcap=None):
     """q [T, N, H], keys/values [T, L, K, H] (row t's sequence laid out contiguously), causal by
-    position (and with `window` only the row's last `window` positions) -> [T, N, H] in q.dtype,
-    fp32 scores and softmax, zeros on padding rows."""
+    position (and with `window` only the row's last `window` positions), scaled scores s soft-capped
+    to c * tanh(s / c) with `softcap` c -> [T, N, H] in q.dtype, fp32 scores and softmax, zeros on
+    padding rows."""
+    softcap = check_softcap(softcap)
     t, n, h = q.shape
     length, kh = keys.shape[1], keys.shape[2]
     qg = q.reshape(t, kh, n // kh, h).astype(jnp.float32)
     hi = lax.Precision.HIGHEST
     scores = jnp.einsum("tkgh,tskh->tkgs", qg, keys.astype(jnp.float32), precision=hi) * scale
+    scores = softcapped(scores, softcap)
     visible = jnp.arange(length)[None, :] <= tok_pos[:, None]  # [T, L]
     if window is not None:
         visible = visible & (jnp.arange(length)[None, :] > tok_pos[:, None] - window)
@@ -276,6 +281,7 @@ def ragged_paged_attention_reference(
     interpret=None,
     backend=None,
     window=None,
+    softcap=None,
 ):
     """Pure JAX, the semantics of `ragged_paged_attention` (module docstring): each query row's
     sequence gathered into a contiguous [max_pages * page_size, K, H] cache, keys at positions <= the
@@ -288,7 +294,7 @@ def ragged_paged_attention_reference(
     rows_table = page_table.astype(jnp.int32)[sch.tok_seq]  # [T, max_pages]
     scale = q.shape[2] ** -0.5 if scale is None else scale
     k, v = gather_pages(k_pages, rows_table), gather_pages(v_pages, rows_table)
-    return _attend_rows(q, k, v, sch.tok_pos, sch.tok_live, scale, window)
+    return _attend_rows(q, k, v, sch.tok_pos, sch.tok_live, scale, window, softcap)
 
 
 def _quant_pages_per_row(sch: Schedule, page_size: int, residual: int, quant_pages):
@@ -317,6 +323,7 @@ def ragged_paged_attention_quant_reference(
     block_q=None,
     interpret=None,
     window=None,
+    softcap=None,
 ):
     """Pure JAX, the semantics of `ragged_paged_attention_quant`: the query at position p reads page
     i dequantized from the quantized pool (page id quant_table[s, i]) iff i < n_quant(p + 1) (or
@@ -336,7 +343,7 @@ def ragged_paged_attention_quant_reference(
         t, max_pages * page_size, *fp.shape[2:]
     )
     scale = q.shape[2] ** -0.5 if scale is None else scale
-    return _attend_rows(q, sel(kd, k_pages), sel(vd, v_pages), sch.tok_pos, sch.tok_live, scale, window)
+    return _attend_rows(q, sel(kd, k_pages), sel(vd, v_pages), sch.tok_pos, sch.tok_live, scale, window, softcap)
 
 
 # ----------------------------------------------------------------------------- generic kernels
@@ -350,6 +357,7 @@ class RaggedConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     window: int | None = None  # sliding window: a query sees its last `window` positions
+    softcap: float | None = None  # logit soft-cap c: scores s -> c * tanh(s / c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +371,7 @@ class RaggedQuantConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     window: int | None = None
+    softcap: float | None = None
 
 
 def _mm(a, b, contract_b: int, use_dot: bool):
@@ -408,6 +417,11 @@ def _first_page(pos0, page_size: int, window):
     return 0 if window is None else lax.div(jnp.maximum(pos0 - window + 1, 0), page_size)
 
 
+def _cap(s, softcap: float | None):
+    """The logit soft-cap of scaled scores s inside a kernel: c * tanh(s / c), or s (None)."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
+
+
 def _online_softmax_step(carry, s, visible, pv):
     """One page of the online softmax: s [R, page_size] fp32 scores, `visible` its mask, pv(p) the
     [R, H] (or parts) product of the probabilities with the page's values."""
@@ -441,7 +455,7 @@ def _generic_kernel(pt_ref, seq_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_r
         v = v_ref[page, :, kh, :]
         v = jnp.where(i * page_size + slot <= last, v, jnp.zeros((), v.dtype))  # stale slots past the block
         kpos = i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1)
-        s = _mm(q, k, 1, use_dot) * cfg.scale
+        s = _cap(_mm(q, k, 1, use_dot) * cfg.scale, cfg.softcap)
         pv = lambda p: _mm(p.astype(v.dtype) if use_dot else p, v, 0, use_dot)
         return _online_softmax_step(carry, s, _visible(kpos, qpos, cfg.window), pv)
 
@@ -542,7 +556,7 @@ def _quant_kernel(
 
     def scores_and_pv(i, ks, vs):
         vs = [jnp.where(i * page_size + slot <= last, v, jnp.zeros((), v.dtype)) for v in vs]
-        s = sum(_mm(qj, kj, 1, use_dot) for qj, kj in zip(qs, ks)) * cfg.scale  # [R, page_size]
+        s = _cap(sum(_mm(qj, kj, 1, use_dot) for qj, kj in zip(qs, ks)) * cfg.scale, cfg.softcap)  # [R, page_size]
         pv = lambda p: tuple(_mm(p.astype(v.dtype) if use_dot else p, v, 0, use_dot) for v in vs)
         return s, pv
 
@@ -624,6 +638,7 @@ def ragged_paged_attention(
     num_warps=None,
     num_stages=None,
     window=None,
+    softcap: float | None = None,
 ):
     """Attention of a step's ragged query blocks over a paged KV cache, as
     `ragged_paged_attention_reference` (module docstring for the layout).
@@ -637,6 +652,8 @@ def ragged_paged_attention(
     lowered for CPU, runs the Mosaic variant (ragged_tpu.py) on TPU and Triton elsewhere.
     num_warps / num_stages: Triton launch parameters. window: sliding-window attention (a query
     sees its last `window` positions; pages wholly behind a block's windows are not read).
+    softcap: logit soft-capping (Gemma 2), None or 0 (off) or c > 0: the scaled scores s become
+    c * tanh(s / c) before the mask and the softmax.
 
     Page ids, offsets and lengths are trusted under jit (checked only when concrete): an id outside
     [0, P) reads out of bounds in the generic variant."""
@@ -645,11 +662,12 @@ def ragged_paged_attention(
     scale = float(h**-0.5 if scale is None else scale)
     sch, gp, qi = _prepare(q, k_pages, cu_q_lens, kv_lens, num_seqs, block_q)
     shift = gp.bit_length() - 1
+    softcap = check_softcap(softcap)
     plan = platforms.plan(
         backend,
         interpret,
-        RaggedConfig(scale, shift, num_warps=num_warps, num_stages=num_stages, window=window),
-        ragged_tpu.RaggedTpuConfig(scale, shift, window=window),
+        RaggedConfig(scale, shift, num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap),
+        ragged_tpu.RaggedTpuConfig(scale, shift, window=window, softcap=softcap),
     )
     o = platforms.dispatch(
         plan, _VARIANTS, 0, qi, k_pages, v_pages, page_table.astype(jnp.int32), sch.seq, sch.pos, sch.rows
@@ -677,6 +695,7 @@ def ragged_paged_attention_quant(
     num_warps=None,
     num_stages=None,
     window=None,
+    softcap: float | None = None,
 ):
     """Ragged paged attention over a quantized (KIVI) cache, as
     `ragged_paged_attention_quant_reference`: q, cu_q_lens, kv_lens, num_seqs as
@@ -685,7 +704,7 @@ def ragged_paged_attention_quant(
     page ids into each pool (entries a sequence's queries do not read from that pool are never
     read). The query at position p reads page i quantized iff i < max((p + 1) // page_size -
     residual, 0), or, with quant_pages [S] given, iff i < quant_pages[s] for every query of s.
-    window as in `ragged_paged_attention`. Generic variant only (interpret mode on CPU, Triton elsewhere; no Mosaic variant)."""
+    window and softcap as in `ragged_paged_attention`. Generic variant only (interpret mode on CPU, Triton elsewhere; no Mosaic variant)."""
     check_ragged_inputs(q, k_pages, v_pages, quant_table, cu_q_lens, kv_lens, num_seqs, block_q)
     check_quant_inputs(k_pages, qp, mode)
     if fp_table.shape != quant_table.shape:
@@ -705,6 +724,7 @@ def ragged_paged_attention_quant(
         num_warps=num_warps,
         num_stages=num_stages,
         window=window,
+        softcap=check_softcap(softcap),
     )
     plan = platforms.plan("generic", interpret, cfg, None)
     nq = jnp.zeros((s,), jnp.int32) if quant_pages is None else quant_pages.astype(jnp.int32)

@@ -18,7 +18,8 @@ multiple of 128, else the whole K * H lanes with a static Python loop over the K
 lane blocks must be multiples of 128), as kernel_tpu.py. The query tile block (R, H) is whole in
 its last two dims. Scratch across the page axis (fp32): m and l [heads, R, 128] (equal over lanes)
 and acc [heads, R, H]; the last step writes o = acc / l (0 for a dead item). Row r of a tile holds
-query position pos0 + min(r >> log2(Gp), rows - 1); key c is visible iff c <= that position;
+query position pos0 + min(r >> log2(Gp), rows - 1); key c is visible iff c <= that position (with a
+logit soft-cap, `softcap`, the scaled scores s are first mapped to softcap * tanh(s / softcap));
 values in slots past the item's last position are zeroed (stale slots of a partly written page).
 bf16 dots at Precision.DEFAULT, fp32 at HIGHEST, P rounded to the value dtype before P V, as
 kernel_tpu.py.
@@ -47,6 +48,7 @@ class RaggedTpuConfig:
     group_shift: int  # log2(Gp)
     interpret: bool = False
     window: int | None = None  # sliding window: a query sees its last `window` positions
+    softcap: float | None = None  # logit soft-cap c: scores s -> c * tanh(s / c)
 
 
 def _kernel(
@@ -69,6 +71,7 @@ def _kernel(
     max_pages: int,
     group_shift: int,
     window: int | None,
+    softcap: float | None,
 ):
     """q_ref/o_ref [heads, R, H]; k_ref/v_ref [page_size, heads * H]; scratch m, l [heads, R, 128],
     acc [heads, R, H]."""
@@ -100,6 +103,8 @@ def _kernel(
             q, k, v = q_ref[j], kv_k[:, j * h : (j + 1) * h], kv_v[:, j * h : (j + 1) * h]
             v = jnp.where(live_slot, v.astype(jnp.float32), 0.0).astype(v.dtype)
             s = _dot(q, k, _NT) * scale  # [R, page_size]
+            if softcap is not None:
+                s = softcap * jnp.tanh(s / softcap)
             s = jnp.where(visible, s, MASK_VALUE)
             m_prev, l_prev = m_ref[j], l_ref[j]  # [R, 128]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -159,7 +164,7 @@ def forward(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedTpuCo
     itemsize = jnp.dtype(k_pages.dtype).itemsize
     cost = pl.CostEstimate(
         flops=4 * w * kh * r * max_pages * page_size * h,
-        transcendentals=w * kh * r * max_pages * page_size,
+        transcendentals=(1 if cfg.softcap is None else 2) * w * kh * r * max_pages * page_size,
         bytes_accessed=2 * w * kh * max_pages * page_size * h * itemsize + 2 * q.size * q.dtype.itemsize,
     )
     return pl.pallas_call(
@@ -170,6 +175,7 @@ def forward(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedTpuCo
             max_pages=max_pages,
             group_shift=cfg.group_shift,
             window=cfg.window,
+            softcap=cfg.softcap,
         ),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),

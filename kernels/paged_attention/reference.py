@@ -13,6 +13,8 @@ Layout (one layer):
 Output [B, N, H] in q.dtype: softmax(scale * q.k) v over the first `length` cached tokens, scores
 and softmax in fp32, scale defaulting to H ** -0.5. With a sliding window W (a model's "local"
 layers) only the last W of them: positions length - W .. length - 1 (the query's own included).
+With a logit soft-cap c (Gemma 2's `softcap`) the scaled scores s become c * tanh(s / c) before
+the mask and the softmax (None or 0: no cap; flash_attention/reference.py's `softcapped`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxsys.kernels.flash_attention.reference import check_softcap, softcapped
 
 __all__ = ["paged_attention_reference", "contiguous_attention", "gather_pages", "check_inputs"]
 
@@ -74,16 +78,18 @@ def gather_pages(pages, page_table):
     return pages[page_table].reshape(b, mp * ps, kh, h)
 
 
-def contiguous_attention(q, k, v, lengths, scale=None, window=None):
+def contiguous_attention(q, k, v, lengths, scale=None, window=None, softcap=None):
     """Decode attention over a contiguous cache: q [B, N, H], k/v [B, S, K, H], lengths [B]
     (positions >= length are masked, and with `window` those < length - window) -> [B, N, H] in
-    q.dtype; fp32 scores and softmax."""
+    q.dtype; fp32 scores and softmax; with `softcap` c the scaled scores s are c * tanh(s / c)."""
+    softcap = check_softcap(softcap)
     b, n, h = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = n // kh
     scale = h**-0.5 if scale is None else scale
     qg = q.reshape(b, kh, g, h).astype(jnp.float32)
     scores = jnp.einsum("bkgh,bskh->bkgs", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
+    scores = softcapped(scores, softcap)
     visible = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     if window is not None:
         visible = visible & (jnp.arange(s)[None, :] >= lengths[:, None] - window)
@@ -94,9 +100,10 @@ def contiguous_attention(q, k, v, lengths, scale=None, window=None):
     return o.reshape(b, n, h).astype(q.dtype)
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, scale=None, window=None):
+def paged_attention_reference(q, k_pages, v_pages, page_table, lengths, scale=None, window=None, softcap=None):
     """Gather each sequence's pages into a contiguous [B, max_pages * page_size, K, H] cache, mask
-    positions >= length, softmax in fp32 -> [B, N, H] in q.dtype (module docstring)."""
+    positions >= length (and with `window` those before it), soft-cap the scores with `softcap`,
+    softmax in fp32 -> [B, N, H] in q.dtype (module docstring)."""
     check_inputs(q, k_pages, v_pages, page_table, lengths)
     k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
-    return contiguous_attention(q, k, v, lengths, scale, window)
+    return contiguous_attention(q, k, v, lengths, scale, window, softcap)
