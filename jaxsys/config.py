@@ -31,7 +31,7 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # config.model.mlp_activation: the gate
 MOE_ROUTERS = ("softmax", "sigmoid")
 EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
-OPTIMIZERS = ("adamw", "galore", "zo", "sgd")
+OPTIMIZERS = ("adamw", "galore", "muon", "zo", "sgd")
 OBJECTIVES = ("lm", "dpo")  # config.train.objective (docs/finetune.md)
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # config.lora.targets
 OPTIMIZER_UPDATE = ("device", "host")
@@ -194,13 +194,24 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.microbatches = 1  # m: the local batch is split into m micro-batches (pipeline, or accumulation)
     c.train.pipeline_schedule = "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved_1f1b (mesh.pipe > 1)
     c.train.virtual_stages = 1  # v: model chunks per pipe device (interleaved_1f1b)
-    c.train.optimizer = "adamw"  # adamw | galore (AdamW on low-rank projected gradients) | zo (MeZO) | sgd
+    # adamw | galore (AdamW on low-rank projected gradients) | muon (orthogonalized momentum for the
+    # hidden matrices, AdamW for the rest) | zo (MeZO) | sgd
+    c.train.optimizer = "adamw"
     # GaLore (Zhao et al. 2024): the 2-D weight gradients of the named leaves are projected to rank r
     c.train.galore = ml_collections.ConfigDict()
     c.train.galore.rank = 8  # r
     c.train.galore.update_every = 200  # K: steps between refreshes of the projection (SVD)
     c.train.galore.scale = 0.25  # alpha: the projected-back update is scaled by it
     c.train.galore.leaves = "wq,wk,wv,wo,w_gate,w_up,w_down"  # comma-separated leaf names
+    # Muon (jaxsys/optim/muon.py, docs/muon.md): the named matrices' momentum orthogonalized by
+    # Newton-Schulz; consistent_rms 0.2 scales the update to AdamW's RMS (Moonlight), so train.lr
+    # and train.weight_decay carry over (0: Keller Jordan's sqrt(max(1, fan_out / fan_in)))
+    c.train.muon = ml_collections.ConfigDict()
+    c.train.muon.beta = 0.95  # momentum
+    c.train.muon.nesterov = True
+    c.train.muon.ns_steps = 5  # Newton-Schulz iterations
+    c.train.muon.consistent_rms = 0.2
+    c.train.muon.leaves = "wq,wk,wv,wo,w_gate,w_up,w_down"  # comma-separated leaf names; the rest: AdamW
     # DiLoCo (Douillard et al. 2023; jaxsys/optim/outer.py, docs/diloco.md): the `data` ranks are islands
     # that each take `every` (H) inner steps of train.optimizer on their own batch shard with no
     # cross-island reduction, then average their outer gradients (params before - after) and take one
@@ -1324,6 +1335,33 @@ def _validate_optimizer(config) -> None:
         "config.train.optimizer='galore': re-placing experts permutes the parameter-shaped optimizer "
         "moments, and GaLore's live in the projected space: set expert_rebalance_every=0 or use "
         "optimizer='adamw'",
+    )
+    mu = t.muon
+    _require(
+        isinstance(mu.beta, (int, float)) and 0 <= mu.beta < 1,
+        f"config.train.muon.beta={mu.beta!r} must be in [0, 1) (the momentum)",
+    )
+    _require(
+        isinstance(mu.ns_steps, int) and mu.ns_steps >= 1,
+        f"config.train.muon.ns_steps={mu.ns_steps!r} must be a positive integer (Newton-Schulz iterations; 5)",
+    )
+    _require(
+        isinstance(mu.consistent_rms, (int, float)) and mu.consistent_rms >= 0,
+        f"config.train.muon.consistent_rms={mu.consistent_rms!r} must be >= 0 (0.2: AdamW's update RMS; 0: "
+        "width scaling)",
+    )
+    _require(
+        t.optimizer != "muon" or not o.optimizer,
+        "config.train.optimizer='muon' with config.offload.optimizer=True: offloading chooses the optimizer "
+        "state by its parameter-shaped moments, and Muon's (one partition's leaves each, the others masked) "
+        "are not, so nothing would move: set offload.optimizer=False (offload.params works) or use "
+        "optimizer='adamw'",
+    )
+    _require(
+        t.optimizer != "muon" or config.parallel.expert_rebalance_every == 0,
+        f"config.parallel.expert_rebalance_every={config.parallel.expert_rebalance_every} with "
+        "config.train.optimizer='muon': re-placing experts permutes AdamW-shaped state only; set "
+        "expert_rebalance_every=0 or use optimizer='adamw'",
     )
     _require(t.zo.eps > 0, f"config.train.zo.eps={t.zo.eps!r} must be > 0")
     _require(

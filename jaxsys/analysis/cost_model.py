@@ -306,7 +306,7 @@ def predicted_collectives(config) -> tuple[list[Row], list[str]]:
             f"GaLore's refresh all-gathers run one step in train.galore.update_every="
             f"{config.train.galore.update_every}; the program holds them once, and so do these rows"
         )
-    return rows + galore, caveats
+    return rows + galore + muon_rows(config), caveats
 
 
 def zeroth_order_rows(config, rows: list[Row], caveats: list[str]) -> tuple[list[Row], list[str]]:
@@ -612,7 +612,8 @@ def metric_collectives(config) -> int:
 def zero_memory(config) -> dict:
     """Per-device bytes of parameters, gradients and optimizer state by the ZeRO formula
     (stage from config.train.zero_stage over `data`; `fsdp` shards all three as stage 3). With
-    config.train.optimizer='galore' the optimizer state is GaLore's (`galore_optimizer_bytes`)."""
+    config.train.optimizer='galore' the optimizer state is GaLore's (`galore_optimizer_bytes`), with
+    'muon' Muon's (`muon_optimizer_bytes`)."""
     b_p = _dtype_bytes(config.model.param_dtype)
     psi_l, psi_r, _, _ = params_per_device_after_tp(config)
     psi = (psi_l + psi_r) / config.mesh.fsdp
@@ -621,15 +622,17 @@ def zero_memory(config) -> dict:
     optimizer = k * psi / (n if stage >= 1 else 1)
     if config.train.optimizer == "galore":
         optimizer = galore_optimizer_bytes(config)
+    if config.train.optimizer == "muon":
+        optimizer = muon_optimizer_bytes(config)
     if config.train.optimizer == "zo":  # two forwards: no gradients, no optimizer state
         return {"params": b_p * psi, "grads": 0.0, "optimizer": 0.0}
     return {"params": b_p * psi, "grads": b_p * psi / (n if stage >= 2 else 1), "optimizer": optimizer}
 
 
-def _galore_plans(config):
-    """GaLore's LeafPlans (flat) for the layout of `config`, from the train step's gradient specs
-    (`zero.grad_spec`, as `program.build` makes them), and the mesh sizes."""
-    from jaxsys.optim import galore
+def _galore_plans(config, which: str = "galore"):
+    """GaLore's (or Muon's: `which`) LeafPlans (flat) for the layout of `config`, from the train
+    step's gradient specs (`zero.grad_spec`, as `program.build` makes them), and the mesh sizes."""
+    from jaxsys.optim import galore, muon
     from jaxsys.parallel import zero
     from jaxsys.sharding import Layout
 
@@ -638,8 +641,63 @@ def _galore_plans(config):
     grad_pspecs = jax.tree.map(
         lambda s: zero.grad_spec(layout, s, t.zero_stage), specs, is_leaf=lambda x: isinstance(x, ParamSpec)
     )
-    plans = galore.plan(t.galore, specs, grad_pspecs, layout.mesh_sizes)
+    planner = galore.plan if which == "galore" else muon.plan
+    plans = planner(t[which], specs, grad_pspecs, layout.mesh_sizes)
     return jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan)), dict(layout.mesh_sizes)
+
+
+def _local_shape(pl, sizes) -> list[int]:
+    """A leaf's block on one device: each dimension divided by the sizes of its gradient's axes."""
+    return [d // math.prod(sizes[a] for a in axes) for d, axes in zip(pl.shape, pl.spec)]
+
+
+def muon_optimizer_bytes(config) -> float:
+    """Muon's optimizer-state bytes per device (docs/muon.md): the momentum of the leaves it
+    orthogonalizes and Adam's two moments of the rest, each sharded like the train step's
+    gradient (ZeRO's `data` slicing, fsdp, tensor, pipe, expert)."""
+    plans, sizes = _galore_plans(config, "muon")
+    moments = lambda pl: 1 if pl.side == "full" else 2
+    return float(
+        _dtype_bytes(config.model.param_dtype) * sum(moments(pl) * math.prod(_local_shape(pl, sizes)) for pl in plans)
+    )
+
+
+def muon_rows(config) -> list[Row]:
+    """Muon's collectives per step (docs/muon.md), from each orthogonalized leaf's local momentum
+    block (b matrices of m_l x n_l, B bytes) and the G = g_row g_col devices over its row and
+    column axes. When b divides by G: an all-to-all of B over the row axes and one over the column
+    axes, and the two back (parallel/muon.py); otherwise all-gathers over the row axes and then
+    each split column dimension's axes (galore.whole_matrices), B, then g_row B, ... per device."""
+    if config.train.optimizer != "muon":
+        return []
+    plans, sizes = _galore_plans(config, "muon")
+    b_p = _dtype_bytes(config.model.param_dtype)
+    size = lambda axes: math.prod(sizes[a] for a in axes)
+    found: dict = {}
+
+    def add(technique, kind, axes, operand_bytes):
+        key = (technique, kind, tuple(axes))
+        count, sent = found.get(key, (0, 0.0))
+        found[key] = (count + 1, sent + ring_bytes(kind, operand_bytes, size(axes)))
+
+    for pl in plans:
+        if pl.side != "full":
+            continue
+        local = _local_shape(pl, sizes)
+        b = math.prod(local[d] for d in pl.batch_dims)
+        held = b * local[pl.row_dim] * math.prod(local[d] for d in pl.col_dims) * b_p
+        group = size(pl.row_axes) * size(pl.col_axes)
+        if group > 1 and b % group == 0:
+            for axes in (pl.row_axes, pl.col_axes):
+                if axes:
+                    for _ in range(2):  # there and back
+                        add("Muon all-to-all of whole matrices (every step)", "all_to_all", axes, held)
+            continue
+        for axes in [pl.row_axes] + [pl.spec[d] for d in pl.col_dims]:
+            if axes:
+                add("Muon all-gather of the momentum for Newton-Schulz (every step)", "all_gather", axes, held)
+                held *= size(axes)
+    return [Row(t, k, a, c, sent) for (t, k, a), (c, sent) in found.items()]
 
 
 def galore_optimizer_bytes(config) -> float:

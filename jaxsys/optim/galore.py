@@ -172,16 +172,15 @@ def parse_leaves(leaves: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in str(leaves).split(",") if name.strip())
 
 
-def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
-    """A LeafPlan per parameter leaf (the ParamSpec pytree's structure) from `config.train.galore`
-    (`g`: rank, leaves), the gradients' PartitionSpecs (None: unsharded) and the mesh's axis sizes
-    (needed with sharded `grad_pspecs`). A leaf is chosen when its key (the last name on its path)
-    is in `g.leaves`. Its moments' r dimension is split over the axes R is summed over when r
-    divides by their size (`rank_axes`), else they are replicated there. Raises ConfigError for a
-    name no leaf has, a chosen leaf without an `embed` axis or columns, and a rank above min(m, n)
-    of a chosen leaf."""
-    names = parse_leaves(g.leaves)
-    rank = int(g.rank)
+def matrix_plans(leaves: str, key: str, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
+    """A LeafPlan per parameter leaf (the ParamSpec pytree's structure): side "full" with the matrix
+    view (rows: the `embed` dimension; batch: `chunks` / `layers` / `experts`; columns: the rest)
+    for the leaves named in `leaves` (comma-separated keys, the last name on a leaf's path), "adam"
+    for the others; each with the mesh axes of its gradient's PartitionSpec (None: unsharded; then
+    `mesh_sizes` is not needed). The view GaLore projects and Muon orthogonalizes. Raises
+    ConfigError naming `key` (the config key of the list) for a name no leaf has and a named leaf
+    without an `embed` axis or columns."""
+    names = parse_leaves(leaves)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     if grad_pspecs is None:
         pspecs = [P()] * len(flat)
@@ -193,7 +192,7 @@ def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
         name = "/".join(_key_name(k) for k in path)
         entries = _entries(pspec, len(spec.shape))
         if mesh_sizes is None and any(entries):
-            raise ValueError(f"galore.plan: {name} is sharded ({pspec}); pass the mesh's axis sizes")
+            raise ValueError(f"matrix_plans: {name} is sharded ({pspec}); pass the mesh's axis sizes")
         leaf = _key_name(path[-1])
         if leaf not in names:
             plans.append(LeafPlan(name, tuple(spec.shape), entries))
@@ -201,7 +200,7 @@ def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
         found.add(leaf)
         if ROW_AXIS not in spec.axes:
             raise ConfigError(
-                f"config.train.galore.leaves names {leaf!r}, but the leaf {name} (axes "
+                f"{key} names {leaf!r}, but the leaf {name} (axes "
                 f"{spec.axes}) has no {ROW_AXIS!r} axis to take as the matrix rows; "
                 "remove it from the list"
             )
@@ -210,11 +209,32 @@ def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
         cols = tuple(d for d in range(len(spec.shape)) if d != row and d not in batch)
         if not cols:
             raise ConfigError(
-                f"config.train.galore.leaves names {leaf!r}, but the leaf {name} (axes "
+                f"{key} names {leaf!r}, but the leaf {name} (axes "
                 f"{spec.axes}) is a vector per layer, not a matrix: remove it from the list"
             )
-        base = LeafPlan(name, tuple(spec.shape), entries, "full", rank, row, batch, cols)
-        m, n = base.m, base.n
+        plans.append(LeafPlan(name, tuple(spec.shape), entries, "full", 0, row, batch, cols))
+    missing = [n for n in names if n not in found]
+    if missing:
+        every = sorted({_key_name(p[-1]) for p, _ in flat})
+        raise ConfigError(f"{key} names {missing}, which this model does not have; its leaves are {every}")
+    return jax.tree.unflatten(treedef, plans)
+
+
+def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
+    """A LeafPlan per parameter leaf (the ParamSpec pytree's structure) from `config.train.galore`
+    (`g`: rank, leaves), the gradients' PartitionSpecs (None: unsharded) and the mesh's axis sizes
+    (needed with sharded `grad_pspecs`): `matrix_plans`' view of the leaves in `g.leaves`, with
+    GaLore's side. Its moments' r dimension is split over the axes R is summed over when r
+    divides by their size (`rank_axes`), else they are replicated there. Raises ConfigError for a
+    name no leaf has, a chosen leaf without an `embed` axis or columns, and a rank above min(m, n)
+    of a chosen leaf."""
+    rank = int(g.rank)
+
+    def refine(pl: LeafPlan) -> LeafPlan:
+        if pl.side == "adam":
+            return pl
+        name, m, n = pl.name, pl.m, pl.n
+        leaf = name.split("/")[-1]
         if rank > min(m, n):
             raise ConfigError(
                 f"config.train.galore.rank={rank} is larger than min(m, n) = {min(m, n)} of the leaf "
@@ -222,16 +242,12 @@ def plan(g, specs, grad_pspecs=None, mesh_sizes=None) -> Any:
                 f"most {min(m, n)} or remove {leaf!r} from config.train.galore.leaves"
             )
         side = "full" if rank == min(m, n) else "left" if m <= n else "right"
-        pl = dataclasses.replace(base, side=side)
+        pl = dataclasses.replace(pl, side=side, rank=rank)
         split = math.prod(mesh_sizes[a] for a in pl.sum_axes) if pl.sum_axes else 1
-        plans.append(dataclasses.replace(pl, rank_axes=pl.sum_axes if split > 1 and rank % split == 0 else ()))
-    missing = [n for n in names if n not in found]
-    if missing:
-        every = sorted({_key_name(p[-1]) for p, _ in flat})
-        raise ConfigError(
-            f"config.train.galore.leaves names {missing}, which this model does not have; its leaves are {every}"
-        )
-    return jax.tree.unflatten(treedef, plans)
+        return dataclasses.replace(pl, rank_axes=pl.sum_axes if split > 1 and rank % split == 0 else ())
+
+    plans = matrix_plans(g.leaves, "config.train.galore.leaves", specs, grad_pspecs, mesh_sizes)
+    return jax.tree.map(refine, plans, is_leaf=lambda x: isinstance(x, LeafPlan))
 
 
 def _plans(plans) -> list[LeafPlan]:
@@ -289,7 +305,7 @@ def state_bytes(plans, itemsize: int = 4, mesh_sizes: dict[str, int] | None = No
 # ----------------------------------------------------------------------------- the transformation
 
 
-def _to_matrix(x, pl: LeafPlan):
+def to_matrices(x, pl: LeafPlan):
     """A local leaf block -> [b, m_local, n_local] (batch dims flattened, then rows, then columns)."""
     perm = (*pl.batch_dims, pl.row_dim, *pl.col_dims)
     x = jnp.transpose(x, perm)
@@ -297,7 +313,7 @@ def _to_matrix(x, pl: LeafPlan):
     return x.reshape(b, x.shape[len(pl.batch_dims)], -1)
 
 
-def _from_matrix(x, pl: LeafPlan, local_shape):
+def from_matrices(x, pl: LeafPlan, local_shape):
     """[b, m_local, n_local] -> the local leaf block of `local_shape`."""
     perm = (*pl.batch_dims, pl.row_dim, *pl.col_dims)
     x = x.reshape(tuple(local_shape[d] for d in perm))
@@ -311,13 +327,31 @@ def _signed(vectors):
     return vectors * jnp.where(sign == 0, 1.0, sign).astype(vectors.dtype)
 
 
-def _projector(g, pl: LeafPlan, dtype):
-    """The new local projection of one leaf from its local gradient block: all-gather over the
-    row and column axes, batched SVD, top-r vectors of the smaller side, this device's block."""
+def whole_matrices(g, pl: LeafPlan):
+    """[b, m, n] fp32: the whole matrices of this device's batch slice of a leaf, from its local
+    block, all-gathered over the row axes and each column dimension's axes."""
     full = comm.gather(g, pl.row_dim, pl.row_axes)
     for d in pl.col_dims:
         full = comm.gather(full, d, pl.spec[d])
-    mat = _to_matrix(full, pl).astype(jnp.float32)  # [b, m, n], global rows and columns
+    return to_matrices(full, pl).astype(jnp.float32)
+
+
+def own_matrix_block(mat, pl: LeafPlan, local_shape):
+    """The inverse of `whole_matrices` for a result of the same shape [b, m, n]: this device's
+    block of the leaf (a slice over the row and column axes, no communication), `local_shape`."""
+    nb = len(pl.batch_dims)
+    perm = (*pl.batch_dims, pl.row_dim, *pl.col_dims)
+    whole = mat.reshape(*(local_shape[d] for d in pl.batch_dims), pl.m, *(pl.shape[d] for d in pl.col_dims))
+    whole = comm.own_block(whole, nb, pl.row_axes, local_shape[pl.row_dim])
+    for i, d in enumerate(pl.col_dims):
+        whole = comm.own_block(whole, nb + 1 + i, pl.spec[d], local_shape[d])
+    return jnp.transpose(whole, tuple(perm.index(d) for d in range(len(perm))))
+
+
+def _projector(g, pl: LeafPlan, dtype):
+    """The new local projection of one leaf from its local gradient block: all-gather over the
+    row and column axes, batched SVD, top-r vectors of the smaller side, this device's block."""
+    mat = whole_matrices(g, pl)  # [b, m, n], global rows and columns
     u, _, vt = jnp.linalg.svd(mat, full_matrices=False)
     nb = len(pl.batch_dims)
     batch_local = tuple(g.shape[d] for d in pl.batch_dims)
@@ -338,7 +372,7 @@ _HIGHEST = lax.Precision.HIGHEST
 def _project(g, proj, pl: LeafPlan):
     """R, the projected local gradient, shaped like the leaf's local moments: the local matmul,
     summed over `sum_axes`; a reduce-scatter along r when the moments are split there."""
-    mat = _to_matrix(g, pl)
+    mat = to_matrices(g, pl)
     batch_local = tuple(g.shape[d] for d in pl.batch_dims)
     if pl.side == "left":
         p = proj.reshape(mat.shape[0], mat.shape[1], pl.rank)
@@ -365,7 +399,7 @@ def _project_back(n, proj, pl: LeafPlan, local_shape, scale: float):
         n = comm.gather(n.reshape(b, m_local, -1), 2, pl.rank_axes)
         q = proj.reshape(b, -1, pl.rank)
         out = jnp.einsum("bmr,bnr->bmn", n, q, precision=_HIGHEST)
-    return _from_matrix(out * scale, pl, local_shape)
+    return from_matrices(out * scale, pl, local_shape)
 
 
 def scale_by_galore_adam(

@@ -15,6 +15,8 @@ name of the technique it belongs to, and `spmd.per_shard` is the one place a sha
     expert            expert parallelism: all-to-all dispatch; expert_placement: balanced placement
     offload           host offloading of state, parameters and activations (memory kinds)
     galore            the gathers and sums of GaLore's optimizer update (jaxsys/optim/galore.py)
+    muon              the all-to-alls that hand each device whole matrices for Muon's
+                      Newton-Schulz (jaxsys/optim/muon.py)
     diloco            DiLoCo's average of the islands' outer gradients over `data` (f32 all-reduce, or
                       an all-gather of quantized codes; jaxsys/optim/outer.py)
     zeropp            ZeRO++: hpZ's secondary gather, qwZ / qgZ's quantized collectives
