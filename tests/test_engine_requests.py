@@ -1,6 +1,7 @@
 """What a request can ask of the engine (jaxsys/serve/engine.py, sampling.py; issue 30): stop ids,
 log-probabilities of the generated and of the prompt tokens, n samples sharing one prefill
-(fork_of), presence / frequency / repetition penalties, out-of-range settings refused by name, a
+(fork_of), presence / frequency / repetition penalties, logit_bias and min_p, out-of-range settings
+refused by name, a
 request ended early (finish), and a failing step that fails only its own requests.
 
 References are independent of the engine: the training forward (`transformer.logits` over the
@@ -167,9 +168,48 @@ def test_penalties_equal_the_formulas_on_the_training_forward(model):
     assert r.generated != plain.generated  # the penalties changed something
 
 
+def test_logit_bias_with_penalties_and_min_p_against_numpy(model):
+    """logit_bias is added before the penalties (OpenAI's bias on the model's logits, then vLLM's
+    penalties): greedy tokens equal the full forward's with both applied in numpy, in one batch with
+    a plain request (the adjusted path's other rows unchanged). min_p's filter equals numpy's
+    p >= min_p p_max on the temperature-scaled distribution."""
+    from jaxsys.serve import sampling
+
+    program, params, forward, _ = model
+    eng = engine.Engine(program, params, **KW)
+    bias = ((3, 4.0), (40, -100.0), (200, 2.5))
+    r = eng.submit("b", PROMPT, 8, Sampling(logit_bias=bias, repetition_penalty=1.5))
+    plain = eng.submit("q", PROMPT, 8)
+    eng.run()
+    seq = list(PROMPT)
+    for _ in range(8):
+        logits = np.asarray(forward(params, jnp.asarray([seq], jnp.int32))[0, -1], np.float64)
+        for t, b in bias:
+            logits[t] += b
+        for t in set(seq):
+            logits[t] = logits[t] / 1.5 if logits[t] > 0 else logits[t] * 1.5
+        seq.append(int(np.argmax(logits)))
+    assert r.generated == seq[len(PROMPT) :] and plain.generated == _greedy(model, PROMPT, 8)
+    assert r.generated != plain.generated
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 64)).astype(np.float32) * 3
+    min_p, temperature = np.asarray([0.0, 0.05, 0.5], np.float32), np.asarray([1.0, 0.7, 2.0], np.float32)
+    got = np.asarray(sampling.filtered_logits(jnp.asarray(logits), temperature[:, None], 0, 1.0, min_p[:, None]))
+    scaled = logits / temperature[:, None]
+    probs = np.exp(scaled - scaled.max(-1, keepdims=True))
+    keep = probs >= min_p[:, None] * probs.max(-1, keepdims=True)
+    np.testing.assert_array_equal(np.isfinite(got), keep)
+    np.testing.assert_allclose(got[keep], scaled[keep], rtol=1e-6)
+    assert keep[0].all() and not keep[2].all()
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
+        ("min_p", 1.5),
+        ("logit_bias", ((5, 200.0),)),
+        ("logit_bias", ((-1, 1.0),)),
+        ("logit_bias", ((256, 1.0),)),
         ("temperature", float("nan")),
         ("top_p", float("inf")),
         ("seed", 2**31),

@@ -229,6 +229,25 @@ def test_a_multiple_choice_question_scored_as_lm_evaluation_harness_does(running
     assert greedy == want_greedy and want_greedy[-1]
 
 
+def test_logit_bias_and_min_p(running, client):
+    """OpenAI's logit_bias over HTTP: +100 on a token makes greedy decoding emit it every time, -100
+    on the unbiased greedy token bans it; vLLM's min_p: at 1 only the most likely token survives, so
+    sampling at temperature 1 gives the greedy tokens, while at 0 the same seed draws others."""
+    url, program, params = running
+    ids = list(b"def f(")
+    greedy = generate_contiguous(program, params, [ids], 6, max_len=32)[0]
+    forced = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, logit_bias={"7": 100})
+    assert forced.choices[0].model_extra["token_ids"] == [7] * 6
+    with _post(url, {"prompt": ids, "max_tokens": 1, "logit_bias": {str(greedy[0]): -100}}) as r:
+        assert json.loads(r.read())["choices"][0]["token_ids"][0] != greedy[0]
+    sampled = {}
+    for min_p in (1.0, 0.0):
+        body = {"prompt": ids, "max_tokens": 6, "temperature": 1.0, "seed": 5, "min_p": min_p}
+        with _post(url, body) as r:
+            sampled[min_p] = json.loads(r.read())["choices"][0]["token_ids"]
+    assert sampled[1.0] == greedy and sampled[0.0] != greedy
+
+
 BIG = 2**31
 BAD = [
     ({"prompt": "", "max_tokens": 4}, None, 400, "prompt is empty"),
@@ -248,6 +267,11 @@ BAD = [
     ({"prompt": "x", "top_p": 2}, None, 400, "0 < top_p <= 1"),
     ({"prompt": "x", "presence_penalty": 3}, None, 400, "-2 <= presence_penalty <= 2"),
     ({"prompt": "x", "repetition_penalty": 0}, None, 400, "0 < repetition_penalty"),
+    ({"prompt": "x", "min_p": 2}, None, 400, "0 <= min_p <= 1"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, None, 400, "keys must be token ids"),
+    ({"prompt": "x", "logit_bias": {"300": 1}}, None, 400, "logit_bias: token ids must lie in [0, 256)"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, None, 400, "-100 <= bias <= 100"),
+    ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, None, 400, "at most 300 token ids"),
     ({"prompt": "x", "max_tokens": "many"}, None, 400, "max_tokens must be int"),
     ({"prompt": "x", "n": 1.5}, None, 400, "n must be int"),
     ({"prompt": "x", "stream": "yes"}, None, 400, "stream must be a boolean"),

@@ -600,7 +600,10 @@ class Engine(EngineAPI):
             raise ValueError(f"request {request_id!r}: k={k} needs an engine with a drafter (config.serve.spec_k)")
         sampling = sampling or Sampling()
         sampling.check(f"request {request_id!r}")
-        if sampling.penalized:  # the rejection rule would need the penalized distribution per draft
+        vocab = self.program.config.model.vocab_size
+        if any(token >= vocab for token, _ in sampling.logit_bias):
+            raise ValueError(f"request {request_id!r}: logit_bias names token ids outside the vocabulary [0, {vocab})")
+        if sampling.adjusted:  # the rejection rule would need the adjusted distribution per draft
             k = 0
         request = Request(
             request_id,
@@ -791,7 +794,7 @@ class Engine(EngineAPI):
         if any(self.forks.values()):
             return False
         settings = [self.sampling[w.request.id] for work in plans for w in work]
-        return not any(s.penalized or s.logprobs is not None or s.prompt_logprobs for s in settings)
+        return not any(s.adjusted or s.logprobs is not None or s.prompt_logprobs for s in settings)
 
     def _dispatch(self, plans, n: int, prev: _InFlight | None) -> _InFlight:
         """Run a step on the device without reading its tokens: decodes whose last token is still
@@ -947,7 +950,7 @@ class Engine(EngineAPI):
         if any(w.kind != "decode" or w.tokens != 1 for w in works) or any(self.forks.values()):
             return
         settings = [self.sampling[w.request.id] for w in works]
-        if any(s.penalized or s.logprobs is not None for s in settings):
+        if any(s.adjusted or s.logprobs is not None for s in settings):
             return
         ids, _, columns = self._sample_columns(sample_rows)
         active = np.zeros(positions.size, np.int32)
@@ -1116,9 +1119,7 @@ class Engine(EngineAPI):
         works = [w for work in plans for w in work]
         if any(w.kind != "decode" or w.tokens != 1 for w in works):
             return 1
-        if any(
-            self.sampling[w.request.id].logprobs is not None or self.sampling[w.request.id].penalized for w in works
-        ):
+        if any(self.sampling[w.request.id].logprobs is not None or self.sampling[w.request.id].adjusted for w in works):
             return 1
         steps = min([self.decode_steps] + [w.request.max_new_tokens - len(w.request.generated) for w in works])
         if steps < 2:
@@ -1208,8 +1209,8 @@ class Engine(EngineAPI):
         """{request id: token} for `sample_rows` {request id: (row of logits, request)} with their
         Sampling (`settings_of`, default the requests' own), in one call padded to `sample_slots`
         rows, so that it compiles once per row bucket (in `warmup`), not once per number of
-        sequences. Rows with penalties go through `sampling.sample_penalized` (their seen tokens
-        padded to a power of two)."""
+        sequences. Rows with penalties, a logit bias or min_p go through `sampling.sample_adjusted`
+        (their seen tokens and biased ids padded to powers of two)."""
         ids, tokens = self._sample_device(logits, sample_rows, settings_of)
         return dict(zip(ids[: len(sample_rows)], np.asarray(tokens).tolist()))
 
@@ -1234,9 +1235,9 @@ class Engine(EngineAPI):
         """`sample`'s call, its tokens left on the device: (the padded request ids, tokens [slots])."""
         ids, settings, columns = self._sample_columns(sample_rows, settings_of)
         args = (logits, *columns)
-        if all(s.temperature == 0 and not s.penalized for s in settings):
+        if all(s.temperature == 0 and not s.adjusted for s in settings):
             tokens = sampling_lib.greedy_at(logits, args[1])
-        elif not any(s.penalized for s in settings):
+        elif not any(s.adjusted for s in settings):
             tokens = sampling_lib.sample_at(*args)
         else:
             seen = [
@@ -1253,7 +1254,14 @@ class Engine(EngineAPI):
                 np.asarray([getattr(s, name) for s in settings], np.float32)
                 for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
             ]
-            tokens = sampling_lib.sample_penalized(*args, history, generated, *penalties)
+            bias_width = max(1, 1 << (max(len(s.logit_bias) for s in settings) - 1).bit_length())
+            bias_ids = np.full((len(ids), bias_width), -1, np.int32)
+            bias_values = np.zeros((len(ids), bias_width), np.float32)
+            for i, s in enumerate(settings):
+                for j, (token, bias) in enumerate(s.logit_bias):
+                    bias_ids[i, j], bias_values[i, j] = token, bias
+            min_p = np.asarray([s.min_p for s in settings], np.float32)
+            tokens = sampling_lib.sample_adjusted(*args, min_p, history, generated, *penalties, bias_ids, bias_values)
         return ids, tokens
 
     def _logprobs(self, logits, rows: dict, sampled: dict) -> dict:

@@ -1,5 +1,5 @@
 """The HTTP server's requests (OpenAI's completions and chat completions, with vLLM's extensions
-top_k and repetition_penalty) as pydantic models, and the OpenAI shapes of what it answers.
+top_k, min_p and repetition_penalty) as pydantic models, and the OpenAI shapes of what it answers.
 
 Every bound is checked here, before anything reaches the engine: integers outside int32 (seed,
 top_k, n, max_tokens, logprobs), NaN and infinite floats, wrong types (strict: no "5" for 5, no
@@ -17,6 +17,7 @@ MAX_LOGPROBS = 20  # top alternatives per token (the engine's Sampling.logprobs 
 MAX_N = 128  # choices per prompt (OpenAI's bound)
 MAX_STOP = 16  # stop strings per request
 MAX_CHOICES = 256  # prompts x n per request
+MAX_LOGIT_BIAS = 300  # biased tokens per request (OpenAI's bound; the engine's Sampling bound)
 
 Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -67,6 +68,8 @@ class _Sampled(_Strict):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0  # vLLM's extension
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0  # vLLM's extension; 0: off
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # {"token id": bias}
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used
@@ -79,8 +82,24 @@ class _Sampled(_Strict):
             raise ValueError(f"give at most {MAX_STOP} non-empty stop strings")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"give at most {MAX_LOGIT_BIAS} token ids")
+        bad = [key for key in value if not key.isdigit() or not 0 <= int(key) <= INT32_MAX]
+        if bad:
+            raise ValueError(f"keys must be token ids (decimal strings); got {bad[:3]}")
+        return value
+
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def biases(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as ((token id, bias), ...) in id order."""
+        return tuple(sorted((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items()))
 
 
 class CompletionRequest(_Sampled):
@@ -91,7 +110,6 @@ class CompletionRequest(_Sampled):
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # only best_of == n (no reranking)
-    logit_bias: dict[str, float] | None = None  # only empty
     suffix: str | None = None  # only none
 
     @field_validator("prompt", mode="before")
@@ -151,6 +169,8 @@ RANGES = {
     "presence_penalty": "-2 <= presence_penalty <= 2",
     "frequency_penalty": "-2 <= frequency_penalty <= 2",
     "repetition_penalty": "0 < repetition_penalty <= 100",
+    "min_p": "0 <= min_p <= 1",
+    "logit_bias": "-100 <= bias <= 100",
 }
 TYPES = {
     "int_type": "int",

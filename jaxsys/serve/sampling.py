@@ -1,8 +1,11 @@
 """Sampling the next token on the device, per sequence.
 
-Temperature 0 is greedy; otherwise softmax of logits / temperature restricted to the top_k (0: all)
-most likely tokens and to the smallest set whose probability reaches top_p (1: all). Before that,
-penalties on the tokens a sequence has seen (as vLLM applies them): repetition_penalty r (the
+Temperature 0 is greedy; otherwise softmax of logits / temperature restricted to the tokens whose
+probability is at least min_p times the most likely one's (0: all), to the top_k (0: all) most
+likely tokens and to the smallest set whose probability reaches top_p (1: all), in that order
+(vLLM's). Before that, logit_bias (OpenAI's: {token id: b}, b in [-100, 100] added to the logit,
+so -100 bans a token and +100 all but forces it, greedy decoding included), then penalties on the
+tokens a sequence has seen (as vLLM applies them): repetition_penalty r (the
 CTRL / Hugging Face rule over prompt and generated tokens: a seen token's logit l becomes l / r if
 l > 0, else l r), then frequency and presence penalties (OpenAI's, over generated tokens: l - c f
 - (c > 0) p for a token generated c times). A sequence's n-th token draws with the key
@@ -25,6 +28,7 @@ import numpy as np
 
 INT32 = (-(2**31), 2**31 - 1)
 MAX_LOGPROBS = 20  # top alternatives a request may ask for
+MAX_LOGIT_BIAS = 300  # biased tokens a request may name (OpenAI's limit)
 
 
 @dataclasses.dataclass
@@ -41,10 +45,12 @@ class Sampling:
     # top k there: lm-eval's is_greedy compares a continuation with them)
     prompt_logprobs: bool = False
     stop_ids: tuple = ()  # finish ("stop") on generating one of these
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely (0: all)
+    logit_bias: tuple = ()  # ((token id, bias in [-100, 100]), ...) added to the logits
 
     def check(self, what: str = "sampling") -> None:
         """ValueError naming the setting that is out of range."""
-        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+        floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
         for name in floats:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -71,25 +77,47 @@ class Sampling:
             raise ValueError(f"{what}: logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in self.stop_ids):
             raise ValueError(f"{what}: stop_ids={self.stop_ids!r} must be token ids")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"{what}: min_p={self.min_p} must lie in [0, 1] (0: off)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"{what}: logit_bias names {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2
+            token, bias = pair if ok else (None, None)
+            if not ok or isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+                raise ValueError(f"{what}: logit_bias entry {pair!r} must be (token id >= 0, bias)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"{what}: logit_bias of token {token}: {bias!r} must be a number in [-100, 100]")
 
     @property
     def penalized(self) -> bool:
+        """Penalties on seen tokens: the sampler needs the sequence's history."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def adjusted(self) -> bool:
+        """Penalties, a logit bias or min_p: the sampler's per-row path (`sample_adjusted`), not
+        the plain one, the multi-step loop or speculation."""
+        return self.penalized or self.min_p > 0 or bool(self.logit_bias)
 
-def sample(logits, key, temperature, top_k, top_p):
+
+def sample(logits, key, temperature, top_k, top_p, min_p=None):
     """Next tokens [B] from logits [B, V] (fp32), drawn with `key` (module docstring)."""
     greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1)
-    drawn = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+    drawn = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p, min_p), axis=-1)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
-def filtered_logits(logits, temperature, top_k, top_p):
-    """The logits `sample` draws from when temperature > 0 (scaled, -inf outside the top-k and
-    top-p sets); their softmax is the sampling distribution (speculation's p and q)."""
+def filtered_logits(logits, temperature, top_k, top_p, min_p=None):
+    """The logits `sample` draws from when temperature > 0 (scaled, -inf outside the min-p, top-k
+    and top-p sets); their softmax is the sampling distribution (speculation's p and q)."""
     logits = logits.astype(jnp.float32)
     scaled = logits / jnp.maximum(temperature, 1e-6)
     ordered = jnp.sort(scaled, axis=-1)[:, ::-1]  # one sort: the filters below keep its order
+    if min_p is not None:  # p >= min_p p_max  <=>  scaled >= max + log(min_p); log(0) = -inf keeps all
+        floor = ordered[:, :1] + jnp.log(jnp.asarray(min_p, jnp.float32))
+        ordered = jnp.where(ordered < floor, -jnp.inf, ordered)
+        scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
     vocab = logits.shape[-1]
     kth = ordered[:, jnp.clip(top_k - 1, 0, vocab - 1)][:, None]
     drop_k = (top_k > 0) & (ordered < kth)
@@ -121,11 +149,23 @@ def penalize(logits, history, generated, presence, frequency, repetition):
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 
-def sample_rows(logits, seed, n, t, k, p):
-    """Each row's next token from its logits [R, V] with its own settings and key (seed, n)."""
-    return jax.vmap(lambda lg, seed, n, t, k, p: sample(lg[None], token_key(seed, n), t, k, p)[0])(
-        logits, seed, n, t, k, p
+def sample_rows(logits, seed, n, t, k, p, mp=None):
+    """Each row's next token from its logits [R, V] with its own settings and key (seed, n), and
+    min_p `mp` [R] when given."""
+    if mp is None:
+        return jax.vmap(lambda lg, seed, n, t, k, p: sample(lg[None], token_key(seed, n), t, k, p)[0])(
+            logits, seed, n, t, k, p
+        )
+    return jax.vmap(lambda lg, seed, n, t, k, p, mp: sample(lg[None], token_key(seed, n), t, k, p, mp)[0])(
+        logits, seed, n, t, k, p, mp
     )
+
+
+def biased(logits, bias_ids, bias_values):
+    """logits [R, V] plus each row's logit bias: bias_ids [R, B] (-1: padding), bias_values [R, B]."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    valid = bias_ids >= 0
+    return logits.at[rows, jnp.where(valid, bias_ids, 0)].add(jnp.where(valid, bias_values, 0.0))
 
 
 # per sequence: its own settings, and its own key; rows `at` of the step's logits
@@ -135,10 +175,14 @@ greedy_at = jax.jit(lambda logits, at: jnp.argmax(logits[at].astype(jnp.float32)
 
 
 @jax.jit
-def sample_penalized(logits, at, seed, n, t, k, p, history, generated, presence, frequency, repetition):
-    """`sample_at` with penalties (compiled per history bucket; only for steps that need it)."""
-    lg = penalize(logits[at].astype(jnp.float32), history, generated, presence, frequency, repetition)
-    return sample_rows(lg, seed, n, t, k, p)
+def sample_adjusted(
+    logits, at, seed, n, t, k, p, mp, history, generated, presence, frequency, repetition, bias_ids, bias_values
+):
+    """`sample_at` with each row's logit bias, penalties and min_p (compiled per history and bias
+    bucket; only for steps that need it)."""
+    lg = biased(logits[at].astype(jnp.float32), bias_ids, bias_values)
+    lg = penalize(lg, history, generated, presence, frequency, repetition)
+    return sample_rows(lg, seed, n, t, k, p, mp)
 
 
 @functools.partial(jax.jit, static_argnames=("top",))

@@ -571,8 +571,6 @@ def build_app(state: ServerState):
         check_model(req.model)
         if req.best_of not in (None, req.n):
             raise ApiError(400, "best_of: only best_of == n is served (no reranking)", param="best_of")
-        if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         prompts = []
@@ -648,6 +646,8 @@ def _specs(state: ServerState, req, prompts: list[list[int]], logprobs: int | No
             f"n: {len(prompts)} prompts x n={req.n} choices; a request takes at most {protocol.MAX_CHOICES}",
             param="n",
         )
+    if req.logit_bias:
+        _check_ids([token for token, _ in req.biases()], state.vocab, "logit_bias")
     stop = req.stops()
     if stop and state.tokenizer is None:
         raise ApiError(400, "stop: stop strings need a text tokenizer; this model has none", param="stop")
@@ -676,6 +676,8 @@ def _specs(state: ServerState, req, prompts: list[list[int]], logprobs: int | No
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty,
+                min_p=req.min_p,
+                logit_bias=req.biases(),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 stop_ids=eos,
