@@ -145,6 +145,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.moe.top_k = 2  # k experts per token
     c.model.moe.d_ff = 256  # F_e, hidden units of one expert (SwiGLU)
     c.model.moe.shared_experts = 0  # always-on experts of d_ff units each, run as one dense SwiGLU
+    # the shared experts' output times sigmoid(h w_g) per token, w_g [D] a layer (Qwen2-MoE's gate)
+    c.model.moe.shared_expert_gate = False
     c.model.moe.router = "softmax"  # softmax | sigmoid scores
     c.model.moe.renormalize = True  # the k gates of a token sum to 1
     c.model.moe.capacity_factor = 0.0  # 0: dropless (ragged_dot); > 0: C = ceil(cf k T / E) per sequence
@@ -1524,6 +1526,11 @@ def _validate_moe(config) -> None:
     _require(
         isinstance(moe.shared_experts, int) and moe.shared_experts >= 0,
         "config.model.moe.shared_experts must be an integer >= 0",
+    )
+    _require(
+        not moe.shared_expert_gate or moe.shared_experts > 0,
+        "config.model.moe.shared_expert_gate=True gates the shared experts' output, but "
+        "config.model.moe.shared_experts=0: set shared_experts >= 1 or the gate off",
     )
     _require(moe.router in MOE_ROUTERS, f"config.model.moe.router={moe.router!r}: choose one of {MOE_ROUTERS}")
     _require(

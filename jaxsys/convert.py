@@ -7,7 +7,8 @@
     python -m jaxsys.convert --tokenizer PATH --workdir W            # attach a tokenizer to any workdir
 
 `--from-hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral,
-Qwen2 / 2.5 / 3, Gemma 3 text or image-text, Phi-3 / 4, Mixtral, Qwen3-MoE: docs/checkpoints.md), sets
+Qwen2 / 2.5 / 3, Gemma 2, Gemma 3 text or image-text, Phi-3 / 4, Mixtral, Qwen2-MoE, Qwen3-MoE:
+docs/checkpoints.md), sets
 `config.model` from it on top of `--config` (training, data and mesh settings), and writes the
 resolved config.json and checkpoint step 0 into W, which must not already hold a run. It copies
 DIR's tokenizer (tokenizer.json, tokenizer_config.json, generation_config.json, the chat template)

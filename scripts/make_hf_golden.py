@@ -51,6 +51,9 @@ Models:
   of text-only input (tokens below the image tokens 381-383).
 * ``mixtral``: a Mixtral (Mistral's layout with a mixture of experts in every layer: 4 experts of
   96 units, top 2 of the router's softmax, gates renormalised), 2 layers, untied.
+* ``qwen2_moe``: a Qwen2-MoE (q/k/v biases; layer 0 a mixture of 4 experts of 48, top 2, gates
+  not renormalised, plus a shared expert of 96 units whose output is scaled by sigmoid(h w_g) per
+  token, w_g drawn at 0.5 so that the gate varies; layer 1 dense through mlp_only_layers), untied.
 * ``qwen3_moe``: a Qwen3-MoE (q/k norms; layer 0 a mixture of 4 experts of 48, top 2,
   norm_topk_prob; layer 1 dense through mlp_only_layers), untied.
 * ``phi3``: a Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; a sliding window of 10 in every
@@ -108,6 +111,8 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -282,6 +287,22 @@ MODELS = {
         norm_topk_prob=True,
         mlp_only_layers=[1],
     ),
+    # Qwen2-MoE: Qwen2's biases, softmax top-2 of 4 experts without renormalising, and a shared
+    # expert of 2 x 48 units gated per token
+    "qwen2_moe": dict(
+        seed=14,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        family="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
     # Phi-3 / Phi-4: Llama's computation with q, k, v in one fused projection and gate, up in
     # another; Phi-3-mini's sliding window (2047 there, 10 here)
     "phi3": dict(
@@ -309,6 +330,7 @@ CLASSES = {
     "phi3": (Phi3Config, Phi3ForCausalLM),
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     "gemma3_mm": (Gemma3TextConfig, Gemma3ForConditionalGeneration),
@@ -326,7 +348,7 @@ def build_model(spec: dict) -> LlamaForCausalLM:
     rope = spec.pop("rope", {"rope_type": "default"})
     family = spec.pop("family", "llama")
     config_class, model_class = CLASSES[family]
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         spec.setdefault("use_sliding_window", False)
     gemma = family.startswith("gemma")
     common = {k: v for k, v in COMMON.items() if not (gemma and k == "hidden_act")}
@@ -369,6 +391,8 @@ def build_model(spec: dict) -> LlamaForCausalLM:
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.copy_(QK_STD * noise)
             elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases: as large as a row's product
+                p.copy_(0.5 * noise)
+            elif name.endswith("shared_expert_gate.weight"):  # Qwen2-MoE's gate: far from a constant 1/2
                 p.copy_(0.5 * noise)
             else:
                 p.copy_(WEIGHT_STD * noise)
@@ -440,7 +464,7 @@ def _moe_of(cfg: dict, i: int):
             cfg["num_experts_per_tok"],
             True,
         )
-    if cfg["model_type"] == "qwen3_moe" and i not in cfg.get("mlp_only_layers", []):
+    if cfg["model_type"] in ("qwen2_moe", "qwen3_moe") and i not in cfg.get("mlp_only_layers", []):
         names = ("gate_proj", "up_proj", "down_proj")
         return "mlp.gate.weight", "mlp.experts.{e}.{w}.weight", names, cfg["num_experts_per_tok"], cfg["norm_topk_prob"]
     return None
@@ -515,6 +539,10 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
             weight = (gates * (top == e)).sum(-1, keepdims=True)  # [B, T, 1], 0 where e is not chosen
             name = lambda m: p + expert.format(e=e, w=m)
             y = y + weight * ((silu(h @ w[name(wg)].T) * (h @ w[name(wu)].T)) @ w[name(wd)].T)
+        if p + "mlp.shared_expert_gate.weight" in w:  # Qwen2-MoE: a shared SwiGLU, gated per token
+            s = lambda n: w[p + f"mlp.shared_expert.{n}.weight"]
+            shared = (silu(h @ s("gate_proj").T) * (h @ s("up_proj").T)) @ s("down_proj").T
+            y = y + shared / (1.0 + np.exp(-(h @ w[p + "mlp.shared_expert_gate.weight"].T)))
         x = x + y
     x = _rms(x, w["model.norm.weight"], eps)
     head = w.get("lm_head.weight", w["model.embed_tokens.weight"])

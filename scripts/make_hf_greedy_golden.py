@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "golden", "hf_llama")
 PROMPT, NEW = 8, 16
 # Llamas; and the models whose decoding a sliding window (mistral 8, phi3 10, gemma 6: shorter
-# than the 24 tokens), Gemma 2's soft-capping, Gemma 3's pieces or a mixture of experts changes
-NAMES = ("untied", "tied", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+# than the 24 tokens), Gemma 2's soft-capping, Gemma 3's pieces or a mixture of experts (Qwen2-MoE:
+# with its gated shared expert) changes
+NAMES = ("untied", "tied", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def main() -> None:

@@ -70,6 +70,7 @@ def _logits_match_and_written_back(tmp_path, name):
         "gemma2",
         "gemma3",
         "mixtral",
+        "qwen2_moe",
         "qwen3_moe",
     ],
 )
@@ -94,9 +95,14 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     qk_norm = name in ("qwen3", "yarn", "gemma3", "qwen3_moe")
     assert (config.model.qk_norm, config.model.qkv_bias) == (qk_norm, name.startswith("qwen2"))
     moe = config.model.moe
-    experts = {"mixtral": ("moe", 4, 2, 96, True), "qwen3_moe": ("moe,dense", 4, 2, 48, True)}
+    experts = {
+        "mixtral": ("moe", 4, 2, 96, True, 0),
+        "qwen2_moe": ("moe,dense", 4, 2, 48, False, 2),
+        "qwen3_moe": ("moe,dense", 4, 2, 48, True, 0),
+    }
     if name in experts:
-        assert (config.model.mlp_pattern, moe.experts, moe.top_k, moe.d_ff, moe.renormalize) == experts[name]
+        got = (config.model.mlp_pattern, moe.experts, moe.top_k, moe.d_ff, moe.renormalize, moe.shared_experts)
+        assert got == experts[name] and moe.shared_expert_gate == (name == "qwen2_moe")
         assert moe.capacity_factor == 0.0  # dropless, as transformers computes every routed copy
     else:
         assert config.model.mlp_pattern == "dense"
@@ -165,12 +171,16 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         "num_experts",
         "num_experts_per_tok",
         "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "qkv_bias",
         "attn_logit_softcapping",
         "final_logit_softcapping",
         "norm_topk_prob",
         "mlp_only_layers",
     ):
-        if key in hf and (key != "max_window_layers" or hf.get("use_sliding_window")):
+        if key == "sliding_window" and not hf.get("use_sliding_window", True):  # off: null, or Qwen2-MoE's 0
+            assert not written_config.get(key) and not hf.get(key), key
+        elif key in hf and (key != "max_window_layers" or hf.get("use_sliding_window")):
             assert written_config[key] == hf[key], key
     assert written_config["rope_parameters"] == hf["rope_parameters"]
 
@@ -319,6 +329,29 @@ REAL_CONFIGS = {
         ),
         46_702_792_704,
     ),
+    "qwen1.5-moe-a2.7b": (
+        dict(
+            model_type="qwen2_moe",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5632,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=60,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            rope_theta=1000000.0,
+            use_sliding_window=False,
+            sliding_window=32768,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+        ),
+        14_315_784_192,
+    ),
     "qwen3-30b-a3b": (
         dict(
             model_type="qwen3_moe",
@@ -382,6 +415,8 @@ def test_released_configs_read_to_their_published_parameter_counts(name):
     if name.startswith("gemma-2"):  # every second layer global; the caps read
         assert (m.layer_pattern, m.sliding_window, m.qk_norm) == ("local,softmax", 4096, False)
         assert (m.attn_logit_softcap, m.final_logit_softcap, m.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    if name == "qwen1.5-moe-a2.7b":  # 4 shared experts of 1408 = its 5632-unit shared expert, gated
+        assert (m.moe.experts, m.moe.shared_experts, m.moe.shared_expert_gate, m.qkv_bias) == (60, 4, True, True)
     if name == "qwen3-30b-a3b":
         assert (m.mlp_pattern, m.moe.experts, m.moe.top_k, m.moe.renormalize) == ("moe", 128, 8, True)
 
@@ -403,8 +438,17 @@ def test_moe_configs_read_and_refused_as_transformers_names_them():
     m.qk_norm, m.moe.router = True, "sigmoid"
     with pytest.raises(hf_lib.ConversionError, match="route by softmax"):
         hf_lib._require_convertible(m)
-    with pytest.raises(hf_lib.ConversionError, match="shared experts"):
+    with pytest.raises(hf_lib.ConversionError, match="only Qwen2-MoE's gated shared expert converts"):
         hf_lib.model_config_from_hf(dict(hf, shared_expert_intermediate_size=64), m)
+    qwen2_moe = json.load(open(os.path.join(GOLDEN, "qwen2_moe", "config.json")))
+    with pytest.raises(hf_lib.ConversionError, match="not a multiple of moe_intermediate_size=48"):
+        hf_lib.model_config_from_hf(dict(qwen2_moe, shared_expert_intermediate_size=100), m)
+    with pytest.raises(hf_lib.ConversionError, match="qkv_bias=false"):
+        hf_lib.model_config_from_hf(dict(qwen2_moe, qkv_bias=False), m)
+    hf_lib.model_config_from_hf(qwen2_moe, m)
+    m.moe.shared_expert_gate = False  # ungated shared experts (DeepSeek's) have no Hugging Face Llama-family form
+    with pytest.raises(hf_lib.ConversionError, match="whose shared experts are gated"):
+        hf_lib._require_convertible(m)
 
 
 def test_gemma3_image_text_checkpoint_converts_its_language_model(tmp_path):

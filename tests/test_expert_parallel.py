@@ -22,7 +22,7 @@ from jaxsys.analysis import report
 from jaxsys.parallel import expert, expert_placement
 from tests.helpers import config_file, pipeline_config, program_for
 
-MOE_KEYS = ("experts", "top_k", "d_ff", "shared_experts", "router", "capacity_factor")
+MOE_KEYS = ("experts", "top_k", "d_ff", "shared_experts", "shared_expert_gate", "router", "capacity_factor")
 
 
 def moe_config(mesh=None, sp=False, pattern="moe", **moe):
@@ -91,6 +91,12 @@ LAYOUTS = {  # name: (mesh, sequence parallel, MoE settings)
         dict(shared_experts=1, router="sigmoid", capacity_factor=1.0),
     ),
     "ep2_seq2_data2": (dict(expert=2, seq=2, data=2), False, {}),  # dropless: CP does not change it
+    # Qwen2-MoE's gated shared experts split over tensor with SP: the gate on this rank's positions
+    "ep2_tensor2_data2_sp_gated_shared": (
+        dict(expert=2, tensor=2, data=2),
+        True,
+        dict(shared_experts=2, shared_expert_gate=True, renormalize=False),
+    ),
 }
 
 

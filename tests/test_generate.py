@@ -147,6 +147,7 @@ def test_decode_analysis_by_hand():
         ("gemma2", {"tensor": 2}),
         ("gemma3", {"tensor": 2}),
         ("mixtral", None),
+        ("qwen2_moe", {"tensor": 2}),
         ("qwen3_moe", {"data": 2}),
     ],
 )
@@ -154,7 +155,8 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
     """tests/golden/hf_llama/<name>/greedy_tokens.npy: 16 tokens `transformers` generated greedily
     (fp32, KV cache) from the first 8 tokens of each golden row (scripts/make_hf_greedy_golden.py).
     mistral, phi3, gemma2 and gemma3 have sliding windows (8, 10, 6, 6) shorter than the 24 tokens,
-    gemma2 soft-capped attention scores (at 2) and logits, gemma3 Gemma 3's pieces, mixtral and qwen3_moe experts: the contiguous cache, and for these the paged
+    gemma2 soft-capped attention scores (at 2) and logits, gemma3 Gemma 3's pieces, mixtral, qwen2_moe
+    (with its gated shared expert, on tensor 2) and qwen3_moe experts: the contiguous cache, and for these the paged
     one too (its ragged prefill and per-row decode kernels), give transformers' tokens."""
     import os
 

@@ -100,7 +100,8 @@ def reference_output(w, h, m, kept=None):
                 out[i, p] += gates[i, p, r] * hidden @ f64(w["w_down"][e])
             if m.shared_experts:
                 hidden = _silu(x[i, p] @ f64(w["shared_gate"])) * (x[i, p] @ f64(w["shared_up"]))
-                out[i, p] += hidden @ f64(w["shared_down"])
+                scale = 1 / (1 + np.exp(-x[i, p] @ f64(w["shared_expert_gate"]))) if m.shared_expert_gate else 1.0
+                out[i, p] += scale * hidden @ f64(w["shared_down"])
     return out
 
 
@@ -108,6 +109,7 @@ ROUTERS = [
     dict(router="softmax", renormalize=True),
     dict(router="softmax", renormalize=False),
     dict(router="sigmoid", renormalize=True, shared_experts=1),
+    dict(router="softmax", renormalize=False, shared_experts=2, shared_expert_gate=True),  # Qwen2-MoE
 ]
 
 
@@ -134,12 +136,13 @@ def dense_reference(w, h, m, kept=None):
     every = jnp.einsum("btef,efd->bted", hidden, w["w_down"])
     y = jnp.einsum("btke,bted->btd", weights, every)
     if m.shared_experts:
-        y = y + jax.nn.silu(h @ w["shared_gate"]) * (h @ w["shared_up"]) @ w["shared_down"]
+        shared = jax.nn.silu(h @ w["shared_gate"]) * (h @ w["shared_up"]) @ w["shared_down"]
+        y = y + (jax.nn.sigmoid(h @ w["shared_expert_gate"])[..., None] * shared if m.shared_expert_gate else shared)
     return y
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-@pytest.mark.parametrize("router", ROUTERS[::2], ids=["softmax", "sigmoid-shared"])
+@pytest.mark.parametrize("router", ROUTERS[::2] + ROUTERS[3:], ids=["softmax", "sigmoid-shared", "gated-shared"])
 def test_gradients_equal_the_dense_reference(router, capacity_factor):
     config = moe_config(capacity_factor=capacity_factor, **router)
     m = config.model.moe

@@ -3,7 +3,8 @@ is the command).
 
 `from_hf` reads DIR/config.json and DIR/*.safetensors of a Llama-family model (Llama, Mistral,
 Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, Gemma 2 (soft-capped), Gemma 3's text model (also out of its
-image-text checkpoint), Phi-3 / Phi-4 with fused projections, Mixtral and Qwen3-MoE experts,
+image-text checkpoint), Phi-3 / Phi-4 with fused projections, Mixtral, Qwen2-MoE (gated shared
+expert) and Qwen3-MoE experts,
 sliding windows; GQA/MQA, any rope
 theta and Llama 3.1's, linear or YaRN rope scaling, tied or untied embeddings; other rope scalings, biases
 and other activations are refused by name),
@@ -206,18 +207,39 @@ def _hf_rope(m) -> dict:
 
 
 # Qwen2 (and 2.5): Llama's layout plus q/k/v biases; Qwen3: plus a per-head RMSNorm of q and k instead
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "phi3")
+MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "phi3",
+)
 
 # the MoE families: the router and each expert's SwiGLU matrices under the layer's prefix
 _MOE_NAMES = {
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+}
+# Qwen2-MoE's gated shared expert: one SwiGLU of shared_experts x F units, its output times
+# sigmoid(h w_g) (config.model.moe.shared_expert_gate)
+_SHARED_NAMES = {
+    "shared_gate": "mlp.shared_expert.gate_proj.weight",
+    "shared_up": "mlp.shared_expert.up_proj.weight",
+    "shared_down": "mlp.shared_expert.down_proj.weight",
+    "shared_expert_gate": "mlp.shared_expert_gate.weight",
 }
 
 
 def _moe_family(m) -> str:
-    """The Hugging Face family of a jaxsys MoE model: Qwen3-MoE with q/k norms, else Mixtral."""
-    return "qwen3_moe" if m.qk_norm else "mixtral"
+    """The Hugging Face family of a jaxsys MoE model: Qwen3-MoE with q/k norms, Qwen2-MoE with q/k/v
+    biases, else Mixtral."""
+    return "qwen3_moe" if m.qk_norm else "qwen2_moe" if m.qkv_bias else "mixtral"
 
 
 def _mlp_kinds(m) -> list[str]:
@@ -234,9 +256,11 @@ def _shortest_period(kinds: list[str]) -> str:
 
 
 def _set_moe(hf: dict, model) -> None:
-    """Mixtral's and Qwen3-MoE's experts into `model.moe` (dropless, softmax top-k routing as
-    theirs: Mixtral renormalises the k gates, Qwen3-MoE when norm_topk_prob) and the MoE layers
-    into `model.mlp_pattern` (Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers)."""
+    """Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts into `model.moe` (dropless, softmax top-k
+    routing as theirs: Mixtral renormalises the k gates, the Qwens when norm_topk_prob; Qwen2-MoE's
+    gated shared expert of shared_expert_intermediate_size units as shared_experts of F each) and
+    the MoE layers into `model.mlp_pattern` (the Qwens: every decoder_sparse_step-th layer not in
+    mlp_only_layers)."""
     n = hf["num_hidden_layers"]
     if hf["model_type"] == "mixtral":
         experts, expert_ff, renormalize = hf["num_local_experts"], hf["intermediate_size"], True
@@ -247,12 +271,24 @@ def _set_moe(hf: dict, model) -> None:
         renormalize = bool(hf.get("norm_topk_prob", False))
         step, dense_only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
         moe_layers = [i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(n)]
-    if hf.get("shared_expert_intermediate_size"):
-        raise ConversionError("shared experts with a sigmoid gate (Qwen2-MoE) are not implemented")
+    if hf["model_type"] == "qwen2_moe" and not hf.get("qkv_bias", True):
+        raise ConversionError("a Qwen2-MoE with qkv_bias=false: jaxsys reads Qwen2-MoE's layout with q/k/v biases")
+    shared = int(hf.get("shared_expert_intermediate_size") or 0)
+    if shared and hf["model_type"] != "qwen2_moe":
+        raise ConversionError(
+            f"shared_expert_intermediate_size={shared} in a {hf['model_type']} config: only Qwen2-MoE's gated "
+            "shared expert converts"
+        )
+    if shared % expert_ff:
+        raise ConversionError(
+            f"shared_expert_intermediate_size={shared} is not a multiple of moe_intermediate_size={expert_ff}: "
+            "jaxsys's shared experts are whole experts of F units (config.model.moe.shared_experts)"
+        )
     model.mlp_pattern = _shortest_period(["moe" if k else "dense" for k in moe_layers])
     moe = model.moe
     moe.experts, moe.top_k, moe.d_ff = int(experts), int(hf["num_experts_per_tok"]), int(expert_ff)
-    moe.router, moe.renormalize, moe.shared_experts, moe.capacity_factor = "softmax", renormalize, 0, 0.0
+    moe.router, moe.renormalize, moe.capacity_factor = "softmax", renormalize, 0.0
+    moe.shared_experts, moe.shared_expert_gate = shared // int(expert_ff), bool(shared)
     moe.aux_loss_weight, moe.z_loss_weight = float(hf.get("router_aux_loss_coef", 0.001)), 0.0
 
 
@@ -275,7 +311,7 @@ def _window_layers(hf: dict) -> tuple[int | None, list[bool]]:
         window = hf.get("sliding_window", 4096)
     elif kind in ("mixtral", "phi3"):
         window = hf.get("sliding_window")
-    elif kind in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window", False):
+    elif kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window", False):
         window = hf.get("sliding_window")
     else:
         window = None
@@ -395,7 +431,8 @@ def model_config_from_hf(hf: dict, model) -> None:
         raise ConversionError(
             f"model_type {hf.get('model_type')!r}: only Llama-family models (model_type one of {MODEL_TYPES}) convert"
         )
-    qwen2 = hf["model_type"] == "qwen2"  # its q/k/v biases are not switched by attention_bias
+    # Qwen2's q/k/v biases are not switched by attention_bias; Qwen2-MoE's by qkv_bias
+    qwen2 = hf["model_type"] == "qwen2" or (hf["model_type"] == "qwen2_moe" and hf.get("qkv_bias", True))
     gemma2, gemma3 = hf["model_type"] == "gemma2", hf["model_type"] == "gemma3_text"
     gemma = gemma2 or gemma3
     want_act = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
@@ -446,10 +483,13 @@ def _require_convertible(m) -> None:
             f"jaxsys.convert reads and writes Llama-family checkpoints (softmax attention), but this model has "
             f"layer_pattern={m.layer_pattern!r}; linear-attention layers have no Hugging Face equivalent"
         )
-    if "moe" in mlp_pattern(m) and (m.moe.router != "softmax" or m.moe.shared_experts or m.post_norms):
+    gated = m.moe.shared_experts and m.moe.shared_expert_gate and m.qkv_bias
+    if "moe" in mlp_pattern(m) and (m.moe.router != "softmax" or (m.moe.shared_experts and not gated) or m.post_norms):
         raise ConversionError(
-            f"config.model.moe (router={m.moe.router!r}, shared_experts={m.moe.shared_experts}) converts as a "
-            "Mixtral or Qwen3-MoE, which route by softmax scores with no shared experts"
+            f"config.model.moe (router={m.moe.router!r}, shared_experts={m.moe.shared_experts}, "
+            f"shared_expert_gate={m.moe.shared_expert_gate}) converts as a Mixtral or Qwen3-MoE, which route "
+            "by softmax scores with no shared experts, or a Qwen2-MoE (q/k/v biases), whose shared experts "
+            "are gated"
         )
 
 
@@ -507,6 +547,7 @@ def hf_config_from_model(m, dtype: str) -> dict:
         "qwen2": "Qwen2",
         "qwen3": "Qwen3",
         "mixtral": "Mixtral",
+        "qwen2_moe": "Qwen2Moe",
         "qwen3_moe": "Qwen3Moe",
     }[family]
     return {
@@ -534,6 +575,19 @@ def _hf_moe(m, family: str) -> dict:
     if "moe" not in kinds:
         return {}
     moe = m.moe
+    if family == "qwen2" and moe.shared_experts and moe.shared_expert_gate:
+        return {
+            "model_type": "qwen2_moe",
+            "num_experts": moe.experts,
+            "moe_intermediate_size": moe.d_ff,
+            "shared_expert_intermediate_size": moe.shared_experts * moe.d_ff,
+            "norm_topk_prob": bool(moe.renormalize),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, kind in enumerate(kinds) if kind == "dense"],
+            "qkv_bias": True,
+            "num_experts_per_tok": moe.top_k,
+            "router_aux_loss_coef": moe.aux_loss_weight,
+        }
     if family == "qwen2" or (family in ("llama", "mistral") and ("dense" in kinds or not moe.renormalize)):
         raise ConversionError(
             f"this MoE model (mlp_pattern={m.mlp_pattern!r}, renormalize={moe.renormalize}, "
@@ -716,6 +770,17 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
             "w_up": np.stack([experts(i, up, (Fe, D)) for i in moe_layers]),
             "w_down": np.stack([experts(i, down, (D, Fe)) for i in moe_layers]),
         }
+        if m.moe.shared_experts:  # Qwen2-MoE's gated shared expert ([out, in] -> [in, out])
+            Fs = m.moe.shared_experts * Fe
+            shapes = {
+                "shared_gate": (Fs, D),
+                "shared_up": (Fs, D),
+                "shared_down": (D, Fs),
+                "shared_expert_gate": (1, D),
+            }
+            for key, name in _SHARED_NAMES.items():
+                stacked = np.stack([take(f"model.layers.{i}.{name}", shapes[key]).T for i in moe_layers])
+                layers["moe"][key] = stacked[..., 0] if key == "shared_expert_gate" else stacked
     params = {
         "embed": take("model.embed_tokens.weight", (V, D)),
         "layers": layers,
@@ -745,6 +810,10 @@ def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
             for w, key in zip(ws, ("w_gate", "w_up", "w_down")):
                 for e in range(m.moe.experts):
                     out[f"model.layers.{i}.{expert.format(e=e, w=w)}"] = moe[key][j, e].T
+            if m.moe.shared_experts:
+                for key, name in _SHARED_NAMES.items():
+                    array = moe[key][j][None] if key == "shared_expert_gate" else moe[key][j].T
+                    out[f"model.layers.{i}.{name}"] = array
     if not m.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["unembed"]).T
     return {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in out.items()}

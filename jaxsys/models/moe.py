@@ -8,10 +8,12 @@ Parameters of the n MoE layers, with the scaling-book sharding under the default
     w_down                 [n, E, F, D] layers, experts, mlp, embed
     shared_gate, shared_up [n, D, Fs]   layers, embed, mlp   (Fs = shared_experts x F; a dense SwiGLU)
     shared_down            [n, Fs, D]   layers, mlp, embed
+    shared_expert_gate     [n, D]       layers, embed        (moe.shared_expert_gate: Qwen2-MoE)
 
 Per token t with router logits z_t = h_t W_r (fp32): scores s_t = softmax(z_t) or sigmoid(z_t); the
 k largest pick the experts and are the gates (renormalised to sum 1 by default);
-y_t = sum_{e in top-k} g_te SwiGLU_e(h_t) + SwiGLU_shared(h_t).
+y_t = sum_{e in top-k} g_te SwiGLU_e(h_t) + SwiGLU_shared(h_t), the last times sigmoid(h_t w_g) with
+the shared expert gate (Qwen2-MoE).
 
 Losses, per token like the LM loss and added to it:
     load balance  a E sum_e f_e P_e  (Switch): f_e the fraction of the batch's token copies routed to
@@ -72,13 +74,15 @@ def param_specs(m, n: int) -> dict:
         specs["shared_gate"] = ParamSpec((n, D, fs), ("layers", "embed", "mlp"), std=std)
         specs["shared_up"] = ParamSpec((n, D, fs), ("layers", "embed", "mlp"), std=std)
         specs["shared_down"] = ParamSpec((n, fs, D), ("layers", "mlp", "embed"), std=out_std)
+    if moe.shared_experts and moe.shared_expert_gate:
+        specs["shared_expert_gate"] = ParamSpec((n, D), ("layers", "embed"), std=std)
     return specs
 
 
 def active_matmul_params(m) -> int:
     """Weights one token multiplies with in one MoE layer: router, k experts, shared experts."""
     moe, D = m.moe, m.d_model
-    return D * moe.experts + 3 * D * moe.d_ff * (moe.top_k + moe.shared_experts)
+    return D * moe.experts + 3 * D * moe.d_ff * (moe.top_k + moe.shared_experts) + D * int(moe.shared_expert_gate)
 
 
 def capacity(tokens: int, moe) -> int:
@@ -155,6 +159,9 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     mlp_axes, sp = layout.compute_axes("mlp"), layout.sp_axes
     x = tensor.enter(h, mlp_axes, sp)  # [B, T, D] on every tensor rank
     gates = tensor.enter(r.gates, mlp_axes, sp)
+    if moe.shared_experts and moe.shared_expert_gate:  # like the router: on this rank's positions
+        shared_scale = jax.nn.sigmoid(jnp.einsum("btd,d->bt", h, w["shared_expert_gate"]))[..., None]
+        shared_scale = tensor.enter(shared_scale.astype(h.dtype), mlp_axes, sp)
     experts = tensor.gather_sequence(r.experts, sp)
     routed = expert.Routed(experts, previous, r.logits, r.probs)
     if moe.capacity_factor > 0:
@@ -163,5 +170,6 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     sent = expert.dispatch(x, routed, moe, layout, dispatch)
     y = expert.combine(_local_experts(sent, w), sent.plan, gates)
     if moe.shared_experts:
-        y = y + layers.swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+        shared = layers.swiglu(x, w["shared_gate"], w["shared_up"], w["shared_down"])
+        y = y + (shared_scale * shared if moe.shared_expert_gate else shared)
     return tensor.leave(y, mlp_axes, sp), experts, sent.stats
