@@ -3,6 +3,7 @@
 workers   run a worker in a fresh subprocess (each needs its own device count or memory) and
           collect the JSON results it prints: `run_worker`, `emit`, `worker_devices`
 timing    seconds per train step of a config on some devices: `train_step_seconds`
+losses    loss curves of configs/tiny.py under a few train settings: `loss_curves`
 command   the flags of a sweep (--quick, --replot, the hidden --worker N): `parse_args`
 results   results.json next to the run.py: `save_results`, `load_results`
 tables    a markdown table from header, alignment and rows: `markdown_table`
@@ -88,6 +89,50 @@ def train_step_seconds(config, devices, clock=None, repeats: int = 3, steps: int
 
 
 # ----------------------------------------------------------------------------- command
+
+
+def loss_curves(runs: dict, steps: int, log_every: int = 10, config: str = "configs/tiny.py") -> dict:
+    """Train `config` once per entry of `runs` {name: {train key: value}} for `steps` steps in a
+    temporary workdir (eval three times); {name: overrides, seconds, steps, curve [{step, loss,
+    eval_loss where evaluated}]}, a line printed per run."""
+    import tempfile
+    import time
+
+    from jaxsys import train
+    from jaxsys.config import load_config
+
+    out = {}
+    for name, keys in runs.items():
+        c = load_config(
+            config,
+            [f"--config.train.{k}={v}" for k, v in keys.items()]
+            + [
+                f"--config.train.steps={steps}",
+                f"--config.train.log_every={log_every}",
+                "--config.train.progress=false",
+                f"--config.train.eval_every={max(steps // 3, 1)}",
+            ],
+        )
+        with tempfile.TemporaryDirectory() as workdir:
+            t0 = time.time()
+            records = train.main(c, workdir)
+            seconds = time.time() - t0
+        out[name] = dict(
+            overrides=keys,
+            seconds=seconds,
+            steps=steps,
+            curve=[
+                dict(step=r["step"], loss=r["loss"], **({"eval_loss": r["eval_loss"]} if "eval_loss" in r else {}))
+                for r in records
+            ],
+        )
+        last = records[-1]
+        print(
+            f"loss {name}: step {last['step']} loss {last['loss']:.3f} "
+            f"eval {last.get('eval_loss', float('nan')):.3f} ({seconds:.0f} s)",
+            flush=True,
+        )
+    return out
 
 
 def parse_args(

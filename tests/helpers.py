@@ -216,3 +216,22 @@ def crash_then_resume(monkeypatch, make_config, workdir: str, crash_step: int = 
     finally:
         monkeypatch.setattr(train.data_lib, "global_batch", real_batch)
     return train.main(make_config(), workdir)  # the same command again
+
+
+def collectives_added(base_config, config) -> dict:
+    """{(kind, axes): (count, ring bytes)} of the collectives in `config`'s unrolled train step
+    beyond `base_config`'s (an optimizer's, say, against AdamW's on the same layout)."""
+    from jaxsys.analysis import collectives, report
+
+    def by_kind(c):
+        program = program_for(c)
+        sizes = dict(program.layout.mesh_sizes)
+        text = report.lower_unrolled(program).as_text()
+        return report.by_kind_axes(report.measured_collectives(collectives.parse(text, sizes), sizes))
+
+    base, with_it = by_kind(base_config), by_kind(config)
+    return {
+        k: (v[0] - base.get(k, [0, 0])[0], v[1] - base.get(k, [0, 0])[1])
+        for k, v in with_it.items()
+        if tuple(v) != tuple(base.get(k, [0, 0]))
+    }

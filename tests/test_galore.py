@@ -23,7 +23,7 @@ from jaxsys.config import ConfigError, validate
 from jaxsys.models.params import ParamSpec
 from jaxsys.optim import galore
 from jaxsys.parallel import offload
-from tests.helpers import crash_then_resume, program_for, run, small_config
+from tests.helpers import collectives_added, crash_then_resume, program_for, run, small_config
 
 LAYOUT = dict(data=2, fsdp=2, tensor=2)
 
@@ -262,15 +262,6 @@ def test_state_bytes_equal_the_formula(mesh, zero_stage):
         assert galore.state_bytes(plans) < _nbytes(adamw) - COUNTS
 
 
-def _collectives(config) -> dict:
-    from jaxsys.analysis import collectives, report
-
-    program = program_for(config)
-    sizes = dict(program.layout.mesh_sizes)
-    text = report.lower_unrolled(program).as_text()
-    return report.by_kind_axes(report.measured_collectives(collectives.parse(text, sizes), sizes))
-
-
 @pytest.mark.parametrize("mesh, zero_stage", [(LAYOUT, 1), (dict(data=4, tensor=2), 1), (dict(data=4, fsdp=2), 1)])
 def test_collectives_equal_the_formula(mesh, zero_stage):
     """What GaLore adds to the step's program (the GaLore step's collectives less AdamW's, by kind
@@ -283,12 +274,7 @@ def test_collectives_equal_the_formula(mesh, zero_stage):
 
     adamw, config = small_config(mesh), _galore(mesh)
     adamw.train.zero_stage = config.train.zero_stage = zero_stage
-    base, with_galore = _collectives(adamw), _collectives(config)
-    added = {
-        k: (v[0] - base.get(k, [0, 0])[0], v[1] - base.get(k, [0, 0])[1])
-        for k, v in with_galore.items()
-        if tuple(v) != tuple(base.get(k, [0, 0]))
-    }
+    added = collectives_added(adamw, config)
     formula = report.by_kind_axes(
         [dict(kind=r.kind, axes=r.axes, count=r.count, bytes=r.bytes) for r in cost_model.galore_rows(config)]
     )

@@ -86,3 +86,23 @@ def test_flax_models_refuse_the_caps():
     c.model.kind, c.model.flax_module = "flax", "examples.flax_gpt:GPT"
     with pytest.raises(ConfigError, match="final_logit_softcap=30.0 with config.model.kind='flax'"):
         validate(c)
+
+
+def test_the_config_file_is_the_released_model():
+    """configs/gemma2_2b.py is the model Gemma 2 2B's config.json converts to (tests/test_convert.py
+    REAL_CONFIGS), with its published 2,614,341,888 parameters; its :cpu variant validates."""
+    from jaxsys.checkpoint import hf
+    from jaxsys.config import load_config
+    from jaxsys.models import params, transformer
+    from tests.helpers import ROOT
+    from tests.test_convert import REAL_CONFIGS
+
+    ours = load_config(f"{ROOT}/configs/gemma2_2b.py")
+    converted = load_config(f"{ROOT}/configs/gemma2_2b.py")
+    hf.model_config_from_hf(REAL_CONFIGS["gemma-2-2b"][0], converted.model)
+    mine = ours.model.to_dict()
+    differ = {k for k, v in converted.model.to_dict().items() if mine[k] != v}
+    assert differ <= {"compute_dtype", "remat", "attention_impl"}, differ  # training choices, not the model
+    assert params.count(transformer.param_specs(ours.model)) == 2_614_341_888
+    validate(ours)
+    validate(load_config(f"{ROOT}/configs/gemma2_2b.py:cpu"))

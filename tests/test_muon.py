@@ -20,7 +20,7 @@ from jaxsys.checkpoint import Checkpointer
 from jaxsys.config import ConfigError, validate
 from jaxsys.optim import galore, muon
 from jaxsys.optim import optimizer as optimizer_lib
-from tests.helpers import crash_then_resume, program_for, run, small_config
+from tests.helpers import collectives_added, crash_then_resume, program_for, run, small_config
 
 LAYOUT = dict(data=2, fsdp=2, tensor=2)
 
@@ -280,15 +280,6 @@ def test_bad_config_is_named(key, value, message):
 # ----------------------------------------------------------------------------- the analysis' formulas
 
 
-def _collectives(config) -> dict:
-    from jaxsys.analysis import collectives, report
-
-    program = program_for(config)
-    sizes = dict(program.layout.mesh_sizes)
-    text = report.lower_unrolled(program).as_text()
-    return report.by_kind_axes(report.measured_collectives(collectives.parse(text, sizes), sizes))
-
-
 @pytest.mark.parametrize("mesh,zero_stage,layers", [(LAYOUT, 1, 2), (dict(fsdp=2, tensor=2), 0, 4)])
 def test_state_bytes_and_collectives_equal_the_formula(mesh, zero_stage, layers):
     """Per device: the optimizer state's shards equal cost_model.zero_memory (Muon's momentum of
@@ -308,12 +299,7 @@ def test_state_bytes_and_collectives_equal_the_formula(mesh, zero_stage, layers)
     assert per_device == cost_model.zero_memory(c)["optimizer"] + 12
     adamw = small_config(mesh, n_layers=layers)
     adamw.train.zero_stage = zero_stage
-    base, with_muon = _collectives(adamw), _collectives(c)
-    added = {
-        k: (v[0] - base.get(k, [0, 0])[0], v[1] - base.get(k, [0, 0])[1])
-        for k, v in with_muon.items()
-        if tuple(v) != tuple(base.get(k, [0, 0]))
-    }
+    added = collectives_added(adamw, c)
     formula = report.by_kind_axes(
         [dict(kind=r.kind, axes=r.axes, count=r.count, bytes=r.bytes) for r in cost_model.muon_rows(c)]
     )

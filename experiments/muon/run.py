@@ -27,13 +27,11 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-from experiments.common import load_results, markdown_table, pyplot, save_figure, save_results  # noqa: E402
+from experiments.common import load_results, loss_curves, markdown_table, pyplot, save_figure, save_results  # noqa: E402
 
 RUNS = {  # name: train overrides
     "adamw": {},
@@ -62,37 +60,7 @@ KELLER_OVERHEAD = 0.01  # "the FLOP overhead of Muon is below 1% in typical LM t
 
 
 def loss_runs(steps: int) -> dict:
-    from jaxsys import train
-    from jaxsys.config import load_config
-
-    out = {}
-    for name, keys in RUNS.items():
-        config = load_config(
-            "configs/tiny.py",
-            [f"--config.train.{k}={v}" for k, v in keys.items()]
-            + [
-                f"--config.train.steps={steps}",
-                "--config.train.log_every=1",
-                "--config.train.progress=false",
-                f"--config.train.eval_every={max(steps // 3, 1)}",
-            ],
-        )
-        with tempfile.TemporaryDirectory() as workdir:
-            t0 = time.time()
-            records = train.main(config, workdir)
-            seconds = time.time() - t0
-        out[name] = dict(
-            overrides=keys,
-            seconds=seconds,
-            steps=steps,
-            curve=[
-                dict(step=r["step"], loss=r["loss"], **({"eval_loss": r["eval_loss"]} if "eval_loss" in r else {}))
-                for r in records
-            ],
-        )
-        last = records[-1]
-        print(f"loss {name}: step {last['step']} loss {last['loss']:.3f} ({seconds:.0f} s)", flush=True)
-    return out
+    return loss_curves(RUNS, steps, log_every=1)
 
 
 def smoothed(curve: list[dict]) -> list[tuple[int, float]]:

@@ -646,6 +646,23 @@ def _galore_plans(config, which: str = "galore"):
     return jax.tree.leaves(plans, is_leaf=lambda x: isinstance(x, galore.LeafPlan)), dict(layout.mesh_sizes)
 
 
+class _Tally:
+    """Collectives counted by (technique, kind, axes): `add` one of `operand_bytes` over `axes`
+    (its ring bytes by `ring_bytes`), `rows` the totals."""
+
+    def __init__(self, sizes: dict):
+        self.sizes, self.found = sizes, {}
+
+    def add(self, technique: str, kind: str, axes, operand_bytes: float) -> None:
+        key = (technique, kind, tuple(axes))
+        count, sent = self.found.get(key, (0, 0.0))
+        n = math.prod(self.sizes[a] for a in axes)
+        self.found[key] = (count + 1, sent + ring_bytes(kind, operand_bytes, n))
+
+    def rows(self) -> list[Row]:
+        return [Row(t, k, a, c, sent) for (t, k, a), (c, sent) in self.found.items()]
+
+
 def _local_shape(pl, sizes) -> list[int]:
     """A leaf's block on one device: each dimension divided by the sizes of its gradient's axes."""
     return [d // math.prod(sizes[a] for a in axes) for d, axes in zip(pl.shape, pl.spec)]
@@ -673,12 +690,8 @@ def muon_rows(config) -> list[Row]:
     plans, sizes = _galore_plans(config, "muon")
     b_p = _dtype_bytes(config.model.param_dtype)
     size = lambda axes: math.prod(sizes[a] for a in axes)
-    found: dict = {}
-
-    def add(technique, kind, axes, operand_bytes):
-        key = (technique, kind, tuple(axes))
-        count, sent = found.get(key, (0, 0.0))
-        found[key] = (count + 1, sent + ring_bytes(kind, operand_bytes, size(axes)))
+    tally = _Tally(sizes)
+    add = tally.add
 
     for pl in plans:
         if pl.side != "full":
@@ -697,7 +710,7 @@ def muon_rows(config) -> list[Row]:
             if axes:
                 add("Muon all-gather of the momentum for Newton-Schulz (every step)", "all_gather", axes, held)
                 held *= size(axes)
-    return [Row(t, k, a, c, sent) for (t, k, a), (c, sent) in found.items()]
+    return tally.rows()
 
 
 def galore_optimizer_bytes(config) -> float:
@@ -727,17 +740,13 @@ def galore_rows(config) -> list[Row]:
     plans, sizes = _galore_plans(config)
     b_p = _dtype_bytes(config.model.param_dtype)
     size = lambda axes: math.prod(sizes[a] for a in axes)
-    found: dict = {}
-
-    def add(technique, kind, axes, operand_bytes):
-        key = (technique, kind, tuple(axes))
-        count, sent = found.get(key, (0, 0.0))
-        found[key] = (count + 1, sent + ring_bytes(kind, operand_bytes, size(axes)))
+    tally = _Tally(sizes)
+    add = tally.add
 
     for pl in plans:
         if not pl.projected:
             continue
-        local = [d // size(axes) for d, axes in zip(pl.shape, pl.spec)]
+        local = _local_shape(pl, sizes)
         b = math.prod(local[d] for d in pl.batch_dims)
         m_l, n_l = local[pl.row_dim], math.prod(local[d] for d in pl.col_dims)
         r_bytes = (b * pl.rank * n_l if pl.side == "left" else b * m_l * pl.rank) * b_p  # R before the sum
@@ -756,7 +765,7 @@ def galore_rows(config) -> list[Row]:
             if axes:
                 add("GaLore refresh all-gather of G for the SVD (1 step in K)", "all_gather", axes, held)
                 held *= size(axes)
-    return [Row(technique, kind, axes, count, sent) for (technique, kind, axes), (count, sent) in found.items()]
+    return tally.rows()
 
 
 def offload_memory(config) -> dict:

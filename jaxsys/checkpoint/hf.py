@@ -624,9 +624,19 @@ def _gemma_config(m, dtype: str) -> dict:
             f"mlp_activation='gelu_tanh' and no qkv_bias; this model differs in {[k for k, v in need.items() if not v]}"
         )
     kinds = [kind == "local" for kind in layer_pattern(m)] * (m.n_layers // len(layer_pattern(m)))
-    softcaps = {
+    common = {
+        **_hf_shape(m),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+        "sliding_window": m.sliding_window if any(kinds) else None,
+        "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+        "rope_theta": m.rope_theta,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "attention_bias": False,
         "final_logit_softcapping": m.final_logit_softcap or None,
         "attn_logit_softcapping": m.attn_logit_softcap or None,
+        "torch_dtype": dtype,
+        "dtype": dtype,
     }
     if not m.qk_norm:  # Gemma 2: one RoPE for every layer
         if m.rope_local_theta and m.rope_local_theta != m.rope_theta:
@@ -637,43 +647,24 @@ def _gemma_config(m, dtype: str) -> dict:
         return {
             "architectures": ["Gemma2ForCausalLM"],
             "model_type": "gemma2",
-            **_hf_shape(m),
-            "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
-            "sliding_window": m.sliding_window if any(kinds) else None,
-            "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+            **common,
             "rope_parameters": _hf_rope(m),
-            "rope_theta": m.rope_theta,
-            "tie_word_embeddings": bool(m.tie_embeddings),
-            "attention_bias": False,
-            **softcaps,
-            "torch_dtype": dtype,
-            "dtype": dtype,
         }
     if any(kinds) and not m.rope_local_theta and m.rope_scaling != "none":
         raise ConversionError(
             "Gemma 3's local layers use unscaled RoPE: set config.model.rope_local_theta (10000.0 in Gemma 3) "
             f"for a model with rope_scaling={m.rope_scaling!r}"
         )
+    local_theta = m.rope_local_theta or m.rope_theta
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
-        **_hf_shape(m),
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
-        "sliding_window": m.sliding_window if any(kinds) else None,
-        "layer_types": ["sliding_attention" if k else "full_attention" for k in kinds],
+        **common,
         "rope_parameters": {
             "full_attention": _hf_rope(m),
-            "sliding_attention": {"rope_type": "default", "rope_theta": m.rope_local_theta or m.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         },
-        "rope_theta": m.rope_theta,
-        "rope_local_base_freq": m.rope_local_theta or m.rope_theta,
-        "tie_word_embeddings": bool(m.tie_embeddings),
-        "attention_bias": False,
-        **softcaps,
-        "torch_dtype": dtype,
-        "dtype": dtype,
+        "rope_local_base_freq": local_theta,
     }
 
 
