@@ -344,6 +344,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.serve.cache = "paged"  # paged | contiguous (a row of max_len slots per running sequence)
     c.serve.allocation = "on_demand"  # on_demand (pages as sequences grow; preemption) | reserve (prompt + max_new)
     c.serve.prefix_cache = True  # share full pages between requests by the hash chain of their tokens
+    # a model whose every layer is `local` (sliding window W): each sequence holds only the pages of
+    # its last W positions and a step's tokens, reused in a ring (no prefix cache then)
+    c.serve.rolling = True
     c.serve.ragged = True  # a step's rows attend per sequence with the ragged paged-attention kernel
     c.serve.decode_steps = 1  # > 1: decode steps in one compiled call when only decodes run (multi-step)
     # overlapped scheduling: step n + 1 is planned and dispatched while the device runs step n

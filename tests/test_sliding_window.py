@@ -349,6 +349,30 @@ def test_decode_roofline_reads_the_window():
     assert report["rows"][0]["memory_s"] == pytest.approx(want) and want < plain.times(1, 1024)[0]
 
 
+def test_decode_capacity_counts_the_ring():
+    """Every layer local and rolling pages on: a sequence holds R pages whatever its length, so the
+    decode analysis's KV per sequence and batch that fits use min(S, R page_size); off, or with a
+    global layer, all S."""
+    from jaxsys.analysis import decode, hardware
+    from jaxsys.serve import scheduler
+    from tests.helpers import small_config
+
+    hw = hardware.profile("h100")
+    local = small_config(layer_pattern="local", sliding_window=16)
+    ring = scheduler.ring_pages(local.model, local.serve.page_size, local.serve.chunk_size)
+    held = ring * local.serve.page_size
+    assert 16 < held < 1024
+    report = decode.decode_report(local, hw, [1024], [1])
+    assert report["kv_bytes_per_sequence"][1024] == held * report["kv_bytes_per_token"]
+    local.serve.rolling = False
+    assert (
+        decode.decode_report(local, hw, [1024], [1])["kv_bytes_per_sequence"][1024]
+        == 1024 * report["kv_bytes_per_token"]
+    )
+    mixed = small_config(layer_pattern="local,softmax", sliding_window=16)
+    assert decode.held_context(mixed)(1024) == 1024
+
+
 def test_local_gemma_layers_under_a_pipeline_match_one_device():
     """Local layers with Gemma 3's pieces split over pipe 2 x data 2 (two micro-batches; each
     stage holds whole periods of 'local,softmax'): loss and gradients equal one device's."""
@@ -360,3 +384,88 @@ def test_local_gemma_layers_under_a_pipeline_match_one_device():
     (want_loss, want), (got_loss, got) = loss_and_grads(small_config(**kw)), loss_and_grads(piped)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     assert_trees_close_leafwise(got, want, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize(
+    "allocation,extra",
+    [("on_demand", {}), ("reserve", {}), ("on_demand", dict(decode_steps=4)), ("on_demand", dict(overlap=True))],
+)
+def test_rolling_pages_serve_a_windowed_model_in_a_ring(allocation, extra):
+    """Every layer local (W = 6, pages of 4, chunks of 4): each sequence holds R = (6 + 4 - 2) // 4
+    + 2 = 4 pages, used in a ring, instead of the 7 its 25 tokens span. Two such sequences run
+    together in a pool of 8 pages (without the ring one would wait or be preempted), and their
+    greedy tokens equal the training forward's over the whole sequence and the engine's without
+    the ring. The same with multi-step decoding (the device loop's writes go round the ring) and
+    with overlapped scheduling."""
+    from jaxsys.models import transformer
+    from jaxsys.serve import engine, scheduler
+    from tests.helpers import program_for, small_config
+
+    config = small_config(layer_pattern="local", sliding_window=6, n_kv_heads=4, init_std=0.2)
+    program = program_for(config)
+    params = program.init(3).params
+    forward = jax.jit(lambda p, ids: transformer.logits(p, ids, config.model, program.layout, program.specs))
+    prompts = {"a": [5, 17, 29, 41, 53, 65, 77, 89, 101], "b": [7, 3, 250, 9, 9, 14, 2, 8, 61]}
+    want = {}
+    for name, prompt in prompts.items():
+        seq = list(prompt)
+        for _ in range(16):
+            seq.append(int(np.argmax(np.asarray(forward(params, jnp.asarray([seq]))[0, -1]))))
+        want[name] = seq[len(prompt) :]
+    assert scheduler.ring_pages(config.model, 4, 4) == 4
+    kw = dict(page_size=4, token_budget=16, chunk_size=4, max_seqs=2, allocation=allocation, **extra)
+    ring = engine.Engine(program, params, num_pages=8, **kw)
+    assert ring.ring == 4 and not ring.prefix_cache
+    requests = {name: ring.submit(name, prompt, 16) for name, prompt in prompts.items()}
+    most = 0
+    while not ring.idle or ring.inflight is not None:
+        ring.step()
+        most = max(most, ring.pools[0].used_pages)
+        assert all(len(set(ring.pools[0].table(r.id))) <= 4 for r in ring.schedulers[0].running)
+    assert {name: r.generated for name, r in requests.items()} == want
+    assert most == 8 and ring.schedulers[0].preemptions == 0  # both sequences at once, 4 pages each
+    assert ring.stats["loop_steps"] > 0 if extra.get("decode_steps") else True
+    assert ring.pools[0].free_pages == 8
+    plain = engine.Engine(program, params, num_pages=16, rolling=False, **kw)
+    assert plain.ring == 0
+    again = {name: plain.submit(name, prompt, 16) for name, prompt in prompts.items()}
+    plain.run()
+    assert {name: r.generated for name, r in again.items()} == want
+    # a model with a global layer keeps every page
+    assert scheduler.ring_pages(small_config(layer_pattern="local,softmax", sliding_window=6).model, 4, 4) == 0
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_rolling_pages_survive_preemption(preemption):
+    """A pool of 6 pages cannot hold two rings of 4: the younger sequence is preempted (recomputed,
+    or its 4 ring pages copied to host memory and back) and still decodes the training forward's
+    greedy tokens."""
+    from jaxsys.models import transformer
+    from jaxsys.serve import engine
+    from tests.helpers import program_for, small_config
+
+    config = small_config(layer_pattern="local", sliding_window=6, n_kv_heads=4, init_std=0.2)
+    program = program_for(config)
+    params = program.init(3).params
+    forward = jax.jit(lambda p, ids: transformer.logits(p, ids, config.model, program.layout, program.specs))
+    prompts = {"a": [5, 17, 29, 41, 53, 65, 77, 89, 101], "b": [7, 3, 250, 9, 9, 14, 2, 8, 61]}
+    eng = engine.Engine(
+        program,
+        params,
+        num_pages=6,
+        page_size=4,
+        token_budget=16,
+        chunk_size=4,
+        max_seqs=2,
+        preemption=preemption,
+        max_len=32,  # longer than the pool holds: the ring holds the window
+    )
+    requests = {name: eng.submit(name, prompt, 16) for name, prompt in prompts.items()}
+    eng.run()
+    assert eng.schedulers[0].preemptions > 0
+    for name, prompt in prompts.items():
+        seq = list(prompt)
+        for _ in range(16):
+            seq.append(int(np.argmax(np.asarray(forward(params, jnp.asarray([seq]))[0, -1]))))
+        assert requests[name].generated == seq[len(prompt) :], name
+    assert eng.pools[0].free_pages == 6

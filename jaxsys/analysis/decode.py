@@ -17,8 +17,9 @@ and values of every layer in the compute dtype, kv heads split over `tensor`):
         latency  = max(memory, compute) + comm          (collectives not overlapped, as in decode)
     with sliding-window ("local") layers, S in the memory and attention terms is the positions a
     row reads averaged over the layers: min(S, W) for a local layer (`DecodeStep.read_context`);
-    the batch that fits still holds all S (the pages behind a window stay allocated). The engine
-    step's pricing (analysis/serving.py) takes summed contexts and does not apply it.
+    the batch that fits holds all S, except when every layer is local and config.serve.rolling:
+    then a sequence holds R pages (serve/scheduler.ring_pages), min(S, R p) positions. The engine
+    step's pricing (analysis/serving.py) takes summed contexts and does not apply the window.
     KV handed from a prefill to a decode mesh (disaggregated serving, serve/disagg.py), per request
     of T prompt tokens in pages of p slots:
         transfer bytes = 2 L ceil(T / p) p K H b_c      (whole pages; over all devices, not per device)
@@ -143,6 +144,19 @@ class DecodeStep:
         return max(memory, compute) + comm
 
 
+def held_context(config):
+    """S -> the positions a sequence of S tokens holds in the serving engine's cache: S, or with
+    rolling pages (every layer local, config.serve.rolling, a paged cache without kv_quant or a
+    drafter) at most the ring's R pages."""
+    from jaxsys.serve.scheduler import ring_pages
+
+    sv = config.serve
+    rolling = sv.get("rolling", True) and sv.get("cache", "paged") == "paged" and sv.kv_quant == "none"
+    rolling = rolling and sv.policy == "chunked"
+    ring = ring_pages(config.model, sv.page_size, sv.chunk_size) if rolling and sv.spec_k == 0 else 0
+    return (lambda S: min(S, ring * sv.page_size)) if ring else (lambda S: S)
+
+
 def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> dict:
     m = config.model
     layout = Layout.from_config(config)
@@ -150,9 +164,11 @@ def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> d
     step = DecodeStep.for_config(config, hw)
     kv_per_token, weights = step.kv_bytes_per_token, step.weights
     free = hw.hbm_bytes - weights
+    held = held_context(config)
+    fit = lambda S: max(int(free // (held(S) * kv_per_token)), 0) if free > 0 else 0
     rows = []
     for S in contexts:
-        fits = max(int(free // (S * kv_per_token)), 0) if free > 0 else 0
+        fits = fit(S)
         for b in batches:
             local_b = max(b // data, 1)
             memory_s, compute_s, comm_s = step.times(local_b, local_b * step.read_context(S))
@@ -181,13 +197,13 @@ def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> d
         "kv_bytes_per_token": kv_per_token,
         "weight_bytes_per_device": weights,
         "hbm_bytes": hw.hbm_bytes,
-        "kv_bytes_per_sequence": {S: S * kv_per_token for S in contexts},
+        "kv_bytes_per_sequence": {S: held(S) * kv_per_token for S in contexts},
         # disaggregated serving: a prompt of S tokens' KV moved prefill -> decode mesh (all devices)
         "transfer_bytes_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) for S in contexts},
         "transfer_s_per_request": {
             S: kv_transfer_bytes(m, S, config.serve.page_size) / hw.intra_node_bytes_per_s for S in contexts
         },
-        "max_batch_per_device": {S: max(int(free // (S * kv_per_token)), 0) if free > 0 else 0 for S in contexts},
+        "max_batch_per_device": {S: fit(S) for S in contexts},
         "rows": rows,
     }
 

@@ -59,7 +59,16 @@ from jaxsys.parallel.spmd import per_shard
 from jaxsys.serve import sampling as sampling_lib
 from jaxsys.serve.runner import ModelRunner, check_servable
 from jaxsys.serve.sampling import Sampling
-from jaxsys.serve.scheduler import PENDING, PREEMPTIONS, PagePool, PoolExhausted, Request, Scheduler, Work
+from jaxsys.serve.scheduler import (
+    PENDING,
+    PREEMPTIONS,
+    PagePool,
+    PoolExhausted,
+    Request,
+    Scheduler,
+    Work,
+    ring_pages,
+)
 
 MIN_ROWS = 8
 SEQUENCE_VECTORS = ("cu_q_lens", "kv_lens", "num_seqs")  # per shard vectors: [D x n] flat, n per shard
@@ -81,6 +90,7 @@ def pool_settings(sv) -> dict:
         "cache": sv.get("cache", "paged"),
         "allocation": sv.get("allocation", "on_demand"),
         "prefix_cache": bool(sv.get("prefix_cache", True)),
+        "rolling": bool(sv.get("rolling", True)),
         "ragged": bool(sv.get("ragged", True)),
         "decode_steps": int(sv.get("decode_steps", 1)),
         "overlap": bool(sv.get("overlap", False)),
@@ -172,6 +182,7 @@ class Engine(EngineAPI):
         decode_steps: int = 1,
         overlap: bool = False,
         preemption: str = "recompute",
+        rolling: bool = True,
     ):
         """`num_pages`, `token_budget` and `max_seqs` are per batch shard (config.serve). `cache`:
         "paged" (pages of `page_size`; `kv_quant` and `kv_residual`, full-precision pages before the
@@ -191,7 +202,10 @@ class Engine(EngineAPI):
         tokens; steps with forks, penalties or log-probabilities run synchronously. Not with a
         drafter nor decode_steps > 1 (ValueError). `preemption`: what happens to the cache of a
         sequence preempted for pages (allocation "on_demand"): "recompute" (prefilled again) or
-        "swap" (copied to host memory and back when it resumes; not with kv_quant)."""
+        "swap" (copied to host memory and back when it resumes; not with kv_quant). `rolling`: for a
+        model whose every layer is a sliding-window one, each sequence holds only R pages, the window's
+        and one step's tokens', used in a ring (`ring_pages`); paged caches without kv_quant, chunked
+        policy, no drafter; the prefix cache is off then."""
         config = program.config
         check_servable(config)
         if drafter is not None and (not isinstance(k, int) or k < 1):
@@ -219,9 +233,14 @@ class Engine(EngineAPI):
         elif num_pages < 1 or page_size < 1:
             raise ValueError(f"a paged cache needs num_pages >= 1 and page_size >= 1; got {num_pages}, {page_size}")
         self.max_len = max_len or num_pages * page_size
-        self.pools = [PagePool(num_pages, page_size) for _ in range(self.shards)]
+        self.ring = 0
+        if rolling and cache == "paged" and kv_quant == "none" and drafter is None and policy == "chunked":
+            self.ring = ring_pages(config.model, page_size, chunk_size)
+        self.pools = [PagePool(num_pages, page_size, self.ring) for _ in range(self.shards)]
         self.max_pages = math.ceil(self.max_len / page_size)
-        self.prefix_cache = prefix_cache and cache == "paged" and (kv_quant == "none" or kv_residual == 0)
+        self.prefix_cache = (
+            prefix_cache and cache == "paged" and (kv_quant == "none" or kv_residual == 0) and not self.ring
+        )
         self.ragged = ragged and cache == "paged"
         if not isinstance(decode_steps, int) or decode_steps < 1:
             raise ValueError(f"decode_steps={decode_steps!r} must be an integer >= 1")
@@ -551,7 +570,7 @@ class Engine(EngineAPI):
         if self.cache is not None:
             return
         pool = self.pools[0]
-        self.pools[:] = [PagePool(pool.num_pages, pool.page_size) for _ in self.pools]
+        self.pools[:] = [PagePool(pool.num_pages, pool.page_size, pool.ring) for _ in self.pools]
         for scheduler, fresh in zip(self.schedulers, self.pools):
             scheduler.pool = fresh
         max_seqs = self.schedulers[0].max_seqs

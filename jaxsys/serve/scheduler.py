@@ -61,11 +61,30 @@ def page_hashes(tokens: list, page_size: int, previous: list | None = None) -> l
     return out
 
 
+def ring_pages(m, page_size: int, chunk_size: int) -> int:
+    """R, the pages a sequence needs at once when every layer of model `m` is a sliding-window
+    one (W = m.sliding_window), else 0: a step writes up to C = chunk_size tokens from position p
+    and its first query reads back to p - W + 1, so the logical pages from (p - W + 1) / page_size
+    to (p + C - 1) / page_size, at most (W + C - 2) // page_size + 2 of them, must be distinct."""
+    from jaxsys.models import attention
+
+    if not m.sliding_window or any(kind != "local" for kind in attention.layer_types(m)):
+        return 0
+    return (m.sliding_window + chunk_size - 2) // page_size + 2
+
+
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
+    """Pages of `page_size` slots, reference-counted, with a prefix cache. `ring` R > 0 (a model
+    whose every layer attends over a sliding window, `Engine`): a sequence holds at most R pages and
+    its table maps logical page i to its (i mod R)-th, so that the pages behind the window are
+    written over (R covers the window and a step's new tokens; the kernels read only the window's
+    pages). No prefix cache then: a page's contents change with the position."""
+
+    def __init__(self, num_pages: int, page_size: int, ring: int = 0):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"a page pool needs num_pages >= 1 and page_size >= 1; got {num_pages}, {page_size}")
-        self.num_pages, self.page_size = num_pages, page_size
+        self.num_pages, self.page_size, self.ring = num_pages, page_size, ring
+        self._span: dict = {}  # ring: sequence -> its logical pages (the table's length)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids go out first
         self._refs = [0] * num_pages
         self._pages: dict = {}  # sequence -> its pages in order
@@ -76,6 +95,10 @@ class PagePool:
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
+
+    def held_for(self, tokens: int) -> int:
+        """Pages a sequence of `tokens` slots holds: pages_for, at most the ring's R."""
+        return min(self.pages_for(tokens), self.ring) if self.ring else self.pages_for(tokens)
 
     @property
     def free_pages(self) -> int:
@@ -98,18 +121,25 @@ class PagePool:
     def reserve(self, seq, tokens: int) -> list[int]:
         """Grow `seq`'s pages to hold `tokens` slots; PoolExhausted (and no change) if they are not free."""
         have = self._pages.get(seq, [])
-        need = self.pages_for(tokens) - len(have)
+        need = self.held_for(tokens) - len(have)
         if need > self.free_pages:
             raise PoolExhausted(f"sequence {seq!r} needs {need} more pages, {self.free_pages} are free")
         self._pages[seq] = have + [self._take() for _ in range(max(need, 0))]
-        return self._pages[seq]
+        if self.ring:
+            self._span[seq] = max(self._span.get(seq, 0), self.pages_for(tokens))
+        return self.table(seq)
 
     def table(self, seq) -> list[int]:
-        return list(self._pages.get(seq, []))
+        """`seq`'s page of each logical page (with a ring, its pages repeated cyclically)."""
+        pages = self._pages.get(seq, [])
+        if not self.ring or not pages:
+            return list(pages)
+        return [pages[i % len(pages)] for i in range(self._span.get(seq, len(pages)))]
 
     def free(self, seq) -> None:
         """Give back `seq`'s pages: a page nobody else references is free again (or, if it is in
         the prefix cache, stays there until evicted)."""
+        self._span.pop(seq, None)
         for page in reversed(self._pages.pop(seq, [])):
             self._refs[page] -= 1
             assert self._refs[page] >= 0, (seq, page)
@@ -302,9 +332,9 @@ class Scheduler:
         total = len(request.prompt) + request.max_new_tokens
         if not request.prompt or request.max_new_tokens < 1:
             raise ValueError(f"request {request.id!r}: needs a non-empty prompt and max_new_tokens >= 1")
-        if self.pool.pages_for(total) > self.pool.num_pages or (self.max_len and total > self.max_len):
+        if self.pool.held_for(total) > self.pool.num_pages or (self.max_len and total > self.max_len):
             raise ValueError(
-                f"request {request.id!r} needs {total} tokens of cache ({self.pool.pages_for(total)} "
+                f"request {request.id!r} needs {total} tokens of cache ({self.pool.held_for(total)} "
                 f"pages), more than the pool's {self.pool.num_pages} pages"
                 + (f" or the {self.max_len}-token limit" if self.max_len else "")
             )
