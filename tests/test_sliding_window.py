@@ -388,7 +388,12 @@ def test_local_gemma_layers_under_a_pipeline_match_one_device():
 
 @pytest.mark.parametrize(
     "allocation,extra",
-    [("on_demand", {}), ("reserve", {}), ("on_demand", dict(decode_steps=4)), ("on_demand", dict(overlap=True))],
+    [
+        ("on_demand", {}),
+        pytest.param("reserve", {}, marks=pytest.mark.slow),
+        pytest.param("on_demand", dict(decode_steps=4), marks=pytest.mark.slow),
+        pytest.param("on_demand", dict(overlap=True), marks=pytest.mark.slow),
+    ],
 )
 def test_rolling_pages_serve_a_windowed_model_in_a_ring(allocation, extra):
     """Every layer local (W = 6, pages of 4, chunks of 4): each sequence holds R = (6 + 4 - 2) // 4
@@ -435,7 +440,7 @@ def test_rolling_pages_serve_a_windowed_model_in_a_ring(allocation, extra):
     assert scheduler.ring_pages(small_config(layer_pattern="local,softmax", sliding_window=6).model, 4, 4) == 0
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_rolling_pages_survive_preemption(preemption):
     """A pool of 6 pages cannot hold two rings of 4: the younger sequence is preempted (recomputed,
     or its 4 ring pages copied to host memory and back) and still decodes the training forward's
