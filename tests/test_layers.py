@@ -304,12 +304,15 @@ def test_bfloat16_compute_stays_close_to_float32():
     np.testing.assert_allclose(bf16, f32, rtol=2e-2)  # bf16 has 8 mantissa bits
 
 
-def test_qk_norm_and_qkv_bias_sharded_match_one_device():
-    """q/k norms and q/k/v biases (config.model.qk_norm, qkv_bias) on data 2 x fsdp 2 x tensor 2
-    with sequence parallelism: the [H] scales are whole on every rank (tensor splits heads, not
-    H), the biases split over heads with their projections; loss and gradients equal one
-    device's, the norms' and biases' gradients included. With YaRN's rope scaling (Qwen3's long
-    context): its frequencies and the attention factor on q and k are the same on every rank."""
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_qk_norm_and_qkv_bias_sharded_match_one_device(sequence_parallel):
+    """q/k norms and q/k/v biases (config.model.qk_norm, qkv_bias) on data 2 x fsdp 2 x tensor 2,
+    with and without sequence parallelism: the [H] scales are whole on every rank (tensor splits
+    heads, not H) and each rank's gradient of them covers its own heads only, so it is summed over
+    tensor (ParamSpec.partial; without SP nothing else sums it), the biases split over heads with
+    their projections; loss and gradients equal one device's, the norms' and biases' gradients
+    included. With YaRN's rope scaling (Qwen3's long context): its frequencies and the attention
+    factor on q and k are the same on every rank."""
     from tests.helpers import assert_trees_close_leafwise, loss_and_grads, small_config
 
     kw = dict(
@@ -317,7 +320,7 @@ def test_qk_norm_and_qkv_bias_sharded_match_one_device():
     )
     one = small_config(**kw)
     sharded = small_config({"data": 2, "fsdp": 2, "tensor": 2}, **kw)
-    sharded.parallel.sequence_parallel = True
+    sharded.parallel.sequence_parallel = sequence_parallel
     (want_loss, want), (got_loss, got) = loss_and_grads(one), loss_and_grads(sharded)
     assert min(np.abs(want["layers"][k]).max() for k in ("q_norm", "k_norm", "bq", "bk", "bv")) > 0
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)

@@ -15,6 +15,9 @@ The functions here run on one device's shards inside the training shard_map. Par
     moe      {...}           the Lm MoE layers' router and experts (models/moe.py)
     unembed  [D, V]          embed, vocab (absent when embeddings are tied)
 
+With multi-head latent attention (config.model.mla, DeepSeek-V2 / V3) the attention leaves are
+models/mla.py's (latent down- and up-projections) in place of wq, wk, wv, wo.
+
 `config.model.layer_pattern` and `.mlp_pattern` say which attention and MLP each layer has. The
 attention and norm leaves hold every layer; the dense-MLP leaves only the Ld dense layers and
 `moe` only the Lm MoE ones, in layer order, so every stack splits over pipeline stages that hold
@@ -32,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys import execution
 from jaxsys.config import ConfigError, block_pattern
-from jaxsys.models import attention, ladder, layers, moe, quant
+from jaxsys.models import attention, ladder, layers, mla, moe, quant
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import context, tensor, zeropp
 from jaxsys.sharding import Layout
@@ -75,17 +78,18 @@ def param_specs(m, chunks: int = 1) -> dict:
     norm = lambda *shape_axes: ParamSpec(*shape_axes, init="ones", decay=False)
     counts = layer_counts(m)
     Ld = counts["dense"]
-    layer_specs = {
-        "attn_norm": norm((L, D), ("layers", "embed")),
-        "wq": ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), std=std),
-        "wk": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
-        "wv": ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std),
-        "wo": ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), std=out_std),
-        "mlp_norm": norm((L, D), ("layers", "embed")),
-    }
-    if m.qk_norm:
-        layer_specs["q_norm"] = norm((L, H), ("layers", "head_dim"))
-        layer_specs["k_norm"] = norm((L, H), ("layers", "head_dim"))
+    layer_specs = {"attn_norm": norm((L, D), ("layers", "embed"))}
+    if mla.enabled(m):  # multi-head latent attention (DeepSeek-V2 / V3): its leaves in models/mla.py
+        layer_specs.update(mla.param_specs(m, std, out_std))
+    else:
+        layer_specs["wq"] = ParamSpec((L, D, N, H), ("layers", "embed", "heads", "head_dim"), std=std)
+        layer_specs["wk"] = ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std)
+        layer_specs["wv"] = ParamSpec((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), std=std)
+        layer_specs["wo"] = ParamSpec((L, N, H, D), ("layers", "heads", "head_dim", "embed"), std=out_std)
+    layer_specs["mlp_norm"] = norm((L, D), ("layers", "embed"))
+    if m.qk_norm:  # used on each rank's own heads: the gradient is a partial sum over heads (zero.plan)
+        layer_specs["q_norm"] = dataclasses.replace(norm((L, H), ("layers", "head_dim")), partial=("heads",))
+        layer_specs["k_norm"] = dataclasses.replace(norm((L, H), ("layers", "head_dim")), partial=("kv_heads",))
     if m.post_norms:  # each sublayer's output normed before the residual add (Gemma 2 / 3)
         layer_specs["attn_out_norm"] = norm((L, D), ("layers", "embed"))
         layer_specs["mlp_out_norm"] = norm((L, D), ("layers", "embed"))
@@ -158,14 +162,12 @@ def block(
     x = checkpoint_name(x, "layer_input")  # host-offloadable residual (config.offload.activations)
     linear = functools.partial(quant.linear, m=m)  # einsum, or the quantized kernels (config.model.quant)
     cm = layout.collective_matmul  # the TP matmuls beside their SP collectives (config.parallel.collective_matmul)
-    q, k, v = tensor.enter_matmul(
-        functools.partial(_qkv, linear),
-        layers.rms_norm(ladder.module_input(x), w["attn_norm"], m.norm_eps),
-        (w["wq"], w["wk"], w["wv"]),
-        heads,
-        sp,
-        cm,
-    )
+    normed = layers.rms_norm(ladder.module_input(x), w["attn_norm"], m.norm_eps)
+    if mla.enabled(m):  # multi-head latent attention: v's H_v padded to H for the attention paths
+        q, k, v = mla.qkv(linear, normed, w, m, heads, sp, cm)
+        v = mla.pad_values(v, m.head_dim)
+    else:
+        q, k, v = tensor.enter_matmul(functools.partial(_qkv, linear), normed, (w["wq"], w["wk"], w["wv"]), heads, sp, cm)
     if m.qkv_bias:  # this rank's heads of each bias, as of the projections (config.model.qkv_bias)
         q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
     if m.qk_norm:  # per head, over H (config.model.qk_norm)
@@ -188,7 +190,8 @@ def block(
         theta, scaling = m.rope_theta, layers.rope_scaling(m)
         if kind == "local" and m.rope_local_theta:  # Gemma 3's local layers: their own base, unscaled
             theta, scaling = m.rope_local_theta, layers.RopeScaling()
-        q, k = layers.rope(q, positions, theta, scaling), layers.rope(k, positions, theta, scaling)
+        rope = functools.partial(mla.rope, m=m) if mla.enabled(m) else layers.rope  # MLA: each head's tail
+        q, k = rope(q, positions, theta, scaling), rope(k, positions, theta, scaling)
         if m.query_pre_attn_scalar:  # softmax scale s^-0.5 where every attention path applies H^-0.5
             q = q * jnp.asarray((q.shape[-1] / m.query_pre_attn_scalar) ** 0.5, q.dtype)
         window = m.sliding_window if kind == "local" else None
@@ -199,6 +202,8 @@ def block(
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
             o, cache = cache.attend(q, k, v, positions, window=window, softcap=m.attn_logit_softcap or None)
     o = checkpoint_name(o, "attention_output")
+    if mla.enabled(m):
+        o = o[..., : mla.v_head_dim(m)]
     # Gemma 2 / 3 norm each sublayer's output before the residual add (config.model.post_norms)
     post = lambda y, name: layers.rms_norm(y, w[name], m.norm_eps) if m.post_norms else y
     y = tensor.leave_matmul(functools.partial(linear, "btnh,nhd->btd", name="wo"), o, w["wo"], heads, sp, cm)
