@@ -98,6 +98,16 @@ def base_config() -> ml_collections.ConfigDict:
     # scaling, before the mask and softmax (50 in Gemma 2), and of the output logits (30)
     c.model.attn_logit_softcap = 0.0
     c.model.final_logit_softcap = 0.0
+    # Multi-head latent attention (DeepSeek-V2 / V3; docs/mla.md): keys and values come from a
+    # latent of kv_lora_rank C per token (0: MLA off, the usual q/k/v projections), queries from one
+    # of q_lora_rank Q (0: projected from x directly, as DeepSeek-V2-Lite). Each q/k head of head_dim
+    # H has its last rope_head_dim R dims rotated, k's R shared by every head; values have v_head_dim
+    # H_v <= H (0: H). Needs n_kv_heads = n_heads (every head its own k and v from the latent).
+    c.model.mla = ml_collections.ConfigDict()
+    c.model.mla.kv_lora_rank = 0
+    c.model.mla.q_lora_rank = 0
+    c.model.mla.rope_head_dim = 64
+    c.model.mla.v_head_dim = 0
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -320,6 +330,7 @@ def base_config() -> ml_collections.ConfigDict:
             heads="tensor",
             kv_heads="tensor",
             head_dim="",
+            latent="fsdp",
             mlp="tensor",
             experts="expert",
         )
@@ -332,6 +343,7 @@ def base_config() -> ml_collections.ConfigDict:
             heads="tensor",
             kv_heads="tensor",
             head_dim="",
+            latent="",
             mlp="tensor",
             experts="expert",
             batch="data,fsdp,expert",
@@ -614,6 +626,48 @@ def _check_gemma_pieces(m) -> None:
     )
 
 
+def _check_mla(m) -> None:
+    """config.model.mla (multi-head latent attention, models/mla.py)."""
+    mla = m.mla
+    for key in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_dim"):
+        _require(
+            isinstance(mla[key], int) and not isinstance(mla[key], bool) and mla[key] >= 0,
+            f"config.model.mla.{key}={mla[key]!r} must be an integer >= 0",
+        )
+    if not mla.kv_lora_rank:
+        _require(
+            not mla.q_lora_rank,
+            f"config.model.mla.q_lora_rank={mla.q_lora_rank} compresses MLA's queries, but MLA is off "
+            "(config.model.mla.kv_lora_rank=0): set kv_lora_rank > 0 (512 in DeepSeek-V2 / V3) or q_lora_rank=0",
+        )
+        return
+    where = "with multi-head latent attention (config.model.mla.kv_lora_rank > 0)"
+    _require(
+        m.n_kv_heads == m.n_heads,
+        f"config.model.n_kv_heads={m.n_kv_heads} {where}: every head has its own key and value from the "
+        f"latent, so set n_kv_heads = n_heads = {m.n_heads}",
+    )
+    R = mla.rope_head_dim
+    _require(
+        R % 2 == 0 and 0 < R < m.head_dim,
+        f"config.model.mla.rope_head_dim={R} must be even and between 0 and head_dim={m.head_dim} "
+        "(the rotated tail of each q/k head; head_dim = nope + rope dims, 128 + 64 in DeepSeek-V3)",
+    )
+    _require(
+        mla.v_head_dim <= m.head_dim,
+        f"config.model.mla.v_head_dim={mla.v_head_dim} exceeds head_dim={m.head_dim}: values are padded "
+        "to the q/k head for the attention kernels, so H_v <= H (0: H)",
+    )
+    _require(
+        set(layer_pattern(m)) == {"softmax"},
+        f"config.model.layer_pattern={m.layer_pattern!r} {where}: MLA layers are full softmax attention; "
+        "use layer_pattern='softmax'",
+    )
+    for key in ("qk_norm", "qkv_bias"):
+        _require(not m[key], f"config.model.{key}=True {where}: MLA has no such piece; set it False")
+    _require(m.kind == "jaxsys", f"config.model.kind={m.kind!r} {where}: MLA is a jaxsys transformer's attention")
+
+
 def _check_rope(m) -> None:
     """config.model.rope_scaling and its numbers (models/layers.py RopeScaling)."""
     _require(
@@ -747,6 +801,7 @@ def validate(config, num_devices: int | None = None) -> None:
     _require(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim} must be even (rotary embeddings)")
     _check_rope(m)
     _check_gemma_pieces(m)
+    _check_mla(m)
     _require(m.remat in REMAT_POLICIES, f"config.model.remat={m.remat!r}: choose one of {REMAT_POLICIES}")
     _require(
         m.attention_impl in ATTENTION_IMPLS,
@@ -866,6 +921,7 @@ def validate(config, num_devices: int | None = None) -> None:
     for logical in ("vocab", "heads", "kv_heads", "mlp"):
         param_allowed[logical] = ("tensor",)
     param_allowed["head_dim"] = ()
+    param_allowed["latent"] = ("fsdp", "data")  # MLA's latent rows of the up-projections, ZeRO-3 like embed
     for table, allowed_extra in (("params", {}), ("compute", {"batch": ("data", "fsdp", "expert"), "seq": ("seq",)})):
         rules = config.sharding[table]
         for logical, rule in rules.items():
@@ -894,10 +950,11 @@ def validate(config, num_devices: int | None = None) -> None:
             f"config.mesh.{axis}={mesh[axis]} but {axis!r} is not in config.sharding.compute.batch "
             f"({config.sharding.compute.batch!r}): add it, or set config.mesh.{axis}=1",
         )
-    _require(
-        config.sharding.compute.embed == "",
-        "config.sharding.compute.embed must be empty: weights are gathered over fsdp before use",
-    )
+    for logical in ("embed", "latent"):
+        _require(
+            config.sharding.compute.get(logical, "") == "",
+            f"config.sharding.compute.{logical} must be empty: weights are gathered over fsdp before use",
+        )
     _require(
         config.sharding.compute.layers == config.sharding.params.layers,
         "config.sharding.compute.layers must equal config.sharding.params.layers (pipeline "
@@ -921,6 +978,9 @@ def validate(config, num_devices: int | None = None) -> None:
         ("head_dim", "head_dim", m.head_dim),
     ]
     dims += [("mlp", "d_ff", m.d_ff)] if "dense" in mlps else []
+    if m.mla.kv_lora_rank:  # the latent rows of MLA's up-projections split like embed
+        dims += [("latent", "mla.kv_lora_rank", m.mla.kv_lora_rank)]
+        dims += [("latent", "mla.q_lora_rank", m.mla.q_lora_rank)] if m.mla.q_lora_rank else []
     dims += [("mlp", "moe.d_ff", m.moe.d_ff), ("experts", "moe.experts", m.moe.experts)] if moe else []
     if m.kind == "flax":  # the module's own shapes are checked by models/flax_model.check_layout
         dims = []

@@ -30,6 +30,7 @@ from jaxsys.kernels.flash_attention import (
     flash_attention_backward,
     flash_attention_forward,
     reference_attention,
+    reference_attention_backward,
 )
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -89,6 +90,9 @@ CASES = {
     "causal_packed": (2, 48, 48, 2, 2, 16, True, "packed", jnp.float32, KERNEL),
     "segments_empty_rows": (1, 32, 40, 2, 1, 16, False, "empty_rows", jnp.float32, KERNEL),
     "causal_gqa_bf16": (2, 32, 32, 4, 2, 32, True, None, jnp.bfloat16, KERNEL),
+    # head dims the kernels do not take run zero-padded at the true H's scale (12 -> 16, 40 -> 48)
+    "causal_h12_padded": (2, 40, 40, 4, 2, 12, True, None, jnp.float32, KERNEL),
+    "packed_h40_padded": (2, 48, 48, 2, 1, 40, True, "packed", jnp.float32, KERNEL),
 }
 
 
@@ -130,6 +134,19 @@ def test_outputs_lse_and_grads_match_reference(name):
     _assert_close(lse, want[1], tol, "lse")
     for g, wg, what in zip(grads, want[2], ("dq", "dk", "dv")):
         _assert_close(g, wg, tol, what)
+
+
+def test_backward_at_a_padded_head_dim_matches_reference():
+    """flash_attention_backward (context parallelism's block backward) at H = 12, which runs
+    zero-padded to 16: dq, dk, dv equal the reference's, cut back to H."""
+    q, k, v = _qkv(1, 32, 32, 4, 2, 12, seed=5)
+    o, lse = reference_attention(q, k, v, causal=True, return_lse=True)
+    do = _normal(9, o.shape)
+    got = flash_attention_backward(q, k, v, o, lse, do, causal=True, **BLOCKS)
+    want = reference_attention_backward(q, k, v, o, lse, do, causal=True)
+    for g, w, x, what in zip(got, want, (q, k, v), ("dq", "dk", "dv")):
+        assert g.shape == w.shape == x.shape
+        _assert_close(g, w, 1e-5, what)
 
 
 class ForwardVariantsTest(chex.TestCase):
@@ -288,11 +305,11 @@ def test_inside_shard_map_heads_over_tensor():
     [
         (((1, 16, 4, 16), (1, 16, 3, 16)), {}, r"multiple of the number of kv heads K; got N=4, K=3"),
         (((1, 16, 2, 16), (1, 24, 2, 16)), {"causal": True}, r"needs T == S; got T=16, S=24"),
-        (((1, 16, 2, 24), (1, 16, 2, 24)), {}, r"head dim H=24 is not supported"),
+        (((1, 16, 2, 320), (1, 16, 2, 320)), {}, r"head dim H=320 is not supported"),
         (
-            ((1, 16, 2, 32), (1, 16, 2, 32)),
+            ((1, 16, 2, 320), (1, 16, 2, 320)),
             {"interpret": False},
-            r"head dim H=32 is not supported; supported head dims: \(64, 128, 256\)",
+            r"head dim H=320 is not supported; supported head dims: \(64, 128, 256\)",
         ),
         (((1, 16, 2, 16), (2, 16, 2, 16)), {}, r"batch sizes differ"),
         (((1, 16, 2, 16), (1, 16, 2, 16)), {"block_q": 24}, r"block_q must be a power of two >= 16"),

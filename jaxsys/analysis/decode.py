@@ -38,6 +38,7 @@ import numpy as np
 from jaxsys.analysis import cost_model
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis.hardware import Hardware
+from jaxsys.cache.base import head_dim as cache_head_dim
 from jaxsys.models import transformer
 from jaxsys.models.params import is_spec
 from jaxsys.sharding import Layout
@@ -65,7 +66,9 @@ def kv_transfer_bytes(model, tokens: int, page_size: int = 1) -> int:
     `page_size` slots, in the compute dtype (the sum over devices: each decode device receives its
     kv heads' share once). page_size=1: no page rounding."""
     padded = math.ceil(tokens / page_size) * page_size
-    return 2 * model.n_layers * padded * model.n_kv_heads * model.head_dim * np.dtype(model.compute_dtype).itemsize
+    return (
+        2 * model.n_layers * padded * model.n_kv_heads * cache_head_dim(model) * np.dtype(model.compute_dtype).itemsize
+    )
 
 
 _WEIGHTS: dict = {}
@@ -112,7 +115,7 @@ class DecodeStep:
             m,
             t,
             weight_bytes_per_device(config) if weights is None else weights,
-            2 * m.n_layers * m.n_kv_heads * m.head_dim * b // t,
+            2 * m.n_layers * m.n_kv_heads * cache_head_dim(m) * b // t,
             cost_model.axis_bandwidth(layout.mesh_sizes, hw).get("tensor", hw.intra_node_bytes_per_s),
             flops_lib.matmul_params(m) / t,
             hw.peak(m.compute_dtype),

@@ -7,7 +7,7 @@ def matmul_params(m) -> int:
     """Parameters that take part in a matmul per token: every weight matrix except the embedding
     lookup (the tied embedding counts once, as the output projection); of a MoE layer only the
     router and the k experts (and shared experts) a token uses, its active parameters."""
-    from jaxsys.models import moe, transformer
+    from jaxsys.models import mla, moe, transformer
 
     if m.kind == "flax":  # a Flax module (docs/flax.md): every parameter, as C = 6N counts them
         from jaxsys.models import flax_model, params
@@ -15,7 +15,7 @@ def matmul_params(m) -> int:
         return params.count(flax_model.describe(m).specs)
     D, N, K, H, F, V, L = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size, m.n_layers
     counts = transformer.layer_counts(m)
-    attention = D * N * H * 2 + D * K * H * 2
+    attention = mla.matmul_params(m) if mla.enabled(m) else D * N * H * 2 + D * K * H * 2
     mlps = counts["dense"] * 3 * D * F + (counts["moe"] * moe.active_matmul_params(m) if counts["moe"] else 0)
     return L * attention + mlps + D * V
 
@@ -32,16 +32,18 @@ def forward_flops_per_token(m, seq_len: int) -> float:
     return 2.0 * matmul_params(m) + 4.0 * _attention_span(m, seq_len)
 
 
-def _attention_span(m, seq_len: int) -> int:
+def _attention_span(m, seq_len: int) -> float:
     """Sum over layers of N H times the keys a query's span covers (T; min(T, W) for the "local"
     layers): what attention's score and value FLOPs scale with per token. 0 for a Flax module (its
     attention is its own: only 6N is counted)."""
     if m.kind == "flax":
         return 0
-    from jaxsys.models import attention
+    from jaxsys.models import attention, mla
 
     spans = [min(seq_len, m.sliding_window) if kind == "local" else seq_len for kind in attention.layer_types(m)]
-    return m.n_heads * m.head_dim * sum(spans)
+    # QK^T over H dims and AV over H_v (MLA's values are narrower; their zero padding is not useful work)
+    width = (m.head_dim + mla.v_head_dim(m)) / 2 if mla.enabled(m) else m.head_dim
+    return m.n_heads * width * sum(spans)
 
 
 def adapter_params(config) -> int:

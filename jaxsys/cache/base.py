@@ -9,7 +9,8 @@ layers') arrays back, and the model's attention calls one method on one layer's 
     o, cache = cache.attend(q, k, v, positions)
 
 which writes this step's keys and values k, v [B, T, K, H] at `positions` [B, T] and attends to
-the cache with q [B, T, N, H], returning o [B, T, N, H] and the cache with the writes. Shapes are
+the cache with q [B, T, N, H], returning o [B, T, N, H] and the cache with the writes. H here is
+`head_dim(m)` (the model's, padded to a power of two). Shapes are
 per device (this device's sequences or rows, and its K / tensor kv heads). A sliding-window layer
 passes `window=W`: each query then sees only its last W positions. A model with attention logit
 soft-capping (Gemma 2) passes `softcap=c`: the scaled scores s become c * tanh(s / c) before the
@@ -26,6 +27,14 @@ from typing import ClassVar
 POOL = ("layers", "batch", None, "kv_heads", None)  # [L, B or pages, S or page slots, K, H]
 ROWS = ("batch", None)  # [rows, ...]
 ROW = ("batch",)  # [rows]
+
+
+def head_dim(m) -> int:
+    """H_c, the head dim the caches hold: the model's head_dim rounded up to a power of two (the
+    paged kernels' Triton tiles need one; 12 -> 16, 96 -> 128, MLA's 192 -> 256). The model pads
+    q, k and v to it before `attend`, q scaled by (H_c / H)^0.5 so that every score is unchanged,
+    and cuts the output back (transformer.block)."""
+    return 1 << (m.head_dim - 1).bit_length()
 
 
 def static(default=None):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsys.cache.base import POOL, KVCache
+from jaxsys.cache.base import POOL, KVCache, head_dim
 from jaxsys.models import layers
 
 
@@ -45,7 +45,7 @@ class ContiguousCache(KVCache):
         """An empty cache of `batch` sequences of `max_len` slots on `program`'s mesh (batch must
         split over the batch shards)."""
         m, layout = program.config.model, program.layout
-        shape = (m.n_layers, batch, max_len, m.n_kv_heads, m.head_dim)
+        shape = (m.n_layers, batch, max_len, m.n_kv_heads, head_dim(m))
         sharding = NamedSharding(program.mesh, layout.compute_spec(POOL))
         make = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
         return cls(make(), make(), None, quant)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxsys import execution
+from jaxsys.cache import base as cache_base
 from jaxsys.config import ConfigError, block_pattern
 from jaxsys.models import attention, ladder, layers, mla, moe, quant
 from jaxsys.models.params import ParamSpec
@@ -167,7 +168,9 @@ def block(
         q, k, v = mla.qkv(linear, normed, w, m, heads, sp, cm)
         v = mla.pad_values(v, m.head_dim)
     else:
-        q, k, v = tensor.enter_matmul(functools.partial(_qkv, linear), normed, (w["wq"], w["wk"], w["wv"]), heads, sp, cm)
+        q, k, v = tensor.enter_matmul(
+            functools.partial(_qkv, linear), normed, (w["wq"], w["wk"], w["wv"]), heads, sp, cm
+        )
     if m.qkv_bias:  # this rank's heads of each bias, as of the projections (config.model.qkv_bias)
         q, k, v = q + w["bq"].astype(q.dtype), k + w["bk"].astype(k.dtype), v + w["bv"].astype(v.dtype)
     if m.qk_norm:  # per head, over H (config.model.qk_norm)
@@ -200,7 +203,7 @@ def block(
         else:
             if segments is not None:
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
-            o, cache = cache.attend(q, k, v, positions, window=window, softcap=m.attn_logit_softcap or None)
+            o, cache = _cached_attention(cache, q, k, v, positions, window, m)
     o = checkpoint_name(o, "attention_output")
     if mla.enabled(m):
         o = o[..., : mla.v_head_dim(m)]
@@ -218,6 +221,20 @@ def block(
     hidden = layers.swiglu_hidden(gate, up, m.mlp_activation)
     y = tensor.leave_matmul(lambda a, wd: layers.swiglu_down(a, wd, linear), hidden, w["w_down"], mlp, sp, cm)
     return ladder.add_output(x, post(y, "mlp_out_norm")), previous, None, cache
+
+
+def _cached_attention(cache, q, k, v, positions, window, m):
+    """cache.attend at the caches' head dim (cache.base.head_dim: a power of two): q, k, v
+    zero-padded to it, q times (H_c / H)^0.5 so that the scale H_c^-0.5 the cache's attention
+    applies gives every score its H^-0.5; the output cut back to H."""
+    h, hc = q.shape[-1], cache_base.head_dim(m)
+    softcap = m.attn_logit_softcap or None
+    if hc == h:
+        return cache.attend(q, k, v, positions, window=window, softcap=softcap)
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, hc - h)])
+    q = pad(q * jnp.asarray((hc / h) ** 0.5, q.dtype))
+    o, cache = cache.attend(q, pad(k), pad(v), positions, window=window, softcap=softcap)
+    return o[..., :h], cache
 
 
 # The model in four pieces, so that a pipeline can run them on different stages:

@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 
 from jaxsys.cache import ContiguousCache, PagedCache, QuantizedPagedCache, kivi
 from jaxsys.cache.base import POOL, ROW, ROWS
+from jaxsys.cache.base import head_dim as cache_head_dim
 from jaxsys.config import CACHE_KINDS, KV_QUANT
 from jaxsys.kernels.paged_attention.quant import MODES as KV_QUANT_MODES
 from jaxsys.parallel.spmd import per_shard
@@ -325,7 +326,7 @@ class Engine(EngineAPI):
         zeros = lambda shape, dtype=None: jax.jit(
             lambda: jnp.zeros((m.n_layers, *shape), dtype or jnp.dtype(m.compute_dtype)), out_shardings=sharding
         )()
-        pool = (self.shards * (num_pages + 1), page_size, m.n_kv_heads, m.head_dim)
+        pool = (self.shards * (num_pages + 1), page_size, m.n_kv_heads, cache_head_dim(m))
         if self.kind == "contiguous":
             return ContiguousCache(zeros(pool), zeros(pool))
         if self.kv_quant == "none":
@@ -342,7 +343,12 @@ class Engine(EngineAPI):
         self.residual = [kivi.ResidualPages(n_fp, page_size, self.kv_residual) for _ in range(self.shards)]
         self.fp_scratch = n_fp  # a shard's local id of its full-precision scratch page
         shapes = kivi.layer_shapes(
-            self.kv_quant, self.shards * (num_pages + 1), self.shards * (n_fp + 1), page_size, m.n_kv_heads, m.head_dim
+            self.kv_quant,
+            self.shards * (num_pages + 1),
+            self.shards * (n_fp + 1),
+            page_size,
+            m.n_kv_heads,
+            cache_head_dim(m),
         )
         pools = {name: zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
         return QuantizedPagedCache(**pools, mode=self.kv_quant, residual=self.kv_residual)

@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 
 from jaxsys.cache import ContiguousCache, PagedCache, WindowView, kivi, window
 from jaxsys.cache.base import POOL, ROW, ROWS
+from jaxsys.cache.base import head_dim as cache_head_dim
 from jaxsys.serve import sampling as sampling_lib
 from jaxsys.serve.runner import ModelRunner
 
@@ -263,7 +264,7 @@ class DraftModel(Drafter):
             )
         # its own full-precision cache, addressed by the target's page ids
         m, pool = self.program.config.model, engine.pools[0]
-        shape = (m.n_layers, engine.shards * (pool.num_pages + 1), pool.page_size, m.n_kv_heads, m.head_dim)
+        shape = (m.n_layers, engine.shards * (pool.num_pages + 1), pool.page_size, m.n_kv_heads, cache_head_dim(m))
         sharding = NamedSharding(self.program.mesh, layout.compute_spec(POOL))
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
         kind = ContiguousCache if engine.kind == "contiguous" else PagedCache

@@ -710,6 +710,22 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public API.
 
 
+def _kernel_head_dim(h: int, interpret) -> int:
+    """The head dim the kernels run an H-dim call at: H itself where they take it, else the next
+    one they take (H = 192 of DeepSeek's MLA heads -> 256, 96 of Phi-3 -> 128), with q, k, v
+    zero-padded, which leaves every score and the output's first H dims unchanged once the softmax
+    scale is H's (`_padded_call`). H beyond the largest is left to check_inputs to refuse."""
+    compiled_here = jax.default_backend() != "cpu" if interpret is None else not interpret
+    dims = KERNEL_HEAD_DIMS if compiled_here else INTERPRET_HEAD_DIMS
+    return h if h in dims else min((d for d in dims if d > h), default=h)
+
+
+def _pad_head(x, target: int):
+    return (
+        x if x is None or x.shape[-1] == target else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, target - x.shape[-1])])
+    )
+
+
 def flash_attention(
     q,
     k,
@@ -746,7 +762,28 @@ def flash_attention(
     work is O(T * window), and the Mosaic GPU kernels give way to the generic one. softcap: Gemma 2's
     attention logit soft-capping, None or 0 (off) or c > 0: the scaled scores s become
     c * tanh(s / c) before the masks and the softmax (reference.softcapped); the Mosaic GPU kernels
-    give way to the generic one here too, and backend="mosaic_gpu" with a softcap is a ValueError."""
+    give way to the generic one here too, and backend="mosaic_gpu" with a softcap is a ValueError.
+    A head dim the kernels do not take (e.g. 192, 96) runs zero-padded to the next one they do
+    (`_kernel_head_dim`), at the scale of the true H."""
+    h = q.shape[-1]
+    if (target := _kernel_head_dim(h, interpret)) != h:
+        out = flash_attention(
+            *(_pad_head(x, target) for x in (q, k, v)),
+            causal=causal,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            softmax_scale=h**-0.5 if softmax_scale is None else softmax_scale,
+            return_lse=return_lse,
+            block_q=block_q,
+            block_k=block_k,
+            interpret=interpret,
+            block_q_bwd=block_q_bwd,
+            block_k_bwd=block_k_bwd,
+            backend=backend,
+            window=window,
+            softcap=softcap,
+        )
+        return (out[0][..., :h], out[1]) if return_lse else out[..., :h]
     plan, q_seg, kv_seg = _prepare(
         q,
         k,
@@ -834,7 +871,27 @@ def flash_attention_backward(
     results are that block's contributions to dq, dk, dv: summing them over the blocks gives the
     gradients of the whole. Returned in the dtypes of q, k, v. block_q, block_k are the tiles of
     the backward kernels here; backend, interpret, window and softcap as in flash_attention (the
-    soft-cap's derivative is per score, so the block sums stay exact with it)."""
+    soft-cap's derivative is per score, so the block sums stay exact with it). A head dim the
+    kernels do not take runs zero-padded, as in flash_attention."""
+    h = q.shape[-1]
+    if (target := _kernel_head_dim(h, interpret)) != h:
+        grads = flash_attention_backward(
+            *(_pad_head(x, target) for x in (q, k, v, o)),
+            lse,
+            _pad_head(do, target),
+            dlse,
+            causal=causal,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            softmax_scale=h**-0.5 if softmax_scale is None else softmax_scale,
+            block_q=block_q,
+            block_k=block_k,
+            interpret=interpret,
+            backend=backend,
+            window=window,
+            softcap=softcap,
+        )
+        return tuple(g[..., :h] for g in grads)
     plan, q_seg, kv_seg = _prepare(
         q,
         k,

@@ -1,0 +1,183 @@
+"""Multi-head latent attention (config.model.mla, models/mla.py) through the training step: an
+independent NumPy forward of one MLA layer, sharded / pipelined / context-parallel runs equal to one
+device's, the FLOP count, greedy decoding through the paged engine, and bad settings refused by
+name. Conversion and decoding against transformers' DeepSeek-V2 / V3 are in tests/test_convert.py
+and tests/test_generate.py (goldens `deepseek_v2`, `deepseek_v3`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsys.config import ConfigError, validate
+from tests.helpers import assert_trees_close_leafwise, generate_contiguous, loss_and_grads, program_for, small_config
+
+RTOL = 1e-5  # fp32; sharded runs sum in other orders (tests/test_gemma2.py's tolerances)
+
+# the test model's MLA: N = 8 heads of H = 12 (8 nope + 4 rope), values of 8, latents C = 16, Q = 8
+MLA = dict(kv_lora_rank=16, q_lora_rank=8, rope_head_dim=4, v_head_dim=8)
+
+
+def mla_config(mesh=None, mla=None, **model):
+    c = small_config(mesh, n_kv_heads=8, head_dim=12, **model)
+    for key, value in (MLA if mla is None else mla).items():
+        c.model.mla[key] = value
+    return c
+
+
+def _close(got, want):
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    np.testing.assert_allclose(got_loss, want_loss, rtol=RTOL)
+    assert_trees_close_leafwise(got_grads, want_grads, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return loss_and_grads(mla_config())
+
+
+def _numpy_mla_layer(x, w, m, positions):
+    """One MLA attention sublayer (its output before the residual add) in NumPy, from the formulas
+    of DeepSeek-V2's section 2.1 with the RoPE of layers.rope written out: the independent statement."""
+    eps, R, Hv, H = m.norm_eps, m.mla.rope_head_dim, m.mla.v_head_dim, m.head_dim
+    norm = lambda a, g: a / np.sqrt(np.mean(a * a, -1, keepdims=True) + eps) * g
+
+    def rotate(a):  # the two halves of the last R dims, frequencies theta^(-2i/R)
+        half = R // 2
+        freqs = m.rope_theta ** (-np.arange(half) * 2.0 / R)
+        ang = positions[:, None] * freqs[None]  # [T, R/2]
+        cos, sin = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+        x1, x2 = a[..., -R:-half], a[..., -half:]
+        return np.concatenate([a[..., :-R], x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    h = norm(x, w["attn_norm"])
+    q = np.einsum("btq,qnh->btnh", norm(h @ w["wq_a"], w["q_a_norm"]), w["wq_b"])
+    c = norm(h @ w["wkv_a"], w["kv_a_norm"])
+    k_rope = (h @ w["wk_rope"])[:, :, None, :].repeat(m.n_heads, 2)
+    k = np.concatenate([np.einsum("btc,cnh->btnh", c, w["wk_b"]), k_rope], -1)
+    v = np.einsum("btc,cnh->btnh", c, w["wv_b"])
+    q, k = rotate(q), rotate(k)
+    T = x.shape[1]
+    s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    o = np.einsum("bnts,bsnh->btnh", p, v)
+    assert o.shape[-1] == Hv
+    return np.einsum("btnh,nhd->btd", o, w["wo"])
+
+
+def test_one_layer_matches_numpy():
+    """transformer.block's attention half (MLP output zeroed) equals the NumPy statement of MLA."""
+    from jaxsys.models import transformer
+    from jaxsys.sharding import Layout
+
+    c = mla_config(init_std=0.3)
+    m = c.model
+    p = program_for(c).init(0).params
+    w = jax.tree.map(lambda a: np.asarray(a[0], np.float64), p["layers"])
+    w["w_down"] = np.zeros_like(w["w_down"])  # the block's MLP adds nothing
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, 10, m.d_model)), np.float64)
+    positions = np.arange(10)
+    got, *_ = transformer.block(
+        jnp.asarray(x, jnp.float32),
+        jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), w),
+        jnp.asarray(positions),
+        m,
+        Layout.from_config(c),
+    )
+    want = x + _numpy_mla_layer(x, w, m, positions.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_sharded_with_the_pallas_kernel_matches_one_device(one_device):
+    """data 2 x fsdp 2 x tensor 2 with sequence parallelism: the down-projections replicated over
+    tensor and their latent all-gathered, the up-projections' latent rows split over fsdp, values
+    padded for the flash kernel."""
+    sharded = mla_config({"data": 2, "fsdp": 2, "tensor": 2}, attention_impl="pallas")
+    sharded.parallel.sequence_parallel = True
+    sharded.parallel.vocab_parallel = True
+    _close(loss_and_grads(sharded), one_device)
+
+
+def test_pipeline_and_context_parallelism_match_one_device():
+    """pipe 2 x data 2 (two micro-batches) and ring context parallelism seq 2 x tensor 2 x data 2,
+    each against its one-device run; q projected from x directly (q_lora_rank 0, DeepSeek-V2-Lite)."""
+    lite = dict(MLA, q_lora_rank=0)
+    piped = mla_config({"pipe": 2, "data": 2}, mla=lite, n_layers=4)
+    piped.train.microbatches = 2
+    _close(loss_and_grads(piped), loss_and_grads(mla_config(mla=lite, n_layers=4)))
+    cp = mla_config({"seq": 2, "tensor": 2, "data": 2}, mla=lite, context_parallel="ring")
+    _close(loss_and_grads(cp), loss_and_grads(mla_config(mla=lite)))
+
+
+def test_flops_count_the_latent_projections():
+    """flops.matmul_params counts every MLA matrix a token multiplies with: the parameters of the
+    attention leaves (norms excluded), layer by layer."""
+    from jaxsys.analysis import flops
+    from jaxsys.models import mla, params, transformer
+
+    for q_rank in (0, 8):
+        m = mla_config(mla=dict(MLA, q_lora_rank=q_rank)).model
+        layer = transformer.param_specs(m)["layers"]
+        attention = sum(params.count(layer[name]) for name in mla.param_specs(m, 1.0, 1.0) if "norm" not in name)
+        assert mla.matmul_params(m) * m.n_layers == attention
+        dense = dict(m.to_dict(), mla=dict(m.mla.to_dict(), kv_lora_rank=0, q_lora_rank=0))
+        assert (
+            flops.matmul_params(m) - mla.matmul_params(m) * m.n_layers
+            == flops.matmul_params(type(m)(dense)) - 2 * m.d_model * m.n_heads * m.head_dim * 2 * m.n_layers
+        )
+
+
+@pytest.mark.parametrize("mesh", [None, {"tensor": 2, "data": 2}])
+def test_greedy_decoding_through_the_caches_matches_the_forward(mesh):
+    """The serving engine's paged cache (and the contiguous one) hold the expanded keys and padded
+    values: greedy tokens equal argmax of the training forward re-run on the growing sequence."""
+    from jaxsys.models import transformer
+    from jaxsys.serve import engine
+    from jaxsys.serve.sampling import Sampling
+
+    config = mla_config(mesh, init_std=0.2)
+    program = program_for(config)
+    params = program.init(3).params
+    prompts, n = [[10, 20, 30, 40, 50], [7, 8, 9]], 8
+    paged = engine.Engine(program, params, num_pages=16, page_size=4, token_budget=64, chunk_size=32, max_seqs=2)
+    got_paged = engine.generate(paged, prompts, n, Sampling())
+    got_contiguous = generate_contiguous(program, params, prompts, n, max_len=32)
+    one = program_for(mla_config(init_std=0.2))
+    host = jax.device_put(jax.tree.map(np.asarray, params), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    fn = jax.jit(lambda p, ids: transformer.logits(p, ids, one.config.model, one.layout, one.specs))
+    for prompt, paged_tokens, contiguous_tokens in zip(prompts, got_paged, got_contiguous):
+        seq = list(prompt)
+        for _ in range(n):
+            seq.append(int(jnp.argmax(fn(host, jnp.asarray([seq], jnp.int32))[0, -1])))
+        assert paged_tokens == contiguous_tokens == seq[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "mla,model,match",
+    [
+        (dict(MLA), dict(n_kv_heads=4), "n_kv_heads=4 with multi-head latent attention"),
+        (dict(MLA, rope_head_dim=12), {}, "rope_head_dim=12 must be even and between 0 and head_dim=12"),
+        (dict(MLA, v_head_dim=16), {}, "v_head_dim=16 exceeds head_dim=12"),
+        (dict(MLA, kv_lora_rank=0), {}, "q_lora_rank=8 compresses MLA's queries, but MLA is off"),
+        (dict(MLA), dict(qk_norm=True), "qk_norm=True with multi-head latent attention"),
+        (dict(MLA), dict(layer_pattern="linear,softmax"), "MLA layers are full softmax attention"),
+        (dict(MLA, kv_lora_rank=-1), {}, "kv_lora_rank=-1 must be an integer >= 0"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(mla, model, match):
+    kw = dict(dict(n_kv_heads=8, head_dim=12), **model)
+    c = small_config(**kw)
+    for key, value in mla.items():
+        c.model.mla[key] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c)
+
+
+def test_latent_rows_must_divide_the_fsdp_shards():
+    c = mla_config({"fsdp": 8}, mla=dict(MLA, kv_lora_rank=12))
+    with pytest.raises(ConfigError, match="mla.kv_lora_rank=12 is not divisible by the 8 shards"):
+        validate(c)
