@@ -29,6 +29,7 @@ LAYER_TYPES = ("softmax", "local", "linear")  # local: softmax over a sliding wi
 MLP_TYPES = ("dense", "moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # config.model.mlp_activation: the gated MLP's (SwiGLU, GeGLU)
 MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_GROUP_SCORES = ("max", "top2")  # config.model.moe.group_score: DeepSeek-V2's, DeepSeek-V3's
 EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
 OPTIMIZERS = ("adamw", "galore", "muon", "zo", "sgd")
@@ -162,6 +163,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.moe.capacity_factor = 0.0  # 0: dropless (ragged_dot); > 0: C = ceil(cf k T / E) per sequence
     c.model.moe.aux_loss_weight = 0.01  # load-balancing loss E sum_e f_e P_e (Switch)
     c.model.moe.z_loss_weight = 0.001  # router z-loss mean(logsumexp(logits)^2) (ST-MoE)
+    # DeepSeek's routing (docs/moe.md): the k gates times routed_scale (routed_scaling_factor);
+    # group-limited choice with groups > 1: the E experts in equal groups, each token choosing
+    # among the experts of its group_top_k best groups, a group scored by its best expert
+    # (group_score='max', DeepSeek-V2) or its best two summed ('top2', DeepSeek-V3); score_bias: a
+    # per-expert bias added to the scores for the choice only, not the gates (DeepSeek-V3's
+    # auxiliary-loss-free balancing), moved by bias_update_rate u after each step: b_e += u
+    # sign(mean load - load_e) (0: fixed, as a converted checkpoint's)
+    c.model.moe.routed_scale = 1.0
+    c.model.moe.groups = 1
+    c.model.moe.group_top_k = 1
+    c.model.moe.group_score = "max"
+    c.model.moe.score_bias = False
+    c.model.moe.bias_update_rate = 0.0
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "stdlib"
@@ -1601,8 +1615,52 @@ def _validate_moe(config) -> None:
         "config.model.moe.renormalize with a softmax router and top_k=1 makes every gate 1, so "
         "the router gets no gradient from the loss: set renormalize=false (as Switch does)",
     )
-    for key in ("capacity_factor", "aux_loss_weight", "z_loss_weight"):
+    for key in ("capacity_factor", "aux_loss_weight", "z_loss_weight", "bias_update_rate"):
         _require(float(moe[key]) >= 0, f"config.model.moe.{key} must be >= 0, got {moe[key]!r}")
+    _check_group_routing(moe)
+    _require(
+        not moe.bias_update_rate or (config.mesh.pipe == 1 and config.train.optimizer not in ("zo",)),
+        f"config.model.moe.bias_update_rate={moe.bias_update_rate} (auxiliary-loss-free balancing) updates "
+        "every MoE layer's bias from the step's loads on each device; it is not implemented with a pipeline "
+        "(config.mesh.pipe > 1) or zeroth-order training: set the rate to 0 or use pipe=1 and a gradient optimizer",
+    )
+
+
+def _check_group_routing(moe) -> None:
+    """config.model.moe.routed_scale / groups / group_top_k / group_score / score_bias."""
+    _require(float(moe.routed_scale) > 0, f"config.model.moe.routed_scale={moe.routed_scale!r} must be > 0")
+    for key in ("groups", "group_top_k"):
+        _require(
+            isinstance(moe[key], int) and not isinstance(moe[key], bool) and moe[key] >= 1,
+            f"config.model.moe.{key}={moe[key]!r} must be a positive integer (1: no group limit)",
+        )
+    _require(
+        moe.group_score in MOE_GROUP_SCORES,
+        f"config.model.moe.group_score={moe.group_score!r}: choose one of {MOE_GROUP_SCORES}",
+    )
+    _require(
+        not moe.bias_update_rate or moe.score_bias,
+        f"config.model.moe.bias_update_rate={moe.bias_update_rate} moves the choice bias, but "
+        "config.model.moe.score_bias=False: set score_bias=True or the rate to 0",
+    )
+    if moe.groups == 1:
+        return
+    _require(
+        moe.experts % moe.groups == 0,
+        f"config.model.moe.groups={moe.groups} does not divide config.model.moe.experts={moe.experts} "
+        "into equal groups: pick a divisor (8 of 256 in DeepSeek-V3)",
+    )
+    per_group = moe.experts // moe.groups
+    _require(
+        moe.group_top_k <= moe.groups and moe.top_k <= moe.group_top_k * per_group,
+        f"config.model.moe.group_top_k={moe.group_top_k} of {moe.groups} groups of {per_group} experts "
+        f"leaves fewer than top_k={moe.top_k} experts to choose from: raise group_top_k or lower top_k",
+    )
+    _require(
+        moe.group_score != "top2" or per_group >= 2,
+        f"config.model.moe.group_score='top2' sums each group's best two experts, but a group has "
+        f"{per_group}: use group_score='max' or fewer groups",
+    )
 
 
 def _validate_pipeline(config) -> None:

@@ -459,6 +459,11 @@ class Program(Placement):
             updates, opt_state = self.optimizer.update(grads, state.opt_state, param_slices)
             trained = jax.tree.map(zero.gather_slices, optax.apply_updates(param_slices, updates), self.plans)
             params = self.with_trainable(state.params, trained)  # the frozen part passes through
+        rate = self.config.model.moe.bias_update_rate
+        if rate and "moe_load" in metrics:  # auxiliary-loss-free balancing: no gradient moves the bias
+            moe_params = dict(params["layers"]["moe"])
+            moe_params["router_bias"] = moe_lib.update_bias(moe_params["router_bias"], metrics["moe_load"], rate)
+            params = {**params, "layers": {**params["layers"], "moe": moe_params}}
         metrics.update(grad_norm=grad_norm, lr=schedule(self.config.train)(state.step))
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -37,6 +37,8 @@ def layer(config, seed=0):
     w = init_params(specs, jax.random.key(seed), jnp.float32)
     w = jax.tree.map(lambda a: a[0], w)
     w["router"] = jax.random.normal(jax.random.key(seed + 1), (D, E))
+    if "router_bias" in w:  # a bias that changes the choice (the scores are in (0, 1))
+        w["router_bias"] = 0.3 * jax.random.normal(jax.random.key(seed + 3), (E,))
     h = jax.random.normal(jax.random.key(seed + 2), (B, T, D))
     return w, h
 
@@ -59,11 +61,20 @@ def reference_routing(w, h, m):
         scores /= scores.sum(-1, keepdims=True)
     else:
         scores = 1 / (1 + np.exp(-logits))
-    experts = np.argsort(-scores, axis=-1, kind="stable")[..., : m.top_k]
+    choice = scores + np.asarray(w["router_bias"], np.float64) if "router_bias" in w else scores
+    if m.groups > 1:  # DeepSeek's group-limited choice, group by group
+        grouped = choice.reshape(*choice.shape[:-1], m.groups, -1)
+        best_two = np.sort(grouped, -1)[..., -2:].sum(-1)
+        group_scores = grouped.max(-1) if m.group_score == "max" else best_two
+        best = np.argsort(-group_scores, -1, kind="stable")[..., : m.group_top_k]
+        kept = np.zeros(group_scores.shape, bool)
+        np.put_along_axis(kept, best, True, -1)
+        choice = np.where(np.repeat(kept, m.experts // m.groups, -1), choice, -np.inf)
+    experts = np.argsort(-choice, axis=-1, kind="stable")[..., : m.top_k]
     gates = np.take_along_axis(scores, experts, -1)
     if m.renormalize:
         gates = gates / gates.sum(-1, keepdims=True)
-    return logits, scores, experts, gates
+    return logits, scores, experts, gates * m.routed_scale
 
 
 def reference_queue(experts, n_experts, slots):
@@ -110,6 +121,17 @@ ROUTERS = [
     dict(router="softmax", renormalize=False),
     dict(router="sigmoid", renormalize=True, shared_experts=1),
     dict(router="softmax", renormalize=False, shared_experts=2, shared_expert_gate=True),  # Qwen2-MoE
+    # DeepSeek-V2's group-limited greedy and DeepSeek-V3's biased sigmoid choice over the best groups
+    dict(router="softmax", renormalize=False, shared_experts=2, groups=4, group_top_k=1, routed_scale=16.0),
+    dict(
+        router="sigmoid",
+        shared_experts=1,
+        groups=4,
+        group_top_k=2,
+        group_score="top2",
+        score_bias=True,
+        routed_scale=2.5,
+    ),
 ]
 
 
@@ -125,10 +147,29 @@ def test_dropless_equals_the_per_token_definition(router):
     assert int(stats["dropped"]) == 0
 
 
+@pytest.mark.parametrize("router", ROUTERS[4:], ids=["deepseek-v2", "deepseek-v3"])
+def test_group_limits_and_bias_change_the_choice(router):
+    """The group limit (and V3's bias) pick other experts than plain top-k for some tokens, so the
+    definition test above checks them; the gates are the unbiased scores times routed_scale."""
+    config = moe_config(**router)
+    m = config.model.moe
+    w, h = layer(config)
+    plain = moe_config(**{k: v for k, v in router.items() if k not in ("groups", "group_top_k", "score_bias")})
+    _, scores, experts, gates = reference_routing(w, h, m)
+    _, _, plain_experts, _ = reference_routing({"router": w["router"]}, h, plain.model.moe)
+    assert 0 < np.mean(np.any(experts != plain_experts, -1)) < 1
+    r = moe.route(h, w["router"], m, w.get("router_bias"))
+    np.testing.assert_array_equal(np.asarray(r.experts), experts)
+    np.testing.assert_allclose(np.asarray(r.gates), gates, rtol=1e-5)
+    picked = np.take_along_axis(scores, experts, -1)
+    want = picked / picked.sum(-1, keepdims=True) if m.renormalize else picked
+    np.testing.assert_allclose(np.asarray(r.gates), want * m.routed_scale, rtol=1e-5)
+
+
 def dense_reference(w, h, m, kept=None):
     """The same layer as plain jnp: every expert on every token, combined by one-hot gate weights
     (no sorting, grouped matmul or slot buffers), for gradients."""
-    r = moe.route(h, w["router"], m)
+    r = moe.route(h, w["router"], m, w.get("router_bias"))
     weights = jax.nn.one_hot(r.experts, m.experts) * r.gates[..., None]  # [B, T, k, E]
     if kept is not None:
         weights = weights * jnp.asarray(kept, jnp.float32)[..., None]
@@ -142,7 +183,9 @@ def dense_reference(w, h, m, kept=None):
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 0.5])
-@pytest.mark.parametrize("router", ROUTERS[::2] + ROUTERS[3:], ids=["softmax", "sigmoid-shared", "gated-shared"])
+@pytest.mark.parametrize(
+    "router", [ROUTERS[i] for i in (0, 2, 3, 5)], ids=["softmax", "sigmoid-shared", "gated-shared", "deepseek-v3"]
+)
 def test_gradients_equal_the_dense_reference(router, capacity_factor):
     config = moe_config(capacity_factor=capacity_factor, **router)
     m = config.model.moe
@@ -233,6 +276,16 @@ def test_admission_queues_first_choices_first():
         (dict(top_k=1), r"renormalize with a softmax router and top_k=1"),
         (dict(mesh=dict(tensor=2), d_ff=13), r"config.model.moe.d_ff=13 is not divisible by the 2 shards"),
         (dict(capacity_factor=-1.0), r"config.model.moe.capacity_factor must be >= 0"),
+        (dict(groups=3), r"groups=3 does not divide config.model.moe.experts=8"),
+        (dict(groups=4, group_top_k=1, top_k=3), r"group_top_k=1 of 4 groups of 2 experts leaves fewer than top_k=3"),
+        (
+            dict(groups=8, group_top_k=2, group_score="top2"),
+            r"group_score='top2' sums each group's best two experts, but a group has 1",
+        ),
+        (dict(group_score="sum"), r"group_score='sum': choose one of"),
+        (dict(routed_scale=0.0), r"routed_scale=0.0 must be > 0"),
+        (dict(bias_update_rate=0.001), r"bias_update_rate=0.001 moves the choice bias, but"),
+        (dict(mesh=dict(pipe=2), score_bias=True, bias_update_rate=0.001), r"not implemented with a pipeline"),
     ],
 )
 def test_bad_moe_configs_are_refused(changes, message):
@@ -261,3 +314,30 @@ def test_bad_patterns_and_placement_settings_are_refused():
     c.parallel.expert_rebalance_every = 10
     with pytest.raises(ConfigError, match=r"expert_rebalance_every needs MoE layers"):
         validate(c)
+
+
+@pytest.mark.parametrize("mesh", [{}, {"data": 2, "expert": 2}])
+def test_auxiliary_loss_free_bias_follows_the_loads(mesh):
+    """DeepSeek-V3's balancing (moe.bias_update_rate u): after each step every MoE layer's bias is
+    b + u sign(mean load - load) of that step's global loads (NumPy here), on one device and with the
+    experts split; the optimizer leaves it alone (no gradient reaches it)."""
+    from jaxsys import data
+    from tests.helpers import program_for
+
+    rate = 0.01
+    c = moe_config(router="sigmoid", score_bias=True, bias_update_rate=rate, aux_loss_weight=0.0)
+    for axis, size in mesh.items():
+        c.mesh[axis] = size
+    program = program_for(c)
+    corpus = data.load_corpus(c.data)
+    batch = lambda s: data.global_batch(corpus, program.batch_sharding, c.seed, s, c.train.batch_size, c.data.seq_len)
+    state = program.init()
+    step = program.train_step_fn()
+    bias = np.zeros((c.model.n_layers, E))
+    for s in range(2):
+        state, metrics = step(state, batch(s))
+        load = np.asarray(metrics["moe_load"], np.float64)
+        assert load.shape == (c.model.n_layers, E) and load.sum() > 0
+        bias = bias + rate * np.sign(load.mean(-1, keepdims=True) - load)
+        np.testing.assert_allclose(np.asarray(state.params["layers"]["moe"]["router_bias"]), bias, atol=1e-7)
+    assert np.abs(bias).max() > 0

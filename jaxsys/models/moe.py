@@ -9,9 +9,12 @@ Parameters of the n MoE layers, with the scaling-book sharding under the default
     shared_gate, shared_up [n, D, Fs]   layers, embed, mlp   (Fs = shared_experts x F; a dense SwiGLU)
     shared_down            [n, Fs, D]   layers, mlp, embed
     shared_expert_gate     [n, D]       layers, embed        (moe.shared_expert_gate: Qwen2-MoE)
+    router_bias            [n, E]       layers, router_experts  (moe.score_bias: DeepSeek-V3)
 
 Per token t with router logits z_t = h_t W_r (fp32): scores s_t = softmax(z_t) or sigmoid(z_t); the
-k largest pick the experts and are the gates (renormalised to sum 1 by default);
+k largest (of s_t + b with the choice bias b; among the experts of the token's best groups with
+group-limited routing) pick the experts, and their scores are the gates (renormalised to sum 1 by
+default, times moe.routed_scale);
 y_t = sum_{e in top-k} g_te SwiGLU_e(h_t) + SwiGLU_shared(h_t), the last times sigmoid(h_t w_g) with
 the shared expert gate (Qwen2-MoE).
 
@@ -76,6 +79,8 @@ def param_specs(m, n: int) -> dict:
         specs["shared_down"] = ParamSpec((n, fs, D), ("layers", "mlp", "embed"), std=out_std)
     if moe.shared_experts and moe.shared_expert_gate:
         specs["shared_expert_gate"] = ParamSpec((n, D), ("layers", "embed"), std=std)
+    if moe.score_bias:  # the choice's bias (DeepSeek-V3): no gradient reaches it, moved by `update_bias`
+        specs["router_bias"] = ParamSpec((n, E), ("layers", "router_experts"), init="zeros", decay=False)
     return specs
 
 
@@ -100,14 +105,36 @@ class Routing(NamedTuple):
     gates: jax.Array  # [B, T, k] fp32
 
 
-def route(h, w_router, moe) -> Routing:
-    """Top-k routing of h[B, T, D] by router weights [D, E], in fp32."""
+def route(h, w_router, moe, bias=None) -> Routing:
+    """Top-k routing of h[B, T, D] by router weights [D, E], in fp32. `bias` [E] (moe.score_bias):
+    added to the scores for the choice only. With moe.groups G > 1 the choice is limited to the
+    experts of each token's moe.group_top_k best groups (DeepSeek's node-limited routing)."""
     logits = jnp.einsum("btd,de->bte", h.astype(jnp.float32), w_router.astype(jnp.float32))
     scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
-    top, experts = lax.top_k(scores, moe.top_k)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if moe.groups > 1:
+        grouped = choice.reshape(*choice.shape[:-1], moe.groups, moe.experts // moe.groups)
+        if moe.group_score == "max":
+            group_scores = jnp.max(grouped, axis=-1)
+        else:  # "top2": the sum of each group's best two (DeepSeek-V3)
+            group_scores = jnp.sum(lax.top_k(grouped, 2)[0], axis=-1)
+        _, best = lax.top_k(group_scores, moe.group_top_k)
+        kept = jnp.any(best[..., None] == jnp.arange(moe.groups), axis=-2)  # [B, T, G]
+        choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+    _, experts = lax.top_k(choice, moe.top_k)
+    top = jnp.take_along_axis(scores, experts, axis=-1)
     gates = top / jnp.sum(top, axis=-1, keepdims=True) if moe.renormalize else top
+    gates = gates * moe.routed_scale if moe.routed_scale != 1 else gates
     probs = scores if moe.router == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
     return Routing(logits, probs, experts.astype(jnp.int32), gates)
+
+
+def update_bias(bias, load, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024), after each step: every MoE
+    layer's choice bias b [Lm, E] moves by u toward balance, b_e += u sign(mean_e' load_e' - load_e),
+    from the step's global loads [Lm, E] (token copies routed to each expert)."""
+    load = load.astype(jnp.float32)
+    return bias + (rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)).astype(bias.dtype)
 
 
 # ----------------------------------------------------------------------------- capacity admission
@@ -155,7 +182,7 @@ def apply(h, w, m, layout: Layout, previous, dispatch: str = "padded"):
     weights and h get their gradients once; the gates enter the region like h (Megatron's f: their
     gradient is summed over the ranks, each of which holds part of every expert's output)."""
     moe = m.moe
-    r = route(h, w["router"], moe)
+    r = route(h, w["router"], moe, w.get("router_bias"))
     mlp_axes, sp = layout.compute_axes("mlp"), layout.sp_axes
     x = tensor.enter(h, mlp_axes, sp)  # [B, T, D] on every tensor rank
     gates = tensor.enter(r.gates, mlp_axes, sp)
