@@ -58,6 +58,14 @@ Models:
   norm_topk_prob; layer 1 dense through mlp_only_layers), untied.
 * ``phi3``: a Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; a sliding window of 10 in every
   layer, as Phi-3-mini's 2047), 2 layers, GQA 4/2, untied.
+* ``deepseek_v2``: a DeepSeek-V2 (multi-head latent attention without a query latent, as V2-Lite:
+  kv_lora_rank 16, heads of 8 + 8 rotary (interleaved) dims and values of 12; YaRN factor 4 with
+  mscale 1 / mscale_all_dim 0.707, so that both the rotary magnitude and the softmax factor differ
+  from 1), 3 layers, the first dense, then 8 routed experts of 32 (top 2 by softmax, limited to
+  the best of 4 groups, gates times 2) and one shared expert.
+* ``deepseek_v3``: a DeepSeek-V3 (a query latent of 24 besides, mscale = mscale_all_dim = 1 as
+  V3's; sigmoid scores with a random e_score_correction_bias for the choice, groups scored by their
+  best two, top 2 of 4 groups, gates renormalised and times 2.5), 3 layers, the first dense.
 * ``qwen2``: a Qwen2 (Qwen2.5's architecture: Llama's layout plus biases on the q, k and v
   projections), 2 layers, GQA 4/2, rope_theta 1e6, untied embeddings.
 
@@ -117,6 +125,12 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+)
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -324,6 +338,65 @@ MODELS = {
         tie_word_embeddings=False,
         family="qwen2",
     ),
+    "deepseek_v2": dict(
+        seed=15,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        rope_theta=10000.0,
+        rope={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
+        tie_word_embeddings=False,
+        family="deepseek_v2",
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+    ),
+    "deepseek_v3": dict(
+        seed=16,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        rope_theta=10000.0,
+        rope={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        tie_word_embeddings=False,
+        family="deepseek_v3",
+        head_dim=8,  # DeepseekV3Config keeps a head_dim it is given: the rotary dims, as it sets itself
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
 }
 
 CLASSES = {
@@ -338,6 +411,8 @@ CLASSES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
 }
 
 
@@ -388,14 +463,17 @@ def build_model(spec: dict) -> LlamaForCausalLM:
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w
                 p.copy_((0.0 if gemma else 1.0) + 0.1 * noise)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.copy_(QK_STD * noise)
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")):
+                p.copy_(QK_STD * noise)  # DeepSeek's q and k come out of the latent up-projections
             elif name.endswith("_proj.bias"):  # Qwen2's q/k/v biases: as large as a row's product
                 p.copy_(0.5 * noise)
             elif name.endswith("shared_expert_gate.weight"):  # Qwen2-MoE's gate: far from a constant 1/2
                 p.copy_(0.5 * noise)
             else:
                 p.copy_(WEIGHT_STD * noise)
+        for name, b in model.named_buffers():  # DeepSeek-V3's choice bias, as large as the scores' spread
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert tied == bool(config.tie_word_embeddings)
@@ -549,6 +627,100 @@ def numpy_llama_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarr
     return x @ head.T
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * np.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+LATENT_EPS = 1e-6  # DeepSeek's latent norms are built with RMSNorm's default epsilon, not rms_norm_eps
+
+
+def numpy_deepseek_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
+    """DeepSeek-V2 / V3 from the V2 paper's description of multi-head latent attention, float64:
+    q from x (or its own normed latent), a normed kv latent expanded to each head's non-rotary key
+    and value, one rotary key shared by the heads; RoPE on interleaved pairs of the rotary dims (as
+    complex numbers) at YaRN's frequencies times the rotary magnitude, scores times
+    (nope + rope)^-0.5 mscale(mscale_all_dim)^2; the first first_k_dense_replace layers a dense
+    SwiGLU, then DeepSeekMoE: V2 softmax scores, top-k within the best group(s) by their best
+    expert, V3 sigmoid scores plus the correction bias for the choice within the best groups by
+    their best two, the gates (unbiased scores, V3 renormalised) times routed_scaling_factor, plus
+    the shared experts."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    v3 = cfg["model_type"] == "deepseek_v3"
+    N, nope, R, Hv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    C, eps = cfg["kv_lora_rank"], cfg["rms_norm_eps"]
+    B, T = tokens.shape
+    rope = cfg["rope_parameters"]
+    factor = rope.get("factor", 1.0)
+    magnitude, scale = 1.0, (nope + R) ** -0.5
+    if rope.get("rope_type") == "yarn":
+        magnitude = _yarn_mscale(factor, rope["mscale"]) / _yarn_mscale(factor, rope["mscale_all_dim"])
+        scale *= _yarn_mscale(factor, rope["mscale_all_dim"]) ** 2
+    angles = np.arange(T, dtype=np.float64)[:, None] * numpy_inv_freq(cfg)[None, :]  # cfg head_dim is R
+    turn = np.exp(1j * angles) * magnitude  # [T, R/2]
+
+    def rotate(x):  # [..., T, R] interleaved pairs as complex numbers
+        z = (x[..., 0::2] + 1j * x[..., 1::2]) * turn
+        return np.stack([z.real, z.imag], -1).reshape(x.shape)
+
+    silu = lambda a: a / (1.0 + np.exp(-a))
+    swiglu = lambda h, p: (
+        (silu(h @ w[p + "gate_proj.weight"].T) * (h @ w[p + "up_proj.weight"].T)) @ w[p + "down_proj.weight"].T
+    )
+    mask = np.triu(np.full((T, T), -np.inf), k=1)
+    x = w["model.embed_tokens.weight"][tokens]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        h = _rms(x, w[p + "input_layernorm.weight"], eps)
+        if cfg.get("q_lora_rank"):
+            q_latent = _rms(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], LATENT_EPS)
+            q = q_latent @ w[a + "q_b_proj.weight"].T
+        else:
+            q = h @ w[a + "q_proj.weight"].T
+        q = q.reshape(B, T, N, nope + R).transpose(0, 2, 1, 3)  # [B, N, T, H]
+        kv = h @ w[a + "kv_a_proj_with_mqa.weight"].T
+        latent, k_rot = _rms(kv[..., :C], w[a + "kv_a_layernorm.weight"], LATENT_EPS), kv[..., C:]
+        expanded = (latent @ w[a + "kv_b_proj.weight"].T).reshape(B, T, N, nope + Hv).transpose(0, 2, 1, 3)
+        k_nope, v = expanded[..., :nope], expanded[..., nope:]
+        s = q[..., :nope] @ k_nope.transpose(0, 1, 3, 2)
+        s = s + rotate(q[..., nope:]) @ rotate(k_rot)[:, None].transpose(0, 1, 3, 2)
+        s = s * scale + mask
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = ((s / s.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, N * Hv)
+        x = x + o @ w[a + "o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        if i < cfg["first_k_dense_replace"]:
+            x = x + swiglu(h, p + "mlp.")
+            continue
+        logits = h @ w[p + "mlp.gate.weight"].T
+        E, G = logits.shape[-1], cfg["n_group"]
+        if v3:
+            scores = 1 / (1 + np.exp(-logits))
+            choice = scores + w[p + "mlp.gate.e_score_correction_bias"]
+            groups = np.sort(choice.reshape(B, T, G, E // G), -1)[..., -2:].sum(-1)
+        else:
+            scores = np.exp(logits - logits.max(-1, keepdims=True))
+            scores /= scores.sum(-1, keepdims=True)
+            choice = scores
+            groups = choice.reshape(B, T, G, E // G).max(-1)
+        best = np.argsort(-groups, -1)[..., : cfg["topk_group"]]
+        kept = np.zeros(groups.shape, bool)
+        np.put_along_axis(kept, best, True, -1)
+        choice = np.where(np.repeat(kept, E // G, -1), choice, -np.inf)
+        top = np.argsort(-choice, -1)[..., : cfg["num_experts_per_tok"]]
+        gates = np.take_along_axis(scores, top, -1)
+        if v3 and cfg["norm_topk_prob"]:
+            gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+        gates = gates * cfg["routed_scaling_factor"]
+        y = swiglu(h, p + "mlp.shared_experts.")
+        for e in range(E):
+            weight = (gates * (top == e)).sum(-1, keepdims=True)
+            y = y + weight * swiglu(h, p + f"mlp.experts.{e}.")
+        x = x + y
+    x = _rms(x, w["model.norm.weight"], eps)
+    return x @ w["lm_head.weight"].T
+
+
 def numpy_gemma_logits(weights: dict, cfg: dict, tokens: np.ndarray) -> np.ndarray:
     """Gemma 2's and Gemma 3's text model from their description, float64: embeddings times
     sqrt(D); per layer an RMSNorm scaling by (1 + w) before attention, (Gemma 3) q/k norms the same
@@ -642,6 +814,7 @@ def main(argv=None) -> int:
             cfg = cfg["text_config"]
             weights = {k.replace("language_model.", "", 1): v for k, v in weights.items() if "language_model." in k}
         numpy_logits = numpy_gemma_logits if cfg["model_type"].startswith("gemma") else numpy_llama_logits
+        numpy_logits = numpy_deepseek_logits if cfg["model_type"].startswith("deepseek") else numpy_logits
         ref = numpy_logits(weights, cfg, np.load(out / "tokens.npy"))
         err = float(np.max(np.abs(ref - np.load(out / "logits.npy"))))
         scale = float(np.max(np.abs(ref)))

@@ -20,8 +20,21 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 PROMPT, NEW = 8, 16
 # Llamas; and the models whose decoding a sliding window (mistral 8, phi3 10, gemma 6: shorter
 # than the 24 tokens), Gemma 2's soft-capping, Gemma 3's pieces or a mixture of experts (Qwen2-MoE:
-# with its gated shared expert) changes
-NAMES = ("untied", "tied", "mistral", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+# with its gated shared expert) changes; DeepSeek-V2 / V3's latent attention (transformers caches the
+# latents) and routing
+NAMES = (
+    "untied",
+    "tied",
+    "mistral",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
 
 
 def main() -> None:

@@ -72,6 +72,8 @@ def _logits_match_and_written_back(tmp_path, name):
         "mixtral",
         "qwen2_moe",
         "qwen3_moe",
+        "deepseek_v2",
+        "deepseek_v3",
     ],
 )
 def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name):
@@ -99,6 +101,8 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
         "mixtral": ("moe", 4, 2, 96, True, 0),
         "qwen2_moe": ("moe,dense", 4, 2, 48, False, 2),
         "qwen3_moe": ("moe,dense", 4, 2, 48, True, 0),
+        "deepseek_v2": ("dense,moe,moe", 8, 2, 32, False, 1),
+        "deepseek_v3": ("dense,moe,moe", 8, 2, 32, True, 1),
     }
     if name in experts:
         got = (config.model.mlp_pattern, moe.experts, moe.top_k, moe.d_ff, moe.renormalize, moe.shared_experts)
@@ -109,6 +113,14 @@ def test_from_hf_logits_match_transformers_and_to_hf_round_trips(tmp_path, name)
     m = config.model
     gemma = (m.embed_scale, m.post_norms, m.mlp_activation, m.query_pre_attn_scalar, m.rope_local_theta)
     want_gemma = {"gemma2": (True, True, "gelu_tanh", 24.0, 0.0), "gemma3": (True, True, "gelu_tanh", 24.0, 1e4)}
+    if name.startswith("deepseek"):  # YaRN's softmax factor mscale(mscale_all_dim)^2 as H / mscale^4
+        mscale = 0.1 * hf["rope_parameters"]["mscale_all_dim"] * np.log(4.0) + 1
+        want_gemma[name] = (False, False, "silu", pytest.approx(16 / mscale**4, rel=1e-12), 0.0)
+        mla = (m.mla.kv_lora_rank, m.mla.q_lora_rank, m.mla.rope_head_dim, m.mla.v_head_dim, m.head_dim)
+        assert mla == (16, 24 if name == "deepseek_v3" else 0, 8, 12, 16)
+        routing = (m.moe.router, m.moe.groups, m.moe.group_top_k, m.moe.group_score, m.moe.score_bias)
+        want_routing = {"deepseek_v2": ("softmax", 4, 1, "max", False), "deepseek_v3": ("sigmoid", 4, 2, "top2", True)}
+        assert routing == want_routing[name] and m.moe.routed_scale == (2.0 if name == "deepseek_v2" else 2.5)
     assert gemma == want_gemma.get(name, (False, False, "silu", 0.0, 0.0))
     caps = (m.attn_logit_softcap, m.final_logit_softcap)
     assert caps == ((2.0, 0.5) if name == "gemma2" else (0.0, 0.0))
@@ -392,6 +404,93 @@ REAL_CONFIGS = {
         ),
         14_659_507_200,
     ),
+    # DeepSeek-V2-Lite and DeepSeek-V3: their config.json; the counts are transformers' own
+    # (DeepseekV2/V3ForCausalLM built on the meta device, 15.7B and 671B as published; V3's 58 x 256
+    # e_score_correction_bias buffers counted, as jaxsys's router_bias leaf; its MTP layer not)
+    "deepseek-v2-lite": (
+        dict(
+            model_type="deepseek_v2",
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            n_shared_experts=2,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            routed_scaling_factor=1.0,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+            max_position_embeddings=163840,
+            rope_theta=10000,
+            rope_scaling=dict(
+                type="yarn",
+                factor=40,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+            ),
+            aux_loss_alpha=0.001,
+        ),
+        15_706_484_224,
+    ),
+    "deepseek-v3": (
+        dict(
+            model_type="deepseek_v3",
+            vocab_size=129280,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_hidden_layers=61,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            n_shared_experts=1,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            first_k_dense_replace=3,
+            topk_method="noaux_tc",
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            hidden_act="silu",
+            max_position_embeddings=163840,
+            rope_theta=10000,
+            rope_scaling=dict(
+                type="yarn",
+                factor=40,
+                original_max_position_embeddings=4096,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            num_nextn_predict_layers=1,
+        ),
+        671_026_419_200,
+    ),
 }
 
 
@@ -417,6 +516,10 @@ def test_released_configs_read_to_their_published_parameter_counts(name):
         assert (m.attn_logit_softcap, m.final_logit_softcap, m.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
     if name == "qwen1.5-moe-a2.7b":  # 4 shared experts of 1408 = its 5632-unit shared expert, gated
         assert (m.moe.experts, m.moe.shared_experts, m.moe.shared_expert_gate, m.qkv_bias) == (60, 4, True, True)
+    if name == "deepseek-v3":  # three dense layers, then group-limited sigmoid routing with the bias
+        assert m.mlp_pattern.split(",")[:4] == ["dense"] * 3 + ["moe"] and m.n_layers == 61
+        assert (m.moe.groups, m.moe.group_top_k, m.moe.group_score, m.moe.routed_scale) == (8, 4, "top2", 2.5)
+        assert (m.mla.kv_lora_rank, m.mla.q_lora_rank, m.head_dim, m.rope_factor) == (512, 1536, 192, 40.0)
     if name == "qwen3-30b-a3b":
         assert (m.mlp_pattern, m.moe.experts, m.moe.top_k, m.moe.renormalize) == ("moe", 128, 8, True)
 

@@ -149,6 +149,8 @@ def test_decode_analysis_by_hand():
         ("mixtral", None),
         ("qwen2_moe", {"tensor": 2}),
         ("qwen3_moe", {"data": 2}),
+        ("deepseek_v2", {"tensor": 2}),
+        ("deepseek_v3", {"data": 2, "tensor": 2}),
     ],
 )
 def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_path, name, mesh):
@@ -156,8 +158,10 @@ def test_generation_from_a_converted_hf_model_equals_transformers_greedy(tmp_pat
     (fp32, KV cache) from the first 8 tokens of each golden row (scripts/make_hf_greedy_golden.py).
     mistral, phi3, gemma2 and gemma3 have sliding windows (8, 10, 6, 6) shorter than the 24 tokens,
     gemma2 soft-capped attention scores (at 2) and logits, gemma3 Gemma 3's pieces, mixtral, qwen2_moe
-    (with its gated shared expert, on tensor 2) and qwen3_moe experts: the contiguous cache, and for these the paged
-    one too (its ragged prefill and per-row decode kernels), give transformers' tokens."""
+    (with its gated shared expert, on tensor 2) and qwen3_moe experts, deepseek_v2 / v3 latent attention
+    (its keys and values expanded, heads of 16 padded for the caches) and DeepSeek's routing: the
+    contiguous cache, and for these the paged one too (its ragged prefill and per-row decode
+    kernels), give transformers' tokens."""
     import os
 
     from jaxsys.checkpoint import hf

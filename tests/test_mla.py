@@ -42,7 +42,7 @@ def _numpy_mla_layer(x, w, m, positions):
     """One MLA attention sublayer (its output before the residual add) in NumPy, from the formulas
     of DeepSeek-V2's section 2.1 with the RoPE of layers.rope written out: the independent statement."""
     eps, R, Hv, H = m.norm_eps, m.mla.rope_head_dim, m.mla.v_head_dim, m.head_dim
-    norm = lambda a, g: a / np.sqrt(np.mean(a * a, -1, keepdims=True) + eps) * g
+    norm = lambda a, g, eps=eps: a / np.sqrt(np.mean(a * a, -1, keepdims=True) + eps) * g
 
     def rotate(a):  # the two halves of the last R dims, frequencies theta^(-2i/R)
         half = R // 2
@@ -53,8 +53,8 @@ def _numpy_mla_layer(x, w, m, positions):
         return np.concatenate([a[..., :-R], x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
     h = norm(x, w["attn_norm"])
-    q = np.einsum("btq,qnh->btnh", norm(h @ w["wq_a"], w["q_a_norm"]), w["wq_b"])
-    c = norm(h @ w["wkv_a"], w["kv_a_norm"])
+    q = np.einsum("btq,qnh->btnh", norm(h @ w["wq_a"], w["q_a_norm"], 1e-6), w["wq_b"])  # DeepSeek's latent eps
+    c = norm(h @ w["wkv_a"], w["kv_a_norm"], 1e-6)
     k_rope = (h @ w["wk_rope"])[:, :, None, :].repeat(m.n_heads, 2)
     k = np.concatenate([np.einsum("btc,cnh->btnh", c, w["wk_b"]), k_rope], -1)
     v = np.einsum("btc,cnh->btnh", c, w["wv_b"])

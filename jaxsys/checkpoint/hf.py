@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsys import tokenizer as tokenizer_lib
-from jaxsys.checkpoint import ONE_DEVICE, Checkpointer, load, require_new_workdir, saved_config
+from jaxsys.checkpoint import ONE_DEVICE, Checkpointer, hf_deepseek, load, require_new_workdir, saved_config
 from jaxsys.config import ConfigError, apply_overrides, base_config, layer_pattern, mlp_pattern, validate
 
 
@@ -42,6 +42,17 @@ class ConversionError(ValueError):
 
 # jaxsys layer parameter -> (HF tensor name in layer i, how to turn HF's array into jaxsys's)
 def _layer_map(m):
+    """jaxsys layer leaf -> (HF tensor name in layer i, HF array -> jaxsys array); an MLA model's
+    attention leaves are hf_deepseek's."""
+    full = _full_layer_map(m)
+    return {k: v for k, v in full.items() if k not in ("wq", "wk", "wv", "wo")} if _mla(m) else full
+
+
+def _mla(m) -> bool:
+    return bool(m.mla.kv_lora_rank)
+
+
+def _full_layer_map(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     if m.post_norms:  # Gemma 2 / 3: four norms a layer (and Gemma 3's q/k norms), each scaling by (1 + w)
         plus_one = lambda w: (w.astype(np.float32) + 1.0).astype(w.dtype)  # exact with fp32 params
@@ -83,6 +94,11 @@ def _layer_map(m):
 
 def _layer_unmap(m):
     """The inverse of `_layer_map`: jaxsys array of one layer -> HF's [out, in]."""
+    full = _full_layer_unmap(m)
+    return {k: v for k, v in full.items() if k not in ("wq", "wk", "wv", "wo")} if _mla(m) else full
+
+
+def _full_layer_unmap(m):
     D, N, K, H = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
     if m.post_norms:
         minus_one = lambda w: w.astype(np.float32) - 1.0
@@ -218,6 +234,7 @@ MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
     "phi3",
+    *hf_deepseek.FAMILIES,
 )
 
 # the MoE families: the router and each expert's SwiGLU matrices under the layer's prefix
@@ -225,6 +242,7 @@ _MOE_NAMES = {
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
     "qwen2_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+    **dict.fromkeys(hf_deepseek.FAMILIES, hf_deepseek.MOE_NAMES),
 }
 # Qwen2-MoE's gated shared expert: one SwiGLU of shared_experts x F units, its output times
 # sigmoid(h w_g) (config.model.moe.shared_expert_gate)
@@ -237,9 +255,16 @@ _SHARED_NAMES = {
 
 
 def _moe_family(m) -> str:
-    """The Hugging Face family of a jaxsys MoE model: Qwen3-MoE with q/k norms, Qwen2-MoE with q/k/v
-    biases, else Mixtral."""
+    """The Hugging Face family of a jaxsys MoE model: DeepSeek-V2 / V3 with MLA, Qwen3-MoE with q/k
+    norms, Qwen2-MoE with q/k/v biases, else Mixtral."""
+    if _mla(m):
+        return hf_deepseek.family(m)
     return "qwen3_moe" if m.qk_norm else "qwen2_moe" if m.qkv_bias else "mixtral"
+
+
+def _shared_names(m) -> dict:
+    """The shared experts' tensors under a MoE layer's prefix: DeepSeek's, or Qwen2-MoE's gated one."""
+    return hf_deepseek.SHARED_NAMES if _mla(m) else _SHARED_NAMES
 
 
 def _mlp_kinds(m) -> list[str]:
@@ -460,13 +485,16 @@ def model_config_from_hf(hf: dict, model) -> None:
     model.tie_embeddings = bool(hf.get("tie_word_embeddings", gemma))
     model.qk_norm = hf["model_type"] in ("qwen3", "gemma3_text", "qwen3_moe")
     model.mlp_pattern = "dense"
-    if hf["model_type"] in _MOE_NAMES:
+    if hf["model_type"] in _MOE_NAMES and hf["model_type"] not in hf_deepseek.FAMILIES:
         _set_moe(hf, model)
     model.qkv_bias = qwen2
     model.embed_scale = model.post_norms = gemma
     model.mlp_activation = "gelu_tanh" if gemma else "silu"
     scalar = hf.get("query_pre_attn_scalar", 256 if gemma2 else model.head_dim)  # Gemma2Config's default: 256
     model.query_pre_attn_scalar = float(scalar) if gemma else 0.0
+    model.mla.kv_lora_rank = model.mla.q_lora_rank = 0
+    if hf["model_type"] in hf_deepseek.FAMILIES:  # MLA, DeepSeekMoE, YaRN's softmax factor
+        hf_deepseek.set_model(hf, model, ConversionError)
     # soft-capping: Gemma2Config's defaults are 50 / 30 (null: off); Gemma 3 has none unless named
     for key, ours, default in (
         ("attn_logit_softcapping", "attn_logit_softcap", 50.0),
@@ -484,7 +512,11 @@ def _require_convertible(m) -> None:
             f"layer_pattern={m.layer_pattern!r}; linear-attention layers have no Hugging Face equivalent"
         )
     gated = m.moe.shared_experts and m.moe.shared_expert_gate and m.qkv_bias
-    if "moe" in mlp_pattern(m) and (m.moe.router != "softmax" or (m.moe.shared_experts and not gated) or m.post_norms):
+    if (
+        "moe" in mlp_pattern(m)
+        and not _mla(m)
+        and (m.moe.router != "softmax" or (m.moe.shared_experts and not gated) or m.post_norms)
+    ):
         raise ConversionError(
             f"config.model.moe (router={m.moe.router!r}, shared_experts={m.moe.shared_experts}, "
             f"shared_expert_gate={m.moe.shared_expert_gate}) converts as a Mixtral or Qwen3-MoE, which route "
@@ -511,6 +543,8 @@ def hf_config_from_model(m, dtype: str) -> dict:
     """A transformers config dict for `config.model`: Llama's, Mistral's (a window in every layer),
     Qwen2's (q/k/v biases) or Qwen3's (q/k norms); both the transformers 5 `rope_parameters` and the
     older top-level `rope_theta`, so either version reads it."""
+    if _mla(m):  # DeepSeek-V2 / V3
+        return hf_deepseek.hf_config(m, _hf_shape(m), _hf_rope(m), dtype, ConversionError)
     if m.qk_norm and m.qkv_bias:
         raise ConversionError(
             "config.model.qk_norm with qkv_bias has no Hugging Face Llama-family equivalent (Qwen3 has the "
@@ -748,6 +782,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
         for key, (name, convert) in _layer_map(m).items()
         if _layers_of(m, key)
     }
+    if _mla(m):
+        layers.update(hf_deepseek.params(take, m, list(range(m.n_layers))))
     moe_layers = _layers_of(m, "moe")
     if moe_layers:  # router [E, D] and experts' [out, in] per layer -> [n, D, E], [n, E, D, F], [n, E, F, D]
         router, expert, (gate, up, down) = _MOE_NAMES[_moe_family(m)]
@@ -761,7 +797,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
             "w_up": np.stack([experts(i, up, (Fe, D)) for i in moe_layers]),
             "w_down": np.stack([experts(i, down, (D, Fe)) for i in moe_layers]),
         }
-        if m.moe.shared_experts:  # Qwen2-MoE's gated shared expert ([out, in] -> [in, out])
+        if m.moe.shared_experts:  # DeepSeek's, or Qwen2-MoE's gated shared expert ([out, in] -> [in, out])
             Fs = m.moe.shared_experts * Fe
             shapes = {
                 "shared_gate": (Fs, D),
@@ -769,9 +805,12 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
                 "shared_down": (D, Fs),
                 "shared_expert_gate": (1, D),
             }
-            for key, name in _SHARED_NAMES.items():
+            for key, name in _shared_names(m).items():
                 stacked = np.stack([take(f"model.layers.{i}.{name}", shapes[key]).T for i in moe_layers])
                 layers["moe"][key] = stacked[..., 0] if key == "shared_expert_gate" else stacked
+        if m.moe.score_bias:  # DeepSeek-V3's e_score_correction_bias (kept in fp32 by transformers)
+            bias = [take(f"model.layers.{i}.{hf_deepseek.BIAS_NAME}", (E,)) for i in moe_layers]
+            layers["moe"]["router_bias"] = np.stack(bias)
     params = {
         "embed": take("model.embed_tokens.weight", (V, D)),
         "layers": layers,
@@ -802,9 +841,13 @@ def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
                 for e in range(m.moe.experts):
                     out[f"model.layers.{i}.{expert.format(e=e, w=w)}"] = moe[key][j, e].T
             if m.moe.shared_experts:
-                for key, name in _SHARED_NAMES.items():
+                for key, name in _shared_names(m).items():
                     array = moe[key][j][None] if key == "shared_expert_gate" else moe[key][j].T
                     out[f"model.layers.{i}.{name}"] = array
+            if m.moe.score_bias:
+                out[f"model.layers.{i}.{hf_deepseek.BIAS_NAME}"] = moe["router_bias"][j]
+    if _mla(m):
+        out.update(hf_deepseek.tensors(params["layers"], m))
     if not m.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["unembed"]).T
     return {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in out.items()}

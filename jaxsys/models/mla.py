@@ -39,6 +39,11 @@ from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import tensor
 
 
+# the latents' RMSNorm epsilon: DeepSeek builds those norms with RMSNorm's default, whatever
+# rms_norm_eps (config.model.norm_eps) says for the others
+LATENT_NORM_EPS = 1e-6
+
+
 def enabled(m) -> bool:
     return bool(m.mla.kv_lora_rank)
 
@@ -100,8 +105,8 @@ def qkv(linear, h, w, m, heads: tuple[str, ...], sp: tuple[str, ...], collective
     ws = (w["wq_a"] if Q else w["wq"], w["wkv_a"], w["wk_rope"])
     q, latent, k_rope = tensor.enter_matmul(down, h, ws, heads, sp, collective)
     if Q:
-        q = linear("btq,qnh->btnh", layers.rms_norm(q, w["q_a_norm"], m.norm_eps), w["wq_b"], name="wq_b")
-    latent = layers.rms_norm(latent, w["kv_a_norm"], m.norm_eps)
+        q = linear("btq,qnh->btnh", layers.rms_norm(q, w["q_a_norm"], LATENT_NORM_EPS), w["wq_b"], name="wq_b")
+    latent = layers.rms_norm(latent, w["kv_a_norm"], LATENT_NORM_EPS)
     k_nope = linear("btc,cnh->btnh", latent, w["wk_b"], name="wk_b")
     v = linear("btc,cnh->btnh", latent, w["wv_b"], name="wv_b")
     k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
