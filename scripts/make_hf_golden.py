@@ -103,6 +103,10 @@ import safetensors.numpy
 import torch
 import transformers
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     Gemma3Config,
@@ -125,12 +129,6 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
-)
-from transformers import (
-    DeepseekV2Config,
-    DeepseekV2ForCausalLM,
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -38,7 +38,6 @@ from jaxsys.models import layers
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import tensor
 
-
 # the latents' RMSNorm epsilon: DeepSeek builds those norms with RMSNorm's default, whatever
 # rms_norm_eps (config.model.norm_eps) says for the others
 LATENT_NORM_EPS = 1e-6
