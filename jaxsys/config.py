@@ -1312,7 +1312,10 @@ def _validate_finetune(config) -> None:
     bad = [n for n in lora_targets(config) if n not in LORA_TARGETS]
     _require(not bad, f"config.lora.targets={lo.targets!r}: unknown projection(s) {bad}; choose from {LORA_TARGETS}")
     if lo.rank > 0:
-        present = set(LORA_TARGETS[:4]) | (set(LORA_TARGETS[4:]) if "dense" in mlp_pattern(m) else set())
+        attention = set(LORA_TARGETS[:4])
+        if m.mla.kv_lora_rank:  # MLA's latent projections take no adapters yet: wo, and wq without a q latent
+            attention = {"wo"} | ({"wq"} if not m.mla.q_lora_rank else set())
+        present = attention | (set(LORA_TARGETS[4:]) if "dense" in mlp_pattern(m) else set())
         _require(
             bool(set(lora_targets(config)) & present),
             f"config.lora.targets={lo.targets!r} names no projection this model has (it has {sorted(present)}); "

@@ -102,15 +102,21 @@ def test_sharded_with_the_pallas_kernel_matches_one_device(one_device):
     _close(loss_and_grads(sharded), one_device)
 
 
-def test_pipeline_and_context_parallelism_match_one_device():
-    """pipe 2 x data 2 (two micro-batches) and ring context parallelism seq 2 x tensor 2 x data 2,
-    each against its one-device run; q projected from x directly (q_lora_rank 0, DeepSeek-V2-Lite)."""
-    lite = dict(MLA, q_lora_rank=0)
-    piped = mla_config({"pipe": 2, "data": 2}, mla=lite, n_layers=4)
-    piped.train.microbatches = 2
-    _close(loss_and_grads(piped), loss_and_grads(mla_config(mla=lite, n_layers=4)))
-    cp = mla_config({"seq": 2, "tensor": 2, "data": 2}, mla=lite, context_parallel="ring")
-    _close(loss_and_grads(cp), loss_and_grads(mla_config(mla=lite)))
+LITE = dict(MLA, q_lora_rank=0)  # q projected from x directly (DeepSeek-V2-Lite)
+
+
+@pytest.mark.slow  # nothing in a pipeline or a ring is MLA's own: q, k, v are ordinary by then
+@pytest.mark.parametrize("layout", ["pipeline", "ring"])
+def test_pipeline_and_context_parallelism_match_one_device(layout):
+    """pipe 2 x data 2 (two micro-batches), and ring context parallelism on seq 2 x tensor 2 x
+    data 2, each against its one-device run, with q_lora_rank 0."""
+    if layout == "pipeline":
+        piped = mla_config({"pipe": 2, "data": 2}, mla=LITE, n_layers=4)
+        piped.train.microbatches = 2
+        _close(loss_and_grads(piped), loss_and_grads(mla_config(mla=LITE, n_layers=4)))
+    else:
+        cp = mla_config({"seq": 2, "tensor": 2, "data": 2}, mla=LITE, context_parallel="ring")
+        _close(loss_and_grads(cp), loss_and_grads(mla_config(mla=LITE)))
 
 
 def test_flops_count_the_latent_projections():
@@ -131,7 +137,7 @@ def test_flops_count_the_latent_projections():
         )
 
 
-@pytest.mark.parametrize("mesh", [None, {"tensor": 2, "data": 2}])
+@pytest.mark.parametrize("mesh", [None, pytest.param({"tensor": 2, "data": 2}, marks=pytest.mark.slow)])
 def test_greedy_decoding_through_the_caches_matches_the_forward(mesh):
     """The serving engine's paged cache (and the contiguous one) hold the expanded keys and padded
     values: greedy tokens equal argmax of the training forward re-run on the growing sequence."""
@@ -177,7 +183,39 @@ def test_bad_settings_are_refused_by_name(mla, model, match):
         validate(c)
 
 
+def test_lora_targets_an_mla_model_lacks_are_refused():
+    c = mla_config()
+    c.lora.rank, c.lora.targets = 4, "wk,wv"
+    with pytest.raises(ConfigError, match="names no projection this model has"):
+        validate(c)
+
+
 def test_latent_rows_must_divide_the_fsdp_shards():
     c = mla_config({"fsdp": 8}, mla=dict(MLA, kv_lora_rank=12))
     with pytest.raises(ConfigError, match="mla.kv_lora_rank=12 is not divisible by the 8 shards"):
         validate(c)
+
+
+def test_the_config_file_is_the_released_model():
+    """configs/deepseek_v2_lite.py is the model DeepSeek-V2-Lite's config.json converts to
+    (tests/test_convert.py REAL_CONFIGS), with its 15,706,484,224 parameters (transformers' count);
+    its :cpu variant (V3's routing and query latent at toy size) validates."""
+    from jaxsys.checkpoint import hf
+    from jaxsys.config import load_config
+    from jaxsys.models import params, transformer
+    from tests.helpers import ROOT
+    from tests.test_convert import REAL_CONFIGS
+
+    ours = load_config(f"{ROOT}/configs/deepseek_v2_lite.py")
+    converted = load_config(f"{ROOT}/configs/deepseek_v2_lite.py")
+    hf.model_config_from_hf(REAL_CONFIGS["deepseek-v2-lite"][0], converted.model)
+    flat = lambda c: {k: v for k, v in c.model.to_dict().items() if not isinstance(v, dict)}
+    mine, theirs = flat(ours), flat(converted)
+    same = lambda a, b: a == (pytest.approx(b, rel=1e-12) if isinstance(b, float) else b)
+    differ = {k for k, v in theirs.items() if not same(mine[k], v)}
+    assert differ <= {"compute_dtype", "remat", "attention_impl"}, differ  # training choices, not the model
+    for group in ("mla", "moe"):
+        assert ours.model[group].to_dict() == converted.model[group].to_dict(), group
+    assert params.count(transformer.param_specs(ours.model)) == 15_706_484_224
+    cpu = load_config(f"{ROOT}/configs/deepseek_v2_lite.py:cpu")
+    assert cpu.model.moe.bias_update_rate > 0 and cpu.model.mla.q_lora_rank > 0
