@@ -60,7 +60,7 @@ def _length_split_cost(pre, dec, tokens=10):
     )
 
 
-@pytest.mark.parametrize("placement", ["prefill", "colocated", "mixed"])
+@pytest.mark.parametrize("placement", ["prefill", "colocated", pytest.param("mixed", marks=pytest.mark.slow)])
 def test_disaggregated_tokens_equal_colocated_and_bytes_equal_formula(placement):
     config = _config(placement="cost" if placement == "mixed" else placement)
     pre, dec = disagg.build_programs(config)

@@ -50,7 +50,9 @@ def _serve(eng, prompts, news, arrivals, samplings):
 
 
 @pytest.mark.parametrize(
-    "mesh,kv_quant", [(None, "none"), ({"data": 2, "tensor": 2}, "none"), (None, "kivi4")], ids=str
+    "mesh,kv_quant",
+    [(None, "none"), ({"data": 2, "tensor": 2}, "none"), pytest.param(None, "kivi4", marks=pytest.mark.slow)],
+    ids=str,
 )
 def test_overlap_gives_the_synchronous_tokens_with_preemption(mesh, kv_quant):
     """Mixed prefill chunks and decodes, arrivals over the first steps, a pool small enough to

@@ -250,7 +250,7 @@ def test_finish_and_a_failing_step_end_only_their_requests(model):
     assert all(p.free_pages == p.num_pages for p in eng.pools)
 
 
-@pytest.mark.parametrize("kv_quant", ["none", "kivi4"])
+@pytest.mark.parametrize("kv_quant", ["none", pytest.param("kivi4", marks=pytest.mark.slow)])  # CI time
 def test_multi_step_decoding_gives_the_single_step_tokens(model, kv_quant):
     """decode_steps=4: when only decodes run, up to 4 decode steps in one compiled call; the tokens
     (greedy and sampled, cut at stop ids and max_new_tokens) are those of one step at a time, and

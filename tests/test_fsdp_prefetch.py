@@ -47,7 +47,10 @@ def _config(name, remat, prefetch):
     return c
 
 
-@pytest.mark.parametrize("name,remat", CASES)
+@pytest.mark.parametrize(  # CI time: the hybrid with remat none is slow-marked (dots covers it)
+    "name,remat",
+    [pytest.param(*c, marks=pytest.mark.slow) if c == ("data2_fsdp4_hybrid", "none") else c for c in CASES],
+)
 def test_prefetch_keeps_losses_and_gradients(name, remat):
     loss, grads = loss_and_grads(_config(name, remat, False))
     loss_pf, grads_pf = loss_and_grads(_config(name, remat, True))

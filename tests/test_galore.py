@@ -289,6 +289,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, open(workdir / "metrics.jsonl"))}
 
 
+@pytest.mark.slow  # CI time; tests/test_muon.py keeps a bitwise resume of a matrix optimizer
 def test_resume_across_a_refresh_is_bitwise(tmp_path, monkeypatch):
     """Checkpoint at step 3 (projections from step 2's refresh, moments in their space), crash,
     resume: steps 4-5, which cross the refresh at step 4, give the uninterrupted run's losses; the

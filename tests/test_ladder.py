@@ -200,7 +200,13 @@ def _assert_parity(got, want):
     chex.assert_trees_all_close(state.params, ref_state.params, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize(  # CI time: the others cover these two's pieces
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("data2_tensor2", "data2_tensor2_hybrid_dots") else n
+        for n in LAYOUTS
+    ],
+)
 def test_ladder_layout_matches_single_device(name):
     _assert_parity(run(_configure(name)), _reference(name))
 

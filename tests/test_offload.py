@@ -245,6 +245,7 @@ def _update_bound_config(**options):
     return c
 
 
+@pytest.mark.slow  # CI time; test_tpu_memory_moves_the_optimizer_state_to_the_host stays
 def test_tpu_streamed_update_lowers_the_peak_by_the_optimizer_state(tpu_devices):
     # The device update streams the moments layer by layer (offload.streamed_update), so HBM's
     # peak falls by about the optimizer state (244 MB here). A whole-tree update (before

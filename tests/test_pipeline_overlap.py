@@ -126,7 +126,10 @@ def test_transfer_counts():
     assert gpipe["activation_sends_beside_backward"] == gpipe["gradient_sends_beside_forward"] == 0
 
 
-@pytest.mark.parametrize("name", list(CASES))
+SLOW_CASES = ("pipe2_gpipe", "pipe4_eager_1f1b", "pipe4_interleaved_v2", "vp_pipe2_data2_tensor2_1f1b")  # CI time
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])
 def test_overlap_keeps_losses_and_gradients_bitwise(name):
     got = loss_and_grads(configure(name, True))
     assert_bitwise(got, loss_and_grads(configure(name, False)))
@@ -194,7 +197,14 @@ def _pipe_permute_windows(text: str):
     return out, branches, bodies, module, flops
 
 
-@pytest.mark.parametrize("schedule, vp", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
+@pytest.mark.parametrize(
+    "schedule, vp",
+    [
+        pytest.param("1f1b", False, marks=pytest.mark.slow),
+        pytest.param("gpipe", False, marks=pytest.mark.slow),
+        ("1f1b", True),
+    ],
+)
 def test_tpu_schedule_runs_the_sends_beside_the_forward_and_backward(schedule, vp):
     """pipe 4 on v5p:2x2x1, train step. With overlap: two async permutes in the loop body; the
     gradient's window holds this tick's forward conditional, the activation's the backward (the

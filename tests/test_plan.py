@@ -89,6 +89,7 @@ def test_every_valid_layout_is_listed_once_and_no_invalid_one(tiny):
     assert len(expected) > 20  # data, fsdp, tensor 2, pipe 2/4, seq and their products, with options
 
 
+@pytest.mark.slow  # CI time; the TPU compiler pass of the plan
 def test_the_memory_formula_agrees_with_the_compiler_about_what_fits(tiny):
     """Five layouts spread over the range of predicted memory, compiled: the formula is within 0.4-2x
     of XLA's buffer assignment for each, orders them as the compiler does, and a budget between

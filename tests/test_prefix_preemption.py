@@ -127,7 +127,15 @@ def test_prefix_cache_and_preemption_on_data_2_tensor_2():
     assert sum(p.hits for p in eng.pools) > 0 and sum(s.preemptions for s in eng.schedulers) > 0
 
 
-@pytest.mark.parametrize("mesh,overlap", [(None, False), (None, True), ({"data": 2, "tensor": 2}, False)], ids=str)
+@pytest.mark.parametrize(  # CI time: one variant runs in CI
+    "mesh,overlap",
+    [
+        pytest.param(None, False, marks=pytest.mark.slow),
+        (None, True),
+        pytest.param({"data": 2, "tensor": 2}, False, marks=pytest.mark.slow),
+    ],
+    ids=str,
+)
 def test_swap_preemption_keeps_every_requests_tokens(mesh, overlap):
     """preemption='swap': a preempted sequence's pages go to host memory and back into its new
     pages when it resumes, so it prefills only the token not yet in its cache. Under a pool small

@@ -275,7 +275,7 @@ def test_int8_matmul_and_its_straight_through_gradients_equal_the_reference(pall
         assert np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want) < 0.02
 
 
-@pytest.mark.parametrize("mesh", [None, {"tensor": 2, "data": 2}])
+@pytest.mark.parametrize("mesh", [None, pytest.param({"tensor": 2, "data": 2}, marks=pytest.mark.slow)])
 def test_int8_training_follows_float_training(mesh):
     """Three AdamW steps of the test model: int8 forward and backward matmuls give losses within
     1e-3 of float and gradients within 5% (int8 rounding of each operand, ~0.5% rms, through the

@@ -297,7 +297,9 @@ def test_ragged_kernels_attend_over_the_window(window):
     assert np.abs(np.asarray(ragged.ragged_paged_attention_reference(*args)) - np.asarray(want)).max() > 1e-2
 
 
-@pytest.mark.parametrize("cache,gemma", [("paged", False), ("contiguous", False), ("paged", True)])
+@pytest.mark.parametrize(
+    "cache,gemma", [pytest.param("paged", False, marks=pytest.mark.slow), ("contiguous", False), ("paged", True)]
+)
 def test_engine_serves_local_layers_past_the_window(cache, gemma):
     """W = 6 and requests of 20 tokens: greedy tokens from the engine (prefill chunks through the
     ragged kernel, then decodes through the per-row one; or the contiguous cache) equal the

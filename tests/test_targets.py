@@ -290,6 +290,7 @@ def test_tpu_analysis_has_the_compilers_memory_and_the_formulas_bytes(mesh, mode
         assert 1 <= compiled[key][0] <= count
 
 
+@pytest.mark.slow  # CI time
 def test_tpu_compiler_turns_small_reduce_scatters_into_all_reduces(v5p_16):
     """FSDP at this size: the gradient reduce-scatters come out as (combined) all-reduces followed by
     slices, so the wire carries twice their bytes; the all-gathers stay. Per axis: the formula's bytes
