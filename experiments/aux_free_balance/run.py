@@ -27,7 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from experiments.common import load_results, markdown_table, parse_args, pyplot, save_figure, save_results  # noqa: E402
 
-COMMON = ["--config.model.moe.router=sigmoid", "--config.model.moe.renormalize=true", "--config.model.moe.z_loss_weight=0"]
+COMMON = [
+    "--config.model.moe.router=sigmoid",
+    "--config.model.moe.renormalize=true",
+    "--config.model.moe.z_loss_weight=0",
+]
 RUNS = {
     "none": ["--config.model.moe.aux_loss_weight=0"],
     "aux_loss": ["--config.model.moe.aux_loss_weight=0.01"],
