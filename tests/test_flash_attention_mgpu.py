@@ -487,6 +487,7 @@ def test_tiles_use_the_widest_block_and_most_slots_that_fit(segments):
 
 
 @pytest.mark.skipif(not targets.has_cuda_plugin(), reason="needs jax-cuda13-plugin for compile-only H100 devices")
+@pytest.mark.slow  # CI time; the kernels' own H100 compiles stay
 def test_the_models_train_step_for_an_h100_runs_the_mosaic_kernels():
     """config.model.attention_impl='pallas' in bf16 at H = 64: the whole train step compiled for one
     H100 (deviceless) calls the Mosaic GPU forward and fused backward kernels and no Triton attention."""

@@ -211,6 +211,7 @@ def test_ladder_layout_matches_single_device(name):
     _assert_parity(run(_configure(name)), _reference(name))
 
 
+@pytest.mark.slow  # CI time
 def test_ladder_moe_with_experts_matches_single_device():
     """A dense layer then an MoE layer (both MLP kinds) on expert 2 x tensor 2 x data 2 with SP."""
     make = lambda mesh, sp: _ladder(moe_config(mesh, sp, pattern="dense,moe"))

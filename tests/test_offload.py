@@ -272,6 +272,7 @@ def test_tpu_memory_moves_the_parameters_to_the_host(tpu_devices):
     assert formula <= moved <= TILE_PADDING * formula
 
 
+@pytest.mark.slow  # CI time
 def test_tpu_memory_offloads_the_layer_inputs(tpu_devices):
     from jaxsys.analysis import cost_model
 

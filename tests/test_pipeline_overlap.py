@@ -126,7 +126,13 @@ def test_transfer_counts():
     assert gpipe["activation_sends_beside_backward"] == gpipe["gradient_sends_beside_forward"] == 0
 
 
-SLOW_CASES = ("pipe2_gpipe", "pipe4_eager_1f1b", "pipe4_interleaved_v2", "vp_pipe2_data2_tensor2_1f1b")  # CI time
+SLOW_CASES = (  # CI time
+    "pipe2_gpipe",
+    "pipe4_eager_1f1b",
+    "pipe4_interleaved_v2",
+    "vp_pipe2_data2_tensor2_1f1b",
+    "pipe2_fsdp2_tensor2_sp_eager",
+)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CASES else n for n in CASES])

@@ -384,6 +384,7 @@ def test_what_cpu_refuses_compiles_for_gpu(name):
     assert ("ragged-all-to-all" if "ragged" in name else "collective-permute") in text
 
 
+@pytest.mark.slow  # CI time
 def test_multi_slice_dcn_collectives_are_counted_over_the_dcn_axis():
     """Across slices the TPU compiler hands the data-parallel all-reduce to the megascale runtime
     (host-transfer sends over DCN), asynchronous and overlapped; its bytes are the formula's."""
