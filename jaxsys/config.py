@@ -42,6 +42,7 @@ ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # config.model.rope_scalin
 QUANT_IMPLS = ("pallas", "reference")
 QUANT_GROUP_SIZES = (32, 64, 128)
 SERVE_POLICIES = ("chunked", "prefill_first", "decode_first")  # config.serve.policy
+MLA_CACHES = ("latent", "expanded")  # config.model.mla.cache (docs/mla.md)
 KV_QUANT = ("none", "int8", "kivi4", "kivi2")  # config.serve.kv_quant (docs/kv_quant.md)
 CACHE_KINDS = ("paged", "contiguous")  # config.serve.cache (jaxsys/cache/)
 # checkpoint_name()s the model puts on activations, which config.offload.activations may offload
@@ -109,6 +110,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.mla.q_lora_rank = 0
     c.model.mla.rope_head_dim = 64
     c.model.mla.v_head_dim = 0
+    # what a serving cache holds per token: "latent", MLA's C + R row (queries absorb W_k_b, the
+    # output W_v_b: DeepSeek-V2's inference form), or "expanded", every head's keys and values
+    c.model.mla.cache = "latent"
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -648,6 +652,10 @@ def _check_mla(m) -> None:
             isinstance(mla[key], int) and not isinstance(mla[key], bool) and mla[key] >= 0,
             f"config.model.mla.{key}={mla[key]!r} must be an integer >= 0",
         )
+    _require(
+        mla.cache in MLA_CACHES,
+        f"config.model.mla.cache={mla.cache!r}: choose one of {MLA_CACHES} (what a serving cache holds per token)",
+    )
     if not mla.kv_lora_rank:
         _require(
             not mla.q_lora_rank,
@@ -906,6 +914,12 @@ def validate(config, num_devices: int | None = None) -> None:
         sv.cache == "paged" or sv.kv_quant == "none",
         f"config.serve.cache={sv.cache!r} with config.serve.kv_quant={sv.kv_quant!r}: the quantized cache is "
         "paged; set cache='paged' or kv_quant='none'",
+    )
+    _require(
+        sv.kv_quant == "none" or not (config.model.mla.kv_lora_rank and config.model.mla.cache == "latent"),
+        f"config.serve.kv_quant={sv.kv_quant!r} quantizes per-head keys and values; MLA's latent cache "
+        "(config.model.mla.cache='latent') has none: set kv_quant='none', or config.model.mla.cache='expanded' "
+        "to quantize the expanded heads",
     )
     _require(
         sv.cache == "paged" or sv.draft != "self",

@@ -105,11 +105,23 @@ def test_disaggregated_tokens_equal_colocated_and_bytes_equal_formula(placement)
         assert formula == 2 * 2 * (-(-t["tokens"] // 4) * 4) * 4 * 16 * 4  # 2 L ceil(T/p)p K H b
 
 
-def test_pages_round_trip_between_meshes():
-    """export -> receive -> import moves a sequence's pages exactly, into another shard's pages."""
-    config = _config()
+def _with_model(c, model: str):
+    """c with GQA's 4 kv heads (as _config), or MLA with its latent cache: one pool of
+    [C + R = 20 -> 32] rows per token, whole on every tensor rank."""
+    c.model.n_kv_heads = 4
+    if model == "mla":
+        c.model.n_kv_heads, c.model.head_dim = 8, 12
+        c.model.mla.kv_lora_rank, c.model.mla.rope_head_dim, c.model.mla.v_head_dim = 16, 4, 8
+    return c
+
+
+@pytest.mark.parametrize("model", ["gqa", "mla"])
+def test_pages_round_trip_between_meshes(model):
+    """export -> receive -> import moves a sequence's pages exactly, into another shard's pages;
+    the bytes moved are the formula's (a latent cache's once per decode tensor rank)."""
+    config = _with_model(_config(), model)
     pre, dec = disagg.build_programs(config)
-    params = program_for(small_config(n_kv_heads=4)).init(0).params
+    params = program_for(_with_model(small_config(), model)).init(0).params
     eng = disagg.DisaggregatedEngine(
         pre, dec, params, num_pages=8, page_size=4, token_budget=8, chunk_size=4, max_seqs=2
     )
@@ -119,7 +131,10 @@ def test_pages_round_trip_between_meshes():
     )
     block = eng.prefill.export_pages(0, [5, 2, 7])
     placed, moved = eng.decode.receive_pages(1, block)
-    assert moved == sum(b.nbytes for b in jax.tree.leaves(block)) == kv_transfer_bytes(config.model, 12, 4)
+    copies = 2 if model == "mla" else 1  # decode's tensor=2 ranks each receive the whole latent
+    assert (model == "mla") == (eng.decode.cache.v is None)
+    assert moved == copies * sum(b.nbytes for b in jax.tree.leaves(block))
+    assert moved == kv_transfer_bytes(config.model, 12, 4, tensor=2)
     eng.decode.import_pages(1, [3, 0, 6], placed)
     for src, dst in zip(eng.prefill.cache.per_layer().values(), eng.decode.cache.per_layer().values()):
         src, dst = np.asarray(src), np.asarray(dst)

@@ -137,21 +137,55 @@ def test_flops_count_the_latent_projections():
         )
 
 
-@pytest.mark.parametrize("mesh", [None, pytest.param({"tensor": 2, "data": 2}, marks=pytest.mark.slow)])
-def test_greedy_decoding_through_the_caches_matches_the_forward(mesh):
-    """The serving engine's paged cache (and the contiguous one) hold the expanded keys and padded
-    values: greedy tokens equal argmax of the training forward re-run on the growing sequence."""
+@pytest.mark.parametrize(
+    "cache,mesh",
+    [
+        ("latent", {"tensor": 2, "data": 2}),  # the latent pool whole on each tensor rank
+        ("expanded", None),
+        pytest.param("latent", None, marks=pytest.mark.slow),
+        pytest.param("expanded", {"tensor": 2, "data": 2}, marks=pytest.mark.slow),
+    ],
+)
+def test_greedy_decoding_through_the_caches_matches_the_forward(cache, mesh):
+    """The serving engine's paged cache (and the contiguous one), holding MLA's latent rows or the
+    expanded keys and padded values: greedy tokens equal argmax of the training forward re-run on
+    the growing sequence."""
+    from jaxsys.cache import base as cache_base
     from jaxsys.models import transformer
     from jaxsys.serve import engine
     from jaxsys.serve.sampling import Sampling
 
     config = mla_config(mesh, init_std=0.2)
+    config.model.mla.cache = cache
     program = program_for(config)
     params = program.init(3).params
     prompts, n = [[10, 20, 30, 40, 50], [7, 8, 9]], 8
     paged = engine.Engine(program, params, num_pages=16, page_size=4, token_budget=64, chunk_size=32, max_seqs=2)
+    m, shards = config.model, 2 if mesh else 1
+    # latent: one pool of [C + R = 20 -> 32] rows, 1 "kv head"; expanded: k and v of 8 heads x 16
+    rows, kv, width = (1, 1, 32) if cache == "latent" else (2, 8, 16)
+    assert len(paged.cache.per_layer()) == rows and (paged.cache.v is None) == (cache == "latent")
+    assert paged.cache.k.shape == (m.n_layers, shards * 17, 4, kv, width)
+    assert cache_base.token_bytes(m) == rows * m.n_layers * kv * width * 4  # fp32
     got_paged = engine.generate(paged, prompts, n, Sampling())
     got_contiguous = generate_contiguous(program, params, prompts, n, max_len=32)
+    if cache == "latent" and mesh:  # pages swapped out and back, and self-speculation's window view
+        from jaxsys.serve.speculation import SelfSpeculation
+
+        small = engine.Engine(
+            program,
+            params,
+            num_pages=5,  # a shard's two sequences need 4 + 4 or 3 + 3 pages at the end: preempted
+            page_size=4,
+            token_budget=64,
+            chunk_size=32,
+            max_seqs=2,
+            preemption="swap",
+            drafter=SelfSpeculation(window=4, sink=4),
+            k=2,
+        )
+        assert engine.generate(small, prompts * 2, n, Sampling()) == got_paged * 2
+        assert small.stats["swapped_out"] > 0 and small.stats["accepted"] > 0
     one = program_for(mla_config(init_std=0.2))
     host = jax.device_put(jax.tree.map(np.asarray, params), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     fn = jax.jit(lambda p, ids: transformer.logits(p, ids, one.config.model, one.layout, one.specs))
@@ -160,6 +194,87 @@ def test_greedy_decoding_through_the_caches_matches_the_forward(mesh):
         for _ in range(n):
             seq.append(int(jnp.argmax(fn(host, jnp.asarray([seq], jnp.int32))[0, -1])))
         assert paged_tokens == contiguous_tokens == seq[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def cached_forward():
+    """f(mla.cache, ids [1, T], chunks) -> logits [T, V] of a one-device forward that prefills the
+    first chunk into a contiguous cache and then feeds the rest a chunk at a time, with the cache's
+    arrays; and the training forward's logits of the same ids."""
+    from jaxsys.cache import ContiguousCache
+    from jaxsys.models import transformer
+
+    programs = {}
+
+    def run(cache_kind, ids, chunks):
+        if cache_kind not in programs:
+            c = mla_config(init_std=0.2)
+            c.model.mla.cache = cache_kind
+            programs[cache_kind] = program_for(c)
+        program = programs[cache_kind]
+        m, params = program.config.model, program.init(5).params
+        step = jax.jit(
+            lambda p, tok, pos, cache: transformer.forward(p, tok, pos, m, program.layout, program.specs, cache)
+        )
+        cache, out, start = ContiguousCache.zeros(program, 1, 16), [], 0
+        for size in chunks:
+            positions = jnp.arange(start, start + size)[None]
+            logits, cache = step(params, ids[:, start : start + size], positions, cache)
+            out.append(np.asarray(logits[0]))
+            start += size
+        full = jax.jit(lambda p, ids: transformer.logits(p, ids, m, program.layout, program.specs))(params, ids)
+        return np.concatenate(out), np.asarray(full[0]), cache, params
+
+    return run
+
+
+def test_latent_cache_logits_equal_the_training_forward(cached_forward):
+    """DeepSeek-V2's absorbed form over the latent cache (W_k_b in the query, W_v_b after the
+    attention over [c, k_r] rows) gives the logits of the training forward, which expands every
+    head's keys and values: a prefill of 6 tokens, then decodes of 1, 1 and 2. The cache holds one
+    row of C + R = 20 (padded to 32) per token and layer, no values."""
+    ids = jnp.asarray([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]], jnp.int32)
+    got, want, cache, params = cached_forward("latent", ids, (6, 1, 1, 2))
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-5 * scale  # fp32: the two forms sum in other orders
+    expanded, _, expanded_cache, _ = cached_forward("expanded", ids, (6, 1, 1, 2))
+    assert expanded_cache.k.shape[-2:] == (8, 16)
+    assert np.abs(expanded - want).max() <= 1e-5 * scale
+    # what the latent cache holds: layer 0's rows are c = RMSNorm(RMSNorm(x) W_kv_a) of the
+    # embeddings x (NumPy), then the R rotated key dims, then zeros to 32
+    assert cache.v is None and cache.k.shape == (2, 1, 16, 1, 32)
+    w = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    norm = lambda a, g, eps: a / np.sqrt(np.mean(a * a, -1, keepdims=True) + eps) * g
+    h = norm(w["embed"][np.asarray(ids[0])], w["layers"]["attn_norm"][0], 1e-5)
+    c = norm(h @ w["layers"]["wkv_a"][0], w["layers"]["kv_a_norm"][0], 1e-6)
+    rows = np.asarray(cache.k[0, 0, :10, 0])
+    np.testing.assert_allclose(rows[:, :16], c, rtol=1e-5, atol=1e-5)
+    assert np.abs(rows[:, 16:20]).min() > 0 and not rows[:, 20:].any()
+
+
+def test_decode_analysis_prices_the_latent_cache():
+    """analysis/decode.py on DeepSeek-V2-Lite's shapes at tensor 2: the latent cache's row of
+    C + R = 576 padded to 1024 per layer, whole on each rank, against 2 N H_c = 2 x 16 x 256 split
+    over the ranks; the attention FLOPs in each one's width."""
+    from jaxsys.analysis import hardware
+    from jaxsys.analysis.decode import DecodeStep, kv_transfer_bytes
+    from jaxsys.config import load_config
+
+    steps = {}
+    for kind in ("latent", "expanded"):
+        c = load_config(
+            "configs/deepseek_v2_lite.py",
+            ["--config.mesh.fsdp=1", "--config.mesh.tensor=2", f"--config.model.mla.cache={kind}"],
+        )
+        steps[kind] = DecodeStep.for_config(c, hardware.profile("h100"))
+    m = steps["latent"].model
+    assert steps["latent"].kv_bytes_per_token == 27 * 1024 * 2  # bf16
+    assert steps["expanded"].kv_bytes_per_token == 2 * 27 * 16 * 256 * 2 // 2
+    assert kv_transfer_bytes(m, 100, 16, tensor=2) == 2 * 112 * 27 * 1024 * 2  # each rank the whole latent
+    (_, latent_s, _), (_, expanded_s, _) = (steps[k].times(1, 10**6) for k in ("latent", "expanded"))
+    matmul = 2 * steps["latent"].matmul_params / steps["latent"].peak
+    # attention FLOPs 2 L S N (2 H_c) / t: 1024 + 1024 per head against 256 + 256 (192 padded)
+    assert (latent_s - matmul) / (expanded_s - matmul) == pytest.approx(4)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +287,7 @@ def test_greedy_decoding_through_the_caches_matches_the_forward(mesh):
         (dict(MLA), dict(qk_norm=True), "qk_norm=True with multi-head latent attention"),
         (dict(MLA), dict(layer_pattern="linear,softmax"), "MLA layers are full softmax attention"),
         (dict(MLA, kv_lora_rank=-1), {}, "kv_lora_rank=-1 must be an integer >= 0"),
+        (dict(MLA, cache="heads"), {}, "mla.cache='heads': choose one of"),
     ],
 )
 def test_bad_settings_are_refused_by_name(mla, model, match):
@@ -181,6 +297,15 @@ def test_bad_settings_are_refused_by_name(mla, model, match):
         c.model.mla[key] = value
     with pytest.raises(ConfigError, match=match):
         validate(c)
+
+
+def test_quantized_kv_pages_with_the_latent_cache_are_refused():
+    c = mla_config()
+    c.serve.kv_quant = "int8"
+    with pytest.raises(ConfigError, match="MLA's latent cache"):
+        validate(c)
+    c.model.mla.cache = "expanded"
+    validate(c)
 
 
 def test_lora_targets_an_mla_model_lacks_are_refused():

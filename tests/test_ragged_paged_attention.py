@@ -126,6 +126,24 @@ def test_kernel_equals_reference_and_contiguous_attention(group, dtype, page_siz
     assert not np.asarray(got[padding:], np.float32).any()  # padding rows are 0
 
 
+@pytest.mark.parametrize("row_block", [1, 4, 16])
+def test_item_tiles_split_over_programs_equal_the_reference(row_block):
+    """MLA's latent cache: all heads on one kv head (K = 1, G = 8) and the item tile's R = block_q x
+    Gp = 32 rows split over R / row_block programs (each reading the pages, its rows' positions
+    offset by its place in the tile), equal to the whole tile's reference; row_block 16 the dot form."""
+    args = _case(n=8, k=1, page_size=16)
+    got = jax.jit(lambda *a: ragged.ragged_paged_attention(*a, block_q=4, row_block=row_block, interpret=True))(*args)
+    _close(got, ragged.ragged_paged_attention_reference(*args), jnp.float32)
+
+
+def test_row_block_keeps_small_tiles_whole_and_splits_large_ones():
+    assert ragged.row_block(128, 128) == 128  # 16K elements: whole
+    assert ragged.row_block(256, 1024) == 16  # MLA's latent: 16 heads x 16 tokens x 1024
+    assert ragged.row_block(8, 4096) == 8  # fewer rows than the dot form's 16: whole
+    with pytest.raises(ValueError, match="row_block must be a power of two"):
+        ragged.ragged_paged_attention(*_case(n=8, k=1, page_size=16), row_block=3)
+
+
 def test_reference_really_is_causal_and_ragged():
     """The contiguous check can fail: without the causal mask inside a chunk (every query seeing
     the whole kv_len) the answer differs, and so does shifting one sequence's queries by one row."""
@@ -437,6 +455,9 @@ def test_compiles_to_sass_for_an_h100_deviceless():
         _abstract(jnp.bfloat16, 8, 2, sharding=sh),
         _abstract(jnp.float32, 6, 3, h=64, sharding=sh),
         _abstract(jnp.bfloat16, 8, 2, h=64, page_size=8, sharding=sh),
+        # MLA's latent rows: 16 heads on one kv head, H = 1024; whole 256-row tiles asked 640 KB
+        # of shared memory (232 KB on an H100), split into 16-row programs they compile
+        _abstract(jnp.bfloat16, 16, 1, h=1024, sharding=sh),
     ):
         assert "__gpu$xla.gpu.triton" in shard(rpa, 7).lower(*args).compile().as_text()
     quant_fn = lambda *a: ragged.ragged_paged_attention_quant(*a, mode="kivi4", residual=1, interpret=False)
@@ -451,7 +472,14 @@ def test_compiles_to_sass_for_an_h100_deviceless():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize(
     "n,k,page_size,h,block_q",
-    [(8, 2, 16, 128, 16), (32, 8, 64, 128, 16), (8, 1, 16, 64, 32), (12, 4, 32, 64, 8), (8, 2, 128, 256, 16)],
+    [
+        (8, 2, 16, 128, 16),
+        (32, 8, 64, 128, 16),
+        (8, 1, 16, 64, 32),
+        (12, 4, 32, 64, 8),
+        (8, 2, 128, 256, 16),
+        (16, 1, 16, 1024, 16),  # MLA's latent rows: 16 heads on one kv head
+    ],
 )
 def test_tpu_variant_compiles_with_mosaic(target, n, k, page_size, h, block_q, dtype):
     """interpret=False lowered for a v5p / v6e slice inside a shard_map (every operand replicated:

@@ -7,12 +7,15 @@ Per device, on the config's tensor (and data) layout, with the engine's full-pre
 and values of every layer in the compute dtype, kv heads split over `tensor`):
 
     KV bytes per token     = 2 L K H b_c / t                  (K kv heads, H head dim, t = tensor)
+                             L H_c b_c                        (MLA's latent cache: one row of
+                                                               C + R padded to H_c, on every rank)
     weight bytes           = the parameter shards at rest (quantized codes and scales as stored)
     batch that fits at S   = floor((HBM - weights) / (S x KV bytes per token)) per data shard
     decode step (batch b, context S), one token per sequence (`DecodeStep`, the same roofline that
     prices the serving engine's steps in analysis/serving.py):
         memory   = (weights + b S KV bytes per token) / HBM bandwidth
-        compute  = 2 (matmul parameters / t) b / peak + attention 4 L b S N H / t / peak
+        compute  = 2 (matmul parameters / t) b / peak + attention 4 L b S N H_c / t / peak
+                   (H_c the cache's width: H padded to a power of two, or a latent cache's row)
         comm     = 2 all-reduces per layer of [b, D] b_c over `tensor`, ring bytes / link bandwidth
         latency  = max(memory, compute) + comm          (collectives not overlapped, as in decode)
     with sliding-window ("local") layers, S in the memory and attention terms is the positions a
@@ -22,7 +25,8 @@ and values of every layer in the compute dtype, kv heads split over `tensor`):
     step's pricing (analysis/serving.py) takes summed contexts and does not apply the window.
     KV handed from a prefill to a decode mesh (disaggregated serving, serve/disagg.py), per request
     of T prompt tokens in pages of p slots:
-        transfer bytes = 2 L ceil(T / p) p K H b_c      (whole pages; over all devices, not per device)
+        transfer bytes = 2 L ceil(T / p) p K H b_c      (whole pages; over all devices, not per device;
+                                                         a latent cache: L ceil(T / p) p H_c b_c per tensor rank)
 
 Formulas only: nothing is compiled (the step is tiny; the question is what bounds it).
 """
@@ -38,7 +42,7 @@ import numpy as np
 from jaxsys.analysis import cost_model
 from jaxsys.analysis import flops as flops_lib
 from jaxsys.analysis.hardware import Hardware
-from jaxsys.cache.base import head_dim as cache_head_dim
+from jaxsys.cache import base as cache_base
 from jaxsys.models import transformer
 from jaxsys.models.params import is_spec
 from jaxsys.sharding import Layout
@@ -60,15 +64,15 @@ def weight_bytes_per_device(config) -> int:
     return total
 
 
-def kv_transfer_bytes(model, tokens: int, page_size: int = 1) -> int:
+def kv_transfer_bytes(model, tokens: int, page_size: int = 1, tensor: int = 1) -> int:
     """Bytes of KV cache that disaggregated serving moves from the prefill to the decode mesh for
     a request of `tokens` prompt tokens: keys and values of every layer for whole pages of
     `page_size` slots, in the compute dtype (the sum over devices: each decode device receives its
-    kv heads' share once). page_size=1: no page rounding."""
+    kv heads' share once; each of the decode mesh's `tensor` ranks the whole of a latent cache).
+    page_size=1: no page rounding."""
     padded = math.ceil(tokens / page_size) * page_size
-    return (
-        2 * model.n_layers * padded * model.n_kv_heads * cache_head_dim(model) * np.dtype(model.compute_dtype).itemsize
-    )
+    copies = tensor if cache_base.latent(model) else 1
+    return int(padded * cache_base.token_bytes(model) * copies)
 
 
 _WEIGHTS: dict = {}
@@ -99,7 +103,7 @@ class DecodeStep:
     model: Any  # config.model
     tensor: int  # t: the devices the kv heads are split over
     weights: int  # parameter bytes per device at rest
-    kv_bytes_per_token: int  # 2 L K H b_c / t
+    kv_bytes_per_token: int  # 2 L K H b_c / t (cache_base.token_bytes)
     tensor_bytes_per_s: float  # the `tensor` axis's link
     matmul_params: float  # per device (/ t)
     peak: float  # FLOP/s of one device in the compute dtype
@@ -110,12 +114,11 @@ class DecodeStep:
         m = config.model
         layout = Layout.from_config(config)
         t = layout.size(layout.compute_axes("kv_heads"))
-        b = np.dtype(m.compute_dtype).itemsize
         return cls(
             m,
             t,
             weight_bytes_per_device(config) if weights is None else weights,
-            2 * m.n_layers * m.n_kv_heads * cache_head_dim(m) * b // t,
+            int(cache_base.token_bytes(m, t)),
             cost_model.axis_bandwidth(layout.mesh_sizes, hw).get("tensor", hw.intra_node_bytes_per_s),
             flops_lib.matmul_params(m) / t,
             hw.peak(m.compute_dtype),
@@ -126,7 +129,9 @@ class DecodeStep:
         """(memory_s, compute_s, comm_s) of a step of `rows` tokens over `context` cached positions."""
         m, t = self.model, self.tensor
         memory = (self.weights + context * self.kv_bytes_per_token) / self.hbm_bytes_per_s
-        attention = 4 * m.n_layers * context * m.n_heads * m.head_dim / t
+        # q.k and p.v per head and cached position over the cache's (padded) width: H_c + H_c
+        width = 2 * cache_base.head_dim(m)
+        attention = 2 * m.n_layers * context * m.n_heads * width / t
         compute = (2 * self.matmul_params * rows + attention) / (self.peak * mfu)
         b = np.dtype(m.compute_dtype).itemsize
         all_reduce = cost_model.ring_bytes("all_reduce", rows * m.d_model * b, t)
@@ -202,9 +207,12 @@ def decode_report(config, hw: Hardware, contexts=CONTEXTS, batches=BATCHES) -> d
         "hbm_bytes": hw.hbm_bytes,
         "kv_bytes_per_sequence": {S: held(S) * kv_per_token for S in contexts},
         # disaggregated serving: a prompt of S tokens' KV moved prefill -> decode mesh (all devices)
-        "transfer_bytes_per_request": {S: kv_transfer_bytes(m, S, config.serve.page_size) for S in contexts},
+        "transfer_bytes_per_request": {
+            S: kv_transfer_bytes(m, S, config.serve.page_size, step.tensor) for S in contexts
+        },
         "transfer_s_per_request": {
-            S: kv_transfer_bytes(m, S, config.serve.page_size) / hw.intra_node_bytes_per_s for S in contexts
+            S: kv_transfer_bytes(m, S, config.serve.page_size, step.tensor) / hw.intra_node_bytes_per_s
+            for S in contexts
         },
         "max_batch_per_device": {S: fit(S) for S in contexts},
         "rows": rows,

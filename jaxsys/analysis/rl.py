@@ -18,7 +18,7 @@ import math
 import jax
 import numpy as np
 
-from jaxsys.cache.base import head_dim as cache_head_dim
+from jaxsys.cache import base as cache_base
 from jaxsys.config import MESH_AXES, validate
 
 
@@ -112,9 +112,7 @@ def generation_seconds(gen_config, hw, sequences: int, prompt: int, completion: 
     m = gen_config.model
     d, t = gen_config.mesh.data, gen_config.mesh.tensor
     per_shard = -(-sequences // d)
-    kv_token = (
-        2 * m.n_layers * m.n_kv_heads * cache_head_dim(m) * np.dtype(m.compute_dtype).itemsize / min(t, m.n_kv_heads)
-    )
+    kv_token = cache_base.token_bytes(m, t)
     weights = (
         weight_bytes_per_device(gen_config) * np.dtype(m.compute_dtype).itemsize / np.dtype(m.param_dtype).itemsize
     )

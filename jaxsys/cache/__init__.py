@@ -14,6 +14,9 @@ file, its metadata typed fields of a pytree dataclass, never dict keys the model
     WindowView           window.py      a paged cache read through sinks + a recent window of its
                                         own pages (self-speculation's draft)
 
+A *latent* cache (MLA, base.py) is a PagedCache or ContiguousCache whose `v` is None: one pool of
+[C + R] rows, read as keys and values.
+
 The serving engine (jaxsys/serve/engine.py) allocates the pages and fills the tables on the host;
 the model (`transformer.forward`) only calls `attend`.
 """

@@ -15,6 +15,13 @@ per device (this device's sequences or rows, and its K / tensor kv heads). A sli
 passes `window=W`: each query then sees only its last W positions. A model with attention logit
 soft-capping (Gemma 2) passes `softcap=c`: the scaled scores s become c * tanh(s / c) before the
 mask and the softmax (None or 0: no cap).
+
+A *latent* cache (multi-head latent attention with `config.model.mla.cache = "latent"`, the
+default; models/mla.py) holds one row per token, MLA's normed latent and rotated key tail
+[C + R] padded to H_c: K = 1 "kv head", its `v` None, and `attend(q, k, None, ...)` reads each
+row as both key and value (the model takes the value's first C dims). The row is the same on every
+tensor rank (every rank computes all the latents), so its pool is replicated over `tensor`
+(LATENT_POOL), not split over kv heads.
 """
 
 from __future__ import annotations
@@ -22,19 +29,55 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import numpy as np
+
 # where a cache's arrays live on the mesh: pools split like the activations (the batch over the
 # batch axes, kv heads over `tensor`), per-row metadata split with the rows
 POOL = ("layers", "batch", None, "kv_heads", None)  # [L, B or pages, S or page slots, K, H]
+LATENT_POOL = ("layers", "batch", None, None, None)  # [L, B or pages, S or slots, 1, H_c]: whole on every tensor rank
 ROWS = ("batch", None)  # [rows, ...]
 ROW = ("batch",)  # [rows]
 
 
+def latent(m) -> bool:
+    """Whether the caches hold MLA's latent per token (config.model.mla.cache = "latent") rather
+    than the expanded per-head keys and values."""
+    return bool(m.mla.kv_lora_rank) and m.mla.cache == "latent"
+
+
 def head_dim(m) -> int:
-    """H_c, the head dim the caches hold: the model's head_dim rounded up to a power of two (the
-    paged kernels' Triton tiles need one; 12 -> 16, 96 -> 128, MLA's 192 -> 256). The model pads
-    q, k and v to it before `attend`, q scaled by (H_c / H)^0.5 so that every score is unchanged,
-    and cuts the output back (transformer.block)."""
-    return 1 << (m.head_dim - 1).bit_length()
+    """H_c, the head dim the caches hold: the model's head_dim, or a latent cache's row C + R,
+    rounded up to a power of two (the paged kernels' Triton tiles need one; 12 -> 16, 96 -> 128,
+    MLA's expanded 192 -> 256, its latent 512 + 64 -> 1024). The model pads q, k and v to it
+    before `attend`, q scaled by (H_c / H)^0.5 so that every score is unchanged, and cuts the
+    output back (transformer.block)."""
+    width = m.mla.kv_lora_rank + m.mla.rope_head_dim if latent(m) else m.head_dim
+    return 1 << (width - 1).bit_length()
+
+
+def kv_heads(m) -> int:
+    """K_c, the kv heads a cache row holds: the model's n_kv_heads, or 1 (a latent cache)."""
+    return 1 if latent(m) else m.n_kv_heads
+
+
+def pool_spec(m) -> tuple:
+    """The logical axes of the model's cache pools: POOL, or LATENT_POOL for a latent cache."""
+    return LATENT_POOL if latent(m) else POOL
+
+
+def pools(m, pages: int, slots: int) -> tuple[tuple[int, ...], int]:
+    """The shape [L, pages, slots, K_c, H_c] of each of the model's cache pools and how many
+    there are (2: keys and values; 1: a latent cache's rows)."""
+    return (m.n_layers, pages, slots, kv_heads(m), head_dim(m)), 1 if latent(m) else 2
+
+
+def token_bytes(m, tensor: int = 1) -> float:
+    """Bytes of cache one token takes on one device of `tensor` tensor ranks, all layers, in the
+    compute dtype: keys and values of its share of the kv heads (K_c / min(tensor, K_c) each), or
+    the whole latent row on every rank."""
+    (layers, _, _, k, h), n = pools(m, 1, 1)
+    share = k if latent(m) else k / min(tensor, k)
+    return n * layers * share * h * np.dtype(m.compute_dtype).itemsize
 
 
 def static(default=None):
@@ -55,9 +98,15 @@ class KVCache:
         soft-capped to c * tanh(s / c)) -> (o, cache)."""
         raise NotImplementedError
 
+    @property
+    def latent(self) -> bool:
+        """A latent cache (MLA): one pool of rows that are keys and values both (`v` is None)."""
+        return "v" in self.layer_fields and getattr(self, "v") is None
+
     def per_layer(self) -> dict:
-        """The layer fields {name: [L, ...]} (of one layer inside the layer scan: [...])."""
-        return {name: getattr(self, name) for name in self.layer_fields}
+        """The layer fields {name: [L, ...]} (of one layer inside the layer scan: [...]) that are
+        present (a latent cache has no `v`)."""
+        return {name: getattr(self, name) for name in self.layer_fields if getattr(self, name) is not None}
 
     def with_layers(self, layers: dict):
         """This cache with its layer fields replaced (by one layer's arrays, or the stacked result)."""
@@ -66,8 +115,9 @@ class KVCache:
     def pspecs(self, layout):
         """A tree like this cache of PartitionSpecs (for shard_map's in/out specs): pools as POOL,
         per-row metadata split over the batch axes with the rows."""
-        pool, rows, row = (layout.compute_spec(spec) for spec in (POOL, ROWS, ROW))
-        specs = {name: pool for name in self.layer_fields}
+        pool_axes = LATENT_POOL if self.latent else POOL
+        pool, rows, row = (layout.compute_spec(spec) for spec in (pool_axes, ROWS, ROW))
+        specs = {name: pool for name in self.per_layer()}
         for name in self.row_fields:
             value = getattr(self, name)
             if value is not None:

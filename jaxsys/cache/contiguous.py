@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsys.cache.base import POOL, KVCache, head_dim
+from jaxsys.cache.base import KVCache, pool_spec, pools
 from jaxsys.models import layers
 
 
@@ -33,7 +33,7 @@ from jaxsys.models import layers
 @dataclasses.dataclass(frozen=True)
 class ContiguousCache(KVCache):
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None  # None: a latent cache, whose rows k are keys and values (base.py)
     page_table: jax.Array | None = None
     quant: object = None  # a kivi.FakeQuant (a pytree: its residual may be traced)
 
@@ -45,10 +45,10 @@ class ContiguousCache(KVCache):
         """An empty cache of `batch` sequences of `max_len` slots on `program`'s mesh (batch must
         split over the batch shards)."""
         m, layout = program.config.model, program.layout
-        shape = (m.n_layers, batch, max_len, m.n_kv_heads, head_dim(m))
-        sharding = NamedSharding(program.mesh, layout.compute_spec(POOL))
+        shape, count = pools(m, batch, max_len)
+        sharding = NamedSharding(program.mesh, layout.compute_spec(pool_spec(m)))
         make = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
-        return cls(make(), make(), None, quant)
+        return cls(make(), make() if count == 2 else None, None, quant)
 
     def pspecs(self, layout):
         specs = super().pspecs(layout)
@@ -65,9 +65,11 @@ class ContiguousCache(KVCache):
         rows = q.shape[0]
         slots = jnp.arange(rows) if self.page_table is None else self.page_table[:, 0]
         write = lambda cache, new: cache.at[slots[:, None], positions].set(new.astype(cache.dtype))
-        kc, vc = write(self.k, k), write(self.v, v)
-        keys, values = (kc, vc) if self.page_table is None else (kc[slots], vc[slots])
-        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        kc = write(self.k, k)
+        vc = None if self.v is None else write(self.v, v)  # None: a latent cache's rows are both
+        read = lambda cache: (cache if self.page_table is None else cache[slots]).astype(q.dtype)
+        keys = read(kc)
+        values = keys if vc is None else read(vc)
         if self.quant is None:
             o = layers.attention(q, keys, values, q_positions=positions, window=window, softcap=softcap)
         else:

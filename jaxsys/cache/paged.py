@@ -1,7 +1,9 @@
 """The paged KV cache (PagedAttention's block table): pools of pages shared by all sequences.
 
     k, v        [L, P, page_size, K, H]   this device's pages (a batch shard's pool plus its
-                                          scratch page) and its K / tensor kv heads
+                                          scratch page) and its K / tensor kv heads; a latent
+                                          cache (MLA, base.py): k [L, P, page_size, 1, H_c]
+                                          whole on every tensor rank, v None
     page_table  [R, max_pages]            each query row's sequence's pages, in order: position t
                                           lives in slot t % page_size of page page_table[t // page_size]
 
@@ -51,7 +53,7 @@ def write_rows(pool, new, slot):
 @dataclasses.dataclass(frozen=True)
 class PagedCache(KVCache):
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None  # None: a latent cache, whose rows k are keys and values (base.py)
     page_table: jax.Array | None = None
     seq_table: jax.Array | None = None
     cu_q_lens: jax.Array | None = None
@@ -66,16 +68,20 @@ class PagedCache(KVCache):
         return self.k.shape[-3]
 
     def attend(self, q, k, v, positions, window=None, softcap=None, read=None):
-        """One token per row: q [R, 1, N, H], k, v [R, 1, K, H] at positions [R, 1]. `read`:
+        """One token per row: q [R, 1, N, H], k, v [R, 1, K, H] at positions [R, 1] (v None: a latent
+        cache's, rows read as keys and values). `read`:
         (table [R, max_pages], lengths [R]) to read through instead of page_table and position + 1."""
         pos = positions[:, 0]
         slot = slots(self.page_table, pos, self.page_size)
-        kc, vc = write_rows(self.k, k[:, 0], slot), write_rows(self.v, v[:, 0], slot)
+        kc = write_rows(self.k, k[:, 0], slot)
+        vc = None if self.v is None else write_rows(self.v, v[:, 0], slot)
+        keys = kc.astype(q.dtype)
+        values = keys if vc is None else vc.astype(q.dtype)  # a latent cache's rows are both
         if read is None and self.cu_q_lens is not None:
             o = ragged_paged_attention(
                 q[:, 0],
-                kc.astype(q.dtype),
-                vc.astype(q.dtype),
+                keys,
+                values,
                 self.seq_table,
                 self.cu_q_lens,
                 self.kv_lens,
@@ -85,7 +91,5 @@ class PagedCache(KVCache):
             )
         else:
             table, lengths = (self.page_table, pos + 1) if read is None else read[:2]
-            o = paged_attention(
-                q[:, 0], kc.astype(q.dtype), vc.astype(q.dtype), table, lengths, window=window, softcap=softcap
-            )
+            o = paged_attention(q[:, 0], keys, values, table, lengths, window=window, softcap=softcap)
         return o[:, None], self.with_layers({"k": kc, "v": vc})

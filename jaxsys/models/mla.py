@@ -24,16 +24,18 @@ latents of its tokens and expands them to its own heads (column-parallel), so ML
 one all-reduce per attention block. The up-projections' latent rows (`latent`) are split over
 `fsdp` at rest, as `embed` is (ZeRO-3), and gathered before use; `latent_out` is never split.
 
-Every attention path (reference, the flash kernels, cuDNN, context parallelism, the serving
-caches) takes q/k/v of one head dim, so values are zero-padded from H_v to H before attention
-and the output cut back: the caches hold N (H + H) values per token and layer, the expanded
-keys and values, not the C + R of the latent (docs/mla.md weighs this).
+Every attention path of training (reference, the flash kernels, cuDNN, context parallelism)
+takes q/k/v of one head dim, so values are zero-padded from H_v to H before attention and the
+output cut back. Serving caches the latent (`config.model.mla.cache = "latent"`): one row of
+C + R per token and layer, attended in the absorbed form (`latent_attention`); "expanded" caches
+every head's keys and padded values instead, N (H + H) per token (docs/mla.md weighs the two).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxsys.cache import base as cache_base
 from jaxsys.models import layers
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import tensor
@@ -85,11 +87,11 @@ def matmul_params(m) -> int:
     return q + D * C + D * R + C * N * (H - R) + C * N * Hv + N * Hv * D
 
 
-def qkv(linear, h, w, m, heads: tuple[str, ...], sp: tuple[str, ...], collective: bool):
-    """q[B, T, N', H], k[B, T, N', H] (the rotary tails not yet rotated, k's broadcast over the
-    heads) and v[B, T, N', H_v] of this rank's N' heads from normed h[B, T(/tp), D]; `linear` is
-    quant.linear with the model bound. The down-projections run in tensor.enter_matmul (after the
-    sequence-parallel gather), the up-projections on the full-T latents."""
+def project(linear, h, w, m, heads: tuple[str, ...], sp: tuple[str, ...], collective: bool):
+    """q[B, T, N', H] of this rank's N' heads (rotary tails not yet rotated), the normed kv latent
+    c[B, T, C] and the rotary key k_r[B, T, 1, R] (not yet rotated) from normed h[B, T(/tp), D];
+    `linear` is quant.linear with the model bound. The down-projections run in
+    tensor.enter_matmul (after the sequence-parallel gather), so c and k_r are every token's."""
     Q = m.mla.q_lora_rank
 
     def down(h, ws):
@@ -105,11 +107,34 @@ def qkv(linear, h, w, m, heads: tuple[str, ...], sp: tuple[str, ...], collective
     q, latent, k_rope = tensor.enter_matmul(down, h, ws, heads, sp, collective)
     if Q:
         q = linear("btq,qnh->btnh", layers.rms_norm(q, w["q_a_norm"], LATENT_NORM_EPS), w["wq_b"], name="wq_b")
-    latent = layers.rms_norm(latent, w["kv_a_norm"], LATENT_NORM_EPS)
+    return q, layers.rms_norm(latent, w["kv_a_norm"], LATENT_NORM_EPS), k_rope[:, :, None, :]
+
+
+def expand(linear, latent, k_rope, w):
+    """k[B, T, N', H] (k_r broadcast over the heads) and v[B, T, N', H_v] of this rank's heads
+    from the latent c[B, T, C]: what training and an expanded cache attend with."""
     k_nope = linear("btc,cnh->btnh", latent, w["wk_b"], name="wk_b")
     v = linear("btc,cnh->btnh", latent, w["wv_b"], name="wv_b")
-    k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:3], k_rope.shape[-1]))
-    return q, jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), v
+    k_rope = jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))
+    return jnp.concatenate([k_nope, k_rope.astype(k_nope.dtype)], axis=-1), v
+
+
+def latent_attention(cache, q, latent, k_rope, w, positions, window, softcap, m):
+    """Attention through a latent cache (cache/base.py) in DeepSeek-V2's absorbed form: each head's
+    q_n . k_n = (W_k_b[n] q_nope_n) . c + q_rope_n . k_r, so the cache holds the row [c, k_r]
+    [C + R] per token (one "kv head", padded to the cache's H_c) and a head's query is
+    [W_k_b[n] q_nope_n, q_rope_n]; its output over the rows' first C dims is the latent
+    o_c = sum_t p_t c_t, and o_n = o_c W_v_b[n] = sum_t p_t v_t. q[B, T, N', H] and k_rope
+    [B, T, 1, R] rotated, q already carrying query_pre_attn_scalar. Returns (o [B, T, N', H_v],
+    cache)."""
+    C, R, H = m.mla.kv_lora_rank, m.mla.rope_head_dim, m.head_dim
+    hc = cache_base.head_dim(m)
+    q_latent = jnp.einsum("btnh,cnh->btnc", q[..., :-R], w["wk_b"].astype(q.dtype))
+    # the cache's scale is H_c^-0.5; the model's H^-0.5
+    q = jnp.concatenate([q_latent, q[..., -R:]], axis=-1) * jnp.asarray((hc / H) ** 0.5, q.dtype)
+    row = jnp.concatenate([latent[:, :, None, :], k_rope.astype(latent.dtype)], axis=-1)
+    o, cache = cache.attend(pad_values(q, hc), pad_values(row, hc), None, positions, window=window, softcap=softcap)
+    return jnp.einsum("btnc,cnh->btnh", o[..., :C], w["wv_b"].astype(o.dtype)), cache
 
 
 def rope(x, positions, theta: float, scaling: layers.RopeScaling, m):

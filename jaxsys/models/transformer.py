@@ -164,9 +164,14 @@ def block(
     linear = functools.partial(quant.linear, m=m)  # einsum, or the quantized kernels (config.model.quant)
     cm = layout.collective_matmul  # the TP matmuls beside their SP collectives (config.parallel.collective_matmul)
     normed = layers.rms_norm(ladder.module_input(x), w["attn_norm"], m.norm_eps)
+    latent = None  # MLA through a latent cache: (c, k_r), attended in the absorbed form
     if mla.enabled(m):  # multi-head latent attention: v's H_v padded to H for the attention paths
-        q, k, v = mla.qkv(linear, normed, w, m, heads, sp, cm)
-        v = mla.pad_values(v, m.head_dim)
+        q, c, k = mla.project(linear, normed, w, m, heads, sp, cm)
+        if cache is not None and cache_base.latent(m):
+            latent, v = c, None
+        else:
+            k, v = mla.expand(linear, c, k, w)
+            v = mla.pad_values(v, m.head_dim)
     else:
         q, k, v = tensor.enter_matmul(
             functools.partial(_qkv, linear), normed, (w["wq"], w["wk"], w["wv"]), heads, sp, cm
@@ -203,7 +208,11 @@ def block(
         else:
             if segments is not None:
                 raise ValueError("segment ids (packed documents) are for training and evaluation, not a KV cache")
-            o, cache = _cached_attention(cache, q, k, v, positions, window, m)
+            if latent is not None:
+                softcap = m.attn_logit_softcap or None
+                o, cache = mla.latent_attention(cache, q, latent, k, w, positions, window, softcap, m)
+            else:
+                o, cache = _cached_attention(cache, q, k, v, positions, window, m)
     o = checkpoint_name(o, "attention_output")
     if mla.enabled(m):
         o = o[..., : mla.v_head_dim(m)]

@@ -406,13 +406,19 @@ class DisaggregatedEngine(EngineAPI):
             block = self.prefill.export_pages(shard, ids)
             p.placed, moved = self.decode.receive_pages(p.shard, block)
             tokens = len(r.prompt)
+            layout = self.decode.program.layout
             self.transfers.append(
                 {
                     "id": r.id,
                     "tokens": tokens,
                     "pages": len(ids),
                     "bytes": moved,
-                    "formula_bytes": kv_transfer_bytes(self.decode.program.config.model, tokens, self.page_size),
+                    "formula_bytes": kv_transfer_bytes(
+                        self.decode.program.config.model,
+                        tokens,
+                        self.page_size,
+                        layout.size(layout.compute_axes("heads")),
+                    ),
                 }
             )
             p.ready_at = None if now is None else now + self.cost.transfer_s(tokens)

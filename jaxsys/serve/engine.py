@@ -52,8 +52,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxsys.cache import ContiguousCache, PagedCache, QuantizedPagedCache, kivi
-from jaxsys.cache.base import POOL, ROW, ROWS
-from jaxsys.cache.base import head_dim as cache_head_dim
+from jaxsys.cache import base as cache_base
+from jaxsys.cache.base import ROW, ROWS
 from jaxsys.config import CACHE_KINDS, KV_QUANT
 from jaxsys.kernels.paged_attention.quant import MODES as KV_QUANT_MODES
 from jaxsys.parallel.spmd import per_shard
@@ -322,15 +322,22 @@ class Engine(EngineAPI):
     # -- the cache
     def _empty_cache(self, num_pages: int, page_size: int, token_budget: int, max_seqs: int):
         m = self.program.config.model
-        sharding = NamedSharding(self.program.mesh, self.program.layout.compute_spec(POOL))
+        sharding = NamedSharding(self.program.mesh, self.program.layout.compute_spec(cache_base.pool_spec(m)))
         zeros = lambda shape, dtype=None: jax.jit(
             lambda: jnp.zeros((m.n_layers, *shape), dtype or jnp.dtype(m.compute_dtype)), out_shardings=sharding
         )()
-        pool = (self.shards * (num_pages + 1), page_size, m.n_kv_heads, cache_head_dim(m))
+        (_, *pool), count = cache_base.pools(m, self.shards * (num_pages + 1), page_size)
+        values = lambda: zeros(pool) if count == 2 else None  # a latent cache (MLA) has one pool
         if self.kind == "contiguous":
-            return ContiguousCache(zeros(pool), zeros(pool))
+            return ContiguousCache(zeros(pool), values())
         if self.kv_quant == "none":
-            return PagedCache(zeros(pool), zeros(pool))
+            return PagedCache(zeros(pool), values())
+        if count == 1:
+            raise ValueError(
+                f"kv_quant={self.kv_quant!r} quantizes per-head keys and values; MLA's latent cache "
+                "(config.model.mla.cache='latent') has none. Serve it with kv_quant='none', or set "
+                "config.model.mla.cache='expanded' to quantize the expanded heads"
+            )
         if not isinstance(self.kv_residual, int) or self.kv_residual < 0:
             raise ValueError(f"kv_residual={self.kv_residual!r} must be an integer >= 0 (pages)")
         per_byte = 8 // KV_QUANT_MODES[self.kv_quant][0]
@@ -348,7 +355,7 @@ class Engine(EngineAPI):
             self.shards * (n_fp + 1),
             page_size,
             m.n_kv_heads,
-            cache_head_dim(m),
+            cache_base.head_dim(m),
         )
         pools = {name: zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
         return QuantizedPagedCache(**pools, mode=self.kv_quant, residual=self.kv_residual)

@@ -53,8 +53,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxsys.cache import ContiguousCache, PagedCache, WindowView, kivi, window
-from jaxsys.cache.base import POOL, ROW, ROWS
-from jaxsys.cache.base import head_dim as cache_head_dim
+from jaxsys.cache import base as cache_base
+from jaxsys.cache.base import ROW, ROWS
 from jaxsys.serve import sampling as sampling_lib
 from jaxsys.serve.runner import ModelRunner
 
@@ -264,11 +264,11 @@ class DraftModel(Drafter):
             )
         # its own full-precision cache, addressed by the target's page ids
         m, pool = self.program.config.model, engine.pools[0]
-        shape = (m.n_layers, engine.shards * (pool.num_pages + 1), pool.page_size, m.n_kv_heads, cache_head_dim(m))
-        sharding = NamedSharding(self.program.mesh, layout.compute_spec(POOL))
+        shape, count = cache_base.pools(m, engine.shards * (pool.num_pages + 1), pool.page_size)
+        sharding = NamedSharding(self.program.mesh, layout.compute_spec(cache_base.pool_spec(m)))
         zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
         kind = ContiguousCache if engine.kind == "contiguous" else PagedCache
-        self.cache = kind(zeros(), zeros())
+        self.cache = kind(zeros(), zeros() if count == 2 else None)
 
     def forget(self, request_id) -> None:
         self.drafted_len.pop(request_id, None)

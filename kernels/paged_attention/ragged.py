@@ -94,6 +94,20 @@ __all__ = [
 
 DEFAULT_BLOCK_Q = 16
 _TRITON_DOT_MIN = 16  # Triton's tl.dot needs every dim >= 16
+# the most elements of a program's [rows, H] query tile in the generic kernel: larger item tiles
+# are split over a third grid axis (MLA's latent cache: 16 heads x 16 tokens x H = 1024 asked an
+# H100 for 640 KB of shared memory; 16 x 1024 fits). Every tile of H <= 128 and <= 128 rows stays whole.
+_TILE_ELEMENTS = 16384
+
+
+def row_block(rows: int, h: int, limit: int = _TILE_ELEMENTS) -> int:
+    """Rows of an item tile [rows, H] one generic program takes: all of them, or the largest power
+    of two (at least 16, the dot form's minimum, or all rows if fewer) whose tile has <= `limit`
+    elements."""
+    rb = rows
+    while rb > _TRITON_DOT_MIN and rb * h > limit:
+        rb //= 2
+    return rb
 
 
 def _pow2(n: int) -> bool:
@@ -358,6 +372,7 @@ class RaggedConfig:
     num_stages: int | None = None
     window: int | None = None  # sliding window: a query sees its last `window` positions
     softcap: float | None = None  # logit soft-cap c: scores s -> c * tanh(s / c)
+    row_block: int | None = None  # rows of an item tile per program (None: `row_block`'s choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,14 +408,16 @@ def _mm(a, b, contract_b: int, use_dot: bool):
     return jnp.sum(a[:, :, None] * b[None, :, :], axis=1)
 
 
-def _item(seq_ref, pos_ref, rows_ref, r: int, page_size: int, group_shift: int):
+def _item(seq_ref, pos_ref, rows_ref, r: int, page_size: int, group_shift: int, row0=0):
     """The program's work item: (sequence, first and last query position, pages to read, each tile
-    row's query position [R, page_size] (padded rows take the last row's))."""
+    row's query position [R, page_size] (padded rows take the last row's)). `row0`: the item tile's
+    row this program's R rows start at (a split tile)."""
     w = pl.program_id(0)
     seq, pos0, rows = seq_ref[w], pos_ref[w], rows_ref[w]
     last = pos0 + rows - 1
     n_pages = lax.div(pos0 + rows + page_size - 1, page_size)  # 0 for a dead item (pos0 = rows = 0)
-    row = lax.shift_right_logical(lax.broadcasted_iota(jnp.int32, (r, page_size), 0), jnp.int32(group_shift))
+    tile_row = lax.broadcasted_iota(jnp.int32, (r, page_size), 0) + row0
+    row = lax.shift_right_logical(tile_row, jnp.int32(group_shift))
     qpos = pos0 + jnp.minimum(row, rows - 1)
     return seq, pos0, last, n_pages, qpos
 
@@ -445,7 +462,8 @@ def _generic_kernel(pt_ref, seq_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_r
     kh = pl.program_id(1)
     q = q_ref[...]  # [R, H]
     r, h = q.shape
-    seq, pos0, last, n_pages, qpos = _item(seq_ref, pos_ref, rows_ref, r, page_size, cfg.group_shift)
+    row0 = pl.program_id(2) * r  # this program's rows of the item tile
+    seq, pos0, last, n_pages, qpos = _item(seq_ref, pos_ref, rows_ref, r, page_size, cfg.group_shift, row0)
     use_dot = min(r, page_size, h) >= _TRITON_DOT_MIN
     slot = lax.broadcasted_iota(jnp.int32, (page_size, h), 0)
 
@@ -466,18 +484,22 @@ def _generic_kernel(pt_ref, seq_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_r
 
 
 def _whole(a):
-    return pl.BlockSpec(a.shape, lambda w, kh, nd=a.ndim: (0,) * nd)
+    return pl.BlockSpec(a.shape, lambda *grid, nd=a.ndim: (0,) * nd)
 
 
 def _generic(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedConfig):
-    """q [W, K, R, H] item tiles -> o [W, K, R, H]."""
+    """q [W, K, R, H] item tiles -> o [W, K, R, H]; grid (W, K, R / Rb), program (w, kv head, c)
+    taking the tile's rows c Rb .. (c + 1) Rb (`row_block`; one program per tile unless it is large)."""
     w, kh, r, h = q.shape
     page_size = k_pages.shape[1]
-    q_spec = pl.BlockSpec((None, None, r, h), lambda wi, hi: (wi, hi, 0, 0))
+    rb = cfg.row_block or row_block(r, h)
+    if r % rb:
+        raise ValueError(f"row_block={rb} must divide the item tile's {r} rows (block_q x Gp)")
+    q_spec = pl.BlockSpec((None, None, rb, h), lambda wi, hi, ci: (wi, hi, ci, 0))
     operands = (page_table, seq, pos, rows)
     return pl.pallas_call(
         functools.partial(_generic_kernel, page_size=page_size, cfg=cfg),
-        grid=(w, kh),
+        grid=(w, kh, r // rb),
         in_specs=[_whole(a) for a in operands] + [q_spec, _whole(k_pages), _whole(v_pages)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -639,6 +661,7 @@ def ragged_paged_attention(
     num_stages=None,
     window=None,
     softcap: float | None = None,
+    row_block: int | None = None,
 ):
     """Attention of a step's ragged query blocks over a paged KV cache, as
     `ragged_paged_attention_reference` (module docstring for the layout).
@@ -653,10 +676,14 @@ def ragged_paged_attention(
     num_warps / num_stages: Triton launch parameters. window: sliding-window attention (a query
     sees its last `window` positions; pages wholly behind a block's windows are not read).
     softcap: logit soft-capping (Gemma 2), None or 0 (off) or c > 0: the scaled scores s become
-    c * tanh(s / c) before the mask and the softmax.
+    c * tanh(s / c) before the mask and the softmax. row_block (generic variant): rows of an item's
+    [block_q x Gp, H] query tile per program, a power of two dividing it (None: the whole tile, or
+    for a tile over 16K elements the largest part under it, `row_block`).
 
     Page ids, offsets and lengths are trusted under jit (checked only when concrete): an id outside
     [0, P) reads out of bounds in the generic variant."""
+    if row_block is not None and (not isinstance(row_block, int) or not _pow2(row_block)):
+        raise ValueError(f"row_block must be a power of two >= 1; got {row_block!r}")
     check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, block_q)
     t, n, h = q.shape
     scale = float(h**-0.5 if scale is None else scale)
@@ -666,7 +693,15 @@ def ragged_paged_attention(
     plan = platforms.plan(
         backend,
         interpret,
-        RaggedConfig(scale, shift, num_warps=num_warps, num_stages=num_stages, window=window, softcap=softcap),
+        RaggedConfig(
+            scale,
+            shift,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            window=window,
+            softcap=softcap,
+            row_block=row_block,
+        ),
         ragged_tpu.RaggedTpuConfig(scale, shift, window=window, softcap=softcap),
     )
     o = platforms.dispatch(
