@@ -750,6 +750,63 @@ def test_bad_hf_input_is_named_before_anything_is_written(tmp_path, capsys):
     assert sorted(p.relative_to(done) for p in done.rglob("*")) == before
 
 
+def test_fp8_block_scaled_checkpoint_converts_dequantized(tmp_path):
+    """DeepSeek-V3's released format: every linear weight float8 e4m3 with a float32
+    `weight_scale_inv` per block (config.json quantization_config, here blocks of 12 x 10 so that
+    the golden's weights end in partial blocks). The conversion equals converting a
+    float checkpoint of the same weights dequantized here by NumPy, and its logits stay within
+    fp8's rounding of transformers' on the float weights."""
+    import ml_dtypes
+
+    name = "deepseek_v3"
+    fp8_dir, float_dir = _copy_golden(tmp_path, name), tmp_path / "dequantized"
+    shutil.copytree(fp8_dir, float_dir)
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for key, w in tensors.items():
+        linear = key.endswith("proj.weight") and w.ndim == 2  # not the norms, router, embeddings, head
+        if not linear:
+            quantized[key] = dequantized[key] = w
+            continue
+        rows, cols = -(-w.shape[0] // 12), -(-w.shape[1] // 10)
+        padded = np.zeros((rows * 12, cols * 10), np.float32)
+        padded[: w.shape[0], : w.shape[1]] = w
+        amax = np.abs(padded.reshape(rows, 12, cols, 10)).max(axis=(1, 3))
+        scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)  # e4m3's largest value
+        full = np.kron(scale, np.ones((12, 10), np.float32))[: w.shape[0], : w.shape[1]]
+        q = (w / full).astype(ml_dtypes.float8_e4m3fn)
+        quantized[key], quantized[key + "_scale_inv"] = q, scale
+        dequantized[key] = q.astype(np.float32) * full
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    save_file(dequantized, str(float_dir / "model.safetensors"))
+    hf = json.load(open(fp8_dir / "config.json"))
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [12, 10]}
+    json.dump(hf, open(fp8_dir / "config.json", "w"))
+
+    for src, out in ((fp8_dir, "w_fp8"), (float_dir, "w_float")):
+        assert convert.main(["--from-hf", str(src), "--workdir", str(tmp_path / out)]) == 0
+    config, program, got = _restored(tmp_path / "w_fp8")
+    _, _, want = _restored(tmp_path / "w_float")
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens = np.load(os.path.join(GOLDEN, name, "tokens.npy"))
+    logits = np.asarray(transformer.logits(got.params, jnp.asarray(tokens), config.model, program.layout))
+    golden = np.load(os.path.join(GOLDEN, name, "logits.npy"))
+    # fp8 mattered, within its rounding: e4m3 keeps 3 mantissa bits, each weight within 2^-4 relative
+    assert 1e-4 < np.abs(logits - golden).max() < 0.1 * np.abs(golden).max()
+
+    # refused by name: a float8 weight without its scales, and a quantization not read
+    del quantized["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    with pytest.raises(hf_lib.ConversionError, match=r"o_proj.weight \(64, 48\) needs .*_scale_inv of shape \(6, 5\)"):
+        hf_lib.from_hf(str(fp8_dir), str(tmp_path / "w1"))
+    hf["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    json.dump(hf, open(fp8_dir / "config.json", "w"))
+    with pytest.raises(hf_lib.ConversionError, match="quant_method='gptq'.*dequantize this one"):
+        hf_lib.from_hf(str(fp8_dir), str(tmp_path / "w2"))
+    assert not (tmp_path / "w1").exists() and not (tmp_path / "w2").exists()
+
+
 def test_the_tokenizer_travels_with_the_conversion(tmp_path, capsys):
     """--from-hf copies a directory's tokenizer files into W/tokenizer/ or records that it has
     none; --tokenizer attaches one to a workdir, refusing one with more ids than the model's

@@ -13,7 +13,10 @@ resolved config.json and checkpoint step 0 (the weights and a fresh optimizer st
 which must not already hold a run, with the model's tokenizer (the directory's tokenizer.json and
 companions copied into W/tokenizer/, or a record that it has none: jaxsys/tokenizer.py). `to_hf`
 writes config.json and model.safetensors (and the tokenizer files) from a workdir's checkpoint.
-Safetensors only: pickle files (`*.bin`, `*.pt`) are never read.
+Safetensors only: pickle files (`*.bin`, `*.pt`) are never read. FP8 checkpoints with block
+scales (config.json's quantization_config quant_method "fp8" with weight_block_size: DeepSeek-V3's
+released weights, Qwen3's FP8 ones) are read dequantized (`dequantized`); other quantized
+checkpoints (GPTQ, AWQ, bitsandbytes) are refused by name.
 
 The mapping is a transpose and reshape per tensor: HF's `nn.Linear` weights are [out, in], jaxsys's
 are [in, out] with heads split out (wq [D, N, H]) and stacked over layers. HF's Llama applies RoPE
@@ -26,6 +29,7 @@ import glob
 import json
 import math
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -705,6 +709,91 @@ def _gemma_config(m, dtype: str) -> dict:
 # ----------------------------------------------------------------------------- tensors
 
 
+def fp8_block(hf: dict) -> tuple[int, int] | None:
+    """The [rows, columns] weight block of config.json's FP8 quantization_config (None: not
+    quantized); ConversionError for a quantization jaxsys.convert does not read."""
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    block = q.get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, list) and len(block) == 2 and all(b >= 1 for b in block)):
+        raise ConversionError(
+            f"config.json has quantization_config quant_method={method!r} weight_block_size={block!r}: "
+            "jaxsys.convert reads float checkpoints and block-scaled FP8 ones (quant_method 'fp8' with a "
+            "[rows, columns] weight_block_size); dequantize this one to bf16 first (transformers: load it "
+            "and save_pretrained without the quantization_config)"
+        )
+    return int(block[0]), int(block[1])
+
+
+def dequantized(tensors: dict[str, np.ndarray], block: tuple[int, int] | None) -> dict[str, np.ndarray]:
+    """FP8 block-quantized weights as float32: each float8 tensor X [R, C] times its
+    `X_scale_inv` [ceil(R / b0), ceil(C / b1)] repeated over its b0 x b1 blocks (the last ones
+    partial); the scale tensors dropped. A float8 tensor without its scale is named."""
+    fp8 = {name for name, a in tensors.items() if "float8" in a.dtype.name}
+    if not fp8:
+        return tensors
+    if block is None:
+        raise ConversionError(
+            f"tensor {sorted(fp8)[0]} is float8 ({tensors[sorted(fp8)[0]].dtype}) but config.json has no FP8 "
+            "quantization_config (quant_method 'fp8', weight_block_size): its scales cannot be read"
+        )
+    out = {name: a for name, a in tensors.items() if not name.endswith("_scale_inv")}
+    b0, b1 = block
+    for name in sorted(fp8):
+        w, scale = tensors[name], tensors.get(name + "_scale_inv")
+        want = (math.ceil(w.shape[0] / b0), math.ceil(w.shape[1] / b1)) if w.ndim == 2 else None
+        if scale is None or want is None or tuple(scale.shape) != want:
+            raise ConversionError(
+                f"float8 tensor {name} {tuple(w.shape)} needs {name}_scale_inv of shape {want} "
+                f"(one scale per {b0} x {b1} block); the safetensors have "
+                f"{'none' if scale is None else tuple(scale.shape)}"
+            )
+        full = np.repeat(np.repeat(scale.astype(np.float32), b0, axis=0), b1, axis=1)
+        out[name] = w.astype(np.float32) * full[: w.shape[0], : w.shape[1]]
+    return out
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """A safetensors file's JSON header and the byte offset its data starts at."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def _read_fp8_file(path: str, header: dict, start: int) -> dict[str, np.ndarray]:
+    """A safetensors file with float8 tensors (which safetensors.numpy cannot load), memory-mapped
+    with ml_dtypes' float8 types."""
+    import ml_dtypes
+
+    dtypes = {
+        "F8_E4M3": ml_dtypes.float8_e4m3fn,
+        "F8_E5M2": ml_dtypes.float8_e5m2,
+        "BF16": ml_dtypes.bfloat16,
+        "F16": np.float16,
+        "F32": np.float32,
+        "F64": np.float64,
+        "I64": np.int64,
+        "I32": np.int32,
+        "I8": np.int8,
+        "U8": np.uint8,
+        "BOOL": np.bool_,
+    }
+    data = np.memmap(path, np.uint8, mode="r", offset=start)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in dtypes:
+            raise ConversionError(
+                f"{path}: tensor {name} has dtype {info['dtype']}, which jaxsys.convert does not read"
+            )
+        begin, end = info["data_offsets"]
+        out[name] = np.asarray(data[begin:end]).view(dtypes[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
 def _read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
     import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors.numpy needs)
     from safetensors.numpy import load_file
@@ -727,7 +816,11 @@ def _read_safetensors(hf_dir: str) -> dict[str, np.ndarray]:
     tensors = {}
     for path in files:
         try:
-            tensors.update(load_file(path))
+            header, start = _safetensors_header(path)
+            fp8 = any(str(v.get("dtype", "")).startswith("F8") for k, v in header.items() if k != "__metadata__")
+            tensors.update(_read_fp8_file(path, header, start) if fp8 else load_file(path))
+        except ConversionError:
+            raise
         except Exception as e:  # safetensors raises its own error types for damaged files
             raise ConversionError(f"{path} could not be read as safetensors ({type(e).__name__}: {e})") from e
     return tensors
@@ -881,7 +974,9 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
 
     require_new_workdir(workdir, ConversionError)
     config = base_config() if config is None else config
-    model_config_from_hf(text_config(_hf_config(hf_dir)), config.model)
+    hf = _hf_config(hf_dir)
+    block = fp8_block(hf)  # a quantization it cannot read is refused before anything is read
+    model_config_from_hf(text_config(hf), config.model)
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
     _require_convertible(config.model)
     validate(config)
@@ -891,7 +986,7 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
     except tokenizer_lib.TokenizerError as e:
         raise ConversionError(str(e)) from None
     # after every check on the config: reading is the slow part
-    tensors = unfused(text_tensors(_read_safetensors(hf_dir)), config.model)
+    tensors = unfused(text_tensors(dequantized(_read_safetensors(hf_dir), block)), config.model)
     params = params_from_hf(tensors, config.model, jnp.dtype(config.model.param_dtype))
     n = int(np.prod([config.mesh[a] for a in config.mesh]))
     if n > jax.device_count():
