@@ -726,6 +726,27 @@ def _pad_head(x, target: int):
     )
 
 
+def _any_head_dim(padded: tuple[int, ...], cut):
+    """Run the decorated public function at the kernels' head dim (`_kernel_head_dim`): where they
+    do not take q's H, its positional arrays at `padded` are zero-padded to the next one they do,
+    the softmax scale is H's, and `cut(result, H)` cuts the result back."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, softmax_scale=None, interpret=None, **kw):
+            h = args[0].shape[-1]
+            if (target := _kernel_head_dim(h, interpret)) == h:
+                return fn(*args, softmax_scale=softmax_scale, interpret=interpret, **kw)
+            args = tuple(_pad_head(a, target) if i in padded else a for i, a in enumerate(args))
+            scale = h**-0.5 if softmax_scale is None else softmax_scale
+            return cut(fn(*args, softmax_scale=scale, interpret=interpret, **kw), h)
+
+        return run
+
+    return wrap
+
+
+@_any_head_dim((0, 1, 2), lambda out, h: (out[0][..., :h], out[1]) if isinstance(out, tuple) else out[..., :h])
 def flash_attention(
     q,
     k,
@@ -765,25 +786,6 @@ def flash_attention(
     give way to the generic one here too, and backend="mosaic_gpu" with a softcap is a ValueError.
     A head dim the kernels do not take (e.g. 192, 96) runs zero-padded to the next one they do
     (`_kernel_head_dim`), at the scale of the true H."""
-    h = q.shape[-1]
-    if (target := _kernel_head_dim(h, interpret)) != h:
-        out = flash_attention(
-            *(_pad_head(x, target) for x in (q, k, v)),
-            causal=causal,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            softmax_scale=h**-0.5 if softmax_scale is None else softmax_scale,
-            return_lse=return_lse,
-            block_q=block_q,
-            block_k=block_k,
-            interpret=interpret,
-            block_q_bwd=block_q_bwd,
-            block_k_bwd=block_k_bwd,
-            backend=backend,
-            window=window,
-            softcap=softcap,
-        )
-        return (out[0][..., :h], out[1]) if return_lse else out[..., :h]
     plan, q_seg, kv_seg = _prepare(
         q,
         k,
@@ -845,6 +847,7 @@ def flash_attention_forward(
     )
 
 
+@_any_head_dim((0, 1, 2, 3, 5), lambda grads, h: tuple(g[..., :h] for g in grads))
 def flash_attention_backward(
     q,
     k,
@@ -873,25 +876,6 @@ def flash_attention_backward(
     the backward kernels here; backend, interpret, window and softcap as in flash_attention (the
     soft-cap's derivative is per score, so the block sums stay exact with it). A head dim the
     kernels do not take runs zero-padded, as in flash_attention."""
-    h = q.shape[-1]
-    if (target := _kernel_head_dim(h, interpret)) != h:
-        grads = flash_attention_backward(
-            *(_pad_head(x, target) for x in (q, k, v, o)),
-            lse,
-            _pad_head(do, target),
-            dlse,
-            causal=causal,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            softmax_scale=h**-0.5 if softmax_scale is None else softmax_scale,
-            block_q=block_q,
-            block_k=block_k,
-            interpret=interpret,
-            backend=backend,
-            window=window,
-            softcap=softcap,
-        )
-        return tuple(g[..., :h] for g in grads)
     plan, q_seg, kv_seg = _prepare(
         q,
         k,
