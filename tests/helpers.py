@@ -153,6 +153,13 @@ def run(config, steps: int = 3):
     return float(loss0), grads, np.array(losses), state
 
 
+def assert_same_run(want, got, what: str, atol: float = 1e-6) -> None:
+    """Two `run` results of one model on two layouts: losses within 1e-6 relative and final
+    parameters within `atol` absolute (the caller states why its optimizer keeps them there)."""
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6, err_msg=what)
+    chex.assert_trees_all_close(got[3].params, want[3].params, rtol=0, atol=atol, custom_message=what)
+
+
 def assert_trees_close_leafwise(got, want, rtol: float, atol):
     """`chex.assert_trees_all_close(got, want, rtol=rtol)` with an absolute tolerance per leaf, `atol(w)` of the wanted
     leaf `w`: entries built by cancellation carry the rounding of their leaf's large terms, so the bound scales with

@@ -23,7 +23,7 @@ from jaxsys.config import ConfigError, validate
 from jaxsys.models.params import ParamSpec
 from jaxsys.optim import galore
 from jaxsys.parallel import offload
-from tests.helpers import collectives_added, crash_then_resume, program_for, run, small_config
+from tests.helpers import assert_same_run, collectives_added, crash_then_resume, program_for, run, small_config
 
 LAYOUT = dict(data=2, fsdp=2, tensor=2)
 
@@ -173,14 +173,11 @@ def _run(name, config, steps=4):
     return _runs[name]
 
 
-def _assert_same_run(want, got, what):
-    """Losses and parameters of two layouts. They sum the gradient in different orders, so G
-    differs by fp32 rounding (~1e-7 relative); the SVD turns that into ~1e-7 * s_1 / gap in the
-    basis, and Adam's normalised update lr * alpha * O(1) (3e-3 * 0.25 here) moves each weight by
-    less than 1e-3 per step: parameters agree to 1e-6 absolute (measured: 6e-8), losses to 1e-6
-    relative (measured 1e-7)."""
-    np.testing.assert_allclose(got[2], want[2], rtol=1e-6, err_msg=what)
-    chex.assert_trees_all_close(got[3].params, want[3].params, rtol=0, atol=1e-6, custom_message=what)
+# assert_same_run's tolerances here: Losses and parameters of two layouts. They sum the gradient
+# in different orders, so G differs by fp32 rounding (~1e-7 relative); the SVD turns that into ~1e-7
+# * s_1 / gap in the basis, and Adam's normalised update lr * alpha * O(1) (3e-3 * 0.25 here) moves
+# each weight by less than 1e-3 per step: parameters agree to 1e-6 absolute (measured: 6e-8), losses
+# to 1e-6 relative (measured 1e-7).
 
 
 @pytest.mark.parametrize("mesh", [LAYOUT, dict(data=4, fsdp=2)])
@@ -193,7 +190,7 @@ def test_sharded_run_equals_one_device(mesh):
     want = _run("one_device", _galore())
     c = _galore(mesh)
     c.train.zero_stage = 1
-    _assert_same_run(want, run(c, steps=4), str(mesh))
+    assert_same_run(want, run(c, steps=4), str(mesh))
     assert want[2][-1] < want[2][0]
 
 
@@ -203,7 +200,7 @@ def test_pipeline_run_equals_one_device():
     from tests.helpers import pipeline_config
 
     cfg = lambda mesh: _with_galore(pipeline_config(mesh))
-    _assert_same_run(run(cfg({}), steps=3), run(cfg(dict(pipe=2, data=2, tensor=2)), steps=3), "pipeline")
+    assert_same_run(run(cfg({}), steps=3), run(cfg(dict(pipe=2, data=2, tensor=2)), steps=3), "pipeline")
 
 
 def test_offloaded_parameters_give_the_same_run():
