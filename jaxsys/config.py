@@ -34,7 +34,8 @@ EXPERT_DISPATCH = ("padded", "ragged")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b")
 OPTIMIZERS = ("adamw", "galore", "muon", "zo", "sgd")
 OBJECTIVES = ("lm", "dpo")  # config.train.objective (docs/finetune.md)
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # config.lora.targets
+# config.lora.targets: attention, the dense MLP, and MLA's projections (models/mla.py)
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wq_a", "wq_b", "wkv_a", "wk_rope", "wk_b", "wv_b")
 OPTIMIZER_UPDATE = ("device", "host")
 QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
 QUANT_TRAIN = ("none", "int8", "fp8")  # config.model.quant_train
@@ -287,7 +288,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.lora = ml_collections.ConfigDict()
     c.lora.rank = 0  # r; 0 = off
     c.lora.alpha = 16.0  # the adapter's output is scaled by alpha / r
-    c.lora.targets = "wq,wk,wv,wo,w_gate,w_up,w_down"  # comma-separated projections of every layer
+    # comma-separated projections of every layer (those a model lacks are skipped; MLA's: wq_a,
+    # wq_b, wkv_a, wk_rope, wk_b, wv_b)
+    c.lora.targets = "wq,wk,wv,wo,w_gate,w_up,w_down"
     c.lora.dropout = 0.0  # dropout on the adapter's input (training only)
 
     c.checkpoint = ml_collections.ConfigDict()
@@ -1326,10 +1329,10 @@ def _validate_finetune(config) -> None:
     bad = [n for n in lora_targets(config) if n not in LORA_TARGETS]
     _require(not bad, f"config.lora.targets={lo.targets!r}: unknown projection(s) {bad}; choose from {LORA_TARGETS}")
     if lo.rank > 0:
-        attention = set(LORA_TARGETS[:4])
-        if m.mla.kv_lora_rank:  # MLA's latent projections take no adapters yet: wo, and wq without a q latent
-            attention = {"wo"} | ({"wq"} if not m.mla.q_lora_rank else set())
-        present = attention | (set(LORA_TARGETS[4:]) if "dense" in mlp_pattern(m) else set())
+        attention = {"wq", "wk", "wv", "wo"}
+        if m.mla.kv_lora_rank:  # MLA: its latent projections, wo, and wq or the query latent's pair
+            attention = {"wo", "wkv_a", "wk_rope", "wk_b", "wv_b"} | ({"wq_a", "wq_b"} if m.mla.q_lora_rank else {"wq"})
+        present = attention | ({"w_gate", "w_up", "w_down"} if "dense" in mlp_pattern(m) else set())
         _require(
             bool(set(lora_targets(config)) & present),
             f"config.lora.targets={lo.targets!r} names no projection this model has (it has {sorted(present)}); "

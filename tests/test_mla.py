@@ -308,6 +308,58 @@ def test_quantized_kv_pages_with_the_latent_cache_are_refused():
     validate(c)
 
 
+MLA_LORA = "wq_a,wq_b,wkv_a,wk_rope,wk_b,wv_b,wo"
+
+
+@pytest.fixture(scope="module")
+def lora_one_device():
+    """An MLA model with LoRA adapters on every MLA projection (B drawn at random: at B = 0 A has
+    no gradient) on one device: (config, program, params)."""
+    from tests.test_finetune import _with_random_b
+
+    c = mla_config(init_std=0.2)
+    c.lora.rank, c.lora.targets = 4, MLA_LORA
+    program = program_for(c)
+    return c, program, _with_random_b(program.init().params)
+
+
+def test_lora_on_the_latent_projections_sharded_equals_one_device(lora_one_device):
+    """fsdp 2 x tensor 2: the factors of the down-projections (wq_a, wkv_a, wk_rope), replicated
+    over tensor and fed by each rank's heads only, get their gradients summed over tensor (their
+    base's `partial`), the up-projections' split with the heads."""
+    from jaxsys import data
+
+    c, program, params = lora_one_device
+    batch = lambda p: data.global_batch(data.load_corpus(c.data), p.batch_sharding, c.seed, 0, 8, 32)
+    want_loss, want = program.loss_and_grads_fn()(params, batch(program))
+    sharded = mla_config({"fsdp": 2, "tensor": 2}, init_std=0.2)
+    sharded.lora.rank, sharded.lora.targets = 4, MLA_LORA
+    other = program_for(sharded)
+    loss, got = other.loss_and_grads_fn()(jax.device_put(params, other.param_shardings), batch(other))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL)
+    assert set(got["layers"]) == set(MLA_LORA.split(","))  # only the adapters have gradients
+    assert_trees_close_leafwise(got, want, rtol=1e-4, atol=lambda w: 1e-5 * np.abs(w).max())
+
+
+def test_lora_model_decodes_through_the_latent_cache(lora_one_device):
+    """The latent cache's absorbed attention folds the wk_b / wv_b adapters into the weights it
+    multiplies with outside quant.linear: greedy tokens equal argmax of the adapted forward."""
+    from jaxsys.models import transformer
+    from jaxsys.serve import engine
+    from jaxsys.serve.sampling import Sampling
+
+    c, program, params = lora_one_device
+    eng = engine.Engine(program, params, num_pages=16, page_size=4, token_budget=64, chunk_size=32, max_seqs=2)
+    assert eng.cache.v is None  # the latent cache
+    prompt, n = [10, 20, 30, 40, 50], 6
+    got = engine.generate(eng, [prompt], n, Sampling())[0]
+    fn = jax.jit(lambda p, ids: transformer.logits(p, ids, c.model, program.layout, program.specs))
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(jnp.argmax(fn(params, jnp.asarray([seq], jnp.int32))[0, -1])))
+    assert got == seq[len(prompt) :]
+
+
 def test_lora_targets_an_mla_model_lacks_are_refused():
     c = mla_config()
     c.lora.rank, c.lora.targets = 4, "wk,wv"

@@ -49,23 +49,30 @@ def _float_spec(spec, name: str) -> ParamSpec:
     if "q" in spec:
         return spec["q"]
     packed = spec["packed"]  # w4a16: the last contracted dimension holds two codes a byte
-    last = quant._lead(packed.axes) + quant.CONTRACTED[name] - 1
+    last = quant._lead(packed.axes) + quant.contracted(name) - 1
     shape = packed.shape[:last] + (2 * packed.shape[last],) + packed.shape[last + 1 :]
     return ParamSpec(shape, packed.axes)
 
 
 def factor_specs(spec: ParamSpec, name: str, rank: int) -> tuple[ParamSpec, ParamSpec]:
     """The ParamSpecs of A and B for the float weight `spec` of projection `name`."""
-    lead, c = quant._lead(spec.axes), quant.CONTRACTED[name]
+    lead, c = quant._lead(spec.axes), quant.contracted(name)
     lead_dims, k_dims, out_dims = spec.shape[:lead], spec.shape[lead : lead + c], spec.shape[lead + c :]
     lead_axes, k_axes, out_axes = spec.axes[:lead], spec.axes[lead : lead + c], spec.axes[lead + c :]
+    # a base whose gradient is already partial (MLA's down-projections: each tensor rank's heads)
+    # makes both factors' gradients partial over the same axes
     a = ParamSpec(
         lead_dims + k_dims + (rank,),
         lead_axes + k_axes + (None,),
         std=1.0 / math.sqrt(3 * math.prod(k_dims)),
-        partial=tuple(n for n in out_axes if n),
+        partial=tuple(n for n in out_axes if n) + tuple(spec.partial),
     )
-    b = ParamSpec(lead_dims + (rank,) + out_dims, lead_axes + (None,) + out_axes, init="zeros", partial=k_axes)
+    b = ParamSpec(
+        lead_dims + (rank,) + out_dims,
+        lead_axes + (None,) + out_axes,
+        init="zeros",
+        partial=tuple(n for n in k_axes if n) + tuple(spec.partial),
+    )
     return a, b
 
 
@@ -139,7 +146,7 @@ def attach(base, new, specs):
 def delta(node: LoRA, name: str):
     """scale * A B in the float weight's shape [lead..., in dims..., out dims...], fp32."""
     a, b = node.lora_a.astype(jnp.float32), node.lora_b.astype(jnp.float32)
-    lead = a.ndim - quant.CONTRACTED[name] - 1
+    lead = a.ndim - quant.contracted(name) - 1
     lead_shape, k_dims, out_dims = a.shape[:lead], a.shape[lead:-1], b.shape[lead + 1 :]
     rank = a.shape[-1]
     a2 = a.reshape(math.prod(lead_shape), math.prod(k_dims), rank)

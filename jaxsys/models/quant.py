@@ -52,6 +52,16 @@ from jaxsys.parallel import collectives
 # the layer dimensions) are contracted. Embeddings, the output layer, norms and MoE experts stay
 # in floating point, as in GPTQ and AWQ.
 CONTRACTED = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# MLA's projections (models/mla.py) take LoRA adapters but are not quantized (jaxsys.quantize
+# quantizes the CONTRACTED ones): their contracted dimensions, for the adapters
+MLA_CONTRACTED = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wk_rope": 1, "wk_b": 1, "wv_b": 1}
+
+
+def contracted(name: str) -> int:
+    """How many leading (after the layers) dimensions projection `name` contracts."""
+    return CONTRACTED[name] if name in CONTRACTED else MLA_CONTRACTED[name]
+
+
 CODES = {"w8a16": "q", "w8a8": "q", "w4a16": "packed"}
 
 
