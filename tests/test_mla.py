@@ -254,8 +254,8 @@ def test_latent_cache_logits_equal_the_training_forward(cached_forward):
 
 def test_decode_analysis_prices_the_latent_cache():
     """analysis/decode.py on DeepSeek-V2-Lite's shapes at tensor 2: the latent cache's row of
-    C + R = 576 padded to 1024 per layer, whole on each rank, against 2 N H_c = 2 x 16 x 256 split
-    over the ranks; the attention FLOPs in each one's width."""
+    C + R = 576 per layer, whole on each rank, against 2 N H_c = 2 x 16 x 256 split over the
+    ranks; the attention FLOPs in each one's width."""
     from jaxsys.analysis import hardware
     from jaxsys.analysis.decode import DecodeStep, kv_transfer_bytes
     from jaxsys.config import load_config
@@ -268,13 +268,13 @@ def test_decode_analysis_prices_the_latent_cache():
         )
         steps[kind] = DecodeStep.for_config(c, hardware.profile("h100"))
     m = steps["latent"].model
-    assert steps["latent"].kv_bytes_per_token == 27 * 1024 * 2  # bf16
+    assert steps["latent"].kv_bytes_per_token == 27 * 576 * 2  # bf16
     assert steps["expanded"].kv_bytes_per_token == 2 * 27 * 16 * 256 * 2 // 2
-    assert kv_transfer_bytes(m, 100, 16, tensor=2) == 2 * 112 * 27 * 1024 * 2  # each rank the whole latent
+    assert kv_transfer_bytes(m, 100, 16, tensor=2) == 2 * 112 * 27 * 576 * 2  # each rank the whole latent
     (_, latent_s, _), (_, expanded_s, _) = (steps[k].times(1, 10**6) for k in ("latent", "expanded"))
     matmul = 2 * steps["latent"].matmul_params / steps["latent"].peak
-    # attention FLOPs 2 L S N (2 H_c) / t: 1024 + 1024 per head against 256 + 256 (192 padded)
-    assert (latent_s - matmul) / (expanded_s - matmul) == pytest.approx(4)
+    # attention FLOPs 2 L S N (2 H_c) / t: 576 + 576 per head against 256 + 256 (192 padded)
+    assert (latent_s - matmul) / (expanded_s - matmul) == pytest.approx(1152 / 512)
 
 
 @pytest.mark.parametrize(

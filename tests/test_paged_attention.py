@@ -62,8 +62,25 @@ def test_generic_kernel_equals_reference(group, dtype):
     _close(got, ref.paged_attention_reference(*args), dtype)
 
 
+@pytest.mark.parametrize("h", [48, 80])
+def test_generic_kernel_takes_a_head_dim_in_power_of_two_parts(h):
+    """H = 48 (32 + 16) or 80 (64 + 16): scores summed over the parts, the output written part by
+    part (MLA's latent rows: 576 = 512 + 64, kept unpadded); one kv head for all the heads."""
+    args = _case(n=8, k=1, h=h)
+    assert [part.size for part in kernel.head_parts(h)] == {48: [32, 16], 80: [64, 16]}[h]
+    got = jax.jit(lambda *a: kernel.paged_attention(*a, interpret=True))(*args)
+    _close(got, ref.paged_attention_reference(*args), jnp.float32)
+
+
 @pytest.mark.parametrize(
-    "group,dtype,h", [(1, jnp.float32, 128), (4, jnp.float32, 128), (2, jnp.bfloat16, 128), (2, jnp.float32, 32)]
+    "group,dtype,h",
+    [
+        (1, jnp.float32, 128),
+        (4, jnp.float32, 128),
+        (2, jnp.bfloat16, 128),
+        (2, jnp.float32, 32),
+        (2, jnp.float32, 192),  # past a multiple of the 128 lanes (platforms.lanes cuts the statistics)
+    ],
 )
 def test_tpu_variant_in_interpret_mode_equals_reference(group, dtype, h):
     """kernel_tpu.py's grid (B, K, max_pages), scalar-prefetched page table and index maps, run
@@ -168,7 +185,8 @@ def test_bad_input_is_named():
 @pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (bash scripts/bootstrap --test)")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize(
-    "n,k,page_size,h", [(8, 2, 16, 128), (32, 8, 64, 128), (8, 1, 16, 64), (8, 2, 128, 256), (16, 4, 32, 64)]
+    "n,k,page_size,h",
+    [(8, 2, 16, 128), (32, 8, 64, 128), (8, 1, 16, 64), (8, 2, 128, 256), (16, 4, 32, 64), (16, 1, 16, 576)],
 )
 def test_tpu_variant_compiles_for_v5p_with_mosaic(n, k, page_size, h, dtype):
     """interpret=False lowered for a v5p slice inside a shard_map (sequences split over "data",
@@ -242,6 +260,8 @@ def test_compiles_to_sass_for_an_h100_deviceless():
         _gpu_args(jnp.float32, 8, 2),
         # B, K, max_pages and the pool size need not be powers of two (whole-array refs)
         _gpu_args(jnp.bfloat16, 6, 3, b=3, h=64, max_pages=5, num_pages=100),
+        # MLA's latent rows, 576 = 512 + 64 unpadded: loaded and multiplied in power-of-two parts
+        _gpu_args(jnp.bfloat16, 16, 1, h=576),
     ]
     for case in cases:
         dtype = case[0].dtype

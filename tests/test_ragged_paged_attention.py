@@ -136,6 +136,15 @@ def test_item_tiles_split_over_programs_equal_the_reference(row_block):
     _close(got, ragged.ragged_paged_attention_reference(*args), jnp.float32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_dim_in_power_of_two_parts_equals_the_reference(dtype):
+    """H = 80 = 64 + 16 (MLA's latent rows are 576 = 512 + 64): scores summed over the parts, P V
+    and the output part by part, in the dot form (tiles >= 16) and split over row blocks."""
+    args = _case(n=8, k=1, h=80, page_size=16, dtype=dtype)
+    got = jax.jit(lambda *a: ragged.ragged_paged_attention(*a, block_q=4, row_block=16, interpret=True))(*args)
+    _close(got, ragged.ragged_paged_attention_reference(*args), dtype)
+
+
 def test_row_block_keeps_small_tiles_whole_and_splits_large_ones():
     assert ragged.row_block(128, 128) == 128  # 16K elements: whole
     assert ragged.row_block(256, 1024) == 16  # MLA's latent: 16 heads x 16 tokens x 1024
@@ -455,8 +464,9 @@ def test_compiles_to_sass_for_an_h100_deviceless():
         _abstract(jnp.bfloat16, 8, 2, sharding=sh),
         _abstract(jnp.float32, 6, 3, h=64, sharding=sh),
         _abstract(jnp.bfloat16, 8, 2, h=64, page_size=8, sharding=sh),
-        # MLA's latent rows: 16 heads on one kv head, H = 1024; whole 256-row tiles asked 640 KB
-        # of shared memory (232 KB on an H100), split into 16-row programs they compile
+        # MLA's latent rows: 16 heads on one kv head, H = 576 (512 + 64 parts); whole 256-row tiles
+        # at H = 1024 asked 640 KB of shared memory (232 KB on an H100), 16-row programs compile
+        _abstract(jnp.bfloat16, 16, 1, h=576, sharding=sh),
         _abstract(jnp.bfloat16, 16, 1, h=1024, sharding=sh),
     ):
         assert "__gpu$xla.gpu.triton" in shard(rpa, 7).lower(*args).compile().as_text()
@@ -478,7 +488,7 @@ def test_compiles_to_sass_for_an_h100_deviceless():
         (8, 1, 16, 64, 32),
         (12, 4, 32, 64, 8),
         (8, 2, 128, 256, 16),
-        (16, 1, 16, 1024, 16),  # MLA's latent rows: 16 heads on one kv head
+        (16, 1, 16, 576, 16),  # MLA's latent rows: 16 heads on one kv head, 512 + 64 wide
     ],
 )
 def test_tpu_variant_compiles_with_mosaic(target, n, k, page_size, h, block_q, dtype):

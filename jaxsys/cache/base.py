@@ -10,7 +10,7 @@ layers') arrays back, and the model's attention calls one method on one layer's 
 
 which writes this step's keys and values k, v [B, T, K, H] at `positions` [B, T] and attends to
 the cache with q [B, T, N, H], returning o [B, T, N, H] and the cache with the writes. H here is
-`head_dim(m)` (the model's, padded to a power of two). Shapes are
+`head_dim(m)` (the model's padded to a power of two, or a latent cache's row). Shapes are
 per device (this device's sequences or rows, and its K / tensor kv heads). A sliding-window layer
 passes `window=W`: each query then sees only its last W positions. A model with attention logit
 soft-capping (Gemma 2) passes `softcap=c`: the scaled scores s become c * tanh(s / c) before the
@@ -18,7 +18,7 @@ mask and the softmax (None or 0: no cap).
 
 A *latent* cache (multi-head latent attention with `config.model.mla.cache = "latent"`, the
 default; models/mla.py) holds one row per token, MLA's normed latent and rotated key tail
-[C + R] padded to H_c: K = 1 "kv head", its `v` None, and `attend(q, k, None, ...)` reads each
+[C + R] (padded to a multiple of 16, H_c): K = 1 "kv head", its `v` None, and `attend(q, k, None, ...)` reads each
 row as both key and value (the model takes the value's first C dims). The row is the same on every
 tensor rank (every rank computes all the latents), so its pool is replicated over `tensor`
 (LATENT_POOL), not split over kv heads.
@@ -46,13 +46,15 @@ def latent(m) -> bool:
 
 
 def head_dim(m) -> int:
-    """H_c, the head dim the caches hold: the model's head_dim, or a latent cache's row C + R,
-    rounded up to a power of two (the paged kernels' Triton tiles need one; 12 -> 16, 96 -> 128,
-    MLA's expanded 192 -> 256, its latent 512 + 64 -> 1024). The model pads q, k and v to it
-    before `attend`, q scaled by (H_c / H)^0.5 so that every score is unchanged, and cuts the
-    output back (transformer.block)."""
-    width = m.mla.kv_lora_rank + m.mla.rope_head_dim if latent(m) else m.head_dim
-    return 1 << (width - 1).bit_length()
+    """H_c, the head dim the caches hold: the model's head_dim rounded up to a power of two (the
+    quantized paged kernels' Triton tiles need one; 12 -> 16, 96 -> 128, MLA's expanded 192 ->
+    256), or a latent cache's row C + R rounded up to a multiple of 16 (512 + 64 = 576 as it is:
+    the plain paged kernels take a head dim in power-of-two parts, `kernel.head_parts`). The model
+    pads q, k and v to it before `attend`, q scaled by (H_c / H)^0.5 so that every score is
+    unchanged, and cuts the output back (transformer.block)."""
+    if latent(m):
+        return -(-(m.mla.kv_lora_rank + m.mla.rope_head_dim) // 16) * 16
+    return 1 << (m.head_dim - 1).bit_length()
 
 
 def kv_heads(m) -> int:

@@ -73,21 +73,34 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def head_parts(h: int) -> tuple[pl.Slice, ...]:
+    """The head dim H as powers of two, largest first (576 -> 512 + 64; a power of two: itself):
+    the generic kernels load and multiply a head dim in these parts, Triton's tensor shapes being
+    powers of two, so a cache row need not be padded to one (MLA's latent, docs/mla.md)."""
+    out, start = [], 0
+    for bit in reversed(range(h.bit_length())):
+        if h & (1 << bit):
+            out.append(pl.ds(start, 1 << bit))
+            start += 1 << bit
+    return tuple(out)
+
+
 def _generic_kernel(
     pt_ref, len_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, scale: float, window, softcap: float | None
 ):
     b, kh = pl.program_id(0), pl.program_id(1)
     length = len_ref[b]
     n_pages = lax.div(length + page_size - 1, page_size)
-    q = q_ref[...].astype(jnp.float32) * scale  # [G, H]
-    g, h = q.shape
+    g, h = q_ref.shape
+    parts = head_parts(h)
+    qs = [q_ref[:, part].astype(jnp.float32) * scale for part in parts]  # [G, H] in parts
 
     def body(i, carry):
         m, l, acc = carry
         page = pt_ref[b, i]
-        k = k_ref[page, :, kh, :].astype(jnp.float32)  # [page_size, H]
-        v = v_ref[page, :, kh, :].astype(jnp.float32)
-        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, page_size]
+        ks = [k_ref[page, :, kh, part].astype(jnp.float32) for part in parts]  # [page_size, H] in parts
+        vs = [v_ref[page, :, kh, part].astype(jnp.float32) for part in parts]
+        s = sum(jnp.sum(q[:, None, :] * k[None, :, :], axis=2) for q, k in zip(qs, ks))  # [G, page_size]
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         pos = i * page_size + lax.broadcasted_iota(jnp.int32, (g, page_size), 1)
@@ -97,25 +110,30 @@ def _generic_kernel(
         alpha = jnp.exp(m - m_new)
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         l = alpha * l + jnp.sum(p, axis=1)
-        acc = alpha[:, None] * acc + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = tuple(alpha[:, None] * a + jnp.sum(p[:, :, None] * v[None, :, :], axis=1) for a, v in zip(acc, vs))
         return m_new, l, acc
 
-    carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), jnp.zeros((g, h), jnp.float32))
+    zeros = tuple(jnp.zeros((g, part.size), jnp.float32) for part in parts)
+    carry = (jnp.full((g,), MASK_VALUE, jnp.float32), jnp.zeros((g,), jnp.float32), zeros)
     _, l, acc = lax.fori_loop(first_page(length, page_size, window), n_pages, body, carry)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    for part, a in zip(parts, acc):
+        o_ref[:, part] = (a / l[:, None]).astype(o_ref.dtype)
 
 
-def triton_params(cfg, page_size: int, h: int):
+def triton_params(cfg, page_size: int, h: int, split_heads: bool = False):
     """Triton's launch parameters for a compiled (not interpreted) generic kernel, after checking
-    that its tile shapes are powers of two; None when interpreted or left to Triton's defaults.
-    `cfg` has interpret, num_warps and num_stages (GenericConfig, kernel_quant.QuantConfig)."""
+    that its tile shapes are powers of two (with `split_heads`, a kernel that takes H in
+    `head_parts`: every part at least 16, i.e. H a multiple of 16); None when interpreted or left
+    to Triton's defaults. `cfg` has interpret, num_warps and num_stages (GenericConfig,
+    kernel_quant.QuantConfig)."""
     if cfg.interpret:
         return None
-    bad = {name: v for name, v in (("page_size", page_size), ("H", h)) if not _pow2(v)}
+    head_ok = h % 16 == 0 if split_heads else _pow2(h)
+    bad = {name: v for name, v, ok in (("page_size", page_size, _pow2(page_size)), ("H", h, head_ok)) if not ok}
     if bad:
+        need = "page_size a power of two and H a multiple of 16" if split_heads else "page_size and H powers of two"
         raise ValueError(
-            f"the Triton paged-attention kernel needs page_size and the head dim H "
-            f"to be powers of two (Triton tensor shapes); got {bad}"
+            f"the Triton paged-attention kernel needs {need} (Triton tensor shapes are powers of two); got {bad}"
         )
     if cfg.num_warps is None and cfg.num_stages is None:
         return None
@@ -128,7 +146,7 @@ def _generic(q, k_pages, v_pages, page_table, lengths, *, cfg: GenericConfig):
     """q [B, K, G, H] -> o [B, K, G, H] (G padded by the caller)."""
     b, kh, g, h = q.shape
     page_size = k_pages.shape[1]
-    compiler_params = triton_params(cfg, page_size, h)
+    compiler_params = triton_params(cfg, page_size, h, split_heads=True)
     whole = lambda shape: pl.BlockSpec(shape, lambda bi, hi: (0,) * len(shape))
     q_spec = pl.BlockSpec((None, None, g, h), lambda bi, hi: (bi, hi, 0, 0))
     return pl.pallas_call(

@@ -76,7 +76,7 @@ from jax.experimental import pallas as pl
 from jaxsys.kernels import platforms
 from jaxsys.kernels.flash_attention.reference import check_softcap, softcapped
 from jaxsys.kernels.paged_attention import quant, ragged_tpu
-from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, triton_params
+from jaxsys.kernels.paged_attention.kernel import MASK_VALUE, head_parts, triton_params
 from jaxsys.kernels.paged_attention.kernel_quant import check_quant_inputs
 from jaxsys.kernels.paged_attention.reference import gather_pages
 
@@ -460,27 +460,30 @@ def _finish(l, acc):
 
 def _generic_kernel(pt_ref, seq_ref, pos_ref, rows_ref, q_ref, k_ref, v_ref, o_ref, *, page_size: int, cfg):
     kh = pl.program_id(1)
-    q = q_ref[...]  # [R, H]
-    r, h = q.shape
+    r, h = q_ref.shape
+    parts = head_parts(h)  # H in powers of two (a latent cache row of 576: 512 + 64)
+    qs = [q_ref[:, part] for part in parts]  # [R, H] in parts
     row0 = pl.program_id(2) * r  # this program's rows of the item tile
     seq, pos0, last, n_pages, qpos = _item(seq_ref, pos_ref, rows_ref, r, page_size, cfg.group_shift, row0)
-    use_dot = min(r, page_size, h) >= _TRITON_DOT_MIN
-    slot = lax.broadcasted_iota(jnp.int32, (page_size, h), 0)
+    use_dot = min(r, page_size, parts[-1].size) >= _TRITON_DOT_MIN
+    fresh = lambda i, part: i * page_size + lax.broadcasted_iota(jnp.int32, (page_size, part.size), 0) <= last
 
     def body(i, carry):
         page = pt_ref[seq, i]
-        k = k_ref[page, :, kh, :]  # [page_size, H]
-        v = v_ref[page, :, kh, :]
-        v = jnp.where(i * page_size + slot <= last, v, jnp.zeros((), v.dtype))  # stale slots past the block
+        ks = [k_ref[page, :, kh, part] for part in parts]  # [page_size, H] in parts
+        # stale slots past the block zeroed
+        vs = [jnp.where(fresh(i, part), v_ref[page, :, kh, part], jnp.zeros((), v_ref.dtype)) for part in parts]
         kpos = i * page_size + lax.broadcasted_iota(jnp.int32, (r, page_size), 1)
-        s = _cap(_mm(q, k, 1, use_dot) * cfg.scale, cfg.softcap)
-        pv = lambda p: _mm(p.astype(v.dtype) if use_dot else p, v, 0, use_dot)
+        s = _cap(sum(_mm(q, k, 1, use_dot) for q, k in zip(qs, ks)) * cfg.scale, cfg.softcap)
+        pv = lambda p: tuple(_mm(p.astype(v.dtype) if use_dot else p, v, 0, use_dot) for v in vs)
         return _online_softmax_step(carry, s, _visible(kpos, qpos, cfg.window), pv)
 
-    carry = (jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, h), jnp.float32))
+    zeros = tuple(jnp.zeros((r, part.size), jnp.float32) for part in parts)
+    carry = (jnp.full((r,), MASK_VALUE, jnp.float32), jnp.zeros((r,), jnp.float32), zeros)
     start = jnp.minimum(_first_page(pos0, page_size, cfg.window), n_pages)
     _, l, acc = lax.fori_loop(start, n_pages, body, carry)
-    o_ref[...] = _finish(l, acc).astype(o_ref.dtype)
+    for part, o in zip(parts, _finish(l, acc)):
+        o_ref[:, part] = o.astype(o_ref.dtype)
 
 
 def _whole(a):
@@ -503,7 +506,7 @@ def _generic(q, k_pages, v_pages, page_table, seq, pos, rows, *, cfg: RaggedConf
         in_specs=[_whole(a) for a in operands] + [q_spec, _whole(k_pages), _whole(v_pages)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=triton_params(cfg, page_size, h),
+        compiler_params=triton_params(cfg, page_size, h, split_heads=True),
         interpret=cfg.interpret,
         name="ragged_paged_attention",
     )(*operands, q, k_pages, v_pages)
