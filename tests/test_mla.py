@@ -141,7 +141,7 @@ def test_flops_count_the_latent_projections():
     "cache,mesh",
     [
         ("latent", {"tensor": 2, "data": 2}),  # the latent pool whole on each tensor rank
-        ("expanded", None),
+        pytest.param("expanded", None, marks=pytest.mark.slow),  # CI time: the cached forward test has it
         pytest.param("latent", None, marks=pytest.mark.slow),
         pytest.param("expanded", {"tensor": 2, "data": 2}, marks=pytest.mark.slow),
     ],

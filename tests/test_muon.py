@@ -221,6 +221,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, open(workdir / "metrics.jsonl"))}
 
 
+@pytest.mark.slow  # CI time: resume is tested bitwise for AdamW in tests/test_checkpoint.py
 def test_resume_is_bitwise_and_restores_onto_one_device(tmp_path, monkeypatch):
     """Checkpoint at step 2, crash, resume: steps 3-4 give the uninterrupted run's losses; the
     momentum (masked partitions) restores onto one device with the same values."""

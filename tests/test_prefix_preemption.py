@@ -78,7 +78,10 @@ def _requests(n=8, seed=0):
     return prompts, [int(rng.integers(4, 14)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("variant", ["plain", "self-speculation", "kivi4"])
+@pytest.mark.parametrize(
+    "variant",
+    ["plain", pytest.param("self-speculation", marks=pytest.mark.slow), "kivi4"],  # CI time
+)
 def test_shared_prefixes_and_preemption_keep_every_requests_tokens(tiny, variant):
     program, params = tiny
     prompts, news = _requests()

@@ -298,7 +298,12 @@ def test_ragged_kernels_attend_over_the_window(window):
 
 
 @pytest.mark.parametrize(
-    "cache,gemma", [pytest.param("paged", False, marks=pytest.mark.slow), ("contiguous", False), ("paged", True)]
+    "cache,gemma",
+    [
+        pytest.param("paged", False, marks=pytest.mark.slow),
+        pytest.param("contiguous", False, marks=pytest.mark.slow),  # CI time
+        ("paged", True),
+    ],
 )
 def test_engine_serves_local_layers_past_the_window(cache, gemma):
     """W = 6 and requests of 20 tokens: greedy tokens from the engine (prefill chunks through the

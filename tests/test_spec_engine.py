@@ -72,7 +72,7 @@ def test_greedy_speculation_in_the_engine_gives_the_plain_engines_tokens(models,
     assert plain[6] == generate_contiguous(target, tparams, [prompts[6]], news[6])[0]
 
 
-@pytest.mark.parametrize("source", ["self", "small"])
+@pytest.mark.parametrize("source", ["self", pytest.param("small", marks=pytest.mark.slow)])  # CI time
 def test_speculation_over_a_kivi_cache_gives_the_plain_kivi_engines_tokens(models, source):
     """A drafter composes with any cache: over the KIVI-quantized paged cache (kivi4, one residual
     page), greedy speculation gives exactly the plain kivi4 engine's tokens. Self-speculation's
