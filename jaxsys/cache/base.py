@@ -27,7 +27,7 @@ tensor rank (every rank computes all the latents), so its pool is replicated ove
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -71,6 +71,20 @@ def pools(m, pages: int, slots: int) -> tuple[tuple[int, ...], int]:
     """The shape [L, pages, slots, K_c, H_c] of each of the model's cache pools and how many
     there are (2: keys and values; 1: a latent cache's rows)."""
     return (m.n_layers, pages, slots, kv_heads(m), head_dim(m)), 1 if latent(m) else 2
+
+
+def empty_pools(program, pages: int, slots: int) -> tuple[Any, Any]:
+    """(k, v) zero pools [L, pages, slots, K_c, H_c] of `program`'s model on its mesh, in the
+    compute dtype, split as `pool_spec` says; v None for a latent cache."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    m = program.config.model
+    shape, count = pools(m, pages, slots)
+    sharding = NamedSharding(program.mesh, program.layout.compute_spec(pool_spec(m)))
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
+    return zeros(), zeros() if count == 2 else None
 
 
 def token_bytes(m, tensor: int = 1) -> float:

@@ -22,10 +22,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsys.cache.base import KVCache, pool_spec, pools
+from jaxsys.cache.base import KVCache, empty_pools
 from jaxsys.models import layers
 
 
@@ -44,11 +43,7 @@ class ContiguousCache(KVCache):
     def zeros(cls, program, batch: int, max_len: int, quant=None) -> "ContiguousCache":
         """An empty cache of `batch` sequences of `max_len` slots on `program`'s mesh (batch must
         split over the batch shards)."""
-        m, layout = program.config.model, program.layout
-        shape, count = pools(m, batch, max_len)
-        sharding = NamedSharding(program.mesh, layout.compute_spec(pool_spec(m)))
-        make = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
-        return cls(make(), make() if count == 2 else None, None, quant)
+        return cls(*empty_pools(program, batch, max_len), None, quant)
 
     def pspecs(self, layout):
         specs = super().pspecs(layout)

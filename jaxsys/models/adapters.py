@@ -155,6 +155,13 @@ def delta(node: LoRA, name: str):
     return d.reshape(*lead_shape, *k_dims, *out_dims)
 
 
+def folded(w, name: str):
+    """Float weight `w` of projection `name` with its adapter folded in, W + scale A B in W's dtype,
+    for a product that does not go through quant.linear (MLA's absorbed attention over the latent
+    cache, serving only: no dropout); a weight without an adapter unchanged."""
+    return w.base + delta(w, name).astype(w.base.dtype) if is_lora(w) else w
+
+
 def dense_base(w, name: str, fmt: str):
     """The fp32 weight a layer leaf's base stands for: itself, or a quantized one dequantized."""
     if not quant.is_quantized(w):

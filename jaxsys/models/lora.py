@@ -49,17 +49,6 @@ def is_lora(x) -> bool:
     return isinstance(x, LoRA)
 
 
-def folded(w):
-    """A weight with its adapter folded in, W + scale A B in W's dtype, for a product that does not
-    go through quant.linear (MLA's absorbed attention over the latent cache, serving only: no
-    dropout); any other weight unchanged. Inside the layer scan (no layer dimension), and for
-    weights contracted over one dimension."""
-    if not is_lora(w):
-        return w
-    ab = jnp.tensordot(w.lora_a.astype(jnp.float32), w.lora_b.astype(jnp.float32), axes=1) * w.scale
-    return w.base + ab.astype(w.base.dtype)
-
-
 def low_rank(x, w: LoRA, contracted: int):
     """scale * (dropout(x) A) B for x[..., in dims] (the last `contracted` dimensions of x are the
     base's contracted ones): [..., out dims]. With B = 0 this is exactly zero."""

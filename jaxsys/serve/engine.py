@@ -326,13 +326,10 @@ class Engine(EngineAPI):
         zeros = lambda shape, dtype=None: jax.jit(
             lambda: jnp.zeros((m.n_layers, *shape), dtype or jnp.dtype(m.compute_dtype)), out_shardings=sharding
         )()
-        (_, *pool), count = cache_base.pools(m, self.shards * (num_pages + 1), page_size)
-        values = lambda: zeros(pool) if count == 2 else None  # a latent cache (MLA) has one pool
-        if self.kind == "contiguous":
-            return ContiguousCache(zeros(pool), values())
-        if self.kv_quant == "none":
-            return PagedCache(zeros(pool), values())
-        if count == 1:
+        if self.kind == "contiguous" or self.kv_quant == "none":
+            kind = ContiguousCache if self.kind == "contiguous" else PagedCache
+            return kind(*cache_base.empty_pools(self.program, self.shards * (num_pages + 1), page_size))
+        if cache_base.latent(m):
             raise ValueError(
                 f"kv_quant={self.kv_quant!r} quantizes per-head keys and values; MLA's latent cache "
                 "(config.model.mla.cache='latent') has none. Serve it with kv_quant='none', or set "

@@ -263,12 +263,9 @@ class DraftModel(Drafter):
                 "on the same mesh layout"
             )
         # its own full-precision cache, addressed by the target's page ids
-        m, pool = self.program.config.model, engine.pools[0]
-        shape, count = cache_base.pools(m, engine.shards * (pool.num_pages + 1), pool.page_size)
-        sharding = NamedSharding(self.program.mesh, layout.compute_spec(cache_base.pool_spec(m)))
-        zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(m.compute_dtype)), out_shardings=sharding)
+        pool = engine.pools[0]
         kind = ContiguousCache if engine.kind == "contiguous" else PagedCache
-        self.cache = kind(zeros(), zeros() if count == 2 else None)
+        self.cache = kind(*cache_base.empty_pools(self.program, engine.shards * (pool.num_pages + 1), pool.page_size))
 
     def forget(self, request_id) -> None:
         self.drafted_len.pop(request_id, None)
