@@ -37,7 +37,7 @@ OBJECTIVES = ("lm", "dpo")  # config.train.objective (docs/finetune.md)
 # config.lora.targets: attention, the dense MLP, and MLA's projections (models/mla.py)
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wq_a", "wq_b", "wkv_a", "wk_rope", "wk_b", "wv_b")
 OPTIMIZER_UPDATE = ("device", "host")
-QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8")  # config.model.quant (docs/quantization.md)
+QUANT_FORMATS = ("none", "w8a16", "w4a16", "w8a8", "w4a8", "w4a4")  # config.model.quant (docs/quantization.md)
 QUANT_TRAIN = ("none", "int8", "fp8")  # config.model.quant_train
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # config.model.rope_scaling (models/layers.py RopeScaling)
 QUANT_IMPLS = ("pallas", "reference")
@@ -143,9 +143,10 @@ def base_config() -> ml_collections.ConfigDict:
     # (`quant_impl='reference'`: the same integer semantics in plain XLA). `quant_train='int8'`:
     # training with int8 forward and backward matmuls and a straight-through estimator; 'fp8': e4m3
     # forward and e5m2 gradient matmuls with current per-tensor scales, fp32 master weights.
-    c.model.quant = "none"  # none | w8a16 | w4a16 | w8a8
-    c.model.quant_group_size = 128  # G of w4a16: k per scale (32 | 64 | 128)
-    c.model.quant_zero_point = False  # w4a16 with a zero point per group (asymmetric codes)
+    c.model.quant = "none"  # none | w8a16 | w4a16 | w8a8 | w4a8 | w4a4
+    c.model.quant_group_size = 128  # G of the 4-bit formats: k per scale (32 | 64 | 128); the rotation's block
+    c.model.quant_zero_point = False  # 4-bit weights with a zero point per group (asymmetric codes)
+    c.model.quant_rotate = False  # weights stored as H W, activations rotated by H (block Hadamard of G)
     c.model.quant_impl = "pallas"  # pallas | reference
     c.model.quant_train = "none"  # none | int8 | fp8
     # Bring your own Flax NNX model (docs/flax.md): kind "flax" trains flax_module
@@ -1564,9 +1565,22 @@ def _validate_quant(config) -> None:
         "across the islands that DiLoCo keeps apart; use quant_train='int8' (per-row scales, no "
         "communication) or outer.method='none'",
     )
-    if m.quant != "w4a16":
+    _require(isinstance(m.quant_rotate, bool), "config.model.quant_rotate must be true or false")
+    four_bit = m.quant in ("w4a16", "w4a8", "w4a4")
+    _require(
+        four_bit or not m.quant_zero_point,
+        f"config.model.quant_zero_point=True with quant={m.quant!r}: zero points are for the 4-bit formats "
+        "(w4a16, w4a8, w4a4); set quant_zero_point=False",
+    )
+    _require(
+        m.quant != "none" or not m.quant_rotate,
+        "config.model.quant_rotate=True with quant='none': the rotation is of a quantized checkpoint's "
+        "weights (python -m jaxsys.quantize --rotate writes one)",
+    )
+    if not four_bit and not m.quant_rotate:
         return
     G = m.quant_group_size
+    named = f"config.model.quant={m.quant!r}" + (" with quant_rotate" if m.quant_rotate else "")
     _require(G in QUANT_GROUP_SIZES, f"config.model.quant_group_size={G!r}: choose one of {QUANT_GROUP_SIZES}")
     shards = lambda logical: math.prod(config.mesh[a] for a in axes_of(config.sharding.params[logical]))
     # (weight, contracted size K' on one rank)
@@ -1579,7 +1593,7 @@ def _validate_quant(config) -> None:
     for weights, what, k in local_k:
         _require(
             k % G == 0,
-            f"config.model.quant='w4a16' with quant_group_size={G}: the contracted size K' of {weights} "
+            f"{named} and quant_group_size={G}: the contracted size K' of {weights} "
             f"is {what} = {k} per rank, not a multiple of the group size; choose a group size that "
             f"divides {k} (of {QUANT_GROUP_SIZES}) or fewer tensor shards",
         )

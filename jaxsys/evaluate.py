@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        quant = result["quant"] + (f" (G={result['quant_group_size']})" if result["quant"] == "w4a16" else "")
+        quant = result["quant"] + (f" (G={result['quant_group_size']})" if result["quant"].startswith("w4") else "")
         print(
             f"{args.workdir} step {result['step']}{' on ' + args.text if args.text else ''}: eval loss {result['eval_loss']:.4f}, perplexity "
             f"{result['perplexity']:.3f} over {result['tokens']:,} tokens; weights {quant}, "

@@ -255,6 +255,7 @@ def evaluate_workdir(workdir: str, overrides=(), step: int | None = None, text: 
         "quant": c.model.quant,
         "quant_group_size": c.model.quant_group_size,
         "quant_zero_point": c.model.quant_zero_point,
+        "quant_rotate": c.model.quant_rotate,
         "quant_impl": c.model.quant_impl,
         "param_bytes": sum(a.nbytes for a in jax.tree.leaves(params)),
         "mesh": {a: s for a, s in program.layout.mesh_sizes.items() if s > 1},

@@ -191,13 +191,13 @@ def _quant_operands(kind, m, k, n, group, copies, key):
     weights = []
     for kk in jax.random.split(kw, copies):
         kq, ks = jax.random.split(kk)
-        if kind == "w4a16":  # random bytes are valid codes in the kernel layout
+        if kind in ("w4a16", "w4ax"):  # random bytes are valid codes in the kernel layout
             packed = jax.random.bits(kq, (k // 2, n), jnp.uint8)
             weights.append((packed, jax.random.uniform(ks, (k // group, n), jnp.float32, 1e-3, 1e-2)))
         else:
             q = jax.random.randint(kq, (k, n), -127, 128, jnp.int32).astype(jnp.int8)
             weights.append((q, jax.random.uniform(ks, (n,), jnp.float32, 1e-4, 1e-3)))
-    data = qref.quantize_per_token(x) if kind == "w8a8" else (x,)
+    data = qref.quantize_per_token(x) if kind in ("w8a8", "w4ax") else (x,)  # w4ax: W4A8's per-token codes
     return data, weights
 
 
@@ -207,6 +207,8 @@ def _quant_call(kind, config, interpret):
         return lambda data, w: qkernel.matmul_w8a16(data[0], *w, **common)
     if kind == "w4a16":
         return lambda data, w: qkernel.matmul_w4a16(data[0], *w, **common)
+    if kind == "w4ax":
+        return lambda data, w: qkernel.matmul_w4ax(*data, *w, None, jnp.bfloat16, **common)
     return lambda data, w: qkernel.matmul_w8a8(*data, *w, jnp.bfloat16, **common)
 
 
@@ -215,24 +217,26 @@ def _quant_reference(kind, group):
         return lambda data, w: qref.matmul_w8a16(data[0], *w)
     if kind == "w4a16":
         return lambda data, w: qref.matmul_w4a16(data[0], qref.unrepack_w4(w[0], group), w[1])
+    if kind == "w4ax":
+        return lambda data, w: qref.matmul_w4ax(*data, qref.unrepack_w4(w[0], group), w[1], None, jnp.bfloat16)
     return lambda data, w: qref.matmul_w8a8(*data, *w, jnp.bfloat16)
 
 
 def quant_stages(kind: str, m: int, smoke: bool = False) -> list:
     """[(metric, candidates)] of the quantized-matmul sweep for one format and M."""
     if smoke:
-        extra = {} if kind == "w4a16" else dict(block_k=32)
+        extra = {} if kind in ("w4a16", "w4ax") else dict(block_k=32)
         return [("call", [dict(block_m=16, block_n=16, **extra), dict(block_m=16, block_n=32, **extra)])]
     tiles = dict(block_m=[b for b in (16, 32, 64, 128) if b <= max(16, tuning.pow2_bucket(m))])
     tiles["block_n"] = [32, 64, 128, 256]
-    if kind != "w4a16":  # W4A16 steps one quantization group at a time: no block_k
+    if kind not in ("w4a16", "w4ax"):  # the 4-bit kernels step one quantization group at a time: no block_k
         tiles["block_k"] = [64, 128, 256]
     return [("call", _grid(**tiles)), ("call", _grid(num_warps=[2, 4, 8], num_stages=[2, 3, 4]))]
 
 
 def quant_problem(kind, m, k, n, args, *, smoke: bool = False) -> Problem:
-    group = args.group_size if kind == "w4a16" else None
-    weight_bytes = k * n // (2 if kind == "w4a16" else 1)
+    group = args.group_size if kind in ("w4a16", "w4ax") else None
+    weight_bytes = k * n // (2 if kind in ("w4a16", "w4ax") else 1)
     # enough weight copies per timed program that they come from HBM, not from the L2
     copies = 1 if smoke else int(min(16, max(2, math.ceil(2 * args.l2_mib * 2**20 / weight_bytes))))
     data, weights = _quant_operands(kind, m, k, n, group, copies, jax.random.PRNGKey(m + k + n))

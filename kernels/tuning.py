@@ -68,7 +68,7 @@ _INT_KEYS = {"flash_attention": ("num_stages",), "quantized_matmul": ("num_stage
 MGPU_BACKWARDS = ("fused", "split")
 _CHOICE_KEYS = {"flash_attention_mgpu": {"backward": MGPU_BACKWARDS}}
 KERNELS = tuple(_POW2_KEYS)
-QUANTIZED_KINDS = ("w8a16", "w4a16", "w8a8")
+QUANTIZED_KINDS = ("w8a16", "w4a16", "w8a8", "w4ax")
 
 _forced: dict[str, dict] = {}  # use_config's configurations, by kernel
 
@@ -111,10 +111,10 @@ def flash_attention_class(*, head_dim: int, dtype, causal: bool, seq_len: int) -
 
 def quantized_matmul_class(*, kind: str, m: int, k: int, n: int, group_size: int | None = None) -> tuple:
     """A quantized matmul's shape class: format, M rounded up to a power of two, K, N exactly (they
-    are layer shapes), and the group size (W4A16 only; 0 otherwise)."""
+    are layer shapes), and the group size (the 4-bit kinds only; 0 otherwise)."""
     if kind not in QUANTIZED_KINDS:
         raise ValueError(f"kind must be one of {QUANTIZED_KINDS}; got {kind!r}")
-    group = int(group_size) if kind == "w4a16" and group_size else 0
+    group = int(group_size) if kind in ("w4a16", "w4ax") and group_size else 0
     return (("kind", kind), ("m_bucket", pow2_bucket(m)), ("k", int(k)), ("n", int(n)), ("group", group))
 
 

@@ -192,7 +192,7 @@ from jaxsys.analysis import targets  # noqa: E402
 
 @pytest.mark.skipif(not targets.has_libtpu(), reason="needs libtpu (bash scripts/bootstrap --test)")
 @pytest.mark.parametrize("target", ["v5p:2x2x1", "v6e:2x2"])
-@pytest.mark.parametrize("case", ["w8a16", "w4a16_g32", "w4a16_g128_zero_point", "w4a16_g64_fp32", "w8a8"])
+@pytest.mark.parametrize("case", ["w8a16", "w4a16_g32", "w4a16_g128_zero_point", "w4a16_g64_fp32", "w8a8", "w4a4_g32"])
 def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
     """Each kernel, lowered with interpret=False for TPU devices, is accepted by Mosaic (K = N =
     1024, blocks 16 x 128) inside a shard_map over a v5p and a v6e slice, and the compiled program holds the
@@ -207,7 +207,15 @@ def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
     dtype = jnp.float32 if case.endswith("fp32") else jnp.bfloat16
     arg = lambda shape, dt, spec=P(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
     x = arg((32 * mesh.size, k), dtype, P("data"))
-    if case == "w8a8":
+    if case == "w4a4_g32":  # W4Ax with activation scales per token and group (the W4A8 tile is W8A8's)
+        args = (
+            arg((32 * mesh.size, k), jnp.int8, P("data")),
+            arg((32 * mesh.size, k // 32), jnp.float32, P("data")),
+            arg((k // 2, n), jnp.uint8),
+            arg((k // 32, n), jnp.float32),
+        )
+        local = lambda x, sx, p, s: kernel.matmul_w4ax(x, sx, p, s, block_m=32, interpret=False)
+    elif case == "w8a8":
         args = (
             arg((32 * mesh.size, k), jnp.int8, P("data")),
             arg((32 * mesh.size,), jnp.float32, P("data")),
@@ -224,7 +232,7 @@ def test_kernels_compile_for_a_tpu_slice_with_mosaic(case, target):
         if "zero_point" in case:
             args += (arg((k // g, n), jnp.int8),)
         local = lambda x, p, s, *z: kernel.matmul_w4a16(x, p, s, *z, block_m=16, block_n=128, interpret=False)
-    data_args = 2 if case == "w8a8" else 1
+    data_args = 2 if case in ("w8a8", "w4a4_g32") else 1
     f = jax.jit(
         jax.shard_map(
             local,
@@ -348,7 +356,7 @@ def test_bench_interpret_smoke_writes_checked_rows(tmp_path, capsys):
     assert {r["format"] for r in rows} == set(bench.FORMATS) and {r["M"] for r in rows} == {1, 5}
     assert not [r for r in rows if "error" in r]
     checked = [r for r in rows if "max_rel_err" in r]
-    assert len(checked) == 8 and max(r["max_rel_err"] for r in checked) <= bench.TOLERANCE
+    assert len(checked) == 2 * (len(bench.FORMATS)) and max(r["max_rel_err"] for r in checked) <= bench.TOLERANCE
     for r in rows:
         assert r["us"] > 0 and r["best"] and r["speedup_vs_bf16"] > 0 and "ideal_speedup" in r
     assert "| smoke | 256 | 192 | 5 | w4a16 | 64 |" in capsys.readouterr().out
@@ -373,3 +381,7 @@ def test_bench_bytes_and_ideal_by_hand():
     assert ideal("bf16", 1) / ideal("w4a16", 1) == pytest.approx(2 / 0.53125, rel=2e-3)
     assert ideal("w4a16", 1024) == pytest.approx(2 * 1024 * k * n / 989e12)  # compute bound
     assert ideal("w8a8", 1024) == pytest.approx(2 * 1024 * k * n / 1979e12)
+    # W4A8: W4A16's weight bytes, W8A8's activations, the int8 peak
+    assert bench.bytes_moved("w4a8", 4, k, n)["weights"] == k * n * 0.53125
+    assert bench.bytes_moved("w4a8", 4, k, n)["activations"] == 4 * k + 16
+    assert ideal("w4a8", 1024) == pytest.approx(2 * 1024 * k * n / 1979e12)

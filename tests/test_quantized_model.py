@@ -172,8 +172,12 @@ def float_run(tmp_path_factory):
     return str(workdir)
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
-def test_quantize_command_writes_a_workdir_that_evaluates_on_any_mesh(float_run, tmp_path, method, capsys):
+@pytest.mark.parametrize(
+    "method,fmt,rotate", [("rtn", "w4a16", False), ("gptq", "w4a16", False), ("gptq", "w4a4", True)]
+)
+def test_quantize_command_writes_a_workdir_that_evaluates_on_any_mesh(float_run, tmp_path, method, fmt, rotate, capsys):
+    """w4a4 rotated: GPTQ against the rotated Hessian; its per-group activation scales keep
+    tensor=4 equal to one device, as the weight-only format's are."""
     out = str(tmp_path / f"q_{method}")
     args = [
         "--workdir",
@@ -181,18 +185,20 @@ def test_quantize_command_writes_a_workdir_that_evaluates_on_any_mesh(float_run,
         "--out",
         out,
         "--format",
-        "w4a16",
+        fmt,
         "--method",
         method,
         "--group-size",
         "32",
         "--calibration-batches",
         "2",
-    ]
+    ] + (["--rotate"] if rotate else [])
     assert quantize.main(args) == 0
-    assert "python -m jaxsys.evaluate --workdir" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "python -m jaxsys.evaluate --workdir" in printed and (f"{fmt} rotated by" in printed) == rotate
     saved = json.load(open(os.path.join(out, "config.json")))
-    assert saved["model"]["quant"] == "w4a16" and saved["model"]["quant_group_size"] == 32
+    assert saved["model"]["quant"] == fmt and saved["model"]["quant_group_size"] == 32
+    assert saved["model"]["quant_rotate"] is rotate
     base = train.evaluate_workdir(float_run, ["--config.train.eval_batches=2"])
     one = train.evaluate_workdir(out, ["--config.train.eval_batches=2", "--config.mesh.data=1"])
     tp = train.evaluate_workdir(

@@ -249,7 +249,25 @@ def _gpu_cases():
             lambda x, sx, q, s: kernel.matmul_w8a8(x, sx, q, s, interpret=False),
             (S((m, k), jnp.int8), S((m,), jnp.float32), S((k, n), jnp.int8), S((n,), jnp.float32)),
         ),
+        (
+            "w4a8",
+            lambda x, sx, p, s: kernel.matmul_w4ax(x, sx, p, s, interpret=False),
+            (S((m, k), jnp.int8), S((m,), jnp.float32), S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.float32)),
+        ),
+        (
+            "w4a4_g32",  # activation scales per token and group: a [16, 32] tile, one column per group
+            lambda x, sx, p, s: kernel.matmul_w4ax(x, sx, p, s, interpret=False),
+            (
+                S((m, k), jnp.int8),
+                S((m, k // 32), jnp.float32),
+                S((k // 2, n), jnp.uint8),
+                S((k // 32, n), jnp.float32),
+            ),
+        ),
     ]
+
+
+INTEGER_DOTS = ("w8a8", "w4a8", "w4a4_g32")  # int8 x int8 -> int32 in the Triton IR
 
 
 def _lower_for_an_h100(fn, args, cores=132):
@@ -287,7 +305,7 @@ def _triton_modules(lowered) -> list[str]:
 def test_split_k_lowers_to_triton_for_an_h100(name, fn, args):
     """Lowered for an abstract H100 with 132 SMs: split-K is chosen by itself at M = 1 (the
     Triton call returns [splits, 16, 256] partials), and each dot in the Triton IR is 16-bit
-    float x 16-bit float -> fp32 (A16) or int8 x int8 -> int32 (W8A8)."""
+    float x 16-bit float -> fp32 (A16) or int8 x int8 -> int32 (W8A8, W4A8, W4A4)."""
     lowered = _lower_for_an_h100(fn, args)
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -298,7 +316,7 @@ def test_split_k_lowers_to_triton_for_an_h100(name, fn, args):
     assert dots
     for line in dots:
         operand_types = re.findall(r"tensor<\d+x\d+x(\w+)>", line)
-        if name == "w8a8":
+        if name in INTEGER_DOTS:
             assert operand_types == ["i8", "i8", "i32"], line
         else:
             assert operand_types[:2] == ["bf16", "bf16"] and operand_types[2] == "f32", line

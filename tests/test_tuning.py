@@ -286,7 +286,7 @@ def test_sweep_candidates_are_valid_and_include_the_defaults():
             for c in tiles[1] + launch[1]:
                 tuning.validate_config("quantized_matmul", c)
             assert all(c["block_m"] <= max(16, m) for c in tiles[1])
-            assert all(("block_k" in c) == (kind != "w4a16") for c in tiles[1])
+            assert all(("block_k" in c) == (kind not in ("w4a16", "w4ax")) for c in tiles[1])
             assert {"num_warps": 4, "num_stages": 3} in launch[1]  # Triton's defaults
 
 

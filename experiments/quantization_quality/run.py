@@ -9,7 +9,8 @@ near the vocabulary size and only the change matters). Each is quantized with
 `jaxsys.quantization.workdir.quantize_workdir` for every row and evaluated with
 `jaxsys.train.evaluate_workdir` (what `jaxsys.evaluate` runs) on the same held-out batches, so rows
 differ only by the weights. Quantized rows run with bf16 activations
-(the A16 of the formats); the float model is reported with fp32 and bf16 activations. Quantized
+(the A16 of the formats; W8A8 and W4A8 quantize them to int8 per token, W4A4 to 4 bits per token and
+group of G; "+rot" rows store H W and rotate the activations, QuaRot's block Hadamard); the float model is reported with fp32 and bf16 activations. Quantized
 rows use `quant_impl=reference` (the kernels' integer semantics in XLA; the Pallas kernels in
 interpret mode give the same sums, tests/test_quantized_model.py) except one pallas row per model
 that checks it. Writes results.json and prints the README's table.
@@ -42,11 +43,16 @@ MODELS = {
         "--config.train.progress=false",
     ],
 }
-# (format, method, group size, zero point)
-ROWS = [("w8a16", "rtn", 128, False), ("w8a16", "gptq", 128, False)]
-ROWS += [("w4a16", method, g, False) for method in ("rtn", "gptq") for g in (32, 64, 128)]
-ROWS += [("w4a16", method, 128, True) for method in ("rtn", "gptq")]
-ROWS += [("w8a8", "rtn", 128, False), ("w8a8", "gptq", 128, False)]
+# (format, method, group size, zero point, rotated)
+ROWS = [("w8a16", "rtn", 128, False, False), ("w8a16", "gptq", 128, False, False)]
+ROWS += [("w4a16", method, g, False, False) for method in ("rtn", "gptq") for g in (32, 64, 128)]
+ROWS += [("w4a16", method, 128, True, False) for method in ("rtn", "gptq")]
+ROWS += [("w8a8", "rtn", 128, False, False), ("w8a8", "gptq", 128, False, False)]
+# COMET's W4A8 / W4A4 (integer activations; W4A4's per token and group of G), and QuaRot's rotation
+ROWS += [("w4a8", method, 128, False, False) for method in ("rtn", "gptq")]
+ROWS += [("w4a4", method, g, False, rot) for rot in (False, True) for method in ("rtn", "gptq") for g in (32, 128)]
+ROWS += [("w4a16", "gptq", 128, False, True), ("w4a8", "gptq", 128, False, True)]
+ACTIVATIONS = {"w8a8": "int8/token", "w4a8": "int8/token", "w4a4": "int4/token/G"}
 
 
 def _train(name: str, workdir: str, steps_scale: float) -> None:
@@ -103,15 +109,23 @@ def main(argv=None) -> int:
                 **_summary(evaluate_workdir(source, bf16), None),
             ),
         ]
-        for fmt, method, group, zero in ROWS:
-            out = os.path.join(args.cache, f"{name}_{fmt}_{method}_g{group}{'_z' if zero else ''}")
+        for fmt, method, group, zero, rot in ROWS:
+            out = os.path.join(args.cache, f"{name}_{fmt}_{method}_g{group}{'_z' if zero else ''}{'_r' if rot else ''}")
             shutil.rmtree(out, ignore_errors=True)
             start = time.perf_counter()
             try:
-                info = quantize_workdir(source, out, fmt, method, group, zero, 8, log=None)
+                info = quantize_workdir(source, out, fmt, method, group, zero, 8, log=None, rotate=rot)
             except ConfigError as e:  # the group size does not divide this model's matmuls
                 rows.append(
-                    dict(model=name, format=fmt, method=method, group_size=group, zero_point=zero, refused=str(e))
+                    dict(
+                        model=name,
+                        format=fmt,
+                        method=method,
+                        group_size=group,
+                        zero_point=zero,
+                        rotated=rot,
+                        refused=str(e),
+                    )
                 )
                 print(f"{name} {fmt} {method} G={group}: refused ({e})", flush=True)
                 continue
@@ -121,18 +135,23 @@ def main(argv=None) -> int:
                 model=name,
                 format=fmt,
                 method=method,
-                group_size=group if fmt == "w4a16" else None,
+                group_size=group if fmt.startswith("w4") else None,
                 zero_point=zero,
-                activations="int8/token" if fmt == "w8a8" else "bf16",
+                rotated=rot,
+                activations=ACTIVATIONS.get(fmt, "bf16"),
                 quantize_seconds=seconds,
                 **_summary(ev, info),
                 bits_per_dense_weight=quant.bits_per_weight(fmt, group, zero),
             )
-            if (fmt, method, group, zero) == ("w4a16", "gptq", 32, False):  # the kernels themselves
+            if (fmt, method, group, zero, rot) in (
+                ("w4a16", "gptq", 32, False, False),
+                ("w4a4", "gptq", 32, False, True),
+            ):
+                # the kernels themselves (interpret mode)
                 row["eval_loss_pallas"] = evaluate_workdir(out, bf16)["eval_loss"]
             rows.append(row)
             print(
-                f"{name} {fmt} {method} G={group}{' z' if zero else ''}: loss {ev['eval_loss']:.4f} "
+                f"{name} {fmt} {method} G={group}{' z' if zero else ''}{' rotated' if rot else ''}: loss {ev['eval_loss']:.4f} "
                 f"(float {fp32['eval_loss']:.4f})",
                 flush=True,
             )
@@ -166,13 +185,14 @@ def table(rows: list[dict]) -> str:
         if r["format"] == "float" and r["activations"] == "bf16":
             reference[r["model"]] = r["perplexity"]
     for r in rows:
+        marks = f"{' +z' if r.get('zero_point') else ''}{' +rot' if r.get('rotated') else ''}"
         if "refused" in r:
-            group = f"{r['group_size']}{' +z' if r.get('zero_point') else ''}"
+            group = f"{r['group_size']}{marks}"
             lines.append(
                 f"| {r['model']} | {r['format']} | {r['method']} | {group} | | refused: G does not divide K' | | | | |"
             )
             continue
-        group = f"{r['group_size']}{' +z' if r.get('zero_point') else ''}" if r.get("group_size") else "-"
+        group = f"{r['group_size']}{marks}" if r.get("group_size") else "-"
         bits = r.get("bits_per_dense_weight", 32)
         ratio = r["perplexity"] / reference[r["model"]]
         lines.append(

@@ -265,7 +265,7 @@ def _collective_lines(rows: list[dict]) -> list[str]:
 def format_inference_report(r: dict) -> str:
     c, m, rl = r["config"], r["memory"], r["roofline"]
     layout = " x ".join(f"{a}={s}" for a, s in c["mesh"].items() if s > 1) or "1 device"
-    quant = c["quant"] + (f" (G={c['quant_group_size']})" if c["quant"] == "w4a16" else "")
+    quant = c["quant"] + (f" (G={c['quant_group_size']})" if c["quant"].startswith("w4") else "")
     out = [
         f"inference forward of a {quant} checkpoint's model on {layout} ({c['devices']} devices), "
         f"{c['batch_tokens']:,} tokens per forward; hardware profile {c['hardware']}",

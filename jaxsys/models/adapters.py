@@ -162,12 +162,13 @@ def folded(w, name: str):
     return w.base + delta(w, name).astype(w.base.dtype) if is_lora(w) else w
 
 
-def dense_base(w, name: str, fmt: str):
-    """The fp32 weight a layer leaf's base stands for: itself, or a quantized one dequantized."""
+def dense_base(w, name: str, m):
+    """The fp32 weight a layer leaf's base stands for: itself, or a quantized one (config.model.quant*
+    of `m`) dequantized, its rotation undone."""
     if not quant.is_quantized(w):
         return w.astype(jnp.float32)
     # a layer leaf is stacked [L, ...] (no pipeline chunks with adapters): one layer at a time
-    return jax.vmap(lambda layer: quant.dequantize_layer(layer, fmt, quant.CONTRACTED[name]))(w)
+    return jax.vmap(lambda layer: quant.dequantize_layer(layer, m.quant, quant.CONTRACTED[name], quant.rotation(m)))(w)
 
 
 def merged(params, m, dtype):
@@ -177,5 +178,5 @@ def merged(params, m, dtype):
     layers = dict(params["layers"])
     for name, w in layers.items():
         if is_lora(w):
-            layers[name] = (dense_base(w.base, name, m.quant) + delta(w, name)).astype(dtype)
+            layers[name] = (dense_base(w.base, name, m) + delta(w, name)).astype(dtype)
     return {**params, "layers": layers}

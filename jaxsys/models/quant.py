@@ -16,7 +16,8 @@ weight they replace (a column-parallel weight splits N', a row-parallel one K'):
 
     w8a16 / w8a8   q      int8   the weight's shape            w ~ q * scale
                    scale  fp32   [lead..., out dims]           one per output channel
-    w4a16          packed uint8  the weight's shape with its last contracted dimension halved: two
+    w4a16, w4a8,   packed uint8  the weight's shape with its last contracted dimension halved: two
+    w4a4
                                  codes per byte, in the kernel's layout (reference.repack_w4 of
                                  reference.pack_int4 along the flattened K')
                    scale  fp32   [lead..., K'/G, out dims]     one per group of G k per channel
@@ -26,10 +27,16 @@ The groups' dimension carries the logical name of the leading contracted dimensi
 wo, `mlp` for w_down), so under tensor parallelism a rank holds the scales of its own rows; over
 `embed` (FSDP-sharded at rest, gathered before use) it is left unsharded.
 
-W8A8 quantizes the activations per token inside `linear`, over the K' a rank holds: under tensor
-parallelism a row-parallel matmul's activation scales are per shard (finer than one device's), so
-its results differ from one device's by quantization noise, while W8A16 and W4A16 are exact
-reshapes of the same sums.
+W8A8 and W4A8 quantize the activations per token inside `linear`, over the K' a rank holds: under
+tensor parallelism a row-parallel matmul's activation scales are per shard (finer than one
+device's), so its results differ from one device's by quantization noise, while W8A16, W4A16 and
+W4A4 (activations per token and group of G, Atom's groups, which never straddle a shard) are
+exact reshapes of the same sums.
+
+`config.model.quant_rotate` stores H W for each dense weight, H block-diagonal Hadamard in blocks of
+G along K' (QuaRot's rotation, on blocks), and `linear` multiplies the activation by H before it
+is quantized: x W = (x H)(H W), and an outlier channel is spread over its block. Blocks of G never
+straddle a tensor-parallel shard (config validation), so the rotation needs no communication.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def contracted(name: str) -> int:
     return CONTRACTED[name] if name in CONTRACTED else MLA_CONTRACTED[name]
 
 
-CODES = {"w8a16": "q", "w8a8": "q", "w4a16": "packed"}
+CODES = {"w8a16": "q", "w8a8": "q", "w4a16": "packed", "w4a8": "packed", "w4a4": "packed"}
+FOUR_BIT = ("w4a16", "w4a8", "w4a4")  # the formats of 4-bit weights in groups of G
 
 
 def is_quantized(w) -> bool:
@@ -180,7 +188,7 @@ _quantized_matmul.defvjp(_quantized_fwd, _quantized_bwd)
 
 def _dequantized_matrix(mat, fmt: str):
     """The fp32 [K', N'] weight of a layer's 2-D operands (`_as_matrix`)."""
-    if fmt == "w4a16":
+    if fmt in FOUR_BIT:
         packed, s = mat["packed"], mat["scale"]
         group_size = 2 * packed.shape[0] // s.shape[0]
         return qref.dequantize_w4(qref.unrepack_w4(packed, group_size), s, mat.get("zero"))
@@ -202,10 +210,16 @@ def _quantized_forward(x2, w, fmt: str, impl: str):
             return qref.matmul_w8a8(xq, sx, q, s, x2.dtype)
         return qkernel.matmul_w8a8(xq, sx, q, s, x2.dtype, block_m=block_m(x2.shape[0], 32), **kw)
     packed, s, z = w["packed"], w["scale"], w.get("zero")
+    group_size = 2 * packed.shape[0] // s.shape[0]
+    if fmt == "w4a16":
+        if impl == "reference":
+            return qref.matmul_w4a16(x2, qref.unrepack_w4(packed, group_size), s, z)
+        return qkernel.matmul_w4a16(x2, packed, s, z, block_m=block_m(x2.shape[0]), **kw)
+    # W4A8: int8 per token; W4A4: 4-bit per token and group (Atom), each group's sum in int32
+    xq, sx = qref.quantize_per_token(x2) if fmt == "w4a8" else qref.quantize_per_token_group(x2, group_size, 4)
     if impl == "reference":
-        group_size = 2 * packed.shape[0] // s.shape[0]
-        return qref.matmul_w4a16(x2, qref.unrepack_w4(packed, group_size), s, z)
-    return qkernel.matmul_w4a16(x2, packed, s, z, block_m=block_m(x2.shape[0]), **kw)
+        return qref.matmul_w4ax(xq, sx, qref.unrepack_w4(packed, group_size), s, z, x2.dtype)
+    return qkernel.matmul_w4ax(xq, sx, packed, s, z, x2.dtype, block_m=block_m(x2.shape[0], 32), **kw)
 
 
 def _as_matrix(w, contracted: int, fmt: str):
@@ -215,7 +229,7 @@ def _as_matrix(w, contracted: int, fmt: str):
     out_dims = codes.shape[contracted:]
     n = math.prod(out_dims)
     mat = {CODES[fmt]: codes.reshape(-1, n), "scale": w["scale"].reshape(-1, n)}
-    if fmt != "w4a16":
+    if fmt not in FOUR_BIT:
         mat["scale"] = mat["scale"].reshape(n)
     if "zero" in w:
         mat["zero"] = w["zero"].reshape(-1, n)
@@ -240,6 +254,8 @@ def linear(eq: str, x, w, m, name: str = ""):
     x2 = x.reshape(math.prod(batch_dims), -1)
     if quantized:
         mat, out_dims = _as_matrix(w, form.contracted, m.quant)
+        if m.quant_rotate:  # the codes are of H W (quantization/params.py): x W = (x H)(H W)
+            x2 = qref.rotate_groups(x2, m.quant_group_size)
         y2 = _quantized_matmul(x2, mat, m.quant, m.quant_impl)
     else:
         out_dims = w.shape[form.contracted :]
@@ -380,17 +396,28 @@ def bits_per_weight(fmt: str, group_size: int = 128, zero_point: bool = False) -
     of w8 is negligible; w4's per-group scale, fp32, and zero point, int8, are not)."""
     if fmt in ("w8a16", "w8a8"):
         return 8.0
-    if fmt == "w4a16":
+    if fmt in FOUR_BIT:
         return 4.0 + (32.0 + (8.0 if zero_point else 0.0)) / group_size
     raise ValueError(f"no storage figure for format {fmt!r}")
 
 
-def dequantize_layer(w, fmt: str, contracted: int):
+def dequantize_layer(w, fmt: str, contracted: int, rotation: int = 0):
     """The fp32 weight one layer's quantized leaf stands for, in the float weight's shape (no layer
-    dimensions; vmap over them): for tests and calibration, never on the model's path."""
+    dimensions; vmap over them): for tests and calibration, never on the model's path. `rotation`:
+    the block size G of the Hadamard the codes were stored under (config.model.quant_rotate), undone
+    here (H is its own inverse); 0 for none."""
     mat, out_dims = _as_matrix(w, contracted, fmt)
     codes = w[CODES[fmt]]
     k_dims = codes.shape[:contracted]
-    if fmt == "w4a16":
+    if fmt in FOUR_BIT:
         k_dims = k_dims[:-1] + (2 * k_dims[-1],)
-    return _dequantized_matrix(mat, fmt).reshape(*k_dims, *out_dims)
+    matrix = _dequantized_matrix(mat, fmt)
+    if rotation:
+        matrix = qref.rotate_groups(matrix, rotation, axis=0)
+    return matrix.reshape(*k_dims, *out_dims)
+
+
+def rotation(m) -> int:
+    """The Hadamard block size the model's quantized weights are stored under: G with
+    config.model.quant_rotate, else 0."""
+    return m.quant_group_size if m.quant != "none" and m.quant_rotate else 0

@@ -7,9 +7,12 @@
                      quantized layers before it (as the GPTQ reference code does), and each weight
                      quantized against the Hessian of its own inputs (gptq.py).
 
-Formats: w8a16 and w8a8 (int8 per channel), w4a16 (4-bit per group of G k, packed two per byte in
-the kernel's layout, optional zero points). Embeddings, the output layer, norms and MoE experts
-stay in floating point.
+Formats: w8a16 and w8a8 (int8 per channel), w4a16, w4a8 and w4a4 (4-bit per group of G k, packed
+two per byte in the kernel's layout, optional zero points; the activation format is the model's
+business, models/quant.py). With `rotate` each weight is first multiplied by the block Hadamard H
+(QuaRot's rotation on blocks of G, reference.rotate_groups) and GPTQ's Hessian by H on both sides:
+the codes are of H W, and the model rotates its activations to match. Embeddings, the output
+layer, norms and MoE experts stay in floating point.
 """
 
 from __future__ import annotations
@@ -36,12 +39,27 @@ def _matrix(w, contracted: int):
     return w.reshape(k, -1)
 
 
-def quantize_matrix(w2, fmt: str, group_size: int = 128, zero_point: bool = False, hessian=None):
+def rotated_hessian(h, group_size: int):
+    """The Hessian X^T X of inputs X H (H the block Hadamard, symmetric): H (X^T X) H, computed
+    block by block ([K'/G, G, K'/G, G]: K'^2 G multiply-adds, not K'^3)."""
+    h = np.asarray(h, np.float64)
+    k = h.shape[0]
+    blocks = h.reshape(k // group_size, group_size, k // group_size, group_size)
+    rot = qref.hadamard(group_size).astype(np.float64)
+    return np.einsum("ip,apbq,qj->aibj", rot, blocks, rot, optimize=True).reshape(k, k)
+
+
+def quantize_matrix(w2, fmt: str, group_size: int = 128, zero_point: bool = False, hessian=None, rotate: bool = False):
     """One layer's weight w2[K', N'] -> (codes, scale, zero or None) in the stored form: int8 q
     [K', N'] and scale [N'] (w8a16, w8a8), or packed uint8 [K'/2, N'] in the kernel layout, scale
-    and zero [K'/G, N'] (w4a16). RTN without `hessian`; GPTQ with (hessian, rows) of the inputs."""
+    and zero [K'/G, N'] (w4a16, w4a8, w4a4). RTN without `hessian`; GPTQ with (hessian, rows) of
+    the inputs. `rotate`: the codes are of H W (H the block Hadamard of G)."""
     w2 = np.asarray(w2, np.float32)
-    bits = "w4" if fmt == "w4a16" else "w8"
+    bits = "w4" if fmt in quant.FOUR_BIT else "w8"
+    if rotate:
+        w2 = np.asarray(qref.rotate_groups(jnp.asarray(w2), group_size, axis=0))
+        if hessian is not None:
+            hessian = (rotated_hessian(hessian[0], group_size), hessian[1])
     if hessian is not None:
         h, rows = hessian
         q, s, z = gptq.quantize(w2, h, rows, bits, group_size=group_size, zero_point=zero_point)
@@ -59,7 +77,7 @@ def quantize_matrix(w2, fmt: str, group_size: int = 128, zero_point: bool = Fals
 
 def _stored(name: str, codes, scale, zero, spec_k_dims, out_dims, fmt: str) -> dict:
     """The per-layer dict of `quant.quantized_spec` from 2-D codes and scales."""
-    if fmt == "w4a16":
+    if fmt in quant.FOUR_BIT:
         codes = codes.reshape(*spec_k_dims[:-1], spec_k_dims[-1] // 2, *out_dims)
         scale = scale.reshape(-1, *out_dims)
         out = {"packed": codes, "scale": scale}
@@ -69,10 +87,12 @@ def _stored(name: str, codes, scale, zero, spec_k_dims, out_dims, fmt: str) -> d
     return {"q": codes.reshape(*spec_k_dims, *out_dims), "scale": scale.reshape(out_dims)}
 
 
-def quantize_layer_leaf(name: str, w, fmt: str, group_size: int, zero_point: bool, hessian=None) -> dict:
+def quantize_layer_leaf(
+    name: str, w, fmt: str, group_size: int, zero_point: bool, hessian=None, rotate: bool = False
+) -> dict:
     """One layer's float weight `name` (no layer dimensions) -> its quantized dict."""
     c = quant.CONTRACTED[name]
-    codes, scale, zero = quantize_matrix(_matrix(np.asarray(w), c), fmt, group_size, zero_point, hessian)
+    codes, scale, zero = quantize_matrix(_matrix(np.asarray(w), c), fmt, group_size, zero_point, hessian, rotate)
     return _stored(name, codes, scale, zero, w.shape[:c], w.shape[c:], fmt)
 
 
@@ -80,10 +100,12 @@ def _stack(per_layer: list[dict]) -> dict:
     return {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
 
 
-def quantize_params(params, m, fmt: str, group_size: int = 128, zero_point: bool = False, hessians=None) -> dict:
+def quantize_params(
+    params, m, fmt: str, group_size: int = 128, zero_point: bool = False, hessians=None, rotate: bool = False
+) -> dict:
     """The float parameter tree (layers [L, ...], host or device arrays) with every dense weight
     of `quant.CONTRACTED` quantized as `fmt`; `hessians[(name, layer)]` = (H, rows) selects GPTQ
-    for that weight (RTN where absent)."""
+    for that weight (RTN where absent); `rotate` stores H W (the Hessians are of unrotated inputs)."""
     layers = dict(params["layers"])
     for name in quant.CONTRACTED:
         if name not in layers:
@@ -92,7 +114,13 @@ def quantize_params(params, m, fmt: str, group_size: int = 128, zero_point: bool
         layers[name] = _stack(
             [
                 quantize_layer_leaf(
-                    name, stack[i], fmt, group_size, zero_point, None if hessians is None else hessians.get((name, i))
+                    name,
+                    stack[i],
+                    fmt,
+                    group_size,
+                    zero_point,
+                    None if hessians is None else hessians.get((name, i)),
+                    rotate,
                 )
                 for i in range(stack.shape[0])
             ]
@@ -112,7 +140,15 @@ def single_device(config):
 
 
 def gptq_params(
-    params, config, corpus, fmt: str, group_size: int, zero_point: bool, batches: int = 8, log=None
+    params,
+    config,
+    corpus,
+    fmt: str,
+    group_size: int,
+    zero_point: bool,
+    batches: int = 8,
+    log=None,
+    rotate: bool = False,
 ) -> dict:
     """GPTQ of every dense weight, layer by layer: the inputs of layer l's matmuls come from running
     the already quantized layers 0..l-1 (dequantized) on `batches` training batches of `corpus`;
@@ -166,12 +202,14 @@ def gptq_params(
         for name in quant.CONTRACTED:
             if name not in w:
                 continue
-            q = quantize_layer_leaf(name, np.asarray(w[name], np.float32), fmt, group_size, zero_point, sums[name])
+            q = quantize_layer_leaf(
+                name, np.asarray(w[name], np.float32), fmt, group_size, zero_point, sums[name], rotate
+            )
             quantized[name].append(q)
             hessians[(name, index(name))] = sums[name]
-            deq[name] = quant.dequantize_layer(jax.tree.map(jnp.asarray, q), fmt, quant.CONTRACTED[name]).astype(
-                compute
-            )
+            deq[name] = quant.dequantize_layer(
+                jax.tree.map(jnp.asarray, q), fmt, quant.CONTRACTED[name], group_size if rotate else 0
+            ).astype(compute)
         xs = [run(x, deq, kind, mlp_kind)[0] for x in xs]  # the next layer sees this one quantized
         for key in counts:
             counts[key] += key == "all" or key == mlp_kind

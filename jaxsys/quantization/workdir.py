@@ -27,10 +27,11 @@ from jaxsys.quantization.params import gptq_params, quantize_params, single_devi
 METHODS = ("rtn", "gptq")
 
 
-def quantized_config(config, fmt: str, group_size: int, zero_point: bool):
+def quantized_config(config, fmt: str, group_size: int, zero_point: bool, rotate: bool = False):
     """The config of the quantized workdir: `config` with config.model.quant* set, for inference."""
     out = copy.deepcopy(config)
     out.model.quant, out.model.quant_group_size, out.model.quant_zero_point = fmt, group_size, zero_point
+    out.model.quant_rotate = rotate
     out.model.quant_train = "none"
     out.train.virtual_stages = 1  # quantized layers are stored [L, ...] whatever the source's schedule
     if out.mesh.pipe > 1 and out.train.pipeline_schedule == "interleaved_1f1b":
@@ -48,6 +49,7 @@ def quantize_workdir(
     calibration_batches: int = 8,
     step: int | None = None,
     log=print,
+    rotate: bool = False,
 ) -> dict:
     """Read `workdir`'s checkpoint (default: latest) onto one device, quantize it, write `out`.
     Returns a summary (step, bytes before and after, seconds)."""
@@ -66,7 +68,7 @@ def quantize_workdir(
             f"{workdir} step {step} is already quantized (config.model.quant="
             f"{source.model.quant!r}): quantize the float checkpoint it came from"
         )
-    target = quantized_config(source, fmt, group_size, zero_point)
+    target = quantized_config(source, fmt, group_size, zero_point, rotate)
     validate(target)  # group sizes against the model and the saved mesh, before any reading
     start = time.perf_counter()
     # calibration text through the model's tokenizer (never byte ids into a converted model), read
@@ -85,9 +87,9 @@ def quantize_workdir(
     _, params, one = checkpoint_lib.load(workdir, checkpoint_lib.ONE_DEVICE, step, jax.devices()[:1])
     m = one.model
     if method == "gptq":
-        qparams = gptq_params(params, one, corpus, fmt, group_size, zero_point, calibration_batches, log)
+        qparams = gptq_params(params, one, corpus, fmt, group_size, zero_point, calibration_batches, log, rotate)
     else:
-        qparams = quantize_params(jax.tree.map(np.asarray, params), m, fmt, group_size, zero_point)
+        qparams = quantize_params(jax.tree.map(np.asarray, params), m, fmt, group_size, zero_point, rotate=rotate)
     one_q = single_device(target)
     program_q = program_lib.build(one_q, make_mesh(one_q, jax.devices()[:1]))
     abstract = program_q.abstract_state()
@@ -109,6 +111,7 @@ def quantize_workdir(
         "method": method,
         "group_size": group_size,
         "zero_point": zero_point,
+        "rotate": rotate,
         "dense_bytes_before": nbytes(dense(params)),
         "dense_bytes_after": nbytes(dense(qparams)),
         "total_bytes_before": nbytes(params),

@@ -1,4 +1,4 @@
-"""Quantized matmul throughput on one GPU: the W4A16, W8A16 and W8A8 Pallas kernels (Triton) against
+"""Quantized matmul throughput on one GPU: the W4A16, W8A16, W8A8 and W4A8 Pallas kernels (Triton) against
 XLA's bf16 dot, at decode batch sizes, beside the bandwidth bound.
 
     python -m jaxsys.kernels.quantized_matmul.bench --out quantized_matmul_gpu.json --plot q.png
@@ -23,6 +23,8 @@ Llama-70B ((8192, 8192), (8192, 28672), (28672, 8192)) and each batch M in 1..12
          (default 128) per channel, symmetric, bf16 x
   w8a8   kernel.matmul_w8a8: int8 x and weights, int32 accumulate; x is quantized beforehand (the
          per-token quantization of x, a separate XLA fusion in a model, is not timed)
+  w4a8   kernel.matmul_w4ax: int8 x per token (as w8a8) and w4a16's 4-bit weights, each group's
+         int8 x int8 dot in int32, scaled per group in fp32
 
 and reports per call: time, TFLOP/s (2 M K N / t), achieved GB/s (bytes moved / t), the speed-up
 over bf16 at the same shape and batch, the ideal time max(bytes moved / HBM bandwidth, FLOPs /
@@ -67,7 +69,8 @@ from jaxsys.kernels.flash_attention.bench import median_seconds
 from jaxsys.kernels.quantized_matmul import kernel
 from jaxsys.kernels.quantized_matmul import reference as ref
 
-FORMATS = ("bf16", "w8a16", "w4a16", "w8a8")
+FORMATS = ("bf16", "w8a16", "w4a16", "w8a8", "w4a8")
+INT8_ACTIVATIONS = ("w8a8", "w4a8")  # x quantized per token beforehand; their dots use the int8 peak
 SHAPES = {  # (K, N) of the transformer blocks' matmuls: qkv/o projection, gate/up, down
     "llama-7b": [(4096, 4096), (4096, 11008), (11008, 4096)],
     "llama-70b": [(8192, 8192), (8192, 28672), (28672, 8192)],
@@ -92,6 +95,8 @@ def bytes_moved(fmt: str, m: int, k: int, n: int, group_size: int = 128, zero_po
         weights, x = k * n // 2 + 4 * (k // group_size) * n * (1 + zero_point / 4), 2 * m * k
     elif fmt == "w8a8":
         weights, x = k * n + 4 * n, m * k + 4 * m
+    elif fmt == "w4a8":
+        weights, x = k * n // 2 + 4 * (k // group_size) * n, m * k + 4 * m
     else:
         raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
     out = 2 * m * n
@@ -105,7 +110,7 @@ def flops(m: int, k: int, n: int) -> float:
 def ideal_seconds(fmt: str, m: int, k: int, n: int, hw, group_size: int = 128) -> float:
     """max(bytes moved / HBM bandwidth, FLOPs / peak): int8 peak for W8A8, bf16 otherwise (the
     A16 kernels dot bf16 codes)."""
-    peak = hw.peak("int8" if fmt == "w8a8" else "bfloat16")
+    peak = hw.peak("int8" if fmt in INT8_ACTIVATIONS else "bfloat16")
     return max(bytes_moved(fmt, m, k, n, group_size)["total"] / hw.hbm_bytes_per_s, flops(m, k, n) / peak)
 
 
@@ -122,9 +127,9 @@ def block_m_for(m: int) -> int:
 
 
 def make_data(fmt, m, k, key):
-    """The activation operands of one call: (x,) bf16, or (xq, sx) for W8A8."""
+    """The activation operands of one call: (x,) bf16, or (xq, sx) for W8A8 and W4A8."""
     x = jax.random.normal(key, (m, k), jnp.bfloat16)
-    if fmt == "w8a8":
+    if fmt in INT8_ACTIVATIONS:
         return ref.quantize_per_token(x)
     return (x,)
 
@@ -151,6 +156,10 @@ def call_fn(fmt, m, block_n, args):
         return lambda data, w: kernel.matmul_w8a16(data[0], *w, block_m=block_m_for(m), **common)
     if fmt == "w4a16":
         return lambda data, w: kernel.matmul_w4a16(data[0], *w, block_m=block_m_for(m), **common)
+    if fmt == "w4a8":
+        return lambda data, w: kernel.matmul_w4ax(
+            *data, *w, None, jnp.bfloat16, block_m=max(32, block_m_for(m)), **common
+        )
     return lambda data, w: kernel.matmul_w8a8(*data, *w, jnp.bfloat16, block_m=max(32, block_m_for(m)), **common)
 
 
@@ -163,6 +172,8 @@ def reference_fn(fmt, group_size):
         return lambda data, w: ref.matmul_w8a16(data[0], *w)
     if fmt == "w4a16":
         return lambda data, w: ref.matmul_w4a16(data[0], ref.unrepack_w4(w[0], group_size), w[1])
+    if fmt == "w4a8":
+        return lambda data, w: ref.matmul_w4ax(*data, ref.unrepack_w4(w[0], group_size), w[1], None, jnp.bfloat16)
     return lambda data, w: ref.matmul_w8a8(*data, *w, jnp.bfloat16)
 
 
@@ -290,6 +301,8 @@ def split_k_call(fmt, m, split_k, args):
         return lambda data, w: kernel.matmul_w8a16(data[0], *w, block_m=block_m_for(m), **common)
     if fmt == "w4a16":
         return lambda data, w: kernel.matmul_w4a16(data[0], *w, block_m=block_m_for(m), **common)
+    if fmt == "w4a8":
+        return lambda data, w: kernel.matmul_w4ax(*data, *w, None, jnp.bfloat16, block_m=block_m_for(m), **common)
     return lambda data, w: kernel.matmul_w8a8(*data, *w, jnp.bfloat16, block_m=block_m_for(m), **common)
 
 
@@ -301,7 +314,7 @@ def chosen_split_k(fmt, m, k, n, args, cores) -> int:
         n,
         block_m=block_m_for(m),
         block_n=args.split_block_n,
-        group_size=args.group_size if fmt == "w4a16" else 0,
+        group_size=args.group_size if fmt in ("w4a16", "w4a8") else 0,
         cores=cores,
     )
 
@@ -343,7 +356,7 @@ def measure_split_k_shape(model, k, n, args, hw, key, cores, deadline):
             make_weights(fmt, k, n, args.group_size, kk)
             for kk in jax.random.split(jax.random.fold_in(kw, fi + 1), copies)
         ]
-        full = make_data(fmt, batches[-1], k, kx) if fmt == "w8a8" else (x_all,)
+        full = make_data(fmt, batches[-1], k, kx) if fmt in INT8_ACTIVATIONS else (x_all,)
         want = np.asarray(jax.jit(reference_fn(fmt, args.group_size))(full, weights[0]), np.float32)
         for m in batches:
             if m not in bf16_us or time.monotonic() > deadline:
@@ -510,7 +523,7 @@ def plot(record, path) -> bool:
         return False
     summary = per_model(record["results"])
     fig, axes = plt.subplots(1, max(1, len(summary)), figsize=(6 * max(1, len(summary)), 4.5), squeeze=False)
-    colors = {"w8a16": "tab:blue", "w4a16": "tab:red", "w8a8": "tab:green"}
+    colors = {"w8a16": "tab:blue", "w4a16": "tab:red", "w8a8": "tab:green", "w4a8": "tab:purple"}
     for ax, (model, fmts) in zip(axes[0], summary.items()):
         for fmt, by_m in fmts.items():
             if fmt == "bf16":

@@ -84,6 +84,7 @@ __all__ = [
     "matmul_w8a16",
     "matmul_w4a16",
     "matmul_w8a8",
+    "matmul_w4ax",
     "Tiles",
     "tiles",
     "choose_split_k",
@@ -293,7 +294,7 @@ def split_k_for(
 
 # Tiles when neither the caller nor the tuning cache gives one: 16 rows fill one mma tile (32 for
 # W8A8, whose int8 mma is 32 deep), 128-wide N and K blocks.
-DEFAULT_BLOCKS = {"w8a16": (16, 128, 128), "w4a16": (16, 128, 128), "w8a8": (32, 128, 128)}
+DEFAULT_BLOCKS = {"w8a16": (16, 128, 128), "w4a16": (16, 128, 128), "w8a8": (32, 128, 128), "w4ax": (32, 128, 128)}
 
 
 def _plan(
@@ -322,7 +323,7 @@ def _plan(
     pick = lambda given, name, default: tuned.get(name, default) if given is None else given
     bm, bn, bk = DEFAULT_BLOCKS[kind]
     block_m, block_n = pick(block_m, "block_m", bm), pick(block_n, "block_n", bn)
-    block_k = 0 if kind == "w4a16" else pick(block_k, "block_k", bk)  # W4A16 steps whole groups
+    block_k = 0 if kind in ("w4a16", "w4ax") else pick(block_k, "block_k", bk)  # 4-bit kernels step whole groups
     num_warps, num_stages = pick(num_warps, "num_warps", None), pick(num_stages, "num_stages", None)
     make = lambda variant: tiles(
         m,
@@ -772,3 +773,171 @@ def matmul_w8a8(
         split_k=split_k,
     )
     return _run(plan, functools.partial(_w8a8, out_dtype=out_dtype), m, n, xq, sx, wq, sw)
+
+
+# ----------------------------------------------------------------------------- W4Ax (W4A8, W4A4)
+
+
+def _w4ax_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool, unroll: bool, split_k: int):
+    x_ref, sx_ref, p_ref, s_ref, *rest = refs
+    z_ref, o_ref = rest if has_zero else (None, rest[0])
+    per_group = len(sx_ref.shape) == 2  # W4A4: one activation scale per (token, group)
+    half = group_size // 2
+
+    def codes(nibble, z):
+        c = (nibble ^ 8) - 8 if signed else nibble
+        if z is not None:
+            c = c - z[None, :]
+        return c.astype(jnp.int8)  # |c| <= 15
+
+    def int_dot(a, b):  # int8 x int8 -> int32: the integer tensor-core mma, as in W8A8
+        return jnp.dot(a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.int32)
+
+    def group(g, rows, lo_cols, hi_cols, sx_col, acc):
+        packed = p_ref[rows, :].astype(jnp.int32)
+        z = z_ref[g, :].astype(jnp.int32) if has_zero else None
+        lo, hi = codes(packed & 15, z), codes(packed >> 4, z)
+        part = (int_dot(x_ref[:, lo_cols], lo) + int_dot(x_ref[:, hi_cols], hi)).astype(jnp.float32)
+        part = part * s_ref[g, :].astype(jnp.float32)[None, :]
+        if per_group:
+            part = part * sx_ref[:, sx_col].astype(jnp.float32)  # [bm, 1]: this group's activation scales
+        return acc + part
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    if unroll:  # Mosaic: static offsets (see _w4_kernel)
+        for g in range(n_groups):
+            k0 = g * group_size
+            acc = group(
+                g,
+                slice(g * half, (g + 1) * half),
+                slice(k0, k0 + half),
+                slice(k0 + half, k0 + group_size),
+                slice(g, g + 1),
+                acc,
+            )
+    else:
+        first, count = _k_range(n_groups, split_k)
+
+        def body(i, acc):
+            g = first + i
+            k0 = pl.multiple_of(g * group_size, group_size)
+            return group(
+                g,
+                pl.ds(pl.multiple_of(g * half, half), half),
+                pl.ds(k0, half),
+                pl.ds(pl.multiple_of(k0 + half, half), half),
+                pl.ds(g, 1),
+                acc,
+            )
+
+        acc = lax.fori_loop(0, count, body, acc)
+    if not per_group:
+        acc = acc * sx_ref[...].astype(jnp.float32)[:, None]  # per token: linear, so per split too
+    o_ref[...] = acc.astype(o_ref.dtype)  # with split-K: the fp32 partial, already scaled
+
+
+def _w4ax(xq, sx, packed, s, z, *, cfg: Tiles, out_dtype):
+    m, k = xq.shape
+    groups = s.shape[0]
+    mp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.n_padded, cfg.block_m, cfg.block_n
+    sx = _pad(sx.astype(jnp.float32), 0, mp)
+    sx_spec = (
+        pl.BlockSpec((bm, groups), lambda i, j, *_: (i, 0))
+        if sx.ndim == 2
+        else pl.BlockSpec((bm,), lambda i, j, *_: (i,))
+    )
+    args = [_pad(xq, 0, mp), sx, _pad(packed, 1, np_), _pad(_scales(s, cfg), 1, np_)]
+    in_specs = [
+        pl.BlockSpec((bm, k), lambda i, j, *_: (i, 0)),
+        sx_spec,
+        pl.BlockSpec((k // 2, bn), lambda i, j, *_: (0, j)),
+        pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)),
+    ]
+    if z is not None:
+        in_specs.append(pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)))
+        args.append(_pad(z.astype(jnp.int8), 1, np_))
+    grid, out_specs, out_shape = _grid_specs(cfg, mp, out_dtype, jnp.float32)
+    out = pl.pallas_call(
+        functools.partial(
+            _w4ax_kernel,
+            group_size=k // groups,
+            n_groups=groups,
+            signed=z is None,
+            has_zero=z is not None,
+            unroll=cfg.variant == "tpu",
+            split_k=cfg.split_k,
+        ),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(cfg),
+        interpret=cfg.interpret,
+    )(*args)
+    if cfg.split_k == 1:
+        return out
+    return jnp.sum(out[:, :m, : packed.shape[1]], axis=0).astype(out_dtype)
+
+
+def matmul_w4ax(
+    xq,
+    sx,
+    packed,
+    s,
+    z=None,
+    out_dtype=jnp.bfloat16,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    split_k: int | None = None,
+    interpret=None,
+    backend=None,
+    num_warps=None,
+    num_stages=None,
+):
+    """Integer activations @ 4-bit weights, as `reference.matmul_w4ax(xq, sx, unrepack_w4(packed,
+    G), s, z, out_dtype)`: xq[M, K] int8 codes (8-bit per token, or 4-bit values per token and
+    group), sx[M] (W4A8) or sx[M, K / G] (W4A4) fp32 scales; `packed` [K / 2, N] IN THE KERNEL
+    LAYOUT (`reference.repack_w4`, as `matmul_w4a16`), s [K / G, N] and z as there. Each group is
+    two int8 x int8 -> int32 dots (the integer tensor cores; the 4-bit codes minus their zero point
+    fit int8), scaled per group in fp32: the sums equal the reference's, the fp32 sum over groups
+    may differ from it in the last place. Blocks and split_k as in `matmul_w4a16` (block_m 32:
+    int8 rows)."""
+    if xq.ndim != 2 or xq.dtype != jnp.int8 or packed.ndim != 2 or packed.dtype != jnp.uint8:
+        raise ValueError(
+            f"matmul_w4ax takes int8 xq[M, K] and uint8 packed[K / 2, N]; got xq{xq.shape} {xq.dtype}, "
+            f"packed{packed.shape} {packed.dtype}"
+        )
+    _check_scales("matmul_w4ax", s)
+    k, n = 2 * packed.shape[0], packed.shape[1]
+    m = xq.shape[0]
+    if xq.shape[1] != k:
+        raise ValueError(f"matmul_w4ax: xq has K={xq.shape[1]}, the packed weights K={k}")
+    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (z is not None and z.shape != s.shape):
+        raise ValueError(
+            f"matmul_w4ax: scales {s.shape} (zero points {None if z is None else z.shape}) "
+            f"do not match weights [K={k}, N={n}] in groups along K"
+        )
+    if sx.shape not in ((m,), (m, s.shape[0])):
+        raise ValueError(f"matmul_w4ax: sx{sx.shape} must be [M] = ({m},) or [M, K / G] = ({m}, {s.shape[0]})")
+    group_size = k // s.shape[0]
+    if group_size not in ref.GROUP_SIZES:
+        raise ValueError(f"matmul_w4ax: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
+    out_dtype = jnp.dtype(out_dtype)
+    plan = _plan(
+        "w4ax",
+        m,
+        k,
+        n,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=0,
+        dtypes=(jnp.int8, out_dtype),
+        interpret=interpret,
+        backend=backend,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        split_k=split_k,
+        group_size=group_size,
+    )
+    return _run(plan, functools.partial(_w4ax, out_dtype=out_dtype), m, n, xq, sx, packed, s, z)

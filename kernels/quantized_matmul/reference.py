@@ -19,6 +19,16 @@ W4A16   4-bit weights in groups of G consecutive k (G = 32 / 64 / 128) with one 
 W8A8    int8 activations with one fp32 scale per token (row of x) and int8 weights with one per
         channel: y[m, n] = (sum_k xq[m, k] wq[k, n]) * sx[m] * sw[n], the sum in int32 (exact:
         |sum| <= K * 127^2 < 2^31 for K < 133,000).
+W4Ax    W4A16's 4-bit weights (symmetric, or with zero points) met by integer activations, COMET's
+        W4A8 and W4A4: 8-bit codes with one scale per token (`quantize_per_token`, sx[M]), or 4-bit
+        codes in [-8, 7] with one scale per token and group of G k (`quantize_per_token_group`,
+        sx[M, K / G], Atom's activation groups). Each group's product is an exact int32 sum:
+            y[m, n] = sum_g (sum_{k in g} xq[m, k] (q[k, n] - z[g, n])) * sw[g, n] * sx[m(, g)]
+        the sum over groups in fp32.
+Rotation (QuaRot's incoherence, on blocks): `hadamard(G)` is the orthonormal Sylvester matrix,
+        symmetric, so H H = I and x W = (x H_blocks)(H_blocks W) with H_blocks block-diagonal in
+        blocks of G along K (`rotate_groups`). Stored weights may be H_blocks W; the activations are
+        then rotated at run time, which spreads an outlier channel over its block before rounding.
 
 Rounding is round-half-to-even (jnp.round), the quantizers' scales are max|.| / qmax (a zero
 channel or group gets scale 1 so that nothing divides by zero), and every result is cast to the
@@ -28,6 +38,7 @@ activation dtype at the end.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
@@ -42,6 +53,10 @@ __all__ = [
     "matmul_w4a16",
     "quantize_per_token",
     "matmul_w8a8",
+    "quantize_per_token_group",
+    "matmul_w4ax",
+    "hadamard",
+    "rotate_groups",
     "GROUP_SIZES",
 ]
 
@@ -203,3 +218,78 @@ def matmul_w8a8(xq, sx, wq, sw, out_dtype=jnp.bfloat16):
         )
     acc = lax.dot(xq, wq, preferred_element_type=jnp.int32)
     return (acc.astype(jnp.float32) * sx[:, None] * sw[None, :]).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- W4Ax (W4A8, W4A4)
+
+
+def quantize_per_token_group(x, group_size: int, bits: int = 4):
+    """Codes of x[M, K] with one fp32 scale per token and group of `group_size` k: int8 [M, K]
+    holding `bits`-bit values in [-2^(b-1), 2^(b-1) - 1] (scale = max|.| / (2^(b-1) - 1), as
+    `quantize_w4`), scales [M, K / G]."""
+    _check_2d("x", x)
+    m, k = x.shape
+    _check_groups(k, group_size)
+    qmax = float(2 ** (bits - 1) - 1)
+    g = x.astype(jnp.float32).reshape(m, k // group_size, group_size)
+    s = _scale(jnp.max(jnp.abs(g), axis=2), qmax)
+    q = jnp.clip(jnp.round(g / s[:, :, None]), -qmax - 1, qmax)
+    return q.reshape(m, k).astype(jnp.int8), s
+
+
+def matmul_w4ax(xq, sx, packed, sw, z=None, out_dtype=jnp.bfloat16):
+    """Integer activations xq[M, K] (int8 codes) with scales sx[M] (per token: W4A8) or sx[M, K / G]
+    (per token and group: W4A4) @ canonically packed (`pack_int4`) 4-bit weights with scales
+    sw[K / G, N] and zero points z (or None): each group's sum exact in int32, scaled and summed
+    over groups in fp32, cast to `out_dtype`."""
+    _check_2d("xq", xq)
+    if xq.dtype != jnp.int8:
+        raise ValueError(f"matmul_w4ax takes int8 activation codes; got {xq.dtype}")
+    q = unpack_int4(packed, signed=z is None).astype(jnp.int32)
+    (m, k), n = xq.shape, q.shape[1]
+    groups = sw.shape[0]
+    if q.shape[0] != k or sw.shape[1] != n or k % groups or (z is not None and z.shape != sw.shape):
+        raise ValueError(
+            f"matmul_w4ax: xq{xq.shape}, weights [K={q.shape[0]}, N={n}], scales {sw.shape} and zero "
+            f"points {None if z is None else z.shape} do not match in groups along K"
+        )
+    if sx.shape not in ((m,), (m, groups)):
+        raise ValueError(f"matmul_w4ax: sx{sx.shape} must be [M] = ({m},) or [M, K / G] = ({m}, {groups})")
+    q = q.reshape(groups, k // groups, n)
+    if z is not None:
+        q = q - z.astype(jnp.int32)[:, None]
+    xg = xq.astype(jnp.int32).reshape(m, groups, k // groups)
+    partial = jnp.einsum("mgk,gkn->mgn", xg, q, preferred_element_type=jnp.int32).astype(jnp.float32)
+    partial = partial * sw[None].astype(jnp.float32)
+    if sx.ndim == 2:
+        return jnp.einsum("mgn,mg->mn", partial, sx.astype(jnp.float32), precision=lax.Precision.HIGHEST).astype(
+            out_dtype
+        )
+    return (jnp.sum(partial, axis=1) * sx.astype(jnp.float32)[:, None]).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- rotation
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester-Hadamard matrix [n, n] (n a power of two), fp32: symmetric, its
+    own inverse, every entry +-1 / sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard({n}): the size must be a power of two")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def rotate_groups(a, group_size: int, axis: int = -1):
+    """a with each block of `group_size` along `axis` multiplied by `hadamard(group_size)` (in fp32,
+    returned in a's dtype): x H_blocks for activations (axis -1), H_blocks W for a weight's K rows
+    (axis 0; H is symmetric). Applied twice it is the identity."""
+    axis = axis % a.ndim
+    k = a.shape[axis]
+    _check_groups(k, group_size)
+    moved = jnp.moveaxis(a.astype(jnp.float32), axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], k // group_size, group_size)
+    out = jnp.einsum("...gi,ij->...gj", blocks, jnp.asarray(hadamard(group_size)), precision=lax.Precision.HIGHEST)
+    return jnp.moveaxis(out.reshape(moved.shape), -1, axis).astype(a.dtype)
