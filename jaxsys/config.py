@@ -1584,10 +1584,16 @@ def _validate_quant(config) -> None:
     _require(G in QUANT_GROUP_SIZES, f"config.model.quant_group_size={G!r}: choose one of {QUANT_GROUP_SIZES}")
     shards = lambda logical: math.prod(config.mesh[a] for a in axes_of(config.sharding.params[logical]))
     # (weight, contracted size K' on one rank)
+    C, Q = m.mla.kv_lora_rank, m.mla.q_lora_rank
+    hv = (m.mla.v_head_dim or m.head_dim) if C else m.head_dim
     local_k = [
-        ("wq, wk, wv, w_gate, w_up", "d_model", m.d_model),
-        ("wo", "n_heads * head_dim / tensor", m.n_heads * m.head_dim // shards("heads")),
+        ("wq, wk, wv, w_gate, w_up (MLA: wq_a, wkv_a, wk_rope)", "d_model", m.d_model),
+        ("wo", "n_heads * v_head_dim / tensor", m.n_heads * hv // shards("heads")),
     ]
+    if C:  # MLA's up-projections contract the latents (never split over tensor)
+        local_k.append(("wk_b, wv_b", "mla.kv_lora_rank", C))
+    if C and Q:
+        local_k.append(("wq_b", "mla.q_lora_rank", Q))
     if "dense" in mlp_pattern(m):
         local_k.append(("w_down", "d_ff / tensor", m.d_ff // shards("mlp")))
     for weights, what, k in local_k:

@@ -174,7 +174,9 @@ def runs():
 
 def _grad_distance(a, b):
     return {
-        n: np.linalg.norm(a["layers"][n] - b["layers"][n]) / np.linalg.norm(b["layers"][n]) for n in quant.CONTRACTED
+        n: np.linalg.norm(a["layers"][n] - b["layers"][n]) / np.linalg.norm(b["layers"][n])
+        for n in quant.CONTRACTED
+        if n in b["layers"]
     }
 
 

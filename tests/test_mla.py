@@ -396,3 +396,40 @@ def test_the_config_file_is_the_released_model():
     assert params.count(transformer.param_specs(ours.model)) == 15_706_484_224
     cpu = load_config(f"{ROOT}/configs/deepseek_v2_lite.py:cpu")
     assert cpu.model.moe.bias_update_rate > 0 and cpu.model.mla.q_lora_rank > 0
+
+
+def test_quantized_mla_projections_decode_through_the_latent_cache():
+    """`jaxsys.quantize` stores every MLA projection as 4-bit codes (C = Q = 32 so that groups of
+    32 fit); GPTQ calibrates them through their own captured inputs. The quantized model's logits
+    stay within 4-bit noise of the float model's (< 25% of their spread, test_quantized_model.py's
+    bound), and the latent cache's absorbed attention, which dequantizes wk_b / wv_b itself,
+    gives the greedy tokens of the quantized training forward."""
+    from jaxsys import data
+    from jaxsys.models import quant, transformer
+    from jaxsys.quantization.params import gptq_params
+    from jaxsys.serve import engine
+    from jaxsys.serve.sampling import Sampling
+
+    mla = dict(MLA, kv_lora_rank=32, q_lora_rank=32)
+    c = mla_config(mla=mla)  # the default init: at init_std=0.2 the attention is sharp and 4-bit noise grows 7x
+    params = jax.tree.map(np.asarray, program_for(c).init(3).params)
+    cq = mla_config(mla=mla, quant="w4a16", quant_group_size=32, quant_impl="reference")
+    qparams = gptq_params(params, c, data.load_corpus(c.data), "w4a16", 32, False, batches=1)
+    for name in ("wq_a", "wq_b", "wkv_a", "wk_rope", "wk_b", "wv_b", "wo"):
+        assert quant.is_quantized(qparams["layers"][name]), name
+    program = program_for(cq)
+    qparams = jax.device_put(qparams, program.param_shardings)
+    fn = jax.jit(lambda p, ids: transformer.logits(p, ids, cq.model, program.layout, program.specs))
+    fp = program_for(c)
+    float_fn = jax.jit(lambda p, ids: transformer.logits(p, ids, c.model, fp.layout, fp.specs))
+    ids = jnp.asarray([[3, 14, 15, 92, 65, 35, 89, 79]], jnp.int32)
+    want, got = np.asarray(float_fn(params, ids)), np.asarray(fn(qparams, ids))
+    assert 0 < np.linalg.norm(got - want) / np.linalg.norm(want - want.mean()) < 0.25
+    eng = engine.Engine(program, qparams, num_pages=16, page_size=4, token_budget=64, chunk_size=32, max_seqs=2)
+    assert eng.cache.v is None  # the latent cache
+    prompt, n = [10, 20, 30, 40, 50], 6
+    tokens = engine.generate(eng, [prompt], n, Sampling())[0]
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(jnp.argmax(fn(qparams, jnp.asarray([seq], jnp.int32))[0, -1])))
+    assert tokens == seq[len(prompt) :]

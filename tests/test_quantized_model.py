@@ -143,7 +143,7 @@ def test_analysis_of_a_quantized_config_compiles_its_forward():
 
 def test_bad_quantization_configs_are_named():
     with pytest.raises(
-        ConfigError, match=r"K' of wo is n_heads \* head_dim / tensor = 32 per rank, not a multiple of the group size"
+        ConfigError, match=r"K' of wo is n_heads \* v_head_dim / tensor = 32 per rank, not a multiple of the group size"
     ):
         program_for(_quantized("w4a16", 64, mesh={"tensor": 4}))
     with pytest.raises(ConfigError, match="quant_group_size=48"):
@@ -291,6 +291,6 @@ def test_int8_training_follows_float_training(mesh):
     l0, g0, losses0, _ = run(small_config(mesh), 3)
     l1, g1, losses1, _ = run(small_config(mesh, quant_train="int8", quant_impl="reference"), 3)
     np.testing.assert_allclose(losses1, losses0, atol=1e-3)
-    for name in quant.CONTRACTED:
+    for name in set(quant.CONTRACTED) & set(g0["layers"]):
         a, b = g0["layers"][name], g1["layers"][name]
         assert 0 < np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05, name

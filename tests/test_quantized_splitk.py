@@ -397,7 +397,7 @@ def test_bench_split_k_smoke(tmp_path, capsys):
 )
 def test_w8a8_sass_has_integer_mma_for_an_h100(tmp_path):
     """The Triton IR Pallas hands XLA, compiled by the standalone Triton for sm_90 (no GPU needed)
-    and disassembled with its bundled nvdisasm: W8A8's dot, split or not, is the int8 tensor-core
+    and disassembled with its bundled nvdisasm: W8A8's dot, split or not, and W4A8's are the int8 tensor-core
     MMA (PTX mma.sync ... s32.s8.s8.s32, SASS IMMA), the A16 dot a bf16 one (HMMA ... BF16). XLA
     runs its own build of Triton on the same IR; this shows what that IR becomes, not XLA's binary."""
     import os
@@ -417,6 +417,12 @@ def test_w8a8_sass_has_integer_mma_for_an_h100(tmp_path):
             (S((1, k), jnp.bfloat16), S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.bfloat16)),
             "HMMA.16816.F32.BF16",
         ),
+        (
+            "w4a8_split",  # 4-bit codes unpacked to int8 in the tile, then the int8 MMA
+            lambda *a: kernel.matmul_w4ax(*a, interpret=False),
+            (S((1, k), jnp.int8), S((1,), jnp.float32), S((k // 2, n), jnp.uint8), S((k // 128, n), jnp.float32)),
+            "IMMA.16832.S8.S8",
+        ),
     ]
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     for name, fn, args, sass_op in cases:
@@ -427,7 +433,7 @@ def test_w8a8_sass_has_integer_mma_for_an_h100(tmp_path):
         path.write_text(ttir)
         compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
         ptx = compiled.asm["ptx"]
-        if name.startswith("w8a8"):
+        if not name.startswith("w4a16"):
             assert re.search(r"mma\.sync\.aligned\.m16n8k32\.row\.col(\.satfinite)?\.s32\.s8\.s8\.s32", ptx), name
         (tmp_path / f"{name}.cubin").write_bytes(compiled.asm["cubin"])
         sass = subprocess.run([nvdisasm, str(tmp_path / f"{name}.cubin")], capture_output=True, text=True, check=True)

@@ -155,11 +155,15 @@ def delta(node: LoRA, name: str):
     return d.reshape(*lead_shape, *k_dims, *out_dims)
 
 
-def folded(w, name: str):
-    """Float weight `w` of projection `name` with its adapter folded in, W + scale A B in W's dtype,
-    for a product that does not go through quant.linear (MLA's absorbed attention over the latent
-    cache, serving only: no dropout); a weight without an adapter unchanged."""
-    return w.base + delta(w, name).astype(w.base.dtype) if is_lora(w) else w
+def folded(w, name: str, m):
+    """One layer's float weight of projection `name` for a product that does not go through
+    quant.linear (MLA's absorbed attention over the latent cache, serving only: no dropout): a
+    quantized base (config.model.quant* of `m`) dequantized to fp32, its rotation undone, and the
+    adapter folded in, W + scale A B in W's dtype; a float weight without an adapter unchanged."""
+    base = w.base if is_lora(w) else w
+    if quant.is_quantized(base):
+        base = quant.dequantize_layer(base, m.quant, quant.contracted(name), quant.rotation(m))
+    return base + delta(w, name).astype(base.dtype) if is_lora(w) else base
 
 
 def dense_base(w, name: str, m):

@@ -129,7 +129,8 @@ def latent_attention(cache, q, latent, k_rope, w, positions, window, softcap, m)
     cache)."""
     C, R, H = m.mla.kv_lora_rank, m.mla.rope_head_dim, m.head_dim
     hc = cache_base.head_dim(m)
-    wk_b, wv_b = (adapters.folded(w[name], name) for name in ("wk_b", "wv_b"))  # LoRA folded in
+    # float weights: a quantized checkpoint's dequantized (per step: C N H each), LoRA folded in
+    wk_b, wv_b = (adapters.folded(w[name], name, m) for name in ("wk_b", "wv_b"))
     q_latent = jnp.einsum("btnh,cnh->btnc", q[..., :-R], wk_b.astype(q.dtype))
     # the cache's scale is H_c^-0.5; the model's H^-0.5
     q = jnp.concatenate([q_latent, q[..., -R:]], axis=-1) * jnp.asarray((hc / H) ** 0.5, q.dtype)

@@ -25,7 +25,7 @@ weight they replace (a column-parallel weight splits N', a row-parallel one K'):
 
 The groups' dimension carries the logical name of the leading contracted dimension (`heads` for
 wo, `mlp` for w_down), so under tensor parallelism a rank holds the scales of its own rows; over
-`embed` (FSDP-sharded at rest, gathered before use) it is left unsharded.
+`embed` and MLA's `latent` (FSDP-sharded at rest, gathered before use) it is left unsharded.
 
 W8A8 and W4A8 quantize the activations per token inside `linear`, over the K' a rank holds: under
 tensor parallelism a row-parallel matmul's activation scales are per shard (finer than one
@@ -55,18 +55,30 @@ from jaxsys.models import lora
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import collectives
 
-# The dense weights a quantized model stores as codes, and how many of their dimensions (after
-# the layer dimensions) are contracted. Embeddings, the output layer, norms and MoE experts stay
-# in floating point, as in GPTQ and AWQ.
-CONTRACTED = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
-# MLA's projections (models/mla.py) take LoRA adapters but are not quantized (jaxsys.quantize
-# quantizes the CONTRACTED ones): their contracted dimensions, for the adapters
-MLA_CONTRACTED = {"wq_a": 1, "wq_b": 1, "wkv_a": 1, "wk_rope": 1, "wk_b": 1, "wv_b": 1}
+# The dense weights a quantized model stores as codes (those a model has), and how many of their
+# dimensions (after the layer dimensions) are contracted: attention's and the SwiGLU's, and MLA's
+# projections (models/mla.py). Embeddings, the output layer, norms and MoE experts stay in
+# floating point, as in GPTQ and AWQ.
+CONTRACTED = {
+    "wq": 1,
+    "wk": 1,
+    "wv": 1,
+    "wo": 2,
+    "w_gate": 1,
+    "w_up": 1,
+    "w_down": 1,
+    "wq_a": 1,
+    "wq_b": 1,
+    "wkv_a": 1,
+    "wk_rope": 1,
+    "wk_b": 1,
+    "wv_b": 1,
+}
 
 
 def contracted(name: str) -> int:
     """How many leading (after the layers) dimensions projection `name` contracts."""
-    return CONTRACTED[name] if name in CONTRACTED else MLA_CONTRACTED[name]
+    return CONTRACTED[name]
 
 
 CODES = {"w8a16": "q", "w8a8": "q", "w4a16": "packed", "w4a8": "packed", "w4a4": "packed"}
@@ -97,7 +109,7 @@ def quantized_spec(spec: ParamSpec, name: str, fmt: str, group_size: int, zero_p
             "q": codes(shape, axes, dtype="int8"),
             "scale": ParamSpec(lead_dims + out_dims, lead_axes + out_axes, init="ones", decay=False, dtype="float32"),
         }
-    group_axis = None if k_axes[0] == "embed" else k_axes[0]
+    group_axis = None if k_axes[0] in ("embed", "latent") else k_axes[0]  # FSDP-only axes: scales whole
     packed_shape = lead_dims + k_dims[:-1] + (k_dims[-1] // 2,) + out_dims
     group_shape = lead_dims + (math.prod(k_dims) // group_size,) + out_dims
     group_axes = lead_axes + (group_axis,) + out_axes
