@@ -262,6 +262,7 @@ def test_tpu_streamed_update_lowers_the_peak_by_the_optimizer_state(tpu_devices)
     assert off.temp_size_in_bytes <= base.temp_size_in_bytes + 0.5 * formula
 
 
+@pytest.mark.slow  # CI time; test_tpu_memory_moves_the_optimizer_state_to_the_host stays
 def test_tpu_memory_moves_the_parameters_to_the_host(tpu_devices):
     base = _tpu_memory(_tpu_config(), tpu_devices)
     off = _tpu_memory(_tpu_config(params=True), tpu_devices)

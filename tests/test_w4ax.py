@@ -200,3 +200,42 @@ def test_bad_w4ax_configs_are_named():
         program_for(small_config(quant_rotate=True, **MODEL))
     with pytest.raises(ConfigError, match="quant='w8a16' with quant_rotate and quant_group_size=64"):
         program_for(small_config(dict(tensor=4), quant="w8a16", quant_rotate=True, quant_group_size=64, **MODEL))
+
+
+def test_w4a4_rotated_weights_serve_from_a_kivi4_cache(model):
+    """COMET's whole setting: 4-bit weights, 4-bit activations and a 4-bit KV cache. The serving
+    engine with kv_quant='kivi4' over the rotated W4A4 checkpoint gives, for every row it runs,
+    the logits of transformer.forward with the same weights over a contiguous cache seen
+    fake-quantized (test_kv_quant.py's independent statement of the KIVI cache), to fp32 rounding."""
+    from jaxsys.cache import ContiguousCache, kivi
+    from jaxsys.models import transformer
+    from jaxsys.serve import engine
+    from tests.test_kv_quant import PAGE, _record, _rows, _submit
+
+    c, params, _ = model
+    cq = _config("w4a4", True)
+    program = program_for(cq)
+    qparams = jax.device_put(quantize_params(params, cq.model, "w4a4", 32, rotate=True), program.param_shardings)
+    eng = engine.Engine(
+        program, qparams, num_pages=40, page_size=PAGE, token_budget=16, chunk_size=5, max_seqs=4, kv_quant="kivi4"
+    )
+    steps = _record(eng)
+    _submit(eng)
+    eng.run()
+    seqs = _rows(steps, eng.scratch)
+    assert len(seqs) == 3
+    m, fake = cq.model, kivi.FakeQuant.of_mode("kivi4", PAGE, 0)
+
+    @jax.jit
+    def forward(p, ids):
+        zeros = jnp.zeros((m.n_layers, 1, ids.shape[1], m.n_kv_heads, m.head_dim), jnp.dtype(m.compute_dtype))
+        positions = jnp.arange(ids.shape[1])[None]
+        return transformer.forward(
+            p, ids, positions, m, program.layout, program.specs, ContiguousCache(zeros, zeros, None, fake)
+        )[0]
+
+    for rows in seqs.values():
+        ids = np.asarray([[rows[p][0] for p in range(len(rows))]], np.int32)
+        want = np.asarray(forward(qparams, ids))[0]
+        got = np.stack([rows[p][1] for p in range(len(rows))])
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
