@@ -114,6 +114,13 @@ def base_config() -> ml_collections.ConfigDict:
     # what a serving cache holds per token: "latent", MLA's C + R row (queries absorb W_k_b, the
     # output W_v_b: DeepSeek-V2's inference form), or "expanded", every head's keys and values
     c.model.mla.cache = "latent"
+    # Multi-token prediction (DeepSeek-V3; models/mtp.py, docs/mtp.md): `depth` D_m sequential
+    # modules, module k predicting the token k + 1 ahead from the previous depth's hidden state and
+    # the embedding of token i + k; their mean cross-entropy times `loss_weight` (lambda: V3 used
+    # 0.3, then 0.1) joins the objective. Training only; 0: off.
+    c.model.mtp = ml_collections.ConfigDict()
+    c.model.mtp.depth = 0
+    c.model.mtp.loss_weight = 0.3
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
     c.model.param_dtype = "float32"
@@ -891,6 +898,7 @@ def validate(config, num_devices: int | None = None) -> None:
     _validate_optimizer(config)
     _validate_quant(config)
     _validate_flax(config)
+    _validate_mtp(config)
     sv = config.serve
     for key in ("pages", "page_size", "token_budget", "chunk_size", "max_seqs"):
         _require(
@@ -1544,6 +1552,48 @@ def _validate_flax(config) -> None:
             f"{key}={value!r} with config.model.kind='flax': it acts inside jaxsys's own transformer; "
             f"use {supported!r} (remat: nnx.remat in the module itself; docs/flax.md)",
         )
+
+
+def _validate_mtp(config) -> None:
+    """config.model.mtp (models/mtp.py) against the layouts and objectives it runs under."""
+    m, mesh = config.model, config.mesh
+    mt = m.mtp
+    _require(
+        isinstance(mt.depth, int) and not isinstance(mt.depth, bool) and mt.depth >= 0,
+        f"config.model.mtp.depth={mt.depth!r} must be an integer >= 0 (0: no multi-token prediction)",
+    )
+    _require(
+        isinstance(mt.loss_weight, (int, float)) and mt.loss_weight >= 0,
+        f"config.model.mtp.loss_weight={mt.loss_weight!r} must be a number >= 0",
+    )
+    if not mt.depth:
+        return
+    refusals = [
+        (
+            mesh.pipe > 1,
+            f"config.mesh.pipe={mesh.pipe}: the pipeline's last stage holds the main model's output, not "
+            "the modules; use pipe=1",
+        ),
+        (
+            mesh.seq > 1,
+            f"config.mesh.seq={mesh.seq}: context parallelism splits the sequence, and module k reads "
+            "token i + k of another shard; use seq=1",
+        ),
+        (m.kind != "jaxsys", f"config.model.kind={m.kind!r}: MTP is built for jaxsys's own transformer"),
+        (
+            config.train.optimizer == "zo",
+            "config.train.optimizer='zo': the zeroth-order step perturbs the weights the main model reads; "
+            "use a gradient optimizer",
+        ),
+        (
+            config.train.objective != "lm",
+            f"config.train.objective={config.train.objective!r}: the modules' loss is a next-token "
+            "objective; use objective='lm' or mtp.depth=0",
+        ),
+        (config.train.outer.method != "none", "config.train.outer (DiLoCo): not combined with MTP yet"),
+    ]
+    for bad, why in refusals:
+        _require(not bad, f"config.model.mtp.depth={mt.depth} with {why}")
 
 
 def _validate_quant(config) -> None:

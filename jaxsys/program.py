@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsys import data as data_lib
 from jaxsys.config import ConfigError
-from jaxsys.models import adapters, lora, transformer
+from jaxsys.models import adapters, lora, mtp, transformer
 from jaxsys.models import moe as moe_lib
 from jaxsys.models import params as params_lib
 from jaxsys.objectives import dpo
@@ -45,7 +45,7 @@ from jaxsys.sharding import Layout
 
 def _moe_term(moe_stats, norm: int):
     """What the MoE layers add to the objective: their load-balancing and z-loss sums, per token."""
-    if not moe_stats:
+    if "aux_loss" not in moe_stats:
         return jnp.zeros((), jnp.float32)
     return (moe_stats["aux_loss"] + moe_stats["z_loss"]) / norm
 
@@ -248,13 +248,34 @@ class Program(Placement):
                 c.parallel.expert_dispatch,
                 hook,
                 **documents,
+                multi_token=mtp.enabled(c.model),
             )
         if weights is None:
             ce = jnp.sum(losses) / per_token
         else:
             norm = self.weight_norm(batch) if norm is None else norm
             ce = jnp.sum(losses * self._local_weights(weights).astype(losses.dtype)) / norm
-        return ce + _moe_term(moe_stats, per_token), (ce, moe_stats)
+        objective = ce + _moe_term(moe_stats, per_token)
+        if "mtp" in moe_stats:  # DeepSeek-V3's modules: lambda times their mean loss (models/mtp.py)
+            moe_stats = dict(moe_stats)
+            moe_stats["mtp_loss"] = self._mtp_share(
+                moe_stats.pop("mtp"), weights, per_token if weights is None else norm
+            )
+            objective = objective + c.model.mtp.loss_weight * moe_stats["mtp_loss"]
+        return objective, (ce, moe_stats)
+
+    def _mtp_share(self, mtp_losses, weights, norm):
+        """This shard's share of (1 / D_m) sum_k L_k over the global batch: depth k's per-token
+        losses weighted by the chained main weights (mtp.chain_weights) and divided by the main
+        loss's normalizer `norm` (its token count or weight sum, of the whole step: micro-batch
+        shares add up). A row's last k positions have no depth-k target and count as zeros, a
+        k / T bias of the mean (0.05% at T = 2048, k = 1)."""
+        shape = mtp_losses.shape[1:]
+        w = jnp.ones(shape, jnp.float32) if weights is None else self._local_weights(weights).astype(jnp.float32)
+        share = sum(
+            jnp.sum(mtp_losses[k].astype(jnp.float32) * mtp.chain_weights(w, k + 1)) for k in range(mtp_losses.shape[0])
+        )
+        return share / (mtp_losses.shape[0] * norm)
 
     def _dropout_hook(self, key):
         """The weight hook (`execution.weights_as_used`) that gives each LoRA node with dropout its
@@ -319,10 +340,12 @@ class Program(Placement):
         global means (DPO's terms), summed alike."""
         axes, per_token = self.layout.batch_axes, self.tokens_per_step
         terms = {"loss": ce, **(extra or {})}
-        if moe_stats:
+        if "aux_loss" in moe_stats:
             terms.update(moe_aux_loss=moe_stats["aux_loss"] / per_token, moe_z_loss=moe_stats["z_loss"] / per_token)
+        if "mtp_loss" in moe_stats:
+            terms["mtp_loss"] = moe_stats["mtp_loss"]
         metrics = collectives.sum_over_batch_shards(terms, axes)
-        if moe_stats:
+        if "load" in moe_stats:
             metrics.update({f"moe_{k}": moe_stats[k] for k in moe_lib.ROUTING_STATISTICS})
         if norm is not None:
             metrics["loss_tokens"] = norm
@@ -422,6 +445,7 @@ class Program(Placement):
         # DPO's logged terms ride along only when there are some (a subclass's _metrics, e.g. GRPO's, takes three)
         metrics = self._metrics(ce, moe_stats, norm, extra) if extra else self._metrics(ce, moe_stats, norm)
         objective = metrics["loss"] + metrics.get("moe_aux_loss", 0.0) + metrics.get("moe_z_loss", 0.0)
+        objective = objective + self.config.model.mtp.loss_weight * metrics.get("mtp_loss", 0.0)
         return objective, grads, metrics
 
     def _local_step(self, state: TrainState, batch, reference=None):

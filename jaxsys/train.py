@@ -552,7 +552,7 @@ def _train(config, workdir: str, corpus, mesh, checkpointer, gp=None) -> list[di
             }
             if "loss_tokens" in metrics:  # a weighted batch: the targets the loss averaged
                 record["loss_tokens"] = int(_scalar(metrics["loss_tokens"]))
-            record.update({k: _scalar(v) for k, v in metrics.items() if k.startswith("dpo_")})
+            record.update({k: _scalar(v) for k, v in metrics.items() if k.startswith("dpo_") or k == "mtp_loss"})
             if evaluated is not None:
                 record["eval_loss"] = evaluated["loss"]
                 record.update({f"eval_{k}": v for k, v in evaluated.items() if k != "loss"})

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import struct
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -914,7 +915,72 @@ def params_from_hf(tensors: dict[str, np.ndarray], m, dtype) -> dict:
     }
     if not m.tie_embeddings:
         params["unembed"] = take("lm_head.weight", (V, D)).T
+    if m.mtp.depth:
+        params["mtp"] = _mtp_from_hf(tensors, take, m, dtype)
     return params
+
+
+# DeepSeek-V3's multi-token-prediction module k is checkpoint layer n + k - 1 (n = num_hidden_layers):
+# a layer of the main model's last kind plus these, and copies of the embedding and output head
+MTP_NAMES = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "norm": "shared_head.norm.weight"}
+MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+
+
+def _mtp_from_hf(tensors, take, m, dtype) -> dict:
+    """params["mtp"] from checkpoint layers n .. n + D_m - 1 (models/mtp.py's table): the norms,
+    eh_proj [D, 2D] split into its embedding and hidden halves, and the layer read as layer k - 1
+    of a model of the modules' layers (`mtp.layer_config`). The modules' copies of the embedding
+    and output head are not read: jaxsys shares the main model's, as V3 does."""
+    from jaxsys.models import mtp
+
+    n, D = m.n_layers, m.d_model
+    out = {
+        key: np.stack([take(f"model.layers.{n + k}.{name}", (D,)) for k in range(m.mtp.depth)])
+        for key, name in MTP_NAMES.items()
+    }
+    halves = lambda w: np.stack([w[:, :D].T, w[:, D:].T])  # [D, 2D] (out, in) -> [2, D in, D out]
+    out["proj"] = np.stack(
+        [halves(take(f"model.layers.{n + k}.eh_proj.weight", (D, 2 * D))) for k in range(m.mtp.depth)]
+    )
+    renamed = {}
+    for k in range(m.mtp.depth):
+        prefix = f"model.layers.{n + k}."
+        renamed.update(
+            {f"model.layers.{k}.{name[len(prefix) :]}": a for name, a in tensors.items() if name.startswith(prefix)}
+        )
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        if name in tensors:
+            renamed[name] = tensors[name]
+    out["layers"] = params_from_hf(renamed, mtp.layer_config(m), dtype)["layers"]
+    return out
+
+
+def _mtp_to_hf(params, m, dtype) -> dict:
+    """The inverse of `_mtp_from_hf`, with the embedding and output head copied into each module as
+    the released checkpoints have them."""
+    from jaxsys.models import mtp
+
+    n, w = m.n_layers, jax.tree.map(np.asarray, params["mtp"])
+    sub = {"embed": params["embed"], "final_norm": params["final_norm"], "layers": w["layers"]}
+    if not m.tie_embeddings:
+        sub["unembed"] = params["unembed"]
+    layer_tensors = hf_tensors_from_params(sub, mtp.layer_config(m), dtype)
+    out = {}
+    for k in range(m.mtp.depth):
+        prefix = f"model.layers.{n + k}."
+        own = f"model.layers.{k}."
+        out.update({prefix + name[len(own) :]: a for name, a in layer_tensors.items() if name.startswith(own)})
+        out.update({prefix + name: w[key][k] for key, name in MTP_NAMES.items()})
+        out[prefix + "eh_proj.weight"] = np.concatenate([w["proj"][k, 0].T, w["proj"][k, 1].T], axis=1)
+        for name, main in MTP_SHARED.items():
+            out[prefix + name] = layer_tensors[main]
+    return out
+
+
+def _mtp_in_checkpoint(hf_dir: str, m) -> bool:
+    """Whether the safetensors hold layer n's eh_proj (only their headers are read)."""
+    name = f"model.layers.{m.n_layers}.eh_proj.weight"
+    return any(name in _safetensors_header(p)[0] for p in glob.glob(os.path.join(hf_dir, "*.safetensors")))
 
 
 def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
@@ -943,6 +1009,8 @@ def hf_tensors_from_params(params, m, dtype) -> dict[str, np.ndarray]:
         out.update(hf_deepseek.tensors(params["layers"], m))
     if not m.tie_embeddings:
         out["lm_head.weight"] = np.asarray(params["unembed"]).T
+    if m.mtp.depth and _mla(m):  # DeepSeek-V3's layout; other families have no MTP tensors
+        out.update(_mtp_to_hf(params, m, dtype))
     return {k: np.ascontiguousarray(np.asarray(v).astype(dtype)) for k, v in out.items()}
 
 
@@ -977,6 +1045,14 @@ def from_hf(hf_dir: str, workdir: str, config=None, overrides=(), tokenizer: str
     hf = _hf_config(hf_dir)
     block = fp8_block(hf)  # a quantization it cannot read is refused before anything is read
     model_config_from_hf(text_config(hf), config.model)
+    if config.model.mtp.depth and not _mtp_in_checkpoint(hf_dir, config.model):
+        print(
+            f"jaxsys.convert: config.json names {config.model.mtp.depth} multi-token-prediction layer(s), but the "
+            f"safetensors hold no layer {config.model.n_layers} (a checkpoint saved by transformers drops them): "
+            "converted without (config.model.mtp.depth=0)",
+            file=sys.stderr,
+        )
+        config.model.mtp.depth = 0
     apply_overrides(config, overrides)  # e.g. a mesh to save on, or param_dtype
     _require_convertible(config.model)
     validate(config)
@@ -1026,6 +1102,12 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None, dtype: str | None
     dtype = dtype or m.param_dtype
     params = jax.tree.map(np.asarray, params)
     tensors = hf_tensors_from_params(params, m, jnp.dtype(dtype))
+    if m.mtp.depth and not _mla(m):
+        print(
+            f"jaxsys.convert: the {m.mtp.depth} multi-token-prediction module(s) are not written: only "
+            "DeepSeek-V3's checkpoint layout has them; the main model converts as it is",
+            file=sys.stderr,
+        )
     hf = hf_config_from_model(m, dtype)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

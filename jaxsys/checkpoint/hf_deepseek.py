@@ -66,6 +66,9 @@ def set_model(hf: dict, model, error) -> None:
     model.query_pre_attn_scalar = 0.0
     if kind != "default" and mscale_all_dim:  # transformers' yarn_apply_mscale
         model.query_pre_attn_scalar = model.head_dim / _mscale(model.rope_factor, mscale_all_dim) ** 4
+    # V3's multi-token-prediction modules, layers n .. n + D_m - 1 of the checkpoint (models/mtp.py);
+    # hf.from_hf turns them off when the safetensors do not hold them (transformers drops them)
+    model.mtp.depth = int(hf.get("num_nextn_predict_layers") or 0)
     n, dense = hf["num_hidden_layers"], int(hf.get("first_k_dense_replace") or 0)
     experts = int(hf.get("n_routed_experts") or 0)
     kinds = ["moe" if experts and i >= dense else "dense" for i in range(n)]
@@ -121,6 +124,7 @@ def hf_config(m, shape: dict, rope: dict, dtype: str, error) -> dict:
         "tie_word_embeddings": False,
         "attention_bias": False,
         "first_k_dense_replace": dense,
+        "num_nextn_predict_layers": m.mtp.depth,
         "torch_dtype": dtype,
         "dtype": dtype,
     }

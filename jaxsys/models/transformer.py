@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxsys import execution
 from jaxsys.cache import base as cache_base
 from jaxsys.config import ConfigError, block_pattern
-from jaxsys.models import attention, ladder, layers, mla, moe, quant
+from jaxsys.models import attention, ladder, layers, mla, moe, mtp, quant
 from jaxsys.models.params import ParamSpec
 from jaxsys.parallel import context, tensor, zeropp
 from jaxsys.sharding import Layout
@@ -111,6 +111,8 @@ def param_specs(m, chunks: int = 1) -> dict:
     }
     if not m.tie_embeddings:
         specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), std=std)
+    if mtp.enabled(m):  # DeepSeek-V3's multi-token-prediction modules (models/mtp.py)
+        specs["mtp"] = mtp.param_specs(m)
     if chunks > 1:
         specs["layers"] = jax.tree.map(
             lambda s: dataclasses.replace(
@@ -419,6 +421,7 @@ def token_losses(
     dispatch: str = "padded",
     hook=None,
     segments=None,
+    multi_token: bool = False,
 ):
     """Per-token cross-entropy [B, T] of next-token prediction on this shard's tokens[B, T+1]
     (under context parallelism: of this device's T/P positions of them), and the MoE layers' loss
@@ -427,7 +430,9 @@ def token_losses(
     ids, 0 for padding; each token then attends only to earlier tokens of its own document, at
     positions counted from the document's first token (`split_tokens`). The losses are returned
     for every position: the caller weights them (0 for padding and for targets in another
-    document). None: one sequence per row, exactly as without the argument."""
+    document). None: one sequence per row, exactly as without the argument. `multi_token` (a
+    model with config.model.mtp.depth > 0): the stats also hold "mtp", the modules' per-token
+    losses [D_m, B, T] (models/mtp.py), and their MoE losses are added to the main ones."""
     params = _secondary(params, m, layout, specs)
     inputs, targets, positions, *seg = split_tokens(tokens, m, layout, segments)
     x, moe_stats = layer_stack(
@@ -443,4 +448,10 @@ def token_losses(
         segments=seg[0] if seg else None,
     )
     h = final_norm(params, x, m, layout, specs, hook)
-    return output_loss(params, h, targets, m, layout, specs, hook), moe_stats
+    losses = output_loss(params, h, targets, m, layout, specs, hook)
+    if multi_token and mtp.enabled(m):
+        extra, extra_moe = mtp.losses(params, x, tokens, positions, m, layout, specs, dispatch, seg[0] if seg else None)
+        moe_stats = dict(moe_stats, mtp=extra)
+        for key in extra_moe:
+            moe_stats[key] = moe_stats[key] + extra_moe[key]
+    return losses, moe_stats
