@@ -81,6 +81,13 @@ def test_objective_equals_the_restated_reference(one_device):
     tokens = np.asarray(data.global_batch(corpus, sharding, c.seed, 0, c.train.batch_size, c.data.seq_len))
     want = _reference_objective(c, params, jnp.asarray(tokens))
     assert loss == pytest.approx(want, rel=1e-5)
+    # mtp.logits (what experiments/mtp measures acceptance with) gives the same objective
+    main, modules = mtp.logits(params, jnp.asarray(tokens), c.model, program.layout, program.specs)
+    B, T = tokens.shape[0], tokens.shape[1] - 1
+    total = float(jnp.mean(_ce(main, jnp.asarray(tokens[:, 1:]))))
+    for k in range(c.model.mtp.depth):
+        total += 0.3 / c.model.mtp.depth * float(jnp.sum(_ce(modules[k, :, : T - k - 1], tokens[:, k + 2 :]))) / (B * T)
+    assert total == pytest.approx(want, rel=1e-5)
     # every module's leaf learns, and its loss is a real term: lambda = 0 leaves only the main one
     assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads["mtp"]))
     plain = _reference_objective(_config(weight=0.0), params, jnp.asarray(tokens))

@@ -90,11 +90,11 @@ def chain_weights(weights, k: int):
     return out
 
 
-def losses(params, h, tokens, positions, m, layout, specs, dispatch: str = "padded", segments=None):
-    """Per-token cross-entropies [D_m, B, T] of the modules on this shard's tokens[B, T+1], from
-    the main model's last hidden state h[B, T(/tp), D] (before the final norm), and their MoE
-    stats ({} without MoE). Position i of depth k has target t_{i+k+1}; rows past the end are
-    computed on padding ids, for the caller's weights to drop (`chain_weights`)."""
+def outputs(params, h, tokens, positions, m, layout, specs, dispatch: str = "padded", segments=None):
+    """The modules' normed outputs RMSNorm_k(h^k) [B, T(/tp), D] for k = 1 .. D_m (a list), from the
+    main model's last hidden state h[B, T(/tp), D] (before the final norm) on this shard's
+    tokens[B, T+1], and their MoE loss sums ({} without MoE). Position i of depth k reads token
+    t_{i+k} (padding past the row's end) and predicts t_{i+k+1}."""
     from jaxsys.models import transformer
 
     sub = transformer._axes(specs["mtp"])
@@ -112,11 +112,38 @@ def losses(params, h, tokens, positions, m, layout, specs, dispatch: str = "padd
         h, stats = transformer.layer_stack(
             one, x, positions, mk, layout, {"layers": specs["mtp"]["layers"]}, dispatch=dispatch, segments=segments
         )
-        target = shifted(tokens, k + 1, T)
-        out.append(
-            transformer.output_loss(params, layers.rms_norm(h, norm[k - 1], m.norm_eps), target, m, layout, specs)
-        )
+        out.append(layers.rms_norm(h, norm[k - 1], m.norm_eps))
         if stats:
             aux, zl = aux + stats["aux_loss"], zl + stats["z_loss"]
-    moe_stats = {"aux_loss": aux, "z_loss": zl} if "moe" in mk.mlp_pattern else {}
+    return out, ({"aux_loss": aux, "z_loss": zl} if "moe" in mk.mlp_pattern else {})
+
+
+def losses(params, h, tokens, positions, m, layout, specs, dispatch: str = "padded", segments=None):
+    """Per-token cross-entropies [D_m, B, T] of the modules (`outputs`) against t_{i+k+1}, and
+    their MoE loss sums; positions past the row's end are computed on padding ids, for the
+    caller's weights to drop (`chain_weights`)."""
+    from jaxsys.models import transformer
+
+    normed, moe_stats = outputs(params, h, tokens, positions, m, layout, specs, dispatch, segments)
+    T = tokens.shape[1] - 1
+    out = [
+        transformer.output_loss(params, hk, shifted(tokens, k + 2, T), m, layout, specs) for k, hk in enumerate(normed)
+    ]
     return jnp.stack(out), moe_stats
+
+
+def logits(params, tokens, m, layout, specs):
+    """(main logits [B, T, V], the modules' logits [D_m, B, T, V]) of tokens[B, T+1] on one device
+    or a mesh without sequence sharding: what an experiment measures the modules' predictions
+    with (their agreement with the main model's next prediction is a speculative draft's
+    acceptance)."""
+    from jaxsys.models import transformer
+
+    inputs = tokens[:, :-1]
+    positions = jnp.arange(inputs.shape[1])
+    x = transformer.layer_stack(
+        params["layers"], transformer.embed(params, inputs, m, layout, specs), positions, m, layout, specs
+    )[0]
+    main = transformer.output_logits(params, transformer.final_norm(params, x, m, layout, specs), m, layout, specs)
+    normed, _ = outputs(params, x, tokens, positions, m, layout, specs)
+    return main, jnp.stack([transformer.output_logits(params, hk, m, layout, specs) for hk in normed])
