@@ -525,72 +525,70 @@ def matmul_w8a16(
 # ----------------------------------------------------------------------------- W4A16
 
 
-def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool, unroll: bool, split_k: int):
-    if has_zero:
-        x_ref, p_ref, s_ref, z_ref, o_ref = refs
-    else:
-        x_ref, p_ref, s_ref, o_ref = refs
-        z_ref = None
-    dtype = x_ref.dtype
+def _nibble_codes(nibble, z, signed: bool, dtype):
+    """int32 nibbles [rows, bn] -> codes in `dtype`: sign-extended ((c ^ 8) - 8, two bit ops) for
+    symmetric codes, minus the group's zero points z [bn] (int32) when given; |c| <= 15, exact
+    in bf16 and in int8."""
+    c = (nibble ^ 8) - 8 if signed else nibble
+    if z is not None:
+        c = c - z[None, :]
+    return c.astype(dtype)
+
+
+def _over_groups(group, acc, *, group_size: int, n_groups: int, unroll: bool, split_k: int):
+    """acc after `group(g, packed rows, low-nibble x columns, high-nibble x columns, the group's
+    one-wide column, acc)` for every quantization group g of this program: unrolled with static
+    offsets for Mosaic (whose alignment it can see), else one `fori_loop` body over this split's
+    whole groups (Triton: compile time independent of K / G)."""
     half = group_size // 2  # packed rows per group; also the k of each nibble's half-group
-
-    def codes(nibble, z):
-        # signed nibbles: (c ^ 8) - 8 is two's complement sign extension in two bit ops
-        c = (nibble ^ 8) - 8 if signed else nibble
-        if z is not None:
-            c = c - z[None, :]
-        return c.astype(dtype)  # |c| <= 15: exact in bf16
-
-    def group(g, rows, lo_cols, hi_cols, acc):
-        packed = p_ref[rows, :].astype(jnp.int32)  # uint8 -> int32: zero-extended
-        z = z_ref[g, :].astype(jnp.int32) if has_zero else None
-        lo, hi = codes(packed & 15, z), codes(packed >> 4, z)
-        part = _dot(x_ref[:, lo_cols], lo, dtype) + _dot(x_ref[:, hi_cols], hi, dtype)
-        return acc + part * s_ref[g, :].astype(jnp.float32)[None, :]  # each group's own scale, in fp32
-
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    if unroll:  # Mosaic: static offsets, whose alignment it can see
+    if unroll:
         for g in range(n_groups):
             k0 = g * group_size
             acc = group(
-                g, slice(g * half, (g + 1) * half), slice(k0, k0 + half), slice(k0 + half, k0 + group_size), acc
-            )
-    else:  # Triton: one loop body, whatever K / G; with split-K over this split's whole groups
-        first, count = _k_range(n_groups, split_k)
-
-        def body(i, acc):
-            g = first + i
-            k0 = pl.multiple_of(g * group_size, group_size)
-            return group(
                 g,
-                pl.ds(pl.multiple_of(g * half, half), half),
-                pl.ds(k0, half),
-                pl.ds(pl.multiple_of(k0 + half, half), half),
+                slice(g * half, (g + 1) * half),
+                slice(k0, k0 + half),
+                slice(k0 + half, k0 + group_size),
+                slice(g, g + 1),
                 acc,
             )
+        return acc
+    first, count = _k_range(n_groups, split_k)
 
-        acc = lax.fori_loop(0, count, body, acc)
-    o_ref[...] = acc.astype(o_ref.dtype)  # with split-K: the fp32 partial, already scaled
+    def body(i, acc):
+        g = first + i
+        k0 = pl.multiple_of(g * group_size, group_size)
+        return group(
+            g,
+            pl.ds(pl.multiple_of(g * half, half), half),
+            pl.ds(k0, half),
+            pl.ds(pl.multiple_of(k0 + half, half), half),
+            pl.ds(g, 1),
+            acc,
+        )
+
+    return lax.fori_loop(0, count, body, acc)
 
 
-def _w4a16(x, packed, s, z, *, cfg: Tiles):
-    m, k = x.shape
-    groups = s.shape[0]
-    mp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.n_padded, cfg.block_m, cfg.block_n
-    x = _pad(x, 0, mp)
-    args = [x, _pad(packed, 1, np_), _pad(_scales(s, cfg), 1, np_)]
+def _w4_call(kernel_fn, lead, lead_specs, packed, s, z, *, cfg: Tiles, m: int, out_dtype):
+    """pallas_call of a 4-bit kernel: the activation operands `lead` (already padded to the row
+    tile) with their specs, then the packed codes, scales and zero points tiled over N; split-K's
+    fp32 partials summed after (one XLA reduction fusion)."""
+    k, groups = 2 * packed.shape[0], s.shape[0]
+    np_, bn = cfg.n_padded, cfg.block_n
+    args = [*lead, _pad(packed, 1, np_), _pad(_scales(s, cfg), 1, np_)]
     in_specs = [
-        pl.BlockSpec((bm, k), lambda i, j, *_: (i, 0)),
+        *lead_specs,
         pl.BlockSpec((k // 2, bn), lambda i, j, *_: (0, j)),
         pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)),
     ]
     if z is not None:
         in_specs.append(pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)))
         args.append(_pad(z.astype(jnp.int8), 1, np_))
-    grid, out_specs, out_shape = _grid_specs(cfg, mp, x.dtype, jnp.float32)
+    grid, out_specs, out_shape = _grid_specs(cfg, lead[0].shape[0], out_dtype, jnp.float32)
     out = pl.pallas_call(
         functools.partial(
-            _w4_kernel,
+            kernel_fn,
             group_size=k // groups,
             n_groups=groups,
             signed=z is None,
@@ -607,7 +605,31 @@ def _w4a16(x, packed, s, z, *, cfg: Tiles):
     )(*args)
     if cfg.split_k == 1:
         return out
-    return jnp.sum(out[:, :m, : packed.shape[1]], axis=0).astype(x.dtype)  # one XLA reduction fusion
+    return jnp.sum(out[:, :m, : packed.shape[1]], axis=0).astype(out_dtype)
+
+
+def _w4_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: bool, unroll: bool, split_k: int):
+    x_ref, p_ref, s_ref, *rest = refs
+    z_ref, o_ref = rest if has_zero else (None, rest[0])
+    dtype = x_ref.dtype
+
+    def group(g, rows, lo_cols, hi_cols, _, acc):
+        packed = p_ref[rows, :].astype(jnp.int32)  # uint8 -> int32: zero-extended
+        z = z_ref[g, :].astype(jnp.int32) if has_zero else None
+        lo, hi = _nibble_codes(packed & 15, z, signed, dtype), _nibble_codes(packed >> 4, z, signed, dtype)
+        part = _dot(x_ref[:, lo_cols], lo, dtype) + _dot(x_ref[:, hi_cols], hi, dtype)
+        return acc + part * s_ref[g, :].astype(jnp.float32)[None, :]  # each group's own scale, in fp32
+
+    acc = jnp.zeros(o_ref.shape, jnp.float32)
+    acc = _over_groups(group, acc, group_size=group_size, n_groups=n_groups, unroll=unroll, split_k=split_k)
+    o_ref[...] = acc.astype(o_ref.dtype)  # with split-K: the fp32 partial, already scaled
+
+
+def _w4a16(x, packed, s, z, *, cfg: Tiles):
+    m, k = x.shape
+    x = _pad(x, 0, _round_up(m, cfg.block_m))
+    spec = pl.BlockSpec((cfg.block_m, k), lambda i, j, *_: (i, 0))
+    return _w4_call(_w4_kernel, [x], [spec], packed, s, z, cfg=cfg, m=m, out_dtype=x.dtype)
 
 
 def matmul_w4a16(
@@ -782,55 +804,22 @@ def _w4ax_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: 
     x_ref, sx_ref, p_ref, s_ref, *rest = refs
     z_ref, o_ref = rest if has_zero else (None, rest[0])
     per_group = len(sx_ref.shape) == 2  # W4A4: one activation scale per (token, group)
-    half = group_size // 2
-
-    def codes(nibble, z):
-        c = (nibble ^ 8) - 8 if signed else nibble
-        if z is not None:
-            c = c - z[None, :]
-        return c.astype(jnp.int8)  # |c| <= 15
 
     def int_dot(a, b):  # int8 x int8 -> int32: the integer tensor-core mma, as in W8A8
         return jnp.dot(a, b, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.int32)
 
-    def group(g, rows, lo_cols, hi_cols, sx_col, acc):
+    def group(g, rows, lo_cols, hi_cols, g_col, acc):
         packed = p_ref[rows, :].astype(jnp.int32)
         z = z_ref[g, :].astype(jnp.int32) if has_zero else None
-        lo, hi = codes(packed & 15, z), codes(packed >> 4, z)
+        lo, hi = _nibble_codes(packed & 15, z, signed, jnp.int8), _nibble_codes(packed >> 4, z, signed, jnp.int8)
         part = (int_dot(x_ref[:, lo_cols], lo) + int_dot(x_ref[:, hi_cols], hi)).astype(jnp.float32)
         part = part * s_ref[g, :].astype(jnp.float32)[None, :]
         if per_group:
-            part = part * sx_ref[:, sx_col].astype(jnp.float32)  # [bm, 1]: this group's activation scales
+            part = part * sx_ref[:, g_col].astype(jnp.float32)  # [bm, 1]: this group's activation scales
         return acc + part
 
     acc = jnp.zeros(o_ref.shape, jnp.float32)
-    if unroll:  # Mosaic: static offsets (see _w4_kernel)
-        for g in range(n_groups):
-            k0 = g * group_size
-            acc = group(
-                g,
-                slice(g * half, (g + 1) * half),
-                slice(k0, k0 + half),
-                slice(k0 + half, k0 + group_size),
-                slice(g, g + 1),
-                acc,
-            )
-    else:
-        first, count = _k_range(n_groups, split_k)
-
-        def body(i, acc):
-            g = first + i
-            k0 = pl.multiple_of(g * group_size, group_size)
-            return group(
-                g,
-                pl.ds(pl.multiple_of(g * half, half), half),
-                pl.ds(k0, half),
-                pl.ds(pl.multiple_of(k0 + half, half), half),
-                pl.ds(g, 1),
-                acc,
-            )
-
-        acc = lax.fori_loop(0, count, body, acc)
+    acc = _over_groups(group, acc, group_size=group_size, n_groups=n_groups, unroll=unroll, split_k=split_k)
     if not per_group:
         acc = acc * sx_ref[...].astype(jnp.float32)[:, None]  # per token: linear, so per split too
     o_ref[...] = acc.astype(o_ref.dtype)  # with split-K: the fp32 partial, already scaled
@@ -838,45 +827,15 @@ def _w4ax_kernel(*refs, group_size: int, n_groups: int, signed: bool, has_zero: 
 
 def _w4ax(xq, sx, packed, s, z, *, cfg: Tiles, out_dtype):
     m, k = xq.shape
-    groups = s.shape[0]
-    mp, np_, bm, bn = _round_up(m, cfg.block_m), cfg.n_padded, cfg.block_m, cfg.block_n
+    mp, bm = _round_up(m, cfg.block_m), cfg.block_m
     sx = _pad(sx.astype(jnp.float32), 0, mp)
     sx_spec = (
-        pl.BlockSpec((bm, groups), lambda i, j, *_: (i, 0))
+        pl.BlockSpec((bm, s.shape[0]), lambda i, j, *_: (i, 0))
         if sx.ndim == 2
         else pl.BlockSpec((bm,), lambda i, j, *_: (i,))
     )
-    args = [_pad(xq, 0, mp), sx, _pad(packed, 1, np_), _pad(_scales(s, cfg), 1, np_)]
-    in_specs = [
-        pl.BlockSpec((bm, k), lambda i, j, *_: (i, 0)),
-        sx_spec,
-        pl.BlockSpec((k // 2, bn), lambda i, j, *_: (0, j)),
-        pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)),
-    ]
-    if z is not None:
-        in_specs.append(pl.BlockSpec((groups, bn), lambda i, j, *_: (0, j)))
-        args.append(_pad(z.astype(jnp.int8), 1, np_))
-    grid, out_specs, out_shape = _grid_specs(cfg, mp, out_dtype, jnp.float32)
-    out = pl.pallas_call(
-        functools.partial(
-            _w4ax_kernel,
-            group_size=k // groups,
-            n_groups=groups,
-            signed=z is None,
-            has_zero=z is not None,
-            unroll=cfg.variant == "tpu",
-            split_k=cfg.split_k,
-        ),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_compiler_params(cfg),
-        interpret=cfg.interpret,
-    )(*args)
-    if cfg.split_k == 1:
-        return out
-    return jnp.sum(out[:, :m, : packed.shape[1]], axis=0).astype(out_dtype)
+    lead, specs = [_pad(xq, 0, mp), sx], [pl.BlockSpec((bm, k), lambda i, j, *_: (i, 0)), sx_spec]
+    return _w4_call(_w4ax_kernel, lead, specs, packed, s, z, cfg=cfg, m=m, out_dtype=out_dtype)
 
 
 def matmul_w4ax(
