@@ -1,13 +1,13 @@
 """Multi-token prediction (DeepSeek-V3, section 2.2): the main model's held-out loss at equal steps
 with D_m = 0, 1 and 2 modules, and what the modules cost.
 
-    .venv/bin/python experiments/mtp/run.py [--quick] [--replot]
+    .venv/bin/python experiments/mtp/run.py [--quick] [--replot] [--seed N]
 
 configs/tiny.py (0.8M parameters, bytes) on 1 CPU device, same data, seed and schedule, trained
 with config.model.mtp.depth = 0, 1, 2 (lambda = 0.3, V3's first value). The eval loss is the main
 model's next-token cross-entropy only (the modules are not evaluated), so the rows compare what
 the extra objective does to the model that serves. Per run: the final eval loss, the last 20
-steps' train objective and mtp_loss, module 1's greedy acceptance as a speculative draft (its
+steps' main train loss and mtp_loss, module 1's greedy acceptance as a speculative draft (its
 argmax for t_{i+2} against the main model's argmax at i + 1, teacher-forced on held-out batches),
 parameters, and seconds per step relative to D_m = 0 (CPU: a ratio, not a speed claim). --quick: 60 steps. Writes results.json and prints the README table.
 """
@@ -28,7 +28,7 @@ DEPTHS = (0, 1, 2)
 SMOOTH = 20
 
 
-def one_run(depth: int, steps: int) -> dict:
+def one_run(depth: int, steps: int, seed: int = 0) -> dict:
     import jax
 
     from jaxsys import train
@@ -38,6 +38,7 @@ def one_run(depth: int, steps: int) -> dict:
         os.path.join(ROOT, "configs", "tiny.py"),
         [
             f"--config.model.mtp.depth={depth}",
+            f"--config.seed={seed}",
             f"--config.train.steps={steps}",
             "--config.train.log_every=1",
             "--config.train.progress=false",
@@ -58,7 +59,7 @@ def one_run(depth: int, steps: int) -> dict:
         params=sum(a.size for a in jax.tree.leaves(params)),
         mtp_params=sum(a.size for a in jax.tree.leaves(params.get("mtp", {}))),
         eval_loss=[r["eval_loss"] for r in records if "eval_loss" in r][-1],
-        objective_tail=sum(r["loss"] for r in tail) / len(tail),
+        train_loss_tail=sum(r["loss"] for r in tail) / len(tail),
         mtp_loss_tail=sum(r["mtp_loss"] for r in tail) / len(tail) if depth else None,
         acceptance=acceptance,
         # the median logged rate after the first steps (compiles excluded)
@@ -130,13 +131,15 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    args = parse_args(__doc__, lambda n, jobs: None, "60 steps")
+    add = lambda p: p.add_argument("--seed", type=int, default=0, help="init and data seed (results_seed<N>.json)")
+    args = parse_args(__doc__, lambda n, jobs: None, "60 steps", add=add)
+    name = "results.json" if args.seed == 0 else f"results_seed{args.seed}.json"
     if args.replot:
-        results = load_results(HERE)
+        results = load_results(HERE, name)
     else:
         steps = 60 if args.quick else 300
-        results = {"steps": steps, "runs": {str(d): one_run(d, steps) for d in DEPTHS}}
-        save_results(HERE, results)
+        results = {"steps": steps, "seed": args.seed, "runs": {str(d): one_run(d, steps, args.seed) for d in DEPTHS}}
+        save_results(HERE, results, name)
     print(table(results))
 
 
