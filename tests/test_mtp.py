@@ -81,8 +81,8 @@ def test_objective_equals_the_restated_reference(one_device):
     tokens = np.asarray(data.global_batch(corpus, sharding, c.seed, 0, c.train.batch_size, c.data.seq_len))
     want = _reference_objective(c, params, jnp.asarray(tokens))
     assert loss == pytest.approx(want, rel=1e-5)
-    # mtp.logits (what experiments/mtp measures acceptance with) gives the same objective
-    main, modules = mtp.logits(params, jnp.asarray(tokens), c.model, program.layout, program.specs)
+    # transformer.mtp_logits (what experiments/mtp measures acceptance with) gives the same objective
+    main, modules = transformer.mtp_logits(params, jnp.asarray(tokens), c.model, program.layout, program.specs)
     B, T = tokens.shape[0], tokens.shape[1] - 1
     total = float(jnp.mean(_ce(main, jnp.asarray(tokens[:, 1:]))))
     for k in range(c.model.mtp.depth):

@@ -83,12 +83,12 @@ def draft_acceptance(program, params, config, batches: int = 4) -> float:
     import numpy as np
 
     from jaxsys import data
-    from jaxsys.models import mtp
+    from jaxsys.models import transformer
 
     m = config.model
     corpus = data.load_corpus(config.data)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    fn = jax.jit(lambda p, t: mtp.logits(p, t, m, program.layout, program.specs))
+    fn = jax.jit(lambda p, t: transformer.mtp_logits(p, t, m, program.layout, program.specs))
     agree = total = 0
     for b in range(batches):
         tokens = data.global_batch(

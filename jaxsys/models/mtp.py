@@ -27,17 +27,18 @@ Parameters (logical axes; `layers` indexes the D_m modules):
 
 The concatenation order (embedding first) is that of the released checkpoints' `eh_proj` as
 serving engines read it. The modules train only: generation uses the main model, and the
-modules are not yet a speculative-decoding draft.
+modules are not yet a speculative-decoding draft. The forward through them (embedding, layer,
+head) is transformer.py's (`mtp_outputs`, `mtp_losses`, `mtp_logits`); this module holds what is
+theirs alone.
 """
 
 from __future__ import annotations
 
 import copy
 
-import jax
 import jax.numpy as jnp
 
-from jaxsys import execution
+from jaxsys.config import block_pattern
 from jaxsys.models import layers
 from jaxsys.models.params import ParamSpec
 
@@ -50,8 +51,6 @@ def layer_config(m, depth: int | None = None):
     """The model config of the modules' layers: `m` with n_layers = D_m (or `depth`) and the
     patterns of the main model's last layer, so that transformer.param_specs / layer_stack build
     and run them as a model of their own."""
-    from jaxsys.config import block_pattern
-
     kind, mlp_kind = block_pattern(m)[(m.n_layers - 1) % len(block_pattern(m))]
     out = copy.deepcopy(m)
     out.n_layers = m.mtp.depth if depth is None else depth
@@ -60,10 +59,9 @@ def layer_config(m, depth: int | None = None):
     return out
 
 
-def param_specs(m) -> dict:
-    """The `mtp` subtree (the table above)."""
-    from jaxsys.models import transformer
-
+def param_specs(m, layer_specs: dict) -> dict:
+    """The `mtp` subtree (the table above); `layer_specs`: the modules' layer leaves, those of a
+    model of `layer_config(m)` (transformer.param_specs builds them)."""
     Dm, D = m.mtp.depth, m.d_model
     norm = lambda: ParamSpec((Dm, D), ("layers", "embed"), init="ones", decay=False)
     return {
@@ -71,7 +69,7 @@ def param_specs(m) -> dict:
         "hnorm": norm(),
         "proj": ParamSpec((Dm, 2, D, D), ("layers", None, "embed", None), std=m.init_std),
         "norm": norm(),
-        "layers": transformer.param_specs(layer_config(m))["layers"],
+        "layers": layer_specs,
     }
 
 
@@ -90,60 +88,10 @@ def chain_weights(weights, k: int):
     return out
 
 
-def outputs(params, h, tokens, positions, m, layout, specs, dispatch: str = "padded", segments=None):
-    """The modules' normed outputs RMSNorm_k(h^k) [B, T(/tp), D] for k = 1 .. D_m (a list), from the
-    main model's last hidden state h[B, T(/tp), D] (before the final norm) on this shard's
-    tokens[B, T+1], and their MoE loss sums ({} without MoE). Position i of depth k reads token
-    t_{i+k} (padding past the row's end) and predicts t_{i+k+1}."""
-    from jaxsys.models import transformer
-
-    sub = transformer._axes(specs["mtp"])
-    T = tokens.shape[1] - 1
-    mk = layer_config(m, depth=1)
-    used = lambda name: execution.weights_as_used(params["mtp"][name], sub[name], m, layout, None, f"mtp/{name}")
-    enorm, hnorm, proj, norm = used("enorm"), used("hnorm"), used("proj"), used("norm")
-    out, aux, zl = [], 0.0, 0.0
-    for k in range(1, m.mtp.depth + 1):
-        e = transformer.embed(params, shifted(tokens, k, T), m, layout, specs)
-        en = layers.rms_norm(e, enorm[k - 1], m.norm_eps)
-        hn = layers.rms_norm(h, hnorm[k - 1], m.norm_eps)
-        x = jnp.einsum("btd,de->bte", en, proj[k - 1, 0]) + jnp.einsum("btd,de->bte", hn, proj[k - 1, 1])
-        one = jax.tree.map(lambda a, k=k: a[k - 1 : k], params["mtp"]["layers"])
-        h, stats = transformer.layer_stack(
-            one, x, positions, mk, layout, {"layers": specs["mtp"]["layers"]}, dispatch=dispatch, segments=segments
-        )
-        out.append(layers.rms_norm(h, norm[k - 1], m.norm_eps))
-        if stats:
-            aux, zl = aux + stats["aux_loss"], zl + stats["z_loss"]
-    return out, ({"aux_loss": aux, "z_loss": zl} if "moe" in mk.mlp_pattern else {})
-
-
-def losses(params, h, tokens, positions, m, layout, specs, dispatch: str = "padded", segments=None):
-    """Per-token cross-entropies [D_m, B, T] of the modules (`outputs`) against t_{i+k+1}, and
-    their MoE loss sums; positions past the row's end are computed on padding ids, for the
-    caller's weights to drop (`chain_weights`)."""
-    from jaxsys.models import transformer
-
-    normed, moe_stats = outputs(params, h, tokens, positions, m, layout, specs, dispatch, segments)
-    T = tokens.shape[1] - 1
-    out = [
-        transformer.output_loss(params, hk, shifted(tokens, k + 2, T), m, layout, specs) for k, hk in enumerate(normed)
-    ]
-    return jnp.stack(out), moe_stats
-
-
-def logits(params, tokens, m, layout, specs):
-    """(main logits [B, T, V], the modules' logits [D_m, B, T, V]) of tokens[B, T+1] on one device
-    or a mesh without sequence sharding: what an experiment measures the modules' predictions
-    with (their agreement with the main model's next prediction is a speculative draft's
-    acceptance)."""
-    from jaxsys.models import transformer
-
-    inputs = tokens[:, :-1]
-    positions = jnp.arange(inputs.shape[1])
-    x = transformer.layer_stack(
-        params["layers"], transformer.embed(params, inputs, m, layout, specs), positions, m, layout, specs
-    )[0]
-    main = transformer.output_logits(params, transformer.final_norm(params, x, m, layout, specs), m, layout, specs)
-    normed, _ = outputs(params, x, tokens, positions, m, layout, specs)
-    return main, jnp.stack([transformer.output_logits(params, hk, m, layout, specs) for hk in normed])
+def combine(e, h, k: int, weights, m):
+    """Module k's input M_k [RMSNorm_e(e); RMSNorm_h(h)] [B, T, D] from the embeddings e of t_{i+k}
+    and the previous depth's hidden state h, `weights` the gathered (enorm, hnorm, proj)."""
+    enorm, hnorm, proj = weights
+    en = layers.rms_norm(e, enorm[k - 1], m.norm_eps)
+    hn = layers.rms_norm(h, hnorm[k - 1], m.norm_eps)
+    return jnp.einsum("btd,de->bte", en, proj[k - 1, 0]) + jnp.einsum("btd,de->bte", hn, proj[k - 1, 1])

@@ -112,7 +112,7 @@ def param_specs(m, chunks: int = 1) -> dict:
     if not m.tie_embeddings:
         specs["unembed"] = ParamSpec((D, V), ("embed", "vocab"), std=std)
     if mtp.enabled(m):  # DeepSeek-V3's multi-token-prediction modules (models/mtp.py)
-        specs["mtp"] = mtp.param_specs(m)
+        specs["mtp"] = mtp.param_specs(m, param_specs(mtp.layer_config(m))["layers"])
     if chunks > 1:
         specs["layers"] = jax.tree.map(
             lambda s: dataclasses.replace(
@@ -450,8 +450,57 @@ def token_losses(
     h = final_norm(params, x, m, layout, specs, hook)
     losses = output_loss(params, h, targets, m, layout, specs, hook)
     if multi_token and mtp.enabled(m):
-        extra, extra_moe = mtp.losses(params, x, tokens, positions, m, layout, specs, dispatch, seg[0] if seg else None)
+        extra, extra_moe = mtp_losses(params, x, tokens, positions, m, layout, specs, dispatch, seg[0] if seg else None)
         moe_stats = dict(moe_stats, mtp=extra)
         for key in extra_moe:
             moe_stats[key] = moe_stats[key] + extra_moe[key]
     return losses, moe_stats
+
+
+# ----------------------------------------------------------------------------- multi-token prediction
+
+
+def mtp_outputs(params, h, tokens, positions, m, layout: Layout, specs, dispatch: str = "padded", segments=None):
+    """DeepSeek-V3's modules (models/mtp.py): their normed outputs RMSNorm_k(h^k) [B, T(/tp), D] for
+    k = 1 .. D_m (a list), from the main model's last hidden state h[B, T(/tp), D] (before the
+    final norm) on this shard's tokens[B, T+1], and their MoE loss sums ({} without MoE). Position
+    i of depth k reads token t_{i+k} (padding past the row's end) and predicts t_{i+k+1}."""
+    sub = _axes(specs["mtp"])
+    T = tokens.shape[1] - 1
+    mk = mtp.layer_config(m, depth=1)
+    used = lambda name: execution.weights_as_used(params["mtp"][name], sub[name], m, layout, None, f"mtp/{name}")
+    weights = used("enorm"), used("hnorm"), used("proj")
+    norm = used("norm")
+    out, aux, zl = [], 0.0, 0.0
+    for k in range(1, m.mtp.depth + 1):
+        x = mtp.combine(embed(params, mtp.shifted(tokens, k, T), m, layout, specs), h, k, weights, m)
+        one = jax.tree.map(lambda a, k=k: a[k - 1 : k], params["mtp"]["layers"])
+        h, stats = layer_stack(
+            one, x, positions, mk, layout, {"layers": specs["mtp"]["layers"]}, dispatch=dispatch, segments=segments
+        )
+        out.append(layers.rms_norm(h, norm[k - 1], m.norm_eps))
+        if stats:
+            aux, zl = aux + stats["aux_loss"], zl + stats["z_loss"]
+    return out, ({"aux_loss": aux, "z_loss": zl} if "moe" in mk.mlp_pattern else {})
+
+
+def mtp_losses(params, h, tokens, positions, m, layout: Layout, specs, dispatch: str = "padded", segments=None):
+    """Per-token cross-entropies [D_m, B, T] of the modules (`mtp_outputs`) against t_{i+k+1}, and
+    their MoE loss sums; positions past the row's end are computed on padding ids, for the
+    caller's weights to drop (`mtp.chain_weights`)."""
+    normed, moe_stats = mtp_outputs(params, h, tokens, positions, m, layout, specs, dispatch, segments)
+    T = tokens.shape[1] - 1
+    out = [output_loss(params, hk, mtp.shifted(tokens, k + 2, T), m, layout, specs) for k, hk in enumerate(normed)]
+    return jnp.stack(out), moe_stats
+
+
+def mtp_logits(params, tokens, m, layout: Layout, specs):
+    """(main logits [B, T, V], the modules' logits [D_m, B, T, V]) of tokens[B, T+1] on a layout
+    without sequence sharding: what an experiment measures the modules' predictions with (their
+    agreement with the main model's next prediction is a speculative draft's acceptance)."""
+    inputs = tokens[:, :-1]
+    positions = jnp.arange(inputs.shape[1])
+    x = layer_stack(params["layers"], embed(params, inputs, m, layout, specs), positions, m, layout, specs)[0]
+    main = output_logits(params, final_norm(params, x, m, layout, specs), m, layout, specs)
+    normed, _ = mtp_outputs(params, x, tokens, positions, m, layout, specs)
+    return main, jnp.stack([output_logits(params, hk, m, layout, specs) for hk in normed])
