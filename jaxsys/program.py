@@ -223,13 +223,14 @@ class Program(Placement):
         total = collectives.sum_over_batch_shards(jnp.sum(self._local_weights(weights)), self.layout.batch_axes)
         return jnp.maximum(total, 1.0)
 
-    def _local_objective(self, params, batch, hook=None, norm=None):
+    def _local_objective(self, params, batch, hook=None, norm=None, multi_token: bool = True):
         """This shard's share of the global mean objective (the shares sum to it over the shards):
         token cross-entropy plus the MoE losses. Aux: (its share of the cross-entropy, MoE stats).
         `hook` sees every weight as it is read (`execution.weights_as_used`; zeroth-order perturbations).
         A weighted batch (`data.Batch`): the weighted losses over `norm`, the global weight sum
         (`weight_norm` of the whole batch; computed here when not given); segments reach the model
-        only with config.data.packing (one document a row needs no mask)."""
+        only with config.data.packing (one document a row needs no mask). `multi_token`: the MTP
+        modules' loss joins when the model has them (config.model.mtp; evaluation skips them)."""
         c, per_token = self.config, self.tokens_per_step
         tokens, segments, weights = data_lib.batch_parts(batch)
         if c.model.kind == "flax":  # a Flax module (models/flax_model.py): the same objective
@@ -248,7 +249,7 @@ class Program(Placement):
                 c.parallel.expert_dispatch,
                 hook,
                 **documents,
-                multi_token=mtp.enabled(c.model),
+                multi_token=multi_token and mtp.enabled(c.model),
             )
         if weights is None:
             ce = jnp.sum(losses) / per_token
@@ -331,7 +332,8 @@ class Program(Placement):
             return {"loss": share, **logged}
         if self.pipeline_eval is not None:
             return {"loss": self._pipeline(params, batch, self.pipeline_eval)[2][0]}
-        return {"loss": self._local_objective(params, batch)[1][0]}
+        # the cross-entropy alone: the MTP modules (config.model.mtp) are not run for evaluation
+        return {"loss": self._local_objective(params, batch, multi_token=False)[1][0]}
 
     def _metrics(self, ce, moe_stats, norm=None, extra=None):
         """Step metrics from this shard's cross-entropy share and MoE stats: the loss terms summed

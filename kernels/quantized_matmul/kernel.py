@@ -632,6 +632,27 @@ def _w4a16(x, packed, s, z, *, cfg: Tiles):
     return _w4_call(_w4_kernel, [x], [spec], packed, s, z, cfg=cfg, m=m, out_dtype=x.dtype)
 
 
+def _check_w4_weights(name: str, act_name: str, act, packed, s, z) -> tuple[int, int, int]:
+    """(K, N, G) of a 4-bit kernel's operands: the activations' K against the packed codes', the
+    scales (and integer zero points) [K / G, N], G one of reference.GROUP_SIZES; else a ValueError
+    naming `name`."""
+    _check_scales(name, s)
+    k, n = 2 * packed.shape[0], packed.shape[1]
+    if act.shape[1] != k:
+        raise ValueError(f"{name}: {act_name} has K={act.shape[1]}, the packed weights K={k}")
+    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (z is not None and z.shape != s.shape):
+        raise ValueError(
+            f"{name}: scales {s.shape} (zero points {None if z is None else z.shape}) "
+            f"do not match weights [K={k}, N={n}] in groups along K"
+        )
+    if z is not None and not jnp.issubdtype(z.dtype, jnp.integer):  # the kernels cast them to int8
+        raise ValueError(f"{name} takes integer zero points; got {z.dtype}")
+    group_size = k // s.shape[0]
+    if group_size not in ref.GROUP_SIZES:
+        raise ValueError(f"{name}: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
+    return k, n, group_size
+
+
 def matmul_w4a16(
     x,
     packed,
@@ -662,20 +683,7 @@ def matmul_w4a16(
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"matmul_w4a16 takes floating-point activations; got {x.dtype}")
-    _check_scales("matmul_w4a16", s)
-    k, n = 2 * packed.shape[0], packed.shape[1]
-    if x.shape[1] != k:
-        raise ValueError(f"matmul_w4a16: x has K={x.shape[1]}, the packed weights K={k}")
-    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (z is not None and z.shape != s.shape):
-        raise ValueError(
-            f"matmul_w4a16: scales {s.shape} (zero points {None if z is None else z.shape}) "
-            f"do not match weights [K={k}, N={n}] in groups along K"
-        )
-    if z is not None and not jnp.issubdtype(z.dtype, jnp.integer):  # the kernel casts them to int8
-        raise ValueError(f"matmul_w4a16 takes integer zero points; got {z.dtype}")
-    group_size = k // s.shape[0]
-    if group_size not in ref.GROUP_SIZES:
-        raise ValueError(f"matmul_w4a16: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
+    k, n, group_size = _check_w4_weights("matmul_w4a16", "x", x, packed, s, z)
     m = x.shape[0]
     plan = _plan(
         "w4a16",
@@ -867,21 +875,10 @@ def matmul_w4ax(
             f"matmul_w4ax takes int8 xq[M, K] and uint8 packed[K / 2, N]; got xq{xq.shape} {xq.dtype}, "
             f"packed{packed.shape} {packed.dtype}"
         )
-    _check_scales("matmul_w4ax", s)
-    k, n = 2 * packed.shape[0], packed.shape[1]
+    k, n, group_size = _check_w4_weights("matmul_w4ax", "xq", xq, packed, s, z)
     m = xq.shape[0]
-    if xq.shape[1] != k:
-        raise ValueError(f"matmul_w4ax: xq has K={xq.shape[1]}, the packed weights K={k}")
-    if s.ndim != 2 or s.shape[1] != n or s.shape[0] == 0 or k % s.shape[0] or (z is not None and z.shape != s.shape):
-        raise ValueError(
-            f"matmul_w4ax: scales {s.shape} (zero points {None if z is None else z.shape}) "
-            f"do not match weights [K={k}, N={n}] in groups along K"
-        )
     if sx.shape not in ((m,), (m, s.shape[0])):
         raise ValueError(f"matmul_w4ax: sx{sx.shape} must be [M] = ({m},) or [M, K / G] = ({m}, {s.shape[0]})")
-    group_size = k // s.shape[0]
-    if group_size not in ref.GROUP_SIZES:
-        raise ValueError(f"matmul_w4ax: group size K / groups = {group_size}; choose one of {ref.GROUP_SIZES}")
     out_dtype = jnp.dtype(out_dtype)
     plan = _plan(
         "w4ax",
